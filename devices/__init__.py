@@ -1,0 +1,1 @@
+"""Per-device families (imported as ``hal.devices``)."""

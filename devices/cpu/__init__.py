@@ -1,0 +1,27 @@
+"""The CPU device: always available; backends ``torch`` and, under ``TRITON_INTERPRET=1``, ``triton``."""
+
+from __future__ import annotations
+
+from hal.kernels.triton.backend import TritonBackend
+
+from hal.capability import DeviceCapability, cpu_capability
+from hal.registry import Device
+
+from .torch_backend import TorchBackend
+
+__all__ = ["CpuDevice", "device", "TorchBackend"]
+
+
+class CpuDevice(Device):
+    name = "cpu"
+    priority = 0
+
+    def probe(self) -> DeviceCapability:
+        return cpu_capability()
+
+    def backends(self):
+        # Interpreted Triton is for correctness only: it never outranks the torch backend.
+        return [TorchBackend, TritonBackend]
+
+
+device = CpuDevice()

@@ -1,0 +1,151 @@
+"""``torch``: the CPU attention backend, batched over requests with no per-request Python loop.
+
+Every request's keys are gathered into a padded ``[B, W, kv_heads, dim]`` block
+(``W`` = the longest request, or the whole ``req_to_token`` row under graph capture),
+scores are one grouped matmul in float32, and one mask carries padding, causality, the
+sliding window and the verify mask. Outputs are scattered back to the ragged token
+order. Correct for every mode hal defines; the fast CPU kernels come separately.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hal.backend import AttentionBackend
+from hal.batch import ForwardBatch
+
+__all__ = ["TorchBackend"]
+
+
+@dataclass
+class TorchMetadata:
+    """Per-step metadata. ``W``: padded KV width; ``Q``: padded query length; ``T``: query tokens."""
+
+    width: int  # W, a host int fixed in out_graph
+    max_q: int  # Q
+    num_tokens: int  # T
+    slots: torch.Tensor | None = None  # int64 [B, W], KV slot of each key (padding slot past kv_len)
+    kv_valid: torch.Tensor | None = None  # bool [B, W]
+    q_pos: torch.Tensor | None = None  # int64 [B, Q], position of each query
+    q_index: torch.Tensor | None = None  # int64 [B, Q], row of each query in q (T for padding)
+    custom_mask: torch.Tensor | None = None  # bool [B, Q, W] (TARGET_VERIFY only)
+
+
+def query_and_kv_lens(fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Device tensors ``(query_lens, kv_lens)`` (int64 ``[B]``), graph-recordable."""
+    mode, seq_lens = fb.forward_mode, fb.seq_lens.long()
+    if mode.is_decode():
+        return torch.ones_like(seq_lens), seq_lens
+    if mode.is_target_verify():
+        draft = fb.spec_info.draft_token_num
+        return torch.full_like(seq_lens, draft), seq_lens + draft
+    return fb.extend_seq_lens.long(), seq_lens
+
+
+class TorchBackend(AttentionBackend):
+    name = "torch"
+    dtypes = frozenset({"fp32", "bf16"})
+    supports_mla = True
+    needs_cpu_seq_lens = True
+
+    def __init__(self, capability):
+        super().__init__(capability)
+        self.graph_max_q = 1
+
+    def support_triton(self) -> bool:
+        return True
+
+    # -- metadata ----------------------------------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        # A captured batch's shapes are fixed: KV padded to the whole req_to_token row,
+        # queries to max_num_tokens // max_bs.
+        self.graph_max_q = max(1, max_num_tokens // max_bs)
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1
+
+    def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
+        if fb.graph_static:
+            width, max_q = fb.req_to_token_pool.max_context_len, self.graph_max_q
+        else:
+            width, max_q = max(fb.kv_lens_cpu, default=0), max(fb.query_lens_cpu, default=0)
+        self.forward_metadata = TorchMetadata(width=width, max_q=max_q, num_tokens=fb.num_tokens)
+
+    def init_forward_metadata_in_graph(self, fb: ForwardBatch) -> None:
+        meta = self.forward_metadata
+        device = fb.device
+        q_lens, kv_lens = query_and_kv_lens(fb)
+        prefix = kv_lens - q_lens
+        q_start = torch.cumsum(q_lens, 0) - q_lens
+        k_pos = torch.arange(meta.width, device=device)
+        q_off = torch.arange(meta.max_q, device=device)
+        rows = fb.req_to_token_pool.req_to_token[fb.req_pool_indices.long(), : meta.width].long()
+        meta.kv_valid = k_pos[None, :] < kv_lens[:, None]
+        meta.slots = torch.where(meta.kv_valid, rows, fb.token_to_kv_pool.padding_slot)
+        meta.q_pos = prefix[:, None] + q_off[None, :]
+        q_valid = q_off[None, :] < q_lens[:, None]
+        meta.q_index = torch.where(q_valid, q_start[:, None] + q_off[None, :], meta.num_tokens)
+        if fb.forward_mode.is_target_verify():
+            # request b's block is [q_len, kv_len] row-major, at the sum of earlier blocks
+            sizes = q_lens * kv_lens
+            mask_start = torch.cumsum(sizes, 0) - sizes
+            flat = mask_start[:, None, None] + q_off[None, :, None] * kv_lens[:, None, None] + k_pos[None, None, :]
+            inside = q_valid[:, :, None] & meta.kv_valid[:, None, :]
+            custom = fb.spec_info.custom_mask
+            flat = torch.where(inside, flat, 0).clamp(max=max(custom.numel() - 1, 0))
+            meta.custom_mask = inside & custom[flat]
+        else:
+            meta.custom_mask = None
+
+    # -- forward -----------------------------------------------------------------------
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def forward_mixed(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def _forward(self, q, k, v, layer, fb: ForwardBatch, save_kv_cache: bool) -> torch.Tensor:
+        """q ``[T, Hq, D]``, k/v ``[T, Hkv, D|Dv]`` -> ``[T, Hq * Dv]`` in q's dtype."""
+        q, k, v = (t.reshape(t.shape[0], -1, t.shape[-1]) if t.dim() == 3 else t for t in (q, k, v))
+        if save_kv_cache:
+            self.save_kv(layer, fb, k, v)
+        meta = self.forward_metadata
+        k_buffer, v_buffer = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        out = attend_padded(q, k_buffer, v_buffer, meta, layer)
+        return out.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+
+def attend_padded(q, k_buffer, v_buffer, meta: TorchMetadata, layer) -> torch.Tensor:
+    """Ragged queries ``[T, Hq, D]`` over padded gathered keys; returns ``[T, Hq, Dv]`` in q's dtype."""
+    batch, width = meta.slots.shape
+    max_q, tokens = meta.max_q, meta.num_tokens
+    kv_heads, group = layer.tp_k_head_num, layer.group_size
+    head_dim, v_dim = layer.head_dim, layer.v_head_dim
+    q_pad = torch.cat([q, q.new_zeros(1, q.shape[1], head_dim)])[meta.q_index]  # [B, Q, Hq, D]
+    q_pad = q_pad.float().view(batch, max_q, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    keys = k_buffer[meta.slots].float().permute(0, 2, 3, 1)  # [B, Hkv, D, W]
+    scores = torch.matmul(q_pad.reshape(batch, kv_heads, group * max_q, head_dim), keys)
+    scores = (scores * layer.scaling).view(batch, kv_heads, group, max_q, width)
+    if layer.logit_cap > 0:
+        scores = layer.logit_cap * torch.tanh(scores / layer.logit_cap)
+    k_pos = torch.arange(width, device=q.device)
+    visible = meta.kv_valid[:, None, :]  # [B, 1 or Q, W]
+    if meta.custom_mask is not None:
+        visible = visible & meta.custom_mask
+    elif layer.causal:
+        visible = visible & (k_pos[None, None, :] <= meta.q_pos[:, :, None])
+    if layer.sliding_window_size >= 0:
+        visible = visible & (k_pos[None, None, :] >= meta.q_pos[:, :, None] - layer.sliding_window_size)
+    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # rows with no visible key -> 0
+    values = v_buffer[meta.slots].float().permute(0, 2, 1, 3)  # [B, Hkv, W, Dv]
+    out = torch.matmul(probs.view(batch, kv_heads, group * max_q, width), values)
+    out = out.view(batch, kv_heads, group, max_q, v_dim).permute(0, 3, 1, 2, 4).reshape(batch * max_q, -1, v_dim)
+    result = q.new_empty(tokens + 1, kv_heads * group, v_dim)
+    result.index_copy_(0, meta.q_index.flatten(), out.to(q.dtype))
+    return result[:tokens]

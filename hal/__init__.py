@@ -1,0 +1,58 @@
+"""hal: one attention-backend contract over every device an LLM serving engine runs on.
+
+>>> import hal
+>>> selection = hal.select(hal.AttentionConfig(num_q_heads=32, num_kv_heads=8, head_dim=128))
+>>> backend = selection.create()
+"""
+
+from hal.backend import AttentionBackend
+from hal.batch import ForwardBatch, ForwardMode, SpecInfo
+from hal.capability import DeviceCapability
+from hal.config import AttentionConfig
+from hal.errors import (
+    ConfigError,
+    DeviceUnavailableError,
+    GraphCaptureError,
+    HalError,
+    InvalidBatchError,
+    KVCacheError,
+    NoBackendError,
+    PluginError,
+    UnsupportedError,
+)
+from hal.kv_cache import MHATokenToKVPool, PagedKVPool, ReqToTokenPool
+from hal.layer import AttentionLayer
+from hal.registry import Device, register_device, registry
+from hal.selection import Selection, create_backend, detect, select
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionConfig",
+    "AttentionLayer",
+    "ConfigError",
+    "Device",
+    "DeviceCapability",
+    "DeviceUnavailableError",
+    "ForwardBatch",
+    "ForwardMode",
+    "GraphCaptureError",
+    "HalError",
+    "InvalidBatchError",
+    "KVCacheError",
+    "MHATokenToKVPool",
+    "NoBackendError",
+    "PagedKVPool",
+    "PluginError",
+    "ReqToTokenPool",
+    "Selection",
+    "SpecInfo",
+    "UnsupportedError",
+    "__version__",
+    "create_backend",
+    "detect",
+    "register_device",
+    "registry",
+    "select",
+]

@@ -1,0 +1,150 @@
+"""``DeviceCapability``: what one device can do, and for everything it cannot, why.
+
+Probes are cheap, never raise, and never initialise a device context they do not need:
+a missing library or device is a reason, not a crash.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import platform
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+__all__ = ["DeviceCapability", "triton_status", "library_version", "cpu_capability", "interpreter_enabled"]
+
+
+@dataclass(frozen=True)
+class DeviceCapability:
+    """One device as hal sees it.
+
+    ``type`` is ``cpu``/``cuda``/``npu`` or a plugin's name; ``torch_type`` the torch
+    device type its tensors live on (an emulated device keeps them on ``cpu``).
+    ``reasons`` maps every feature that is off (``device``, ``bf16``, ``graph``,
+    ``triton``, a library name...) to why. ``graph`` is the capture mechanism:
+    ``cuda_graph``, ``npu_graph`` or ``eager_guard`` (the CPU's checked eager runner).
+    ``triton_target`` is Triton's target for the device (``cuda:90``, ``hip:gfx942``,
+    ``cpu:interpreter``) or None.
+    """
+
+    type: str
+    available: bool
+    torch_type: str = "cpu"
+    index: int = 0
+    count: int = 0
+    name: str = ""
+    vendor: str = ""
+    arch: str = ""
+    memory_bytes: int | None = None
+    dtypes: tuple[str, ...] = ()
+    graph: str | None = None
+    triton_target: str | None = None
+    libraries: Mapping[str, str] = field(default_factory=dict)
+    emulated: bool = False
+    reasons: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.torch_type, self.index) if self.torch_type != "cpu" else torch.device("cpu")
+
+    @property
+    def triton_interpreted(self) -> bool:
+        return bool(self.triton_target) and self.triton_target.endswith(":interpreter")
+
+    def supports_dtype(self, dtype: torch.dtype) -> bool:
+        return DTYPE_NAMES.get(dtype) in self.dtypes
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["libraries"], data["reasons"] = dict(self.libraries), dict(self.reasons)
+        data["dtypes"] = list(self.dtypes)
+        return data
+
+
+DTYPE_NAMES = {
+    torch.float32: "fp32",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    getattr(torch, "float8_e4m3fn", None): "fp8",
+}
+
+
+def library_version(dist: str) -> str | None:
+    """Installed version of distribution ``dist``, or None (never imports it)."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_status(torch_type: str) -> tuple[str | None, str | None]:
+    """``(target, None)`` when Triton can compile for ``torch_type`` here, else ``(None, reason)``."""
+    if importlib.util.find_spec("triton") is None:
+        return None, "triton is not installed (pip install 'hal-attention[triton]')"
+    if torch_type == "cpu":
+        if interpreter_enabled():
+            return "cpu:interpreter", None
+        return None, "Triton has no CPU code generator; set TRITON_INTERPRET=1 to run its kernels interpreted"
+    if interpreter_enabled():
+        return None, "TRITON_INTERPRET=1 runs Triton on the CPU only; unset it to compile for the GPU"
+    try:
+        from triton.runtime import driver
+
+        target = driver.active.get_current_target()
+    except Exception as exc:  # no driver, no device, broken install: all are reasons
+        return None, f"Triton has no active driver: {type(exc).__name__}: {exc}"
+    if target.backend not in ("cuda", "hip"):  # ROCm's torch device type is "cuda" too
+        return None, f"Triton's active target is {target.backend}, not {torch_type}"
+    return f"{target.backend}:{target.arch}", None
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cpu_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def cpu_capability() -> DeviceCapability:
+    reasons = {
+        "fp16": "fp16 matmul on CPUs is ~1000x slower than fp32; hal never runs fp16 on the CPU",
+        "fp8": "no fp8 attention kernels on the CPU",
+    }
+    target, why_not = triton_status("cpu")
+    if why_not:
+        reasons["triton"] = why_not
+    name = _cpu_name()
+    return DeviceCapability(
+        type="cpu",
+        available=True,
+        torch_type="cpu",
+        count=1,
+        name=name,
+        vendor=name.split()[0] if name else "",
+        arch=platform.machine(),
+        memory_bytes=_cpu_memory(),
+        dtypes=("fp32", "bf16"),
+        graph="eager_guard",
+        triton_target=target,
+        libraries={"torch": torch.__version__, "triton": library_version("triton") or ""},
+        reasons=reasons,
+    )

@@ -1,0 +1,135 @@
+"""The ``hal`` command: ``info``, ``check``, ``demo``, ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+import hal
+from hal.config import AttentionConfig
+from hal.errors import HalError
+from hal.registry import probe_device, registry
+from hal.selection import backend_report, select
+
+
+def info(config: AttentionConfig | None = None) -> dict:
+    """Every registered device (available or not) with its reasons, capability and backends."""
+    config = config or AttentionConfig()
+    reg = registry()
+    devices = []
+    for device in reg.ordered():
+        cap = probe_device(device)
+        devices.append(
+            {
+                "name": device.name,
+                "available": cap.available,
+                "emulated": cap.emulated,
+                "priority": device.priority,
+                "reasons": dict(cap.reasons),
+                "capability": cap.to_dict(),
+                "backends": backend_report(device, cap, config),
+            }
+        )
+    for name, error in sorted(reg.errors.items()):
+        devices.append(
+            {
+                "name": name,
+                "available": False,
+                "emulated": False,
+                "reasons": {"plugin": error},
+                "capability": None,
+                "backends": [],
+            }
+        )
+    try:
+        chosen = select(config)
+        selection = {"device": chosen.device, "backend": chosen.backend, "trace": chosen.trace}
+    except HalError as exc:
+        selection = {"device": None, "backend": None, "error": str(exc)}
+    return {
+        "hal_version": hal.__version__,
+        "torch_version": torch.__version__,
+        "config": config.to_dict(),
+        "selection": selection,
+        "devices": devices,
+    }
+
+
+def _print_info(data: dict) -> None:
+    print(f"hal {data['hal_version']}  torch {data['torch_version']}")
+    cfg = data["config"]
+    print(
+        f"model: {cfg['num_q_heads']}/{cfg['num_kv_heads']} heads, head_dim {cfg['head_dim']}, {cfg['dtype']}, "
+        f"page {cfg['page_size']}"
+    )
+    for dev in data["devices"]:
+        cap = dev["capability"] or {}
+        state = "available" + (" (emulated)" if dev["emulated"] else "") if dev["available"] else "unavailable"
+        print(f"\n{dev['name']}: {state}  {cap.get('name', '')} {cap.get('arch', '')}".rstrip())
+        if cap:
+            print(f"  dtypes {cap['dtypes']}  graph {cap['graph']}  triton {cap['triton_target']}")
+        for feature, why in dev["reasons"].items():
+            print(f"  - {feature}: {why}")
+        for b in dev["backends"]:
+            mark = "*" if b["selected"] else " "
+            print(f"  {mark} {b['name']}: " + ("ok" if not b["reasons"] else "; ".join(b["reasons"])))
+    sel = data["selection"]
+    print(f"\nselected: {sel['device']}/{sel['backend']}" if sel["device"] else f"\nselected: none: {sel['error']}")
+    for step in sel.get("trace", []):
+        print(f"  {step}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hal", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_info = sub.add_parser("info", help="devices, capabilities, backends and the selection trace")
+    p_info.add_argument("--json", action="store_true")
+    p_info.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
+    p_check = sub.add_parser("check", help="run the conformance suite on this machine")
+    p_check.add_argument("--device", action="append", default=[])
+    p_check.add_argument("--backend", action="append", default=[])
+    p_check.add_argument("--json", action="store_true")
+    p_check.add_argument("-v", "--verbose", action="store_true")
+    p_demo = sub.add_parser("demo", help="serve a small synthetic model for a few scheduler steps")
+    p_demo.add_argument("--device")
+    p_demo.add_argument("--json", action="store_true")
+    p_bench = sub.add_parser("bench", help="decode/extend speed as ratios to this machine's own limits")
+    p_bench.add_argument("--device")
+    p_bench.add_argument("--backend", action="append", default=[])
+    p_bench.add_argument("--quick", action="store_true")
+    p_bench.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "info":
+            data = info(AttentionConfig(dtype=args.dtype))
+            print(json.dumps(data, indent=2)) if args.json else _print_info(data)
+            return 0
+        if args.command == "check":
+            from hal.conformance.runner import run_check
+
+            report = run_check(args.device, args.backend, args.verbose)
+            if args.json:
+                print(json.dumps({k: report[k] for k in ("results", "exit_code", "errors")}, indent=2))
+            else:
+                print(report["log"])
+            failed = sum(r["failed"] for r in report["results"])
+            return 1 if failed or report["exit_code"] not in (0,) else 0
+        if args.command == "demo":
+            from hal.demo import run_demo
+
+            return run_demo(args.device, as_json=args.json)
+        if args.command == "bench":
+            from hal.bench import run_bench
+
+            return run_bench(args.device, args.backend, quick=args.quick, as_json=args.json)
+    except HalError as exc:
+        print(f"hal: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

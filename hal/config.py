@@ -1,0 +1,77 @@
+"""``AttentionConfig``: the model shape and features a backend is chosen for."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from hal.capability import DTYPE_NAMES
+from hal.errors import ConfigError, expect
+
+__all__ = ["AttentionConfig"]
+
+_DTYPES_BY_NAME = {name: dtype for dtype, name in DTYPE_NAMES.items() if dtype is not None}
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """What a model asks of its attention backend.
+
+    ``dtype`` is the model dtype (q/k/v and the KV cache). ``sliding_window`` /
+    ``logit_cap`` are the largest any layer uses (-1 / 0: none). ``non_causal``: some
+    layer is encoder-only or cross attention. ``custom_mask``: TARGET_VERIFY batches
+    (speculative decoding) will come. ``graph``: the backend will run under graph capture.
+    """
+
+    num_q_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    v_head_dim: int | None = None
+    dtype: torch.dtype = torch.bfloat16
+    page_size: int = 1
+    sliding_window: int = -1
+    logit_cap: float = 0.0
+    non_causal: bool = False
+    custom_mask: bool = False
+    graph: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dtype, str):
+            expect(
+                self.dtype in _DTYPES_BY_NAME,
+                ConfigError,
+                "dtype",
+                self.dtype,
+                f"one of {list(_DTYPES_BY_NAME)}",
+            )
+            object.__setattr__(self, "dtype", _DTYPES_BY_NAME[self.dtype])
+        for name in ("num_q_heads", "num_kv_heads", "head_dim", "page_size"):
+            value = getattr(self, name)
+            expect(isinstance(value, int) and value > 0, ConfigError, name, value, "a positive int")
+        expect(
+            self.num_q_heads % self.num_kv_heads == 0,
+            ConfigError,
+            "num_q_heads",
+            self.num_q_heads,
+            f"a multiple of num_kv_heads ({self.num_kv_heads})",
+        )
+        expect(
+            self.page_size & (self.page_size - 1) == 0,
+            ConfigError,
+            "page_size",
+            self.page_size,
+            "a power of two",
+        )
+        expect(self.dtype in DTYPE_NAMES, ConfigError, "dtype", self.dtype, "float32, bfloat16 or float16")
+        if self.v_head_dim is None:
+            object.__setattr__(self, "v_head_dim", self.head_dim)
+
+    @property
+    def dtype_name(self) -> str:
+        return DTYPE_NAMES[self.dtype]
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["dtype"] = self.dtype_name
+        return data

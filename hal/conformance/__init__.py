@@ -1,0 +1,12 @@
+"""The conformance suite: one set of tests every (device, backend) pair must pass.
+
+Run it with ``hal check`` or ``pytest --pyargs hal.conformance.suite``; the pytest plugin
+(``hal.conformance.plugin``, loaded through the ``pytest11`` entry point) parametrizes
+every test over the available pairs and adds ``--hal-device`` / ``--hal-backend``.
+A vendor's port is done when ``hal check --device <theirs>`` passes.
+"""
+
+from hal.conformance.cases import CASES, GRAPH_CASES, Case, build, tolerance
+from hal.conformance.plugin import Target, available_targets
+
+__all__ = ["CASES", "GRAPH_CASES", "Case", "Target", "available_targets", "build", "tolerance"]

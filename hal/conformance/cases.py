@@ -1,0 +1,267 @@
+"""Batches the conformance suite runs, and a builder that makes them on any device.
+
+A :class:`Case` names a forward mode, the requests (cached prefix, new tokens) and the
+layer's shape and features. :func:`build` lays the requests out in a KV pool filled
+with noise, pages shuffled so that nothing works by accident, and returns everything a
+forward needs plus what the reference says it must produce.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from hal.batch import ForwardBatch, ForwardMode, SpecInfo
+from hal.config import AttentionConfig
+from hal.kernels import reference
+from hal.kv_cache import PagedKVPool, ReqToTokenPool
+from hal.layer import AttentionLayer
+
+__all__ = ["Case", "Built", "CASES", "GRAPH_CASES", "build", "tolerance"]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One conformance batch. ``requests``: ``(cached prefix, new tokens)`` per request."""
+
+    name: str
+    mode: ForwardMode
+    requests: tuple[tuple[int, int], ...]
+    q_heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 32
+    v_head_dim: int | None = None
+    dtype: torch.dtype = torch.float32
+    page_size: int = 1
+    sliding_window: int = -1
+    logit_cap: float = 0.0
+    attn_type: str = "decoder"
+    q_scale: float = 1.0  # larger queries make the logit cap matter
+    seed: int = 0
+
+    def layer(self, layer_id: int = 0) -> AttentionLayer:
+        return AttentionLayer(
+            layer_id=layer_id,
+            tp_q_head_num=self.q_heads,
+            tp_k_head_num=self.kv_heads,
+            head_dim=self.head_dim,
+            v_head_dim=self.v_head_dim,
+            logit_cap=self.logit_cap,
+            sliding_window_size=self.sliding_window,
+            attn_type=self.attn_type,
+        )
+
+    def config(self, graph: bool = False) -> AttentionConfig:
+        return AttentionConfig(
+            num_q_heads=self.q_heads,
+            num_kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            v_head_dim=self.v_head_dim,
+            dtype=self.dtype,
+            page_size=self.page_size,
+            sliding_window=self.sliding_window,
+            logit_cap=self.logit_cap,
+            non_causal=self.attn_type != "decoder",
+            custom_mask=self.mode.is_target_verify(),
+            graph=graph,
+        )
+
+
+@dataclass
+class Built:
+    """A built case: the batch, its inputs, and the expected output and cache."""
+
+    case: Case
+    layer: AttentionLayer
+    batch: ForwardBatch
+    q: torch.Tensor  # [T, Hq * D]
+    k: torch.Tensor  # [T, Hkv * D]
+    v: torch.Tensor  # [T, Hkv * Dv]
+    expected: torch.Tensor  # [T, Hq * Dv], from the reference
+    expected_k: torch.Tensor  # the layer's key buffer after a correct forward
+    expected_v: torch.Tensor
+    extra: dict = field(default_factory=dict)
+
+
+def tolerance(dtype: torch.dtype) -> dict:
+    return {
+        torch.float32: {"atol": 2e-4, "rtol": 1e-3},
+        torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2},
+        torch.float16: {"atol": 5e-3, "rtol": 5e-3},
+    }[dtype]
+
+
+def _verify_mask(prefix: int, draft: int, gen: torch.Generator) -> torch.Tensor:
+    """A random draft tree: every draft token sees the prefix, itself and a random subset of earlier drafts."""
+    tree = torch.rand(draft, draft, generator=gen) < 0.5
+    tree = torch.tril(tree, diagonal=-1) | torch.eye(draft, dtype=torch.bool)
+    return torch.cat([torch.ones(draft, prefix, dtype=torch.bool), tree], dim=1).flatten()
+
+
+def build(case: Case, device: torch.device | str = "cpu", num_layers: int = 1) -> Built:
+    """Lay out ``case`` on ``device``: pools full of noise, shuffled pages, the batch and its expectation."""
+    gen = torch.Generator().manual_seed(case.seed)
+    layer = case.layer()
+    ps, mode = case.page_size, case.mode
+    verify = mode.is_target_verify()
+    totals = [p + n for p, n in case.requests]
+    pages_per_req = [-(-t // ps) for t in totals]
+    num_pages = sum(pages_per_req) + 2
+    kv_pool = PagedKVPool(num_pages, ps, num_layers, case.kv_heads, case.head_dim, case.v_head_dim, case.dtype)
+    for buf in kv_pool.k_buffer + kv_pool.v_buffer:
+        buf.copy_(torch.randn(buf.shape, generator=gen))  # noise everywhere: reading a wrong slot shows
+    bs = len(case.requests)
+    req_pool = ReqToTokenPool(bs + 3, max(totals) + 5)
+    rows = torch.randperm(bs + 3, generator=gen)[:bs]
+    pages = (torch.randperm(num_pages, generator=gen) + 1)[: sum(pages_per_req)].tolist()
+    loc, masks = [], []
+    for r, ((prefix, new), total) in enumerate(zip(case.requests, totals)):
+        own, pages = pages[: pages_per_req[r]], pages[pages_per_req[r] :]
+        slots = torch.tensor([own[i // ps] * ps + i % ps for i in range(total)])
+        req_pool.write(int(rows[r]), 0, slots)
+        loc.append(slots[prefix:])
+        if verify:
+            masks.append(_verify_mask(prefix, new, gen))
+    kw: dict = {}
+    prefix_lens = torch.tensor([p for p, _ in case.requests])
+    new_lens = torch.tensor([n for _, n in case.requests])
+    if mode.is_decode():
+        assert all(n == 1 for _, n in case.requests), "decode requests bring one token"
+        seq_lens = prefix_lens + 1
+    elif verify:
+        assert len(set(new_lens.tolist())) == 1, "verify requests bring the same number of draft tokens"
+        seq_lens = prefix_lens
+        kw["spec_info"] = SpecInfo(int(new_lens[0]), torch.cat(masks))
+    else:
+        seq_lens = prefix_lens + new_lens
+        kw.update(extend_prefix_lens=prefix_lens, extend_seq_lens=new_lens)
+    fb = ForwardBatch(
+        forward_mode=mode,
+        batch_size=bs,
+        req_pool_indices=rows.to(torch.int64),
+        seq_lens=seq_lens.to(torch.int32),
+        out_cache_loc=torch.cat(loc).to(torch.int64),
+        req_to_token_pool=req_pool,
+        token_to_kv_pool=kv_pool,
+        **kw,
+    )
+    tokens = fb.num_tokens
+    q = (torch.randn(tokens, case.q_heads * case.head_dim, generator=gen) * case.q_scale).to(case.dtype)
+    k = torch.randn(tokens, case.kv_heads * case.head_dim, generator=gen).to(case.dtype)
+    v = torch.randn(tokens, case.kv_heads * layer.v_head_dim, generator=gen).to(case.dtype)
+
+    expected_k, expected_v = kv_pool.k_buffer[0].clone(), kv_pool.v_buffer[0].clone()
+    reference.write_kv(
+        expected_k,
+        expected_v,
+        fb.out_cache_loc,
+        k.view(tokens, case.kv_heads, -1),
+        v.view(tokens, case.kv_heads, -1),
+    )
+    expected = reference.paged_attention(
+        q.view(tokens, case.q_heads, -1),
+        expected_k,
+        expected_v,
+        req_pool.req_to_token,
+        fb.req_pool_indices,
+        torch.tensor(fb.kv_lens_cpu),
+        torch.tensor(fb.query_lens_cpu),
+        scale=layer.scaling,
+        logit_cap=layer.logit_cap,
+        sliding_window=layer.sliding_window_size,
+        causal=layer.causal,
+        custom_mask=kw["spec_info"].custom_mask if verify else None,
+    ).reshape(tokens, -1)
+    built = Built(case, layer, fb, q, k, v, expected, expected_k, expected_v)
+    return to_device(built, torch.device(device)) if torch.device(device).type != "cpu" else built
+
+
+def to_device(built: Built, device: torch.device) -> Built:
+    """Move a CPU-built case to ``device`` (pools, batch tensors, inputs)."""
+    fb = built.batch
+    kv, rt = fb.token_to_kv_pool, fb.req_to_token_pool
+    kv.device, rt.device = device, device
+    kv.k_buffer = [b.to(device) for b in kv.k_buffer]
+    kv.v_buffer = [b.to(device) for b in kv.v_buffer]
+    rt.req_to_token = rt.req_to_token.to(device)
+    moved = {
+        name: getattr(fb, name).to(device)
+        for name in (
+            "req_pool_indices",
+            "seq_lens",
+            "out_cache_loc",
+            "extend_prefix_lens",
+            "extend_seq_lens",
+            "extend_start_loc",
+            "positions",
+        )
+        if getattr(fb, name) is not None
+    }
+    spec = fb.spec_info and SpecInfo(fb.spec_info.draft_token_num, fb.spec_info.custom_mask.to(device))
+    fb = ForwardBatch(
+        forward_mode=fb.forward_mode,
+        batch_size=fb.batch_size,
+        req_to_token_pool=rt,
+        token_to_kv_pool=kv,
+        spec_info=spec,
+        **{**{k: v for k, v in moved.items() if k not in ("extend_start_loc",)}},
+    )
+    return replace(
+        built,
+        batch=fb,
+        q=built.q.to(device),
+        k=built.k.to(device),
+        v=built.v.to(device),
+        expected=built.expected.to(device),
+        expected_k=built.expected_k.to(device),
+        expected_v=built.expected_v.to(device),
+    )
+
+
+D, E, M, V = ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY
+_DECODE = ((0, 1), (5, 1), (17, 1), (33, 1))
+_EXTEND = ((9, 5), (0, 3), (20, 11))
+_MIXED = ((12, 1), (0, 9), (7, 6), (30, 1))
+_VERIFY = ((10, 4), (3, 4), (25, 4))
+
+CASES: tuple[Case, ...] = (
+    Case("decode", D, _DECODE),
+    Case("decode_bf16", D, _DECODE, dtype=torch.bfloat16),
+    Case("decode_page16", D, _DECODE, page_size=16),
+    Case("decode_page16_bf16", D, _DECODE, page_size=16, dtype=torch.bfloat16),
+    Case("decode_mqa", D, _DECODE, q_heads=4, kv_heads=1),
+    Case("decode_mha", D, _DECODE, q_heads=2, kv_heads=2),
+    Case("decode_gqa8", D, _DECODE, q_heads=8, kv_heads=2),
+    Case("decode_head_dim_80", D, _DECODE, head_dim=80),
+    Case("decode_sliding_window", D, _DECODE, sliding_window=8),
+    Case("decode_logit_cap", D, _DECODE, logit_cap=5.0, q_scale=8.0),
+    Case("extend_no_prefix", E, ((0, 7), (0, 12), (0, 1))),
+    Case("extend_prefix", E, _EXTEND),
+    Case("extend_prefix_bf16", E, _EXTEND, dtype=torch.bfloat16),
+    Case("extend_prefix_page16", E, _EXTEND, page_size=16),
+    Case("extend_page4", E, _EXTEND, page_size=4),
+    Case("extend_mqa", E, _EXTEND, kv_heads=1),
+    Case("extend_sliding_window", E, _EXTEND, sliding_window=6),
+    Case("extend_logit_cap", E, _EXTEND, logit_cap=5.0, q_scale=8.0),
+    Case("extend_non_causal", E, ((0, 7), (0, 12)), attn_type="encoder_only"),
+    Case("extend_v_head_dim", E, _EXTEND, v_head_dim=16),
+    Case("mixed", M, _MIXED),
+    Case("mixed_page16", M, _MIXED, page_size=16),
+    Case("mixed_bf16", M, _MIXED, dtype=torch.bfloat16),
+    Case("draft_extend", ForwardMode.DRAFT_EXTEND, ((6, 3), (11, 3))),
+    Case("verify", V, _VERIFY),
+    Case("verify_page16_bf16", V, _VERIFY, page_size=16, dtype=torch.bfloat16),
+    Case("verify_sliding_window", V, _VERIFY, sliding_window=7),
+)
+
+GRAPH_CASES: tuple[Case, ...] = (
+    Case("graph_decode", D, ((3, 1), (20, 1), (9, 1))),
+    Case(
+        "graph_decode_page16_bf16",
+        D,
+        ((3, 1), (20, 1), (9, 1), (40, 1), (1, 1)),
+        page_size=16,
+        dtype=torch.bfloat16,
+    ),
+)

@@ -1,0 +1,62 @@
+"""The errors hal raises. Every message names what was wrong and what was expected."""
+
+from __future__ import annotations
+
+__all__ = [
+    "HalError",
+    "ConfigError",
+    "InvalidBatchError",
+    "KVCacheError",
+    "PluginError",
+    "DeviceUnavailableError",
+    "NoBackendError",
+    "UnsupportedError",
+    "GraphCaptureError",
+]
+
+
+class HalError(Exception):
+    """Base class of every error hal raises on purpose."""
+
+
+class ConfigError(HalError, ValueError):
+    """A configuration value (an argument, an ``HAL_*`` environment variable) is invalid."""
+
+
+class InvalidBatchError(HalError, ValueError):
+    """A ``ForwardBatch`` or the tensors passed with it are inconsistent."""
+
+
+class KVCacheError(HalError, ValueError):
+    """A request-to-token or KV pool operation got out-of-range or ill-shaped input."""
+
+
+class PluginError(HalError):
+    """A device plugin failed to load or does not implement the device protocol."""
+
+
+class DeviceUnavailableError(HalError):
+    """A device was asked for that is not available here; the message says why."""
+
+
+class NoBackendError(HalError):
+    """No attention backend can serve a config; the message lists every backend and its reasons."""
+
+
+class UnsupportedError(HalError, NotImplementedError):
+    """A backend was asked for something it declared it does not support."""
+
+
+class GraphCaptureError(HalError, RuntimeError):
+    """Graph capture or replay broke the out_graph / in_graph contract."""
+
+
+def expect(condition: bool, error: type[HalError], field: str, value: object, expected: str) -> None:
+    """Raise ``error`` saying ``field`` was ``value`` where ``expected`` was wanted, unless ``condition``."""
+    if not condition:
+        raise error(f"{field} = {_short(value)}: expected {expected}")
+
+
+def _short(value: object, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

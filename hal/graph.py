@@ -1,0 +1,222 @@
+"""Graph capture and replay under SGLang's out_graph / in_graph contract, on every device.
+
+``GraphRunner`` captures DECODE steps of one backend at fixed batch sizes and replays
+them for any smaller batch, padded with requests of ``get_cuda_graph_seq_len_fill_value()``
+tokens that write to the pool's padding slot. The protocol, per captured size:
+
+1. ``init_cuda_graph_state(max_bs, max_num_tokens)`` once;
+2. warm-up: ``out_graph(fb, in_capture=True)``, ``in_graph(fb)``, forward (eagerly);
+3. ``on_after_cuda_graph_warmup()``;
+4. ``out_graph(fb, in_capture=True)`` outside the capture, then inside it
+   ``in_graph(fb)`` and the forward;
+5. per replay: refill the static batch, ``out_graph(fb)``, ``graph.replay()``.
+
+A ``Graph`` is the device's mechanism: ``torch.cuda.CUDAGraph``, ``torch.npu.NPUGraph``,
+or on the CPU :class:`EagerGraph`, which re-runs the captured function under a guard
+that fails on host syncs, data-dependent shapes, and any allocation whose shape differs
+from the capture's. So the contract is checked on machines with no accelerator too.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from hal.backend import AttentionBackend
+from hal.batch import ForwardBatch, static_decode_batch
+from hal.errors import GraphCaptureError, InvalidBatchError, expect
+from hal.kv_cache import PagedKVPool, ReqToTokenPool
+from hal.layer import AttentionLayer
+
+__all__ = ["Graph", "EagerGraph", "TorchGraph", "GraphRunner", "HostSyncGuard"]
+
+_aten = torch.ops.aten
+_DATA_DEPENDENT = {
+    _aten._local_scalar_dense: "a host sync (.item() / .tolist() / int() of a tensor)",
+    _aten.nonzero: "a data-dependent shape (nonzero or boolean-mask indexing)",
+    _aten.masked_select: "a data-dependent shape (masked_select)",
+    _aten.unique_dim: "a data-dependent shape (unique)",
+    _aten._unique2: "a data-dependent shape (unique)",
+    _aten.unique_consecutive: "a data-dependent shape (unique_consecutive)",
+}
+_HOST_METHODS = {torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.tolist, torch.Tensor.item}
+
+
+class HostSyncGuard(TorchDispatchMode):
+    """Fails on what a real graph cannot record, and records the shape of every op's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: list[tuple[str, tuple]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        packet = func._overloadpacket
+        if packet in _DATA_DEPENDENT:
+            raise GraphCaptureError(f"{func} inside a graph: {_DATA_DEPENDENT[packet]}; move it to out_graph")
+        if packet is _aten.repeat_interleave and kwargs.get("output_size") is None and len(args) == 1:
+            raise GraphCaptureError("repeat_interleave without output_size inside a graph: a data-dependent shape")
+        out = func(*args, **kwargs)
+        flat, _ = tree_flatten(out)
+        self.shapes.append((str(func), tuple(tuple(t.shape) for t in flat if isinstance(t, torch.Tensor))))
+        return out
+
+
+class _HostMethodGuard(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _HOST_METHODS:
+            raise GraphCaptureError(f"Tensor.{func.__name__}() inside a graph: a host sync; move it to out_graph")
+        return func(*args, **(kwargs or {}))
+
+
+class Graph:
+    """A device's capture mechanism: ``capture(fn)`` records ``fn`` and returns its static output."""
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def replay(self) -> None:
+        raise NotImplementedError
+
+
+class EagerGraph(Graph):
+    """The CPU's graph: re-runs the function at replay, checked as a real graph would be."""
+
+    def capture(self, fn):
+        self.fn = fn
+        self.output, self.shapes = self._run()
+        return self.output
+
+    def replay(self):
+        output, shapes = self._run()
+        if shapes != self.shapes:
+            first = next(
+                (i for i, (a, b) in enumerate(zip(shapes, self.shapes)) if a != b),
+                min(len(shapes), len(self.shapes)),
+            )
+            got = shapes[first] if first < len(shapes) else "nothing"
+            want = self.shapes[first] if first < len(self.shapes) else "nothing"
+            raise GraphCaptureError(
+                f"op #{first} at replay produced {got}, at capture {want}: a shape depends on batch contents"
+            )
+        self.output.copy_(output)
+
+    def _run(self):
+        guard = HostSyncGuard()
+        with _HostMethodGuard(), guard:
+            output = self.fn()
+        return output, guard.shapes
+
+
+class TorchGraph(Graph):
+    """``torch.cuda.CUDAGraph`` or ``torch.npu.NPUGraph`` (``module`` is ``torch.cuda`` / ``torch.npu``)."""
+
+    def __init__(self, module):
+        self.module = module
+        self.graph = module.CUDAGraph() if module is torch.cuda else module.NPUGraph()
+
+    def capture(self, fn):
+        stream = self.module.Stream()
+        stream.wait_stream(self.module.current_stream())
+        with self.module.stream(stream):
+            context = torch.cuda.graph(self.graph) if self.module is torch.cuda else self.module.graph(self.graph)
+            with context:
+                output = fn()
+        self.module.current_stream().wait_stream(stream)
+        return output
+
+    def replay(self):
+        self.graph.replay()
+
+
+class GraphRunner:
+    """Capture ``backend``'s DECODE forward over ``layers`` at ``capture_bs`` and replay it.
+
+    ``run(fb, q, k, v)`` returns ``[num_layers, batch, q_heads * v_head_dim]``, the same
+    values eager forwards would, for any DECODE batch of at most ``max(capture_bs)``.
+    """
+
+    def __init__(
+        self,
+        backend: AttentionBackend,
+        layers: Sequence[AttentionLayer],
+        req_to_token_pool: ReqToTokenPool,
+        token_to_kv_pool: PagedKVPool,
+        make_graph: Callable[[], Graph],
+        capture_bs: Sequence[int] = (1, 2, 4, 8),
+        dtype: torch.dtype = torch.float32,
+    ):
+        expect(
+            len(capture_bs) > 0 and all(b > 0 for b in capture_bs),
+            InvalidBatchError,
+            "capture_bs",
+            capture_bs,
+            "positive batch sizes",
+        )
+        self.backend, self.layers = backend, list(layers)
+        self.req_to_token_pool, self.token_to_kv_pool = req_to_token_pool, token_to_kv_pool
+        self.make_graph = make_graph
+        self.capture_bs = sorted(set(capture_bs))
+        self.max_bs = self.capture_bs[-1]
+        layer = self.layers[0]
+        device = token_to_kv_pool.device
+        self.q = torch.zeros(self.max_bs, layer.tp_q_head_num * layer.head_dim, dtype=dtype, device=device)
+        self.k = torch.zeros(self.max_bs, layer.tp_k_head_num * layer.head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros(self.max_bs, layer.tp_v_head_num * layer.v_head_dim, dtype=dtype, device=device)
+        self.graphs: dict[int, tuple[Graph, ForwardBatch, torch.Tensor]] = {}
+
+    def _forward(self, fb: ForwardBatch) -> torch.Tensor:
+        bs = fb.batch_size
+        q, k, v = self.q[:bs], self.k[:bs], self.v[:bs]
+        return torch.stack([self.backend.forward(q, k, v, layer, fb) for layer in self.layers])
+
+    def capture(self) -> None:
+        backend = self.backend
+        backend.init_cuda_graph_state(self.max_bs, self.max_bs)
+        fill = backend.get_cuda_graph_seq_len_fill_value()
+        for bs in reversed(self.capture_bs):
+            fb = static_decode_batch(bs, self.req_to_token_pool, self.token_to_kv_pool, fill)
+
+            def step(fb=fb):
+                backend.init_forward_metadata_in_graph(fb)
+                return self._forward(fb)
+
+            backend.init_forward_metadata_out_graph(fb, in_capture=True)
+            step()  # warm-up
+            backend.on_after_cuda_graph_warmup()
+            backend.init_forward_metadata_out_graph(fb, in_capture=True)
+            graph = self.make_graph()
+            output = graph.capture(step)
+            self.graphs[bs] = (graph, fb, output)
+
+    def can_run(self, fb: ForwardBatch) -> bool:
+        return fb.forward_mode.is_decode() and fb.batch_size <= self.max_bs
+
+    def run(self, fb: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Replay for ``fb`` (a validated DECODE batch); ``q``/``k``/``v`` as for ``forward``."""
+        expect(
+            self.can_run(fb),
+            InvalidBatchError,
+            "forward batch",
+            f"{fb.forward_mode.name} x {fb.batch_size}",
+            f"a DECODE batch of at most {self.max_bs} requests",
+        )
+        expect(bool(self.graphs), GraphCaptureError, "graphs", "none", "capture() before run()")
+        bs = fb.batch_size
+        padded = self.capture_bs[bisect.bisect_left(self.capture_bs, bs)]
+        graph, static, output = self.graphs[padded]
+        fill = self.backend.get_cuda_graph_seq_len_fill_value()
+        static.req_pool_indices.zero_()[:bs].copy_(fb.req_pool_indices)
+        static.seq_lens.fill_(fill)[:bs].copy_(fb.seq_lens)
+        static.out_cache_loc.fill_(self.token_to_kv_pool.padding_slot)[:bs].copy_(fb.out_cache_loc)
+        for static_t, t in ((self.q, q), (self.k, k), (self.v, v)):
+            static_t[:bs].copy_(t.reshape(bs, -1))
+        static.set_decode_host_lens(fb.seq_lens_cpu.tolist() + [fill] * (padded - bs))
+        self.backend.init_forward_metadata_out_graph(static)
+        graph.replay()
+        return output[:, :bs]

@@ -1,0 +1,82 @@
+"""``AttentionLayer``: what a backend needs to know about one attention layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hal.errors import ConfigError, expect
+
+ATTN_TYPES = ("decoder", "encoder_only")
+
+
+@dataclass(frozen=True)
+class AttentionLayer:
+    """The descriptor of one attention layer, with SGLang ``RadixAttention``'s field names.
+
+    ``scaling`` defaults to ``head_dim ** -0.5``; ``logit_cap > 0`` applies
+    ``cap * tanh(score / cap)``; ``sliding_window_size >= 0`` lets a query at position
+    ``p`` see keys ``p - W .. p`` (``-1``: no window). Attention is causal unless the
+    layer is cross attention or ``attn_type == "encoder_only"``.
+    """
+
+    layer_id: int
+    tp_q_head_num: int
+    tp_k_head_num: int
+    head_dim: int
+    tp_v_head_num: int | None = None
+    v_head_dim: int | None = None
+    scaling: float | None = None
+    logit_cap: float = 0.0
+    sliding_window_size: int = -1
+    is_cross_attention: bool = False
+    attn_type: str = "decoder"
+
+    def __post_init__(self) -> None:
+        for field in ("tp_q_head_num", "tp_k_head_num", "head_dim"):
+            value = getattr(self, field)
+            expect(isinstance(value, int) and value > 0, ConfigError, field, value, "a positive int")
+        expect(
+            isinstance(self.layer_id, int) and self.layer_id >= 0,
+            ConfigError,
+            "layer_id",
+            self.layer_id,
+            "an int >= 0",
+        )
+        expect(
+            self.tp_q_head_num % self.tp_k_head_num == 0,
+            ConfigError,
+            "tp_q_head_num",
+            self.tp_q_head_num,
+            f"a multiple of tp_k_head_num ({self.tp_k_head_num})",
+        )
+        if self.tp_v_head_num is None:
+            object.__setattr__(self, "tp_v_head_num", self.tp_k_head_num)
+        if self.v_head_dim is None:
+            object.__setattr__(self, "v_head_dim", self.head_dim)
+        if self.scaling is None:
+            object.__setattr__(self, "scaling", self.head_dim**-0.5)
+        expect(
+            self.tp_v_head_num == self.tp_k_head_num,
+            ConfigError,
+            "tp_v_head_num",
+            self.tp_v_head_num,
+            f"== tp_k_head_num ({self.tp_k_head_num})",
+        )
+        expect(self.logit_cap >= 0, ConfigError, "logit_cap", self.logit_cap, ">= 0 (0 disables it)")
+        expect(
+            isinstance(self.sliding_window_size, int) and self.sliding_window_size >= -1,
+            ConfigError,
+            "sliding_window_size",
+            self.sliding_window_size,
+            "an int >= -1 (-1 disables it)",
+        )
+        expect(self.attn_type in ATTN_TYPES, ConfigError, "attn_type", self.attn_type, f"one of {ATTN_TYPES}")
+
+    @property
+    def causal(self) -> bool:
+        return not self.is_cross_attention and self.attn_type == "decoder"
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (1: MHA, ``tp_q_head_num``: MQA)."""
+        return self.tp_q_head_num // self.tp_k_head_num

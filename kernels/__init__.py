@@ -1,0 +1,1 @@
+"""Per-device kernel packages (imported as ``hal.kernels``)."""

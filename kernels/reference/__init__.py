@@ -1,0 +1,137 @@
+"""The oracle: dense, fp32-accumulated attention over a paged KV cache.
+
+This module *defines* what every backend must compute. It is written to be obviously
+right, not fast: one request at a time, everything widened to float32 (float64 when
+asked), no tricks.
+
+Semantics shared by every backend (SGLang's conventions):
+
+* Request ``r`` has ``seq_lens[r]`` tokens in total; its query tokens are the last
+  ``extend_lens[r]`` of them (decode: 1; extend: the new tokens after a cached prefix
+  of ``seq_lens[r] - extend_lens[r]``). Query ``i`` of request ``r`` sits at position
+  ``p = prefix + i``.
+* Keys/values of request ``r`` are slots ``req_to_token[req_pool_indices[r], :seq_len]``
+  of the pool buffers (the new tokens already written).
+* Causal: key ``j`` is visible to query ``p`` iff ``j <= p``. Non-causal (encoder or
+  cross attention): every key of the request is visible.
+* Sliding window ``W >= 0``: additionally ``j >= p - W`` (``W + 1`` keys at most;
+  SGLang's ``sliding_window_size`` and FlashInfer's ``window_left``). ``-1`` is off.
+* Custom mask (TARGET_VERIFY): a flat bool tensor, for each request row-major
+  ``[extend_len, seq_len]`` (True = visible), concatenated over requests; it replaces
+  the causal rule. The window still applies on top of it.
+* Scores are ``(q . k) * scale``; with ``logit_cap > 0`` they become
+  ``logit_cap * tanh(score / logit_cap)`` before the softmax.
+* GQA/MQA: query head ``h`` reads KV head ``h // (q_heads // kv_heads)``.
+* A query with no visible key (possible only with a custom mask) outputs zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["paged_attention", "attention_mask", "write_kv"]
+
+
+def attention_mask(
+    prefix_len: int,
+    extend_len: int,
+    *,
+    causal: bool = True,
+    sliding_window: int = -1,
+    custom_mask: torch.Tensor | None = None,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """Visibility of one request: bool ``[extend_len, prefix_len + extend_len]``."""
+    seq_len = prefix_len + extend_len
+    q_pos = torch.arange(prefix_len, seq_len, device=device)[:, None]
+    k_pos = torch.arange(seq_len, device=device)[None, :]
+    if custom_mask is not None:
+        mask = custom_mask.reshape(extend_len, seq_len).to(device=device, dtype=torch.bool)
+    elif causal:
+        mask = k_pos <= q_pos
+    else:
+        mask = torch.ones(extend_len, seq_len, dtype=torch.bool, device=device)
+    if sliding_window >= 0:
+        mask = mask & (k_pos >= q_pos - sliding_window)
+    return mask
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    *,
+    scale: float,
+    logit_cap: float = 0.0,
+    sliding_window: int = -1,
+    causal: bool = True,
+    custom_mask: torch.Tensor | None = None,
+    acc_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Attention of ragged query tokens over a paged KV cache.
+
+    Args:
+        q: ``[num_tokens, q_heads, head_dim]``, the query tokens of all requests in
+            order (``num_tokens == extend_lens.sum()``).
+        k_buffer: ``[num_slots, kv_heads, head_dim]``, one layer's key pool.
+        v_buffer: ``[num_slots, kv_heads, v_head_dim]``, one layer's value pool.
+        req_to_token: int32 ``[max_reqs, max_context]``, slot of each token.
+        req_pool_indices: ``[batch]``, the row of ``req_to_token`` of each request.
+        seq_lens: ``[batch]``, total tokens per request (prefix + new).
+        extend_lens: ``[batch]``, query tokens per request.
+        custom_mask: flat bool, see the module docstring.
+        acc_dtype: float32, or float64 for an independent high-precision check.
+
+    Returns:
+        ``[num_tokens, q_heads, v_head_dim]`` in ``q.dtype``.
+    """
+    num_tokens, q_heads, _ = q.shape
+    kv_heads = k_buffer.shape[1]
+    group = q_heads // kv_heads
+    out = torch.zeros(num_tokens, q_heads, v_buffer.shape[-1], dtype=acc_dtype, device=q.device)
+    q_start = mask_start = 0
+    for r in range(len(seq_lens)):
+        seq_len, extend_len = int(seq_lens[r]), int(extend_lens[r])
+        prefix_len = seq_len - extend_len
+        if extend_len == 0:
+            continue
+        slots = req_to_token[int(req_pool_indices[r]), :seq_len].long()
+        k = k_buffer[slots].to(acc_dtype).repeat_interleave(group, dim=1)  # [S, Hq, D]
+        v = v_buffer[slots].to(acc_dtype).repeat_interleave(group, dim=1)
+        qr = q[q_start : q_start + extend_len].to(acc_dtype)  # [E, Hq, D]
+        scores = torch.einsum("ehd,shd->hes", qr, k) * scale
+        if logit_cap > 0:
+            scores = logit_cap * torch.tanh(scores / logit_cap)
+        request_mask = None
+        if custom_mask is not None:
+            request_mask = custom_mask[mask_start : mask_start + extend_len * seq_len]
+            mask_start += extend_len * seq_len
+        mask = attention_mask(
+            prefix_len,
+            extend_len,
+            causal=causal,
+            sliding_window=sliding_window,
+            custom_mask=request_mask,
+            device=q.device,
+        )
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked rows -> 0
+        out[q_start : q_start + extend_len] = torch.einsum("hes,shd->ehd", probs, v)
+        q_start += extend_len
+    return out.to(q.dtype)
+
+
+def write_kv(
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    loc: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """Store ``k``/``v`` (``[n, kv_heads, dim]``) at slots ``loc`` (``[n]``), cast to the pool dtype."""
+    k_buffer[loc.long()] = k.to(k_buffer.dtype)
+    v_buffer[loc.long()] = v.to(v_buffer.dtype)
