@@ -1,0 +1,311 @@
+"""Paged decode attention with split-KV (flash-decoding), one query token per request.
+
+Stage 1 (grid ``(batch, kv_heads, num_kv_splits)``): one program takes all query heads
+that share one KV head (the GQA group, padded to a tile of at least 16 rows so that
+``tl.dot`` maps onto tensor cores) and one contiguous share of the request's KV tokens.
+Each KV tile is therefore read once per group rather than once per query head. It
+writes the share's normalised partial output and its natural-log LSE.
+
+Stage 2 (grid ``(batch, q_heads)``): merges the splits of one (request, head) in one
+vectorised step, weighting each split by ``exp(lse_s - max lse)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import INTERPRETING, check_float, dot, dot_config, soft_cap
+
+__all__ = ["decode_attention"]
+
+# Tokens per stage-1 tile. 32 keeps the [16 x D] @ [D x 32] dots and the gathered K/V
+# tiles in registers for head dims up to 256 on current GPUs.
+_DEFAULT_BLOCK_N = 32
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    k_buf_ptr,
+    v_buf_ptr,
+    kv_indptr_ptr,
+    kv_indices_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    scale,
+    logit_cap,
+    num_kv_splits,
+    head_dim,
+    v_head_dim,
+    stride_qb,
+    stride_qh,
+    stride_qd,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_pd,
+    stride_lb,
+    stride_lh,
+    stride_ls,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    USE_CAP: tl.constexpr,
+    QK_DTYPE: tl.constexpr,
+    QK_IEEE: tl.constexpr,
+    PV_DTYPE: tl.constexpr,
+    PV_IEEE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    kv_start = tl.load(kv_indptr_ptr + b).to(tl.int64)
+    kv_len = (tl.load(kv_indptr_ptr + b + 1) - kv_start).to(tl.int32)
+    split_len = tl.cdiv(kv_len, num_kv_splits)
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, kv_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    mask_h = offs_h < GROUP
+    head = (kv_head * GROUP + offs_h).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < head_dim
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < v_head_dim
+
+    # Padded head rows load zeros: their scores stay finite and they are never stored.
+    q = tl.load(
+        q_ptr + b * stride_qb + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        mask=mask_h[:, None] & mask_d[None, :],
+        other=0.0,
+    ).to(tl.float32)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+
+    # Every tile holds at least one valid token, so the running max is finite after it.
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < hi
+        slot = tl.load(kv_indices_ptr + kv_start + offs_n, mask=mask_n, other=0).to(tl.int64)
+        k = tl.load(
+            k_buf_ptr + slot[None, :] * stride_ks + kv_head * stride_kh + offs_d[:, None] * stride_kd,
+            mask=mask_d[:, None] & mask_n[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        s = dot(q, k, QK_DTYPE, QK_IEEE) * scale  # [BLOCK_H, BLOCK_N]
+        if USE_CAP:
+            s = soft_cap(s, logit_cap)
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_buf_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + offs_dv[None, :] * stride_vd,
+            mask=mask_n[:, None] & mask_dv[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        acc = acc * alpha[:, None] + dot(p, v, PV_DTYPE, PV_IEEE)
+        m_i = m_new
+
+    # An empty split (hi <= lo) leaves l_i == 0: it stores zeros and lse = -inf.
+    nonempty = l_i > 0.0
+    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    lse = tl.where(nonempty, m_i + tl.log(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+
+    part = b * stride_pb + head * stride_ph + split * stride_ps
+    tl.store(
+        part_out_ptr + part[:, None] + offs_dv[None, :] * stride_pd,
+        out,
+        mask=mask_h[:, None] & mask_dv[None, :],
+    )
+    tl.store(part_lse_ptr + b * stride_lb + head * stride_lh + split * stride_ls, lse, mask=mask_h)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    num_kv_splits,
+    v_head_dim,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_pd,
+    stride_lb,
+    stride_lh,
+    stride_ls,
+    stride_ob,
+    stride_oh,
+    stride_od,
+    BLOCK_S: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    mask_s = offs_s < num_kv_splits
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < v_head_dim
+
+    lse = tl.load(part_lse_ptr + b * stride_lb + h * stride_lh + offs_s * stride_ls, mask=mask_s, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # no token at all: every weight is exp(-inf) = 0
+    w = tl.exp(lse - m)
+    denom = tl.sum(w, 0)
+    part = tl.load(
+        part_out_ptr + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_dv[None, :] * stride_pd,
+        mask=mask_s[:, None] & mask_dv[None, :],
+        other=0.0,
+    )
+    out = tl.sum(w[:, None] * part, 0) / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(
+        out_ptr + b * stride_ob + h * stride_oh + offs_dv * stride_od,
+        out.to(out_ptr.dtype.element_ty),
+        mask=mask_dv,
+    )
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    out: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    *,
+    scale: float,
+    logit_cap: float = 0.0,
+    num_kv_splits: int,
+    partial_out: torch.Tensor,
+    partial_lse: torch.Tensor,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Decode attention of one query token per request over a paged KV cache.
+
+    Request ``b`` attends to the KV slots ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``, in
+    order, with no further masking (a sliding window is applied by the caller, who
+    passes only the windowed slots). Query head ``h`` reads KV head
+    ``h // (q_heads // kv_heads)``. Scores are ``(q . k) * scale``, then
+    ``logit_cap * tanh(score / logit_cap)`` when ``logit_cap > 0``. A request with no
+    slot gets a zero output.
+
+    The launch is CUDA-graph safe: no host synchronisation, no allocation, grid sizes
+    from shapes and ``num_kv_splits`` only.
+
+    Args:
+        q: ``[batch, q_heads, head_dim]``, fp32/fp16/bf16.
+        k_buffer: ``[num_slots, kv_heads, head_dim]``, the key pool (any float dtype above).
+        v_buffer: ``[num_slots, kv_heads, v_head_dim]``, the value pool.
+        out: ``[batch, q_heads, v_head_dim]``, written in its own dtype.
+        kv_indptr: int32/int64 ``[batch + 1]``, offsets into ``kv_indices``.
+        kv_indices: int32/int64 ``[>= kv_indptr[-1]]``, pool slots of the keys.
+        scale: softmax scale, usually ``head_dim ** -0.5``.
+        logit_cap: tanh soft cap of the scaled scores; ``0`` disables it.
+        num_kv_splits: how many shares each request's tokens are cut into
+            (``ceil(len / num_kv_splits)`` tokens each; trailing shares may be empty).
+        partial_out: fp32 ``[batch, q_heads, >= num_kv_splits, v_head_dim]``, scratch:
+            each share's normalised output.
+        partial_lse: fp32 ``[batch, q_heads, >= num_kv_splits]``, scratch: each share's
+            natural-log sum of exp of its scores (``-inf`` for an empty share).
+        block_n: tokens per stage-1 tile (power of two >= 16); ``None`` for the default.
+
+    Returns:
+        ``out``.
+    """
+    batch, q_heads, head_dim = q.shape
+    num_slots, kv_heads, k_dim = k_buffer.shape
+    v_head_dim = v_buffer.shape[-1]
+    if k_dim != head_dim or v_buffer.shape[:2] != (num_slots, kv_heads):
+        raise ValueError(f"k_buffer {tuple(k_buffer.shape)}/v_buffer {tuple(v_buffer.shape)} do not match q")
+    if q_heads % kv_heads:
+        raise ValueError(f"q_heads {q_heads} is not a multiple of kv_heads {kv_heads}")
+    if out.shape != (batch, q_heads, v_head_dim):
+        raise ValueError(f"out must be {(batch, q_heads, v_head_dim)}, got {tuple(out.shape)}")
+    if kv_indptr.shape[0] != batch + 1:
+        raise ValueError(f"kv_indptr must have batch + 1 = {batch + 1} entries, got {kv_indptr.shape[0]}")
+    if num_kv_splits < 1:
+        raise ValueError("num_kv_splits must be >= 1")
+    if partial_out.dtype != torch.float32 or partial_lse.dtype != torch.float32:
+        raise TypeError("partial_out and partial_lse must be float32")
+    if (
+        partial_out.shape[:2] != (batch, q_heads)
+        or partial_out.shape[2] < num_kv_splits
+        or partial_out.shape[3] != v_head_dim
+        or partial_lse.shape[:2] != (batch, q_heads)
+        or partial_lse.shape[2] < num_kv_splits
+    ):
+        raise ValueError(
+            f"partial_out {tuple(partial_out.shape)} / partial_lse {tuple(partial_lse.shape)} must be "
+            f"[{batch}, {q_heads}, >={num_kv_splits}, {v_head_dim}] / [{batch}, {q_heads}, >={num_kv_splits}]"
+        )
+    for name, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer), ("out", out)):
+        check_float(name, t)
+    if batch == 0:
+        return out
+
+    group = q_heads // kv_heads
+    block_n = block_n or _DEFAULT_BLOCK_N
+    block_dv = max(16, triton.next_power_of_2(v_head_dim))
+    qk_dtype, qk_ieee = dot_config(q.dtype, k_buffer.dtype)
+    pv_dtype, pv_ieee = dot_config(v_buffer.dtype)
+    launch = {} if INTERPRETING else {"num_warps": 4, "num_stages": 2}
+    _decode_split_kernel[(batch, kv_heads, num_kv_splits)](
+        q,
+        k_buffer,
+        v_buffer,
+        kv_indptr,
+        kv_indices,
+        partial_out,
+        partial_lse,
+        float(scale),
+        float(logit_cap),
+        num_kv_splits,
+        head_dim,
+        v_head_dim,
+        *q.stride(),
+        *k_buffer.stride(),
+        *v_buffer.stride(),
+        *partial_out.stride(),
+        *partial_lse.stride(),
+        GROUP=group,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_DV=block_dv,
+        USE_CAP=logit_cap > 0,
+        QK_DTYPE=qk_dtype,
+        QK_IEEE=qk_ieee,
+        PV_DTYPE=pv_dtype,
+        PV_IEEE=pv_ieee,
+        **launch,
+    )
+    _decode_merge_kernel[(batch, q_heads)](
+        partial_out,
+        partial_lse,
+        out,
+        num_kv_splits,
+        v_head_dim,
+        *partial_out.stride(),
+        *partial_lse.stride(),
+        *out.stride(),
+        BLOCK_S=triton.next_power_of_2(num_kv_splits),
+        BLOCK_DV=block_dv,
+        **launch,
+    )
+    return out

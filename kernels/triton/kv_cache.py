@@ -1,0 +1,225 @@
+"""Small KV-cache kernels: store new K/V, build the flat slot list, compute positions.
+
+All three are CUDA-graph safe: grids depend on shapes only, loops run to bounds read on
+the device, and nothing is synchronised or allocated.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_float
+
+__all__ = ["write_kv", "build_kv_indices", "compute_positions"]
+
+_BLOCK = 512  # elements per loop step of the index kernels
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_buf_ptr,
+    v_buf_ptr,
+    loc_ptr,
+    k_ptr,
+    v_ptr,
+    kv_heads,
+    head_dim,
+    v_head_dim,
+    stride_kbs,
+    stride_kbh,
+    stride_kbd,
+    stride_vbs,
+    stride_vbh,
+    stride_vbd,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(loc_ptr + t).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    mask_h = offs_h < kv_heads
+
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = mask_h[:, None] & (offs_d < head_dim)[None, :]
+    k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd, mask=mask)
+    dst = k_buf_ptr + slot * stride_kbs + offs_h[:, None] * stride_kbh + offs_d[None, :] * stride_kbd
+    tl.store(dst, k.to(tl.float32).to(k_buf_ptr.dtype.element_ty), mask=mask)
+
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask = mask_h[:, None] & (offs_dv < v_head_dim)[None, :]
+    v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_dv[None, :] * stride_vd, mask=mask)
+    dst = v_buf_ptr + slot * stride_vbs + offs_h[:, None] * stride_vbh + offs_dv[None, :] * stride_vbd
+    tl.store(dst, v.to(tl.float32).to(v_buf_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv(
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    loc: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """Store new keys and values in the pool: ``k_buffer[loc[i]] = k[i]``, same for ``v``.
+
+    Values are cast to the pool's dtype (through fp32). Slots in ``loc`` must be
+    distinct (a repeated slot gets one of the writes, unspecified which).
+
+    Args:
+        k_buffer: ``[num_slots, kv_heads, head_dim]``, fp32/fp16/bf16, written in place.
+        v_buffer: ``[num_slots, kv_heads, v_head_dim]``, written in place.
+        loc: int32/int64 ``[n]``, destination slots.
+        k: ``[n, kv_heads, head_dim]``, any of the float dtypes above.
+        v: ``[n, kv_heads, v_head_dim]``.
+    """
+    n = loc.shape[0]
+    _, kv_heads, head_dim = k_buffer.shape
+    v_head_dim = v_buffer.shape[-1]
+    if k.shape != (n, kv_heads, head_dim) or v.shape != (n, kv_heads, v_head_dim):
+        raise ValueError(
+            f"k {tuple(k.shape)} / v {tuple(v.shape)} must be [{n}, {kv_heads}, {head_dim}] / "
+            f"[{n}, {kv_heads}, {v_head_dim}]"
+        )
+    for name, t in (("k_buffer", k_buffer), ("v_buffer", v_buffer), ("k", k), ("v", v)):
+        check_float(name, t)
+    if n == 0:
+        return
+    _write_kv_kernel[(n,)](
+        k_buffer,
+        v_buffer,
+        loc,
+        k,
+        v,
+        kv_heads,
+        head_dim,
+        v_head_dim,
+        *k_buffer.stride(),
+        *v_buffer.stride(),
+        *k.stride(),
+        *v.stride(),
+        BLOCK_H=triton.next_power_of_2(kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_DV=triton.next_power_of_2(v_head_dim),
+    )
+
+
+@triton.jit
+def _build_kv_indices_kernel(
+    req_to_token_ptr,
+    req_pool_indices_ptr,
+    kv_start_ptr,
+    kv_end_ptr,
+    kv_indptr_ptr,
+    kv_indices_ptr,
+    stride_req,
+    stride_tok,
+    HAS_START: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0)
+    row = tl.load(req_pool_indices_ptr + b).to(tl.int64)
+    start = 0
+    if HAS_START:
+        start = tl.load(kv_start_ptr + b).to(tl.int64)
+    length = tl.load(kv_end_ptr + b).to(tl.int64) - start
+    dst = tl.load(kv_indptr_ptr + b).to(tl.int64)
+    src = req_to_token_ptr + row * stride_req
+    for i in range(0, length, BLOCK):
+        offs = i + tl.arange(0, BLOCK)
+        mask = offs < length
+        slots = tl.load(src + (start + offs) * stride_tok, mask=mask)
+        tl.store(kv_indices_ptr + dst + offs, slots.to(kv_indices_ptr.dtype.element_ty), mask=mask)
+
+
+def build_kv_indices(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    kv_start: torch.Tensor | None,
+    kv_end: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+) -> torch.Tensor:
+    """Flatten each request's token slots into one list.
+
+    For request ``b`` with ``row = req_pool_indices[b]``, writes
+    ``req_to_token[row, kv_start[b]:kv_end[b]]`` to
+    ``kv_indices[kv_indptr[b] : kv_indptr[b] + kv_end[b] - kv_start[b]]``. The caller
+    computes ``kv_indptr`` (e.g. a ``cumsum`` of the lengths) and sizes ``kv_indices``;
+    nothing else of ``kv_indices`` is written.
+
+    Args:
+        req_to_token: int32 ``[max_reqs, max_context]`` (any strides).
+        req_pool_indices: int32/int64 ``[batch]``.
+        kv_start: int32/int64 ``[batch]``, first token of each range; ``None`` means 0
+            (e.g. a sliding window's first visible token for decode).
+        kv_end: int32/int64 ``[batch]``, one past the last token (e.g. ``seq_lens``).
+        kv_indptr: int32/int64 ``[>= batch]``, where each request's slots go.
+        kv_indices: int32/int64, the output.
+
+    Returns:
+        ``kv_indices``.
+    """
+    batch = req_pool_indices.shape[0]
+    if batch == 0:
+        return kv_indices
+    _build_kv_indices_kernel[(batch,)](
+        req_to_token,
+        req_pool_indices,
+        kv_end if kv_start is None else kv_start,
+        kv_end,
+        kv_indptr,
+        kv_indices,
+        *req_to_token.stride(),
+        HAS_START=kv_start is not None,
+        BLOCK=_BLOCK,
+    )
+    return kv_indices
+
+
+@triton.jit
+def _positions_kernel(prefix_lens_ptr, seq_lens_ptr, start_loc_ptr, positions_ptr, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    prefix = tl.load(prefix_lens_ptr + b).to(tl.int64)
+    length = tl.load(seq_lens_ptr + b).to(tl.int64)
+    dst = tl.load(start_loc_ptr + b).to(tl.int64)
+    for i in range(0, length, BLOCK):
+        offs = i + tl.arange(0, BLOCK)
+        tl.store(
+            positions_ptr + dst + offs,
+            (prefix + offs).to(positions_ptr.dtype.element_ty),
+            mask=offs < length,
+        )
+
+
+def compute_positions(
+    extend_prefix_lens: torch.Tensor,
+    extend_seq_lens: torch.Tensor,
+    extend_start_loc: torch.Tensor,
+    positions: torch.Tensor,
+) -> torch.Tensor:
+    """Positions of the new tokens: ``positions[extend_start_loc[b] + i] = extend_prefix_lens[b] + i``.
+
+    For ``i < extend_seq_lens[b]``; other entries of ``positions`` are left alone.
+
+    Args:
+        extend_prefix_lens: int32/int64 ``[batch]``, cached tokens before the new ones.
+        extend_seq_lens: int32/int64 ``[batch]``, new tokens per request.
+        extend_start_loc: int32/int64 ``[batch]``, row of each request's first new token.
+        positions: int32/int64 ``[>= num_tokens]``, the output.
+
+    Returns:
+        ``positions``.
+    """
+    batch = extend_seq_lens.shape[0]
+    if batch == 0:
+        return positions
+    _positions_kernel[(batch,)](extend_prefix_lens, extend_seq_lens, extend_start_loc, positions, BLOCK=_BLOCK)
+    return positions

@@ -1,0 +1,513 @@
+"""hal.kernels.triton against the reference oracle, on CPU through Triton's interpreter.
+
+Shapes are small and tiles are 16 wide so that every kernel takes several loop steps
+(the interpreter costs ~3 ms per step per program).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not importable; the Triton kernels cannot be tested")
+
+from hal.kernels import reference  # noqa: E402
+from hal.kernels import triton as tk  # noqa: E402
+from hal.kernels.triton import _common  # noqa: E402
+
+if not _common.INTERPRETING:
+    pytest.skip(
+        "hal.kernels.triton was imported before TRITON_INTERPRET=1 was set (set it in conftest.py)",
+        allow_module_level=True,
+    )
+
+BLOCK = 16  # tile size used by these tests (the GPU defaults are larger)
+TOL = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    # bf16 outputs: ~1 ulp (the interpreter truncates on the fp32 -> bf16 store).
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def make_slots(seq_lens: list[int], layout: str, gen: torch.Generator, page: int = 16) -> list[torch.Tensor]:
+    """Distinct int64 pool slots for each request's tokens.
+
+    ``perm``: every token on a random slot of one shared pool (requests interleaved);
+    ``page16``: slot = page * 16 + offset, each request on whole pages, pages shuffled.
+    """
+    total = sum(seq_lens)
+    if layout == "perm":
+        return list(torch.randperm(total + 7, generator=gen)[:total].split(seq_lens))
+    assert layout == "page16"
+    pages_per_req = [(n + page - 1) // page for n in seq_lens]
+    pages = torch.randperm(sum(pages_per_req) + 2, generator=gen)[: sum(pages_per_req)].split(pages_per_req)
+    return [p[torch.arange(n) // page] * page + torch.arange(n) % page for p, n in zip(pages, seq_lens, strict=True)]
+
+
+class Case:
+    """A batch of requests over one pool: ``seq_lens`` tokens each, the last ``extend_lens`` new."""
+
+    def __init__(
+        self,
+        seq_lens,
+        extend_lens,
+        *,
+        q_heads,
+        kv_heads,
+        head_dim,
+        v_head_dim=None,
+        dtype=torch.float32,
+        layout="perm",
+        seed=0,
+    ):
+        gen = torch.Generator().manual_seed(seed)
+        self.seq_lens = torch.tensor(seq_lens)
+        self.extend_lens = torch.tensor(extend_lens)
+        self.prefix_lens = self.seq_lens - self.extend_lens
+        batch = len(seq_lens)
+        v_head_dim = v_head_dim or head_dim
+        slots = make_slots(list(seq_lens), layout, gen)
+        num_slots = int(torch.cat(slots).max()) + 3
+        # req_to_token rows in a shuffled order, wider than needed.
+        self.req_pool_indices = torch.randperm(batch + 2, generator=gen)[:batch]
+        self.req_to_token = torch.full((batch + 2, max(seq_lens) + 5), -1, dtype=torch.int32)
+        for b, s in enumerate(slots):
+            self.req_to_token[self.req_pool_indices[b], : len(s)] = s.to(torch.int32)
+        self.slots = slots
+
+        def rand(*shape):
+            return torch.randn(*shape, generator=gen).to(dtype)
+
+        self.k_buffer = rand(num_slots, kv_heads, head_dim)
+        self.v_buffer = rand(num_slots, kv_heads, v_head_dim)
+        num_q = int(self.extend_lens.sum())
+        self.q = rand(num_q, q_heads, head_dim)
+        self.q_heads, self.kv_heads, self.head_dim, self.v_head_dim = q_heads, kv_heads, head_dim, v_head_dim
+        self.dtype = dtype
+        # The new tokens' K/V, as the kernels get them (and as the pool holds them).
+        new = [s[p:] for s, p in zip(slots, self.prefix_lens.tolist(), strict=True)]
+        self.new_slots = torch.cat(new) if new else torch.empty(0, dtype=torch.long)
+        self.k_new = self.k_buffer[self.new_slots].clone()
+        self.v_new = self.v_buffer[self.new_slots].clone()
+
+    def reference(self, **kw):
+        out = reference.paged_attention(
+            self.q.float(),
+            self.k_buffer,
+            self.v_buffer,
+            self.req_to_token,
+            self.req_pool_indices,
+            self.seq_lens,
+            self.extend_lens,
+            **kw,
+        )
+        assert out.dtype == torch.float32
+        return out
+
+    def indices(self, lens, index_dtype=torch.int32, start=None):
+        """kv_indptr / kv_indices of the first ``lens[b]`` tokens (from ``start[b]``) of each request."""
+        start = torch.zeros_like(lens) if start is None else start
+        parts = [self.slots[b][int(start[b]) : int(start[b]) + int(lens[b])] for b in range(len(lens))]
+        indptr = torch.nn.functional.pad(torch.cumsum(lens, 0), (1, 0)).to(index_dtype)
+        return indptr, torch.cat(parts).to(index_dtype)
+
+
+def assert_close(actual, expected, dtype):
+    assert actual.dtype == dtype
+    assert torch.isfinite(actual).all()
+    torch.testing.assert_close(actual.float(), expected, **TOL[dtype])
+
+
+# ----------------------------------------------------------------------------- decode
+
+
+def run_decode(case: Case, *, num_kv_splits, logit_cap=0.0, index_dtype=torch.int32, extra_splits=0):
+    batch = len(case.seq_lens)
+    kv_indptr, kv_indices = case.indices(case.seq_lens, index_dtype)
+    out = torch.full((batch, case.q_heads, case.v_head_dim), float("nan"), dtype=case.dtype)
+    splits = num_kv_splits + extra_splits
+    partial_out = torch.full((batch, case.q_heads, splits, case.v_head_dim), float("nan"))
+    partial_lse = torch.full((batch, case.q_heads, splits), float("nan"))
+    result = tk.decode_attention(
+        case.q,
+        case.k_buffer,
+        case.v_buffer,
+        out,
+        kv_indptr,
+        kv_indices,
+        scale=case.head_dim**-0.5,
+        logit_cap=logit_cap,
+        num_kv_splits=num_kv_splits,
+        partial_out=partial_out,
+        partial_lse=partial_lse,
+        block_n=BLOCK,
+    )
+    assert result is out
+    return out, partial_out, partial_lse
+
+
+DECODE_CASES = {
+    # name: (seq_lens, q_heads, kv_heads, head_dim, v_head_dim, dtype, layout, splits, cap)
+    "gqa-fp32-perm": ([1, 37, 16], 4, 2, 64, None, torch.float32, "perm", 4, 0.0),
+    "mqa-d80-page16": ([33, 5], 4, 1, 80, None, torch.float32, "page16", 2, 0.0),
+    "mha-vdim48": ([20, 1, 9], 2, 2, 64, 48, torch.float32, "perm", 3, 0.0),
+    "gqa-bf16-page16": ([37, 2], 4, 2, 64, None, torch.bfloat16, "page16", 2, 0.0),
+    "gqa-fp16": ([24, 7], 4, 2, 64, None, torch.float16, "perm", 2, 0.0),
+    "cap-one-split": ([40, 3], 4, 2, 64, None, torch.float32, "perm", 1, 5.0),
+    "splits-exceed-tokens": ([3, 5], 4, 2, 32, None, torch.float32, "page16", 8, 0.0),
+    "group32-bf16-cap": ([19, 4], 32, 1, 16, None, torch.bfloat16, "perm", 2, 2.0),
+}
+
+
+@pytest.mark.parametrize("name", list(DECODE_CASES))
+def test_decode_matches_reference(name):
+    seq_lens, hq, hkv, d, dv, dtype, layout, splits, cap = DECODE_CASES[name]
+    case = Case(
+        seq_lens,
+        [1] * len(seq_lens),
+        q_heads=hq,
+        kv_heads=hkv,
+        head_dim=d,
+        v_head_dim=dv,
+        dtype=dtype,
+        layout=layout,
+    )
+    out, _, partial_lse = run_decode(case, num_kv_splits=splits, logit_cap=cap)
+    expected = case.reference(scale=d**-0.5, logit_cap=cap)
+    assert_close(out, expected, dtype)
+    # Splits are ceil(len / splits) tokens long; the ones past the end are empty.
+    for b, n in enumerate(seq_lens):
+        share = -(-n // splits)
+        for s in range(splits):
+            empty = s * share >= n
+            assert torch.isneginf(partial_lse[b, :, s]).all() == empty, (b, s)
+            assert torch.isfinite(partial_lse[b, :, s]).all() == (not empty), (b, s)
+
+
+def test_decode_partial_buffers_and_strides():
+    """int64 indices, oversized scratch (only the first num_kv_splits used), strided q and out."""
+    case = Case([18, 4], [1, 1], q_heads=4, kv_heads=2, head_dim=32)
+    # Move q into a strided view (every other head of a wider tensor).
+    wide = torch.zeros(2, 8, 32)
+    wide[:, ::2] = case.q
+    case.q = wide[:, ::2]
+    assert not case.q.is_contiguous()
+    out, partial_out, partial_lse = run_decode(case, num_kv_splits=2, index_dtype=torch.int64, extra_splits=3)
+    assert_close(out, case.reference(scale=32**-0.5), torch.float32)
+    assert torch.isnan(partial_lse[:, :, 2:]).all() and torch.isnan(partial_out[:, :, 2:]).all()
+    # The LSE of the splits merges to the full LSE.
+    kv = case.k_buffer[case.slots[0]].repeat_interleave(2, dim=1)  # [18, 4, 32]
+    scores = torch.einsum("hd,shd->hs", case.q[0], kv) * 32**-0.5
+    torch.testing.assert_close(torch.logsumexp(partial_lse[0, :, :2], -1), torch.logsumexp(scores, -1))
+
+
+def test_decode_request_without_tokens_outputs_zeros():
+    case = Case([9, 5], [1, 1], q_heads=2, kv_heads=1, head_dim=16)
+    q = torch.randn(3, 2, 16)
+    out = torch.full((3, 2, 16), float("nan"))
+    kv_indptr = torch.tensor([0, 9, 9, 14], dtype=torch.int32)  # request 1 has no tokens
+    kv_indices = torch.cat(case.slots).to(torch.int32)
+    tk.decode_attention(
+        q,
+        case.k_buffer,
+        case.v_buffer,
+        out,
+        kv_indptr,
+        kv_indices,
+        scale=0.25,
+        num_kv_splits=2,
+        partial_out=torch.empty(3, 2, 2, 16),
+        partial_lse=torch.empty(3, 2, 2),
+        block_n=BLOCK,
+    )
+    assert (out[1] == 0).all()
+    assert torch.isfinite(out).all() and out[0].abs().sum() > 0 and out[2].abs().sum() > 0
+
+
+# ----------------------------------------------------------------------------- extend
+
+
+def run_extend(case: Case, *, poison_new_slots=True, index_dtype=torch.int32, **kw):
+    """Runs extend_attention; the pool's copies of the new tokens are NaN, to prove they are not read."""
+    batch = len(case.seq_lens)
+    qo_indptr = torch.nn.functional.pad(torch.cumsum(case.extend_lens, 0), (1, 0)).to(index_dtype)
+    kv_indptr, kv_indices = case.indices(case.prefix_lens, index_dtype)
+    k_buffer, v_buffer = case.k_buffer.clone(), case.v_buffer.clone()
+    if poison_new_slots:
+        k_buffer[case.new_slots] = float("nan")
+        v_buffer[case.new_slots] = float("nan")
+    out = torch.full((int(case.extend_lens.sum()), case.q_heads, case.v_head_dim), float("nan"), dtype=case.dtype)
+    result = tk.extend_attention(
+        case.q,
+        case.k_new,
+        case.v_new,
+        out,
+        k_buffer,
+        v_buffer,
+        qo_indptr,
+        kv_indptr,
+        kv_indices,
+        scale=case.head_dim**-0.5,
+        max_extend_len=int(case.extend_lens.max()) if batch else 0,
+        block_m=BLOCK,
+        block_n=BLOCK,
+        **kw,
+    )
+    assert result is out
+    return out
+
+
+EXTEND_CASES = {
+    # name: (seq_lens, extend_lens, q_heads, kv_heads, head_dim, v_head_dim, dtype, layout, kwargs)
+    "gqa-prefix": ([40, 19, 6], [21, 19, 1], 4, 2, 64, None, torch.float32, "perm", {}),
+    "mqa-d80-page16": ([35, 17], [18, 3], 4, 1, 80, None, torch.float32, "page16", {}),
+    "mha-vdim48-no-prefix": ([20, 5], [20, 5], 2, 2, 32, 48, torch.float32, "perm", {}),
+    "window": ([45, 20], [20, 17], 4, 2, 32, None, torch.float32, "page16", dict(sliding_window=7)),
+    "window-zero": ([21], [18], 2, 1, 32, None, torch.float32, "perm", dict(sliding_window=0)),
+    "logit-cap": ([30, 9], [17, 9], 4, 2, 64, None, torch.float32, "perm", dict(logit_cap=4.0)),
+    "non-causal": ([30, 12], [18, 12], 4, 2, 32, None, torch.float32, "perm", dict(causal=False)),
+    "non-causal-window": (
+        [30],
+        [18],
+        2,
+        2,
+        32,
+        None,
+        torch.float32,
+        "perm",
+        dict(causal=False, sliding_window=5),
+    ),
+    "bf16": ([36, 10], [20, 4], 4, 2, 64, None, torch.bfloat16, "page16", {}),
+    "fp16-cap-window": (
+        [36, 10],
+        [20, 4],
+        4,
+        2,
+        64,
+        None,
+        torch.float16,
+        "perm",
+        dict(logit_cap=3.0, sliding_window=9),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(EXTEND_CASES))
+def test_extend_matches_reference(name):
+    seq_lens, ext, hq, hkv, d, dv, dtype, layout, kw = EXTEND_CASES[name]
+    case = Case(seq_lens, ext, q_heads=hq, kv_heads=hkv, head_dim=d, v_head_dim=dv, dtype=dtype, layout=layout)
+    out = run_extend(case, **kw)
+    assert_close(out, case.reference(scale=d**-0.5, **kw), dtype)
+
+
+def test_extend_int64_indices_and_unrelated_extra_rows():
+    """int64 indptrs; max_extend_len larger than any request; rows of q beyond the requests untouched."""
+    case = Case([25, 3], [17, 3], q_heads=2, kv_heads=1, head_dim=16, seed=3)
+    qo_indptr = torch.tensor([0, 17, 20], dtype=torch.int64)
+    kv_indptr, kv_indices = case.indices(case.prefix_lens, torch.int64)
+    out = torch.full((22, 2, 16), 7.0)  # two trailing rows belong to no request
+    q = torch.cat([case.q, torch.randn(2, 2, 16)])
+    k = torch.cat([case.k_new, torch.randn(2, 1, 16)])
+    v = torch.cat([case.v_new, torch.randn(2, 1, 16)])
+    tk.extend_attention(
+        q,
+        k,
+        v,
+        out,
+        case.k_buffer,
+        case.v_buffer,
+        qo_indptr,
+        kv_indptr,
+        kv_indices,
+        scale=0.25,
+        max_extend_len=40,
+        block_m=BLOCK,
+        block_n=BLOCK,
+    )
+    assert_close(out[:20], case.reference(scale=0.25), torch.float32)
+    assert (out[20:] == 7.0).all()
+
+
+def random_custom_mask(case: Case, gen: torch.Generator, *, empty_row: tuple[int, int] | None):
+    """Per request a random [E, P + E] mask with each token's own (diagonal) key set."""
+    blocks = []
+    for r, (s, e) in enumerate(zip(case.seq_lens.tolist(), case.extend_lens.tolist(), strict=True)):
+        m = torch.rand(e, s, generator=gen) < 0.5
+        m[torch.arange(e), s - e + torch.arange(e)] = True
+        if empty_row is not None and empty_row[0] == r:
+            m[empty_row[1]] = False
+        blocks.append(m.flatten())
+    return torch.cat(blocks)
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.uint8])
+@pytest.mark.parametrize("with_indptr", [True, False])
+def test_extend_custom_mask(mask_dtype, with_indptr):
+    gen = torch.Generator().manual_seed(11)
+    case = Case([26, 9], [18, 5], q_heads=4, kv_heads=2, head_dim=32, seed=5)
+    mask = random_custom_mask(case, gen, empty_row=(0, 17))  # a row with no visible key
+    sizes = case.extend_lens * case.seq_lens
+    mask_indptr = torch.nn.functional.pad(torch.cumsum(sizes, 0), (1, 0)) if with_indptr else None
+    out = run_extend(case, custom_mask=mask.to(mask_dtype), mask_indptr=mask_indptr)
+    expected = case.reference(scale=32**-0.5, custom_mask=mask)
+    assert (expected[17] == 0).all()
+    assert (out[17] == 0).all()
+    assert_close(out, expected, torch.float32)
+
+
+def test_extend_custom_mask_with_window_and_causal_flag_ignored():
+    gen = torch.Generator().manual_seed(2)
+    case = Case([30], [20], q_heads=2, kv_heads=2, head_dim=32, seed=9)
+    mask = random_custom_mask(case, gen, empty_row=None)
+    mask[5 * 30 + 29] = True  # query 5 (position 15) sees the last key, a later one
+    for causal in (True, False):
+        out = run_extend(case, custom_mask=mask, sliding_window=6, causal=causal)
+        expected = case.reference(scale=32**-0.5, custom_mask=mask, sliding_window=6)
+        assert_close(out, expected, torch.float32)
+
+
+def test_default_block_sizes():
+    """The GPU tile sizes (64-wide) also run in the interpreter and agree with the reference."""
+    case = Case([70, 3], [1, 1], q_heads=4, kv_heads=2, head_dim=32, layout="page16")
+    kv_indptr, kv_indices = case.indices(case.seq_lens)
+    out = torch.empty(2, 4, 32)
+    tk.decode_attention(
+        case.q,
+        case.k_buffer,
+        case.v_buffer,
+        out,
+        kv_indptr,
+        kv_indices,
+        scale=0.2,
+        num_kv_splits=2,
+        partial_out=torch.empty(2, 4, 2, 32),
+        partial_lse=torch.empty(2, 4, 2),
+    )
+    assert_close(out, case.reference(scale=0.2), torch.float32)
+
+    case = Case([90, 30], [70, 30], q_heads=2, kv_heads=1, head_dim=32, seed=1)
+    qo_indptr = torch.tensor([0, 70, 100])
+    kv_indptr, kv_indices = case.indices(case.prefix_lens)
+    out = torch.empty(100, 2, 32)
+    tk.extend_attention(
+        case.q,
+        case.k_new,
+        case.v_new,
+        out,
+        case.k_buffer,
+        case.v_buffer,
+        qo_indptr,
+        kv_indptr,
+        kv_indices,
+        scale=0.2,
+        max_extend_len=70,
+        sliding_window=40,
+    )
+    assert_close(out, case.reference(scale=0.2, sliding_window=40), torch.float32)
+
+
+# ----------------------------------------------------------------------------- small kernels
+
+
+@pytest.mark.parametrize("loc_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize(
+    ("src_dtype", "pool_dtype"),
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.float16),
+        (torch.float16, torch.float32),
+    ],
+)
+def test_write_kv(loc_dtype, src_dtype, pool_dtype):
+    gen = torch.Generator().manual_seed(0)
+    k_buffer = torch.zeros(20, 2, 24, dtype=pool_dtype)
+    v_buffer = torch.zeros(20, 2, 40, dtype=pool_dtype)
+    loc = torch.randperm(20, generator=gen)[:7].to(loc_dtype)
+    k = torch.randn(7, 2, 24, generator=gen).to(src_dtype)
+    v = torch.randn(7, 2, 40, generator=gen).to(src_dtype)
+    expected_k, expected_v = k_buffer.clone(), v_buffer.clone()
+    reference.write_kv(expected_k, expected_v, loc, k, v)
+    tk.write_kv(k_buffer, v_buffer, loc, k, v)
+    # Exact (fp32 -> fp16 rounds to nearest in the interpreter as in torch).
+    assert torch.equal(k_buffer, expected_k) and torch.equal(v_buffer, expected_v)
+
+
+def test_write_kv_empty_and_strided():
+    k_buffer, v_buffer = torch.zeros(8, 1, 16), torch.zeros(8, 1, 8)
+    tk.write_kv(k_buffer, v_buffer, torch.empty(0, dtype=torch.int64), torch.empty(0, 1, 16), torch.empty(0, 1, 8))
+    assert (k_buffer == 0).all() and (v_buffer == 0).all()
+    k = torch.randn(3, 16, 1).transpose(1, 2)  # strided source
+    v = torch.randn(3, 1, 8)
+    loc = torch.tensor([6, 0, 3])
+    tk.write_kv(k_buffer, v_buffer, loc, k, v)
+    assert torch.equal(k_buffer[loc], k) and torch.equal(v_buffer[loc], v)
+    assert (k_buffer[[1, 2, 4, 5, 7]] == 0).all()
+
+
+@pytest.mark.parametrize("with_start", [False, True])
+@pytest.mark.parametrize("out_dtype", [torch.int32, torch.int64])
+def test_build_kv_indices(with_start, out_dtype):
+    gen = torch.Generator().manual_seed(4)
+    req_to_token = torch.randint(0, 10_000, (6, 1200), generator=gen, dtype=torch.int32)
+    req_pool_indices = torch.tensor([4, 0, 2], dtype=torch.int64)
+    kv_end = torch.tensor([1100, 1, 0], dtype=torch.int32)  # > one 512 step, one token, empty
+    kv_start = torch.tensor([70, 0, 0], dtype=torch.int32) if with_start else None
+    start = kv_start if with_start else torch.zeros(3, dtype=torch.int32)
+    lens = kv_end - start
+    kv_indptr = torch.nn.functional.pad(torch.cumsum(lens, 0), (1, 0)).to(torch.int32)
+    kv_indices = torch.full((int(lens.sum()) + 4,), -5, dtype=out_dtype)
+    assert tk.build_kv_indices(req_to_token, req_pool_indices, kv_start, kv_end, kv_indptr, kv_indices) is kv_indices
+    expected = torch.cat([req_to_token[r, s:e] for r, s, e in zip(req_pool_indices, start, kv_end, strict=True)])
+    assert torch.equal(kv_indices[: len(expected)], expected.to(out_dtype))
+    assert (kv_indices[len(expected) :] == -5).all()
+
+
+@pytest.mark.parametrize("pos_dtype", [torch.int32, torch.int64])
+def test_compute_positions(pos_dtype):
+    prefix = torch.tensor([0, 700, 3, 9], dtype=torch.int64)
+    seq = torch.tensor([5, 600, 0, 1], dtype=torch.int32)  # one request longer than a 512 step
+    start = torch.nn.functional.pad(torch.cumsum(seq, 0), (1, 0))[:-1]
+    positions = torch.full((int(seq.sum()) + 2,), -1, dtype=pos_dtype)
+    assert tk.compute_positions(prefix, seq, start, positions) is positions
+    expected = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix.tolist(), seq.tolist(), strict=True)])
+    assert torch.equal(positions[:-2], expected.to(pos_dtype))
+    assert (positions[-2:] == -1).all()
+
+
+# ----------------------------------------------------------------------------- API
+
+
+def test_is_available_under_interpreter():
+    ok, reason = tk.is_available()
+    assert ok is True and "interpreter" in reason
+
+
+def test_bad_arguments_raise_before_launch():
+    q, kb, vb = torch.randn(2, 4, 16), torch.randn(8, 2, 16), torch.randn(8, 2, 16)
+    indptr, indices = torch.tensor([0, 1, 2]), torch.tensor([0, 1])
+    common = dict(scale=1.0, num_kv_splits=2, partial_out=torch.empty(2, 4, 2, 16), partial_lse=torch.empty(2, 4, 2))
+    with pytest.raises(ValueError, match="out must be"):
+        tk.decode_attention(q, kb, vb, torch.empty(2, 4, 8), indptr, indices, **common)
+    with pytest.raises(ValueError, match="partial_out"):
+        tk.decode_attention(q, kb, vb, torch.empty(2, 4, 16), indptr, indices, **{**common, "num_kv_splits": 3})
+    with pytest.raises(ValueError, match="multiple of kv_heads"):
+        tk.decode_attention(
+            torch.randn(2, 3, 16),
+            kb,
+            vb,
+            torch.empty(2, 3, 16),
+            indptr,
+            indices,
+            **{**common, "partial_out": torch.empty(2, 3, 2, 16), "partial_lse": torch.empty(2, 3, 2)},
+        )
+    with pytest.raises(TypeError, match="float32"):
+        tk.write_kv(kb.double(), vb, torch.tensor([0]), kb[:1], vb[:1])
