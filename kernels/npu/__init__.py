@@ -1,0 +1,41 @@
+"""Thin wrappers over torch_npu's attention ops, plus a CPU emulation of their contracts.
+
+``hal.kernels.npu.ops`` holds the wrappers (re-exported here); ``hal.kernels.npu.emulation``
+the plain-torch emulation (``emulation.torch_npu`` stands in for the ``torch_npu`` module).
+"""
+
+from . import emulation
+from .ops import (
+    OP_NAMES,
+    block_tables,
+    fia_causal_mask,
+    is_emulation,
+    load_torch_npu,
+    paged_decode,
+    paged_mixed,
+    paged_prefill,
+    paged_view,
+    resolve_ops,
+    splitfuse_mask,
+    splitfuse_mask_value,
+    unsupported_reasons,
+    write_kv,
+)
+
+__all__ = [
+    "emulation",
+    "OP_NAMES",
+    "block_tables",
+    "fia_causal_mask",
+    "is_emulation",
+    "load_torch_npu",
+    "paged_decode",
+    "paged_mixed",
+    "paged_prefill",
+    "paged_view",
+    "resolve_ops",
+    "splitfuse_mask",
+    "splitfuse_mask_value",
+    "unsupported_reasons",
+    "write_kv",
+]

@@ -1,0 +1,560 @@
+"""Thin wrappers over the torch_npu attention ops, for hal's Ascend backend.
+
+Each wrapper takes ``ops`` first: the real ``torch_npu`` module (from :func:`load_torch_npu`)
+or :data:`hal.kernels.npu.emulation.torch_npu`; both are called identically, with keywords,
+the way vllm-ascend and SGLang call them.
+
+Host/device rules the wrappers enforce (they never move a device tensor to the host,
+which would be a sync and break graph capture):
+
+* KV caches are ``[num_blocks, block_size, kv_heads, head_dim]`` (ND): hal's
+  ``[num_slots, kv_heads, head_dim]`` pool buffer viewed with :func:`paged_view`.
+* ``block_table``: int32 ``[batch, max_blocks]`` on the device, passed through unchanged
+  (hal's ``req_to_token`` is int32, so :func:`block_tables` keeps int32).
+* Per-request lengths: *host* values. The ATB ops (decode, mixed) take CPU int32 tensors;
+  ``npu_fused_infer_attention_score`` takes python lists (cumulative query ends, per-request
+  KV lengths when paged). The wrappers accept lists, tuples or CPU tensors of any integer
+  dtype and convert on the host; a device tensor raises ``TypeError`` (use ``*_cpu``).
+* ``slots`` for :func:`write_kv` may be int64 (SGLang's ``out_cache_loc``); it is cast to the
+  int32 the op needs on the device, with no host sync.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import itertools
+import os
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from hal.errors import UnsupportedError
+
+from . import emulation
+
+__all__ = [
+    "OP_NAMES",
+    "load_torch_npu",
+    "resolve_ops",
+    "is_emulation",
+    "paged_view",
+    "block_tables",
+    "write_kv",
+    "paged_decode",
+    "paged_prefill",
+    "paged_mixed",
+    "splitfuse_mask",
+    "splitfuse_mask_value",
+    "fia_causal_mask",
+    "unsupported_reasons",
+]
+
+OP_NAMES = (
+    "_npu_reshape_and_cache",
+    "_npu_paged_attention",
+    "_npu_paged_attention_splitfuse",
+    "npu_fused_infer_attention_score",
+)
+
+_VLLM_ASCEND = "https://github.com/vllm-project/vllm-ascend/blob/main/vllm_ascend/attention/attention_v1.py"
+_SGLANG = "https://github.com/sgl-project/sglang/blob/main/python/sglang/srt/layers/attention/ascend_backend.py"
+_FIA_DOC = "https://github.com/Ascend/op-plugin/blob/master/docs/context/torch_npu-npu_fused_infer_attention_score.md"
+_ATB_PA_DOC = (
+    "https://www.hiascend.com/document/detail/zh/canncommercial/80RC2/apiref/ascendtbapi/ascendtb_01_0070.html"
+)
+_ATB_PA_IO_DOC = (
+    "https://www.hiascend.com/document/detail/zh/CANNCommunityEdition/82RC1/API/ascendtbapi/ascendtb_01_0206.html"
+)
+_ATB_RC_DOC = (
+    "https://www.hiascend.com/document/detail/zh/canncommercial/80RC22/apiref/ascendtbapi/ascendtb_01_0073.html"
+)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_torch_npu() -> tuple[ModuleType | None, str]:
+    """Import ``torch_npu`` if it is usable here; never raises.
+
+    Returns ``(module, "")`` when torch_npu imports, has the ops hal calls and sees an NPU;
+    otherwise ``(None, reason)``. ``importlib.util.find_spec`` is checked first so a missing
+    package costs nothing. With torch >= 2.5 an installed torch_npu is auto-loaded by
+    ``import torch`` (entry point ``torch.backends``) unless ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``;
+    if it was, the module already in ``sys.modules`` is reused. Without CANN that auto-load
+    makes ``import torch`` itself fail, before hal runs: set ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``
+    on such machines (the reason string says so).
+    """
+    module = sys.modules.get("torch_npu")
+    if module is None:
+        try:
+            if importlib.util.find_spec("torch_npu") is None:
+                return None, "torch_npu not installed"
+        except (ImportError, ValueError) as err:  # a broken parent package or __spec__
+            return None, f"torch_npu not importable: {type(err).__name__}: {err}"
+        try:
+            module = importlib.import_module("torch_npu")
+        except BaseException as err:  # noqa: BLE001 - OSError, RuntimeError, SystemExit from native init
+            if isinstance(err, KeyboardInterrupt):
+                raise
+            hint = ""
+            if os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "1") != "0":
+                hint = "; set TORCH_DEVICE_BACKEND_AUTOLOAD=0 so that it does not break `import torch`"
+            return (
+                None,
+                f"torch_npu failed to import (CANN libraries missing?): {type(err).__name__}: {err}{hint}",
+            )
+    missing = [name for name in OP_NAMES if not hasattr(module, name)]
+    if missing:
+        version = getattr(module, "__version__", "?")
+        return None, f"torch_npu {version} lacks {', '.join(missing)} (too old for hal's Ascend backend)"
+    try:
+        npu = getattr(module, "npu", None) or getattr(torch, "npu", None)
+        available = bool(npu is not None and npu.is_available() and npu.device_count() > 0)
+    except Exception as err:  # noqa: BLE001 - a driver error is a reason, not a crash
+        return None, f"no NPU device visible: {type(err).__name__}: {err}"
+    if not available:
+        return None, "no NPU device visible (torch_npu.npu.is_available() is False)"
+    return module, ""
+
+
+def resolve_ops(allow_emulation: bool = True) -> tuple[Any | None, str]:
+    """``(ops, reason)``: real torch_npu with ``reason == ""``, else the emulation (or None) and why."""
+    module, reason = load_torch_npu()
+    if module is not None:
+        return module, ""
+    if allow_emulation:
+        return emulation.torch_npu, f"using the CPU emulation: {reason}"
+    return None, reason
+
+
+def is_emulation(ops: object) -> bool:
+    """True for :data:`hal.kernels.npu.emulation.torch_npu`."""
+    return bool(getattr(ops, "is_emulation", False))
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def paged_view(buffer: torch.Tensor, page_size: int) -> torch.Tensor:
+    """View a ``[num_slots, heads, dim]`` pool buffer as ``[num_pages, page_size, heads, dim]``."""
+    if buffer.dim() != 3 or buffer.shape[0] % page_size or not buffer.is_contiguous():
+        raise ValueError(
+            f"paged_view: buffer = {list(buffer.shape)} (contiguous={buffer.is_contiguous()}): expected a "
+            f"contiguous [num_slots, heads, dim] buffer with num_slots a multiple of page_size = {page_size}"
+        )
+    return buffer.view(buffer.shape[0] // page_size, page_size, buffer.shape[1], buffer.shape[2])
+
+
+def block_tables(
+    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, page_size: int, max_blocks: int
+) -> torch.Tensor:
+    """int32 ``[batch, max_blocks]``: page id of every ``page_size`` tokens of each request.
+
+    SGLang's rule (``req_to_token[idx, ::page_size] // page_size``, see ascend_backend.py): it
+    assumes a request's tokens fill its pages in order, which hal's paged allocator guarantees.
+    ``max_blocks`` is a host int (a static shape, graph-capturable); columns past a request's
+    length hold whatever ``req_to_token`` holds there and are never read by the ops.
+    """
+    rows = req_to_token.index_select(0, req_pool_indices.to(torch.long))
+    pages = rows[:, ::page_size][:, :max_blocks]
+    if pages.shape[1] < max_blocks:
+        raise ValueError(
+            f"block_tables: max_blocks = {max_blocks}: expected <= ceil(max_context_len / page_size) = {pages.shape[1]}"
+        )
+    return torch.div(pages, page_size, rounding_mode="floor").to(torch.int32)
+
+
+def _host_lengths(name: str, lengths: object) -> list[int]:
+    if isinstance(lengths, torch.Tensor):
+        if lengths.device.type != "cpu":
+            raise TypeError(
+                f"{name} = Tensor(device={lengths.device}): expected host lengths (a list or a CPU tensor, "
+                "e.g. forward_batch.seq_lens_cpu); reading a device tensor here would sync the stream"
+            )
+        if lengths.dtype.is_floating_point or lengths.dtype.is_complex or lengths.dim() != 1:
+            raise TypeError(
+                f"{name} = Tensor(dtype={lengths.dtype}, shape={list(lengths.shape)}): expected 1-D integers"
+            )
+        return [int(v) for v in lengths.tolist()]
+    if isinstance(lengths, Sequence) and not isinstance(lengths, (str, bytes)):
+        values = list(lengths)
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            return values
+    raise TypeError(f"{name} = {lengths!r}: expected a list of ints or a 1-D CPU integer tensor")
+
+
+def _host_int32(name: str, lengths: object) -> torch.Tensor:
+    return torch.tensor(_host_lengths(name, lengths), dtype=torch.int32)
+
+
+def splitfuse_mask_value(dtype: torch.dtype) -> float:
+    """The additive value vllm-ascend puts on masked entries of the splitfuse mask.
+
+    float16: ``torch.finfo(torch.float32).min`` (``-inf`` once cast); bfloat16: ``-10000``
+    (``AttentionMaskBuilder.get_mask_scale_factor``, vllm_ascend/attention/attention_mask.py);
+    float32 (emulation only): ``torch.finfo(torch.float32).min``.
+    """
+    if dtype == torch.bfloat16:
+        return -10000.0
+    if dtype in (torch.float16, torch.float32):
+        return torch.finfo(torch.float32).min
+    raise ValueError(f"splitfuse_mask: dtype = {dtype}: expected float16 or bfloat16 (float32 for the emulation)")
+
+
+def splitfuse_mask(
+    query_lens: Sequence[int] | torch.Tensor,
+    kv_lens: Sequence[int] | torch.Tensor,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    *,
+    causal: bool = True,
+    sliding_window: int = -1,
+    custom_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The ``mask`` of ``_npu_paged_attention_splitfuse``: ``[sum(query_lens), max(kv_lens)]`` in ``dtype``.
+
+    Row ``t`` belongs to query token ``i`` of request ``r`` at position ``p = kv_lens[r] -
+    query_lens[r] + i``; it is 0 where KV ``j`` is visible and :func:`splitfuse_mask_value`
+    where not. Causal: ``j <= p`` (vllm-ascend builds the same rows as
+    ``attn_mask_cache[positions, :max_seq_len]``). ``sliding_window >= 0`` also needs
+    ``j >= p - sliding_window``; ``custom_mask`` (hal's flat bool, per request row-major
+    ``[query_len, kv_len]``, True = visible) replaces the causal rule. Built on the host and
+    copied once: build it once per batch (out of graph), not per layer.
+    """
+    q_lens = _host_lengths("query_lens", query_lens)
+    k_lens = _host_lengths("kv_lens", kv_lens)
+    if len(q_lens) != len(k_lens) or any(not 0 <= s <= n for s, n in zip(q_lens, k_lens, strict=True)):
+        raise ValueError(
+            f"splitfuse_mask: query_lens = {q_lens}, kv_lens = {k_lens}: expected equal lengths, 0 <= query <= kv"
+        )
+    fill = splitfuse_mask_value(dtype)
+    total, width = sum(q_lens), max(k_lens, default=0)
+    cols = torch.arange(width).unsqueeze(0)
+    pos = torch.tensor(
+        [n - s + i for s, n in zip(q_lens, k_lens, strict=True) for i in range(s)], dtype=torch.long
+    ).unsqueeze(1)
+    kv_of_row = torch.tensor(
+        [n for s, n in zip(q_lens, k_lens, strict=True) for _ in range(s)], dtype=torch.long
+    ).unsqueeze(1)
+    visible = cols <= pos if causal else cols < kv_of_row
+    if custom_mask is not None:
+        flat = custom_mask.reshape(-1).to(device="cpu", dtype=torch.bool)
+        expected = sum(s * n for s, n in zip(q_lens, k_lens, strict=True))
+        if flat.numel() != expected:
+            raise ValueError(
+                f"splitfuse_mask: custom_mask has {flat.numel()} elements: "
+                f"expected sum(query_len * kv_len) = {expected}"
+            )
+        visible = torch.zeros(total, width, dtype=torch.bool)
+        row = start = 0
+        for s, n in zip(q_lens, k_lens, strict=True):
+            visible[row : row + s, :n] = flat[start : start + s * n].view(s, n)
+            row, start = row + s, start + s * n
+    if sliding_window >= 0:
+        visible &= cols >= pos - sliding_window
+    mask = torch.zeros(total, width, dtype=torch.float32).masked_fill_(~visible, fill)
+    return mask.to(dtype).to(device)
+
+
+_FIA_MASKS: dict[str, torch.Tensor] = {}
+
+
+def fia_causal_mask(device: torch.device | str) -> torch.Tensor:
+    """The compressed rightDownCausal ``atten_mask`` of FIA ``sparse_mode=3``.
+
+    int8 ``triu(ones(2048, 2048), 1)`` (1 = masked out), as vllm-ascend's
+    ``AttentionMaskBuilder.get_splitfuse_attn_mask``; SGLang passes the bool equivalent.
+    Cached per device.
+    """
+    key = str(torch.device(device))
+    mask = _FIA_MASKS.get(key)
+    if mask is None:
+        size = emulation.FIA_MASK_SIZE
+        mask = _FIA_MASKS[key] = torch.ones(size, size, dtype=torch.int8).triu_(1).to(device)
+    return mask
+
+
+# ----------------------------------------------------------------------------- wrappers
+
+
+def _cite(fn: Any, **urls: str) -> None:
+    """Fill the source URLs into ``fn``'s docstring (absent under ``python -OO``)."""
+    if fn.__doc__:
+        fn.__doc__ = fn.__doc__.format(**urls)
+
+
+def write_kv(
+    ops: Any,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """Store ``key``/``value`` ``[n, kv_heads, dim]`` at ``slots`` ``[n]`` of the paged caches, in place.
+
+    ``torch_npu._npu_reshape_and_cache(key, value, key_cache, value_cache, slot_indices)``
+    (schema: op-plugin ``op_plugin/ops/atb/ReshapeAndCachAtb.cpp``; ATB doc: {rc}; called as in
+    {vllm}). Slot ``s`` goes to block ``s // block_size``, offset ``s % block_size``; a negative
+    slot is skipped. The op takes one dtype for all four tensors and int32 slots: key/value
+    are cast to the cache dtype and slots to int32 here (device-side, no sync).
+    """
+    if slots.dtype != torch.int32:
+        slots = slots.to(torch.int32)
+    ops._npu_reshape_and_cache(
+        key=key.to(key_cache.dtype).contiguous(),
+        value=value.to(value_cache.dtype).contiguous(),
+        key_cache=key_cache,
+        value_cache=value_cache,
+        slot_indices=slots,
+    )
+
+
+_cite(write_kv, rc=_ATB_RC_DOC, vllm=_VLLM_ASCEND)
+
+
+def paged_decode(
+    ops: Any,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_lens: Sequence[int] | torch.Tensor,
+    *,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode: ``query`` ``[B, Hq, D]``, one token per request, over the paged caches -> ``out``.
+
+    ``torch_npu._npu_paged_attention(query, key_cache, value_cache, num_kv_heads, num_heads,
+    scale_value, block_table, context_lens, out)`` (schema: op-plugin
+    ``op_plugin/ops/atb/PagedAttentionAtb.cpp``; ATB doc: {io}; called as in {vllm} and
+    {sglang}). ``context_lens`` are the total KV lengths (host); ``out`` is written in place
+    (allocated when None).
+    """
+    query = query.contiguous()
+    if out is None:
+        out = torch.empty_like(query)
+    ops._npu_paged_attention(
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        num_kv_heads=key_cache.shape[2],
+        num_heads=query.shape[1],
+        scale_value=float(scale),
+        block_table=block_table,
+        context_lens=_host_int32("context_lens", context_lens),
+        out=out,
+    )
+    return out
+
+
+_cite(paged_decode, io=_ATB_PA_IO_DOC, vllm=_VLLM_ASCEND, sglang=_SGLANG)
+
+
+def paged_prefill(
+    ops: Any,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_lens: Sequence[int] | torch.Tensor,
+    kv_lens: Sequence[int] | torch.Tensor,
+    *,
+    scale: float,
+    causal: bool,
+    sliding_window: int = -1,
+) -> torch.Tensor:
+    """Extend (prefix + new tokens, the new ones already in the cache) -> ``[T, Hq, D]``.
+
+    ``torch_npu.npu_fused_infer_attention_score(query, key, value, *, atten_mask,
+    block_table, input_layout="TND", block_size, actual_seq_lengths, actual_seq_lengths_kv,
+    num_key_value_heads, num_heads, scale, sparse_mode)`` (doc: {fia}; called as in
+    {vllm} ``forward_fused_infer_attention``). TND conventions: ``actual_seq_lengths`` =
+    cumulative query ends (host list), ``actual_seq_lengths_kv`` = per-request KV lengths
+    (host list) because the KV is paged; caches are passed as ``(blocks, block_size,
+    kv_heads * dim)`` views. Causal: ``sparse_mode=3`` + :func:`fia_causal_mask`
+    (rightDownCausal, query ``i`` sees KV ``j <= kv_len - q_len + i``); non-causal:
+    ``sparse_mode=0``, no mask. A sliding window needs band mode (``sparse_mode=4``), which
+    the doc does not allow with TND: it raises :class:`hal.errors.UnsupportedError`.
+    """
+    if sliding_window >= 0:
+        raise UnsupportedError(
+            f"paged_prefill: sliding_window = {sliding_window}: npu_fused_infer_attention_score with "
+            "input_layout 'TND' allows only sparse_mode 0 (no mask) or 3 (causal); use paged_mixed, whose "
+            "mask can carry the window"
+        )
+    q_lens = _host_lengths("query_lens", query_lens)
+    k_lens = _host_lengths("kv_lens", kv_lens)
+    num_blocks, block_size = key_cache.shape[:2]
+    extra: dict[str, Any] = {"sparse_mode": 0}
+    if causal:
+        extra = {"sparse_mode": 3, "atten_mask": fia_causal_mask(query.device)}
+    out, _ = ops.npu_fused_infer_attention_score(
+        query.contiguous(),
+        key_cache.view(num_blocks, block_size, -1),
+        value_cache.view(num_blocks, block_size, -1),
+        block_table=block_table,
+        input_layout="TND",
+        block_size=block_size,
+        actual_seq_lengths=list(itertools.accumulate(q_lens)),
+        actual_seq_lengths_kv=k_lens,
+        num_key_value_heads=key_cache.shape[2],
+        num_heads=query.shape[1],
+        scale=float(scale),
+        **extra,
+    )
+    return out
+
+
+_cite(paged_prefill, fia=_FIA_DOC, vllm=_VLLM_ASCEND)
+
+
+def paged_mixed(
+    ops: Any,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_lens: Sequence[int] | torch.Tensor,
+    kv_lens: Sequence[int] | torch.Tensor,
+    *,
+    scale: float,
+    out: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    causal: bool = True,
+    sliding_window: int = -1,
+    custom_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Mixed batch (decodes and chunked prefills, query tokens concatenated) -> ``out`` ``[T, Hq, D]``.
+
+    ``torch_npu._npu_paged_attention_splitfuse(query, key_cache, value_cache, block_table,
+    context_lens, mask, seq_len, num_kv_heads, num_heads, scale_value, out)`` (schema:
+    op-plugin ``op_plugin/ops/atb/PagedAttentionSplitfuse.cpp``; called as in {vllm}
+    ``_forward_v1_style`` and {sglang} ``forward_mixed``). ``seq_len`` = query lengths and
+    ``context_lens`` = total KV lengths, both host int32 tensors. ``mask`` defaults to
+    :func:`splitfuse_mask` built from the lengths (and ``causal`` / ``sliding_window`` /
+    ``custom_mask``); pass one prebuilt per batch to avoid a host-to-device copy per layer.
+    """
+    query = query.contiguous()
+    if out is None:
+        out = torch.empty_like(query)
+    if mask is None:
+        mask = splitfuse_mask(
+            query_lens,
+            kv_lens,
+            query.dtype,
+            query.device,
+            causal=causal,
+            sliding_window=sliding_window,
+            custom_mask=custom_mask,
+        )
+    ops._npu_paged_attention_splitfuse(
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        block_table=block_table,
+        context_lens=_host_int32("kv_lens", kv_lens),
+        mask=mask,
+        seq_len=_host_int32("query_lens", query_lens),
+        num_kv_heads=key_cache.shape[2],
+        num_heads=query.shape[1],
+        scale_value=float(scale),
+        out=out,
+    )
+    return out
+
+
+_cite(paged_mixed, vllm=_VLLM_ASCEND, sglang=_SGLANG)
+
+
+# ----------------------------------------------------------------------------- support
+
+
+def unsupported_reasons(
+    head_dim: int,
+    v_head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    logit_cap: float,
+    sliding_window: int,
+    custom_mask: bool,
+    causal: bool,
+    *,
+    kv_heads: int | None = None,
+    q_heads: int | None = None,
+    paths: Sequence[str] = ("decode", "extend", "mixed"),
+) -> list[str]:
+    """Why the real Ascend ops cannot serve a config: ``[]`` when all of ``paths`` can.
+
+    Paths: ``decode`` = ``_npu_paged_attention``, ``extend`` = ``npu_fused_infer_attention_score``
+    (TND, paged), ``mixed`` = ``_npu_paged_attention_splitfuse``. Each reason names the op and
+    the documented limit. float32 is reported (the real ops take float16/bfloat16) although
+    the CPU emulation computes it.
+    """
+    reasons: list[str] = []
+    half = (torch.float16, torch.bfloat16)
+    atb_paths = [p for p in paths if p in ("decode", "mixed")]
+    for path in atb_paths:
+        name = "_npu_paged_attention" if path == "decode" else "_npu_paged_attention_splitfuse"
+        # ATB PagedAttentionOperation constraints: _ATB_PA_DOC and _ATB_PA_IO_DOC.
+        if dtype not in half:
+            reasons.append(f"{name} ({path}): dtype {dtype} unsupported (ATB PagedAttention takes float16/bfloat16)")
+        if v_head_dim != head_dim:
+            reasons.append(
+                f"{name} ({path}): v_head_dim {v_head_dim} != head_dim {head_dim} (one head_size for K and V caches)"
+            )
+        if not 0 < head_dim <= 256:
+            reasons.append(f"{name} ({path}): head_dim {head_dim} outside (0, 256]")
+        if block_size % 16:
+            reasons.append(f"{name} ({path}): page size {block_size} is not a multiple of 16")
+        if head_dim * block_size > 128 * 128:
+            reasons.append(f"{name} ({path}): head_dim * page size = {head_dim * block_size} > 128 * 128")
+        if logit_cap > 0:
+            reasons.append(f"{name} ({path}): no logit soft-cap input (PagedAttentionParam has none)")
+        if path == "decode" and sliding_window >= 0:
+            reasons.append(f"{name} (decode): no mask or window input (torch_npu fixes maskType=UNDEFINED)")
+        if kv_heads and q_heads and q_heads % kv_heads:
+            reasons.append(f"{name} ({path}): q_heads {q_heads} not a multiple of kv_heads {kv_heads}")
+    if "extend" in paths:
+        name = "npu_fused_infer_attention_score"
+        # FIA constraints: _FIA_DOC ("约束说明": TND, page attention, Q_S > 1).
+        if dtype not in half:
+            reasons.append(f"{name} (extend): dtype {dtype} unsupported (query takes float16/bfloat16)")
+        if v_head_dim != head_dim:
+            reasons.append(
+                f"{name} (extend): v_head_dim {v_head_dim} != head_dim {head_dim} "
+                "(paged key and value shapes must match)"
+            )
+        if head_dim % 16 or head_dim > 512:
+            reasons.append(f"{name} (extend): head_dim {head_dim} must be a multiple of 16 and <= 512")
+        if block_size % 128 or not 128 <= block_size <= 512:
+            reasons.append(
+                f"{name} (extend): page size {block_size} must be a multiple of 128 in [128, 512] "
+                "(page attention, Q_S > 1)"
+            )
+        if logit_cap > 0:
+            reasons.append(f"{name} (extend): no logit soft-cap input")
+        if sliding_window >= 0:
+            reasons.append(
+                f"{name} (extend): sliding window needs sparse_mode 4 (band), not allowed with input_layout TND"
+            )
+        if custom_mask:
+            reasons.append(
+                f"{name} (extend): custom mask unsupported "
+                "(TND takes sparse_mode 0 without a mask or 3 with the causal mask)"
+            )
+        if kv_heads and q_heads and (q_heads % kv_heads or q_heads // kv_heads > 64):
+            reasons.append(f"{name} (extend): q_heads / kv_heads = {q_heads}/{kv_heads} must be an integer <= 64")
+        if kv_heads and kv_heads * head_dim > 65535:
+            reasons.append(
+                f"{name} (extend): kv_heads * head_dim = {kv_heads * head_dim} > 65535 "
+                "in the (blocks, block_size, H) layout"
+            )
+    # ``causal`` needs no reason: decode sees every key, FIA has sparse_mode 0, splitfuse a zero mask.
+    del causal
+    return reasons
