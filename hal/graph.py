@@ -61,6 +61,10 @@ class HostSyncGuard(TorchDispatchMode):
             raise GraphCaptureError(f"{func} inside a graph: {_DATA_DEPENDENT[packet]}; move it to out_graph")
         if packet is _aten.repeat_interleave and kwargs.get("output_size") is None and len(args) == 1:
             raise GraphCaptureError("repeat_interleave without output_size inside a graph: a data-dependent shape")
+        if packet in (_aten.index, _aten.index_put, _aten.index_put_) and any(
+            isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1] if i is not None
+        ):
+            raise GraphCaptureError(f"{func} with a boolean mask inside a graph: a data-dependent shape (nonzero)")
         out = func(*args, **kwargs)
         flat, _ = tree_flatten(out)
         self.shapes.append((str(func), tuple(tuple(t.shape) for t in flat if isinstance(t, torch.Tensor))))

@@ -52,7 +52,7 @@ class TorchHelperOps(HelperOps):
         target = kv_indptr[:-1, None].long() + pos[None, :] - start[:, None]
         dump = kv_indices.numel()  # invalid entries land in one extra element, dropped below
         target = torch.where(valid, target, torch.full_like(target, dump))
-        out = torch.empty(dump + 1, dtype=kv_indices.dtype, device=kv_indices.device)
+        out = torch.cat([kv_indices, kv_indices.new_zeros(1)])  # entries past kv_indptr[-1] stay as they were
         out.scatter_(0, target.flatten(), rows.flatten().to(kv_indices.dtype))
         kv_indices.copy_(out[:dump])
 

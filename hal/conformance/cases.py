@@ -253,10 +253,19 @@ CASES: tuple[Case, ...] = (
     Case("verify", V, _VERIFY),
     Case("verify_page16_bf16", V, _VERIFY, page_size=16, dtype=torch.bfloat16),
     Case("verify_sliding_window", V, _VERIFY, sliding_window=7),
+    # 128-token pages (Ascend's default block size): requests cross page boundaries
+    Case("decode_page128", D, ((0, 1), (130, 1), (260, 1), (5, 1)), page_size=128),
+    Case("decode_page128_bf16", D, ((0, 1), (130, 1), (260, 1), (5, 1)), page_size=128, dtype=torch.bfloat16),
+    Case("extend_prefix_page128", E, ((130, 5), (0, 20), (200, 12)), page_size=128),
+    Case("extend_prefix_page128_bf16", E, ((130, 5), (0, 20), (200, 12)), page_size=128, dtype=torch.bfloat16),
+    Case("mixed_page128", M, ((140, 1), (0, 30), (129, 9), (3, 1)), page_size=128),
+    Case("mixed_page128_bf16", M, ((140, 1), (0, 30), (129, 9), (3, 1)), page_size=128, dtype=torch.bfloat16),
+    Case("verify_page128", V, ((130, 4), (3, 4)), page_size=128),
 )
 
 GRAPH_CASES: tuple[Case, ...] = (
     Case("graph_decode", D, ((3, 1), (20, 1), (9, 1))),
+    Case("graph_decode_page128", D, ((3, 1), (200, 1)), page_size=128),
     Case(
         "graph_decode_page16_bf16",
         D,

@@ -1,0 +1,173 @@
+"""AttentionBackend keeps SGLang's contract: every member, its defaults, and forward's routing."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+import torch
+
+import hal
+from hal.backend import AttentionBackend
+from hal.batch import ForwardMode
+from hal.capability import DeviceCapability
+from hal.conformance.cases import CASES, build
+
+# Every member of SGLang's base_attn_backend.AttentionBackend (shared/seed), in its order.
+SGLANG_MEMBERS = [
+    "prefill_attention_backend_str",
+    "decode_attention_backend_str",
+    "supports_ragged_verify_graph",
+    "init_forward_metadata",
+    "init_forward_metadata_out_graph",
+    "init_forward_metadata_in_graph",
+    "needs_cpu_seq_lens",
+    "use_captured_forward_metadata_for_breakable_cuda_graph",
+    "init_cuda_graph_state",
+    "init_forward_metadata_for_breakable_cuda_graph_capture",
+    "prepare_forward_metadata_for_breakable_cuda_graph_replay",
+    "get_cuda_graph_seq_len_fill_value",
+    "on_after_cuda_graph_warmup",
+    "get_verify_buffers_to_fill_after_draft",
+    "update_verify_buffers_to_fill_after_draft",
+    "forward",
+    "forward_decode",
+    "forward_extend",
+    "forward_mixed",
+    "support_triton",
+    "get_indexer_metadata",
+]
+
+CPU = DeviceCapability(type="cpu", available=True, dtypes=("fp32", "bf16"))
+NPU = dataclasses.replace(CPU, type="npu", emulated=True)
+
+
+class Recorder(AttentionBackend):
+    """Records which forward_* ran, with what arguments, and returns a marker output."""
+
+    name = "recorder"
+
+    def __init__(self, capability):
+        super().__init__(capability)
+        self.calls: list[tuple[str, bool, dict]] = []
+
+    def _record(self, method, q, layer, save_kv_cache, kwargs):
+        self.calls.append((method, save_kv_cache, kwargs))
+        return torch.full((q.shape[0], layer.tp_q_head_num * layer.v_head_dim), float(len(method)))
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        return self._record("forward_decode", q, layer, save_kv_cache, kwargs)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        return self._record("forward_extend", q, layer, save_kv_cache, kwargs)
+
+    def forward_mixed(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        return self._record("forward_mixed", q, layer, save_kv_cache, kwargs)
+
+
+def test_every_sglang_member_is_there_with_its_signature():
+    for name in SGLANG_MEMBERS:
+        assert hasattr(AttentionBackend, name), name
+    params = inspect.signature(AttentionBackend.forward).parameters
+    assert list(params)[:7] == ["self", "q", "k", "v", "layer", "forward_batch", "save_kv_cache"]
+    assert params["save_kv_cache"].default is True
+    out_graph = inspect.signature(AttentionBackend.init_forward_metadata_out_graph).parameters
+    assert out_graph["in_capture"].default is False
+    replay = inspect.signature(AttentionBackend.prepare_forward_metadata_for_breakable_cuda_graph_replay).parameters
+    assert replay["static_forward_batch"].kind is inspect.Parameter.KEYWORD_ONLY
+
+
+def test_defaults_match_sglang():
+    backend = AttentionBackend(CPU)
+    assert backend.prefill_attention_backend_str is None and backend.decode_attention_backend_str is None
+    assert backend.supports_ragged_verify_graph is False
+    assert backend.needs_cpu_seq_lens is True
+    assert backend.use_captured_forward_metadata_for_breakable_cuda_graph is False
+    assert backend.get_verify_buffers_to_fill_after_draft() == [None, None]
+    assert backend.support_triton() is True
+    assert backend.get_indexer_metadata(0, None) is None
+    assert backend.on_after_cuda_graph_warmup() is None
+    assert backend.init_forward_metadata_in_graph(None) is None
+    for call in (
+        lambda: backend.init_cuda_graph_state(8, 8),
+        lambda: backend.init_forward_metadata_for_breakable_cuda_graph_capture(None),
+        lambda: backend.prepare_forward_metadata_for_breakable_cuda_graph_replay(None, None),
+        lambda: backend.get_cuda_graph_seq_len_fill_value(),
+        lambda: backend.update_verify_buffers_to_fill_after_draft(None, None),
+        lambda: backend.forward_decode(None, None, None, None, None),
+        lambda: backend.forward_extend(None, None, None, None, None),
+        lambda: backend.forward_mixed(None, None, None, None, None),
+    ):
+        with pytest.raises(NotImplementedError):
+            call()
+
+
+def test_init_forward_metadata_is_out_graph_then_in_graph():
+    order = []
+
+    class Ordered(Recorder):
+        def init_forward_metadata_out_graph(self, fb, in_capture=False):
+            order.append(("out_graph", in_capture))
+
+        def init_forward_metadata_in_graph(self, fb):
+            order.append(("in_graph",))
+
+    Ordered(CPU).init_forward_metadata(object())
+    assert order == [("out_graph", False), ("in_graph",)]
+
+
+def _case(mode: ForwardMode):
+    return next(c for c in CASES if c.mode == mode)
+
+
+@pytest.mark.parametrize(
+    "mode, capability, expected",
+    [
+        (ForwardMode.DECODE, CPU, "forward_decode"),
+        (ForwardMode.DECODE, NPU, "forward_decode"),
+        (ForwardMode.EXTEND, CPU, "forward_extend"),
+        (ForwardMode.EXTEND, NPU, "forward_extend"),
+        (ForwardMode.MIXED, CPU, "forward_extend"),
+        (ForwardMode.MIXED, NPU, "forward_mixed"),
+        (ForwardMode.TARGET_VERIFY, CPU, "forward_extend"),
+        (ForwardMode.TARGET_VERIFY, NPU, "forward_extend"),
+        (ForwardMode.DRAFT_EXTEND, CPU, "forward_extend"),
+        (ForwardMode.DRAFT_EXTEND, NPU, "forward_extend"),
+    ],
+)
+def test_forward_routes_as_sglang(mode, capability, expected):
+    """DECODE -> forward_decode; MIXED on an NPU -> forward_mixed; every other mode -> forward_extend."""
+    built = build(_case(mode))
+    backend = Recorder(capability)
+    out = backend.forward(built.q, built.k, built.v, built.layer, built.batch, save_kv_cache=False, tag=7)
+    assert [c[0] for c in backend.calls] == [expected]
+    assert backend.calls[0][1:] == (False, {"tag": 7}), "save_kv_cache and kwargs are passed through"
+    assert torch.equal(out, torch.full_like(out, float(len(expected))))
+
+
+def test_npu_is_the_backends_capability_not_a_global_probe():
+    built = build(_case(ForwardMode.MIXED))
+    for cap, expected in ((CPU, "forward_extend"), (NPU, "forward_mixed")):
+        backend = Recorder(cap)
+        backend.forward(built.q, built.k, built.v, built.layer, built.batch)
+        assert backend.calls[0][0] == expected
+
+
+def test_idle_returns_an_empty_output_without_calling_a_kernel():
+    backend = Recorder(CPU)
+    built = build(_case(ForwardMode.DECODE))
+    layer = hal.AttentionLayer(0, 4, 2, 32, v_head_dim=16)
+    idle = hal.ForwardBatch(
+        forward_mode=ForwardMode.IDLE,
+        batch_size=0,
+        req_pool_indices=torch.zeros(0, dtype=torch.int64),
+        seq_lens=torch.zeros(0, dtype=torch.int32),
+        out_cache_loc=torch.zeros(0, dtype=torch.int64),
+        req_to_token_pool=built.batch.req_to_token_pool,
+        token_to_kv_pool=built.batch.token_to_kv_pool,
+    )
+    q = torch.zeros(3, 4 * 32, dtype=torch.bfloat16)
+    out = backend.forward(q, q, q, layer, idle)
+    assert out.shape == (3, 4 * 16) and out.dtype == torch.bfloat16
+    assert backend.calls == []

@@ -1,0 +1,131 @@
+"""support_triton() gating: the helper ops around attention come from one answer, and really run.
+
+With ``support_triton()`` False, or a device without a Triton target, the torch ops run
+and no Triton kernel launches; with both, the Triton kernels run and the torch ops do not.
+The Triton half needs triton and TRITON_INTERPRET=1 (the ``triton`` tox env).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+import pytest
+import torch
+from hal.devices.cpu import TorchBackend, device
+
+from hal.capability import interpreter_enabled
+from hal.conformance.cases import CASES, build, tolerance
+from hal.ops import TORCH_OPS, TRITON_OPS, TorchHelperOps
+
+CAP = device.probe()
+WITH_TARGET = dataclasses.replace(CAP, triton_target="cpu:interpreter")
+WITHOUT_TARGET = dataclasses.replace(CAP, triton_target=None)
+triton_runs = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or not interpreter_enabled(),
+    reason="needs triton and TRITON_INTERPRET=1 (tox -e triton)",
+)
+KERNELS = ("write_kv", "build_kv_indices", "compute_positions")
+
+
+class NoTriton(TorchBackend):
+    def support_triton(self) -> bool:
+        return False
+
+
+def _forward(backend, case_name="extend_prefix"):
+    built = build(next(c for c in CASES if c.name == case_name))
+    backend.init_forward_metadata(built.batch)
+    out = backend.forward(built.q, built.k, built.v, built.layer, built.batch)
+    torch.testing.assert_close(out, built.expected, **tolerance(built.case.dtype))
+    return built
+
+
+@pytest.fixture
+def spies(monkeypatch):
+    """Count calls of the Triton kernels and of the torch ops (both still run for real)."""
+    from hal.kernels import triton as kernels
+
+    counts = {f"triton.{n}": 0 for n in KERNELS} | {f"torch.{n}": 0 for n in KERNELS}
+
+    def spy(owner, name, key):
+        real = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            counts[key] += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, wrapper)
+
+    for name in KERNELS:
+        if importlib.util.find_spec("triton") is not None:
+            spy(kernels, name, f"triton.{name}")
+        spy(TorchHelperOps, name, f"torch.{name}")
+    return counts
+
+
+def test_the_choice_is_made_in_one_place():
+    assert TorchBackend(WITH_TARGET).helper_ops is TRITON_OPS
+    assert NoTriton(WITH_TARGET).helper_ops is TORCH_OPS, "support_triton() False wins over a Triton target"
+    assert TorchBackend(WITHOUT_TARGET).helper_ops is TORCH_OPS, "no Triton target: torch"
+
+
+def test_support_triton_false_runs_the_torch_ops_only(spies):
+    _forward(NoTriton(WITH_TARGET))
+    assert spies["torch.write_kv"] == 1
+    assert all(spies[f"triton.{n}"] == 0 for n in KERNELS)
+
+
+def test_no_triton_target_runs_the_torch_ops_only(spies):
+    _forward(TorchBackend(WITHOUT_TARGET))
+    assert spies["torch.write_kv"] == 1
+    assert all(spies[f"triton.{n}"] == 0 for n in KERNELS)
+
+
+@triton_runs
+def test_triton_target_and_support_run_the_triton_kernels_only(spies):
+    from hal.kernels.triton.backend import TritonBackend
+
+    _forward(TorchBackend(WITH_TARGET))
+    assert spies["triton.write_kv"] == 1 and spies["torch.write_kv"] == 0
+    _forward(TritonBackend(WITH_TARGET), "decode")  # builds kv indices through the helper ops too
+    assert spies["triton.build_kv_indices"] >= 1
+    assert all(spies[f"torch.{n}"] == 0 for n in KERNELS)
+
+
+def _index_inputs():
+    gen = torch.Generator().manual_seed(3)
+    req_to_token = torch.randint(0, 1000, (6, 40), generator=gen, dtype=torch.int32)
+    rows = torch.tensor([4, 0, 2])
+    start = torch.tensor([0, 5, 3])
+    end = torch.tensor([7, 40, 3])
+    indptr = torch.zeros(4, dtype=torch.int64)
+    indptr[1:] = torch.cumsum(end - start, 0)
+    expected = torch.cat([req_to_token[r, s:e] for r, s, e in zip(rows.tolist(), start.tolist(), end.tolist())])
+    return req_to_token, rows, start, end, indptr, expected
+
+
+def _positions_inputs():
+    prefix, extend = torch.tensor([3, 0, 9]), torch.tensor([2, 4, 1])
+    start = torch.cumsum(extend, 0) - extend
+    expected = torch.tensor([3, 4, 0, 1, 2, 3, 9])
+    return prefix, extend, start, expected
+
+
+@pytest.mark.parametrize("ops", [TORCH_OPS, pytest.param(TRITON_OPS, marks=triton_runs)], ids=lambda o: o.name)
+def test_helper_ops_compute_the_same_thing(ops):
+    req_to_token, rows, start, end, indptr, expected = _index_inputs()
+    out = torch.full((int(indptr[-1]) + 3,), -7, dtype=torch.int32)
+    ops.build_kv_indices(req_to_token, rows, start, end, indptr, out)
+    assert torch.equal(out[: len(expected)], expected) and out[len(expected) :].eq(-7).all()
+    prefix, extend, starts, positions = _positions_inputs()
+    got = torch.empty(7, dtype=torch.int64)
+    ops.compute_positions(prefix, extend, starts, got)
+    assert torch.equal(got, positions)
+    k_buf, v_buf = torch.zeros(10, 2, 4, dtype=torch.bfloat16), torch.zeros(10, 2, 4, dtype=torch.bfloat16)
+    k, v = torch.randn(3, 2, 4), torch.randn(3, 2, 4)
+    ops.write_kv(k_buf, v_buf, torch.tensor([7, 2, 9]), k, v)
+    # the interpreter's fp32 -> bf16 store truncates where torch rounds: one bf16 ulp apart at most
+    torch.testing.assert_close(k_buf[[7, 2, 9]].float(), k.bfloat16().float(), atol=0, rtol=2**-7)
+    torch.testing.assert_close(v_buf[[7, 2, 9]].float(), v.bfloat16().float(), atol=0, rtol=2**-7)
+    assert k_buf[[0, 1, 3, 4, 5, 6, 8]].eq(0).all()
