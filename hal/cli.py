@@ -99,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     p_bench = sub.add_parser("bench", help="decode/extend speed as ratios to this machine's own limits")
     p_bench.add_argument("--device")
     p_bench.add_argument("--backend", action="append", default=[])
-    p_bench.add_argument("--quick", action="store_true")
+    p_bench.add_argument("--quick", action="store_true", help="small shapes, a smoke run")
+    p_bench.add_argument("--repeats", type=int, default=7)
+    p_bench.add_argument("--peer-python", help="python of a venv with the SGLang peer (../shared/peer) installed")
     p_bench.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     try:
@@ -124,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             from hal.bench import run_bench
 
-            return run_bench(args.device, args.backend, quick=args.quick, as_json=args.json)
+            return run_bench(args.device, args.backend, args.quick, args.json, args.peer_python, args.repeats)
     except HalError as exc:
         print(f"hal: error: {exc}", file=sys.stderr)
         return 2
