@@ -170,8 +170,10 @@ def backend_report(device: Device, cap: DeviceCapability, config: AttentionConfi
     if error:
         return [{"name": "?", "available": False, "selected": False, "reasons": [error]}]
     for cls in classes:
-        reasons = [f"device unavailable: {cap.reasons.get('device', '?')}"] if not cap.available else []
-        reasons += cls.validate(config, cap)
+        if cap.available:
+            reasons = cls.validate(config, cap)
+        else:  # config checks against an absent device would only add noise
+            reasons = [f"device unavailable: {cap.reasons.get('device', '?')}", *cls.available(cap)]
         is_selected = not reasons and selected is None
         selected = selected or (cls.name if is_selected else None)
         rows.append(

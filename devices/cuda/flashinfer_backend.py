@@ -1,0 +1,664 @@
+"""``flashinfer``: the CUDA attention backend over FlashInfer's paged and ragged wrappers.
+
+What runs, per forward mode (``P``: cached prefix, ``E``: query tokens of a request):
+
+* DECODE: ``BatchDecodeWithPagedKVCacheWrapper`` over the pool's paged view
+  (``get_paged_kv_buffer``), ``window_left`` = the layer's sliding window,
+  ``logits_soft_cap`` = its logit cap. Under graph capture, one wrapper per captured
+  batch size is built with ``use_cuda_graph=True`` on fixed indptr / indices /
+  last-page-length buffers, and ``out_graph`` re-plans it into them before each replay.
+* EXTEND / MIXED / DRAFT_EXTEND, layers without a sliding window (``extend_strategy``
+  "auto", the default): the new tokens through ``BatchPrefillWithRaggedKVCacheWrapper``
+  (causal per the layer), the cached prefix through ``BatchPrefillWithPagedKVCacheWrapper``
+  with ``causal=False``, both with ``return_lse=True``, joined by ``merge_state``. A
+  request without a prefix has zero pages in the prefix call: FlashInfer's paged KV
+  ``get_length`` is 0 when a request has no pages, the scheduler still gives it one
+  work tile, and that tile writes output 0 and LSE -inf, which ``merge_state`` weighs
+  as nothing (read in FlashInfer 0.2.5 and 0.7.4: ``page.cuh``, ``scheduler.cuh``,
+  ``prefill.cuh``, ``cascade.cuh``; SGLang runs the same pattern). When no request of
+  the batch has a prefix, the ragged call alone runs.
+* EXTEND / MIXED / DRAFT_EXTEND, sliding-window layers (and every layer under
+  ``extend_strategy="paged"``): one paged prefill over prefix + new tokens (the KV is
+  written first), causal per the layer, ``window_left`` = the window. FlashInfer's window
+  test is ``kv_idx + qo_len + window_left >= kv_len + qo_idx`` (``variants.cuh``): the
+  query's position is taken bottom-right aligned with the KV it is given, so a
+  prefix-only call would place query ``i`` at ``P - E + i`` instead of ``P + i`` and let
+  ``E`` keys too many into the window. Over prefix + new it is exact (causal or not).
+* TARGET_VERIFY: one paged prefill over committed + draft tokens with
+  ``custom_mask`` = ``spec_info.custom_mask`` (FlashInfer's flat layout is hal's: per
+  request row-major ``[draft, seq_len + draft]``), ``window_left`` = the window on top.
+
+FlashInfer fixes the kernel (sliding window on/off, soft cap on/off), the softmax
+scale and the schedule at ``plan`` time, so a plan belongs to one *layer variant*
+(heads, head_dim, scale, logit cap, window, causality). ``out_graph`` plans every variant
+it knows: those given to the constructor (``layers=``) or :meth:`register_layers`, and
+those met by earlier forwards. A forward meeting a new variant outside a graph capture
+plans it on the spot (host work inside ``forward``, once per variant); inside a capture
+that is an error, which the graph runner's eager warm-up pass prevents.
+
+Metadata: ``init_forward_metadata_out_graph`` does all host work (indptrs and last page
+lengths from ``*_cpu`` lens, page ids gathered on the device from ``req_to_token`` with
+host-built positions, no device-to-host sync) and every ``plan``;
+``init_forward_metadata_in_graph`` has nothing to do: the replayed kernels read the
+wrappers' fixed buffers, which ``plan`` refills.
+
+Assumes page-aligned ``req_to_token`` rows (token ``i`` of a request at offset
+``i % page_size`` of its page), as SGLang's paged allocator guarantees and FlashInfer
+needs. Not supported: fp32 (FlashInfer compiles fp16/bf16, fp8 KV), ``v_head_dim !=
+head_dim`` (MLA has its own FlashInfer wrappers), head dims outside 64/128/256, graph
+capture of non-DECODE batches. Signatures followed: flashinfer-python 0.2.5 and 0.7.4
+(the keyword subset used here is common to both).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hal.backend import AttentionBackend
+from hal.batch import ForwardBatch, ForwardMode
+from hal.capability import DeviceCapability
+from hal.errors import ConfigError, GraphCaptureError, InvalidBatchError, expect
+
+__all__ = [
+    "FlashInferBackend",
+    "LayerVariant",
+    "PagedKV",
+    "build_paged_kv",
+    "indptr_from_lens",
+    "merge_states_base2",
+    "paged_kv_layout",
+]
+
+MIN_SM = 75  # FlashInfer's JIT refuses GPUs below sm_75 (flashinfer/jit/core.py)
+MIN_SM_BF16 = 80  # bf16 tensor cores
+HEAD_DIMS = frozenset({64, 128, 256})  # FlashInfer's DISPATCH_HEAD_DIM set (utils.cuh); vLLM declares the same
+WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace
+_MERGE_STATE_MAX_THREADS = 1024  # merge_state's CUDA block is (head_dim / vec_size) x num_heads threads
+
+
+# ----------------------------------------------------------------------------- host-side plan inputs
+
+
+def indptr_from_lens(lens: Sequence[int]) -> torch.Tensor:
+    """int32 host ``[len(lens) + 1]``: ``0`` then the running sums of ``lens``."""
+    out = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    if len(lens):
+        out[1:] = torch.cumsum(torch.tensor(list(lens), dtype=torch.int64), 0)
+    return out
+
+
+def paged_kv_layout(
+    kv_lens: Sequence[int], page_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Host-side page table shape for ``kv_lens`` keys per request.
+
+    Returns ``(indptr, last_page_len, page_req, page_pos)``: ``indptr`` int32 ``[B + 1]``
+    (pages per request, summed), ``last_page_len`` int32 ``[B]`` (keys in each request's
+    last page, ``1..page_size``; 0 for a request without keys), and for each page of the
+    flat page list, its request ``page_req`` and the position of its first token
+    ``page_pos`` (int64 ``[num_pages]``).
+    """
+    kv = torch.tensor(list(kv_lens), dtype=torch.int64)
+    pages = (kv + page_size - 1) // page_size
+    indptr = indptr_from_lens(pages.tolist())
+    last = torch.where(kv > 0, (kv - 1) % page_size + 1, torch.zeros_like(kv)).to(torch.int32)
+    page_req = torch.repeat_interleave(torch.arange(len(kv), dtype=torch.int64), pages)
+    page_pos = (torch.arange(page_req.numel(), dtype=torch.int64) - indptr.long()[page_req]) * page_size
+    return indptr, last, page_req, page_pos
+
+
+@dataclass
+class PagedKV:
+    """FlashInfer's page table of a batch: ``indptr`` / ``last_page_len`` on the host, ``indices`` on
+    ``req_to_token``'s device (int32 page ids, ``slot // page_size``)."""
+
+    indptr: torch.Tensor
+    indices: torch.Tensor
+    last_page_len: torch.Tensor
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.indptr[-1])
+
+
+def build_paged_kv(
+    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, kv_lens: Sequence[int], page_size: int
+) -> PagedKV:
+    """The page table of keys ``0 .. kv_lens[b] - 1`` of each request ``b``.
+
+    Page ``j`` of request ``b`` is ``req_to_token[req_pool_indices[b], j * page_size] // page_size``.
+    Positions come from the host lens; the row lookup and the gather run on
+    ``req_to_token``'s device, so ``req_pool_indices`` is never read back to the host.
+    """
+    indptr, last, page_req, page_pos = paged_kv_layout(kv_lens, page_size)
+    device = req_to_token.device
+    where = torch.stack([page_req, page_pos]).to(device)  # one host-to-device copy
+    rows = req_pool_indices.to(device=device, dtype=torch.int64)[where[0]]
+    slots = req_to_token[rows, where[1]]
+    return PagedKV(indptr, (slots // page_size).to(torch.int32), last)
+
+
+# ----------------------------------------------------------------------------- merge (documentation + fallback)
+
+
+def merge_states_base2(
+    v_a: torch.Tensor, lse_a: torch.Tensor, v_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over KV ``A ∪ B`` from the attention over each part: FlashInfer's ``merge_state``.
+
+    ``v_*``: ``[T, H, D]`` outputs, each normalised over its own keys; ``lse_*``: float
+    ``[T, H]`` log-sum-exp of the (scaled, soft-capped) scores in **base 2**, i.e.
+    ``log2(sum_j exp(s_j))``, as FlashInfer's kernels return it. With ``m = max(lse_a, lse_b)``,
+    ``w_x = 2 ** (lse_x - m)``: ``v = (w_a v_a + w_b v_b) / (w_a + w_b)``,
+    ``lse = m + log2(w_a + w_b)``. An empty part has ``lse = -inf`` and weighs nothing;
+    two empty parts give ``v = 0`` and ``lse = -inf`` (FlashInfer guards that case too).
+    Returns ``(v, lse)`` with ``v`` in ``v_a``'s dtype and ``lse`` float32.
+    """
+    a, b = lse_a.float(), lse_b.float()
+    m = torch.maximum(a, b)
+    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    w_a, w_b = torch.exp2(a - m), torch.exp2(b - m)
+    total = w_a + w_b
+    denom = torch.where(total > 0, total, torch.ones_like(total))
+    s_a = torch.where(total > 0, w_a / denom, torch.zeros_like(total))
+    s_b = torch.where(total > 0, w_b / denom, torch.zeros_like(total))
+    v = s_a[..., None] * v_a.float() + s_b[..., None] * v_b.float()
+    return v.to(v_a.dtype), torch.log2(total) + m
+
+
+# ----------------------------------------------------------------------------- metadata
+
+
+@dataclass(frozen=True)
+class LayerVariant:
+    """What a FlashInfer plan depends on in a layer."""
+
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    scale: float
+    logit_cap: float
+    window: int  # -1: none
+    causal: bool
+
+    @classmethod
+    def of(cls, layer) -> LayerVariant:
+        return cls(
+            q_heads=layer.tp_q_head_num,
+            kv_heads=layer.tp_k_head_num,
+            head_dim=layer.head_dim,
+            scale=float(layer.scaling),
+            logit_cap=float(layer.logit_cap),
+            window=int(layer.sliding_window_size),
+            causal=bool(layer.causal),
+        )
+
+    @property
+    def use_tensor_cores(self) -> bool:
+        """Decode on tensor cores (the prefill kernel) from a GQA group of 4 up, as SGLang does for fp16/bf16.
+
+        The CUDA-core decode kernel is compiled for groups 1, 2, 3, 4, 8 only (0.2.5; 0.7.4 adds
+        6 and 16); the tensor-core path takes any group, so every group size is served.
+        """
+        return self.q_heads // self.kv_heads >= 4
+
+
+@dataclass
+class FlashInferMetadata:
+    """One step's host-side plan inputs, and the wrappers planned for it (``(kind, variant)`` keys).
+
+    ``kind``: ``decode``; ``ragged`` (new tokens) + ``prefix`` (cached prefix, paged);
+    ``paged`` (prefix + new, paged); ``verify`` (paged with the custom mask).
+    """
+
+    mode: ForwardMode
+    batch_size: int
+    num_tokens: int
+    dtype: torch.dtype
+    page_size: int
+    graph_static: bool
+    qo_indptr: torch.Tensor  # int32 host [B + 1]
+    kv_lens: list[int]
+    prefix_lens: list[int]
+    req_to_token: torch.Tensor
+    req_pool_indices: torch.Tensor
+    custom_mask: torch.Tensor | None = None
+    wrappers: dict[tuple[str, LayerVariant], Any] = field(default_factory=dict)
+    _kv: PagedKV | None = None
+    _prefix: PagedKV | None = None
+
+    @property
+    def has_prefix(self) -> bool:
+        return any(self.prefix_lens)
+
+    def kv(self) -> PagedKV:
+        """Page table over every key a query sees (prefix + query tokens)."""
+        if self._kv is None:
+            self._kv = build_paged_kv(self.req_to_token, self.req_pool_indices, self.kv_lens, self.page_size)
+        return self._kv
+
+    def prefix(self) -> PagedKV:
+        """Page table over the cached prefixes only (extend modes)."""
+        if self._prefix is None:
+            self._prefix = build_paged_kv(self.req_to_token, self.req_pool_indices, self.prefix_lens, self.page_size)
+        return self._prefix
+
+
+@dataclass
+class _GraphState:
+    """Fixed buffers shared by every captured decode wrapper (all batch sizes, all variants)."""
+
+    max_bs: int
+    indptr: torch.Tensor  # int32 [max_bs + 1]
+    last_page_len: torch.Tensor  # int32 [max_bs]
+    indices: torch.Tensor | None = None  # int32 [max_bs * pages per req_to_token row], sized lazily
+    pages_per_row: int = 0
+
+
+def _sm(arch: str) -> int | None:
+    """``sm_90`` -> 90, ``sm_100`` -> 100; None when ``arch`` is not an NVIDIA SM name."""
+    found = re.fullmatch(r"sm_?(\d+)[a-z]?", (arch or "").strip().lower())
+    return int(found.group(1)) if found else None
+
+
+def _flashinfer_missing() -> str | None:
+    try:
+        spec = importlib.util.find_spec("flashinfer")
+    except (ImportError, ValueError) as exc:  # a broken or half-imported package
+        return f"flashinfer cannot be found: {type(exc).__name__}: {exc}"
+    if spec is None:
+        return "flashinfer is not installed (pip install flashinfer-python, or 'hal-attention[cuda]')"
+    return None
+
+
+class FlashInferBackend(AttentionBackend):
+    """FlashInfer on NVIDIA GPUs (sm_75+; bf16 from sm_80). See the module docstring for the call plan.
+
+    Keyword arguments: ``layers`` (the model's ``AttentionLayer``s, planned from the first
+    step; otherwise learnt from forwards), ``max_context_len`` (sizes the graph page
+    buffer; default: the ``req_to_token`` width of the first captured batch),
+    ``workspace_bytes`` (FlashInfer's float workspace), ``extend_strategy`` (``"auto"``:
+    ragged + paged prefix + merge, one paged call for windowed layers; ``"paged"``: one
+    paged call over prefix + new for every layer), ``prefill_backend`` (FlashInfer's
+    prefill implementation, ``"fa2"`` as SGLang pins it, or ``"auto"``).
+    """
+
+    name = "flashinfer"
+    dtypes = frozenset({"fp16", "bf16"})
+    page_sizes = None  # any power of two: FlashInfer takes page_size at plan time
+    head_dims = HEAD_DIMS
+    supports_sliding_window = True  # window_left
+    supports_logit_cap = True  # logits_soft_cap
+    supports_non_causal = True  # causal=False
+    supports_custom_mask = True  # custom_mask (prefill wrappers)
+    supports_graph = True  # DECODE
+    supports_mla = False
+    needs_cpu_seq_lens = True
+
+    def __init__(
+        self,
+        capability: DeviceCapability,
+        *,
+        layers: Iterable | None = None,
+        max_context_len: int | None = None,
+        workspace_bytes: int = WORKSPACE_BYTES,
+        extend_strategy: str = "auto",
+        prefill_backend: str = "fa2",
+    ):
+        super().__init__(capability)
+        expect(
+            extend_strategy in ("auto", "paged"),
+            ConfigError,
+            "extend_strategy",
+            extend_strategy,
+            "'auto' or 'paged'",
+        )
+        self.max_context_len = max_context_len
+        self.workspace_bytes = workspace_bytes
+        self.extend_strategy = extend_strategy
+        self.prefill_backend = prefill_backend
+        self.variants: dict[LayerVariant, None] = {}  # an ordered set
+        self._fi_module = None
+        self._workspace: torch.Tensor | None = None
+        self._wrappers: dict[tuple, Any] = {}  # (kind, variant, graph batch size or None) -> wrapper
+        self._graph: _GraphState | None = None
+        self.forward_metadata: FlashInferMetadata | None = None
+        if layers is not None:
+            self.register_layers(layers)
+
+    # -- selection ---------------------------------------------------------------------
+    @classmethod
+    def available(cls, capability: DeviceCapability) -> list[str]:
+        reasons = []
+        missing = _flashinfer_missing()
+        if missing:
+            reasons.append(missing)
+        arch = capability.arch or ""
+        if capability.type != "cuda":
+            reasons.append(f"FlashInfer runs on NVIDIA CUDA devices only, not {capability.type!r}")
+        elif arch.lower().startswith("gfx") or "amd" in (capability.vendor or "").lower():
+            reasons.append(f"FlashInfer has no ROCm build (device {arch or capability.vendor})")
+        else:
+            sm = _sm(arch)
+            if sm is not None and sm < MIN_SM:
+                reasons.append(f"FlashInfer needs sm_{MIN_SM} or newer; this GPU is {arch}")
+        return reasons
+
+    @classmethod
+    def validate(cls, config, capability: DeviceCapability) -> list[str]:
+        reasons = []
+        for reason in super().validate(config, capability):
+            if reason.startswith("dtype fp32"):
+                reason += ": FlashInfer compiles attention for fp16/bf16 (and fp8 KV) only, no fp32 kernels"
+            elif reason.startswith("head_dim"):
+                reason += ": FlashInfer's dispatched head dims"
+            reasons.append(reason)
+        sm = _sm(capability.arch)
+        if config.dtype_name == "bf16" and sm is not None and sm < MIN_SM_BF16 and capability.type == "cuda":
+            why = f"FlashInfer's bf16 kernels need sm_{MIN_SM_BF16}+; this GPU is {capability.arch}"
+            if not any("bf16" in r for r in reasons):
+                reasons.append(why)
+        return reasons
+
+    def support_triton(self) -> bool:
+        return True
+
+    def register_layers(self, layers: Iterable) -> None:
+        """Make ``out_graph`` plan for these layers from the next step on."""
+        for layer in layers:
+            self._check_layer(layer)
+            self.variants.setdefault(LayerVariant.of(layer), None)
+
+    # -- FlashInfer objects ------------------------------------------------------------
+    def _fi(self):
+        if self._fi_module is None:
+            missing = _flashinfer_missing()
+            if missing:
+                raise ConfigError(missing)
+            self._fi_module = importlib.import_module("flashinfer")
+        return self._fi_module
+
+    def _workspace_buffer(self) -> torch.Tensor:
+        if self._workspace is None:  # zeroed: the decode wrapper wants it so on first use
+            self._workspace = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=self.device)
+        return self._workspace
+
+    def _wrapper(self, kind: str, variant: LayerVariant, graph_bs: int | None):
+        key = (kind, variant, graph_bs)
+        wrapper = self._wrappers.get(key)
+        if wrapper is not None:
+            return wrapper
+        fi, ws = self._fi(), self._workspace_buffer()
+        if kind == "decode":
+            kw: dict[str, Any] = {"use_tensor_cores": variant.use_tensor_cores}
+            if graph_bs is not None:
+                g = self._graph
+                kw.update(
+                    use_cuda_graph=True,
+                    paged_kv_indptr_buffer=g.indptr[: graph_bs + 1],
+                    paged_kv_indices_buffer=g.indices,
+                    paged_kv_last_page_len_buffer=g.last_page_len[:graph_bs],
+                )
+            wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", **kw)
+        elif kind == "ragged":
+            wrapper = fi.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=self.prefill_backend)
+        else:
+            wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=self.prefill_backend)
+        self._wrappers[key] = wrapper
+        return wrapper
+
+    def _kinds(self, meta: FlashInferMetadata, variant: LayerVariant) -> list[str]:
+        if meta.mode.is_decode():
+            return ["decode"]
+        if meta.mode.is_target_verify():
+            return ["verify"]
+        if variant.window >= 0 or self.extend_strategy == "paged":
+            return ["paged"]
+        return ["ragged", "prefix"] if meta.has_prefix else ["ragged"]
+
+    def _plan(self, meta: FlashInferMetadata, kind: str, variant: LayerVariant):
+        """``plan`` one wrapper for this step (host work: outside any graph)."""
+        graph_bs = meta.batch_size if (meta.graph_static and kind == "decode") else None
+        wrapper = self._wrapper(kind, variant, graph_bs)
+        hq, hkv, dim, ps = variant.q_heads, variant.kv_heads, variant.head_dim, meta.page_size
+        common = dict(
+            sm_scale=variant.scale,
+            logits_soft_cap=variant.logit_cap,
+            q_data_type=meta.dtype,
+            kv_data_type=meta.dtype,
+        )
+        if kind == "decode":
+            kv = meta.kv()
+            wrapper.plan(
+                kv.indptr,
+                kv.indices,
+                kv.last_page_len,
+                hq,
+                hkv,
+                dim,
+                ps,
+                pos_encoding_mode="NONE",
+                window_left=variant.window,
+                **common,
+            )
+        elif kind == "ragged":  # the new tokens' own K/V: kv_indptr == qo_indptr
+            wrapper.plan(
+                meta.qo_indptr,
+                meta.qo_indptr,
+                hq,
+                hkv,
+                dim,
+                causal=variant.causal,
+                pos_encoding_mode="NONE",
+                window_left=-1,
+                **common,
+            )
+        elif kind == "prefix":  # every prefix key precedes every query: no mask
+            kv = meta.prefix()
+            wrapper.plan(
+                meta.qo_indptr,
+                kv.indptr,
+                kv.indices,
+                kv.last_page_len,
+                hq,
+                hkv,
+                dim,
+                ps,
+                causal=False,
+                pos_encoding_mode="NONE",
+                window_left=-1,
+                **common,
+            )
+        elif kind == "paged":
+            kv = meta.kv()
+            wrapper.plan(
+                meta.qo_indptr,
+                kv.indptr,
+                kv.indices,
+                kv.last_page_len,
+                hq,
+                hkv,
+                dim,
+                ps,
+                causal=variant.causal,
+                pos_encoding_mode="NONE",
+                window_left=variant.window,
+                **common,
+            )
+        elif kind == "verify":
+            # The custom mask is packed on its device with an indptr derived from these
+            # three; FlashInfer 0.2.x puts that indptr on qo_indptr's device, so all go there.
+            kv, device = meta.kv(), meta.custom_mask.device
+            wrapper.plan(
+                meta.qo_indptr.to(device),
+                kv.indptr.to(device),
+                kv.indices,
+                kv.last_page_len.to(device),
+                hq,
+                hkv,
+                dim,
+                ps,
+                custom_mask=meta.custom_mask,
+                causal=False,
+                pos_encoding_mode="NONE",
+                window_left=variant.window,
+                **common,
+            )
+        else:  # pragma: no cover - internal
+            raise AssertionError(kind)
+        meta.wrappers[(kind, variant)] = wrapper
+        return wrapper
+
+    def _planned(self, meta: FlashInferMetadata, kind: str, variant: LayerVariant):
+        wrapper = meta.wrappers.get((kind, variant))
+        if wrapper is None:
+            if self._capturing():
+                raise GraphCaptureError(
+                    f"flashinfer: layer variant {variant} met for the first time inside a graph capture, "
+                    "where plan() cannot run; run the batch eagerly once first (the graph runner's warm-up "
+                    "does) or pass the layers to the backend (layers= / register_layers)"
+                )
+            self.variants.setdefault(variant, None)
+            wrapper = self._plan(meta, kind, variant)
+        return wrapper
+
+    def _capturing(self) -> bool:
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+    # -- metadata ----------------------------------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        # Wrappers of an earlier capture hold the old buffers' addresses: drop them.
+        self._wrappers = {key: w for key, w in self._wrappers.items() if key[2] is None}
+        self._graph = _GraphState(
+            max_bs=max_bs,
+            indptr=torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device),
+            last_page_len=torch.ones(max_bs, dtype=torch.int32, device=self.device),
+        )
+        if self.max_context_len is not None:
+            self._graph_indices(self.max_context_len, 1)
+
+    def _graph_indices(self, max_context_len: int, page_size: int) -> None:
+        """Allocate the fixed page-id buffer once: every captured wrapper holds its address."""
+        g = self._graph
+        pages = -(-max_context_len // page_size)
+        if g.indices is None:
+            g.pages_per_row = pages
+            g.indices = torch.zeros(g.max_bs * pages, dtype=torch.int32, device=self.device)
+        elif pages > g.pages_per_row:
+            raise GraphCaptureError(
+                f"flashinfer graph page buffer holds {g.pages_per_row} pages per request, a batch needs "
+                f"{pages}: pass max_context_len= to the backend before init_cuda_graph_state"
+            )
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1
+
+    def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
+        mode = fb.forward_mode
+        if mode.is_idle():
+            self.forward_metadata = None
+            return
+        graph_static = bool(getattr(fb, "graph_static", False)) or in_capture
+        if graph_static:
+            expect(
+                mode.is_decode(),
+                GraphCaptureError,
+                "forward_mode under graph capture",
+                mode.name,
+                "DECODE (the flashinfer backend captures decode steps only)",
+            )
+            expect(
+                self._graph is not None and fb.batch_size <= self._graph.max_bs,
+                GraphCaptureError,
+                "graph batch size",
+                fb.batch_size,
+                "at most init_cuda_graph_state's max_bs (call it first)",
+            )
+            self._graph_indices(fb.req_to_token_pool.max_context_len, fb.token_to_kv_pool.page_size)
+        pool = fb.token_to_kv_pool
+        meta = FlashInferMetadata(
+            mode=mode,
+            batch_size=fb.batch_size,
+            num_tokens=fb.num_tokens,
+            dtype=pool.dtype,
+            page_size=pool.page_size,
+            graph_static=graph_static,
+            qo_indptr=indptr_from_lens(fb.query_lens_cpu),
+            kv_lens=list(fb.kv_lens_cpu),
+            prefix_lens=list(fb.prefix_lens_cpu),
+            req_to_token=fb.req_to_token_pool.req_to_token,
+            req_pool_indices=fb.req_pool_indices,
+            custom_mask=fb.spec_info.custom_mask if mode.is_target_verify() else None,
+        )
+        self.forward_metadata = meta
+        for variant in self.variants:
+            for kind in self._kinds(meta, variant):
+                self._plan(meta, kind, variant)
+
+    def init_forward_metadata_in_graph(self, fb: ForwardBatch) -> None:
+        """Nothing: FlashInfer's kernels read the buffers ``plan`` filled in ``out_graph``."""
+
+    # -- forward -----------------------------------------------------------------------
+    def _check_layer(self, layer) -> None:
+        expect(
+            layer.v_head_dim == layer.head_dim,
+            ConfigError,
+            "layer.v_head_dim",
+            layer.v_head_dim,
+            f"== head_dim ({layer.head_dim}): the flashinfer backend has no MLA path",
+        )
+
+    def _begin(self, q, layer, fb: ForwardBatch):
+        self._check_layer(layer)
+        meta = self.forward_metadata
+        expect(
+            isinstance(meta, FlashInferMetadata) and meta.mode == fb.forward_mode,
+            InvalidBatchError,
+            "forward metadata",
+            None if meta is None else getattr(meta, "mode", meta),
+            f"planned for this {fb.forward_mode.name} batch (init_forward_metadata first)",
+        )
+        k_cache, v_cache = fb.token_to_kv_pool.get_paged_kv_buffer(layer.layer_id)
+        return meta, LayerVariant.of(layer), q.to(meta.dtype).contiguous(), (k_cache, v_cache)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        if save_kv_cache:
+            self.save_kv(layer, forward_batch, k, v)
+        meta, variant, q_in, paged = self._begin(q, layer, forward_batch)
+        out = self._planned(meta, "decode", variant).run(q_in, paged)
+        return out.reshape(q.shape[0], layer.tp_q_head_num * layer.v_head_dim).to(q.dtype)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        if save_kv_cache:
+            self.save_kv(layer, forward_batch, k, v)  # the paged calls read the new tokens back
+        meta, variant, q_in, paged = self._begin(q, layer, forward_batch)
+        kinds = self._kinds(meta, variant)
+        if kinds == ["ragged", "prefix"]:
+            k_in, v_in = (t.to(meta.dtype).contiguous() for t in (k, v))
+            o_new, lse_new = self._planned(meta, "ragged", variant).run(q_in, k_in, v_in, return_lse=True)
+            o_pre, lse_pre = self._planned(meta, "prefix", variant).run(q_in, paged, return_lse=True)
+            out = self._merge(o_new, lse_new, o_pre, lse_pre)
+        elif kinds == ["ragged"]:
+            k_in, v_in = (t.to(meta.dtype).contiguous() for t in (k, v))
+            out = self._planned(meta, "ragged", variant).run(q_in, k_in, v_in)
+        else:
+            out = self._planned(meta, kinds[0], variant).run(q_in, paged)
+        return out.reshape(q.shape[0], layer.tp_q_head_num * layer.v_head_dim).to(q.dtype)
+
+    def forward_mixed(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
+
+    def _merge(self, v_a, s_a, v_b, s_b) -> torch.Tensor:
+        merge_state = getattr(self._fi(), "merge_state", None)
+        heads, dim = v_a.shape[1], v_a.shape[2]
+        bdx = dim // max(16 // v_a.element_size(), dim // 32)  # threads per head in merge_state's block
+        if merge_state is not None and heads * bdx <= _MERGE_STATE_MAX_THREADS:
+            return merge_state(v_a, s_a, v_b, s_b)[0]
+        return merge_states_base2(v_a, s_a, v_b, s_b)[0]

@@ -1,0 +1,850 @@
+"""The flashinfer backend.
+
+Without a GPU: ``available()`` / ``validate()`` reasons, the base-2 merge math against
+the reference, the host-side page-table builders, and the backend's whole call plan
+(which wrapper, which plan arguments, which buffers, graph re-planning) run against
+``_FakeFlashInfer``, a plain-torch stand-in that implements FlashInfer's documented
+semantics (mask and window formulas of ``variants.cuh``, paged ``get_length``, LSE in
+base 2, cuda-graph wrappers that copy plans into fixed buffers and read them at run).
+
+With a GPU and flashinfer: the conformance cases through the real library.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.machinery
+import importlib.util
+import math
+import sys
+import types
+
+import pytest
+import torch
+from hal.devices.cuda import flashinfer_backend as fib
+from hal.devices.cuda.flashinfer_backend import (
+    FlashInferBackend,
+    build_paged_kv,
+    indptr_from_lens,
+    merge_states_base2,
+    paged_kv_layout,
+)
+from hal.kernels import reference
+
+from hal.batch import ForwardMode, static_decode_batch
+from hal.capability import DeviceCapability
+from hal.config import AttentionConfig
+from hal.conformance.cases import CASES, GRAPH_CASES, Case, build, tolerance
+from hal.errors import ConfigError, GraphCaptureError
+from hal.graph import Graph, GraphRunner
+
+HAS_GPU_FLASHINFER = torch.cuda.is_available() and importlib.util.find_spec("flashinfer") is not None
+needs_gpu = pytest.mark.skipif(not HAS_GPU_FLASHINFER, reason="needs a CUDA GPU and flashinfer installed")
+
+
+def cuda_cap(arch="sm_90", vendor="NVIDIA", dtypes=("fp32", "fp16", "bf16"), **kw) -> DeviceCapability:
+    return DeviceCapability(
+        type="cuda",
+        available=True,
+        torch_type=kw.pop("torch_type", "cuda"),
+        vendor=vendor,
+        arch=arch,
+        dtypes=dtypes,
+        graph="cuda_graph",
+        **kw,
+    )
+
+
+@pytest.fixture
+def flashinfer_found(monkeypatch):
+    """Make ``find_spec('flashinfer')`` succeed (the package is not installed here)."""
+    real = importlib.util.find_spec
+
+    def find_spec(name, *args, **kwargs):
+        if name == "flashinfer":
+            return importlib.machinery.ModuleSpec("flashinfer", None)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+
+
+@pytest.fixture
+def flashinfer_missing(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a, **k: None if name == "flashinfer" else real(name, *a, **k),
+    )
+
+
+# ----------------------------------------------------------------------------- available / validate
+
+
+def test_missing_flashinfer_is_a_reason(flashinfer_missing):
+    reasons = FlashInferBackend.available(cuda_cap())
+    assert len(reasons) == 1 and "flashinfer" in reasons[0] and "pip install" in reasons[0]
+    assert any("flashinfer" in r for r in FlashInferBackend.validate(AttentionConfig(), cuda_cap()))
+
+
+def test_broken_flashinfer_spec_is_a_reason_not_a_crash(monkeypatch):
+    def find_spec(name, *a, **k):
+        raise ValueError("flashinfer.__spec__ is None")
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    reasons = FlashInferBackend.available(cuda_cap())
+    assert reasons and "flashinfer" in reasons[0]
+
+
+@pytest.mark.parametrize(
+    "cap, needle",
+    [
+        (cuda_cap(arch="sm_70"), "sm_75"),
+        (cuda_cap(arch="gfx942", vendor="AMD"), "ROCm"),
+        (DeviceCapability(type="cpu", available=True, arch="x86_64", dtypes=("fp32", "bf16")), "CUDA"),
+        (DeviceCapability(type="npu", available=True, arch="Ascend910B"), "CUDA"),
+    ],
+    ids=["sm70", "rocm", "cpu", "npu"],
+)
+def test_device_reasons(flashinfer_found, cap, needle):
+    reasons = FlashInferBackend.available(cap)
+    assert len(reasons) == 1 and needle in reasons[0], reasons
+
+
+@pytest.mark.parametrize("arch", ["sm_75", "sm_80", "sm_90", "sm_100", "sm_120"])
+def test_supported_archs_have_no_reason(flashinfer_found, arch):
+    assert FlashInferBackend.available(cuda_cap(arch=arch)) == []
+
+
+def test_full_featured_config_is_accepted(flashinfer_found):
+    config = AttentionConfig(
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        dtype=torch.bfloat16,
+        page_size=64,
+        sliding_window=4096,
+        logit_cap=30.0,
+        non_causal=True,
+        custom_mask=True,
+        graph=True,
+    )
+    assert FlashInferBackend.validate(config, cuda_cap()) == []
+    for head_dim in (64, 256):
+        assert (
+            FlashInferBackend.validate(dataclasses.replace(config, head_dim=head_dim, v_head_dim=head_dim), cuda_cap())
+            == []
+        )
+    for page_size in (1, 16, 128):
+        assert FlashInferBackend.validate(dataclasses.replace(config, page_size=page_size), cuda_cap()) == []
+
+
+def test_fp32_is_rejected_with_why(flashinfer_found):
+    reasons = FlashInferBackend.validate(AttentionConfig(dtype=torch.float32), cuda_cap())
+    assert len(reasons) == 1 and "fp32" in reasons[0] and "FlashInfer" in reasons[0], reasons
+    assert FlashInferBackend.validate(AttentionConfig(dtype=torch.float16), cuda_cap()) == []
+
+
+def test_bf16_needs_sm80(flashinfer_found):
+    config = AttentionConfig(dtype=torch.bfloat16)
+    # the cuda probe leaves bf16 out below sm_80 ...
+    cap = cuda_cap(arch="sm_75", dtypes=("fp32", "fp16"), reasons={"bf16": "sm_75 has no bf16"})
+    assert any("bf16" in r for r in FlashInferBackend.validate(config, cap))
+    # ... and the backend says so itself even if a capability lists it
+    reasons = FlashInferBackend.validate(config, cuda_cap(arch="sm_75"))
+    assert len(reasons) == 1 and "sm_80" in reasons[0], reasons
+    assert FlashInferBackend.validate(AttentionConfig(dtype=torch.float16), cuda_cap(arch="sm_75")) == []
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [({"head_dim": 32}, "head_dim 32"), ({"head_dim": 80}, "head_dim 80"), ({"v_head_dim": 64}, "v_head_dim")],
+)
+def test_shape_reasons(flashinfer_found, change, needle):
+    reasons = FlashInferBackend.validate(AttentionConfig(**change), cuda_cap())
+    assert len(reasons) == 1 and needle in reasons[0], reasons
+
+
+# ----------------------------------------------------------------------------- merge math
+
+
+def partial_attention(q, k, v, mask, scale, cap):
+    """Attention of ``q`` [E, H, D] over keys ``k``/``v`` [S, H, D] under ``mask`` [E, S]: (out, lse base 2)."""
+    scores = torch.einsum("ehd,shd->hes", q, k) * scale
+    if cap > 0:
+        scores = cap * torch.tanh(scores / cap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # natural log, -inf where nothing is visible
+    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+    out = torch.einsum("hes,shd->ehd", probs, v)
+    return out, (lse / math.log(2)).transpose(0, 1)  # [E, H]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case("merge_prefix", ForwardMode.EXTEND, ((9, 5), (0, 3), (20, 11))),
+        Case("merge_cap_gqa", ForwardMode.EXTEND, ((4, 6), (13, 2)), q_heads=8, logit_cap=5.0, q_scale=8.0),
+        Case("merge_window", ForwardMode.EXTEND, ((12, 4), (0, 5)), sliding_window=6),
+    ],
+    ids=lambda c: c.name,
+)
+def test_merge_states_base2_rebuilds_the_reference(case):
+    """Attention over prefix keys and over new keys, each with a base-2 LSE, merges into the whole."""
+    built = build(case)
+    layer, fb = built.layer, built.batch
+    group = layer.group_size
+    q = built.q.view(fb.num_tokens, layer.tp_q_head_num, -1).float()
+    outs, lses, starts = [], [], 0
+    for r, (prefix, new) in enumerate(case.requests):
+        slots = fb.req_to_token_pool.req_to_token[int(fb.req_pool_indices[r]), : prefix + new].long()
+        k = built.expected_k[slots].float().repeat_interleave(group, 1)
+        v = built.expected_v[slots].float().repeat_interleave(group, 1)
+        mask = reference.attention_mask(prefix, new, sliding_window=case.sliding_window)
+        qr = q[starts : starts + new]
+        starts += new
+        a = partial_attention(qr, k[:prefix], v[:prefix], mask[:, :prefix], layer.scaling, layer.logit_cap)
+        b = partial_attention(qr, k[prefix:], v[prefix:], mask[:, prefix:], layer.scaling, layer.logit_cap)
+        if prefix == 0:
+            assert torch.isneginf(a[1]).all() and not a[0].any()
+        out, lse = merge_states_base2(*a, *b)
+        whole = partial_attention(qr, k, v, mask, layer.scaling, layer.logit_cap)
+        torch.testing.assert_close(lse, whole[1], atol=1e-5, rtol=1e-5)
+        outs.append(out)
+        lses.append(lse)
+    merged = torch.cat(outs).reshape(fb.num_tokens, -1)
+    torch.testing.assert_close(merged, built.expected.float(), **tolerance(torch.float32))
+    # order does not matter
+    swapped = merge_states_base2(*b, *a)[0]
+    torch.testing.assert_close(swapped, out, atol=1e-6, rtol=1e-6)
+
+
+def test_merge_states_base2_edges():
+    v_a, v_b = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
+    inf = float("-inf")
+    # both empty -> zeros and -inf, no NaN
+    out, lse = merge_states_base2(v_a, torch.full((2, 3), inf), v_b, torch.full((2, 3), inf))
+    assert not out.any() and torch.isneginf(lse).all()
+    # one empty -> the other, exactly
+    s_b = torch.randn(2, 3)
+    out, lse = merge_states_base2(v_a, torch.full((2, 3), inf), v_b, s_b)
+    assert torch.equal(out, v_b) and torch.equal(lse, s_b)
+    # equal LSEs -> the mean, LSE + 1 (base 2: twice the mass)
+    out, lse = merge_states_base2(v_a, s_b, v_b, s_b)
+    torch.testing.assert_close(out, (v_a + v_b) / 2)
+    torch.testing.assert_close(lse, s_b + 1)
+    # output dtype follows v_a, LSE is float32
+    out, lse = merge_states_base2(v_a.bfloat16(), s_b, v_b.bfloat16(), s_b - 3)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+
+
+# ----------------------------------------------------------------------------- plan-input builders
+
+
+def test_indptr_from_lens():
+    assert indptr_from_lens([3, 0, 2]).tolist() == [0, 3, 3, 5]
+    assert indptr_from_lens([]).tolist() == [0]
+    assert indptr_from_lens([1]).dtype == torch.int32
+
+
+def _pool_rows():
+    """req_to_token with page-aligned rows (page size 16): row 4 -> page 3, row 1 -> pages 7 then 2, row 6 -> page 5."""
+    req_to_token = torch.zeros(8, 40, dtype=torch.int32)
+    req_to_token[4, :5] = torch.arange(48, 53)
+    req_to_token[1, :16] = torch.arange(112, 128)
+    req_to_token[1, 16:17] = torch.tensor([32])
+    req_to_token[6, :16] = torch.arange(80, 96)
+    return req_to_token, torch.tensor([4, 0, 1, 6]), [5, 0, 17, 16]
+
+
+def test_paged_kv_page_size_16():
+    req_to_token, rows, kv_lens = _pool_rows()
+    kv = build_paged_kv(req_to_token, rows, kv_lens, 16)
+    assert kv.indptr.tolist() == [0, 1, 1, 3, 4]
+    assert kv.indices.tolist() == [3, 7, 2, 5]
+    assert kv.last_page_len.tolist() == [5, 0, 1, 16]
+    assert (kv.indptr.dtype, kv.indices.dtype, kv.last_page_len.dtype) == (torch.int32,) * 3
+    assert kv.num_pages == 4
+    indptr, last, page_req, page_pos = paged_kv_layout(kv_lens, 16)
+    assert page_req.tolist() == [0, 2, 2, 3] and page_pos.tolist() == [0, 0, 16, 0]
+    # prefix-only tables (extend): request 2's prefix of 16 is exactly one full page
+    prefix = build_paged_kv(req_to_token, rows, [4, 0, 16, 1], 16)
+    assert prefix.indptr.tolist() == [0, 1, 1, 2, 3]
+    assert prefix.indices.tolist() == [3, 7, 5]
+    assert prefix.last_page_len.tolist() == [4, 0, 16, 1]
+
+
+def test_paged_kv_page_size_1():
+    req_to_token, rows, kv_lens = _pool_rows()
+    kv = build_paged_kv(req_to_token, rows, kv_lens, 1)
+    assert kv.indptr.tolist() == [0, 5, 5, 22, 38]
+    assert kv.last_page_len.tolist() == [1, 0, 1, 1]
+    expected = list(range(48, 53)) + list(range(112, 128)) + [32] + list(range(80, 96))
+    assert kv.indices.tolist() == expected
+
+
+def test_paged_kv_other_page_sizes():
+    for ps, (indptr, last) in {4: ([0, 2, 2, 7, 11], [1, 0, 1, 4]), 8: ([0, 1, 1, 4, 6], [5, 0, 1, 8])}.items():
+        req_to_token, rows, kv_lens = _pool_rows()
+        kv = build_paged_kv(req_to_token, rows, kv_lens, ps)
+        assert kv.indptr.tolist() == indptr and kv.last_page_len.tolist() == last
+        slots = [int(req_to_token[int(rows[b]), j]) for b, n in enumerate(kv_lens) for j in range(0, n, ps)]
+        assert kv.indices.tolist() == [s // ps for s in slots]
+
+
+# ----------------------------------------------------------------------------- a plain-torch FlashInfer
+
+
+def _check_index(name, t, dtype=torch.int32):
+    assert isinstance(t, torch.Tensor) and t.dim() == 1 and t.dtype == dtype, f"{name}: {t}"
+
+
+def _fake_attention(q, keys, values, qo_indptr, *, causal, window, cap, scale, masks=None):
+    """FlashInfer's DefaultAttention in torch: bottom-right aligned causal mask, ``window_left``,
+    soft cap, custom mask; returns (out [T, Hq, D] in q's dtype, lse base 2 float32 [T, Hq])."""
+    tokens, heads, _ = q.shape
+    out = torch.zeros(tokens, heads, values[0].shape[-1] if values else q.shape[-1])
+    lse = torch.full((tokens, heads), float("-inf"))
+    for b, (k, v) in enumerate(zip(keys, values)):
+        start, end = int(qo_indptr[b]), int(qo_indptr[b + 1])
+        qo_len, kv_len = end - start, k.shape[0]
+        if qo_len == 0:
+            continue
+        group = heads // k.shape[1]
+        qi = torch.arange(qo_len)[:, None]
+        kj = torch.arange(kv_len)[None, :]
+        if masks is not None:
+            mask = masks[b].view(qo_len, kv_len)
+        elif causal:
+            mask = kj <= qi + kv_len - qo_len
+        else:
+            mask = torch.ones(qo_len, kv_len, dtype=torch.bool)
+        if window >= 0:
+            mask = mask & (kj + qo_len + window >= kv_len + qi)
+        s = torch.einsum("qhd,khd->hqk", q[start:end].float(), k.float().repeat_interleave(group, 1)) * scale
+        if cap > 0:
+            s = cap * torch.tanh(s / cap)
+        s = s.masked_fill(~mask, float("-inf"))
+        lse_e = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - lse_e[..., None]).nan_to_num(0.0)
+        out[start:end] = torch.einsum("hqk,khd->qhd", p, v.float().repeat_interleave(group, 1))
+        lse[start:end] = (lse_e / math.log(2)).transpose(0, 1)
+    return out.to(q.dtype), lse
+
+
+def _kv_lens(indptr, last, page_size) -> list[int]:
+    """FlashInfer's paged ``get_length`` (page.cuh): 0 for a request without pages."""
+    pages = (indptr[1:] - indptr[:-1]).tolist()
+    return [0 if n == 0 else (n - 1) * page_size + int(lp) for n, lp in zip(pages, last.tolist())]
+
+
+def _paged_keys(cache, indptr, indices, last, page_size, batch):
+    k_cache, v_cache = cache
+    keys, values = [], []
+    for b, n in enumerate(_kv_lens(indptr[: batch + 1], last[:batch], page_size)):
+        pages = indices[int(indptr[b]) : int(indptr[b + 1])].long()
+        keys.append(k_cache[pages].reshape(-1, *k_cache.shape[2:])[:n])
+        values.append(v_cache[pages].reshape(-1, *v_cache.shape[2:])[:n])
+    return keys, values
+
+
+class _FakeFlashInfer:
+    """Builds a stand-in ``flashinfer`` module; every ``plan`` is logged in ``plans``."""
+
+    def __init__(self, with_merge: bool = True):
+        self.plans: list[tuple[str, dict]] = []
+        self.module = types.ModuleType("flashinfer")
+        fake = self
+
+        def check_dtypes(p, q, cache=None):
+            assert p["q_data_type"] in (torch.float16, torch.bfloat16), p["q_data_type"]
+            assert q.dtype == p["q_data_type"] and q.is_contiguous(), (q.dtype, p["q_data_type"])
+            for t in cache or ():
+                assert t.dtype == (p["kv_data_type"] or p["q_data_type"])
+
+        class Decode:
+            def __init__(
+                self,
+                float_workspace_buffer,
+                kv_layout="NHD",
+                use_cuda_graph=False,
+                use_tensor_cores=False,
+                paged_kv_indptr_buffer=None,
+                paged_kv_indices_buffer=None,
+                paged_kv_last_page_len_buffer=None,
+            ):
+                assert kv_layout == "NHD" and float_workspace_buffer.dtype == torch.uint8
+                self.graph = use_cuda_graph
+                self.bufs = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
+                if use_cuda_graph:
+                    assert len(paged_kv_indptr_buffer) == len(paged_kv_last_page_len_buffer) + 1
+
+            def plan(
+                self,
+                indptr,
+                indices,
+                last_page_len,
+                num_qo_heads,
+                num_kv_heads,
+                head_dim,
+                page_size,
+                pos_encoding_mode="NONE",
+                window_left=-1,
+                logits_soft_cap=None,
+                q_data_type="float16",
+                kv_data_type=None,
+                sm_scale=None,
+            ):
+                for name, t in (("indptr", indptr), ("indices", indices), ("last_page_len", last_page_len)):
+                    _check_index(name, t)
+                assert len(indices) == int(indptr[-1]) and pos_encoding_mode == "NONE"
+                if self.graph:
+                    ip, ix, lp = self.bufs
+                    assert len(last_page_len) == len(lp), "batch size is fixed in cudagraph mode"
+                    assert len(indices) <= len(ix)
+                    ip.copy_(indptr)
+                    lp.copy_(last_page_len)
+                    ix[: len(indices)].copy_(indices)
+                else:
+                    self.bufs = (indptr.clone(), indices, last_page_len.clone())
+                self.p = dict(locals(), page_size=page_size, batch=len(last_page_len))
+                fake.plans.append(("decode", self.p))
+
+            def run(self, q, paged_kv_cache, *, return_lse=False):
+                p = self.p
+                check_dtypes(p, q, paged_kv_cache)
+                assert q.shape == (p["batch"], p["num_qo_heads"], p["head_dim"])
+                ip, ix, lp = self.bufs  # graph mode: what the fixed buffers hold now
+                keys, values = _paged_keys(paged_kv_cache, ip, ix, lp, p["page_size"], p["batch"])
+                out, lse = _fake_attention(
+                    q,
+                    keys,
+                    values,
+                    torch.arange(p["batch"] + 1),
+                    causal=True,
+                    window=p["window_left"],
+                    cap=p["logits_soft_cap"] or 0.0,
+                    scale=p["sm_scale"],
+                )
+                return (out, lse) if return_lse else out
+
+        class PagedPrefill:
+            def __init__(
+                self,
+                float_workspace_buffer,
+                kv_layout="NHD",
+                use_cuda_graph=False,
+                qo_indptr_buf=None,
+                paged_kv_indptr_buf=None,
+                paged_kv_indices_buf=None,
+                paged_kv_last_page_len_buf=None,
+                custom_mask_buf=None,
+                mask_indptr_buf=None,
+                backend="auto",
+            ):
+                assert kv_layout == "NHD" and not use_cuda_graph and backend in ("auto", "fa2", "fa3")
+
+            def plan(
+                self,
+                qo_indptr,
+                paged_kv_indptr,
+                paged_kv_indices,
+                paged_kv_last_page_len,
+                num_qo_heads,
+                num_kv_heads,
+                head_dim_qk,
+                page_size,
+                head_dim_vo=None,
+                custom_mask=None,
+                packed_custom_mask=None,
+                causal=False,
+                pos_encoding_mode="NONE",
+                use_fp16_qk_reduction=False,
+                sm_scale=None,
+                window_left=-1,
+                logits_soft_cap=None,
+                q_data_type="float16",
+                kv_data_type=None,
+            ):
+                for name, t in (
+                    ("qo_indptr", qo_indptr),
+                    ("paged_kv_indptr", paged_kv_indptr),
+                    ("paged_kv_indices", paged_kv_indices),
+                    ("paged_kv_last_page_len", paged_kv_last_page_len),
+                ):
+                    _check_index(name, t)
+                assert len(paged_kv_indices) == int(paged_kv_indptr[-1])
+                self.p = dict(locals(), batch=len(qo_indptr) - 1)
+                if custom_mask is not None:
+                    kv_lens = _kv_lens(paged_kv_indptr, paged_kv_last_page_len, page_size)
+                    sizes = [int(qo_indptr[b + 1] - qo_indptr[b]) * n for b, n in enumerate(kv_lens)]
+                    assert custom_mask.dtype == torch.bool and custom_mask.numel() == sum(sizes)
+                    self.p["masks"] = list(torch.split(custom_mask, sizes))
+                fake.plans.append(("paged", self.p))
+
+            def run(self, q, paged_kv_cache, *, return_lse=False):
+                p = self.p
+                check_dtypes(p, q, paged_kv_cache)
+                assert q.shape == (int(p["qo_indptr"][-1]), p["num_qo_heads"], p["head_dim_qk"])
+                keys, values = _paged_keys(
+                    paged_kv_cache,
+                    p["paged_kv_indptr"],
+                    p["paged_kv_indices"],
+                    p["paged_kv_last_page_len"],
+                    p["page_size"],
+                    p["batch"],
+                )
+                out, lse = _fake_attention(
+                    q,
+                    keys,
+                    values,
+                    p["qo_indptr"],
+                    causal=p["causal"],
+                    window=p["window_left"],
+                    cap=p["logits_soft_cap"] or 0.0,
+                    scale=p["sm_scale"],
+                    masks=p.get("masks"),
+                )
+                return (out, lse) if return_lse else out
+
+        class RaggedPrefill:
+            def __init__(
+                self,
+                float_workspace_buffer,
+                kv_layout="NHD",
+                use_cuda_graph=False,
+                qo_indptr_buf=None,
+                kv_indptr_buf=None,
+                custom_mask_buf=None,
+                mask_indptr_buf=None,
+                backend="auto",
+            ):
+                assert kv_layout == "NHD" and not use_cuda_graph
+
+            def plan(
+                self,
+                qo_indptr,
+                kv_indptr,
+                num_qo_heads,
+                num_kv_heads,
+                head_dim_qk,
+                head_dim_vo=None,
+                custom_mask=None,
+                packed_custom_mask=None,
+                causal=False,
+                pos_encoding_mode="NONE",
+                use_fp16_qk_reduction=False,
+                window_left=-1,
+                logits_soft_cap=None,
+                sm_scale=None,
+                q_data_type="float16",
+                kv_data_type=None,
+            ):
+                _check_index("qo_indptr", qo_indptr)
+                _check_index("kv_indptr", kv_indptr)
+                self.p = dict(locals())
+                fake.plans.append(("ragged", self.p))
+
+            def run(self, q, k, v, *, return_lse=False):
+                p = self.p
+                check_dtypes(p, q, (k, v))
+                ip = p["kv_indptr"]
+                assert k.shape[0] == int(ip[-1]) and q.shape[0] == int(p["qo_indptr"][-1])
+                keys = [k[int(ip[b]) : int(ip[b + 1])] for b in range(len(ip) - 1)]
+                values = [v[int(ip[b]) : int(ip[b + 1])] for b in range(len(ip) - 1)]
+                out, lse = _fake_attention(
+                    q,
+                    keys,
+                    values,
+                    p["qo_indptr"],
+                    causal=p["causal"],
+                    window=p["window_left"],
+                    cap=p["logits_soft_cap"] or 0.0,
+                    scale=p["sm_scale"],
+                )
+                return (out, lse) if return_lse else out
+
+        def merge_state(v_a, s_a, v_b, s_b):
+            fake.plans.append(("merge_state", {}))
+            return merge_states_base2(v_a, s_a, v_b, s_b)
+
+        self.module.BatchDecodeWithPagedKVCacheWrapper = Decode
+        self.module.BatchPrefillWithPagedKVCacheWrapper = PagedPrefill
+        self.module.BatchPrefillWithRaggedKVCacheWrapper = RaggedPrefill
+        if with_merge:
+            self.module.merge_state = merge_state
+
+    def kinds(self) -> list[str]:
+        return [k for k, _ in self.plans]
+
+
+@pytest.fixture(params=[True, False], ids=["merge_state", "torch_merge"])
+def fake_fi(request, monkeypatch, flashinfer_found):
+    fake = _FakeFlashInfer(with_merge=request.param)
+    monkeypatch.setitem(sys.modules, "flashinfer", fake.module)
+    return fake
+
+
+def _cpu_backend(**kw) -> FlashInferBackend:
+    return FlashInferBackend(cuda_cap(torch_type="cpu"), workspace_bytes=1024, **kw)
+
+
+def _as_bf16(case: Case) -> Case:
+    return dataclasses.replace(case, dtype=torch.bfloat16) if case.dtype == torch.float32 else case
+
+
+_FAKE_CASES = [c for c in CASES if c.v_head_dim in (None, c.head_dim)]
+
+
+@pytest.mark.parametrize("strategy", ["auto", "paged"])
+@pytest.mark.parametrize("case", _FAKE_CASES, ids=lambda c: c.name)
+def test_call_plan_against_fake_flashinfer(fake_fi, case, strategy):
+    """Every conformance case (bf16) through the backend over the plain-torch FlashInfer."""
+    if case.mode.is_decode() and strategy == "paged":
+        pytest.skip("the extend strategy does not touch decode")
+    case = _as_bf16(case)
+    built = build(case)
+    backend = _cpu_backend(extend_strategy=strategy)
+    backend.init_forward_metadata(built.batch)
+    out = backend.forward(built.q, built.k, built.v, built.layer, built.batch)
+    assert out.shape == built.expected.shape and out.dtype == built.q.dtype
+    torch.testing.assert_close(out.float(), built.expected.float(), **tolerance(case.dtype))
+    pool = built.batch.token_to_kv_pool
+    assert torch.equal(pool.k_buffer[0], built.expected_k) and torch.equal(pool.v_buffer[0], built.expected_v)
+    kinds = fake_fi.kinds()
+    mode, has_prefix = case.mode, any(p for p, _ in case.requests)
+    if mode.is_decode():
+        assert kinds == ["decode"]
+    elif mode.is_target_verify():
+        assert kinds == ["paged"] and fake_fi.plans[0][1]["custom_mask"] is not None
+    elif case.sliding_window >= 0 or strategy == "paged":
+        assert kinds == ["paged"] and fake_fi.plans[0][1]["causal"] == built.layer.causal
+    elif has_prefix:
+        assert kinds[:2] == ["ragged", "paged"] and fake_fi.plans[1][1]["causal"] is False
+    else:
+        assert kinds == ["ragged"]
+
+
+def test_plan_arguments(fake_fi):
+    case = _as_bf16(Case("args", ForwardMode.DECODE, ((4, 1), (30, 1)), page_size=16, sliding_window=5, logit_cap=3.0))
+    built = build(case)
+    backend = _cpu_backend()
+    backend.init_forward_metadata(built.batch)
+    backend.forward(built.q, built.k, built.v, built.layer, built.batch)
+    (kind, p), *_ = fake_fi.plans
+    assert kind == "decode"
+    assert (p["num_qo_heads"], p["num_kv_heads"], p["head_dim"], p["page_size"]) == (4, 2, 32, 16)
+    assert (p["window_left"], p["logits_soft_cap"], p["sm_scale"]) == (5, 3.0, built.layer.scaling)
+    assert p["q_data_type"] == p["kv_data_type"] == torch.bfloat16
+    assert p["indptr"].tolist() == [0, 1, 3] and p["last_page_len"].tolist() == [5, 15]
+
+
+def test_registered_layers_are_planned_in_out_graph(fake_fi):
+    """With the layers known, out_graph plans them all and forward plans nothing."""
+    case = _as_bf16(Case("reg", ForwardMode.EXTEND, ((9, 5), (0, 3)), sliding_window=-1))
+    built = build(case)
+    windowed = dataclasses.replace(built.layer, sliding_window_size=4)
+    backend = _cpu_backend(layers=[built.layer, windowed])
+    backend.init_forward_metadata_out_graph(built.batch)
+    assert sorted(fake_fi.kinds()) == ["paged", "paged", "ragged"]  # ragged + prefix, and the windowed one
+    planned = len(fake_fi.plans)
+    backend.init_forward_metadata_in_graph(built.batch)
+    out = backend.forward(built.q, built.k, built.v, built.layer, built.batch)
+    torch.testing.assert_close(out.float(), built.expected.float(), **tolerance(case.dtype))
+    assert len([k for k in fake_fi.kinds() if k != "merge_state"]) == planned
+
+
+def test_new_variant_inside_capture_is_an_error(fake_fi, monkeypatch):
+    built = build(_as_bf16(CASES[0]))
+    backend = _cpu_backend()
+    backend.init_forward_metadata(built.batch)
+    monkeypatch.setattr(backend, "_capturing", lambda: True)
+    with pytest.raises(GraphCaptureError, match="register_layers"):
+        backend.forward(built.q, built.k, built.v, built.layer, built.batch)
+
+
+def test_mla_layer_is_refused(fake_fi):
+    built = build(_as_bf16(Case("mla", ForwardMode.EXTEND, ((3, 2),), v_head_dim=16)))
+    backend = _cpu_backend()
+    backend.init_forward_metadata(built.batch)
+    with pytest.raises(ConfigError, match="v_head_dim"):
+        backend.forward(built.q, built.k, built.v, built.layer, built.batch)
+    with pytest.raises(ConfigError, match="v_head_dim"):
+        _cpu_backend(layers=[built.layer])
+
+
+def test_save_kv_cache_false_against_fake(fake_fi):
+    for case in (CASES[0], CASES[11]):
+        built = build(_as_bf16(case))
+        pool = built.batch.token_to_kv_pool
+        pool.k_buffer[0].copy_(built.expected_k)
+        pool.v_buffer[0].copy_(built.expected_v)
+        backend = _cpu_backend()
+        backend.init_forward_metadata(built.batch)
+        out = backend.forward(built.q, built.k, built.v, built.layer, built.batch, save_kv_cache=False)
+        torch.testing.assert_close(out.float(), built.expected.float(), **tolerance(torch.bfloat16))
+
+
+class _RerunGraph(Graph):
+    """Replays by re-running the captured step (the fake kernels read the wrappers' buffers then)."""
+
+    def capture(self, fn):
+        self.fn = fn
+        self.output = fn()
+        return self.output
+
+    def replay(self):
+        self.output.copy_(self.fn())
+
+
+@pytest.mark.parametrize("case", GRAPH_CASES, ids=lambda c: c.name)
+def test_graph_replay_against_fake(fake_fi, case):
+    """Captured decode wrappers on fixed buffers, re-planned by out_graph before each replay."""
+    case = _as_bf16(case)
+    built = build(case)
+    fb = built.batch
+    backend = _cpu_backend()
+    runner = GraphRunner(
+        backend,
+        [built.layer, dataclasses.replace(built.layer, layer_id=0, sliding_window_size=3)],
+        fb.req_to_token_pool,
+        fb.token_to_kv_pool,
+        make_graph=_RerunGraph,
+        capture_bs=(1, 2, 4, 8),
+        dtype=case.dtype,
+    )
+    runner.capture()
+    graph_wrappers = {key for key in backend._wrappers if key[2] is not None}
+    assert {bs for _, _, bs in graph_wrappers} == {1, 2, 4, 8} and len(graph_wrappers) == 8
+    windowed = build(dataclasses.replace(case, sliding_window=3)).expected
+    for _ in range(2):
+        out = runner.run(fb, built.q, built.k, built.v)
+        torch.testing.assert_close(out[0].float(), built.expected.float(), **tolerance(case.dtype))
+        torch.testing.assert_close(out[1].float(), windowed.float(), **tolerance(case.dtype))
+    assert set(backend._wrappers) == graph_wrappers, "replay planned eager wrappers"
+
+
+def test_graph_capture_of_extend_is_refused(fake_fi):
+    built = build(_as_bf16(CASES[10]))
+    backend = _cpu_backend()
+    backend.init_cuda_graph_state(4, 4)
+    with pytest.raises(GraphCaptureError, match="DECODE"):
+        backend.init_forward_metadata_out_graph(built.batch, in_capture=True)
+
+
+def test_graph_page_buffer_too_small(fake_fi):
+    built = build(_as_bf16(GRAPH_CASES[0]))
+    backend = FlashInferBackend(cuda_cap(torch_type="cpu"), workspace_bytes=1024, max_context_len=4)
+    backend.init_cuda_graph_state(4, 4)
+    fb = built.batch
+    static = static_decode_batch(2, fb.req_to_token_pool, fb.token_to_kv_pool, 1)
+    with pytest.raises(GraphCaptureError, match="max_context_len"):
+        backend.init_forward_metadata_out_graph(static, in_capture=True)
+
+
+# ----------------------------------------------------------------------------- the real library (GPU)
+
+
+def _gpu_capability() -> DeviceCapability:
+    try:
+        from hal.devices.cuda import cuda_capability
+
+        return cuda_capability()
+    except Exception:  # the cuda device plugin needs triton; the backend does not
+        major, minor = torch.cuda.get_device_capability()
+        dtypes = ("fp32", "fp16", "bf16") if major >= 8 else ("fp32", "fp16")
+        return cuda_cap(arch=f"sm_{major}{minor}", dtypes=dtypes)
+
+
+def _gpu_case(case: Case) -> Case:
+    """The case at a head_dim and dtype FlashInfer serves (the suite's defaults, 32 and fp32, it does not)."""
+    change = {}
+    if case.head_dim not in fib.HEAD_DIMS:
+        change["head_dim"] = 256 if case.head_dim > 64 else 64
+    if case.dtype == torch.float32:
+        change["dtype"] = torch.float16
+    return dataclasses.replace(case, **change)
+
+
+_GPU_CASES = [_gpu_case(c) for c in CASES if c.v_head_dim in (None, c.head_dim)]
+
+
+@needs_gpu
+@pytest.mark.parametrize("strategy", ["auto", "paged"])
+@pytest.mark.parametrize("case", _GPU_CASES, ids=lambda c: c.name)
+def test_gpu_conformance_cases(case, strategy):
+    if case.mode.is_decode() and strategy == "paged":
+        pytest.skip("the extend strategy does not touch decode")
+    cap = _gpu_capability()
+    reasons = FlashInferBackend.validate(case.config(), cap)
+    if reasons:
+        pytest.skip("; ".join(reasons))
+    built = build(case, cap.torch_device)
+    backend = FlashInferBackend(cap, extend_strategy=strategy)
+    backend.init_forward_metadata(built.batch)
+    out = backend.forward(built.q, built.k, built.v, built.layer, built.batch)
+    assert out.shape == built.expected.shape and out.dtype == built.q.dtype
+    torch.testing.assert_close(out.float().cpu(), built.expected.float().cpu(), **tolerance(case.dtype))
+    pool = built.batch.token_to_kv_pool
+    assert torch.equal(pool.k_buffer[0], built.expected_k) and torch.equal(pool.v_buffer[0], built.expected_v)
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", [_gpu_case(c) for c in (CASES[0], CASES[11])], ids=lambda c: c.name)
+def test_gpu_save_kv_cache_false(case):
+    cap = _gpu_capability()
+    built = build(case, cap.torch_device)
+    pool = built.batch.token_to_kv_pool
+    pool.k_buffer[0].copy_(built.expected_k)
+    pool.v_buffer[0].copy_(built.expected_v)
+    backend = FlashInferBackend(cap)
+    backend.init_forward_metadata(built.batch)
+    out = backend.forward(built.q, built.k, built.v, built.layer, built.batch, save_kv_cache=False)
+    torch.testing.assert_close(out.float().cpu(), built.expected.float().cpu(), **tolerance(case.dtype))
+
+
+@needs_gpu
+@pytest.mark.parametrize("register", [False, True], ids=["learnt", "registered"])
+@pytest.mark.parametrize("case", [_gpu_case(c) for c in GRAPH_CASES], ids=lambda c: c.name)
+def test_gpu_graph_replay(case, register):
+    from hal.graph import TorchGraph
+
+    cap = _gpu_capability()
+    reasons = FlashInferBackend.validate(case.config(graph=True), cap)
+    if reasons:
+        pytest.skip("; ".join(reasons))
+    built = build(case, cap.torch_device)
+    fb = built.batch
+    layers = [built.layer, dataclasses.replace(built.layer, sliding_window_size=3)]
+    backend = FlashInferBackend(cap, layers=layers if register else None)
+    runner = GraphRunner(
+        backend,
+        layers,
+        fb.req_to_token_pool,
+        fb.token_to_kv_pool,
+        make_graph=lambda: TorchGraph(torch.cuda),
+        capture_bs=(1, 2, 4, 8),
+        dtype=case.dtype,
+    )
+    runner.capture()
+    windowed = build(dataclasses.replace(case, sliding_window=3), cap.torch_device).expected
+    for _ in range(2):
+        out = runner.run(fb, built.q, built.k, built.v)
+        torch.testing.assert_close(out[0].float().cpu(), built.expected.float().cpu(), **tolerance(case.dtype))
+        torch.testing.assert_close(out[1].float().cpu(), windowed.float().cpu(), **tolerance(case.dtype))
+    ps = fb.token_to_kv_pool.page_size
+    assert torch.equal(fb.token_to_kv_pool.k_buffer[0][ps:], built.expected_k[ps:])
+
+
+@needs_gpu
+def test_gpu_real_merge_state_matches_torch():
+    import flashinfer
+
+    gen = torch.Generator().manual_seed(0)
+    v_a, v_b = (torch.randn(37, 8, 128, generator=gen).half().cuda() for _ in range(2))
+    s_a, s_b = (torch.randn(37, 8, generator=gen).cuda() * 4 for _ in range(2))
+    s_a[:5] = float("-inf")
+    got_v, got_s = flashinfer.merge_state(v_a, s_a, v_b, s_b)
+    want_v, want_s = merge_states_base2(v_a, s_a, v_b, s_b)
+    torch.testing.assert_close(got_v.float(), want_v.float(), atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(got_s, want_s, atol=1e-4, rtol=1e-4)
