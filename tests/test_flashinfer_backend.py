@@ -633,7 +633,7 @@ def test_plan_arguments(fake_fi):
     backend.forward(built.q, built.k, built.v, built.layer, built.batch)
     (kind, p), *_ = fake_fi.plans
     assert kind == "decode"
-    assert (p["num_qo_heads"], p["num_kv_heads"], p["head_dim"], p["page_size"]) == (4, 2, 32, 16)
+    assert (p["num_qo_heads"], p["num_kv_heads"], p["head_dim"], p["page_size"]) == (4, 2, case.head_dim, 16)
     assert (p["window_left"], p["logits_soft_cap"], p["sm_scale"]) == (5, 3.0, built.layer.scaling)
     assert p["q_data_type"] == p["kv_data_type"] == torch.bfloat16
     assert p["indptr"].tolist() == [0, 1, 3] and p["last_page_len"].tolist() == [5, 15]

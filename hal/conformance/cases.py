@@ -30,7 +30,7 @@ class Case:
     requests: tuple[tuple[int, int], ...]
     q_heads: int = 4
     kv_heads: int = 2
-    head_dim: int = 32
+    head_dim: int = 64  # FlashInfer compiles 64/128/256 only
     v_head_dim: int | None = None
     dtype: torch.dtype = torch.float32
     page_size: int = 1
@@ -245,7 +245,7 @@ CASES: tuple[Case, ...] = (
     Case("extend_sliding_window", E, _EXTEND, sliding_window=6),
     Case("extend_logit_cap", E, _EXTEND, logit_cap=5.0, q_scale=8.0),
     Case("extend_non_causal", E, ((0, 7), (0, 12)), attn_type="encoder_only"),
-    Case("extend_v_head_dim", E, _EXTEND, v_head_dim=16),
+    Case("extend_v_head_dim", E, _EXTEND, v_head_dim=32),
     Case("mixed", M, _MIXED),
     Case("mixed_page16", M, _MIXED, page_size=16),
     Case("mixed_bf16", M, _MIXED, dtype=torch.bfloat16),
@@ -253,6 +253,11 @@ CASES: tuple[Case, ...] = (
     Case("verify", V, _VERIFY),
     Case("verify_page16_bf16", V, _VERIFY, page_size=16, dtype=torch.bfloat16),
     Case("verify_sliding_window", V, _VERIFY, sliding_window=7),
+    # fp16: accelerators only (hal never runs fp16 on a CPU)
+    Case("decode_fp16", D, _DECODE, dtype=torch.float16),
+    Case("extend_prefix_fp16", E, _EXTEND, dtype=torch.float16, page_size=16),
+    Case("mixed_fp16", M, _MIXED, dtype=torch.float16),
+    Case("verify_fp16", V, _VERIFY, dtype=torch.float16),
     # 128-token pages (Ascend's default block size): requests cross page boundaries
     Case("decode_page128", D, ((0, 1), (130, 1), (260, 1), (5, 1)), page_size=128),
     Case("decode_page128_bf16", D, ((0, 1), (130, 1), (260, 1), (5, 1)), page_size=128, dtype=torch.bfloat16),
@@ -266,6 +271,7 @@ CASES: tuple[Case, ...] = (
 GRAPH_CASES: tuple[Case, ...] = (
     Case("graph_decode", D, ((3, 1), (20, 1), (9, 1))),
     Case("graph_decode_page128", D, ((3, 1), (200, 1)), page_size=128),
+    Case("graph_decode_fp16", D, ((3, 1), (20, 1), (9, 1)), dtype=torch.float16),
     Case(
         "graph_decode_page16_bf16",
         D,
