@@ -121,16 +121,23 @@ class TorchBackend(AttentionBackend):
 
 
 def attend_padded(q, k_buffer, v_buffer, meta: TorchMetadata, layer) -> torch.Tensor:
-    """Ragged queries ``[T, Hq, D]`` over padded gathered keys; returns ``[T, Hq, Dv]`` in q's dtype."""
+    """Ragged queries ``[T, Hq, D]`` over padded gathered keys; returns ``[T, Hq, Dv]`` in q's dtype.
+
+    Keys and values are gathered KV-head-major (``[Hkv, B, W, D]``): one copy each, already
+    in the layout the batched matmuls read, so nothing is copied again. Scores are
+    ``K @ q^T`` per (KV head, request), in float32.
+    """
     batch, width = meta.slots.shape
     max_q, tokens = meta.max_q, meta.num_tokens
     kv_heads, group = layer.tp_k_head_num, layer.group_size
     head_dim, v_dim = layer.head_dim, layer.v_head_dim
+    rows = group * max_q  # query rows per (KV head, request): the group's heads x padded queries
     q_pad = torch.cat([q, q.new_zeros(1, q.shape[1], head_dim)])[meta.q_index]  # [B, Q, Hq, D]
-    q_pad = q_pad.float().view(batch, max_q, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-    keys = k_buffer[meta.slots].float().permute(0, 2, 3, 1)  # [B, Hkv, D, W]
-    scores = torch.matmul(q_pad.reshape(batch, kv_heads, group * max_q, head_dim), keys)
-    scores = (scores * layer.scaling).view(batch, kv_heads, group, max_q, width)
+    q_t = q_pad.view(batch, max_q, kv_heads, group, head_dim).permute(2, 0, 4, 3, 1)  # [Hkv, B, D, G, Q]
+    q_t = q_t.reshape(kv_heads, batch, head_dim, rows).float()
+    keys = k_buffer.transpose(0, 1)[:, meta.slots].float()  # [Hkv, B, W, D]
+    scores = torch.matmul(keys, q_t).transpose(2, 3)  # [Hkv, B, G*Q, W]
+    scores = scores.mul_(layer.scaling).view(kv_heads, batch, group, max_q, width)
     if layer.logit_cap > 0:
         scores = layer.logit_cap * torch.tanh(scores / layer.logit_cap)
     k_pos = torch.arange(width, device=q.device)
@@ -141,11 +148,11 @@ def attend_padded(q, k_buffer, v_buffer, meta: TorchMetadata, layer) -> torch.Te
         visible = visible & (k_pos[None, None, :] <= meta.q_pos[:, :, None])
     if layer.sliding_window_size >= 0:
         visible = visible & (k_pos[None, None, :] >= meta.q_pos[:, :, None] - layer.sliding_window_size)
-    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+    scores = scores.masked_fill_(~visible[None, :, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # rows with no visible key -> 0
-    values = v_buffer[meta.slots].float().permute(0, 2, 1, 3)  # [B, Hkv, W, Dv]
-    out = torch.matmul(probs.view(batch, kv_heads, group * max_q, width), values)
-    out = out.view(batch, kv_heads, group, max_q, v_dim).permute(0, 3, 1, 2, 4).reshape(batch * max_q, -1, v_dim)
+    values = v_buffer.transpose(0, 1)[:, meta.slots].float()  # [Hkv, B, W, Dv]
+    out = torch.matmul(probs.view(kv_heads, batch, rows, width), values)  # [Hkv, B, G*Q, Dv]
+    out = out.view(kv_heads, batch, group, max_q, v_dim).permute(1, 3, 0, 2, 4).reshape(batch * max_q, -1, v_dim)
     result = q.new_empty(tokens + 1, kv_heads * group, v_dim)
     result.index_copy_(0, meta.q_index.flatten(), out.to(q.dtype))
     return result[:tokens]
