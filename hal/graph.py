@@ -20,11 +20,12 @@ from the capture's. So the contract is checked on machines with no accelerator t
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
 from hal.backend import AttentionBackend
@@ -33,7 +34,7 @@ from hal.errors import GraphCaptureError, InvalidBatchError, expect
 from hal.kv_cache import PagedKVPool, ReqToTokenPool
 from hal.layer import AttentionLayer
 
-__all__ = ["Graph", "EagerGraph", "TorchGraph", "GraphRunner", "HostSyncGuard"]
+__all__ = ["Graph", "EagerGraph", "TorchGraph", "GraphRunner", "HostSyncGuard", "opaque_kernel"]
 
 _aten = torch.ops.aten
 _DATA_DEPENDENT = {
@@ -76,6 +77,18 @@ class _HostMethodGuard(TorchFunctionMode):
         if func in _HOST_METHODS:
             raise GraphCaptureError(f"Tensor.{func.__name__}() inside a graph: a host sync; move it to out_graph")
         return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def opaque_kernel() -> Iterator[None]:
+    """Run a Python-emulated kernel (e.g. ``hal.kernels.npu.emulation``) as the one device launch it stands for.
+
+    Its CPU internals (reading a block table or host lengths) are not the caller's graph
+    work: the guard, and any other torch mode, is suspended for its duration; the
+    caller's own code stays checked.
+    """
+    with _disable_current_modes(), torch._C.DisableTorchFunction():
+        yield
 
 
 class Graph:

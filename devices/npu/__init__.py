@@ -1,0 +1,204 @@
+"""The Ascend NPU device: backend ``ascend`` over torch_npu's attention ops.
+
+Probing imports ``torch_npu`` lazily (``hal.kernels.npu.load_torch_npu``: ``find_spec`` first),
+never at module import, and never raises except for an invalid ``HAL_NPU_EMULATION``.
+
+``HAL_NPU_EMULATION=1`` (``0`` or unset: off) makes the device available on machines
+without an NPU, running the same backend over :data:`hal.kernels.npu.emulation.torch_npu`
+(plain-torch CPU versions of the ops, with their real argument contracts): correctness
+only, never performance. A real NPU always wins over the flag.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from hal.capability import DeviceCapability, _cpu_memory, interpreter_enabled, library_version
+from hal.errors import ConfigError
+from hal.graph import EagerGraph, Graph, TorchGraph
+from hal.registry import Device
+
+from .ascend_backend import AscendBackend
+
+__all__ = [
+    "EMULATION_ENV",
+    "EMULATED_NAME",
+    "NpuDevice",
+    "AscendBackend",
+    "device",
+    "emulation_requested",
+    "npu_capability",
+]
+
+EMULATION_ENV = "HAL_NPU_EMULATION"
+EMULATED_NAME = "Ascend NPU (CPU emulation of torch_npu ops)"
+_HALF_ONLY = (
+    "the Ascend attention ops (ATB PagedAttention, PagedAttention splitfuse, FusedInferAttentionScore) "
+    "take fp16/bf16 only"
+)
+
+
+def emulation_requested() -> bool:
+    """Whether ``HAL_NPU_EMULATION`` asks for the CPU emulation; raises ``ConfigError`` on a bad value."""
+    raw = os.environ.get(EMULATION_ENV)
+    if raw is None or raw == "0":
+        return False
+    if raw == "1":
+        return True
+    raise ConfigError(
+        f"{EMULATION_ENV} = {raw!r}: expected '1' (emulate the NPU's attention ops on the CPU), '0' or unset (off)"
+    )
+
+
+def _triton_npu_status() -> tuple[str | None, str | None]:
+    """``("npu:<arch>", None)`` when a Triton NPU target (triton-ascend) is active, else ``(None, reason)``."""
+    if importlib.util.find_spec("triton") is None:
+        return None, "triton is not installed (Triton on Ascend needs triton-ascend)"
+    if interpreter_enabled():
+        return None, "TRITON_INTERPRET=1 runs Triton on the CPU only; unset it to compile for the NPU"
+    try:
+        from triton.runtime import driver
+
+        target = driver.active.get_current_target()
+    except Exception as exc:  # no driver, no device, broken install: all are reasons
+        return None, f"Triton has no active driver: {type(exc).__name__}: {exc}"
+    if target.backend != "npu":
+        return None, f"Triton's active target is {target.backend}, not npu (install triton-ascend)"
+    return f"npu:{target.arch}", None
+
+
+def _memory(npu, index: int) -> int | None:
+    try:
+        total = getattr(npu.get_device_properties(index), "total_memory", None)
+        if total:
+            return int(total)
+    except Exception:  # noqa: BLE001 - a missing property is no reason to fail the probe
+        pass
+    try:
+        return int(npu.mem_get_info(index)[1])
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _cann_version(module) -> str:
+    for source in (getattr(torch, "version", None), getattr(module, "version", None)):
+        value = getattr(source, "cann", None)
+        if value:
+            return str(value)
+    return ""
+
+
+def _unavailable(why: str) -> DeviceCapability:
+    return DeviceCapability(
+        type="npu",
+        available=False,
+        torch_type="npu",
+        reasons={"device": why},
+        libraries={"torch_npu": library_version("torch-npu") or ""},
+    )
+
+
+def _real_capability(module, index: int) -> DeviceCapability:
+    npu = getattr(module, "npu", None) or torch.npu
+    try:
+        count = int(npu.device_count())
+        name = str(npu.get_device_name(index))
+    except Exception as exc:  # noqa: BLE001 - a driver error is a reason, not a crash
+        return _unavailable(f"NPU runtime error: {type(exc).__name__}: {exc}")
+    reasons = {"fp32": _HALF_ONLY, "fp8": "hal's Ascend backend has no fp8 path"}
+    dtypes = ["fp16", "bf16"]
+    if "310" in name:  # Atlas 300I (Ascend 310P): no bf16 compute
+        dtypes.remove("bf16")
+        reasons["bf16"] = f"{name} (Ascend 310P) has no bf16 support"
+    graph = "npu_graph" if hasattr(npu, "NPUGraph") else None
+    if graph is None:
+        version = getattr(module, "__version__", "?")
+        reasons["graph"] = f"torch_npu {version} has no torch.npu.NPUGraph (graph capture needs torch_npu >= 2.1)"
+    target, why_not = _triton_npu_status()
+    if why_not:
+        reasons["triton"] = why_not
+    return DeviceCapability(
+        type="npu",
+        available=True,
+        torch_type="npu",
+        index=index,
+        count=count,
+        name=name,
+        vendor="Huawei",
+        arch=name,
+        memory_bytes=_memory(npu, index),
+        dtypes=tuple(dtypes),
+        graph=graph,
+        triton_target=target,
+        libraries={
+            "torch": torch.__version__,
+            "torch_npu": str(getattr(module, "__version__", "") or library_version("torch-npu") or ""),
+            "cann": _cann_version(module),
+            "triton": library_version("triton") or library_version("triton-ascend") or "",
+        },
+        reasons=reasons,
+    )
+
+
+def _emulated_capability(why_no_npu: str) -> DeviceCapability:
+    return DeviceCapability(
+        type="npu",
+        available=True,
+        torch_type="cpu",
+        index=0,
+        count=1,
+        name=EMULATED_NAME,
+        vendor="Huawei (emulated)",
+        arch="emulated",
+        memory_bytes=_cpu_memory(),
+        dtypes=("fp32", "bf16"),
+        graph="eager_guard",
+        triton_target=None,
+        libraries={"torch": torch.__version__, "torch_npu": "", "cann": ""},
+        emulated=True,
+        reasons={
+            "emulated": (
+                f"emulated: correctness only, never performance ({EMULATION_ENV}=1 and {why_no_npu}); the "
+                "torch_npu ops run as plain-torch CPU code (hal.kernels.npu.emulation), tensors stay on the CPU; "
+                "fp32 is allowed here because the emulation computes it, although " + _HALF_ONLY
+            ),
+            "fp16": "emulated on the CPU, which never runs fp16 (fp16 matmul there is ~1000x slower than fp32)",
+            "npu_graph": "emulated: graphs run as hal's checked eager graph (eager_guard), not torch.npu.NPUGraph",
+            "triton": "emulated: no Triton NPU target (triton-ascend needs an NPU); helper ops use torch",
+        },
+    )
+
+
+def npu_capability(index: int = 0) -> DeviceCapability:
+    """The NPU as hal sees it: real, emulated (``HAL_NPU_EMULATION=1``, no NPU) or unavailable with the reason."""
+    from hal.kernels.npu import load_torch_npu
+
+    emulate = emulation_requested()  # validated even when a real NPU makes it moot
+    module, why_not = load_torch_npu()
+    if module is not None:
+        return _real_capability(module, index)
+    if emulate:
+        return _emulated_capability(why_not)
+    return _unavailable(why_not)
+
+
+class NpuDevice(Device):
+    name = "npu"
+    priority = 90
+
+    def probe(self) -> DeviceCapability:
+        return npu_capability()
+
+    def backends(self):
+        return [AscendBackend]
+
+    def make_graph(self, capability: DeviceCapability) -> Graph:
+        if capability.emulated:
+            return EagerGraph()
+        return TorchGraph(torch.npu)
+
+
+device = NpuDevice()

@@ -1,0 +1,506 @@
+"""``ascend``: the attention backend over torch_npu's attention ops (``hal.kernels.npu``).
+
+Routing, per forward mode (the ops and their limits are documented in ``hal.kernels.npu.ops``):
+
+* DECODE, no sliding window: ``_npu_paged_attention`` (:func:`~hal.kernels.npu.paged_decode`).
+  With a window: ``_npu_paged_attention_splitfuse`` (:func:`~hal.kernels.npu.paged_mixed`) with a
+  windowed mask, since ``_npu_paged_attention`` takes no mask.
+* EXTEND / DRAFT_EXTEND: ``npu_fused_infer_attention_score`` (TND, paged; :func:`~hal.kernels.npu.paged_prefill`,
+  ``sparse_mode`` 3 causal / 0 non-causal) when the op can serve the layer (page size a multiple of 128 in
+  [128, 512], no window, head-dim limits); otherwise splitfuse, whose mask carries causal / window / non-causal.
+* TARGET_VERIFY: splitfuse with hal's custom mask (per request ``[draft, seq_len + draft]``).
+* MIXED: ``forward_mixed``, ONE splitfuse call for the whole batch (decodes and chunked prefills);
+  ``forward_extend`` sends a MIXED batch down the same path.
+
+KV writes use ``_npu_reshape_and_cache`` (:func:`~hal.kernels.npu.write_kv`), not the helper ops:
+it is the one ATB kernel vllm-ascend and SGLang write the paged cache with on Ascend, it takes
+the ``[blocks, block_size, kv_heads, dim]`` view the attention ops read and int32 slots cast on
+the device. The helper ops (``helper_ops``: positions, kv indices for an engine) stay consistent
+with that choice: ``support_triton()`` is True only on a device with a Triton NPU target
+(triton-ascend), so everything else gets the torch versions.
+
+Host/device split: the ops take per-request lengths on the host, so ``init_forward_metadata_out_graph``
+keeps them as Python lists (the wrappers make the CPU int32 tensors / lists the ops take) and
+builds the splitfuse masks (once per batch per variant, other windows lazily);
+``init_forward_metadata_in_graph`` only gathers the block table on the device (a static shape).
+``forward`` reads no device tensor on the host; the one exception, outside any graph, is the first
+layer with a new window in a TARGET_VERIFY batch, whose mask copies the custom mask to the host.
+Under the emulation each op runs as one opaque launch (``_EmulatedOps``): hal's eager-graph guard
+checks this backend's code, not the emulation's CPU internals.
+
+Graphs: a captured decode step bakes the host lengths in. On a real NPU the attention task is
+captured in a task group and its lengths are re-issued before every replay with torch_npu's
+graph task update API (``graph_task_group_begin/end``, ``graph_task_update_begin/end``,
+``ExternalEvent``), as vllm-ascend's ``update_attn_params`` does for ``_npu_paged_attention``
+(vllm_ascend/compilation/acl_graph.py, ``_update_attn_pa_params``; capture side in
+vllm_ascend/attention/attention_v1.py ``_forward_decode_only``; API doc:
+https://github.com/Ascend/op-plugin/blob/master/docs/context/torch_npu-npu-graph_task_group_begin.md).
+That path is unverified without hardware. Under the emulation the graph is hal's checked eager
+graph, whose replay re-runs the step and so reads the refreshed lists.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hal.backend import AttentionBackend
+from hal.batch import ForwardBatch
+from hal.capability import DeviceCapability
+from hal.config import AttentionConfig
+from hal.errors import DeviceUnavailableError, GraphCaptureError, InvalidBatchError, UnsupportedError, expect
+from hal.graph import opaque_kernel
+from hal.kernels import npu as npu_ops
+from hal.layer import AttentionLayer
+
+__all__ = ["AscendBackend", "AscendMetadata", "GRAPH_UPDATE_API"]
+
+# torch.npu attributes the real-NPU graph path needs (vllm-ascend's full-graph decode uses the same ones).
+GRAPH_UPDATE_API = (
+    "NPUGraph",
+    "ExternalEvent",
+    "graph_task_group_begin",
+    "graph_task_group_end",
+    "graph_task_update_begin",
+    "graph_task_update_end",
+)
+
+MaskKey = tuple[str, int]  # (kind: "causal" | "full" | "custom", sliding window or -1)
+
+
+# ----------------------------------------------------------------------------- the ops
+
+
+class _EmulatedOps:
+    """:data:`hal.kernels.npu.emulation.torch_npu`, each op launched as one opaque kernel.
+
+    Attributes are looked up on the emulation at call time, so patching
+    ``emulation.torch_npu.<op>`` (tests counting calls) is seen.
+    """
+
+    is_emulation = True
+    __name__ = "hal.kernels.npu.emulation.torch_npu (opaque launches)"
+
+    def __getattr__(self, name: str) -> Any:
+        target = getattr(npu_ops.emulation.torch_npu, name)
+        if not callable(target):
+            return target
+
+        @functools.wraps(target)
+        def launch(*args, **kwargs):
+            with opaque_kernel():
+                return target(*args, **kwargs)
+
+        return launch
+
+
+def _ops_for(capability: DeviceCapability) -> Any:
+    if capability.emulated:
+        return _EmulatedOps()
+    module, why = npu_ops.load_torch_npu()
+    if module is None:
+        raise DeviceUnavailableError(f"the ascend backend needs torch_npu on a real NPU: {why}")
+    return module
+
+
+def _op_dtype(dtype: torch.dtype, capability: DeviceCapability) -> torch.dtype:
+    """The dtype whose op limits apply: the emulation computes fp32 where the real ops take bf16."""
+    return torch.bfloat16 if capability.emulated and dtype == torch.float32 else dtype
+
+
+# ----------------------------------------------------------------------------- metadata
+
+
+@dataclass
+class AscendMetadata:
+    """One step's metadata. Host lists per request; device tensors filled in ``in_graph``."""
+
+    batch_size: int
+    num_tokens: int
+    max_blocks: int  # block-table columns (a host int: static under graph capture)
+    query_lens: list[int]  # query tokens per request (splitfuse ``seq_len``)
+    kv_lens: list[int]  # KV tokens per request, the new ones included (``context_lens``)
+    cu_query_lens: list[int]  # cumulative query ends (FIA ``actual_seq_lengths``, TND)
+    dtype: torch.dtype  # the KV cache dtype, which the ops compute in
+    graph_static: bool = False
+    custom_mask: torch.Tensor | None = None  # TARGET_VERIFY: hal's flat bool mask (device)
+    block_table: torch.Tensor | None = None  # int32 [B, max_blocks] (device)
+    masks: dict[MaskKey, torch.Tensor] = field(default_factory=dict)  # splitfuse masks [T, W] (device)
+
+
+@dataclass
+class _CapturedTask:
+    """One ``_npu_paged_attention`` captured in an NPUGraph task group (real NPU only)."""
+
+    handle: Any
+    event: Any
+    kwargs: dict  # the captured call's tensors and scalars, without context_lens
+    workspace: torch.Tensor | None = None
+
+
+# ----------------------------------------------------------------------------- backend
+
+
+class AscendBackend(AttentionBackend):
+    name = "ascend"
+    dtypes = frozenset({"fp16", "bf16", "fp32"})  # fp32: the emulation only (validate says why)
+    page_sizes = frozenset({16, 32, 64, 128, 256, 512})  # multiples of 16 (ATB), <= 512 (FIA)
+    supports_logit_cap = False  # neither ATB PagedAttention nor FIA takes a soft cap
+    supports_mla = False  # one head size for the K and V caches
+    needs_cpu_seq_lens = True  # the ops take per-request lengths on the host
+
+    def __init__(self, capability: DeviceCapability):
+        ops = _ops_for(capability)  # first: a real NPU without torch_npu is a clear error, not a torch one
+        super().__init__(capability)
+        self.ops = ops
+        self.graph_max_bs: int | None = None
+        self._graph_width = 0
+        self._graph_max_blocks = 0
+        self._graph_block_table: torch.Tensor | None = None
+        self._graph_masks: dict[MaskKey, torch.Tensor] = {}
+        self._graph_tasks: dict[int, list[_CapturedTask]] = {}
+        self._update_stream = None
+        self._fia_ok: dict[tuple, bool] = {}
+
+    # -- selection ---------------------------------------------------------------------
+    @classmethod
+    def available(cls, capability: DeviceCapability) -> list[str]:
+        if capability.type != "npu":
+            return [f"the ascend backend runs on the npu device only, not {capability.type}"]
+        return []
+
+    @classmethod
+    def validate(cls, config: AttentionConfig, capability: DeviceCapability) -> list[str]:
+        reasons = super().validate(config, capability)
+        common = dict(
+            head_dim=config.head_dim,
+            v_head_dim=config.v_head_dim,
+            block_size=config.page_size,
+            dtype=_op_dtype(config.dtype, capability),
+            logit_cap=config.logit_cap,
+            custom_mask=config.custom_mask,
+            causal=not config.non_causal,
+            kv_heads=config.num_kv_heads,
+            q_heads=config.num_q_heads,
+        )
+        # Layers without a window decode with _npu_paged_attention; everything else (windowed decode,
+        # mixed, verify, and extends FIA cannot serve) goes through splitfuse. FIA itself is optional.
+        reasons += npu_ops.unsupported_reasons(**common, sliding_window=-1, paths=("decode",))
+        reasons += npu_ops.unsupported_reasons(**common, sliding_window=config.sliding_window, paths=("mixed",))
+        if config.graph and capability.available and not capability.emulated:
+            npu = getattr(torch, "npu", None)
+            missing = [name for name in GRAPH_UPDATE_API if not hasattr(npu, name)]
+            if missing:
+                reasons.append(
+                    f"graph capture needs torch_npu's graph task update API (torch.npu.{', '.join(missing)} "
+                    "missing): the ops take host lengths that every replay must update"
+                )
+            if config.sliding_window >= 0:
+                reasons.append(
+                    "graph capture of sliding-window decode (_npu_paged_attention_splitfuse) on a real NPU: "
+                    "no documented in-graph update of its host lengths; only _npu_paged_attention has one"
+                )
+        return list(dict.fromkeys(reasons))
+
+    def support_triton(self) -> bool:
+        """Triton helper ops only with a Triton NPU target (triton-ascend); the KV write is the NPU op."""
+        return bool(self.capability.triton_target)
+
+    # -- graph state -------------------------------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        # The block table and mask buffers are sized on the first static batch, when req_to_token's width is known.
+        self.graph_max_bs = max_bs
+        self._graph_width = self._graph_max_blocks = 0
+        self._graph_block_table = None
+        self._graph_masks = {}
+        self._graph_tasks = {}
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1
+
+    def _ensure_graph_buffers(self, fb: ForwardBatch) -> None:
+        expect(
+            self.graph_max_bs is not None and fb.batch_size <= self.graph_max_bs,
+            GraphCaptureError,
+            "static batch size",
+            fb.batch_size,
+            f"<= the max_bs given to init_cuda_graph_state ({self.graph_max_bs}); call it first",
+        )
+        width = fb.req_to_token_pool.max_context_len
+        if self._graph_block_table is None or width != self._graph_width:
+            ps = fb.token_to_kv_pool.page_size
+            self._graph_width, self._graph_max_blocks = width, -(-width // ps)
+            self._graph_block_table = torch.zeros(
+                self.graph_max_bs, self._graph_max_blocks, dtype=torch.int32, device=self.device
+            )
+            self._graph_masks = {}
+
+    # -- metadata ----------------------------------------------------------------------
+    def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
+        pool = fb.token_to_kv_pool
+        q_lens, kv_lens = list(fb.query_lens_cpu), list(fb.kv_lens_cpu)
+        static = fb.graph_static
+        if static:
+            self._ensure_graph_buffers(fb)
+            max_blocks = self._graph_max_blocks
+        else:
+            max_blocks = max(1, -(-max(kv_lens, default=1) // pool.page_size))
+        cu, total = [], 0
+        for n in q_lens:
+            total += n
+            cu.append(total)
+        mode = fb.forward_mode
+        meta = AscendMetadata(
+            batch_size=fb.batch_size,
+            num_tokens=total,
+            max_blocks=max_blocks,
+            query_lens=q_lens,
+            kv_lens=kv_lens,
+            cu_query_lens=cu,
+            dtype=pool.dtype,
+            graph_static=static,
+            custom_mask=fb.spec_info.custom_mask if mode.is_target_verify() else None,
+        )
+        if static:
+            for key in self._graph_masks:  # the variants the captured layers use, refilled in place
+                meta.masks[key] = self._fill_graph_mask(meta, key)
+            if in_capture:
+                self._graph_tasks[fb.batch_size] = []
+            elif self._graph_tasks.get(fb.batch_size):
+                self._update_graph_tasks(meta)
+        elif mode.is_mixed():
+            meta.masks[("causal", -1)] = self._build_mask(meta, ("causal", -1))
+        elif mode.is_target_verify():
+            meta.masks[("custom", -1)] = self._build_mask(meta, ("custom", -1))
+        self.forward_metadata = meta
+
+    def init_forward_metadata_in_graph(self, fb: ForwardBatch) -> None:
+        meta = self.forward_metadata
+        if fb.forward_mode.is_idle() or fb.batch_size == 0:
+            meta.block_table = None
+            return
+        table = npu_ops.block_tables(
+            fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.token_to_kv_pool.page_size, meta.max_blocks
+        )
+        if fb.graph_static:
+            meta.block_table = self._graph_block_table[: fb.batch_size]
+            meta.block_table.copy_(table)
+        else:
+            meta.block_table = table
+
+    # -- splitfuse masks ---------------------------------------------------------------
+    def _build_mask(self, meta: AscendMetadata, key: MaskKey) -> torch.Tensor:
+        kind, window = key
+        return npu_ops.splitfuse_mask(
+            meta.query_lens,
+            meta.kv_lens,
+            meta.dtype,
+            self.device,
+            causal=kind == "causal",
+            sliding_window=window,
+            custom_mask=meta.custom_mask if kind == "custom" else None,
+        )
+
+    def _fill_graph_mask(self, meta: AscendMetadata, key: MaskKey) -> torch.Tensor:
+        """Rebuild ``key``'s mask into its fixed ``[max_bs, width]`` buffer (outside the graph)."""
+        buf = self._graph_masks.get(key)
+        if buf is None:
+            buf = torch.empty(self.graph_max_bs, self._graph_width, dtype=meta.dtype, device=self.device)
+            self._graph_masks[key] = buf
+        mask = self._build_mask(meta, key)
+        rows = buf[: meta.num_tokens]
+        rows.fill_(npu_ops.splitfuse_mask_value(meta.dtype))
+        rows[:, : mask.shape[1]].copy_(mask)
+        return rows
+
+    def _mask(self, meta: AscendMetadata, key: MaskKey) -> torch.Tensor:
+        """The splitfuse mask variant ``key`` of this batch, built on first use (a layer's window)."""
+        mask = meta.masks.get(key)
+        if mask is None:
+            mask = self._fill_graph_mask(meta, key) if meta.graph_static else self._build_mask(meta, key)
+            meta.masks[key] = mask
+        return mask
+
+    # -- real-NPU graph task updates (unverified without hardware) ---------------------
+    def _capturing(self) -> bool:
+        if self.capability.emulated:
+            return False
+        npu = getattr(torch, "npu", None)
+        check = getattr(npu, "is_current_stream_capturing", None)
+        return bool(check and check())
+
+    def _capture_decode(self, meta: AscendMetadata, kwargs: dict) -> None:
+        """``_npu_paged_attention`` inside a task group, so replays can update its host ``context_lens``."""
+        npu = torch.npu
+        stream = npu.current_stream()
+        event = npu.ExternalEvent()
+        event.wait(stream)  # the replay waits until out_graph re-issued this task with the new lengths
+        event.reset(stream)
+        workspace = None
+        get_workspace = getattr(self.ops, "_npu_paged_attention_get_workspace", None)
+        if get_workspace is not None:  # sized for the longest context, as vllm-ascend does at capture
+            longest = torch.full((meta.batch_size,), self._graph_width, dtype=torch.int32)
+            workspace = get_workspace(**kwargs, context_lens=longest)
+        extra = {} if workspace is None else {"workspace": workspace}
+        npu.graph_task_group_begin(stream)
+        self.ops._npu_paged_attention(**kwargs, context_lens=torch.tensor(meta.kv_lens, dtype=torch.int32), **extra)
+        handle = npu.graph_task_group_end(stream)
+        self._graph_tasks[meta.batch_size].append(_CapturedTask(handle, event, kwargs, workspace))
+
+    def _update_graph_tasks(self, meta: AscendMetadata) -> None:
+        """Re-issue every captured attention task of this batch size with this replay's host lengths."""
+        npu = torch.npu
+        if self._update_stream is None:
+            self._update_stream = npu.Stream()
+        stream = self._update_stream
+        stream.wait_stream(npu.current_stream())  # the previous replay has consumed the old parameters
+        lens = torch.tensor(meta.kv_lens, dtype=torch.int32)
+        get_workspace = getattr(self.ops, "_npu_paged_attention_get_workspace", None)
+        with npu.stream(stream):
+            for task in self._graph_tasks[meta.batch_size]:
+                extra = {}
+                if task.workspace is not None and get_workspace is not None:
+                    # vllm-ascend recomputes it per update: a shorter context can need a larger workspace.
+                    task.workspace = get_workspace(**task.kwargs, context_lens=lens)  # kept alive until next update
+                    extra["workspace"] = task.workspace
+                npu.graph_task_update_begin(stream, task.handle)
+                self.ops._npu_paged_attention(**task.kwargs, context_lens=lens, **extra)
+                npu.graph_task_update_end(stream)
+                task.event.record(stream)
+
+    # -- forward -----------------------------------------------------------------------
+    def _prepare(self, q, k, v, layer: AttentionLayer, fb: ForwardBatch, save_kv_cache: bool):
+        """Checks, the KV write, and ``(meta, query [T, Hq, D] in the cache dtype, k_cache, v_cache)``."""
+        meta = self.forward_metadata
+        expect(
+            isinstance(meta, AscendMetadata) and meta.num_tokens == fb.num_tokens,
+            InvalidBatchError,
+            "forward_metadata",
+            type(meta).__name__,
+            "this batch's metadata: call init_forward_metadata(forward_batch) before forward",
+        )
+        if layer.logit_cap > 0:
+            raise UnsupportedError(f"ascend: logit_cap = {layer.logit_cap}: the Ascend ops have no soft cap")
+        if layer.v_head_dim != layer.head_dim:
+            raise UnsupportedError(f"ascend: v_head_dim {layer.v_head_dim} != head_dim {layer.head_dim}")
+        tokens = fb.num_tokens
+        q = q.reshape(tokens, layer.tp_q_head_num, layer.head_dim)
+        pool = fb.token_to_kv_pool
+        k_buffer, v_buffer = pool.get_kv_buffer(layer.layer_id)
+        k_cache = npu_ops.paged_view(k_buffer, pool.page_size)
+        v_cache = npu_ops.paged_view(v_buffer, pool.page_size)
+        if save_kv_cache:
+            k = k.reshape(tokens, layer.tp_k_head_num, layer.head_dim)
+            v = v.reshape(tokens, layer.tp_v_head_num, layer.v_head_dim)
+            pool.check_kv(fb.out_cache_loc, k, v, check_range=False)
+            slots = fb.out_cache_loc
+            if fb.graph_static:  # padding requests all target the padding slot: skip them (negative slot)
+                slots = torch.where(slots == pool.padding_slot, -1, slots)
+            npu_ops.write_kv(self.ops, k, v, k_cache, v_cache, slots)
+        return meta, q.to(pool.dtype).contiguous(), k_cache, v_cache
+
+    def _refuse_capture(self, op: str) -> None:
+        if self._capturing():
+            raise GraphCaptureError(
+                f"ascend: {op} inside an NPUGraph capture would freeze its host lengths (no in-graph update "
+                "is implemented for it); only decode without a sliding window is graph-capturable on a real NPU"
+            )
+
+    def _splitfuse(self, meta, query, k_cache, v_cache, layer: AttentionLayer, key: MaskKey) -> torch.Tensor:
+        self._refuse_capture("_npu_paged_attention_splitfuse")
+        return npu_ops.paged_mixed(
+            self.ops,
+            query,
+            k_cache,
+            v_cache,
+            meta.block_table,
+            meta.query_lens,
+            meta.kv_lens,
+            scale=layer.scaling,
+            out=torch.empty_like(query),
+            mask=self._mask(meta, key),
+        )
+
+    @staticmethod
+    def _output(out: torch.Tensor, q: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:
+        return out.reshape(out.shape[0], layer.tp_q_head_num * layer.v_head_dim).to(q.dtype)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        meta, query, k_cache, v_cache = self._prepare(q, k, v, layer, forward_batch, save_kv_cache)
+        if layer.sliding_window_size >= 0:  # _npu_paged_attention has no mask: splitfuse with a windowed one
+            out = self._splitfuse(meta, query, k_cache, v_cache, layer, ("causal", layer.sliding_window_size))
+        elif self._capturing():
+            out = torch.empty_like(query)
+            call = dict(
+                query=query,
+                key_cache=k_cache,
+                value_cache=v_cache,
+                num_kv_heads=k_cache.shape[2],
+                num_heads=query.shape[1],
+                scale_value=float(layer.scaling),
+                block_table=meta.block_table,
+                out=out,
+            )
+            self._capture_decode(meta, call)
+        else:
+            out = npu_ops.paged_decode(
+                self.ops, query, k_cache, v_cache, meta.block_table, meta.kv_lens, scale=layer.scaling
+            )
+        return self._output(out, q, layer)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        mode = forward_batch.forward_mode
+        if mode.is_mixed():  # reached when called directly (forward() sends MIXED to forward_mixed on an NPU)
+            return self.forward_mixed(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
+        meta, query, k_cache, v_cache = self._prepare(q, k, v, layer, forward_batch, save_kv_cache)
+        window = layer.sliding_window_size
+        if mode.is_target_verify():
+            out = self._splitfuse(meta, query, k_cache, v_cache, layer, ("custom", window))
+        elif self._fia_serves(layer, k_cache.shape[1], meta.dtype):
+            self._refuse_capture("npu_fused_infer_attention_score")
+            out = npu_ops.paged_prefill(
+                self.ops,
+                query,
+                k_cache,
+                v_cache,
+                meta.block_table,
+                meta.query_lens,
+                meta.kv_lens,
+                scale=layer.scaling,
+                causal=layer.causal,
+            )
+        else:
+            kind = "causal" if layer.causal else "full"
+            out = self._splitfuse(meta, query, k_cache, v_cache, layer, (kind, window))
+        return self._output(out, q, layer)
+
+    def forward_mixed(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        """Decodes and chunked prefills of a MIXED batch in one ``_npu_paged_attention_splitfuse`` call."""
+        meta, query, k_cache, v_cache = self._prepare(q, k, v, layer, forward_batch, save_kv_cache)
+        kind = "causal" if layer.causal else "full"
+        out = self._splitfuse(meta, query, k_cache, v_cache, layer, (kind, layer.sliding_window_size))
+        return self._output(out, q, layer)
+
+    def _fia_serves(self, layer: AttentionLayer, page_size: int, dtype: torch.dtype) -> bool:
+        """Whether ``npu_fused_infer_attention_score`` (TND, paged) can run this layer's extend."""
+        key = (layer.head_dim, layer.v_head_dim, layer.tp_q_head_num, layer.tp_k_head_num)
+        key += (layer.sliding_window_size, layer.causal, page_size, dtype)
+        ok = self._fia_ok.get(key)
+        if ok is None:
+            ok = self._fia_ok[key] = not npu_ops.unsupported_reasons(
+                layer.head_dim,
+                layer.v_head_dim,
+                page_size,
+                _op_dtype(dtype, self.capability),
+                layer.logit_cap,
+                layer.sliding_window_size,
+                False,
+                layer.causal,
+                kv_heads=layer.tp_k_head_num,
+                q_heads=layer.tp_q_head_num,
+                paths=("extend",),
+            )
+        return ok

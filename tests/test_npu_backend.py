@@ -1,0 +1,538 @@
+"""The npu device and its ascend backend, run over the CPU emulation of the torch_npu ops.
+
+``HAL_NPU_EMULATION=1`` makes the npu device available here; every test counts what reached the
+(emulated) torch_npu ops and compares outputs with the reference (``hal.conformance.cases.build``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import itertools
+import os
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+import torch
+
+from hal.batch import ForwardMode, static_decode_batch
+from hal.capability import cpu_capability
+from hal.config import AttentionConfig
+from hal.conformance.cases import Case, build, tolerance
+from hal.devices.cpu import TorchBackend
+from hal.devices.npu import EMULATED_NAME, AscendBackend, emulation_requested
+from hal.devices.npu import device as npu_device
+from hal.errors import ConfigError, DeviceUnavailableError, GraphCaptureError, InvalidBatchError, UnsupportedError
+from hal.graph import EagerGraph, GraphRunner
+from hal.kernels.npu import OP_NAMES, emulation, load_torch_npu
+from hal.ops import TORCH_OPS, TRITON_OPS
+from hal.registry import get_registry, probe_device
+from hal.selection import select
+
+pytestmark = pytest.mark.skipif(
+    load_torch_npu()[0] is not None, reason="a real NPU is visible: the emulation is not used (run `hal check`)"
+)
+
+D, E, M, V = ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY
+MIXED_REQS = ((140, 1), (0, 30), (129, 9), (3, 1))  # decodes and chunked prefills, crossing 128-token pages
+EXTEND_REQS = ((130, 5), (0, 20), (200, 12))
+DECODE_REQS = ((0, 1), (130, 1), (260, 1), (5, 1))
+FIA, SPLITFUSE = "npu_fused_infer_attention_score", "_npu_paged_attention_splitfuse"
+
+
+@pytest.fixture
+def npu(monkeypatch):
+    """The emulated npu device and its capability, loaded through the registry."""
+    monkeypatch.delenv("HAL_PLUGINS", raising=False)
+    monkeypatch.setenv("HAL_NPU_EMULATION", "1")
+    device = get_registry(reload=True).get("npu")
+    return device, probe_device(device)
+
+
+@pytest.fixture
+def op_calls(monkeypatch):
+    """Count every call to the emulated torch_npu ops, keeping the keyword arguments they received."""
+    calls: dict[str, list[dict]] = {name: [] for name in OP_NAMES}
+
+    def counting(name, op):
+        def counted(*args, **kwargs):
+            calls[name].append(kwargs)
+            return op(*args, **kwargs)
+
+        return counted
+
+    for name in OP_NAMES:
+        monkeypatch.setattr(emulation.torch_npu, name, counting(name, getattr(emulation.torch_npu, name)))
+    return calls
+
+
+def _counts(calls) -> dict[str, int]:
+    return {name: len(c) for name, c in calls.items()}
+
+
+def _close(out, built):
+    assert out.shape == built.expected.shape and out.dtype == built.q.dtype
+    torch.testing.assert_close(out.float(), built.expected.float(), **tolerance(built.case.dtype))
+
+
+def _run(backend, built, **kwargs):
+    backend.init_forward_metadata(built.batch)
+    return backend.forward(built.q, built.k, built.v, built.layer, built.batch, **kwargs)
+
+
+def _count_methods(monkeypatch, backend, names=("forward_extend", "forward_mixed", "forward_decode")):
+    counts = dict.fromkeys(names, 0)
+    for name in names:
+        method = getattr(backend, name)
+
+        def counted(*args, _name=name, _method=method, **kwargs):
+            counts[_name] += 1
+            return _method(*args, **kwargs)
+
+        monkeypatch.setattr(backend, name, counted)
+    return counts
+
+
+# ----------------------------------------------------------------------------- the device
+
+
+def test_emulated_device_capability(npu):
+    device, cap = npu
+    assert device.name == "npu" and device.priority == 90
+    assert cap.available and cap.emulated and cap.type == "npu"
+    assert cap.torch_type == "cpu" and cap.torch_device == torch.device("cpu")
+    assert cap.name == EMULATED_NAME
+    assert cap.dtypes == ("fp32", "bf16") and "fp16" not in cap.dtypes
+    assert "never runs fp16" in cap.reasons["fp16"]
+    assert cap.reasons["emulated"].startswith("emulated: correctness only, never performance")
+    assert load_torch_npu()[1] in cap.reasons["emulated"]  # and why there is no real NPU
+    assert cap.graph == "eager_guard" and cap.triton_target is None
+    assert isinstance(device.make_graph(cap), EagerGraph)
+    assert device.backends() == [AscendBackend]
+
+
+def test_without_the_flag_the_device_is_unavailable_with_load_torch_npus_reason(monkeypatch):
+    for value in (None, "0"):
+        if value is None:
+            monkeypatch.delenv("HAL_NPU_EMULATION", raising=False)
+        else:
+            monkeypatch.setenv("HAL_NPU_EMULATION", value)
+        cap = npu_device.probe()
+        assert not cap.available and not cap.emulated
+        assert cap.reasons["device"] == load_torch_npu()[1]
+        if importlib.util.find_spec("torch_npu") is None:
+            assert cap.reasons["device"] == "torch_npu not installed"
+
+
+@pytest.mark.parametrize("value", ["yes", "true", "2", "", " 1"])
+def test_a_bad_flag_value_raises_config_error(monkeypatch, value):
+    monkeypatch.setenv("HAL_NPU_EMULATION", value)
+    with pytest.raises(ConfigError, match=r"HAL_NPU_EMULATION = .*expected '1'.*'0' or unset"):
+        emulation_requested()
+    with pytest.raises(ConfigError, match="HAL_NPU_EMULATION"):
+        npu_device.probe()
+    # A typo must not make the device quietly vanish from selection: loud through the registry too,
+    # while `hal info` still lists every device, this one with the error as its reason.
+    with pytest.raises(ConfigError, match="HAL_NPU_EMULATION"):
+        probe_device(npu_device)
+    from hal.cli import info
+
+    npu = next(d for d in info()["devices"] if d["name"] == "npu")
+    assert not npu["available"] and "HAL_NPU_EMULATION" in npu["reasons"]["device"]
+
+
+def test_importing_the_device_never_imports_torch_npu(tmp_path):
+    """A torch_npu that explodes on import: importing the device is fine, probing reports the failure."""
+    (tmp_path / "torch_npu").mkdir()
+    (tmp_path / "torch_npu" / "__init__.py").write_text("raise OSError('libascendcl.so: cannot open shared object')\n")
+    script = textwrap.dedent(
+        """
+        import sys
+        import hal.devices.npu as npu
+        assert "torch_npu" not in sys.modules
+        cap = npu.device.probe()
+        assert not cap.available, cap
+        assert "failed to import" in cap.reasons["device"] and "libascendcl" in cap.reasons["device"], cap
+        print("ok")
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env.pop("HAL_NPU_EMULATION", None)
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def test_selection_picks_the_emulated_npu_for_what_it_serves(npu):
+    chosen = select(AttentionConfig(page_size=128, dtype=torch.bfloat16))
+    assert (chosen.device, chosen.backend) == ("npu", "ascend")
+    fallback = select(AttentionConfig(page_size=1, dtype=torch.bfloat16))  # the ATB ops need 16-token pages
+    assert fallback.device == "cpu"
+    assert any("npu/ascend: rejected" in step and "page_size 1" in step for step in fallback.trace)
+
+
+# ----------------------------------------------------------------------------- validate
+
+
+def test_validate_reasons_are_exactly_what_the_ops_cannot_do(npu):
+    _, cap = npu
+    ok = AttentionConfig(num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=128, dtype=torch.float32)
+    assert AscendBackend.validate(ok, cap) == []  # fp32 is fine on the emulation
+    for cfg in (
+        dataclasses.replace(ok, sliding_window=64, non_causal=True, custom_mask=True, graph=True),
+        dataclasses.replace(ok, page_size=16, dtype=torch.bfloat16),
+        dataclasses.replace(ok, head_dim=64, v_head_dim=64, page_size=256),
+    ):
+        assert AscendBackend.validate(cfg, cap) == [], cfg
+
+    def reasons(**changes):
+        return " | ".join(AscendBackend.validate(dataclasses.replace(ok, **changes), cap))
+
+    assert "logit cap not supported" in reasons(logit_cap=30.0)
+    assert "v_head_dim 64 != head_dim 128" in reasons(v_head_dim=64)
+    assert "page size 8 is not a multiple of 16" in reasons(page_size=8)
+    assert "head_dim * page size = 32768 > 128 * 128" in reasons(page_size=256)
+    assert "device has no fp16" in reasons(dtype=torch.float16)
+
+    real = dataclasses.replace(
+        cap, emulated=False, torch_type="npu", dtypes=("fp16", "bf16"), reasons={"fp32": "fp16/bf16 only"}
+    )
+    fp32 = " | ".join(AscendBackend.validate(ok, real))
+    assert "device has no fp32" in fp32 and "dtype torch.float32 unsupported" in fp32
+    assert AscendBackend.validate(dataclasses.replace(ok, dtype=torch.bfloat16), real) == []
+    windowed_graph = dataclasses.replace(ok, dtype=torch.bfloat16, graph=True, sliding_window=64)
+    assert "graph" in " | ".join(AscendBackend.validate(windowed_graph, real))
+    with pytest.raises(DeviceUnavailableError, match="torch_npu"):
+        AscendBackend(real)  # a real NPU's backend needs the real module
+
+
+# ----------------------------------------------------------------------------- routing
+
+
+def test_mixed_batch_is_one_splitfuse_call_on_the_npu_and_forward_extend_on_the_cpu(npu, op_calls, monkeypatch):
+    _, cap = npu
+    case = Case("mixed_page128", M, MIXED_REQS, page_size=128, q_heads=8, kv_heads=2)
+    built = build(case, num_layers=2)
+    backend = AscendBackend(cap)
+    methods = _count_methods(monkeypatch, backend)
+    for layer_id in (0, 1):  # one splitfuse call per layer forward
+        layer = case.layer(layer_id)
+        backend.init_forward_metadata(built.batch)
+        out = backend.forward(built.q, built.k, built.v, layer, built.batch)
+        assert methods == {"forward_extend": 0, "forward_mixed": layer_id + 1, "forward_decode": 0}
+        assert _counts(op_calls) == {
+            "_npu_reshape_and_cache": layer_id + 1,
+            "_npu_paged_attention": 0,
+            "_npu_paged_attention_splitfuse": layer_id + 1,
+            "npu_fused_infer_attention_score": 0,
+        }
+        if layer_id == 0:
+            _close(out, built)
+    call = op_calls["_npu_paged_attention_splitfuse"][0]
+    fb = built.batch
+    for name, expected in (("seq_len", fb.query_lens_cpu), ("context_lens", fb.kv_lens_cpu)):
+        assert call[name].device.type == "cpu" and call[name].dtype == torch.int32
+        assert call[name].tolist() == expected
+    assert call["mask"].shape == (fb.num_tokens, max(fb.kv_lens_cpu))
+    assert call["block_table"].dtype == torch.int32 and call["block_table"].shape == (4, 2)
+
+    # The same batch on the CPU torch backend: forward_extend, never forward_mixed.
+    cpu_built = build(case)
+    torch_backend = TorchBackend(cpu_capability())
+    cpu_methods = _count_methods(monkeypatch, torch_backend)
+    _close(_run(torch_backend, cpu_built), cpu_built)
+    assert cpu_methods == {"forward_extend": 1, "forward_mixed": 0, "forward_decode": 0}
+
+
+def test_layers_with_different_windows_get_their_own_mask(npu, op_calls):
+    """One batch, a full-attention layer then a windowed one: two masks, each layer equal to its reference."""
+    _, cap = npu
+    plain = Case("mixed_page16", M, MIXED_REQS, page_size=16)
+    windowed = dataclasses.replace(plain, name="mixed_page16_window", sliding_window=8)
+    built, built_windowed = build(plain), build(windowed)  # same seed: the same batch and inputs
+    assert torch.equal(built.q, built_windowed.q)
+    backend = AscendBackend(cap)
+    backend.init_forward_metadata(built.batch)
+    _close(backend.forward(built.q, built.k, built.v, built.layer, built.batch), built)
+    _close(backend.forward(built.q, built.k, built.v, built_windowed.layer, built.batch), built_windowed)
+    masks = [call["mask"] for call in op_calls[SPLITFUSE]]
+    assert len(masks) == 2 and not torch.equal(masks[0], masks[1])
+    assert set(backend.forward_metadata.masks) == {("causal", -1), ("causal", 8)}
+
+
+def test_forward_extend_called_directly_on_a_mixed_batch_takes_the_same_single_call(npu, op_calls):
+    _, cap = npu
+    built = build(Case("mixed_page16_bf16", M, MIXED_REQS, page_size=16, dtype=torch.bfloat16))
+    backend = AscendBackend(cap)
+    backend.init_forward_metadata(built.batch)
+    q, k, v = (t.view(t.shape[0], -1, built.layer.head_dim) for t in (built.q, built.k, built.v))
+    _close(backend.forward_extend(q, k, v, built.layer, built.batch), built)
+    assert _counts(op_calls)["_npu_paged_attention_splitfuse"] == 1
+    assert _counts(op_calls)["npu_fused_infer_attention_score"] == 0
+
+
+def test_decode_uses_npu_paged_attention_with_host_lengths(npu, op_calls):
+    _, cap = npu
+    built = build(Case("decode_page128", D, DECODE_REQS, page_size=128))
+    backend = AscendBackend(cap)
+    _close(_run(backend, built), built)
+    assert _counts(op_calls) == {
+        "_npu_reshape_and_cache": 1,
+        "_npu_paged_attention": 1,
+        "_npu_paged_attention_splitfuse": 0,
+        "npu_fused_infer_attention_score": 0,
+    }
+    call = op_calls["_npu_paged_attention"][0]
+    lens = call["context_lens"]
+    assert lens.device.type == "cpu" and lens.dtype == torch.int32 and lens.tolist() == [1, 131, 261, 6]
+    table = call["block_table"]
+    assert table.dtype == torch.int32 and table.shape == (4, 3)  # ceil(261 / 128) blocks
+    fb = built.batch
+    pages = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, 0] // 128
+    assert torch.equal(table[:, 0], pages.int())
+    case = built.case
+    assert call["key_cache"].shape == (fb.token_to_kv_pool.num_slots // 128, 128, case.kv_heads, case.head_dim)
+    assert call["key_cache"].data_ptr() == fb.token_to_kv_pool.k_buffer[0].data_ptr()  # a view, not a copy
+    assert op_calls["_npu_reshape_and_cache"][0]["slot_indices"].dtype == torch.int32
+
+
+def test_decode_with_a_sliding_window_goes_through_splitfuse(npu, op_calls):
+    _, cap = npu
+    built = build(Case("decode_window", D, DECODE_REQS, page_size=16, sliding_window=8))
+    _close(_run(AscendBackend(cap), built), built)
+    assert _counts(op_calls)["_npu_paged_attention"] == 0
+    assert _counts(op_calls)["_npu_paged_attention_splitfuse"] == 1
+    mask = op_calls["_npu_paged_attention_splitfuse"][0]["mask"]
+    assert (mask[2, :252] != 0).all() and (mask[2, 252:261] == 0).all()  # request 2 at position 260 sees 252..260
+
+
+@pytest.mark.parametrize(
+    "case, op, sparse_mode",
+    [
+        (Case("extend_page128", E, EXTEND_REQS, page_size=128), FIA, 3),
+        (Case("extend_page128_bf16", E, EXTEND_REQS, page_size=128, dtype=torch.bfloat16), FIA, 3),
+        (Case("extend_page128_nc", E, ((0, 7), (0, 12)), page_size=128, attn_type="encoder_only"), FIA, 0),
+        (Case("draft_extend_page128", ForwardMode.DRAFT_EXTEND, ((6, 3), (140, 3)), page_size=128), FIA, 3),
+        (Case("extend_page16", E, EXTEND_REQS, page_size=16), SPLITFUSE, None),
+        (Case("extend_page128_window", E, EXTEND_REQS, page_size=128, sliding_window=6), SPLITFUSE, None),
+        (Case("extend_page16_nc", E, ((0, 7), (0, 12)), page_size=16, attn_type="encoder_only"), SPLITFUSE, None),
+        (Case("verify_page128", V, ((130, 4), (3, 4)), page_size=128), SPLITFUSE, None),
+        (Case("verify_page16_window", V, ((30, 4), (3, 4)), page_size=16, sliding_window=7), SPLITFUSE, None),
+    ],
+    ids=lambda x: x.name if isinstance(x, Case) else None,
+)
+def test_extend_routing(npu, op_calls, case, op, sparse_mode):
+    _, cap = npu
+    built = build(case)
+    _close(_run(AscendBackend(cap), built), built)
+    attention = {name: n for name, n in _counts(op_calls).items() if name != "_npu_reshape_and_cache"}
+    assert attention == {name: int(name == op) for name in attention}
+    call = op_calls[op][0]
+    fb = built.batch
+    if sparse_mode is not None:  # FIA, TND: host lists, cumulative query ends and per-request KV lengths
+        assert call["sparse_mode"] == sparse_mode and call["input_layout"] == "TND"
+        assert call["actual_seq_lengths"] == list(itertools.accumulate(fb.query_lens_cpu))
+        assert call["actual_seq_lengths_kv"] == fb.kv_lens_cpu
+        assert all(type(n) is int for n in call["actual_seq_lengths"] + call["actual_seq_lengths_kv"])
+        assert (call.get("atten_mask") is None) == (sparse_mode == 0)
+    else:
+        assert call["seq_len"].tolist() == fb.query_lens_cpu and call["context_lens"].tolist() == fb.kv_lens_cpu
+
+
+def test_save_kv_cache_false_writes_nothing(npu, op_calls):
+    _, cap = npu
+    built = build(Case("decode_page16", D, DECODE_REQS, page_size=16))
+    pool = built.batch.token_to_kv_pool
+    pool.k_buffer[0].copy_(built.expected_k)
+    pool.v_buffer[0].copy_(built.expected_v)
+    _close(_run(AscendBackend(cap), built, save_kv_cache=False), built)
+    assert _counts(op_calls)["_npu_reshape_and_cache"] == 0
+    assert torch.equal(pool.k_buffer[0], built.expected_k)
+
+
+def test_forward_needs_metadata_and_refuses_what_the_ops_cannot_do(npu):
+    _, cap = npu
+    built = build(Case("decode_page16", D, DECODE_REQS, page_size=16))
+    backend = AscendBackend(cap)
+    with pytest.raises(InvalidBatchError, match="init_forward_metadata"):
+        backend.forward(built.q, built.k, built.v, built.layer, built.batch)
+    backend.init_forward_metadata(built.batch)
+    capped = dataclasses.replace(built.layer, logit_cap=5.0)
+    with pytest.raises(UnsupportedError, match="soft cap"):
+        backend.forward(built.q, built.k, built.v, capped, built.batch)
+
+
+def test_helper_ops_follow_support_triton(npu):
+    _, cap = npu
+    backend = AscendBackend(cap)
+    assert backend.support_triton() is False and backend.helper_ops is TORCH_OPS
+    with_target = AscendBackend(dataclasses.replace(cap, triton_target="npu:Ascend910B3"))
+    assert with_target.support_triton() is True and with_target.helper_ops is TRITON_OPS
+
+
+# ----------------------------------------------------------------------------- graphs
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case("graph_page128", D, ((3, 1), (200, 1), (130, 1)), page_size=128),
+        Case(
+            "graph_page16_window_bf16",
+            D,
+            ((3, 1), (40, 1), (20, 1)),
+            page_size=16,
+            sliding_window=8,
+            dtype=torch.bfloat16,
+        ),
+    ],
+    ids=lambda c: c.name,
+)
+def test_graph_replay_under_the_emulation_matches_the_reference(npu, op_calls, case):
+    device, cap = npu
+    built = build(case)
+    fb = built.batch
+    pool = fb.token_to_kv_pool
+    backend = AscendBackend(cap)
+    runner = GraphRunner(
+        backend,
+        [built.layer],
+        fb.req_to_token_pool,
+        pool,
+        make_graph=lambda: device.make_graph(cap),
+        capture_bs=(1, 2, 4),
+        dtype=case.dtype,
+    )
+    runner.capture()
+    op = "_npu_paged_attention" if case.sliding_window < 0 else "_npu_paged_attention_splitfuse"
+    for _ in range(2):
+        before = len(op_calls[op])
+        out = runner.run(fb, built.q, built.k, built.v)
+        _close(out[0], built)
+        assert len(op_calls[op]) == before + 1
+        # The replay read this batch's host lengths, padded with the fill value to the captured size 4.
+        assert op_calls[op][-1]["context_lens"].tolist() == fb.kv_lens_cpu + [1]
+    assert torch.equal(pool.k_buffer[0][pool.page_size :], built.expected_k[pool.page_size :])
+
+
+def test_the_eager_guard_still_watches_the_backends_own_code(npu, monkeypatch):
+    """Only the emulated op launches are opaque: a host sync in the backend fails the capture."""
+    device, cap = npu
+    built = build(Case("graph_page16", D, ((3, 1), (20, 1)), page_size=16))
+    fb = built.batch
+    backend = AscendBackend(cap)
+    runner = GraphRunner(backend, [built.layer], fb.req_to_token_pool, fb.token_to_kv_pool, EagerGraph, (2,))
+    output = backend._output
+    monkeypatch.setattr(backend, "_output", lambda out, q, layer: output(out, q, layer) + out.sum().item() * 0)
+    with pytest.raises(GraphCaptureError, match="host sync"):
+        runner.capture()
+
+
+class _FakeNpu(types.SimpleNamespace):
+    """Just enough of ``torch.npu`` to record the graph task-group / task-update protocol."""
+
+    def __init__(self):
+        super().__init__(log=[], capturing=False)
+        log = self.log
+
+        class Event:
+            def wait(self, stream):
+                log.append(("event.wait", stream))
+
+            def reset(self, stream):
+                log.append(("event.reset", stream))
+
+            def record(self, stream):
+                log.append(("event.record", stream))
+
+        class Stream:
+            def wait_stream(self, other):
+                log.append(("wait_stream", self, other))
+
+        self.ExternalEvent, self.Stream, self.NPUGraph = Event, Stream, object
+        self.main = Stream()
+        self.handles = itertools.count()
+
+    def is_current_stream_capturing(self):
+        return self.capturing
+
+    def current_stream(self):
+        return self.main
+
+    def stream(self, stream):
+        self.log.append(("stream", stream))
+        return contextlib.nullcontext()
+
+    def graph_task_group_begin(self, stream):
+        self.log.append(("group_begin", stream))
+
+    def graph_task_group_end(self, stream):
+        handle = next(self.handles)
+        self.log.append(("group_end", stream, handle))
+        return handle
+
+    def graph_task_update_begin(self, stream, handle):
+        self.log.append(("update_begin", stream, handle))
+
+    def graph_task_update_end(self, stream):
+        self.log.append(("update_end", stream))
+
+
+def test_real_npu_graph_path_updates_the_captured_tasks_host_lengths(npu, op_calls, monkeypatch):
+    """The task-group protocol of the real-NPU path, with a recording torch.npu (the hardware part is unverified)."""
+    _, cap = npu
+    fake = _FakeNpu()
+    monkeypatch.setattr(torch, "npu", fake, raising=False)
+    workspaces = []  # newer torch_npu sizes the graph workspace with _npu_paged_attention_get_workspace
+
+    def get_workspace(**kwargs):
+        workspaces.append((kwargs["context_lens"].tolist(), torch.empty(16)))
+        return workspaces[-1][1]
+
+    monkeypatch.setattr(emulation.torch_npu, "_npu_paged_attention_get_workspace", get_workspace, raising=False)
+    case = Case("graph_page128", D, ((3, 1), (200, 1), (130, 1)), page_size=128)
+    built = build(case, num_layers=2)
+    fb = built.batch
+    backend = AscendBackend(cap)
+    backend.capability = dataclasses.replace(cap, emulated=False)  # take the real-NPU code path over the emulation
+    backend.init_cuda_graph_state(4, 4)
+    static = static_decode_batch(4, fb.req_to_token_pool, fb.token_to_kv_pool, 1)
+    q = torch.zeros(4, built.q.shape[1])
+    k, v = torch.zeros(4, built.k.shape[1]), torch.zeros(4, built.v.shape[1])
+
+    backend.init_forward_metadata_out_graph(static, in_capture=True)
+    fake.capturing = True
+    backend.init_forward_metadata_in_graph(static)
+    for layer_id in (0, 1):
+        backend.forward(q, k, v, case.layer(layer_id), static)
+    fake.capturing = False
+    captured = op_calls["_npu_paged_attention"][:]
+    assert [c["context_lens"].tolist() for c in captured] == [[1, 1, 1, 1]] * 2
+    width = fb.req_to_token_pool.max_context_len
+    assert [lens for lens, _ in workspaces] == [[width] * 4] * 2  # sized for the longest context at capture
+    assert [c["workspace"] for c in captured] == [w for _, w in workspaces]
+    groups = [e for e in fake.log if e[0] in ("event.wait", "event.reset", "group_begin", "group_end")]
+    assert [e[0] for e in groups] == ["event.wait", "event.reset", "group_begin", "group_end"] * 2
+
+    # Replay of a 3-request batch: refill the static batch as GraphRunner does, then out_graph updates the tasks.
+    static.req_pool_indices.zero_()[:3].copy_(fb.req_pool_indices)
+    static.seq_lens.fill_(1)[:3].copy_(fb.seq_lens)
+    static.set_decode_host_lens(fb.seq_lens_cpu.tolist() + [1])
+    fake.log.clear()
+    backend.init_forward_metadata_out_graph(static)
+    names = [e[0] for e in fake.log]
+    assert names == ["wait_stream", "stream"] + ["update_begin", "update_end", "event.record"] * 2
+    update_stream = fake.log[0][1]
+    assert fake.log[0][2] is fake.main  # the update waits for the previous replay on the main stream
+    assert [e[2] for e in fake.log if e[0] == "update_begin"] == [0, 1]  # the handles from group_end, in order
+    assert all(e[1] is update_stream for e in fake.log if e[0] in ("update_begin", "update_end", "event.record"))
+    reissued = op_calls["_npu_paged_attention"][2:]
+    assert [lens for lens, _ in workspaces[2:]] == [fb.kv_lens_cpu + [1]] * 2  # recomputed per update
+    for old, new, (_, workspace) in zip(captured, reissued, workspaces[2:]):
+        assert new["context_lens"].tolist() == fb.kv_lens_cpu + [1]
+        assert new["workspace"] is workspace
+        for name in ("query", "key_cache", "value_cache", "block_table", "out"):
+            assert new[name] is old[name]  # same tensors: only the host lengths change
