@@ -22,7 +22,7 @@ from hal.errors import (
 )
 from hal.kv_cache import MHATokenToKVPool, PagedKVPool, ReqToTokenPool
 from hal.layer import AttentionLayer
-from hal.registry import Device, register_device, registry
+from hal.registry import Device, get_registry, register_device
 from hal.selection import Selection, create_backend, detect, select
 
 __version__ = "0.1.0"
@@ -53,6 +53,6 @@ __all__ = [
     "create_backend",
     "detect",
     "register_device",
-    "registry",
+    "get_registry",
     "select",
 ]

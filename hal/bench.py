@@ -30,7 +30,7 @@ import torch
 from hal.batch import ForwardMode
 from hal.conformance.cases import Case, build, to_device, tolerance
 from hal.kernels import reference
-from hal.registry import device_backends, registry
+from hal.registry import device_backends, get_registry
 from hal.selection import select
 
 PEER_SCRIPT = Path(__file__).resolve().parents[1] / ".." / "shared" / "peer" / "sglang_torch_native_bench.py"
@@ -151,7 +151,7 @@ def run_bench(
 ) -> int:
     selection = select(device=device)
     dev_name, cap = selection.device, selection.capability
-    dev = registry().get(dev_name)
+    dev = get_registry().get(dev_name)
     torch_device = cap.torch_device
     if cap.emulated:
         print(f"hal bench: {dev_name} is emulated here; an emulation never reports performance", file=sys.stderr)

@@ -9,19 +9,28 @@ import sys
 import torch
 
 import hal
+from hal.capability import DeviceCapability
 from hal.config import AttentionConfig
-from hal.errors import HalError
-from hal.registry import probe_device, registry
+from hal.errors import ConfigError, DeviceUnavailableError, HalError
+from hal.registry import get_registry, probe_device
 from hal.selection import backend_report, select
 
 
 def info(config: AttentionConfig | None = None) -> dict:
     """Every registered device (available or not) with its reasons, capability and backends."""
     config = config or AttentionConfig()
-    reg = registry()
+    reg = get_registry()
+    try:
+        chosen = select(config)
+        selection = {"device": chosen.device, "backend": chosen.backend, "trace": chosen.trace}
+    except HalError as exc:
+        chosen, selection = None, {"device": None, "backend": None, "error": str(exc)}
     devices = []
     for device in reg.ordered():
-        cap = probe_device(device)
+        try:
+            cap = probe_device(device)
+        except ConfigError as exc:  # shown here; select() above raised it to the caller too
+            cap = DeviceCapability(type=device.name, available=False, reasons={"device": f"ConfigError: {exc}"})
         devices.append(
             {
                 "name": device.name,
@@ -30,7 +39,7 @@ def info(config: AttentionConfig | None = None) -> dict:
                 "priority": device.priority,
                 "reasons": dict(cap.reasons),
                 "capability": cap.to_dict(),
-                "backends": backend_report(device, cap, config),
+                "backends": backend_report(device, cap, config, chosen),
             }
         )
     for name, error in sorted(reg.errors.items()):
@@ -39,16 +48,12 @@ def info(config: AttentionConfig | None = None) -> dict:
                 "name": name,
                 "available": False,
                 "emulated": False,
+                "priority": None,
                 "reasons": {"plugin": error},
                 "capability": None,
                 "backends": [],
             }
         )
-    try:
-        chosen = select(config)
-        selection = {"device": chosen.device, "backend": chosen.backend, "trace": chosen.trace}
-    except HalError as exc:
-        selection = {"device": None, "backend": None, "error": str(exc)}
     return {
         "hal_version": hal.__version__,
         "torch_version": torch.__version__,
@@ -112,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "check":
             from hal.conformance.runner import run_check
 
+            for name in args.device:  # an unknown or absent device is an error of its own, not an empty run
+                cap = probe_device(get_registry().get(name))
+                if not cap.available:
+                    raise DeviceUnavailableError(f"device {name!r} is not available: {cap.reasons.get('device', '?')}")
             report = run_check(args.device, args.backend, args.verbose)
             if args.json:
                 print(json.dumps({k: report[k] for k in ("results", "exit_code", "errors")}, indent=2))

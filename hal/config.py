@@ -66,6 +66,13 @@ class AttentionConfig:
         expect(self.dtype in DTYPE_NAMES, ConfigError, "dtype", self.dtype, "float32, bfloat16 or float16")
         if self.v_head_dim is None:
             object.__setattr__(self, "v_head_dim", self.head_dim)
+        expect(
+            isinstance(self.v_head_dim, int) and self.v_head_dim > 0,
+            ConfigError,
+            "v_head_dim",
+            self.v_head_dim,
+            "a positive int (or None: head_dim)",
+        )
 
     @property
     def dtype_name(self) -> str:

@@ -23,7 +23,7 @@ from hal.graph import GraphRunner
 from hal.kernels import reference
 from hal.kv_cache import PagedKVPool, ReqToTokenPool
 from hal.layer import AttentionLayer
-from hal.registry import registry
+from hal.registry import get_registry
 from hal.selection import select
 
 
@@ -165,7 +165,7 @@ def run_demo(device: str | None = None, as_json: bool = False, decode_steps: int
             layers[:1],
             server.req_pool,
             server.kv_pool,
-            make_graph=lambda: registry().get(selection.device).make_graph(selection.capability),
+            make_graph=lambda: get_registry().get(selection.device).make_graph(selection.capability),
             capture_bs=(1, 2, 4),
             dtype=dtype,
         )

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Device",
     "Registry",
-    "registry",
+    "get_registry",
     "register_device",
     "probe_device",
     "device_backends",
@@ -93,12 +93,18 @@ class Registry:
 
 
 def probe_device(device: Device) -> DeviceCapability:
-    """``device.probe()``, with a plugin's exception turned into an unavailable capability."""
+    """``device.probe()``, with a plugin's exception turned into an unavailable capability.
+
+    A ``ConfigError`` (a bad ``HAL_*`` value the plugin reads) is the user's to fix and
+    propagates: a device must not quietly vanish from selection because of a typo.
+    """
     try:
         cap = device.probe()
         if not isinstance(cap, DeviceCapability):
             raise PluginError(f"probe() returned {type(cap).__name__}, expected a DeviceCapability")
         return cap
+    except ConfigError:
+        raise
     except Exception as exc:
         why = f"plugin {device.name!r} probe() raised {type(exc).__name__}: {exc}"
         return DeviceCapability(type=device.name, available=False, reasons={"device": why})
@@ -136,9 +142,15 @@ def _wanted_plugins(available: list[str]) -> list[str]:
 
 def load_registry() -> Registry:
     """Load every plugin of the ``hal.devices`` group that ``HAL_PLUGINS`` allows."""
-    entry_points = {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
     reg = Registry()
+    entry_points = {}
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in entry_points and entry_points[ep.name].value != ep.value:
+            reg.errors[ep.name] = f"two plugins are named {ep.name!r}: {entry_points[ep.name].value} and {ep.value}"
+        entry_points[ep.name] = ep
     for name in _wanted_plugins(list(entry_points)):
+        if name in reg.errors:
+            continue
         ep = entry_points[name]
         try:
             obj = ep.load()
@@ -161,7 +173,7 @@ _REGISTRY: Registry | None = None
 _REGISTRY_KEY: str | None = None
 
 
-def registry(reload: bool = False) -> Registry:
+def get_registry(reload: bool = False) -> Registry:
     """The process-wide registry, reloaded when ``HAL_PLUGINS`` changes or on ``reload``."""
     global _REGISTRY, _REGISTRY_KEY
     key = os.environ.get("HAL_PLUGINS", "")
@@ -176,12 +188,12 @@ def registry(reload: bool = False) -> Registry:
 
 def register_device(device: Device) -> None:
     """Register a device without packaging it (tests, notebooks); kept across reloads."""
-    reg = registry()
+    reg = get_registry()
     reg.add(device, source="register_device")
     reg.extra[device.name] = device
 
 
 def unregister_device(name: str) -> None:
-    reg = registry()
+    reg = get_registry()
     reg.extra.pop(name, None)
     reg.devices.pop(name, None)

@@ -17,7 +17,7 @@ from hal.backend import AttentionBackend
 from hal.capability import DeviceCapability
 from hal.config import AttentionConfig
 from hal.errors import ConfigError, DeviceUnavailableError, NoBackendError
-from hal.registry import Device, device_backends, probe_device, registry
+from hal.registry import Device, device_backends, get_registry, probe_device
 
 __all__ = ["Selection", "select", "detect", "create_backend", "HybridBackend", "backend_report"]
 
@@ -55,7 +55,7 @@ def _env(name: str) -> str | None:
 
 
 def _device_order(requested: str | None, trace: list[str]) -> list[tuple[Device, DeviceCapability]]:
-    reg = registry()
+    reg = get_registry()
     for name, error in reg.errors.items():
         trace.append(f"plugin {name}: failed to load: {error}")
     source = "argument" if requested else "HAL_DEVICE"
@@ -95,10 +95,14 @@ def _pick(
     classes, error = device_backends(device)
     if error:
         trace.append(f"{device.name}: {error}")
+        return None, {"(backends)": [error]}
     names = [b.name for b in classes]
     rejected: dict[str, list[str]] = {}
     if forced is not None and forced not in names:
-        raise ConfigError(f"{forced_by} = {forced!r}: expected one of the {device.name} backends {names}")
+        raise ConfigError(
+            f"{forced_by} = {forced!r}: expected one of the {device.name} backends {names}"
+            + ("" if os.environ.get("HAL_DEVICE") else " (set HAL_DEVICE to force another device)")
+        )
     for cls in classes:
         if forced is not None and cls.name != forced:
             continue
@@ -139,7 +143,7 @@ def select(config: AttentionConfig | None = None, device: str | None = None) -> 
             name, by = forced[phase]
             cls, rejected = _pick(dev, cap, config, name, by, phase, trace)
             all_rejected.setdefault(dev.name, {}).update(rejected)
-            if cls is None and name is not None:
+            if cls is None and name is not None and "(backends)" not in rejected:
                 raise NoBackendError(
                     f"{by} = {name!r} cannot serve this config on {dev.name}: " + "; ".join(rejected.get(name, []))
                 )
@@ -147,15 +151,18 @@ def select(config: AttentionConfig | None = None, device: str | None = None) -> 
         if chosen["prefill"] and chosen["decode"]:
             return Selection(dev.name, cap, chosen["prefill"], chosen["decode"], trace)
     lines = [f"  {d}/{b}: " + "; ".join(r) for d, per in all_rejected.items() for b, r in per.items()]
-    raise NoBackendError(
-        f"no attention backend can serve {config.to_dict()}:\n" + ("\n".join(lines) or "  no device is available")
-    )
+    if not all_rejected:
+        lines = ["  no device is available:", *(f"    {step}" for step in trace)]
+    raise NoBackendError(f"no attention backend can serve {config.to_dict()}:\n" + "\n".join(lines))
 
 
 def detect(device: str | None = None) -> DeviceCapability:
     """The capability of ``device``, or of the device ``select`` would choose."""
     trace: list[str] = []
-    return _device_order(device, trace)[0][1]
+    order = _device_order(device, trace)
+    if not order:
+        raise DeviceUnavailableError("no device is available:\n  " + "\n  ".join(trace))
+    return order[0][1]
 
 
 def create_backend(config: AttentionConfig | None = None, device: str | None = None) -> AttentionBackend:
@@ -163,9 +170,11 @@ def create_backend(config: AttentionConfig | None = None, device: str | None = N
     return select(config, device).create()
 
 
-def backend_report(device: Device, cap: DeviceCapability, config: AttentionConfig) -> list[dict]:
-    """For ``hal info``: each backend of ``device`` with its reasons and whether it would be selected."""
-    rows, selected = [], None
+def backend_report(
+    device: Device, cap: DeviceCapability, config: AttentionConfig, chosen: Selection | None
+) -> list[dict]:
+    """For ``hal info``: each backend of ``device`` with its reasons, and whether ``chosen`` selected it."""
+    rows = []
     classes, error = device_backends(device)
     if error:
         return [{"name": "?", "available": False, "selected": False, "reasons": [error]}]
@@ -174,8 +183,11 @@ def backend_report(device: Device, cap: DeviceCapability, config: AttentionConfi
             reasons = cls.validate(config, cap)
         else:  # config checks against an absent device would only add noise
             reasons = [f"device unavailable: {cap.reasons.get('device', '?')}", *cls.available(cap)]
-        is_selected = not reasons and selected is None
-        selected = selected or (cls.name if is_selected else None)
+        is_selected = (
+            chosen is not None
+            and chosen.device == device.name
+            and cls in (chosen.prefill_backend, chosen.decode_backend)
+        )
         rows.append(
             {
                 "name": cls.name,

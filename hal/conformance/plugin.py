@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 
 from hal.capability import DeviceCapability
-from hal.registry import Device, device_backends, probe_device, registry
+from hal.registry import Device, device_backends, get_registry, probe_device
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class Target:
 def available_targets(devices: list[str] | None = None, backends: list[str] | None = None) -> list[Target]:
     """Every backend that can run on an available device here, optionally filtered by name."""
     targets = []
-    for device in registry().ordered():
+    for device in get_registry().ordered():
         if devices and device.name not in devices:
             continue
         cap = probe_device(device)
