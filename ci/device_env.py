@@ -12,11 +12,11 @@ import os
 import subprocess
 import sys
 
-from hal.registry import probe_device, registry
+from hal.registry import get_registry, probe_device
 
 name, pytest_args = sys.argv[1], sys.argv[2:]
 try:
-    cap = probe_device(registry().get(name))
+    cap = probe_device(get_registry().get(name))
     present = cap.available and not cap.emulated
     why = cap.reasons.get("device", "emulated only") if not present else ""
 except Exception as exc:  # a plugin that fails to load is a reason too

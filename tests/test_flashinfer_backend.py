@@ -21,6 +21,11 @@ import types
 
 import pytest
 import torch
+
+from hal.batch import ForwardMode, static_decode_batch
+from hal.capability import DeviceCapability
+from hal.config import AttentionConfig
+from hal.conformance.cases import CASES, GRAPH_CASES, Case, build, tolerance
 from hal.devices.cuda import flashinfer_backend as fib
 from hal.devices.cuda.flashinfer_backend import (
     FlashInferBackend,
@@ -29,14 +34,9 @@ from hal.devices.cuda.flashinfer_backend import (
     merge_states_base2,
     paged_kv_layout,
 )
-from hal.kernels import reference
-
-from hal.batch import ForwardMode, static_decode_batch
-from hal.capability import DeviceCapability
-from hal.config import AttentionConfig
-from hal.conformance.cases import CASES, GRAPH_CASES, Case, build, tolerance
 from hal.errors import ConfigError, GraphCaptureError
 from hal.graph import Graph, GraphRunner
+from hal.kernels import reference
 
 HAS_GPU_FLASHINFER = torch.cuda.is_available() and importlib.util.find_spec("flashinfer") is not None
 needs_gpu = pytest.mark.skipif(not HAS_GPU_FLASHINFER, reason="needs a CUDA GPU and flashinfer installed")

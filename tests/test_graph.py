@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hal.devices.cpu import TorchBackend, device
 
 from hal.conformance.cases import GRAPH_CASES, build
+from hal.devices.cpu import TorchBackend, device
 from hal.errors import GraphCaptureError, InvalidBatchError
 from hal.graph import EagerGraph, GraphRunner
 

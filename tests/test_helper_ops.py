@@ -12,10 +12,10 @@ import importlib.util
 
 import pytest
 import torch
-from hal.devices.cpu import TorchBackend, device
 
 from hal.capability import interpreter_enabled
 from hal.conformance.cases import CASES, build, tolerance
+from hal.devices.cpu import TorchBackend, device
 from hal.ops import TORCH_OPS, TRITON_OPS, TorchHelperOps
 
 CAP = device.probe()

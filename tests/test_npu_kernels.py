@@ -11,6 +11,8 @@ import types
 
 import pytest
 import torch
+
+from hal.errors import UnsupportedError
 from hal.kernels import reference
 from hal.kernels.npu import (
     OP_NAMES,
@@ -29,8 +31,6 @@ from hal.kernels.npu import (
     write_kv,
 )
 from hal.kernels.npu import block_tables as make_block_tables
-
-from hal.errors import UnsupportedError
 
 NPU = emulation.torch_npu
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from hal.kernels.triton.backend import TritonBackend
-
 from hal.capability import DeviceCapability, cpu_capability
+from hal.kernels.triton.backend import TritonBackend
 from hal.registry import Device
 
 from .torch_backend import TorchBackend

@@ -9,10 +9,10 @@ from __future__ import annotations
 import importlib.util
 
 import torch
-from hal.kernels.triton.backend import TritonBackend
 
 from hal.capability import DeviceCapability, library_version, triton_status
 from hal.graph import Graph, TorchGraph
+from hal.kernels.triton.backend import TritonBackend
 from hal.registry import Device
 
 __all__ = ["CudaDevice", "device", "cuda_capability"]
