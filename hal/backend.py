@@ -68,6 +68,11 @@ class AttentionBackend:
         return []
 
     @classmethod
+    def notes(cls, capability: DeviceCapability) -> list[str]:
+        """What a user must know about this backend here, though nothing stops it (``hal info`` shows them)."""
+        return ["emulated: correct, but its speed means nothing"] if capability.emulated else []
+
+    @classmethod
     def validate(cls, config: AttentionConfig, capability: DeviceCapability) -> list[str]:
         """Every reason this backend cannot serve ``config`` on ``capability``; empty means it can."""
         reasons = list(cls.available(capability))

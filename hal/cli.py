@@ -81,6 +81,8 @@ def _print_info(data: dict) -> None:
         for b in dev["backends"]:
             mark = "*" if b["selected"] else " "
             print(f"  {mark} {b['name']}: " + ("ok" if not b["reasons"] else "; ".join(b["reasons"])))
+            for note in b.get("notes", []):
+                print(f"      note: {note}")
     sel = data["selection"]
     print(f"\nselected: {sel['device']}/{sel['backend']}" if sel["device"] else f"\nselected: none: {sel['error']}")
     for step in sel.get("trace", []):

@@ -194,6 +194,7 @@ def backend_report(
                 "available": not cls.available(cap) and cap.available,
                 "selected": is_selected,
                 "reasons": reasons,
+                "notes": cls.notes(cap) if cap.available else [],
             }
         )
     return rows

@@ -108,7 +108,7 @@ def test_emulated_device_capability(npu):
     assert cap.name == EMULATED_NAME
     assert cap.dtypes == ("fp32", "bf16") and "fp16" not in cap.dtypes
     assert "never runs fp16" in cap.reasons["fp16"]
-    assert cap.reasons["emulated"].startswith("emulated: correctness only, never performance")
+    assert cap.reasons["emulated"].startswith("correctness only, never performance")
     assert load_torch_npu()[1] in cap.reasons["emulated"]  # and why there is no real NPU
     assert cap.graph == "eager_guard" and cap.triton_target is None
     assert isinstance(device.make_graph(cap), EagerGraph)

@@ -161,7 +161,7 @@ def _emulated_capability(why_no_npu: str) -> DeviceCapability:
         emulated=True,
         reasons={
             "emulated": (
-                f"emulated: correctness only, never performance ({EMULATION_ENV}=1 and {why_no_npu}); the "
+                f"correctness only, never performance ({EMULATION_ENV}=1 and {why_no_npu}); the "
                 "torch_npu ops run as plain-torch CPU code (hal.kernels.npu.emulation), tensors stay on the CPU; "
                 "fp32 is allowed here because the emulation computes it, although " + _HALF_ONLY
             ),

@@ -266,12 +266,24 @@ CASES: tuple[Case, ...] = (
     Case("mixed_page128", M, ((140, 1), (0, 30), (129, 9), (3, 1)), page_size=128),
     Case("mixed_page128_bf16", M, ((140, 1), (0, 30), (129, 9), (3, 1)), page_size=128, dtype=torch.bfloat16),
     Case("verify_page128", V, ((130, 4), (3, 4)), page_size=128),
+    # the same features at the page sizes paged-only kernels (Ascend: multiples of 16) take
+    Case("decode_mqa_page16", D, _DECODE, kv_heads=1, page_size=16),
+    Case("decode_gqa8_page128", D, ((0, 1), (130, 1), (260, 1)), q_heads=8, page_size=128),
+    Case("decode_sliding_window_page16", D, _DECODE, sliding_window=8, page_size=16),
+    Case("extend_no_prefix_page128", E, ((0, 7), (0, 140), (0, 1)), page_size=128),
+    Case("extend_sliding_window_page128", E, ((130, 5), (0, 20), (200, 12)), sliding_window=6, page_size=128),
+    Case("extend_non_causal_page16", E, ((0, 7), (0, 12)), attn_type="encoder_only", page_size=16),
+    Case("extend_non_causal_page128", E, ((0, 7), (0, 130)), attn_type="encoder_only", page_size=128),
+    Case("draft_extend_page128", ForwardMode.DRAFT_EXTEND, ((130, 3), (11, 3)), page_size=128),
+    Case("mixed_page16_bf16", M, _MIXED, page_size=16, dtype=torch.bfloat16),
+    Case("verify_sliding_window_page16", V, _VERIFY, sliding_window=7, page_size=16),
 )
 
 GRAPH_CASES: tuple[Case, ...] = (
     Case("graph_decode", D, ((3, 1), (20, 1), (9, 1))),
     Case("graph_decode_page128", D, ((3, 1), (200, 1)), page_size=128),
     Case("graph_decode_fp16", D, ((3, 1), (20, 1), (9, 1)), dtype=torch.float16),
+    Case("graph_decode_page16_window", D, ((3, 1), (20, 1), (9, 1)), page_size=16, sliding_window=6),
     Case(
         "graph_decode_page16_bf16",
         D,

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hal.conformance.cases import CASES, GRAPH_CASES, Case, build, tolerance
+from hal.batch import ForwardMode
 from hal.errors import InvalidBatchError, KVCacheError
 from hal.graph import GraphRunner
 
@@ -40,12 +41,18 @@ def test_forward_matches_reference(hal_target, case):
     assert torch.equal(pool.v_buffer[0], built.expected_v), "value cache differs from the expected writes"
 
 
-SAVE_KV_FALSE_CASES = [c for c in CASES if c.name in ("decode", "extend_prefix", "mixed_page128")]
+def _first_servable(target, mode: ForwardMode) -> Case:
+    """The first case of ``mode`` the target declares it can serve (skip when there is none)."""
+    for case in CASES:
+        if case.mode == mode and not target.backend.validate(case.config(), target.capability):
+            return case
+    pytest.skip(f"{target.id} declares it can serve no {mode.name} case")
 
 
-@pytest.mark.parametrize("case", SAVE_KV_FALSE_CASES, ids=lambda c: c.name)
-def test_save_kv_cache_false_reads_existing_cache(hal_target, case):
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED], ids=lambda m: m.name)
+def test_save_kv_cache_false_reads_existing_cache(hal_target, mode):
     """With save_kv_cache=False the backend writes nothing and attends over what the cache holds."""
+    case = _first_servable(hal_target, mode)
     backend = _backend_for(hal_target, case)
     built = build(case, hal_target.capability.torch_device)
     pool = built.batch.token_to_kv_pool
@@ -88,7 +95,7 @@ def test_graph_replay_matches_reference(hal_target, case):
 )
 def test_bad_input_is_rejected_and_cache_untouched(hal_target, corrupt):
     """Ill-shaped inputs raise a hal error naming the field, before anything is written."""
-    case = CASES[0]
+    case = _first_servable(hal_target, ForwardMode.DECODE)
     backend = _backend_for(hal_target, case)
     built = build(case, hal_target.capability.torch_device)
     q, k, v, layer = built.q, built.k, built.v, built.layer

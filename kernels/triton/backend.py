@@ -56,6 +56,12 @@ class TritonBackend(AttentionBackend):
             return [f"no Triton target: {capability.reasons.get('triton', 'unknown')}"]
         return []
 
+    @classmethod
+    def notes(cls, capability: DeviceCapability) -> list[str]:
+        if capability.triton_interpreted:
+            return ["runs interpreted (TRITON_INTERPRET=1): for correctness only, orders of magnitude slow"]
+        return super().notes(capability)
+
     def support_triton(self) -> bool:
         return True
 
