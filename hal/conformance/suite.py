@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hal.conformance.cases import CASES, GRAPH_CASES, Case, build, tolerance
 from hal.batch import ForwardMode
+from hal.conformance.cases import CASES, GRAPH_CASES, Case, build, tolerance
 from hal.errors import InvalidBatchError, KVCacheError
 from hal.graph import GraphRunner
 
