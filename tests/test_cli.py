@@ -14,29 +14,13 @@ import hal
 from hal.capability import DeviceCapability
 from hal.cli import main
 from hal.devices.cpu import TorchBackend
-from hal.registry import Device, get_registry, register_device, unregister_device
+from hal.registry import Device, register_device
 
-HAL_ENV = ("HAL_DEVICE", "HAL_ATTENTION_BACKEND", "HAL_PREFILL_BACKEND", "HAL_DECODE_BACKEND")
 DEVICE_KEYS = {"name", "available", "emulated", "reasons", "capability", "backends"}
 BACKEND_KEYS = {"name", "available", "selected", "reasons"}
 
 
-@pytest.fixture(autouse=True)
-def _restore_registry():
-    """Set up first, torn down last (after monkeypatch): drop what a test registered, reload."""
-    before = set(get_registry().extra)
-    yield
-    for name in set(get_registry().extra) - before:
-        unregister_device(name)
-    get_registry(reload=True)
-
-
-@pytest.fixture(autouse=True)
-def cpu_only(monkeypatch):
-    monkeypatch.setenv("HAL_PLUGINS", "cpu")
-    for name in HAL_ENV:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+pytestmark = pytest.mark.usefixtures("cpu_only")
 
 
 def _clean_env(plugins: str | None) -> dict[str, str]:

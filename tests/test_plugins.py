@@ -36,21 +36,7 @@ REGISTRY_MODULE = importlib.import_module("hal.registry")
 REAL_ENTRY_POINTS = {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
 
 
-@pytest.fixture(autouse=True)
-def _restore_registry():
-    """Set up first, torn down last (after monkeypatch): drop what a test registered, reload."""
-    before = set(get_registry().extra)
-    yield
-    for name in set(get_registry().extra) - before:
-        unregister_device(name)
-    get_registry(reload=True)
-
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch):
-    for name in ("HAL_PLUGINS", "HAL_DEVICE", "HAL_ATTENTION_BACKEND", "HAL_PREFILL_BACKEND", "HAL_DECODE_BACKEND"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+pytestmark = pytest.mark.usefixtures("clean_hal_env")
 
 
 @pytest.fixture

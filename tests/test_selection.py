@@ -10,6 +10,7 @@ import importlib.util
 
 import pytest
 import torch
+from conftest import SELECTION_ENV
 
 import hal
 from hal.backend import AttentionBackend
@@ -19,30 +20,10 @@ from hal.conformance.cases import CASES, build, tolerance
 from hal.devices.cpu import TorchBackend
 from hal.errors import ConfigError, DeviceUnavailableError, HalError, NoBackendError
 from hal.kernels.triton.backend import TritonBackend
-from hal.registry import Device, Registry, get_registry, register_device, unregister_device
+from hal.registry import Device, Registry, register_device
 from hal.selection import HybridBackend, Selection, create_backend, detect, select
 
-HAL_ENV = ("HAL_DEVICE", "HAL_ATTENTION_BACKEND", "HAL_PREFILL_BACKEND", "HAL_DECODE_BACKEND")
-
-
-@pytest.fixture(autouse=True)
-def _restore_registry():
-    """Set up first, torn down last (after monkeypatch): drop what a test registered, reload."""
-    before = set(get_registry().extra)
-    yield
-    for name in set(get_registry().extra) - before:
-        unregister_device(name)
-    get_registry(reload=True)
-
-
-@pytest.fixture(autouse=True)
-def cpu_only(monkeypatch):
-    monkeypatch.setenv("HAL_PLUGINS", "cpu")
-    for name in HAL_ENV:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # another test module sets it at import
-    get_registry(reload=True)
-    assert sorted(get_registry().devices) == ["cpu"]
+pytestmark = pytest.mark.usefixtures("cpu_only")
 
 
 def case(name: str):
@@ -262,7 +243,7 @@ def test_device_argument_takes_precedence_over_hal_device(monkeypatch):
 
 
 def test_blank_hal_variables_mean_unset(monkeypatch):
-    for name in HAL_ENV:
+    for name in SELECTION_ENV:
         monkeypatch.setenv(name, "  ")
     sel = select()
     assert (sel.device, sel.backend) == ("cpu", "torch")
