@@ -121,6 +121,8 @@ def _reference(built) -> torch.Tensor:
 
 
 def _peer(python: str, quick: bool, threads: int) -> dict:
+    if not PEER_SCRIPT.is_file():
+        return {"error": f"the peer script is not at {PEER_SCRIPT} (a checkout beside ../shared/peer is needed)"}
     args = [python, str(PEER_SCRIPT), "--json", "--skip-dense", "--threads", str(threads)]
     if quick:
         args += [

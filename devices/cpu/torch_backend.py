@@ -1,10 +1,11 @@
 """``torch``: the CPU attention backend, batched over requests with no per-request Python loop.
 
-Every request's keys are gathered into a padded ``[B, W, kv_heads, dim]`` block
-(``W`` = the longest request, or the whole ``req_to_token`` row under graph capture),
-scores are one grouped matmul in float32, and one mask carries padding, causality, the
-sliding window and the verify mask. Outputs are scattered back to the ragged token
-order. Correct for every mode hal defines; the fast CPU kernels come separately.
+Every request's keys are gathered into a padded ``[kv_heads, B, W, dim]`` block (``W`` =
+the longest request, or the whole ``req_to_token`` row under graph capture); one fused
+SDPA call (explicit float32 matmuls when a logit cap is set) attends over it with one
+mask carrying padding, causality, the sliding window and the verify mask; outputs are
+scattered back to the ragged token order. Correct for every mode hal defines and within
+reach of SGLang's torch-native backend; dedicated CPU kernels come separately.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from hal.backend import AttentionBackend
 from hal.batch import ForwardBatch
@@ -126,24 +128,16 @@ def attend_padded(q, k_buffer, v_buffer, meta: TorchMetadata, layer, scratch: Sc
 
     Keys and values are gathered KV-head-major (``[Hkv, B * W, D]``, one ``index_select``
     per KV head into reused buffers: a plain row copy, ~7x faster than advanced indexing
-    into a fresh tensor here), so each (KV head, request) block is one contiguous matrix
-    for the batched matmuls. Scores are computed in float32, laid out ``[.., queries, keys]``
-    so that the softmax runs over contiguous rows.
+    into a fresh tensor here), so each (KV head, request) block is one contiguous matrix.
+    Without a logit cap, torch's fused SDPA attends over them with one mask carrying
+    padding, causality, window and verify mask; with one, explicit float32 matmuls and a
+    softmax do (SDPA has no soft cap).
     """
     batch, width = meta.slots.shape
     max_q, tokens = meta.max_q, meta.num_tokens
     kv_heads, group = layer.tp_k_head_num, layer.group_size
     head_dim, v_dim = layer.head_dim, layer.v_head_dim
-    rows = group * max_q  # query rows per (KV head, request): the group's heads x padded queries
     q_pad = torch.cat([q, q.new_zeros(1, q.shape[1], head_dim)])[meta.q_index]  # [B, Q, Hq, D]
-    q_rows = q_pad.view(batch, max_q, kv_heads, group, head_dim).permute(2, 0, 3, 1, 4)  # [Hkv, B, G, Q, D]
-    q_rows = q_rows.reshape(kv_heads * batch, rows, head_dim).float()
-    flat = meta.slots.flatten()
-    keys = scratch.gather("k", k_buffer, flat).view(kv_heads * batch, width, head_dim)
-    scores = torch.bmm(q_rows, keys.transpose(1, 2))  # [Hkv * B, G * Q, W], contiguous for the softmax
-    scores = scores.mul_(layer.scaling).view(kv_heads, batch, group, max_q, width)
-    if layer.logit_cap > 0:
-        scores = layer.logit_cap * torch.tanh(scores / layer.logit_cap)
     k_pos = torch.arange(width, device=q.device)
     visible = meta.kv_valid[:, None, :]  # [B, 1 or Q, W]
     if meta.custom_mask is not None:
@@ -152,14 +146,45 @@ def attend_padded(q, k_buffer, v_buffer, meta: TorchMetadata, layer, scratch: Sc
         visible = visible & (k_pos[None, None, :] <= meta.q_pos[:, :, None])
     if layer.sliding_window_size >= 0:
         visible = visible & (k_pos[None, None, :] >= meta.q_pos[:, :, None] - layer.sliding_window_size)
-    scores = scores.masked_fill_(~visible[None, :, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # rows with no visible key -> 0
-    values = scratch.gather("v", v_buffer, flat).view(kv_heads * batch, width, v_dim)
-    out = torch.bmm(probs.view(kv_heads * batch, rows, width), values)  # [Hkv * B, G * Q, Dv]
-    out = out.view(kv_heads, batch, group, max_q, v_dim).permute(1, 3, 0, 2, 4).reshape(batch * max_q, -1, v_dim)
+    flat = meta.slots.flatten()
+    # bf16 stays bf16 only where SDPA gets matrix-sized work: its bf16 path is ~5x slower than
+    # fp32 for a few query rows (decode), and the explicit path computes in float32.
+    wide = layer.logit_cap > 0 or group * max_q < 16 or k_buffer.dtype == torch.float32
+    dtype = torch.float32 if wide else k_buffer.dtype
+    keys = scratch.gather("k", k_buffer, flat, dtype).view(kv_heads, batch, width, head_dim)
+    values = scratch.gather("v", v_buffer, flat, dtype).view(kv_heads, batch, width, v_dim)
+    if layer.logit_cap > 0:
+        out = _attend_capped(q_pad.float(), keys, values, visible, layer)
+    else:
+        out = F.scaled_dot_product_attention(
+            q_pad.to(dtype).transpose(1, 2),  # [B, Hq, Q, D]
+            keys.transpose(0, 1),  # [B, Hkv, W, D], each (request, head) block contiguous
+            values.transpose(0, 1),
+            attn_mask=visible[:, None],
+            scale=layer.scaling,
+            enable_gqa=group > 1,
+        ).nan_to_num_(0.0)  # rows with no visible key -> 0
+        out = out.transpose(1, 2)  # [B, Q, Hq, Dv]
     result = q.new_empty(tokens + 1, kv_heads * group, v_dim)
-    result.index_copy_(0, meta.q_index.flatten(), out.to(q.dtype))
+    result.index_copy_(0, meta.q_index.flatten(), out.reshape(batch * max_q, -1, v_dim).to(q.dtype))
     return result[:tokens]
+
+
+def _attend_capped(q_pad, keys, values, visible, layer) -> torch.Tensor:
+    """float32 ``[B, Q, Hq, D]`` queries over ``[Hkv, B, W, D]`` keys with a tanh logit cap -> ``[B, Q, Hq, Dv]``."""
+    batch, max_q = q_pad.shape[:2]
+    kv_heads, _, width, head_dim = keys.shape
+    group, v_dim = layer.group_size, values.shape[-1]
+    rows = group * max_q  # query rows per (KV head, request): the group's heads x padded queries
+    q_rows = q_pad.view(batch, max_q, kv_heads, group, head_dim).permute(2, 0, 3, 1, 4)  # [Hkv, B, G, Q, D]
+    q_rows = q_rows.reshape(kv_heads * batch, rows, head_dim)
+    keys = keys.reshape(kv_heads * batch, width, head_dim)
+    scores = torch.bmm(q_rows, keys.transpose(1, 2)).mul_(layer.scaling)  # [Hkv * B, G * Q, W]
+    scores = layer.logit_cap * torch.tanh(scores / layer.logit_cap)
+    scores = scores.view(kv_heads, batch, group, max_q, width).masked_fill_(~visible[None, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # rows with no visible key -> 0
+    out = torch.bmm(probs.view(kv_heads * batch, rows, width), values.reshape(kv_heads * batch, width, v_dim))
+    return out.view(kv_heads, batch, group, max_q, v_dim).permute(1, 3, 0, 2, 4).reshape(batch, max_q, -1, v_dim)
 
 
 class Scratch:
@@ -174,14 +199,13 @@ class Scratch:
             buf = self.buffers[(name, dtype)] = torch.empty(numel, dtype=dtype, device=device)
         return buf[:numel]
 
-    def gather(self, name: str, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """``pool[slots]`` KV-head-major, in float32: ``[kv_heads, len(slots), dim]``."""
+    def gather(self, name: str, pool: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``pool[slots]`` KV-head-major, as ``dtype``: ``[kv_heads, len(slots), dim]``."""
         kv_heads, dim = pool.shape[1:]
         n = slots.numel()
         out = self._buffer(name, pool.dtype, kv_heads * n * dim, pool.device).view(kv_heads, n, dim)
         for h in range(kv_heads):
             torch.index_select(pool[:, h], 0, slots, out=out[h])
-        if pool.dtype == torch.float32:
+        if pool.dtype == dtype:
             return out
-        wide = self._buffer(name, torch.float32, out.numel(), pool.device).view(out.shape)
-        return wide.copy_(out)
+        return self._buffer(name, dtype, out.numel(), pool.device).view(out.shape).copy_(out)
