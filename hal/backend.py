@@ -196,6 +196,22 @@ class AttentionBackend:
         return None
 
     # -- shared by the backends --------------------------------------------------------
+    def set_forward_metadata(self, metadata: Any, forward_batch: ForwardBatch) -> None:
+        """Make ``metadata`` (built in ``out_graph`` for ``forward_batch``) the active one."""
+        self.forward_metadata = metadata
+        self._metadata_batch = forward_batch
+
+    def metadata_for(self, forward_batch: ForwardBatch) -> Any:
+        """The active metadata, which must have been prepared for ``forward_batch`` (not a stale batch)."""
+        expect(
+            self.forward_metadata is not None and getattr(self, "_metadata_batch", None) is forward_batch,
+            InvalidBatchError,
+            "forward_metadata",
+            "missing" if self.forward_metadata is None else "prepared for another batch",
+            "this batch's: call init_forward_metadata(forward_batch) before forward",
+        )
+        return self.forward_metadata
+
     @property
     def helper_ops(self) -> HelperOps:
         """The positions / kv-indices / KV-write ops for this backend, Triton or torch (see ``hal.ops``)."""

@@ -74,10 +74,10 @@ class TorchBackend(AttentionBackend):
             width, max_q = fb.req_to_token_pool.max_context_len, self.graph_max_q
         else:
             width, max_q = max(fb.kv_lens_cpu, default=0), max(fb.query_lens_cpu, default=0)
-        self.forward_metadata = TorchMetadata(width=width, max_q=max_q, num_tokens=fb.num_tokens)
+        self.set_forward_metadata(TorchMetadata(width=width, max_q=max_q, num_tokens=fb.num_tokens), fb)
 
     def init_forward_metadata_in_graph(self, fb: ForwardBatch) -> None:
-        meta = self.forward_metadata
+        meta = self.metadata_for(fb)
         device = fb.device
         q_lens, kv_lens = query_and_kv_lens(fb)
         prefix = kv_lens - q_lens
@@ -115,9 +115,9 @@ class TorchBackend(AttentionBackend):
     def _forward(self, q, k, v, layer, fb: ForwardBatch, save_kv_cache: bool) -> torch.Tensor:
         """q ``[T, Hq, D]``, k/v ``[T, Hkv, D|Dv]`` -> ``[T, Hq * Dv]`` in q's dtype."""
         q, k, v = (t.reshape(t.shape[0], -1, t.shape[-1]) if t.dim() == 3 else t for t in (q, k, v))
+        meta = self.metadata_for(fb)
         if save_kv_cache:
             self.save_kv(layer, fb, k, v)
-        meta = self.forward_metadata
         k_buffer, v_buffer = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         out = attend_padded(q, k_buffer, v_buffer, meta, layer, self.scratch)
         return out.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)

@@ -64,7 +64,7 @@ import torch
 from hal.backend import AttentionBackend
 from hal.batch import ForwardBatch, ForwardMode
 from hal.capability import DeviceCapability
-from hal.errors import ConfigError, GraphCaptureError, InvalidBatchError, expect
+from hal.errors import ConfigError, GraphCaptureError, expect
 
 __all__ = [
     "FlashInferBackend",
@@ -597,7 +597,7 @@ class FlashInferBackend(AttentionBackend):
             req_pool_indices=fb.req_pool_indices,
             custom_mask=fb.spec_info.custom_mask if mode.is_target_verify() else None,
         )
-        self.forward_metadata = meta
+        self.set_forward_metadata(meta, fb)
         for variant in self.variants:
             for kind in self._kinds(meta, variant):
                 self._plan(meta, kind, variant)
@@ -615,30 +615,22 @@ class FlashInferBackend(AttentionBackend):
             f"== head_dim ({layer.head_dim}): the flashinfer backend has no MLA path",
         )
 
-    def _begin(self, q, layer, fb: ForwardBatch):
+    def _begin(self, q, k, v, layer, fb: ForwardBatch, save_kv_cache: bool):
+        """Checks (before anything is written), then the KV write, then the run inputs."""
         self._check_layer(layer)
-        meta = self.forward_metadata
-        expect(
-            isinstance(meta, FlashInferMetadata) and meta.mode == fb.forward_mode,
-            InvalidBatchError,
-            "forward metadata",
-            None if meta is None else getattr(meta, "mode", meta),
-            f"planned for this {fb.forward_mode.name} batch (init_forward_metadata first)",
-        )
+        meta = self.metadata_for(fb)
+        if save_kv_cache:
+            self.save_kv(layer, fb, k, v)  # the paged calls read the new tokens back
         k_cache, v_cache = fb.token_to_kv_pool.get_paged_kv_buffer(layer.layer_id)
         return meta, LayerVariant.of(layer), q.to(meta.dtype).contiguous(), (k_cache, v_cache)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        if save_kv_cache:
-            self.save_kv(layer, forward_batch, k, v)
-        meta, variant, q_in, paged = self._begin(q, layer, forward_batch)
+        meta, variant, q_in, paged = self._begin(q, k, v, layer, forward_batch, save_kv_cache)
         out = self._planned(meta, "decode", variant).run(q_in, paged)
         return out.reshape(q.shape[0], layer.tp_q_head_num * layer.v_head_dim).to(q.dtype)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        if save_kv_cache:
-            self.save_kv(layer, forward_batch, k, v)  # the paged calls read the new tokens back
-        meta, variant, q_in, paged = self._begin(q, layer, forward_batch)
+        meta, variant, q_in, paged = self._begin(q, k, v, layer, forward_batch, save_kv_cache)
         kinds = self._kinds(meta, variant)
         if kinds == ["ragged", "prefix"]:
             k_in, v_in = (t.to(meta.dtype).contiguous() for t in (k, v))

@@ -51,7 +51,7 @@ from hal.backend import AttentionBackend
 from hal.batch import ForwardBatch
 from hal.capability import DeviceCapability
 from hal.config import AttentionConfig
-from hal.errors import DeviceUnavailableError, GraphCaptureError, InvalidBatchError, UnsupportedError, expect
+from hal.errors import DeviceUnavailableError, GraphCaptureError, UnsupportedError, expect
 from hal.graph import opaque_kernel
 from hal.kernels import npu as npu_ops
 from hal.layer import AttentionLayer
@@ -275,10 +275,10 @@ class AscendBackend(AttentionBackend):
             meta.masks[("causal", -1)] = self._build_mask(meta, ("causal", -1))
         elif mode.is_target_verify():
             meta.masks[("custom", -1)] = self._build_mask(meta, ("custom", -1))
-        self.forward_metadata = meta
+        self.set_forward_metadata(meta, fb)
 
     def init_forward_metadata_in_graph(self, fb: ForwardBatch) -> None:
-        meta = self.forward_metadata
+        meta = self.metadata_for(fb)
         if fb.forward_mode.is_idle() or fb.batch_size == 0:
             meta.block_table = None
             return
@@ -374,14 +374,7 @@ class AscendBackend(AttentionBackend):
     # -- forward -----------------------------------------------------------------------
     def _prepare(self, q, k, v, layer: AttentionLayer, fb: ForwardBatch, save_kv_cache: bool):
         """Checks, the KV write, and ``(meta, query [T, Hq, D] in the cache dtype, k_cache, v_cache)``."""
-        meta = self.forward_metadata
-        expect(
-            isinstance(meta, AscendMetadata) and meta.num_tokens == fb.num_tokens,
-            InvalidBatchError,
-            "forward_metadata",
-            type(meta).__name__,
-            "this batch's metadata: call init_forward_metadata(forward_batch) before forward",
-        )
+        meta = self.metadata_for(fb)
         if layer.logit_cap > 0:
             raise UnsupportedError(f"ascend: logit_cap = {layer.logit_cap}: the Ascend ops have no soft cap")
         if layer.v_head_dim != layer.head_dim:

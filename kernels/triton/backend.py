@@ -101,15 +101,16 @@ class TritonBackend(AttentionBackend):
                 splits = min(MAX_KV_SPLITS, max(1, -(-max(fb.kv_lens_cpu) // TOKENS_PER_SPLIT)))
         else:
             keys, splits = sum(fb.prefix_lens_cpu), 1
-        self.forward_metadata = TritonMetadata(
+        meta = TritonMetadata(
             num_kv_splits=splits,
             max_extend_len=max(fb.query_lens_cpu, default=0),
             kv_indptr=self._buffer(fb, "kv_indptr", bs + 1, torch.int32),
             kv_indices=self._buffer(fb, "kv_indices", keys, torch.int32),
         )
+        self.set_forward_metadata(meta, fb)
 
     def init_forward_metadata_in_graph(self, fb: ForwardBatch) -> None:
-        meta = self.forward_metadata
+        meta = self.metadata_for(fb)
         mode = fb.forward_mode
         seq_lens = fb.seq_lens.long()
         if mode.is_decode() or mode.is_target_verify():
@@ -138,7 +139,7 @@ class TritonBackend(AttentionBackend):
 
     def _window_indices(self, fb: ForwardBatch, window: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode ``(kv_indptr, kv_indices)`` keeping each request's last ``window + 1`` keys."""
-        meta = self.forward_metadata
+        meta = self.metadata_for(fb)
         if window not in meta.windows:
             start = (meta.kv_end - 1 - window).clamp(min=0)
             indptr = torch.zeros_like(meta.kv_indptr)
@@ -154,9 +155,9 @@ class TritonBackend(AttentionBackend):
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         from hal.kernels import triton as kernels
 
+        meta = self.metadata_for(forward_batch)
         if save_kv_cache:
             self.save_kv(layer, forward_batch, k, v)
-        meta = self.forward_metadata
         kv_indptr, kv_indices = meta.kv_indptr, meta.kv_indices
         if layer.sliding_window_size >= 0:
             kv_indptr, kv_indices = self._window_indices(forward_batch, layer.sliding_window_size)
@@ -184,9 +185,9 @@ class TritonBackend(AttentionBackend):
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         from hal.kernels import triton as kernels
 
+        meta = self.metadata_for(forward_batch)
         if save_kv_cache:
             self.save_kv(layer, forward_batch, k, v)
-        meta = self.forward_metadata
         out = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
         k_buffer, v_buffer = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         kernels.extend_attention(
