@@ -232,3 +232,10 @@ def test_wheel_holds_every_package_and_the_entry_points(wheel):
         assert re.search(rf"^{name} = hal\.devices\.{name}:device$", entry_points, re.MULTILINE)
     assert re.search(r"^hal_conformance = hal\.conformance\.plugin$", entry_points, re.MULTILINE)
     assert re.search(r"^hal = hal\.cli:main$", entry_points, re.MULTILINE)
+
+
+def test_demo_and_bench_import_without_pytest():
+    """`hal demo` runs after `pip install hal-attention[demo]`: nothing on its path may need pytest."""
+    code = "import sys; sys.modules['pytest'] = None; import hal.demo, hal.bench, hal.cli; print('ok')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
