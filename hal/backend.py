@@ -164,6 +164,10 @@ class AttentionBackend:
         IDLE returns an empty output; DECODE goes to ``forward_decode``; MIXED goes to
         ``forward_mixed`` when this backend's device is an NPU (one fused op serves the
         batch there); everything else goes to ``forward_extend``.
+
+        Unlike SGLang, ``k`` and ``v`` are always required (some kernels read the new tokens
+        from them rather than from the cache); everything is checked before anything is
+        written, and a bad call raises ``InvalidBatchError`` naming the field.
         """
         mode = forward_batch.forward_mode
         if mode.is_idle():

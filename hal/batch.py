@@ -133,6 +133,20 @@ class ForwardBatch:
         """Keys each request attends over, the query tokens included."""
         return [p + q for p, q in zip(self.prefix_lens_cpu, self.query_lens_cpu)]
 
+    def device_lens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(query_lens, kv_lens)``, int64 ``[B]`` on the device, from the device tensors only (graph-recordable).
+
+        ``kv_lens`` counts every key a request attends over, its query tokens included;
+        the cached prefix is ``kv_lens - query_lens``.
+        """
+        mode, seq_lens = self.forward_mode, self.seq_lens.long()
+        if mode.is_decode() or mode.is_idle():
+            return torch.ones_like(seq_lens) if mode.is_decode() else torch.zeros_like(seq_lens), seq_lens
+        if mode.is_target_verify():
+            draft = self.spec_info.draft_token_num
+            return torch.full_like(seq_lens, draft), seq_lens + draft
+        return self.extend_seq_lens.long(), seq_lens
+
     def set_decode_host_lens(self, seq_lens: list[int]) -> None:
         """Refresh the host mirrors of a DECODE batch whose ``seq_lens`` tensor was refilled in place."""
         self.seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int64)
@@ -289,10 +303,12 @@ class ForwardBatch:
         self._check_slots(req_idx, kv_lens, loc)
 
     def _check_slots(self, req_idx: list[int], kv_lens: list[int], loc: torch.Tensor) -> None:
-        """Every slot a request reads is in the pool, and the query tokens' slots are ``out_cache_loc``."""
+        """Every slot a request reads is in the pool past the padding page, pages are whole (token ``i``
+        at offset ``i % page_size`` of its page, as paged kernels read them), and the query tokens'
+        slots are ``out_cache_loc``."""
         if not req_idx:
             return
-        num_slots = self.token_to_kv_pool.num_slots
+        num_slots, page_size = self.token_to_kv_pool.num_slots, self.token_to_kv_pool.page_size
         width = max(kv_lens)
         rows = self.req_to_token_pool.req_to_token[torch.tensor(req_idx, device=self.device), :width].long()
         pos = torch.arange(width, device=self.device)
@@ -302,12 +318,25 @@ class ForwardBatch:
         if slots.numel():
             lo, hi = int(slots.min()), int(slots.max())
             expect(
-                lo >= 0 and hi < num_slots,
+                lo >= page_size and hi < num_slots,
                 InvalidBatchError,
                 "req_to_token slots of the batch",
                 (lo, hi),
-                f"in [0, {num_slots})",
+                f"in [{page_size}, {num_slots}): page 0 takes graph padding writes and holds no request's tokens",
             )
+        if page_size > 1:
+            page_start = rows[:, (pos - pos % page_size)]  # the slot of each token's page-mate at offset 0
+            misplaced = used & (rows != page_start + pos % page_size)
+            if bool(misplaced.any()):
+                r, i = (int(x) for x in misplaced.nonzero()[0])
+                expect(
+                    False,
+                    InvalidBatchError,
+                    f"req_to_token[{req_idx[r]}, {i}]",
+                    int(rows[r, i]),
+                    f"slot {int(page_start[r, i]) + i % page_size}: token i of a request sits at offset "
+                    f"i % page_size ({page_size}) of its page",
+                )
         is_query = used & (pos[None, :] >= torch.tensor(self.prefix_lens_cpu, device=self.device)[:, None])
         expected = rows[is_query]
         expect(

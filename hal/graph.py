@@ -60,6 +60,11 @@ class HostSyncGuard(TorchDispatchMode):
         packet = func._overloadpacket
         if packet in _DATA_DEPENDENT:
             raise GraphCaptureError(f"{func} inside a graph: {_DATA_DEPENDENT[packet]}; move it to out_graph")
+        if packet is _aten.lift_fresh and args[0].dim() > 0:  # a 0-dim literal (x[0] = 0) is a constant: fine
+            raise GraphCaptureError(
+                "torch.tensor(<host data>) inside a graph: a real graph replays the values seen at capture; "
+                "build it in out_graph into a buffer the graph reads"
+            )
         if packet is _aten.repeat_interleave and kwargs.get("output_size") is None and len(args) == 1:
             raise GraphCaptureError("repeat_interleave without output_size inside a graph: a data-dependent shape")
         if packet in (_aten.index, _aten.index_put, _aten.index_put_) and any(
@@ -83,9 +88,10 @@ class _HostMethodGuard(TorchFunctionMode):
 def opaque_kernel() -> Iterator[None]:
     """Run a Python-emulated kernel (e.g. ``hal.kernels.npu.emulation``) as the one device launch it stands for.
 
-    Its CPU internals (reading a block table or host lengths) are not the caller's graph
-    work: the guard, and any other torch mode, is suspended for its duration; the
-    caller's own code stays checked.
+    Its CPU internals (reading a block table or host lengths), and the host-side
+    arguments of an op whose graph node is updated per replay (the NPU's task-update
+    path), are not the caller's graph work: the guard, and any other torch mode, is
+    suspended for its duration; the caller's own code stays checked.
     """
     with _disable_current_modes(), torch._C.DisableTorchFunction():
         yield
@@ -224,6 +230,16 @@ class GraphRunner:
             f"a DECODE batch of at most {self.max_bs} requests",
         )
         expect(bool(self.graphs), GraphCaptureError, "graphs", "none", "capture() before run()")
+        expect(
+            fb.req_to_token_pool is self.req_to_token_pool and fb.token_to_kv_pool is self.token_to_kv_pool,
+            InvalidBatchError,
+            "forward batch pools",
+            "other pools",
+            "the req_to_token and KV pools this runner captured with",
+        )
+        for layer in self.layers:
+            q, k, v = self.backend.check_inputs(q, k, v, layer, fb)
+        expect(q.dtype == self.q.dtype, InvalidBatchError, "q.dtype", q.dtype, f"{self.q.dtype}, as captured")
         bs = fb.batch_size
         padded = self.capture_bs[bisect.bisect_left(self.capture_bs, bs)]
         graph, static, output = self.graphs[padded]

@@ -16,6 +16,7 @@ from hal.errors import KVCacheError, expect
 __all__ = ["ReqToTokenPool", "PagedKVPool", "MHATokenToKVPool"]
 
 INDEX_DTYPES = (torch.int32, torch.int64)
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class ReqToTokenPool:
@@ -39,10 +40,10 @@ class ReqToTokenPool:
         """Set ``req_to_token[req_index, start : start + len(slots)] = slots``."""
         expect(0 <= req_index < self.size, KVCacheError, "req_index", req_index, f"in [0, {self.size})")
         expect(
-            slots.dim() == 1 and slots.dtype in INDEX_DTYPES,
+            isinstance(slots, torch.Tensor) and slots.dim() == 1 and slots.dtype in INDEX_DTYPES,
             KVCacheError,
             "slots",
-            f"{slots.dtype}{list(slots.shape)}",
+            f"{slots.dtype}{list(slots.shape)}" if isinstance(slots, torch.Tensor) else type(slots).__name__,
             "a 1-D int32/int64 tensor",
         )
         end = start + slots.numel()
@@ -91,6 +92,14 @@ class PagedKVPool:
             page_size,
             "a power of two",
         )
+        expect(
+            v_head_dim is None or (isinstance(v_head_dim, int) and v_head_dim > 0),
+            KVCacheError,
+            "v_head_dim",
+            v_head_dim,
+            "a positive int (or None: head_dim)",
+        )
+        expect(dtype in KV_DTYPES, KVCacheError, "dtype", dtype, f"one of {KV_DTYPES}")
         self.page_size = page_size
         self.num_pages = num_pages
         self.num_layers = num_layers

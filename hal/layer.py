@@ -62,7 +62,13 @@ class AttentionLayer:
             self.tp_v_head_num,
             f"== tp_k_head_num ({self.tp_k_head_num})",
         )
-        expect(self.logit_cap >= 0, ConfigError, "logit_cap", self.logit_cap, ">= 0 (0 disables it)")
+        expect(
+            isinstance(self.logit_cap, (int, float)) and self.logit_cap >= 0,
+            ConfigError,
+            "logit_cap",
+            self.logit_cap,
+            "a number >= 0 (0 disables it)",
+        )
         expect(
             isinstance(self.sliding_window_size, int) and self.sliding_window_size >= -1,
             ConfigError,

@@ -49,7 +49,7 @@ class TorchHelperOps(HelperOps):
         start = torch.zeros_like(kv_end) if kv_start is None else kv_start
         rows = req_to_token[req_pool_indices.long()]  # [B, width]
         valid = (pos[None, :] >= start[:, None]) & (pos[None, :] < kv_end[:, None])
-        target = kv_indptr[:-1, None].long() + pos[None, :] - start[:, None]
+        target = kv_indptr[: kv_end.numel(), None].long() + pos[None, :] - start[:, None]
         dump = kv_indices.numel()  # invalid entries land in one extra element, dropped below
         target = torch.where(valid, target, torch.full_like(target, dump))
         out = torch.cat([kv_indices, kv_indices.new_zeros(1)])  # entries past kv_indptr[-1] stay as they were

@@ -173,3 +173,48 @@ def test_layer_defaults():
     assert layer.scaling == 64**-0.5 and layer.v_head_dim == 64 and layer.tp_v_head_num == 2
     assert layer.causal and layer.group_size == 4
     assert not dataclasses.replace(layer, is_cross_attention=True).causal
+
+
+def _page16_fields(mode: ForwardMode) -> dict:
+    built = build(next(c for c in CASES if c.name == "extend_prefix_page16"))
+    fb = built.batch
+    return {
+        "forward_mode": fb.forward_mode,
+        "batch_size": fb.batch_size,
+        "req_pool_indices": fb.req_pool_indices,
+        "seq_lens": fb.seq_lens,
+        "out_cache_loc": fb.out_cache_loc,
+        "req_to_token_pool": fb.req_to_token_pool,
+        "token_to_kv_pool": fb.token_to_kv_pool,
+        "extend_prefix_lens": fb.extend_prefix_lens,
+        "extend_seq_lens": fb.extend_seq_lens,
+    }
+
+
+def test_tokens_must_sit_at_their_page_offset():
+    """Paged kernels read token i at offset i % page_size of its page: a shuffled page is refused."""
+    f = _page16_fields(ForwardMode.EXTEND)
+    row = int(f["req_pool_indices"][0])
+    rt = f["req_to_token_pool"].req_to_token
+    rt[row, [0, 1]] = rt[row, [1, 0]]  # two prefix tokens swap places inside their page
+    with pytest.raises(InvalidBatchError, match=r"offset i % page_size"):
+        ForwardBatch(**f)
+
+
+def test_the_padding_page_holds_no_request_tokens():
+    f = _page16_fields(ForwardMode.EXTEND)
+    row = int(f["req_pool_indices"][0])
+    f["req_to_token_pool"].req_to_token[row, :16] = torch.arange(16)  # the prefix's first page = page 0
+    with pytest.raises(InvalidBatchError, match="page 0"):
+        ForwardBatch(**f)
+
+
+def test_pool_dtype_and_dims_are_checked():
+    with pytest.raises(KVCacheError, match="dtype"):
+        hal.PagedKVPool(4, 16, 1, 2, 8, dtype=torch.int8)
+    with pytest.raises(KVCacheError, match="v_head_dim"):
+        hal.PagedKVPool(4, 16, 1, 2, 8, v_head_dim=-3)
+    with pytest.raises(KVCacheError, match="slots"):
+        hal.ReqToTokenPool(2, 8).write(0, 0, [1, 2])
+    with pytest.raises(ConfigError, match="logit_cap"):
+        hal.AttentionLayer(0, 8, 4, 16, logit_cap=None)

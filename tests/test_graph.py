@@ -23,6 +23,7 @@ CAP = device.probe()
         (lambda x: torch.nonzero(x), "data-dependent shape"),
         (lambda x: torch.unique(x), "data-dependent shape"),
         (lambda x: torch.repeat_interleave(x.long().abs()), "data-dependent shape"),
+        (lambda x: x + torch.tensor([1.0, 2.0, 3.0]), "host data"),
     ],
 )
 def test_eager_graph_rejects_what_a_real_graph_cannot_record(body, what):
@@ -118,3 +119,28 @@ def test_a_backend_that_syncs_in_graph_fails_capture():
     built = build(GRAPH_CASES[0])
     with pytest.raises(GraphCaptureError, match="host sync"):
         _runner(Syncing(CAP), built).capture()
+
+
+def test_a_scalar_literal_is_a_constant_not_host_data():
+    x = torch.zeros(3)
+
+    def body():
+        x[0] = 0
+        return x + 1
+
+    EagerGraph().capture(body)
+
+
+def test_runner_rejects_a_batch_of_other_pools_or_ill_shaped_inputs():
+    built = build(GRAPH_CASES[0])
+    runner = _runner(TorchBackend(CAP), built)
+    runner.capture()
+    other = build(GRAPH_CASES[0])  # same shapes, its own pools
+    before = [b.clone() for b in built.batch.token_to_kv_pool.k_buffer]
+    with pytest.raises(InvalidBatchError, match="pools"):
+        runner.run(other.batch, other.q, other.k, other.v)
+    with pytest.raises(InvalidBatchError, match="q.shape"):
+        runner.run(built.batch, built.q[:, :-1], built.k, built.v)
+    with pytest.raises(InvalidBatchError, match="q.dtype"):
+        runner.run(built.batch, built.q.bfloat16(), built.k.bfloat16(), built.v.bfloat16())
+    assert all(torch.equal(a, b) for a, b in zip(before, built.batch.token_to_kv_pool.k_buffer))

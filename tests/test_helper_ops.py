@@ -118,6 +118,10 @@ def test_helper_ops_compute_the_same_thing(ops):
     out = torch.full((int(indptr[-1]) + 3,), -7, dtype=torch.int32)
     ops.build_kv_indices(req_to_token, rows, start, end, indptr, out)
     assert torch.equal(out[: len(expected)], expected) and out[len(expected) :].eq(-7).all()
+    graph_sized = torch.cat([indptr, torch.zeros(5, dtype=indptr.dtype)])  # a captured graph's [max_bs + 1] buffer
+    out.fill_(-7)
+    ops.build_kv_indices(req_to_token, rows, start, end, graph_sized, out)
+    assert torch.equal(out[: len(expected)], expected)
     prefix, extend, starts, positions = _positions_inputs()
     got = torch.empty(7, dtype=torch.int64)
     ops.compute_positions(prefix, extend, starts, got)

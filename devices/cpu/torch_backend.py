@@ -35,17 +35,6 @@ class TorchMetadata:
     custom_mask: torch.Tensor | None = None  # bool [B, Q, W] (TARGET_VERIFY only)
 
 
-def query_and_kv_lens(fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Device tensors ``(query_lens, kv_lens)`` (int64 ``[B]``), graph-recordable."""
-    mode, seq_lens = fb.forward_mode, fb.seq_lens.long()
-    if mode.is_decode():
-        return torch.ones_like(seq_lens), seq_lens
-    if mode.is_target_verify():
-        draft = fb.spec_info.draft_token_num
-        return torch.full_like(seq_lens, draft), seq_lens + draft
-    return fb.extend_seq_lens.long(), seq_lens
-
-
 class TorchBackend(AttentionBackend):
     name = "torch"
     dtypes = frozenset({"fp32", "bf16"})
@@ -70,6 +59,9 @@ class TorchBackend(AttentionBackend):
         return 1
 
     def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
+        if fb.forward_mode.is_idle():  # forward() returns without attention: nothing to prepare
+            self.set_forward_metadata(None, fb)
+            return
         if fb.graph_static:
             width, max_q = fb.req_to_token_pool.max_context_len, self.graph_max_q
         else:
@@ -77,9 +69,11 @@ class TorchBackend(AttentionBackend):
         self.set_forward_metadata(TorchMetadata(width=width, max_q=max_q, num_tokens=fb.num_tokens), fb)
 
     def init_forward_metadata_in_graph(self, fb: ForwardBatch) -> None:
+        if fb.forward_mode.is_idle():
+            return
         meta = self.metadata_for(fb)
         device = fb.device
-        q_lens, kv_lens = query_and_kv_lens(fb)
+        q_lens, kv_lens = fb.device_lens()
         prefix = kv_lens - q_lens
         q_start = torch.cumsum(q_lens, 0) - q_lens
         k_pos = torch.arange(meta.width, device=device)

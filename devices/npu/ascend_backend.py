@@ -123,7 +123,6 @@ class AscendMetadata:
     max_blocks: int  # block-table columns (a host int: static under graph capture)
     query_lens: list[int]  # query tokens per request (splitfuse ``seq_len``)
     kv_lens: list[int]  # KV tokens per request, the new ones included (``context_lens``)
-    cu_query_lens: list[int]  # cumulative query ends (FIA ``actual_seq_lengths``, TND)
     dtype: torch.dtype  # the KV cache dtype, which the ops compute in
     graph_static: bool = False
     custom_mask: torch.Tensor | None = None  # TARGET_VERIFY: hal's flat bool mask (device)
@@ -248,18 +247,13 @@ class AscendBackend(AttentionBackend):
             max_blocks = self._graph_max_blocks
         else:
             max_blocks = max(1, -(-max(kv_lens, default=1) // pool.page_size))
-        cu, total = [], 0
-        for n in q_lens:
-            total += n
-            cu.append(total)
         mode = fb.forward_mode
         meta = AscendMetadata(
             batch_size=fb.batch_size,
-            num_tokens=total,
+            num_tokens=fb.num_tokens,
             max_blocks=max_blocks,
             query_lens=q_lens,
             kv_lens=kv_lens,
-            cu_query_lens=cu,
             dtype=pool.dtype,
             graph_static=static,
             custom_mask=fb.spec_info.custom_mask if mode.is_target_verify() else None,
@@ -404,7 +398,8 @@ class AscendBackend(AttentionBackend):
 
     def _splitfuse(self, meta, query, k_cache, v_cache, layer: AttentionLayer, key: MaskKey) -> torch.Tensor:
         self._refuse_capture("_npu_paged_attention_splitfuse")
-        return npu_ops.paged_mixed(
+        mask = self._mask(meta, key)
+        out = npu_ops.paged_mixed(
             self.ops,
             query,
             k_cache,
@@ -414,8 +409,14 @@ class AscendBackend(AttentionBackend):
             meta.kv_lens,
             scale=layer.scaling,
             out=torch.empty_like(query),
-            mask=self._mask(meta, key),
+            mask=mask,
         )
+        if key[0] == "custom":
+            # The additive mask is finite, so the op averages V over a row that sees no key;
+            # hal's contract (and the other backends) give such a query zeros.
+            blind = (mask == npu_ops.splitfuse_mask_value(mask.dtype)).all(dim=-1)
+            out.masked_fill_(blind[:, None, None], 0.0)
+        return out
 
     @staticmethod
     def _output(out: torch.Tensor, q: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:

@@ -38,6 +38,7 @@ class Case:
     logit_cap: float = 0.0
     attn_type: str = "decoder"
     q_scale: float = 1.0  # larger queries make the logit cap matter
+    blind_row: bool = False  # TARGET_VERIFY: each request's first draft token sees no key (outputs zeros)
     seed: int = 0
 
     def layer(self, layer_id: int = 0) -> AttentionLayer:
@@ -92,11 +93,14 @@ def tolerance(dtype: torch.dtype) -> dict:
     }[dtype]
 
 
-def _verify_mask(prefix: int, draft: int, gen: torch.Generator) -> torch.Tensor:
+def _verify_mask(prefix: int, draft: int, gen: torch.Generator, blind_row: bool) -> torch.Tensor:
     """A random draft tree: every draft token sees the prefix, itself and a random subset of earlier drafts."""
     tree = torch.rand(draft, draft, generator=gen) < 0.5
     tree = torch.tril(tree, diagonal=-1) | torch.eye(draft, dtype=torch.bool)
-    return torch.cat([torch.ones(draft, prefix, dtype=torch.bool), tree], dim=1).flatten()
+    mask = torch.cat([torch.ones(draft, prefix, dtype=torch.bool), tree], dim=1)
+    if blind_row:
+        mask[0] = False
+    return mask.flatten()
 
 
 def build(case: Case, device: torch.device | str = "cpu", num_layers: int = 1) -> Built:
@@ -122,7 +126,7 @@ def build(case: Case, device: torch.device | str = "cpu", num_layers: int = 1) -
         req_pool.write(int(rows[r]), 0, slots)
         loc.append(slots[prefix:])
         if verify:
-            masks.append(_verify_mask(prefix, new, gen))
+            masks.append(_verify_mask(prefix, new, gen, case.blind_row))
     kw: dict = {}
     prefix_lens = torch.tensor([p for p, _ in case.requests])
     new_lens = torch.tensor([n for _, n in case.requests])
@@ -277,6 +281,7 @@ CASES: tuple[Case, ...] = (
     Case("draft_extend_page128", ForwardMode.DRAFT_EXTEND, ((130, 3), (11, 3)), page_size=128),
     Case("mixed_page16_bf16", M, _MIXED, page_size=16, dtype=torch.bfloat16),
     Case("verify_sliding_window_page16", V, _VERIFY, sliding_window=7, page_size=16),
+    Case("verify_blind_row_page16", V, _VERIFY, page_size=16, blind_row=True),
 )
 
 GRAPH_CASES: tuple[Case, ...] = (

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hal.batch import ForwardMode
+from hal.batch import ForwardBatch, ForwardMode
 from hal.conformance.cases import CASES, GRAPH_CASES, Case, build, tolerance
 from hal.errors import InvalidBatchError, KVCacheError
 from hal.graph import GraphRunner
@@ -130,3 +130,25 @@ def test_forward_needs_this_batchs_metadata(hal_target):
     with pytest.raises(InvalidBatchError, match="another batch"):
         backend.forward(built.q, built.k, built.v, built.layer, built.batch)
     assert all(torch.equal(a, b) for a, b in zip(before, pool.k_buffer + pool.v_buffer)), "cache was touched"
+
+
+def test_idle_batch(hal_target):
+    """An IDLE step (no requests, as under data-parallel attention) prepares and returns an empty output."""
+    case = _first_servable(hal_target, ForwardMode.DECODE)
+    backend = _backend_for(hal_target, case)
+    built = build(case, hal_target.capability.torch_device)
+    fb = built.batch
+    device = fb.device
+    idle = ForwardBatch(
+        forward_mode=ForwardMode.IDLE,
+        batch_size=0,
+        req_pool_indices=torch.zeros(0, dtype=torch.int64, device=device),
+        seq_lens=torch.zeros(0, dtype=torch.int32, device=device),
+        out_cache_loc=torch.zeros(0, dtype=torch.int64, device=device),
+        req_to_token_pool=fb.req_to_token_pool,
+        token_to_kv_pool=fb.token_to_kv_pool,
+    )
+    backend.init_forward_metadata(idle)
+    empty = built.q[:0]
+    out = backend.forward(empty, built.k[:0], built.v[:0], built.layer, idle)
+    assert out.shape == (0, built.layer.tp_q_head_num * built.layer.v_head_dim)

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from hal.errors import UnsupportedError
+from hal.graph import opaque_kernel
 
 from . import emulation
 
@@ -188,7 +189,8 @@ def _host_lengths(name: str, lengths: object) -> list[int]:
 
 
 def _host_int32(name: str, lengths: object) -> torch.Tensor:
-    return torch.tensor(_host_lengths(name, lengths), dtype=torch.int32)
+    with opaque_kernel():  # a host argument of the op launch, re-issued per replay on NPU graphs
+        return torch.tensor(_host_lengths(name, lengths), dtype=torch.int32)
 
 
 def splitfuse_mask_value(dtype: torch.dtype) -> float:
@@ -225,6 +227,11 @@ def splitfuse_mask(
     ``[query_len, kv_len]``, True = visible) replaces the causal rule. Built on the host and
     copied once: build it once per batch (out of graph), not per layer.
     """
+    with opaque_kernel():  # host-built argument of the op (out_graph work; an emulated replay rebuilds it)
+        return _splitfuse_mask(query_lens, kv_lens, dtype, device, causal, sliding_window, custom_mask)
+
+
+def _splitfuse_mask(query_lens, kv_lens, dtype, device, causal, sliding_window, custom_mask) -> torch.Tensor:
     q_lens = _host_lengths("query_lens", query_lens)
     k_lens = _host_lengths("kv_lens", kv_lens)
     if len(q_lens) != len(k_lens) or any(not 0 <= s <= n for s, n in zip(q_lens, k_lens, strict=True)):

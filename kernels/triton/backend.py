@@ -86,6 +86,9 @@ class TritonBackend(AttentionBackend):
         return buf[:size]
 
     def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
+        if fb.forward_mode.is_idle():  # forward() returns without attention: nothing to prepare
+            self.set_forward_metadata(None, fb)
+            return
         bs = fb.batch_size
         if fb.graph_static and not self.graph_buffers and self.graph_max_bs is not None:
             width = fb.req_to_token_pool.max_context_len
@@ -110,13 +113,13 @@ class TritonBackend(AttentionBackend):
         self.set_forward_metadata(meta, fb)
 
     def init_forward_metadata_in_graph(self, fb: ForwardBatch) -> None:
-        meta = self.metadata_for(fb)
         mode = fb.forward_mode
-        seq_lens = fb.seq_lens.long()
-        if mode.is_decode() or mode.is_target_verify():
-            meta.kv_end = seq_lens  # verify: the committed tokens are the cached prefix
-        else:
-            meta.kv_end = fb.extend_prefix_lens.long()
+        if mode.is_idle():
+            return
+        meta = self.metadata_for(fb)
+        q_lens, kv_lens = fb.device_lens()
+        # decode reads every key from the cache; the extend kernel reads the new tokens from k/v
+        meta.kv_end = kv_lens if mode.is_decode() else kv_lens - q_lens
         meta.kv_indptr[0] = 0
         torch.cumsum(meta.kv_end, 0, out=meta.kv_indptr[1:])
         self.helper_ops.build_kv_indices(
@@ -128,11 +131,6 @@ class TritonBackend(AttentionBackend):
             meta.kv_indices,
         )
         if not mode.is_decode():
-            q_lens = (
-                torch.full_like(seq_lens, fb.spec_info.draft_token_num)
-                if mode.is_target_verify()
-                else fb.extend_seq_lens.long()
-            )
             meta.qo_indptr = torch.zeros(fb.batch_size + 1, dtype=torch.int64, device=self.device)
             torch.cumsum(q_lens, 0, out=meta.qo_indptr[1:])
             meta.custom_mask = fb.spec_info.custom_mask if mode.is_target_verify() else None
