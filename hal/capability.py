@@ -94,15 +94,18 @@ def triton_status(torch_type: str) -> tuple[str | None, str | None]:
             return "cpu:interpreter", None
         return None, "Triton has no CPU code generator; set TRITON_INTERPRET=1 to run its kernels interpreted"
     if interpreter_enabled():
-        return None, "TRITON_INTERPRET=1 runs Triton on the CPU only; unset it to compile for the GPU"
+        return None, f"TRITON_INTERPRET=1 runs Triton on the CPU only; unset it to compile for {torch_type}"
     try:
         from triton.runtime import driver
 
         target = driver.active.get_current_target()
     except Exception as exc:  # no driver, no device, broken install: all are reasons
         return None, f"Triton has no active driver: {type(exc).__name__}: {exc}"
-    if target.backend not in ("cuda", "hip"):  # ROCm's torch device type is "cuda" too
-        return None, f"Triton's active target is {target.backend}, not {torch_type}"
+    # ROCm's torch device type is "cuda" too; Ascend's Triton is the triton-ascend package
+    expected = {"cuda": ("cuda", "hip"), "npu": ("npu",)}.get(torch_type, (torch_type,))
+    if target.backend not in expected:
+        hint = " (install triton-ascend)" if torch_type == "npu" else ""
+        return None, f"Triton's active target is {target.backend}, not {torch_type}{hint}"
     return f"{target.backend}:{target.arch}", None
 
 
@@ -117,7 +120,7 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _cpu_memory() -> int | None:
+def cpu_memory() -> int | None:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
@@ -141,7 +144,7 @@ def cpu_capability() -> DeviceCapability:
         name=name,
         vendor=name.split()[0] if name else "",
         arch=platform.machine(),
-        memory_bytes=_cpu_memory(),
+        memory_bytes=cpu_memory(),
         dtypes=("fp32", "bf16"),
         graph="eager_guard",
         triton_target=target,

@@ -11,12 +11,11 @@ only, never performance. A real NPU always wins over the flag.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import torch
 
-from hal.capability import DeviceCapability, _cpu_memory, interpreter_enabled, library_version
+from hal.capability import DeviceCapability, cpu_memory, library_version, triton_status
 from hal.errors import ConfigError
 from hal.graph import EagerGraph, Graph, TorchGraph
 from hal.registry import Device
@@ -51,23 +50,6 @@ def emulation_requested() -> bool:
     raise ConfigError(
         f"{EMULATION_ENV} = {raw!r}: expected '1' (emulate the NPU's attention ops on the CPU), '0' or unset (off)"
     )
-
-
-def _triton_npu_status() -> tuple[str | None, str | None]:
-    """``("npu:<arch>", None)`` when a Triton NPU target (triton-ascend) is active, else ``(None, reason)``."""
-    if importlib.util.find_spec("triton") is None:
-        return None, "triton is not installed (Triton on Ascend needs triton-ascend)"
-    if interpreter_enabled():
-        return None, "TRITON_INTERPRET=1 runs Triton on the CPU only; unset it to compile for the NPU"
-    try:
-        from triton.runtime import driver
-
-        target = driver.active.get_current_target()
-    except Exception as exc:  # no driver, no device, broken install: all are reasons
-        return None, f"Triton has no active driver: {type(exc).__name__}: {exc}"
-    if target.backend != "npu":
-        return None, f"Triton's active target is {target.backend}, not npu (install triton-ascend)"
-    return f"npu:{target.arch}", None
 
 
 def _memory(npu, index: int) -> int | None:
@@ -117,7 +99,7 @@ def _real_capability(module, index: int) -> DeviceCapability:
     if graph is None:
         version = getattr(module, "__version__", "?")
         reasons["graph"] = f"torch_npu {version} has no torch.npu.NPUGraph (graph capture needs torch_npu >= 2.1)"
-    target, why_not = _triton_npu_status()
+    target, why_not = triton_status("npu")
     if why_not:
         reasons["triton"] = why_not
     return DeviceCapability(
@@ -153,7 +135,7 @@ def _emulated_capability(why_no_npu: str) -> DeviceCapability:
         name=EMULATED_NAME,
         vendor="Huawei (emulated)",
         arch="emulated",
-        memory_bytes=_cpu_memory(),
+        memory_bytes=cpu_memory(),
         dtypes=("fp32", "bf16"),
         graph="eager_guard",
         triton_target=None,
