@@ -141,10 +141,9 @@ def attend_padded(q, k_buffer, v_buffer, meta: TorchMetadata, layer, scratch: Sc
     if layer.sliding_window_size >= 0:
         visible = visible & (k_pos[None, None, :] >= meta.q_pos[:, :, None] - layer.sliding_window_size)
     flat = meta.slots.flatten()
-    # bf16 stays bf16 only where SDPA gets matrix-sized work: its bf16 path is ~5x slower than
-    # fp32 for a few query rows (decode), and the explicit path computes in float32.
-    wide = layer.logit_cap > 0 or group * max_q < 16 or k_buffer.dtype == torch.float32
-    dtype = torch.float32 if wide else k_buffer.dtype
+    # SDPA takes the cache dtype (it accumulates in float32; on these head-major blocks its bf16
+    # decode measured faster than fp32); the explicit logit-cap path computes in float32.
+    dtype = torch.float32 if layer.logit_cap > 0 else k_buffer.dtype
     keys = scratch.gather("k", k_buffer, flat, dtype).view(kv_heads, batch, width, head_dim)
     values = scratch.gather("v", v_buffer, flat, dtype).view(kv_heads, batch, width, v_dim)
     if layer.logit_cap > 0:
