@@ -28,8 +28,7 @@ from pathlib import Path
 import torch
 
 from hal.batch import ForwardMode
-from hal.conformance.cases import Case, build, to_device, tolerance
-from hal.kernels import reference
+from hal.conformance.cases import Case, build, reference_output, to_device, tolerance
 from hal.registry import device_backends, get_registry
 from hal.selection import select
 
@@ -109,15 +108,6 @@ def _measure(backend, built, device, repeats: int, warmup: int) -> dict:
     err = (out.float() - built.expected.float()).abs().max().item()
     correct = torch.allclose(out.float(), built.expected.float(), **tolerance(built.case.dtype))
     return {**timing, "max_abs_err": err, "correct": correct}
-
-
-def _reference(built) -> torch.Tensor:
-    fb, case = built.batch, built.case
-    k_buffer, v_buffer = fb.token_to_kv_pool.get_kv_buffer(0)
-    q = built.q.view(fb.num_tokens, case.q_heads, -1)
-    lens = torch.tensor(fb.kv_lens_cpu), torch.tensor(fb.query_lens_cpu)
-    rows = fb.req_to_token_pool.req_to_token
-    return reference.paged_attention(q, k_buffer, v_buffer, rows, fb.req_pool_indices, *lens, scale=built.layer.scaling)
 
 
 def _peer(python: str, quick: bool, threads: int) -> dict:
@@ -208,7 +198,13 @@ def run_bench(
             result["fraction_of_matmul"] = result["GFLOPs"] / (matmul * 1e3)
             row["results"][cls.name] = result
         if case.mode.is_decode() and torch_device.type == "cpu":
-            ref = _time(lambda built=built: _reference(built), torch_device, 3, 1)
+            buffers = built.batch.token_to_kv_pool.get_kv_buffer(0)
+            ref = _time(
+                lambda built=built, buffers=buffers: reference_output(built.batch, built.layer, built.q, *buffers),
+                torch_device,
+                3,
+                1,
+            )
             row["reference"] = ref
             for result in row["results"].values():
                 result["speedup_vs_reference"] = ref["median_ms"] / result["median_ms"]

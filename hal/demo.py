@@ -18,9 +18,8 @@ import torch
 
 from hal.batch import ForwardBatch, ForwardMode, SpecInfo
 from hal.config import AttentionConfig
-from hal.conformance.cases import tolerance
+from hal.conformance.cases import reference_output, tolerance
 from hal.graph import GraphRunner
-from hal.kernels import reference
 from hal.kv_cache import PagedKVPool, ReqToTokenPool
 from hal.layer import AttentionLayer
 from hal.registry import get_registry
@@ -96,22 +95,6 @@ class Server:
         )
 
 
-def _expected(server: Server, layer: AttentionLayer, fb: ForwardBatch, q: torch.Tensor) -> torch.Tensor:
-    k_buffer, v_buffer = server.kv_pool.get_kv_buffer(layer.layer_id)
-    return reference.paged_attention(
-        q.view(q.shape[0], layer.tp_q_head_num, -1),
-        k_buffer,
-        v_buffer,
-        server.req_pool.req_to_token,
-        fb.req_pool_indices,
-        torch.tensor(fb.kv_lens_cpu),
-        torch.tensor(fb.query_lens_cpu),
-        scale=layer.scaling,
-        sliding_window=layer.sliding_window_size,
-        custom_mask=fb.spec_info.custom_mask if fb.spec_info else None,
-    ).reshape(q.shape[0], -1)
-
-
 def run_demo(device: str | None = None, as_json: bool = False, decode_steps: int = 6) -> int:
     probe_cfg = AttentionConfig(num_q_heads=16, num_kv_heads=4, head_dim=64, dtype=torch.float32)
     cap = select(probe_cfg, device).capability
@@ -150,7 +133,10 @@ def run_demo(device: str | None = None, as_json: bool = False, decode_steps: int
             backend.init_forward_metadata(fb)
             outs = [backend.forward(t["q"], t["k"], t["v"], layer, fb) for layer in layers]
         ms = 1e3 * (time.perf_counter() - start)
-        expected = [_expected(server, layer, fb, t["q"]).float() for layer in layers]
+        expected = [
+            reference_output(fb, layer, t["q"], *server.kv_pool.get_kv_buffer(layer.layer_id)).float()
+            for layer in layers
+        ]
         err = max((out.float() - exp).abs().max().item() for out, exp in zip(outs, expected))
         ok = all(torch.allclose(out.float(), exp, **tol) for out, exp in zip(outs, expected))
         row = {"step": name, "mode": fb.forward_mode.name, "requests": fb.batch_size, "tokens": fb.num_tokens}

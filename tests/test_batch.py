@@ -19,8 +19,8 @@ CASE_OF_MODE = {
 }
 
 
-def _fields(mode: ForwardMode) -> dict:
-    built = build(next(c for c in CASES if c.name == CASE_OF_MODE[mode]))
+def _fields(mode: ForwardMode, case_name: str | None = None) -> dict:
+    built = build(next(c for c in CASES if c.name == (case_name or CASE_OF_MODE[mode])))
     fb = built.batch
     fields = {
         "forward_mode": fb.forward_mode,
@@ -175,25 +175,9 @@ def test_layer_defaults():
     assert not dataclasses.replace(layer, is_cross_attention=True).causal
 
 
-def _page16_fields(mode: ForwardMode) -> dict:
-    built = build(next(c for c in CASES if c.name == "extend_prefix_page16"))
-    fb = built.batch
-    return {
-        "forward_mode": fb.forward_mode,
-        "batch_size": fb.batch_size,
-        "req_pool_indices": fb.req_pool_indices,
-        "seq_lens": fb.seq_lens,
-        "out_cache_loc": fb.out_cache_loc,
-        "req_to_token_pool": fb.req_to_token_pool,
-        "token_to_kv_pool": fb.token_to_kv_pool,
-        "extend_prefix_lens": fb.extend_prefix_lens,
-        "extend_seq_lens": fb.extend_seq_lens,
-    }
-
-
 def test_tokens_must_sit_at_their_page_offset():
     """Paged kernels read token i at offset i % page_size of its page: a shuffled page is refused."""
-    f = _page16_fields(ForwardMode.EXTEND)
+    f = _fields(ForwardMode.EXTEND, "extend_prefix_page16")
     row = int(f["req_pool_indices"][0])
     rt = f["req_to_token_pool"].req_to_token
     rt[row, [0, 1]] = rt[row, [1, 0]]  # two prefix tokens swap places inside their page
@@ -202,7 +186,7 @@ def test_tokens_must_sit_at_their_page_offset():
 
 
 def test_the_padding_page_holds_no_request_tokens():
-    f = _page16_fields(ForwardMode.EXTEND)
+    f = _fields(ForwardMode.EXTEND, "extend_prefix_page16")
     row = int(f["req_pool_indices"][0])
     f["req_to_token_pool"].req_to_token[row, :16] = torch.arange(16)  # the prefix's first page = page 0
     with pytest.raises(InvalidBatchError, match="page 0"):

@@ -18,7 +18,7 @@ from hal.kernels import reference
 from hal.kv_cache import PagedKVPool, ReqToTokenPool
 from hal.layer import AttentionLayer
 
-__all__ = ["Case", "Built", "CASES", "GRAPH_CASES", "build", "tolerance"]
+__all__ = ["Case", "Built", "CASES", "GRAPH_CASES", "build", "reference_output", "tolerance"]
 
 
 @dataclass(frozen=True)
@@ -103,6 +103,30 @@ def _verify_mask(prefix: int, draft: int, gen: torch.Generator, blind_row: bool)
     return mask.flatten()
 
 
+def reference_output(
+    fb: ForwardBatch, layer: AttentionLayer, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor
+) -> torch.Tensor:
+    """What ``hal.kernels.reference`` says ``layer`` outputs for ``fb``: ``[T, q_heads * v_head_dim]``.
+
+    ``q`` is ``[T, q_heads * head_dim]``; ``k_buffer``/``v_buffer`` are the layer's pool
+    buffers with the batch's new tokens already written.
+    """
+    return reference.paged_attention(
+        q.view(fb.num_tokens, layer.tp_q_head_num, -1),
+        k_buffer,
+        v_buffer,
+        fb.req_to_token_pool.req_to_token,
+        fb.req_pool_indices,
+        torch.tensor(fb.kv_lens_cpu),
+        torch.tensor(fb.query_lens_cpu),
+        scale=layer.scaling,
+        logit_cap=layer.logit_cap,
+        sliding_window=layer.sliding_window_size,
+        causal=layer.causal,
+        custom_mask=fb.spec_info.custom_mask if fb.forward_mode.is_target_verify() else None,
+    ).reshape(fb.num_tokens, -1)
+
+
 def build(case: Case, device: torch.device | str = "cpu", num_layers: int = 1) -> Built:
     """Lay out ``case`` on ``device``: pools full of noise, shuffled pages, the batch and its expectation."""
     gen = torch.Generator().manual_seed(case.seed)
@@ -163,20 +187,7 @@ def build(case: Case, device: torch.device | str = "cpu", num_layers: int = 1) -
         k.view(tokens, case.kv_heads, -1),
         v.view(tokens, case.kv_heads, -1),
     )
-    expected = reference.paged_attention(
-        q.view(tokens, case.q_heads, -1),
-        expected_k,
-        expected_v,
-        req_pool.req_to_token,
-        fb.req_pool_indices,
-        torch.tensor(fb.kv_lens_cpu),
-        torch.tensor(fb.query_lens_cpu),
-        scale=layer.scaling,
-        logit_cap=layer.logit_cap,
-        sliding_window=layer.sliding_window_size,
-        causal=layer.causal,
-        custom_mask=kw["spec_info"].custom_mask if verify else None,
-    ).reshape(tokens, -1)
+    expected = reference_output(fb, layer, q, expected_k, expected_v)
     built = Built(case, layer, fb, q, k, v, expected, expected_k, expected_v)
     return to_device(built, torch.device(device)) if torch.device(device).type != "cpu" else built
 
