@@ -1,7 +1,7 @@
 """hal: one attention-backend contract over every device an LLM serving engine runs on.
 
 >>> import hal
->>> selection = hal.select(hal.AttentionConfig(num_q_heads=32, num_kv_heads=8, head_dim=128))
+>>> selection = hal.select(hal.AttentionConfig(tp_q_head_num=32, tp_k_head_num=8, head_dim=128))
 >>> backend = selection.create()
 """
 

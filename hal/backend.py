@@ -88,7 +88,7 @@ class AttentionBackend:
         if config.v_head_dim != config.head_dim and not cls.supports_mla:
             reasons.append(f"v_head_dim {config.v_head_dim} != head_dim {config.head_dim} not supported")
         for wanted, supported, what in (
-            (config.sliding_window >= 0, cls.supports_sliding_window, "sliding window"),
+            (config.sliding_window_size >= 0, cls.supports_sliding_window, "sliding window"),
             (config.logit_cap > 0, cls.supports_logit_cap, "logit cap"),
             (config.non_causal, cls.supports_non_causal, "non-causal (encoder / cross) attention"),
             (config.custom_mask, cls.supports_custom_mask, "custom mask (TARGET_VERIFY)"),
@@ -235,18 +235,18 @@ class AttentionBackend:
         tokens = forward_batch.num_tokens
         pool = forward_batch.token_to_kv_pool
         expect(
-            0 <= layer.layer_id < pool.num_layers,
+            0 <= layer.layer_id < pool.layer_num,
             InvalidBatchError,
             "layer.layer_id",
             layer.layer_id,
-            f"a layer of the KV pool, in [0, {pool.num_layers})",
+            f"a layer of the KV pool, in [0, {pool.layer_num})",
         )
         expect(
-            (pool.kv_heads, pool.head_dim, pool.v_head_dim) == (layer.tp_k_head_num, layer.head_dim, layer.v_head_dim),
+            (pool.head_num, pool.head_dim, pool.v_head_dim) == (layer.tp_k_head_num, layer.head_dim, layer.v_head_dim),
             InvalidBatchError,
             "layer (kv heads, head_dim, v_head_dim)",
             (layer.tp_k_head_num, layer.head_dim, layer.v_head_dim),
-            f"the KV pool's {(pool.kv_heads, pool.head_dim, pool.v_head_dim)}",
+            f"the KV pool's {(pool.head_num, pool.head_dim, pool.v_head_dim)}",
         )
         shaped = []
         for name, t, heads, dim in (

@@ -93,7 +93,7 @@ def _work(case: Case) -> tuple[int, int]:
     elem = torch.finfo(case.dtype).bits // 8
     kv_tokens = sum(p + n for p, n in case.requests)
     pairs = sum(n * p + n * (n + 1) // 2 for p, n in case.requests)  # causal (query, key) pairs
-    return kv_tokens * case.kv_heads * case.head_dim * 2 * elem, 4 * case.q_heads * case.head_dim * pairs
+    return kv_tokens * case.tp_k_head_num * case.head_dim * 2 * elem, 4 * case.tp_q_head_num * case.head_dim * pairs
 
 
 def _measure(backend, built, device, repeats: int, warmup: int) -> dict:

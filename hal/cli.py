@@ -67,7 +67,7 @@ def _print_info(data: dict) -> None:
     print(f"hal {data['hal_version']}  torch {data['torch_version']}")
     cfg = data["config"]
     print(
-        f"model: {cfg['num_q_heads']}/{cfg['num_kv_heads']} heads, head_dim {cfg['head_dim']}, {cfg['dtype']}, "
+        f"model: {cfg['tp_q_head_num']}/{cfg['tp_k_head_num']} heads, head_dim {cfg['head_dim']}, {cfg['dtype']}, "
         f"page {cfg['page_size']}"
     )
     for dev in data["devices"]:

@@ -18,19 +18,19 @@ _DTYPES_BY_NAME = {name: dtype for dtype, name in DTYPE_NAMES.items() if dtype i
 class AttentionConfig:
     """What a model asks of its attention backend.
 
-    ``dtype`` is the model dtype (q/k/v and the KV cache). ``sliding_window`` /
+    ``dtype`` is the model dtype (q/k/v and the KV cache). ``sliding_window_size`` /
     ``logit_cap`` are the largest any layer uses (-1 / 0: none). ``non_causal``: some
     layer is encoder-only or cross attention. ``custom_mask``: TARGET_VERIFY batches
     (speculative decoding) will come. ``graph``: the backend will run under graph capture.
     """
 
-    num_q_heads: int = 32
-    num_kv_heads: int = 8
+    tp_q_head_num: int = 32
+    tp_k_head_num: int = 8
     head_dim: int = 128
     v_head_dim: int | None = None
     dtype: torch.dtype = torch.bfloat16
     page_size: int = 1
-    sliding_window: int = -1
+    sliding_window_size: int = -1
     logit_cap: float = 0.0
     non_causal: bool = False
     custom_mask: bool = False
@@ -46,15 +46,15 @@ class AttentionConfig:
                 f"one of {list(_DTYPES_BY_NAME)}",
             )
             object.__setattr__(self, "dtype", _DTYPES_BY_NAME[self.dtype])
-        for name in ("num_q_heads", "num_kv_heads", "head_dim", "page_size"):
+        for name in ("tp_q_head_num", "tp_k_head_num", "head_dim", "page_size"):
             value = getattr(self, name)
             expect(isinstance(value, int) and value > 0, ConfigError, name, value, "a positive int")
         expect(
-            self.num_q_heads % self.num_kv_heads == 0,
+            self.tp_q_head_num % self.tp_k_head_num == 0,
             ConfigError,
-            "num_q_heads",
-            self.num_q_heads,
-            f"a multiple of num_kv_heads ({self.num_kv_heads})",
+            "tp_q_head_num",
+            self.tp_q_head_num,
+            f"a multiple of tp_k_head_num ({self.tp_k_head_num})",
         )
         expect(
             self.page_size & (self.page_size - 1) == 0,

@@ -35,15 +35,15 @@ class Request:
 class Server:
     """Pools, a page allocator and the bookkeeping a scheduler does around the backend."""
 
-    def __init__(self, config: AttentionConfig, num_layers: int, device: torch.device, max_context: int = 512):
+    def __init__(self, config: AttentionConfig, layer_num: int, device: torch.device, max_context: int = 512):
         self.config, self.device = config, device
         self.page_size = config.page_size
         num_pages = 8 * max_context // self.page_size
         self.kv_pool = PagedKVPool(
             num_pages,
             self.page_size,
-            num_layers,
-            config.num_kv_heads,
+            layer_num,
+            config.tp_k_head_num,
             config.head_dim,
             dtype=config.dtype,
             device=device,
@@ -96,16 +96,16 @@ class Server:
 
 
 def run_demo(device: str | None = None, as_json: bool = False, decode_steps: int = 6) -> int:
-    probe_cfg = AttentionConfig(num_q_heads=16, num_kv_heads=4, head_dim=64, dtype=torch.float32)
+    probe_cfg = AttentionConfig(tp_q_head_num=16, tp_k_head_num=4, head_dim=64, dtype=torch.float32)
     cap = select(probe_cfg, device).capability
     dtype = torch.bfloat16 if cap.supports_dtype(torch.bfloat16) else torch.float32
     config = AttentionConfig(
-        num_q_heads=16,
-        num_kv_heads=4,
+        tp_q_head_num=16,
+        tp_k_head_num=4,
         head_dim=64,
         dtype=dtype,
         page_size=16,
-        sliding_window=32,
+        sliding_window_size=32,
         custom_mask=True,
         graph=True,
     )

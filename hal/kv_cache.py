@@ -1,8 +1,8 @@
 """Memory pools: the request-to-token map and the paged token-to-KV pool.
 
 Slot ``s`` of the KV pool lives in page ``s // page_size`` at offset ``s % page_size``,
-so one layer's ``[num_slots, kv_heads, head_dim]`` buffer and the
-``[num_pages, page_size, kv_heads, head_dim]`` view that paged kernels (NPU block
+so one layer's ``[num_slots, head_num, head_dim]`` buffer and the
+``[num_pages, page_size, head_num, head_dim]`` view that paged kernels (NPU block
 tables, FlashInfer) take are the same memory. Page 0 is reserved: padded tokens of a
 graph-replayed batch write there, so it never holds a request's data.
 """
@@ -60,8 +60,8 @@ class ReqToTokenPool:
 class PagedKVPool:
     """Per-layer K and V buffers of ``num_slots = (num_pages + 1) * page_size`` token slots.
 
-    ``k_buffer[layer]``: ``[num_slots, kv_heads, head_dim]``; ``v_buffer[layer]``:
-    ``[num_slots, kv_heads, v_head_dim]``; both in ``dtype`` (the model dtype).
+    ``k_buffer[layer]``: ``[num_slots, head_num, head_dim]``; ``v_buffer[layer]``:
+    ``[num_slots, head_num, v_head_dim]``; both in ``dtype`` (the model dtype).
     Usable slots are ``page_size .. num_slots - 1``; page 0 takes padding writes.
     """
 
@@ -71,8 +71,8 @@ class PagedKVPool:
         self,
         num_pages: int,
         page_size: int,
-        num_layers: int,
-        kv_heads: int,
+        layer_num: int,
+        head_num: int,
         head_dim: int,
         v_head_dim: int | None = None,
         dtype: torch.dtype = torch.float32,
@@ -80,8 +80,8 @@ class PagedKVPool:
     ):
         for field, value in (
             ("num_pages", num_pages),
-            ("num_layers", num_layers),
-            ("kv_heads", kv_heads),
+            ("layer_num", layer_num),
+            ("head_num", head_num),
             ("head_dim", head_dim),
         ):
             expect(isinstance(value, int) and value > 0, KVCacheError, field, value, "a positive int")
@@ -102,19 +102,19 @@ class PagedKVPool:
         expect(dtype in KV_DTYPES, KVCacheError, "dtype", dtype, f"one of {KV_DTYPES}")
         self.page_size = page_size
         self.num_pages = num_pages
-        self.num_layers = num_layers
-        self.kv_heads = kv_heads
+        self.layer_num = layer_num
+        self.head_num = head_num
         self.head_dim = head_dim
         self.v_head_dim = v_head_dim or head_dim
         self.dtype = dtype
         self.device = torch.device(device)
         self.num_slots = (num_pages + 1) * page_size
         self.k_buffer = [
-            torch.zeros(self.num_slots, kv_heads, head_dim, dtype=dtype, device=self.device) for _ in range(num_layers)
+            torch.zeros(self.num_slots, head_num, head_dim, dtype=dtype, device=self.device) for _ in range(layer_num)
         ]
         self.v_buffer = [
-            torch.zeros(self.num_slots, kv_heads, self.v_head_dim, dtype=dtype, device=self.device)
-            for _ in range(num_layers)
+            torch.zeros(self.num_slots, head_num, self.v_head_dim, dtype=dtype, device=self.device)
+            for _ in range(layer_num)
         ]
 
     @property
@@ -124,11 +124,11 @@ class PagedKVPool:
 
     def _layer(self, layer_id: int) -> int:
         expect(
-            isinstance(layer_id, int) and 0 <= layer_id < self.num_layers,
+            isinstance(layer_id, int) and 0 <= layer_id < self.layer_num,
             KVCacheError,
             "layer_id",
             layer_id,
-            f"in [0, {self.num_layers})",
+            f"in [0, {self.layer_num})",
         )
         return layer_id
 
@@ -142,11 +142,11 @@ class PagedKVPool:
         return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
 
     def get_paged_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The same memory as ``[num_pages + 1, page_size, kv_heads, dim]`` views."""
+        """The same memory as ``[num_pages + 1, page_size, head_num, dim]`` views."""
         k, v = self.get_kv_buffer(layer_id)
         return (
-            k.view(-1, self.page_size, self.kv_heads, self.head_dim),
-            v.view(-1, self.page_size, self.kv_heads, self.v_head_dim),
+            k.view(-1, self.page_size, self.head_num, self.head_dim),
+            v.view(-1, self.page_size, self.head_num, self.v_head_dim),
         )
 
     def check_kv(
@@ -168,11 +168,11 @@ class PagedKVPool:
         n = loc.numel()
         for name, tensor, dim in (("cache_k", cache_k, self.head_dim), ("cache_v", cache_v, self.v_head_dim)):
             expect(
-                tuple(tensor.shape) == (n, self.kv_heads, dim),
+                tuple(tensor.shape) == (n, self.head_num, dim),
                 KVCacheError,
                 f"{name}.shape",
                 tuple(tensor.shape),
-                f"({n}, {self.kv_heads}, {dim}) for {n} slots",
+                f"({n}, {self.head_num}, {dim}) for {n} slots",
             )
             expect(tensor.is_floating_point(), KVCacheError, f"{name}.dtype", tensor.dtype, "a float dtype")
             expect(tensor.device == self.device, KVCacheError, f"{name}.device", tensor.device, str(self.device))
@@ -188,7 +188,7 @@ class PagedKVPool:
             )
 
     def set_kv_buffer(self, layer, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> None:
-        """Store ``cache_k``/``cache_v`` (``[n, kv_heads, dim]``) at slots ``loc`` (``[n]``) of ``layer``.
+        """Store ``cache_k``/``cache_v`` (``[n, head_num, dim]``) at slots ``loc`` (``[n]``) of ``layer``.
 
         ``layer`` is an ``AttentionLayer`` or a layer id. Values are cast to the pool
         dtype. Nothing is written unless every check passes.

@@ -118,12 +118,12 @@ def test_supported_archs_have_no_reason(flashinfer_found, arch):
 
 def test_full_featured_config_is_accepted(flashinfer_found):
     config = AttentionConfig(
-        num_q_heads=32,
-        num_kv_heads=8,
+        tp_q_head_num=32,
+        tp_k_head_num=8,
         head_dim=128,
         dtype=torch.bfloat16,
         page_size=64,
-        sliding_window=4096,
+        sliding_window_size=4096,
         logit_cap=30.0,
         non_causal=True,
         custom_mask=True,
@@ -184,8 +184,8 @@ def partial_attention(q, k, v, mask, scale, cap):
     "case",
     [
         Case("merge_prefix", ForwardMode.EXTEND, ((9, 5), (0, 3), (20, 11))),
-        Case("merge_cap_gqa", ForwardMode.EXTEND, ((4, 6), (13, 2)), q_heads=8, logit_cap=5.0, q_scale=8.0),
-        Case("merge_window", ForwardMode.EXTEND, ((12, 4), (0, 5)), sliding_window=6),
+        Case("merge_cap_gqa", ForwardMode.EXTEND, ((4, 6), (13, 2)), tp_q_head_num=8, logit_cap=5.0, q_scale=8.0),
+        Case("merge_window", ForwardMode.EXTEND, ((12, 4), (0, 5)), sliding_window_size=6),
     ],
     ids=lambda c: c.name,
 )
@@ -200,7 +200,7 @@ def test_merge_states_base2_rebuilds_the_reference(case):
         slots = fb.req_to_token_pool.req_to_token[int(fb.req_pool_indices[r]), : prefix + new].long()
         k = built.expected_k[slots].float().repeat_interleave(group, 1)
         v = built.expected_v[slots].float().repeat_interleave(group, 1)
-        mask = reference.attention_mask(prefix, new, sliding_window=case.sliding_window)
+        mask = reference.attention_mask(prefix, new, sliding_window=case.sliding_window_size)
         qr = q[starts : starts + new]
         starts += new
         a = partial_attention(qr, k[:prefix], v[:prefix], mask[:, :prefix], layer.scaling, layer.logit_cap)
@@ -385,7 +385,7 @@ class _FakeFlashInfer:
                 indices,
                 last_page_len,
                 num_qo_heads,
-                num_kv_heads,
+                tp_k_head_num,
                 head_dim,
                 page_size,
                 pos_encoding_mode="NONE",
@@ -451,7 +451,7 @@ class _FakeFlashInfer:
                 paged_kv_indices,
                 paged_kv_last_page_len,
                 num_qo_heads,
-                num_kv_heads,
+                tp_k_head_num,
                 head_dim_qk,
                 page_size,
                 head_dim_vo=None,
@@ -526,7 +526,7 @@ class _FakeFlashInfer:
                 qo_indptr,
                 kv_indptr,
                 num_qo_heads,
-                num_kv_heads,
+                tp_k_head_num,
                 head_dim_qk,
                 head_dim_vo=None,
                 custom_mask=None,
@@ -617,7 +617,7 @@ def test_call_plan_against_fake_flashinfer(fake_fi, case, strategy):
         assert kinds == ["decode"]
     elif mode.is_target_verify():
         assert kinds == ["paged"] and fake_fi.plans[0][1]["custom_mask"] is not None
-    elif case.sliding_window >= 0 or strategy == "paged":
+    elif case.sliding_window_size >= 0 or strategy == "paged":
         assert kinds == ["paged"] and fake_fi.plans[0][1]["causal"] == built.layer.causal
     elif has_prefix:
         assert kinds[:2] == ["ragged", "paged"] and fake_fi.plans[1][1]["causal"] is False
@@ -626,14 +626,16 @@ def test_call_plan_against_fake_flashinfer(fake_fi, case, strategy):
 
 
 def test_plan_arguments(fake_fi):
-    case = _as_bf16(Case("args", ForwardMode.DECODE, ((4, 1), (30, 1)), page_size=16, sliding_window=5, logit_cap=3.0))
+    case = _as_bf16(
+        Case("args", ForwardMode.DECODE, ((4, 1), (30, 1)), page_size=16, sliding_window_size=5, logit_cap=3.0)
+    )
     built = build(case)
     backend = _cpu_backend()
     backend.init_forward_metadata(built.batch)
     backend.forward(built.q, built.k, built.v, built.layer, built.batch)
     (kind, p), *_ = fake_fi.plans
     assert kind == "decode"
-    assert (p["num_qo_heads"], p["num_kv_heads"], p["head_dim"], p["page_size"]) == (4, 2, case.head_dim, 16)
+    assert (p["num_qo_heads"], p["tp_k_head_num"], p["head_dim"], p["page_size"]) == (4, 2, case.head_dim, 16)
     assert (p["window_left"], p["logits_soft_cap"], p["sm_scale"]) == (5, 3.0, built.layer.scaling)
     assert p["q_data_type"] == p["kv_data_type"] == torch.bfloat16
     assert p["indptr"].tolist() == [0, 1, 3] and p["last_page_len"].tolist() == [5, 15]
@@ -641,7 +643,7 @@ def test_plan_arguments(fake_fi):
 
 def test_registered_layers_are_planned_in_out_graph(fake_fi):
     """With the layers known, out_graph plans them all and forward plans nothing."""
-    case = _as_bf16(Case("reg", ForwardMode.EXTEND, ((9, 5), (0, 3)), sliding_window=-1))
+    case = _as_bf16(Case("reg", ForwardMode.EXTEND, ((9, 5), (0, 3)), sliding_window_size=-1))
     built = build(case)
     windowed = dataclasses.replace(built.layer, sliding_window_size=4)
     backend = _cpu_backend(layers=[built.layer, windowed])
@@ -716,7 +718,7 @@ def test_graph_replay_against_fake(fake_fi, case):
     runner.capture()
     graph_wrappers = {key for key in backend._wrappers if key[2] is not None}
     assert {bs for _, _, bs in graph_wrappers} == {1, 2, 4, 8} and len(graph_wrappers) == 8
-    windowed = build(dataclasses.replace(case, sliding_window=3)).expected
+    windowed = build(dataclasses.replace(case, sliding_window_size=3)).expected
     for _ in range(2):
         out = runner.run(fb, built.q, built.k, built.v)
         torch.testing.assert_close(out[0].float(), built.expected.float(), **tolerance(case.dtype))
@@ -827,7 +829,7 @@ def test_gpu_graph_replay(case, register):
         dtype=case.dtype,
     )
     runner.capture()
-    windowed = build(dataclasses.replace(case, sliding_window=3), cap.torch_device).expected
+    windowed = build(dataclasses.replace(case, sliding_window_size=3), cap.torch_device).expected
     for _ in range(2):
         out = runner.run(fb, built.q, built.k, built.v)
         torch.testing.assert_close(out[0].float().cpu(), built.expected.float().cpu(), **tolerance(case.dtype))

@@ -179,10 +179,10 @@ def test_selection_picks_the_emulated_npu_for_what_it_serves(npu):
 
 def test_validate_reasons_are_exactly_what_the_ops_cannot_do(npu):
     _, cap = npu
-    ok = AttentionConfig(num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=128, dtype=torch.float32)
+    ok = AttentionConfig(tp_q_head_num=32, tp_k_head_num=8, head_dim=128, page_size=128, dtype=torch.float32)
     assert AscendBackend.validate(ok, cap) == []  # fp32 is fine on the emulation
     for cfg in (
-        dataclasses.replace(ok, sliding_window=64, non_causal=True, custom_mask=True, graph=True),
+        dataclasses.replace(ok, sliding_window_size=64, non_causal=True, custom_mask=True, graph=True),
         dataclasses.replace(ok, page_size=16, dtype=torch.bfloat16),
         dataclasses.replace(ok, head_dim=64, v_head_dim=64, page_size=256),
     ):
@@ -203,7 +203,7 @@ def test_validate_reasons_are_exactly_what_the_ops_cannot_do(npu):
     fp32 = " | ".join(AscendBackend.validate(ok, real))
     assert "device has no fp32" in fp32 and "dtype torch.float32 unsupported" in fp32
     assert AscendBackend.validate(dataclasses.replace(ok, dtype=torch.bfloat16), real) == []
-    windowed_graph = dataclasses.replace(ok, dtype=torch.bfloat16, graph=True, sliding_window=64)
+    windowed_graph = dataclasses.replace(ok, dtype=torch.bfloat16, graph=True, sliding_window_size=64)
     assert "graph" in " | ".join(AscendBackend.validate(windowed_graph, real))
     with pytest.raises(DeviceUnavailableError, match="torch_npu"):
         AscendBackend(real)  # a real NPU's backend needs the real module
@@ -214,8 +214,8 @@ def test_validate_reasons_are_exactly_what_the_ops_cannot_do(npu):
 
 def test_mixed_batch_is_one_splitfuse_call_on_the_npu_and_forward_extend_on_the_cpu(npu, op_calls, monkeypatch):
     _, cap = npu
-    case = Case("mixed_page128", M, MIXED_REQS, page_size=128, q_heads=8, kv_heads=2)
-    built = build(case, num_layers=2)
+    case = Case("mixed_page128", M, MIXED_REQS, page_size=128, tp_q_head_num=8, tp_k_head_num=2)
+    built = build(case, layer_num=2)
     backend = AscendBackend(cap)
     methods = _count_methods(monkeypatch, backend)
     for layer_id in (0, 1):  # one splitfuse call per layer forward
@@ -251,7 +251,7 @@ def test_layers_with_different_windows_get_their_own_mask(npu, op_calls):
     """One batch, a full-attention layer then a windowed one: two masks, each layer equal to its reference."""
     _, cap = npu
     plain = Case("mixed_page16", M, MIXED_REQS, page_size=16)
-    windowed = dataclasses.replace(plain, name="mixed_page16_window", sliding_window=8)
+    windowed = dataclasses.replace(plain, name="mixed_page16_window", sliding_window_size=8)
     built, built_windowed = build(plain), build(windowed)  # same seed: the same batch and inputs
     assert torch.equal(built.q, built_windowed.q)
     backend = AscendBackend(cap)
@@ -294,14 +294,14 @@ def test_decode_uses_npu_paged_attention_with_host_lengths(npu, op_calls):
     pages = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, 0] // 128
     assert torch.equal(table[:, 0], pages.int())
     case = built.case
-    assert call["key_cache"].shape == (fb.token_to_kv_pool.num_slots // 128, 128, case.kv_heads, case.head_dim)
+    assert call["key_cache"].shape == (fb.token_to_kv_pool.num_slots // 128, 128, case.tp_k_head_num, case.head_dim)
     assert call["key_cache"].data_ptr() == fb.token_to_kv_pool.k_buffer[0].data_ptr()  # a view, not a copy
     assert op_calls["_npu_reshape_and_cache"][0]["slot_indices"].dtype == torch.int32
 
 
 def test_decode_with_a_sliding_window_goes_through_splitfuse(npu, op_calls):
     _, cap = npu
-    built = build(Case("decode_window", D, DECODE_REQS, page_size=16, sliding_window=8))
+    built = build(Case("decode_window", D, DECODE_REQS, page_size=16, sliding_window_size=8))
     _close(_run(AscendBackend(cap), built), built)
     assert _counts(op_calls)["_npu_paged_attention"] == 0
     assert _counts(op_calls)["_npu_paged_attention_splitfuse"] == 1
@@ -317,10 +317,10 @@ def test_decode_with_a_sliding_window_goes_through_splitfuse(npu, op_calls):
         (Case("extend_page128_nc", E, ((0, 7), (0, 12)), page_size=128, attn_type="encoder_only"), FIA, 0),
         (Case("draft_extend_page128", ForwardMode.DRAFT_EXTEND, ((6, 3), (140, 3)), page_size=128), FIA, 3),
         (Case("extend_page16", E, EXTEND_REQS, page_size=16), SPLITFUSE, None),
-        (Case("extend_page128_window", E, EXTEND_REQS, page_size=128, sliding_window=6), SPLITFUSE, None),
+        (Case("extend_page128_window", E, EXTEND_REQS, page_size=128, sliding_window_size=6), SPLITFUSE, None),
         (Case("extend_page16_nc", E, ((0, 7), (0, 12)), page_size=16, attn_type="encoder_only"), SPLITFUSE, None),
         (Case("verify_page128", V, ((130, 4), (3, 4)), page_size=128), SPLITFUSE, None),
-        (Case("verify_page16_window", V, ((30, 4), (3, 4)), page_size=16, sliding_window=7), SPLITFUSE, None),
+        (Case("verify_page16_window", V, ((30, 4), (3, 4)), page_size=16, sliding_window_size=7), SPLITFUSE, None),
     ],
     ids=lambda x: x.name if isinstance(x, Case) else None,
 )
@@ -385,7 +385,7 @@ def test_helper_ops_follow_support_triton(npu):
             D,
             ((3, 1), (40, 1), (20, 1)),
             page_size=16,
-            sliding_window=8,
+            sliding_window_size=8,
             dtype=torch.bfloat16,
         ),
     ],
@@ -407,7 +407,7 @@ def test_graph_replay_under_the_emulation_matches_the_reference(npu, op_calls, c
         dtype=case.dtype,
     )
     runner.capture()
-    op = "_npu_paged_attention" if case.sliding_window < 0 else "_npu_paged_attention_splitfuse"
+    op = "_npu_paged_attention" if case.sliding_window_size < 0 else "_npu_paged_attention_splitfuse"
     for _ in range(2):
         before = len(op_calls[op])
         out = runner.run(fb, built.q, built.k, built.v)
@@ -494,7 +494,7 @@ def test_real_npu_graph_path_updates_the_captured_tasks_host_lengths(npu, op_cal
 
     monkeypatch.setattr(emulation.torch_npu, "_npu_paged_attention_get_workspace", get_workspace, raising=False)
     case = Case("graph_page128", D, ((3, 1), (200, 1), (130, 1)), page_size=128)
-    built = build(case, num_layers=2)
+    built = build(case, layer_num=2)
     fb = built.batch
     backend = AscendBackend(cap)
     backend.capability = dataclasses.replace(cap, emulated=False)  # take the real-NPU code path over the emulation

@@ -141,7 +141,7 @@ def test_trace_records_the_rejected_backend_and_its_reason():
         name = "fallback"
 
     register_device(FakeDevice("fakedev", [NoWindow, Fallback], priority=10))
-    sel = select(AttentionConfig(sliding_window=8))
+    sel = select(AttentionConfig(sliding_window_size=8))
     assert (sel.device, sel.backend) == ("fakedev", "fallback")
     assert "fakedev/nowindow: rejected for prefill: sliding window not supported" in sel.trace
     assert "fakedev/fallback: selected for decode (first in priority order with no reasons against it)" in sel.trace
@@ -375,10 +375,10 @@ def test_decode_override_alone_keeps_automatic_prefill(monkeypatch, fake_pair):
 @pytest.mark.parametrize(
     "kwargs, field",
     [
-        ({"num_q_heads": 0}, "num_q_heads"),
-        ({"num_kv_heads": -2}, "num_kv_heads"),
-        ({"num_q_heads": 6, "num_kv_heads": 4}, "num_q_heads"),
-        ({"num_q_heads": "32"}, "num_q_heads"),
+        ({"tp_q_head_num": 0}, "tp_q_head_num"),
+        ({"tp_k_head_num": -2}, "tp_k_head_num"),
+        ({"tp_q_head_num": 6, "tp_k_head_num": 4}, "tp_q_head_num"),
+        ({"tp_q_head_num": "32"}, "tp_q_head_num"),
         ({"head_dim": 0}, "head_dim"),
         ({"page_size": 0}, "page_size"),
         ({"page_size": 3}, "page_size"),
@@ -404,7 +404,7 @@ def test_attention_config_rejects_non_positive_v_head_dim(v_head_dim):
 
 
 def test_attention_config_accepts_dtype_names_and_defaults_v_head_dim():
-    cfg = AttentionConfig(num_q_heads=8, num_kv_heads=8, head_dim=64, dtype="fp32", page_size=128)
+    cfg = AttentionConfig(tp_q_head_num=8, tp_k_head_num=8, head_dim=64, dtype="fp32", page_size=128)
     assert cfg.dtype is torch.float32 and cfg.dtype_name == "fp32"
     assert cfg.v_head_dim == 64
     assert cfg.to_dict()["dtype"] == "fp32"

@@ -182,13 +182,13 @@ class AscendBackend(AttentionBackend):
             logit_cap=config.logit_cap,
             custom_mask=config.custom_mask,
             causal=not config.non_causal,
-            kv_heads=config.num_kv_heads,
-            q_heads=config.num_q_heads,
+            kv_heads=config.tp_k_head_num,
+            q_heads=config.tp_q_head_num,
         )
         # Layers without a window decode with _npu_paged_attention; everything else (windowed decode,
         # mixed, verify, and extends FIA cannot serve) goes through splitfuse. FIA itself is optional.
         reasons += npu_ops.unsupported_reasons(**common, sliding_window=-1, paths=("decode",))
-        reasons += npu_ops.unsupported_reasons(**common, sliding_window=config.sliding_window, paths=("mixed",))
+        reasons += npu_ops.unsupported_reasons(**common, sliding_window=config.sliding_window_size, paths=("mixed",))
         if config.graph and capability.available and not capability.emulated:
             npu = getattr(torch, "npu", None)
             missing = [name for name in GRAPH_UPDATE_API if not hasattr(npu, name)]
@@ -197,7 +197,7 @@ class AscendBackend(AttentionBackend):
                     f"graph capture needs torch_npu's graph task update API (torch.npu.{', '.join(missing)} "
                     "missing): the ops take host lengths that every replay must update"
                 )
-            if config.sliding_window >= 0:
+            if config.sliding_window_size >= 0:
                 reasons.append(
                     "graph capture of sliding-window decode (_npu_paged_attention_splitfuse) on a real NPU: "
                     "no documented in-graph update of its host lengths; only _npu_paged_attention has one"

@@ -28,13 +28,13 @@ class Case:
     name: str
     mode: ForwardMode
     requests: tuple[tuple[int, int], ...]
-    q_heads: int = 4
-    kv_heads: int = 2
+    tp_q_head_num: int = 4
+    tp_k_head_num: int = 2
     head_dim: int = 64  # FlashInfer compiles 64/128/256 only
     v_head_dim: int | None = None
     dtype: torch.dtype = torch.float32
     page_size: int = 1
-    sliding_window: int = -1
+    sliding_window_size: int = -1
     logit_cap: float = 0.0
     attn_type: str = "decoder"
     q_scale: float = 1.0  # larger queries make the logit cap matter
@@ -44,24 +44,24 @@ class Case:
     def layer(self, layer_id: int = 0) -> AttentionLayer:
         return AttentionLayer(
             layer_id=layer_id,
-            tp_q_head_num=self.q_heads,
-            tp_k_head_num=self.kv_heads,
+            tp_q_head_num=self.tp_q_head_num,
+            tp_k_head_num=self.tp_k_head_num,
             head_dim=self.head_dim,
             v_head_dim=self.v_head_dim,
             logit_cap=self.logit_cap,
-            sliding_window_size=self.sliding_window,
+            sliding_window_size=self.sliding_window_size,
             attn_type=self.attn_type,
         )
 
     def config(self, graph: bool = False) -> AttentionConfig:
         return AttentionConfig(
-            num_q_heads=self.q_heads,
-            num_kv_heads=self.kv_heads,
+            tp_q_head_num=self.tp_q_head_num,
+            tp_k_head_num=self.tp_k_head_num,
             head_dim=self.head_dim,
             v_head_dim=self.v_head_dim,
             dtype=self.dtype,
             page_size=self.page_size,
-            sliding_window=self.sliding_window,
+            sliding_window_size=self.sliding_window_size,
             logit_cap=self.logit_cap,
             non_causal=self.attn_type != "decoder",
             custom_mask=self.mode.is_target_verify(),
@@ -127,7 +127,7 @@ def reference_output(
     ).reshape(fb.num_tokens, -1)
 
 
-def build(case: Case, device: torch.device | str = "cpu", num_layers: int = 1) -> Built:
+def build(case: Case, device: torch.device | str = "cpu", layer_num: int = 1) -> Built:
     """Lay out ``case`` on ``device``: pools full of noise, shuffled pages, the batch and its expectation."""
     gen = torch.Generator().manual_seed(case.seed)
     layer = case.layer()
@@ -136,7 +136,7 @@ def build(case: Case, device: torch.device | str = "cpu", num_layers: int = 1) -
     totals = [p + n for p, n in case.requests]
     pages_per_req = [-(-t // ps) for t in totals]
     num_pages = sum(pages_per_req) + 2
-    kv_pool = PagedKVPool(num_pages, ps, num_layers, case.kv_heads, case.head_dim, case.v_head_dim, case.dtype)
+    kv_pool = PagedKVPool(num_pages, ps, layer_num, case.tp_k_head_num, case.head_dim, case.v_head_dim, case.dtype)
     for buf in kv_pool.k_buffer + kv_pool.v_buffer:
         buf.copy_(torch.randn(buf.shape, generator=gen))  # noise everywhere: reading a wrong slot shows
     bs = len(case.requests)
@@ -175,17 +175,17 @@ def build(case: Case, device: torch.device | str = "cpu", num_layers: int = 1) -
         **kw,
     )
     tokens = fb.num_tokens
-    q = (torch.randn(tokens, case.q_heads * case.head_dim, generator=gen) * case.q_scale).to(case.dtype)
-    k = torch.randn(tokens, case.kv_heads * case.head_dim, generator=gen).to(case.dtype)
-    v = torch.randn(tokens, case.kv_heads * layer.v_head_dim, generator=gen).to(case.dtype)
+    q = (torch.randn(tokens, case.tp_q_head_num * case.head_dim, generator=gen) * case.q_scale).to(case.dtype)
+    k = torch.randn(tokens, case.tp_k_head_num * case.head_dim, generator=gen).to(case.dtype)
+    v = torch.randn(tokens, case.tp_k_head_num * layer.v_head_dim, generator=gen).to(case.dtype)
 
     expected_k, expected_v = kv_pool.k_buffer[0].clone(), kv_pool.v_buffer[0].clone()
     reference.write_kv(
         expected_k,
         expected_v,
         fb.out_cache_loc,
-        k.view(tokens, case.kv_heads, -1),
-        v.view(tokens, case.kv_heads, -1),
+        k.view(tokens, case.tp_k_head_num, -1),
+        v.view(tokens, case.tp_k_head_num, -1),
     )
     expected = reference_output(fb, layer, q, expected_k, expected_v)
     built = Built(case, layer, fb, q, k, v, expected, expected_k, expected_v)
@@ -245,19 +245,19 @@ CASES: tuple[Case, ...] = (
     Case("decode_bf16", D, _DECODE, dtype=torch.bfloat16),
     Case("decode_page16", D, _DECODE, page_size=16),
     Case("decode_page16_bf16", D, _DECODE, page_size=16, dtype=torch.bfloat16),
-    Case("decode_mqa", D, _DECODE, q_heads=4, kv_heads=1),
-    Case("decode_mha", D, _DECODE, q_heads=2, kv_heads=2),
-    Case("decode_gqa8", D, _DECODE, q_heads=8, kv_heads=2),
+    Case("decode_mqa", D, _DECODE, tp_q_head_num=4, tp_k_head_num=1),
+    Case("decode_mha", D, _DECODE, tp_q_head_num=2, tp_k_head_num=2),
+    Case("decode_gqa8", D, _DECODE, tp_q_head_num=8, tp_k_head_num=2),
     Case("decode_head_dim_80", D, _DECODE, head_dim=80),
-    Case("decode_sliding_window", D, _DECODE, sliding_window=8),
+    Case("decode_sliding_window", D, _DECODE, sliding_window_size=8),
     Case("decode_logit_cap", D, _DECODE, logit_cap=5.0, q_scale=8.0),
     Case("extend_no_prefix", E, ((0, 7), (0, 12), (0, 1))),
     Case("extend_prefix", E, _EXTEND),
     Case("extend_prefix_bf16", E, _EXTEND, dtype=torch.bfloat16),
     Case("extend_prefix_page16", E, _EXTEND, page_size=16),
     Case("extend_page4", E, _EXTEND, page_size=4),
-    Case("extend_mqa", E, _EXTEND, kv_heads=1),
-    Case("extend_sliding_window", E, _EXTEND, sliding_window=6),
+    Case("extend_mqa", E, _EXTEND, tp_k_head_num=1),
+    Case("extend_sliding_window", E, _EXTEND, sliding_window_size=6),
     Case("extend_logit_cap", E, _EXTEND, logit_cap=5.0, q_scale=8.0),
     Case("extend_non_causal", E, ((0, 7), (0, 12)), attn_type="encoder_only"),
     Case("extend_v_head_dim", E, _EXTEND, v_head_dim=32),
@@ -267,7 +267,7 @@ CASES: tuple[Case, ...] = (
     Case("draft_extend", ForwardMode.DRAFT_EXTEND, ((6, 3), (11, 3))),
     Case("verify", V, _VERIFY),
     Case("verify_page16_bf16", V, _VERIFY, page_size=16, dtype=torch.bfloat16),
-    Case("verify_sliding_window", V, _VERIFY, sliding_window=7),
+    Case("verify_sliding_window", V, _VERIFY, sliding_window_size=7),
     # fp16: accelerators only (hal never runs fp16 on a CPU)
     Case("decode_fp16", D, _DECODE, dtype=torch.float16),
     Case("extend_prefix_fp16", E, _EXTEND, dtype=torch.float16, page_size=16),
@@ -282,16 +282,16 @@ CASES: tuple[Case, ...] = (
     Case("mixed_page128_bf16", M, ((140, 1), (0, 30), (129, 9), (3, 1)), page_size=128, dtype=torch.bfloat16),
     Case("verify_page128", V, ((130, 4), (3, 4)), page_size=128),
     # the same features at the page sizes paged-only kernels (Ascend: multiples of 16) take
-    Case("decode_mqa_page16", D, _DECODE, kv_heads=1, page_size=16),
-    Case("decode_gqa8_page128", D, ((0, 1), (130, 1), (260, 1)), q_heads=8, page_size=128),
-    Case("decode_sliding_window_page16", D, _DECODE, sliding_window=8, page_size=16),
+    Case("decode_mqa_page16", D, _DECODE, tp_k_head_num=1, page_size=16),
+    Case("decode_gqa8_page128", D, ((0, 1), (130, 1), (260, 1)), tp_q_head_num=8, page_size=128),
+    Case("decode_sliding_window_page16", D, _DECODE, sliding_window_size=8, page_size=16),
     Case("extend_no_prefix_page128", E, ((0, 7), (0, 140), (0, 1)), page_size=128),
-    Case("extend_sliding_window_page128", E, ((130, 5), (0, 20), (200, 12)), sliding_window=6, page_size=128),
+    Case("extend_sliding_window_page128", E, ((130, 5), (0, 20), (200, 12)), sliding_window_size=6, page_size=128),
     Case("extend_non_causal_page16", E, ((0, 7), (0, 12)), attn_type="encoder_only", page_size=16),
     Case("extend_non_causal_page128", E, ((0, 7), (0, 130)), attn_type="encoder_only", page_size=128),
     Case("draft_extend_page128", ForwardMode.DRAFT_EXTEND, ((130, 3), (11, 3)), page_size=128),
     Case("mixed_page16_bf16", M, _MIXED, page_size=16, dtype=torch.bfloat16),
-    Case("verify_sliding_window_page16", V, _VERIFY, sliding_window=7, page_size=16),
+    Case("verify_sliding_window_page16", V, _VERIFY, sliding_window_size=7, page_size=16),
     Case("verify_blind_row_page16", V, _VERIFY, page_size=16, blind_row=True),
 )
 
@@ -299,7 +299,7 @@ GRAPH_CASES: tuple[Case, ...] = (
     Case("graph_decode", D, ((3, 1), (20, 1), (9, 1))),
     Case("graph_decode_page128", D, ((3, 1), (200, 1)), page_size=128),
     Case("graph_decode_fp16", D, ((3, 1), (20, 1), (9, 1)), dtype=torch.float16),
-    Case("graph_decode_page16_window", D, ((3, 1), (20, 1), (9, 1)), page_size=16, sliding_window=6),
+    Case("graph_decode_page16_window", D, ((3, 1), (20, 1), (9, 1)), page_size=16, sliding_window_size=6),
     Case(
         "graph_decode_page16_bf16",
         D,
