@@ -6,8 +6,8 @@
 """
 
 from hal.backend import AttentionBackend
-from hal.batch import ForwardBatch, ForwardMode, SpecInfo
-from hal.capability import DeviceCapability
+from hal.batch import BatchLens, ForwardBatch, ForwardMode, SpecInfo, host_lens, validate_batch
+from hal.capability import DeviceCapability, resolve_device
 from hal.config import AttentionConfig
 from hal.errors import (
     ConfigError,
@@ -20,7 +20,7 @@ from hal.errors import (
     PluginError,
     UnsupportedError,
 )
-from hal.kv_cache import MHATokenToKVPool, PagedKVPool, ReqToTokenPool
+from hal.kv_cache import KVPool, MHATokenToKVPool, PagedKVPool, ReqToTokenPool, ReqToTokenTable
 from hal.layer import AttentionLayer
 from hal.registry import Device, get_registry, register_device
 from hal.selection import Selection, create_backend, detect, select
@@ -29,6 +29,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AttentionBackend",
+    "BatchLens",
+    "KVPool",
+    "ReqToTokenTable",
+    "host_lens",
+    "resolve_device",
+    "validate_batch",
     "AttentionConfig",
     "AttentionLayer",
     "ConfigError",

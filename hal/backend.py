@@ -12,18 +12,26 @@ capture/replay (see ``hal.graph``):
 ``init_forward_metadata(fb)`` (eager) is the two in order.
 
 Beyond SGLang, a backend declares what it supports (``name``, ``dtypes``,
-``page_sizes``, ``supports_*``) and :meth:`validate` turns that into the reasons it
-cannot serve a config; ``helper_ops`` is the one place ``support_triton()`` is read.
+``page_sizes``, ``supports_*``, ``requires_page_aligned_slots``) and :meth:`validate`
+turns that into the reasons it cannot serve a config; ``helper_ops`` is the one place
+``support_triton()`` is read.
+
+Batches are read by SGLang's field names (any object that has them: see ``hal.batch``),
+pools through the protocols of ``hal.kv_cache``. ``forward`` uses the metadata the last
+``init_forward_metadata_out_graph`` prepared (SGLang's contract); a cheap stamp (mode,
+batch size, a step counter) catches metadata left from another step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from hal.batch import validate_batch, validation_level
 from hal.capability import DTYPE_NAMES, DeviceCapability
-from hal.errors import InvalidBatchError, expect
+from hal.errors import ConfigError, InvalidBatchError, expect
 
 if TYPE_CHECKING:
     from hal.batch import ForwardBatch
@@ -55,11 +63,32 @@ class AttentionBackend:
     supports_custom_mask: ClassVar[bool] = True
     supports_graph: ClassVar[bool] = True
     supports_mla: ClassVar[bool] = False  # v_head_dim != head_dim
+    # Token i of a request must sit at offset i % page_size of its page (kernels that read whole pages).
+    requires_page_aligned_slots: ClassVar[bool] = False
+    # Backend-specific constructor options and their defaults (``Selection.create(**options)``).
+    option_defaults: ClassVar[Mapping[str, Any]] = {}
 
-    def __init__(self, capability: DeviceCapability):
+    def __init__(self, capability: DeviceCapability, config: AttentionConfig | None = None, **options):
+        """``config``: the model this backend serves (layers, max context, max batch), for planning;
+        ``options``: ``validate`` (``off``/``cheap``/``full``, default ``HAL_VALIDATE``) and the
+        backend's own ``option_defaults``. Unknown options are a ``ConfigError``."""
+        unknown = sorted(set(options) - set(self.option_defaults) - {"validate"})
+        expect(
+            not unknown,
+            ConfigError,
+            f"{self.name or type(self).__name__} options",
+            unknown,
+            f"options of this backend: {sorted({'validate', *self.option_defaults})}",
+        )
         self.capability = capability
+        self.config = config
         self.device = capability.torch_device
+        self.validation = validation_level(options.pop("validate", None))
+        self.options = {**self.option_defaults, **options}
         self.forward_metadata: Any = None
+        self._metadata_stamp: tuple | None = None
+        self._step = 0
+        self._graph_batches: set[tuple[str, int]] = set()
 
     # -- selection ---------------------------------------------------------------------
     @classmethod
@@ -150,32 +179,31 @@ class AttentionBackend:
     def forward(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         layer: AttentionLayer,
         forward_batch: ForwardBatch,
         save_kv_cache: bool = True,
         **kwargs,
     ) -> torch.Tensor:
         """Attention of one layer: ``q`` ``[T, q_heads * head_dim]`` (or ``[T, q_heads, head_dim]``),
-        ``k``/``v`` the new tokens' keys and values likewise; returns ``[T, q_heads * v_head_dim]``
+        ``k``/``v`` the new tokens' keys and values likewise (None with ``save_kv_cache=False``:
+        then they are read from the cache, SGLang's contract); returns ``[T, q_heads * v_head_dim]``
         in ``q.dtype``.
 
-        IDLE returns an empty output; DECODE goes to ``forward_decode``; MIXED goes to
-        ``forward_mixed`` when this backend's device is an NPU (one fused op serves the
-        batch there); everything else goes to ``forward_extend``.
-
-        Unlike SGLang, ``k`` and ``v`` are always required (some kernels read the new tokens
-        from them rather than from the cache); everything is checked before anything is
-        written, and a bad call raises ``InvalidBatchError`` naming the field.
+        Routes on ``forward_mode`` alone: IDLE returns an empty output; DECODE goes to
+        ``forward_decode``; MIXED goes to ``forward_mixed`` when this backend's device has a
+        fused mixed kernel (``capability.fused_mixed``, set by the NPU); everything else goes
+        to ``forward_extend``. Each ``forward_*`` checks its inputs (:meth:`check_inputs`)
+        before anything is written, so direct calls are checked too.
         """
         mode = forward_batch.forward_mode
         if mode.is_idle():
-            return q.new_empty(q.shape[0], layer.tp_q_head_num * layer.v_head_dim)
-        q, k, v = self.check_inputs(q, k, v, layer, forward_batch)
+            expect(q.shape[0] == 0, InvalidBatchError, "q.shape", tuple(q.shape), "no tokens in an IDLE batch")
+            return q.new_empty(0, layer.tp_q_head_num * layer.v_head_dim)
         if mode.is_decode():
             return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
-        if mode.is_mixed() and self.capability.type == "npu":
+        if mode.is_mixed() and self.capability.fused_mixed:
             return self.forward_mixed(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
         return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
 
@@ -188,7 +216,7 @@ class AttentionBackend:
         raise NotImplementedError()
 
     def forward_mixed(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs) -> torch.Tensor:
-        """A MIXED batch (chunked prefills and decodes) in one call; reached on NPUs."""
+        """A MIXED batch (chunked prefills and decodes) in one call; reached where ``capability.fused_mixed``."""
         raise NotImplementedError()
 
     def support_triton(self) -> bool:
@@ -200,19 +228,57 @@ class AttentionBackend:
         return None
 
     # -- shared by the backends --------------------------------------------------------
+    def check_batch(self, forward_batch: ForwardBatch) -> None:
+        """Validate ``forward_batch`` at this backend's level, with what this backend needs (page-aligned
+        slots). Call it first in ``init_forward_metadata_out_graph``; hal's own batches already passed
+        their construction level, so only an engine's batch or a stricter level costs anything."""
+        level = self.validation
+        if getattr(forward_batch, "validate", None) == level and not (
+            level == "full" and self.requires_page_aligned_slots
+        ):
+            return
+        validate_batch(forward_batch, level, page_aligned=self.requires_page_aligned_slots)
+
+    def is_graph_batch(self, forward_batch: ForwardBatch, in_capture: bool = False) -> bool:
+        """Whether ``forward_batch`` is a captured graph's static batch (use the fixed graph buffers).
+
+        hal's ``GraphRunner`` marks its batches (``graph_static``); an engine's runner is recognised
+        by ``in_capture=True`` at capture, and at replay by the (mode, batch size) it captured.
+        """
+        key = (forward_batch.forward_mode.name, forward_batch.batch_size)
+        if in_capture:
+            self._graph_batches.add(key)
+            return True
+        marked = getattr(forward_batch, "graph_static", None)
+        return marked if marked is not None else key in self._graph_batches
+
     def set_forward_metadata(self, metadata: Any, forward_batch: ForwardBatch) -> None:
-        """Make ``metadata`` (built in ``out_graph`` for ``forward_batch``) the active one."""
+        """Make ``metadata`` (built in ``out_graph`` for ``forward_batch``) the current one, stamped with this step."""
+        self._step += 1
         self.forward_metadata = metadata
-        self._metadata_batch = forward_batch
+        self._metadata_stamp = (forward_batch.forward_mode.name, forward_batch.batch_size, self._step)
+        try:
+            forward_batch._hal_metadata_step = (id(self), self._step)
+        except AttributeError:  # a batch with __slots__: the mode/size stamp still guards it
+            pass
 
     def metadata_for(self, forward_batch: ForwardBatch) -> Any:
-        """The active metadata, which must have been prepared for ``forward_batch`` (not a stale batch)."""
+        """The current metadata, checked (cheaply) to belong to ``forward_batch``'s step.
+
+        Any view of the step's batch passes (SGLang prepares metadata on one and runs forward
+        with another); metadata never prepared, prepared for another mode or batch size, or for
+        an earlier step of this very batch object is an ``InvalidBatchError``.
+        """
+        stamp = self._metadata_stamp
+        mode, bs = forward_batch.forward_mode.name, forward_batch.batch_size
+        owner, step = getattr(forward_batch, "_hal_metadata_step", (None, None))
+        ok = stamp is not None and stamp[:2] == (mode, bs) and (owner != id(self) or step == stamp[2])
         expect(
-            self.forward_metadata is not None and getattr(self, "_metadata_batch", None) is forward_batch,
+            ok,
             InvalidBatchError,
             "forward_metadata",
-            "missing" if self.forward_metadata is None else "prepared for another batch",
-            "this batch's: call init_forward_metadata(forward_batch) before forward",
+            "missing" if stamp is None else f"prepared for {stamp[0]} x {stamp[1]} (step {stamp[2]})",
+            f"this batch's ({mode} x {bs}): call init_forward_metadata(forward_batch) before forward",
         )
         return self.forward_metadata
 
@@ -226,40 +292,57 @@ class AttentionBackend:
     def save_kv(self, layer: AttentionLayer, forward_batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the new tokens' ``k``/``v`` (``[T, kv_heads, dim]``) at ``out_cache_loc``."""
         pool = forward_batch.token_to_kv_pool
-        pool.check_kv(forward_batch.out_cache_loc, k, v, check_range=False)
-        k_buffer, v_buffer = pool.get_kv_buffer(layer.layer_id)
+        k_buffer, v_buffer = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         self.helper_ops.write_kv(k_buffer, v_buffer, forward_batch.out_cache_loc, k, v)
 
-    def check_inputs(self, q, k, v, layer: AttentionLayer, forward_batch: ForwardBatch):
-        """Check ``q``/``k``/``v`` against the layer, batch and pool; return them as ``[T, heads, dim]``."""
-        tokens = forward_batch.num_tokens
+    def new_kv_from_cache(
+        self, layer: AttentionLayer, forward_batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The query tokens' keys and values read back from the cache (``k``/``v`` were None), in the cache dtype."""
+        pool, loc = forward_batch.token_to_kv_pool, forward_batch.out_cache_loc.long()
+        return pool.get_key_buffer(layer.layer_id)[loc], pool.get_value_buffer(layer.layer_id)[loc]
+
+    def check_inputs(self, q, k, v, layer: AttentionLayer, forward_batch: ForwardBatch, save_kv_cache: bool = True):
+        """Check ``q``/``k``/``v`` against the layer, batch and pool; return them as ``[T, heads, dim]``.
+
+        Each must be exactly ``[T, heads * dim]`` or ``[T, heads, dim]`` of the layer, one
+        float dtype, on the pool's device; ``k``/``v`` may be None only with
+        ``save_kv_cache=False``. Shapes only: no device read.
+        """
+        tokens = forward_batch.out_cache_loc.shape[0]
         pool = forward_batch.token_to_kv_pool
+        k_buffer = pool.get_key_buffer(layer.layer_id)  # the pool checks layer_id
+        v_buffer = pool.get_value_buffer(layer.layer_id)
         expect(
-            0 <= layer.layer_id < pool.layer_num,
-            InvalidBatchError,
-            "layer.layer_id",
-            layer.layer_id,
-            f"a layer of the KV pool, in [0, {pool.layer_num})",
-        )
-        expect(
-            (pool.head_num, pool.head_dim, pool.v_head_dim) == (layer.tp_k_head_num, layer.head_dim, layer.v_head_dim),
+            (k_buffer.shape[1], k_buffer.shape[2], v_buffer.shape[2])
+            == (layer.tp_k_head_num, layer.head_dim, layer.v_head_dim),
             InvalidBatchError,
             "layer (kv heads, head_dim, v_head_dim)",
             (layer.tp_k_head_num, layer.head_dim, layer.v_head_dim),
-            f"the KV pool's {(pool.head_num, pool.head_dim, pool.v_head_dim)}",
+            f"the KV pool's {(k_buffer.shape[1], k_buffer.shape[2], v_buffer.shape[2])}",
         )
+        if k is None or v is None:
+            expect(
+                k is None and v is None and not save_kv_cache,
+                InvalidBatchError,
+                "k, v",
+                "None",
+                "tensors, or both None with save_kv_cache=False (the new tokens are then read from the cache)",
+            )
         shaped = []
         for name, t, heads, dim in (
             ("q", q, layer.tp_q_head_num, layer.head_dim),
             ("k", k, layer.tp_k_head_num, layer.head_dim),
             ("v", v, layer.tp_v_head_num, layer.v_head_dim),
         ):
-            expect(isinstance(t, torch.Tensor), InvalidBatchError, name, type(t).__name__, "a tensor")
+            if t is None:
+                shaped.append(None)
+                continue
             expect(
-                t.shape[0] == tokens and t.numel() == tokens * heads * dim,
+                isinstance(t, torch.Tensor) and tuple(t.shape) in ((tokens, heads * dim), (tokens, heads, dim)),
                 InvalidBatchError,
                 f"{name}.shape",
-                tuple(t.shape),
+                tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__,
                 f"[{tokens}, {heads * dim}] or [{tokens}, {heads}, {dim}] ({tokens} tokens in this batch)",
             )
             expect(
@@ -269,13 +352,13 @@ class AttentionBackend:
                 t.dtype,
                 "float32, bfloat16 or float16",
             )
-            expect(t.device == pool.device, InvalidBatchError, f"{name}.device", t.device, str(pool.device))
-            shaped.append(t.reshape(tokens, heads, dim))
+            expect(t.device == k_buffer.device, InvalidBatchError, f"{name}.device", t.device, str(k_buffer.device))
+            shaped.append(t.unflatten(1, (heads, dim)) if t.dim() == 2 else t)
         expect(
-            q.dtype == k.dtype == v.dtype,
+            k is None or q.dtype == k.dtype == v.dtype,
             InvalidBatchError,
             "q/k/v dtypes",
-            (q.dtype, k.dtype, v.dtype),
+            (q.dtype, getattr(k, "dtype", None), getattr(v, "dtype", None)),
             "one dtype",
         )
         return shaped

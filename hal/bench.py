@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 
 from hal.batch import ForwardMode
-from hal.conformance.cases import Case, build, reference_output, to_device, tolerance
+from hal.conformance.cases import Case, build, to_device
+from hal.kernels.reference import batch_attention, tolerance
 from hal.registry import device_backends, get_registry
 from hal.selection import select
 
@@ -200,7 +201,7 @@ def run_bench(
         if case.mode.is_decode() and torch_device.type == "cpu":
             buffers = built.batch.token_to_kv_pool.get_kv_buffer(0)
             ref = _time(
-                lambda built=built, buffers=buffers: reference_output(built.batch, built.layer, built.q, *buffers),
+                lambda built=built, buffers=buffers: batch_attention(built.q, *buffers, built.layer, built.batch),
                 torch_device,
                 3,
                 1,

@@ -15,7 +15,17 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-__all__ = ["DeviceCapability", "triton_status", "library_version", "cpu_capability", "interpreter_enabled"]
+from hal.errors import ConfigError
+
+__all__ = [
+    "DeviceCapability",
+    "triton_status",
+    "library_version",
+    "cpu_capability",
+    "interpreter_enabled",
+    "resolve_device",
+    "current_index",
+]
 
 
 @dataclass(frozen=True)
@@ -28,7 +38,9 @@ class DeviceCapability:
     ``triton``, a library name...) to why. ``graph`` is the capture mechanism:
     ``cuda_graph``, ``npu_graph`` or ``eager_guard`` (the CPU's checked eager runner).
     ``triton_target`` is Triton's target for the device (``cuda:90``, ``hip:gfx942``,
-    ``cpu:interpreter``) or None.
+    ``cpu:interpreter``) or None. ``fused_mixed``: the device has one kernel for a batch
+    mixing prefill chunks and decodes, so ``AttentionBackend.forward`` sends MIXED
+    batches to ``forward_mixed`` (SGLang does so on NPUs) instead of ``forward_extend``.
     """
 
     type: str
@@ -45,6 +57,7 @@ class DeviceCapability:
     triton_target: str | None = None
     libraries: Mapping[str, str] = field(default_factory=dict)
     emulated: bool = False
+    fused_mixed: bool = False
     reasons: Mapping[str, str] = field(default_factory=dict)
 
     @property
@@ -107,6 +120,40 @@ def triton_status(torch_type: str) -> tuple[str | None, str | None]:
         hint = " (install triton-ascend)" if torch_type == "npu" else ""
         return None, f"Triton's active target is {target.backend}, not {torch_type}{hint}"
     return f"{target.backend}:{target.arch}", None
+
+
+def current_index(torch_type: str) -> int:
+    """The current device index of ``torch_type`` (what ``torch.cuda.set_device`` chose), 0 when unknown."""
+    if torch_type == "cpu":
+        return 0
+    module = getattr(torch, torch_type, None)  # torch.cuda; torch.npu once torch_npu is imported
+    try:
+        if module is not None and module.is_available():
+            return int(module.current_device())
+    except Exception:  # a broken runtime is the probe's to report, not the index's
+        pass
+    return 0
+
+
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    """``device`` with its index: ``"cuda"`` is the current CUDA device (``cuda:3`` after
+    ``torch.cuda.set_device(3)``), ``"npu"`` likewise; ``"cpu"`` and ``"cpu:0"`` are ``cpu``.
+
+    Raises ``ConfigError`` for something that is not a device.
+    """
+    if device is None:
+        return torch.device("cpu")
+    try:
+        dev = device if isinstance(device, torch.device) else torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(
+            f"device = {device!r}: expected a torch device such as 'cpu', 'cuda', 'cuda:1', 'npu:0'"
+        ) from exc
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if dev.index is None:
+        return torch.device(dev.type, current_index(dev.type))
+    return dev
 
 
 def _cpu_name() -> str:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
 
 from hal.capability import DTYPE_NAMES
 from hal.errors import ConfigError, expect
+from hal.layer import AttentionLayer
 
 __all__ = ["AttentionConfig"]
 
@@ -18,10 +20,14 @@ _DTYPES_BY_NAME = {name: dtype for dtype, name in DTYPE_NAMES.items() if dtype i
 class AttentionConfig:
     """What a model asks of its attention backend.
 
+    Names are RadixAttention's (one worker's share under tensor parallelism).
     ``dtype`` is the model dtype (q/k/v and the KV cache). ``sliding_window_size`` /
     ``logit_cap`` are the largest any layer uses (-1 / 0: none). ``non_causal``: some
     layer is encoder-only or cross attention. ``custom_mask``: TARGET_VERIFY batches
     (speculative decoding) will come. ``graph``: the backend will run under graph capture.
+    For planning: ``layer_num`` layers, ``layers`` their descriptors when they differ
+    (per-layer window / cap / causality; :meth:`from_layers` derives the rest from them),
+    ``max_context_len`` and ``max_batch_size`` (None: unknown).
     """
 
     tp_q_head_num: int = 32
@@ -35,6 +41,36 @@ class AttentionConfig:
     non_causal: bool = False
     custom_mask: bool = False
     graph: bool = False
+    layer_num: int = 1
+    max_context_len: int | None = None
+    max_batch_size: int | None = None
+    layers: tuple[AttentionLayer, ...] = ()
+
+    @classmethod
+    def from_layers(cls, layers: Sequence[AttentionLayer], **kwargs) -> AttentionConfig:
+        """The config of a model whose attention layers are ``layers`` (heads, dims, the largest
+        window and cap, causality from them); ``kwargs`` give the rest (dtype, page_size, ...)."""
+        layers = tuple(layers)
+        expect(
+            bool(layers) and all(isinstance(x, AttentionLayer) for x in layers),
+            ConfigError,
+            "layers",
+            layers,
+            "a non-empty sequence of AttentionLayer",
+        )
+        first = layers[0]
+        return cls(
+            tp_q_head_num=first.tp_q_head_num,
+            tp_k_head_num=first.tp_k_head_num,
+            head_dim=first.head_dim,
+            v_head_dim=first.v_head_dim,
+            sliding_window_size=max(x.sliding_window_size for x in layers),
+            logit_cap=max(x.logit_cap for x in layers),
+            non_causal=any(not x.causal for x in layers),
+            layer_num=len(layers),
+            layers=layers,
+            **kwargs,
+        )
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, str):
@@ -74,6 +110,27 @@ class AttentionConfig:
             "a positive int (or None: head_dim)",
         )
 
+        for name in ("layer_num", "max_context_len", "max_batch_size"):
+            value = getattr(self, name)
+            expect(
+                value is None and name != "layer_num" or isinstance(value, int) and value > 0,
+                ConfigError,
+                name,
+                value,
+                "a positive int" + ("" if name == "layer_num" else " or None"),
+            )
+        object.__setattr__(self, "layers", tuple(self.layers))
+        shape = (self.tp_q_head_num, self.tp_k_head_num, self.head_dim, self.v_head_dim)
+        for layer in self.layers:
+            own = (layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim, layer.v_head_dim)
+            expect(
+                own == shape,
+                ConfigError,
+                f"layers[{layer.layer_id}] (q heads, kv heads, head_dim, v_head_dim)",
+                own,
+                f"the config's {shape}",
+            )
+
     @property
     def dtype_name(self) -> str:
         return DTYPE_NAMES[self.dtype]
@@ -81,4 +138,5 @@ class AttentionConfig:
     def to_dict(self) -> dict:
         data = asdict(self)
         data["dtype"] = self.dtype_name
+        data["layers"] = [asdict(layer) for layer in self.layers]
         return data

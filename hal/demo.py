@@ -18,8 +18,8 @@ import torch
 
 from hal.batch import ForwardBatch, ForwardMode, SpecInfo
 from hal.config import AttentionConfig
-from hal.conformance.cases import reference_output, tolerance
 from hal.graph import GraphRunner
+from hal.kernels.reference import batch_attention, tolerance
 from hal.kv_cache import PagedKVPool, ReqToTokenPool
 from hal.layer import AttentionLayer
 from hal.registry import get_registry
@@ -134,7 +134,7 @@ def run_demo(device: str | None = None, as_json: bool = False, decode_steps: int
             outs = [backend.forward(t["q"], t["k"], t["v"], layer, fb) for layer in layers]
         ms = 1e3 * (time.perf_counter() - start)
         expected = [
-            reference_output(fb, layer, t["q"], *server.kv_pool.get_kv_buffer(layer.layer_id)).float()
+            batch_attention(t["q"], *server.kv_pool.get_kv_buffer(layer.layer_id), layer, fb).float()
             for layer in layers
         ]
         err = max((out.float() - exp).abs().max().item() for out, exp in zip(outs, expected))

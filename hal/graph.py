@@ -29,12 +29,12 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten
 
 from hal.backend import AttentionBackend
-from hal.batch import ForwardBatch, static_decode_batch
+from hal.batch import ForwardBatch, host_lens, static_decode_batch
 from hal.errors import GraphCaptureError, InvalidBatchError, expect
-from hal.kv_cache import PagedKVPool, ReqToTokenPool
+from hal.kv_cache import KVPool, ReqToTokenTable
 from hal.layer import AttentionLayer
 
-__all__ = ["Graph", "EagerGraph", "TorchGraph", "GraphRunner", "HostSyncGuard", "opaque_kernel"]
+__all__ = ["Graph", "EagerGraph", "TorchGraph", "GraphRunner", "HostSyncGuard", "HostReadCounter", "opaque_kernel"]
 
 _aten = torch.ops.aten
 _DATA_DEPENDENT = {
@@ -82,6 +82,58 @@ class _HostMethodGuard(TorchFunctionMode):
         if func in _HOST_METHODS:
             raise GraphCaptureError(f"Tensor.{func.__name__}() inside a graph: a host sync; move it to out_graph")
         return func(*args, **(kwargs or {}))
+
+
+_READS = {
+    torch.Tensor.cpu: ".cpu()",
+    torch.Tensor.numpy: ".numpy()",
+    torch.Tensor.tolist: ".tolist()",
+    torch.Tensor.item: ".item()",
+    torch.Tensor.__bool__: "bool()",
+    torch.Tensor.__int__: "int()",
+    torch.Tensor.__float__: "float()",
+    torch.Tensor.__index__: "an index",
+    torch.Tensor.equal: "equal()",
+    torch.equal: "torch.equal",
+    torch.Tensor.nonzero: "nonzero()",
+    torch.nonzero: "torch.nonzero",
+    torch.masked_select: "masked_select",
+    torch.Tensor.masked_select: "masked_select",
+    torch.unique: "torch.unique",
+    torch.Tensor.unique: "unique()",
+}
+
+
+class HostReadCounter(TorchFunctionMode):
+    """Counts the calls that read a device tensor back to the host (a stall per call on a GPU).
+
+    ``.item()``, ``.tolist()``, ``.cpu()``, ``bool()``/``int()`` of a tensor, ``torch.equal``,
+    ``nonzero`` and boolean-mask indexing, on any tensor but those in ``host`` (the host
+    mirrors a caller passed, which live on the CPU anyway). On a CPU-only machine nothing
+    syncs, so this counts what would. ``reads`` lists ``(what, shape)`` of each.
+    """
+
+    def __init__(self, host: tuple = ()):
+        super().__init__()
+        self.host = {id(t) for t in host if isinstance(t, torch.Tensor)}
+        self.reads: list[tuple[str, tuple]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        first = args[0] if args else None
+        if isinstance(first, torch.Tensor) and id(first) not in self.host:
+            what = _READS.get(func)
+            if what is None and func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__):
+                index = args[1] if isinstance(args[1], tuple) else (args[1],)
+                if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index):
+                    what = "boolean-mask indexing"
+            if what is not None:
+                self.reads.append((what, tuple(first.shape)))
+        return func(*args, **kwargs)
+
+    @property
+    def count(self) -> int:
+        return len(self.reads)
 
 
 @contextlib.contextmanager
@@ -168,8 +220,8 @@ class GraphRunner:
         self,
         backend: AttentionBackend,
         layers: Sequence[AttentionLayer],
-        req_to_token_pool: ReqToTokenPool,
-        token_to_kv_pool: PagedKVPool,
+        req_to_token_pool: ReqToTokenTable,
+        token_to_kv_pool: KVPool,
         make_graph: Callable[[], Graph],
         capture_bs: Sequence[int] = (1, 2, 4, 8),
         dtype: torch.dtype = torch.float32,
@@ -187,7 +239,7 @@ class GraphRunner:
         self.capture_bs = sorted(set(capture_bs))
         self.max_bs = self.capture_bs[-1]
         layer = self.layers[0]
-        device = token_to_kv_pool.device
+        device = req_to_token_pool.req_to_token.device
         self.q = torch.zeros(self.max_bs, layer.tp_q_head_num * layer.head_dim, dtype=dtype, device=device)
         self.k = torch.zeros(self.max_bs, layer.tp_k_head_num * layer.head_dim, dtype=dtype, device=device)
         self.v = torch.zeros(self.max_bs, layer.tp_v_head_num * layer.v_head_dim, dtype=dtype, device=device)
@@ -239,6 +291,7 @@ class GraphRunner:
         )
         for layer in self.layers:
             q, k, v = self.backend.check_inputs(q, k, v, layer, fb)
+        expect(k is not None, InvalidBatchError, "k, v", "None", "tensors: a replayed decode step writes the cache")
         expect(q.dtype == self.q.dtype, InvalidBatchError, "q.dtype", q.dtype, f"{self.q.dtype}, as captured")
         bs = fb.batch_size
         padded = self.capture_bs[bisect.bisect_left(self.capture_bs, bs)]
@@ -246,10 +299,10 @@ class GraphRunner:
         fill = self.backend.get_cuda_graph_seq_len_fill_value()
         static.req_pool_indices.zero_()[:bs].copy_(fb.req_pool_indices)
         static.seq_lens.fill_(fill)[:bs].copy_(fb.seq_lens)
-        static.out_cache_loc.fill_(self.token_to_kv_pool.padding_slot)[:bs].copy_(fb.out_cache_loc)
+        static.out_cache_loc.fill_(0)[:bs].copy_(fb.out_cache_loc)  # padding writes the padding slot 0
         for static_t, t in ((self.q, q), (self.k, k), (self.v, v)):
             static_t[:bs].copy_(t.reshape(bs, -1))
-        static.set_decode_host_lens(fb.seq_lens_cpu.tolist() + [fill] * (padded - bs))
+        static.set_decode_host_lens(host_lens(fb).kv + [fill] * (padded - bs))
         self.backend.init_forward_metadata_out_graph(static)
         graph.replay()
         return output[:, :bs]

@@ -1,26 +1,82 @@
 """Memory pools: the request-to-token map and the paged token-to-KV pool.
 
+Backends reach both only through two small protocols, with SGLang's names, so an
+engine's own pools (SGLang's ``ReqToTokenPool`` and ``MHATokenToKVPool``) serve as they
+are; :class:`ReqToTokenPool` and :class:`PagedKVPool` are hal's implementations, which
+can also wrap an engine's existing tensors without a copy (``from_tensor`` /
+``from_buffers``).
+
 Slot ``s`` of the KV pool lives in page ``s // page_size`` at offset ``s % page_size``,
 so one layer's ``[num_slots, head_num, head_dim]`` buffer and the
 ``[num_pages, page_size, head_num, head_dim]`` view that paged kernels (NPU block
 tables, FlashInfer) take are the same memory. Page 0 is reserved: padded tokens of a
-graph-replayed batch write there, so it never holds a request's data.
+graph-replayed batch write slot 0, so it never holds a request's data.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
 import torch
 
+from hal.capability import resolve_device
 from hal.errors import KVCacheError, expect
 
-__all__ = ["ReqToTokenPool", "PagedKVPool", "MHATokenToKVPool"]
+__all__ = [
+    "ReqToTokenTable",
+    "KVPool",
+    "ReqToTokenPool",
+    "PagedKVPool",
+    "MHATokenToKVPool",
+    "pool_geometry",
+    "paged_view",
+]
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+@runtime_checkable
+class ReqToTokenTable(Protocol):
+    """The request table a backend reads: ``req_to_token``, int32 ``[rows, max_context_len]``."""
+
+    req_to_token: torch.Tensor
+
+
+@runtime_checkable
+class KVPool(Protocol):
+    """The KV pool a backend reads and writes (SGLang's ``MHATokenToKVPool`` interface).
+
+    ``layer_id`` is the model's global layer id (a pipeline stage's pool holds layers
+    ``start_layer ..``). Buffers are ``[num_slots, head_num, head_dim]`` (values
+    ``[num_slots, head_num, v_head_dim]``), slot ``s`` at offset ``s % page_size`` of page
+    ``s // page_size``; slot 0 takes padding writes.
+    """
+
+    page_size: int
+    dtype: torch.dtype
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor: ...
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor: ...
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def set_kv_buffer(self, layer, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> None: ...
+
+
+def pool_geometry(pool: KVPool, layer_id: int) -> tuple[int, int, int, int]:
+    """``(num_slots, head_num, head_dim, v_head_dim)`` of ``layer_id``'s buffers in any KV pool (shapes only)."""
+    k, v = pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id)
+    return k.shape[0], k.shape[1], k.shape[2], v.shape[2]
+
+
 class ReqToTokenPool:
-    """``req_to_token``: int32 ``[size, max_context_len]``, the KV slot of every token of every request row."""
+    """``req_to_token``: int32 ``[size, max_context_len]``, the KV slot of every token of every request row.
+
+    ``size`` counts the rows, as SGLang's ``ReqToTokenPool(size, ...)`` does.
+    """
 
     def __init__(self, size: int, max_context_len: int, device: torch.device | str = "cpu"):
         expect(isinstance(size, int) and size > 0, KVCacheError, "size", size, "a positive int")
@@ -33,8 +89,24 @@ class ReqToTokenPool:
         )
         self.size = size
         self.max_context_len = max_context_len
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.req_to_token = torch.zeros(size, max_context_len, dtype=torch.int32, device=self.device)
+
+    @classmethod
+    def from_tensor(cls, req_to_token: torch.Tensor) -> ReqToTokenPool:
+        """Wrap an engine's int32 ``[rows, max_context_len]`` table; the pool reads and writes that very tensor."""
+        expect(
+            isinstance(req_to_token, torch.Tensor) and req_to_token.dim() == 2 and req_to_token.dtype == torch.int32,
+            KVCacheError,
+            "req_to_token",
+            _describe(req_to_token),
+            "an int32 tensor [rows, max_context_len]",
+        )
+        pool = cls.__new__(cls)
+        pool.size, pool.max_context_len = req_to_token.shape
+        pool.device = resolve_device(req_to_token.device)
+        pool.req_to_token = req_to_token
+        return pool
 
     def write(self, req_index: int, start: int, slots: torch.Tensor) -> None:
         """Set ``req_to_token[req_index, start : start + len(slots)] = slots``."""
@@ -60,9 +132,11 @@ class ReqToTokenPool:
 class PagedKVPool:
     """Per-layer K and V buffers of ``num_slots = (num_pages + 1) * page_size`` token slots.
 
-    ``k_buffer[layer]``: ``[num_slots, head_num, head_dim]``; ``v_buffer[layer]``:
-    ``[num_slots, head_num, v_head_dim]``; both in ``dtype`` (the model dtype).
-    Usable slots are ``page_size .. num_slots - 1``; page 0 takes padding writes.
+    ``k_buffer[i]``: ``[num_slots, head_num, head_dim]``; ``v_buffer[i]``:
+    ``[num_slots, head_num, v_head_dim]``; both in ``dtype`` (the model dtype), for the
+    model's layers ``start_layer .. start_layer + layer_num - 1`` (a pipeline stage holds
+    a slice of the model). Usable slots are ``page_size .. num_slots - 1``; page 0 takes
+    padding writes.
     """
 
     padding_slot = 0
@@ -77,45 +151,87 @@ class PagedKVPool:
         v_head_dim: int | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        start_layer: int = 0,
     ):
-        for field, value in (
-            ("num_pages", num_pages),
-            ("layer_num", layer_num),
-            ("head_num", head_num),
-            ("head_dim", head_dim),
-        ):
-            expect(isinstance(value, int) and value > 0, KVCacheError, field, value, "a positive int")
-        expect(
-            isinstance(page_size, int) and page_size > 0 and page_size & (page_size - 1) == 0,
-            KVCacheError,
-            "page_size",
-            page_size,
-            "a power of two",
-        )
-        expect(
-            v_head_dim is None or (isinstance(v_head_dim, int) and v_head_dim > 0),
-            KVCacheError,
-            "v_head_dim",
-            v_head_dim,
-            "a positive int (or None: head_dim)",
-        )
+        for name, value in (("num_pages", num_pages), ("layer_num", layer_num), ("head_num", head_num)):
+            expect(isinstance(value, int) and value > 0, KVCacheError, name, value, "a positive int")
+        for name, value in (("head_dim", head_dim), ("v_head_dim", v_head_dim or head_dim)):
+            expect(isinstance(value, int) and value > 0, KVCacheError, name, value, "a positive int")
+        _check_page_size(page_size)
         expect(dtype in KV_DTYPES, KVCacheError, "dtype", dtype, f"one of {KV_DTYPES}")
-        self.page_size = page_size
-        self.num_pages = num_pages
-        self.layer_num = layer_num
-        self.head_num = head_num
-        self.head_dim = head_dim
-        self.v_head_dim = v_head_dim or head_dim
-        self.dtype = dtype
-        self.device = torch.device(device)
-        self.num_slots = (num_pages + 1) * page_size
-        self.k_buffer = [
-            torch.zeros(self.num_slots, head_num, head_dim, dtype=dtype, device=self.device) for _ in range(layer_num)
-        ]
-        self.v_buffer = [
-            torch.zeros(self.num_slots, head_num, self.v_head_dim, dtype=dtype, device=self.device)
-            for _ in range(layer_num)
-        ]
+        device = resolve_device(device)
+        num_slots = (num_pages + 1) * page_size
+        k = [torch.zeros(num_slots, head_num, head_dim, dtype=dtype, device=device) for _ in range(layer_num)]
+        v_dim = v_head_dim or head_dim
+        v = [torch.zeros(num_slots, head_num, v_dim, dtype=dtype, device=device) for _ in range(layer_num)]
+        self._attach(k, v, page_size, start_layer)
+
+    @classmethod
+    def from_buffers(
+        cls,
+        k_buffers: Sequence[torch.Tensor],
+        v_buffers: Sequence[torch.Tensor],
+        page_size: int,
+        start_layer: int = 0,
+    ) -> PagedKVPool:
+        """Wrap an engine's per-layer ``[num_slots, head_num, dim]`` K and V tensors without a copy.
+
+        ``num_slots`` must be a multiple of ``page_size``; every layer's buffers must share
+        one shape, dtype and device. Reads and writes go to those very tensors.
+        """
+        _check_page_size(page_size)
+        pool = cls.__new__(cls)
+        pool._attach(list(k_buffers), list(v_buffers), page_size, start_layer)
+        return pool
+
+    def _attach(self, k_buffers: list, v_buffers: list, page_size: int, start_layer: int) -> None:
+        expect(
+            isinstance(start_layer, int) and start_layer >= 0, KVCacheError, "start_layer", start_layer, "an int >= 0"
+        )
+        expect(
+            len(k_buffers) == len(v_buffers) > 0,
+            KVCacheError,
+            "len(k_buffers), len(v_buffers)",
+            (len(k_buffers), len(v_buffers)),
+            "one K and one V buffer per layer, at least one layer",
+        )
+        k0, v0 = k_buffers[0], v_buffers[0]
+        for name, buffers, like in (("k_buffers", k_buffers, k0), ("v_buffers", v_buffers, v0)):
+            for i, buf in enumerate(buffers):
+                expect(
+                    isinstance(buf, torch.Tensor)
+                    and buf.dim() == 3
+                    and buf.shape == like.shape
+                    and buf.dtype == like.dtype
+                    and buf.device == like.device,
+                    KVCacheError,
+                    f"{name}[{i}]",
+                    _describe(buf),
+                    f"a 3-D tensor like layer 0's {_describe(like)}",
+                )
+        expect(
+            v0.shape[:2] == k0.shape[:2] and v0.dtype == k0.dtype and v0.device == k0.device,
+            KVCacheError,
+            "v_buffers[0]",
+            _describe(v0),
+            f"[{k0.shape[0]}, {k0.shape[1]}, v_head_dim] {k0.dtype} on {k0.device}, like the K buffers",
+        )
+        expect(k0.dtype in KV_DTYPES, KVCacheError, "dtype", k0.dtype, f"one of {KV_DTYPES}")
+        num_slots = k0.shape[0]
+        expect(
+            num_slots % page_size == 0 and num_slots >= 2 * page_size,
+            KVCacheError,
+            "num_slots",
+            num_slots,
+            f"a multiple of page_size ({page_size}), at least two pages (page 0 is the padding page)",
+        )
+        self.k_buffer, self.v_buffer = k_buffers, v_buffers
+        self.page_size, self.start_layer, self.layer_num = page_size, start_layer, len(k_buffers)
+        self.num_slots, self.head_num, self.head_dim = k0.shape
+        self.v_head_dim = v0.shape[2]
+        self.num_pages = num_slots // page_size - 1
+        self.dtype = k0.dtype
+        self.device = resolve_device(k0.device)
 
     @property
     def size(self) -> int:
@@ -123,14 +239,15 @@ class PagedKVPool:
         return self.num_pages * self.page_size
 
     def _layer(self, layer_id: int) -> int:
+        index = layer_id - self.start_layer if isinstance(layer_id, int) else -1
         expect(
-            isinstance(layer_id, int) and 0 <= layer_id < self.layer_num,
+            0 <= index < self.layer_num,
             KVCacheError,
             "layer_id",
             layer_id,
-            f"in [0, {self.layer_num})",
+            f"a layer of this pool, in [{self.start_layer}, {self.start_layer + self.layer_num})",
         )
-        return layer_id
+        return index
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         return self.k_buffer[self._layer(layer_id)]
@@ -139,45 +256,24 @@ class PagedKVPool:
         return self.v_buffer[self._layer(layer_id)]
 
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
+        index = self._layer(layer_id)
+        return self.k_buffer[index], self.v_buffer[index]
 
     def get_paged_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The same memory as ``[num_pages + 1, page_size, head_num, dim]`` views."""
-        k, v = self.get_kv_buffer(layer_id)
-        return (
-            k.view(-1, self.page_size, self.head_num, self.head_dim),
-            v.view(-1, self.page_size, self.head_num, self.v_head_dim),
-        )
+        return paged_view(self, layer_id)
 
     def check_kv(
         self, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, check_range: bool = True
     ) -> None:
         """Raise ``KVCacheError`` unless ``cache_k``/``cache_v`` can be stored at ``loc``.
 
-        Checks shapes, dtypes and devices, and with ``check_range`` the slot range when
-        ``loc`` is on the CPU (a host sync; backends skip it because ``ForwardBatch``
-        already checked ``out_cache_loc``).
+        Checks shapes, dtypes and devices, and with ``check_range`` the slot range (a read
+        of ``loc``; backends skip it: batch validation covers ``out_cache_loc``).
         """
-        expect(
-            loc.dim() == 1 and loc.dtype in INDEX_DTYPES,
-            KVCacheError,
-            "loc",
-            f"{loc.dtype}{list(loc.shape)}",
-            "a 1-D int32/int64 tensor",
-        )
+        check_kv_inputs(loc, cache_k, cache_v, (self.head_num, self.head_dim, self.v_head_dim), self.device)
         n = loc.numel()
-        for name, tensor, dim in (("cache_k", cache_k, self.head_dim), ("cache_v", cache_v, self.v_head_dim)):
-            expect(
-                tuple(tensor.shape) == (n, self.head_num, dim),
-                KVCacheError,
-                f"{name}.shape",
-                tuple(tensor.shape),
-                f"({n}, {self.head_num}, {dim}) for {n} slots",
-            )
-            expect(tensor.is_floating_point(), KVCacheError, f"{name}.dtype", tensor.dtype, "a float dtype")
-            expect(tensor.device == self.device, KVCacheError, f"{name}.device", tensor.device, str(self.device))
-        expect(loc.device == self.device, KVCacheError, "loc.device", loc.device, str(self.device))
-        if check_range and n and loc.device.type == "cpu":
+        if check_range and n:
             lo, hi = int(loc.min()), int(loc.max())
             expect(
                 lo >= 0 and hi < self.num_slots,
@@ -187,16 +283,70 @@ class PagedKVPool:
                 f"slots in [0, {self.num_slots})",
             )
 
-    def set_kv_buffer(self, layer, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> None:
+    def set_kv_buffer(self, layer, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, *args, **kwargs):
         """Store ``cache_k``/``cache_v`` (``[n, head_num, dim]``) at slots ``loc`` (``[n]``) of ``layer``.
 
         ``layer`` is an ``AttentionLayer`` or a layer id. Values are cast to the pool
-        dtype. Nothing is written unless every check passes.
+        dtype. Nothing is written unless every check passes. (SGLang's extra arguments,
+        fp8 scales, are accepted and must be None.)
         """
-        layer_id = self._layer(getattr(layer, "layer_id", layer))
+        expect(
+            all(a is None for a in (*args, *kwargs.values())),
+            KVCacheError,
+            "set_kv_buffer extra arguments",
+            (args, kwargs),
+            "None (hal's pool stores the model dtype; no fp8 scales)",
+        )
+        index = self._layer(getattr(layer, "layer_id", layer))
         self.check_kv(loc, cache_k, cache_v)
-        self.k_buffer[layer_id][loc] = cache_k.to(self.dtype)
-        self.v_buffer[layer_id][loc] = cache_v.to(self.dtype)
+        self.k_buffer[index][loc] = cache_k.to(self.dtype)
+        self.v_buffer[index][loc] = cache_v.to(self.dtype)
+
+
+def paged_view(pool: KVPool, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer ``layer_id`` of any KV pool as ``[num_pages + 1, page_size, head_num, dim]`` views of the same memory."""
+    k, v = pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id)
+    ps = pool.page_size
+    return k.view(-1, ps, *k.shape[1:]), v.view(-1, ps, *v.shape[1:])
+
+
+def check_kv_inputs(loc, cache_k, cache_v, dims: tuple[int, int, int], device: torch.device) -> None:
+    """Shapes, dtypes and devices of a KV write at ``loc`` (``[n]``); ``dims``: ``(head_num, head_dim, v_head_dim)``."""
+    expect(
+        isinstance(loc, torch.Tensor) and loc.dim() == 1 and loc.dtype in INDEX_DTYPES,
+        KVCacheError,
+        "loc",
+        _describe(loc),
+        "a 1-D int32/int64 tensor",
+    )
+    n, (heads, head_dim, v_dim) = loc.numel(), dims
+    for name, tensor, dim in (("cache_k", cache_k, head_dim), ("cache_v", cache_v, v_dim)):
+        expect(
+            isinstance(tensor, torch.Tensor) and tuple(tensor.shape) == (n, heads, dim),
+            KVCacheError,
+            f"{name}.shape",
+            _describe(tensor),
+            f"({n}, {heads}, {dim}) for {n} slots",
+        )
+        expect(tensor.is_floating_point(), KVCacheError, f"{name}.dtype", tensor.dtype, "a float dtype")
+        expect(tensor.device == device, KVCacheError, f"{name}.device", tensor.device, str(device))
+    expect(loc.device == device, KVCacheError, "loc.device", loc.device, str(device))
+
+
+def _check_page_size(page_size) -> None:
+    expect(
+        isinstance(page_size, int) and page_size > 0 and page_size & (page_size - 1) == 0,
+        KVCacheError,
+        "page_size",
+        page_size,
+        "a power of two",
+    )
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)} on {value.device}"
+    return type(value).__name__
 
 
 MHATokenToKVPool = PagedKVPool

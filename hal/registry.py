@@ -52,8 +52,8 @@ class Device(ABC):
     priority: int = 50
 
     @abstractmethod
-    def probe(self) -> DeviceCapability:
-        """Describe the device. Must not raise and must be cheap."""
+    def probe(self, index: int | None = None) -> DeviceCapability:
+        """Describe device ``index`` of this family (None: the current one). Must not raise and must be cheap."""
 
     @abstractmethod
     def backends(self) -> list[type[AttentionBackend]]:
@@ -92,14 +92,14 @@ class Registry:
         return sorted(self.devices.values(), key=lambda d: -d.priority)
 
 
-def probe_device(device: Device) -> DeviceCapability:
-    """``device.probe()``, with a plugin's exception turned into an unavailable capability.
+def probe_device(device: Device, index: int | None = None) -> DeviceCapability:
+    """``device.probe(index)``, with a plugin's exception turned into an unavailable capability.
 
     A ``ConfigError`` (a bad ``HAL_*`` value the plugin reads) is the user's to fix and
     propagates: a device must not quietly vanish from selection because of a typo.
     """
     try:
-        cap = device.probe()
+        cap = device.probe(index) if index is not None else device.probe()
         if not isinstance(cap, DeviceCapability):
             raise PluginError(f"probe() returned {type(cap).__name__}, expected a DeviceCapability")
         return cap

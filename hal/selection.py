@@ -1,17 +1,23 @@
 """Choosing a device and a backend, and saying why.
 
-``select(config)`` walks the devices (``HAL_DEVICE`` or the available ones, highest
-priority first) and each device's backends in priority order; the first backend with
-no reasons against it wins. ``HAL_ATTENTION_BACKEND`` forces one backend for both
-phases, ``HAL_PREFILL_BACKEND`` / ``HAL_DECODE_BACKEND`` one per phase (SGLang's split);
-a forced backend that cannot serve the config is an error with its reasons, never a
-silent fallback. ``Selection.trace`` records every step.
+``select(config, device=None, backend=None, prefill_backend=None, decode_backend=None)``
+walks the devices (the one named, or the available ones, highest priority first) and
+each device's backends in priority order; the first backend with no reasons against it
+wins. ``backend`` forces one backend for both phases, ``prefill_backend`` /
+``decode_backend`` one per phase (SGLang's split); a forced backend without a device
+picks that backend's best available device. The variables ``HAL_DEVICE``,
+``HAL_ATTENTION_BACKEND``, ``HAL_PREFILL_BACKEND`` and ``HAL_DECODE_BACKEND`` override the
+arguments (an operator's word beats the code's). A forced backend that cannot serve the
+config is an error with its reasons, never a silent fallback. ``Selection.trace``
+records every step.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+
+import torch
 
 from hal.backend import AttentionBackend
 from hal.capability import DeviceCapability
@@ -31,22 +37,37 @@ class Selection:
     prefill_backend: type[AttentionBackend]
     decode_backend: type[AttentionBackend]
     trace: list[str] = field(default_factory=list)
+    config: AttentionConfig = field(default_factory=AttentionConfig)
 
     @property
     def backend(self) -> str:
         p, d = self.prefill_backend.name, self.decode_backend.name
         return p if p == d else f"{p} (prefill) + {d} (decode)"
 
-    def create(self) -> AttentionBackend:
-        """Instantiate the chosen backend(s); two different ones are joined by :class:`HybridBackend`."""
-        prefill = self.prefill_backend(self.capability)
+    def create(self, **options) -> AttentionBackend:
+        """Instantiate the chosen backend(s) for ``self.config``, passing ``options`` (``validate``
+        and the backend's own ``option_defaults``) to the constructor; two different backends are
+        joined by :class:`HybridBackend`, each taking the options it knows."""
         if self.decode_backend is self.prefill_backend:
-            backend = prefill
+            backend = self.prefill_backend(self.capability, self.config, **options)
         else:
-            backend = HybridBackend(prefill, self.decode_backend(self.capability))
+            known = _split_options(options, self.prefill_backend, self.decode_backend)
+            backend = HybridBackend(
+                self.prefill_backend(self.capability, self.config, **known[0]),
+                self.decode_backend(self.capability, self.config, **known[1]),
+            )
         backend.prefill_attention_backend_str = self.prefill_backend.name
         backend.decode_attention_backend_str = self.decode_backend.name
         return backend
+
+
+def _split_options(options: dict, *classes: type[AttentionBackend]) -> list[dict]:
+    everyone = {"validate"}
+    unknown = sorted(set(options) - everyone - {k for cls in classes for k in cls.option_defaults})
+    if unknown:
+        names = sorted({"validate", *(k for cls in classes for k in cls.option_defaults)})
+        raise ConfigError(f"options {unknown}: expected options of the chosen backends: {names}")
+    return [{k: v for k, v in options.items() if k in everyone or k in cls.option_defaults} for cls in classes]
 
 
 def _env(name: str) -> str | None:
@@ -54,32 +75,59 @@ def _env(name: str) -> str | None:
     return value or None
 
 
-def _device_order(requested: str | None, trace: list[str]) -> list[tuple[Device, DeviceCapability]]:
+def _parse_device(requested: str, source: str) -> tuple[str, int | None]:
+    """``"cuda:1"`` -> ``("cuda", 1)``; ``"npu"`` -> ``("npu", None)`` (the current device)."""
+    name, _, index = requested.partition(":")
+    if index:
+        if not index.isdigit():
+            raise ConfigError(f"{source} = {requested!r}: expected a device name with an optional index, e.g. cuda:1")
+        return name, int(index)
+    return name, None
+
+
+def _device_order(
+    requested: str | torch.device | None, trace: list[str], *, wanted_backend: str | None = None
+) -> list[tuple[Device, DeviceCapability]]:
+    """The devices to try, in order: the one requested (argument or ``HAL_DEVICE``), else every
+    available one by priority (only those offering ``wanted_backend`` when a backend is forced)."""
     reg = get_registry()
     for name, error in reg.errors.items():
         trace.append(f"plugin {name}: failed to load: {error}")
-    source = "argument" if requested else "HAL_DEVICE"
-    requested = requested or _env("HAL_DEVICE")
+    source = "HAL_DEVICE" if _env("HAL_DEVICE") else "device"
+    argument = str(requested) if requested is not None else None
+    requested = _env("HAL_DEVICE") or argument
     if requested:
-        if requested not in reg.devices:
+        name, index = _parse_device(requested, source)
+        if index is None and argument and source == "HAL_DEVICE":  # HAL_DEVICE=cuda keeps the argument's cuda:3
+            arg_name, arg_index = _parse_device(argument, "device")
+            index = arg_index if arg_name == name else None
+        if name not in reg.devices:
             raise ConfigError(
                 f"{source} = {requested!r}: expected one of the registered devices {sorted(reg.devices)}"
-                + (f" (plugin failed: {reg.errors[requested]})" if requested in reg.errors else "")
+                + (f" (plugin failed: {reg.errors[name]})" if name in reg.errors else "")
             )
-        device = reg.devices[requested]
-        cap = probe_device(device)
+        device = reg.devices[name]
+        cap = probe_device(device, index)
         if not cap.available:
             raise DeviceUnavailableError(f"device {requested!r} is not available: {cap.reasons.get('device', '?')}")
-        trace.append(f"device {requested}: chosen by {source}")
+        shown = name if cap.torch_type == "cpu" else f"{name}:{cap.index}"
+        trace.append(f"device {shown}: chosen by {source}")
         return [(device, cap)]
     order = []
     for device in reg.ordered():
         cap = probe_device(device)
-        if cap.available:
-            trace.append(f"device {device.name}: available (priority {device.priority})")
-            order.append((device, cap))
-        else:
+        if not cap.available:
             trace.append(f"device {device.name}: unavailable: {cap.reasons.get('device', '?')}")
+            continue
+        if wanted_backend is not None:
+            classes, _ = device_backends(device)
+            offered = [c for c in classes if c.name == wanted_backend]
+            if not offered or offered[0].available(cap):
+                why = "has no such backend" if not offered else "; ".join(offered[0].available(cap))
+                trace.append(f"device {device.name}: skipped: backend {wanted_backend!r} {why}")
+                continue
+        trace.append(f"device {device.name}: available (priority {device.priority})")
+        order.append((device, cap))
     return order
 
 
@@ -101,7 +149,7 @@ def _pick(
     if forced is not None and forced not in names:
         raise ConfigError(
             f"{forced_by} = {forced!r}: expected one of the {device.name} backends {names}"
-            + ("" if os.environ.get("HAL_DEVICE") else " (set HAL_DEVICE to force another device)")
+            + ("" if os.environ.get("HAL_DEVICE") else " (name another device to force it there)")
         )
     for cls in classes:
         if forced is not None and cls.name != forced:
@@ -116,28 +164,57 @@ def _pick(
     return None, rejected
 
 
-def select(config: AttentionConfig | None = None, device: str | None = None) -> Selection:
+def _check_backend_name(name: str, source: str) -> None:
+    """``ConfigError`` unless some registered device has a backend called ``name``."""
+    offered = {}
+    for dev in get_registry().ordered():
+        classes, _ = device_backends(dev)
+        offered[dev.name] = [c.name for c in classes]
+    if not any(name in names for names in offered.values()):
+        listing = ", ".join(f"{d} backends {names}" for d, names in offered.items())
+        raise ConfigError(f"{source} = {name!r}: expected a backend of a registered device: {listing}")
+
+
+def select(
+    config: AttentionConfig | None = None,
+    device: str | torch.device | None = None,
+    backend: str | None = None,
+    prefill_backend: str | None = None,
+    decode_backend: str | None = None,
+) -> Selection:
     """Choose the device and the prefill/decode backends for ``config`` (default: a 32/8-head, dim-128 bf16 model).
 
-    Raises ``ConfigError`` for a bad ``HAL_*`` value, ``DeviceUnavailableError`` for a
-    forced device that is not here, ``NoBackendError`` listing every backend with its
-    reasons when nothing can serve the config.
+    ``device``: ``"cuda"`` (the current CUDA device), ``"cuda:1"``, ``"npu"``, ``"cpu"``, a
+    plugin's name; None: the best available. ``backend`` / ``prefill_backend`` /
+    ``decode_backend``: force backends by name. ``HAL_*`` variables override all four.
+    Raises ``ConfigError`` for a bad name or value, ``DeviceUnavailableError`` for a named
+    device that is not here, ``NoBackendError`` listing every backend with its reasons
+    when nothing can serve the config.
     """
     config = config or AttentionConfig()
     trace: list[str] = []
-    both = _env("HAL_ATTENTION_BACKEND")
-    forced = {
-        "prefill": (
-            _env("HAL_PREFILL_BACKEND") or both,
-            "HAL_PREFILL_BACKEND" if _env("HAL_PREFILL_BACKEND") else "HAL_ATTENTION_BACKEND",
-        ),
-        "decode": (
-            _env("HAL_DECODE_BACKEND") or both,
-            "HAL_DECODE_BACKEND" if _env("HAL_DECODE_BACKEND") else "HAL_ATTENTION_BACKEND",
-        ),
-    }
+    forced = {}
+    for phase, argument in (("prefill", prefill_backend), ("decode", decode_backend)):
+        env_phase = f"HAL_{phase.upper()}_BACKEND"
+        if _env(env_phase):
+            forced[phase] = (_env(env_phase), env_phase)
+        elif _env("HAL_ATTENTION_BACKEND"):
+            forced[phase] = (_env("HAL_ATTENTION_BACKEND"), "HAL_ATTENTION_BACKEND")
+        elif argument or backend:
+            forced[phase] = (argument or backend, f"{phase}_backend" if argument else "backend")
+        else:
+            forced[phase] = (None, "")
+    wanted = forced["prefill"][0] if forced["prefill"][0] == forced["decode"][0] else None
+    named_device = bool(device or _env("HAL_DEVICE"))
+    if wanted and not named_device:
+        _check_backend_name(wanted, forced["prefill"][1])
     all_rejected: dict[str, dict[str, list[str]]] = {}
-    for dev, cap in _device_order(device, trace):
+    order = _device_order(device, trace, wanted_backend=None if named_device else wanted)
+    if wanted and not order and not named_device:
+        raise NoBackendError(
+            f"{forced['prefill'][1]} = {wanted!r} cannot serve this config on any device:\n  " + "\n  ".join(trace)
+        )
+    for dev, cap in order:
         chosen = {}
         for phase in ("prefill", "decode"):
             name, by = forced[phase]
@@ -149,15 +226,15 @@ def select(config: AttentionConfig | None = None, device: str | None = None) -> 
                 )
             chosen[phase] = cls
         if chosen["prefill"] and chosen["decode"]:
-            return Selection(dev.name, cap, chosen["prefill"], chosen["decode"], trace)
+            return Selection(dev.name, cap, chosen["prefill"], chosen["decode"], trace, config)
     lines = [f"  {d}/{b}: " + "; ".join(r) for d, per in all_rejected.items() for b, r in per.items()]
     if not all_rejected:
         lines = ["  no device is available:", *(f"    {step}" for step in trace)]
     raise NoBackendError(f"no attention backend can serve {config.to_dict()}:\n" + "\n".join(lines))
 
 
-def detect(device: str | None = None) -> DeviceCapability:
-    """The capability of ``device``, or of the device ``select`` would choose."""
+def detect(device: str | torch.device | None = None) -> DeviceCapability:
+    """The capability of ``device`` (with its index), or of the device ``select`` would choose."""
     trace: list[str] = []
     order = _device_order(device, trace)
     if not order:
@@ -165,9 +242,11 @@ def detect(device: str | None = None) -> DeviceCapability:
     return order[0][1]
 
 
-def create_backend(config: AttentionConfig | None = None, device: str | None = None) -> AttentionBackend:
-    """``select(config, device).create()``."""
-    return select(config, device).create()
+def create_backend(
+    config: AttentionConfig | None = None, device: str | torch.device | None = None, **options
+) -> AttentionBackend:
+    """``select(config, device).create(**options)``."""
+    return select(config, device).create(**options)
 
 
 def backend_report(
@@ -206,7 +285,7 @@ class HybridBackend(AttentionBackend):
     name = "hybrid"
 
     def __init__(self, prefill: AttentionBackend, decode: AttentionBackend):
-        super().__init__(prefill.capability)
+        super().__init__(prefill.capability, prefill.config, validate=prefill.validation)
         self.prefill, self.decode = prefill, decode
         self.needs_cpu_seq_lens = prefill.needs_cpu_seq_lens or decode.needs_cpu_seq_lens
 

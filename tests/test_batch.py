@@ -1,4 +1,5 @@
-"""Bad input: ForwardBatch, pools and layers raise hal errors naming the field, and write nothing."""
+"""Batches and pools: validation levels, host mirrors, zero-copy pools, device names; bad input raises
+hal errors naming the field, and writes nothing."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import pytest
 import torch
 
 import hal
-from hal.batch import ForwardBatch, ForwardMode, SpecInfo
+from hal.batch import ForwardBatch, ForwardMode, SpecInfo, host_lens, validate_batch
 from hal.conformance.cases import CASES, build
 from hal.errors import ConfigError, InvalidBatchError, KVCacheError
+from hal.graph import HostReadCounter
 
 CASE_OF_MODE = {
     ForwardMode.DECODE: "decode",
@@ -19,7 +21,7 @@ CASE_OF_MODE = {
 }
 
 
-def _fields(mode: ForwardMode, case_name: str | None = None) -> dict:
+def _fields(mode: ForwardMode, case_name: str | None = None, mirrors: bool = False) -> dict:
     built = build(next(c for c in CASES if c.name == (case_name or CASE_OF_MODE[mode])))
     fb = built.batch
     fields = {
@@ -31,27 +33,108 @@ def _fields(mode: ForwardMode, case_name: str | None = None) -> dict:
         "req_to_token_pool": fb.req_to_token_pool,
         "token_to_kv_pool": fb.token_to_kv_pool,
     }
+    if mirrors:
+        fields["seq_lens_cpu"] = fb.seq_lens_cpu
     if mode.is_target_verify():
         fields["spec_info"] = fb.spec_info
     elif not mode.is_decode():
         fields.update(extend_prefix_lens=fb.extend_prefix_lens, extend_seq_lens=fb.extend_seq_lens)
+        if mirrors:
+            fields.update(extend_prefix_lens_cpu=fb.extend_prefix_lens_cpu, extend_seq_lens_cpu=fb.extend_seq_lens_cpu)
     return fields
 
 
-def test_valid_batches_get_their_host_mirrors():
-    fb = ForwardBatch(**_fields(ForwardMode.EXTEND))
-    assert fb.seq_lens_cpu.tolist() == fb.seq_lens.tolist()
+def test_host_lens_come_from_the_mirrors_or_one_read():
+    fb = ForwardBatch(**_fields(ForwardMode.EXTEND), validate="full")
     assert fb.seq_lens_sum == sum(fb.seq_lens.tolist())
     assert fb.extend_start_loc.tolist() == [0, 5, 8]
-    assert fb.prefix_lens_cpu == [9, 0, 20] and fb.query_lens_cpu == [5, 3, 11]
-    decode = ForwardBatch(**_fields(ForwardMode.DECODE))
-    assert decode.query_lens_cpu == [1, 1, 1, 1] and decode.kv_lens_cpu == decode.seq_lens.tolist()
+    assert fb.lens.prefix == [9, 0, 20] and fb.lens.query == [5, 3, 11]
+    lazy = ForwardBatch(**_fields(ForwardMode.DECODE))  # cheap, no mirrors: nothing read yet
+    assert lazy.seq_lens_cpu is None and lazy._lens is None
+    assert host_lens(lazy).query == [1, 1, 1, 1] and host_lens(lazy).kv == lazy.seq_lens.tolist()
 
 
-def _bad(mode, field, value, base: dict | None = None):
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY])
+def test_cheap_validation_reads_nothing_from_the_device(mode):
+    fields = _fields(mode, mirrors=True)
+    mirrors = [fields.get("seq_lens_cpu")]
+    with HostReadCounter(host=mirrors) as counter:
+        fb = ForwardBatch(**fields, validate="cheap")
+    assert counter.reads == [] and fb.lens is not None
+
+
+def test_full_validation_is_what_catches_data_errors():
+    f = _fields(ForwardMode.DECODE)
+    loc = f["out_cache_loc"].clone()
+    loc[0] += 1
+    ForwardBatch(**{**f, "out_cache_loc": loc}, validate="cheap")  # invisible without a read
+    with pytest.raises(InvalidBatchError, match="out_cache_loc"):
+        ForwardBatch(**{**f, "out_cache_loc": loc}, validate="full")
+    ForwardBatch(**{**f, "out_cache_loc": loc}, validate="off")
+
+
+def test_validation_level_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("HAL_VALIDATE", "full")
+    f = _fields(ForwardMode.DECODE)
+    loc = f["out_cache_loc"].clone()
+    loc[0] += 1
+    with pytest.raises(InvalidBatchError):
+        ForwardBatch(**{**f, "out_cache_loc": loc})
+    monkeypatch.setenv("HAL_VALIDATE", "paranoid")
+    with pytest.raises(ConfigError, match="HAL_VALIDATE"):
+        ForwardBatch(**f)
+
+
+def test_duplicate_slots_and_idle_tokens_are_rejected():
+    f = _fields(ForwardMode.EXTEND)
+    rt, row = f["req_to_token_pool"].req_to_token, int(f["req_pool_indices"][0])
+    rt[row, 10] = rt[row, 9]  # two query tokens of one request share a slot
+    loc = f["out_cache_loc"].clone()
+    loc[1] = loc[0]
+    assert "written twice" in _bad(ForwardMode.EXTEND, "out_cache_loc", loc, base=f)
+    idle = {**_fields(ForwardMode.DECODE), "forward_mode": ForwardMode.IDLE, "batch_size": 0}
+    idle.update(req_pool_indices=idle["req_pool_indices"][:0], seq_lens=idle["seq_lens"][:0])
+    for level in ("cheap", "full"):
+        with pytest.raises(InvalidBatchError, match="IDLE"):
+            ForwardBatch(**idle, validate=level)
+    ForwardBatch(**{**idle, "out_cache_loc": idle["out_cache_loc"][:0]}, validate="full")
+
+
+def test_graph_padding_requests_pass_full_validation():
+    """SGLang pads a replayed batch with row 0, slot 0 and the fill length: not a data error."""
+    f = _fields(ForwardMode.DECODE)
+
+    def pad(t, value):
+        return torch.cat([t, t.new_full((2,), value)])
+
+    padded = {
+        **f,
+        "batch_size": f["batch_size"] + 2,
+        "req_pool_indices": pad(f["req_pool_indices"], 0),
+        "seq_lens": pad(f["seq_lens"], 1),
+        "out_cache_loc": pad(f["out_cache_loc"], 0),
+    }
+    validate_batch(ForwardBatch(**padded, validate="off"), "full")
+
+
+def test_an_engines_own_batch_object_is_validated_by_field_names():
+    class EngineBatch:  # no hal class: just SGLang's field names
+        pass
+
+    engine = EngineBatch()
+    for name, value in _fields(ForwardMode.EXTEND, mirrors=True).items():
+        setattr(engine, name, value)
+    engine.spec_info = None
+    assert validate_batch(engine, "full").query == [5, 3, 11]
+    engine.extend_seq_lens_cpu = [5, 3, 10]
+    with pytest.raises(InvalidBatchError, match="extend_prefix_lens"):
+        validate_batch(engine, "cheap")
+
+
+def _bad(mode, field, value, base: dict | None = None, level: str = "full"):
     fields = {**(base or _fields(mode)), field: value}
     with pytest.raises(InvalidBatchError) as info:
-        ForwardBatch(**fields)
+        ForwardBatch(**fields, validate=level)
     return str(info.value)
 
 
@@ -77,7 +160,7 @@ def test_out_of_range_rows_and_lengths():
     assert "req_pool_indices" in _bad(ForwardMode.DECODE, "req_pool_indices", rows)
     long = f["seq_lens"].clone()
     long[0] = f["req_to_token_pool"].max_context_len + 1
-    msg = _bad(ForwardMode.DECODE, "seq_lens", long)
+    msg = _bad(ForwardMode.DECODE, "seq_lens_cpu", long, base={**f, "seq_lens": long}, level="cheap")
     assert "max_context_len" in msg
 
 
@@ -104,6 +187,8 @@ def test_verify_needs_a_mask_of_the_right_size():
     assert "spec_info" in _bad(ForwardMode.TARGET_VERIFY, "spec_info", None)
     short = SpecInfo(spec.draft_token_num, spec.custom_mask[:-1])
     assert "custom_mask" in _bad(ForwardMode.TARGET_VERIFY, "spec_info", short)
+    padded = SpecInfo(spec.draft_token_num, torch.cat([spec.custom_mask, spec.custom_mask[:7]]))
+    ForwardBatch(**{**f, "spec_info": padded}, validate="full")  # SGLang may pad the mask: the tail is ignored
     as_int = SpecInfo(spec.draft_token_num, spec.custom_mask.int())
     assert "custom_mask" in _bad(ForwardMode.TARGET_VERIFY, "spec_info", as_int)
     assert "draft_token_num" in _bad(ForwardMode.TARGET_VERIFY, "spec_info", SpecInfo(0, spec.custom_mask))
@@ -112,6 +197,9 @@ def test_verify_needs_a_mask_of_the_right_size():
 def test_given_host_mirrors_are_checked():
     f = _fields(ForwardMode.EXTEND)
     assert "extend_seq_lens_cpu" in _bad(ForwardMode.EXTEND, "extend_seq_lens_cpu", [1, 1, 1])
+    with_mirrors = _fields(ForwardMode.EXTEND, mirrors=True)
+    cheap = _bad(ForwardMode.EXTEND, "extend_seq_lens_cpu", [1, 1, 1], base=with_mirrors, level="cheap")
+    assert "extend_prefix_lens + extend_seq_lens" in cheap
     assert "seq_lens_sum" in _bad(ForwardMode.EXTEND, "seq_lens_sum", 1)
     assert "extend_num_tokens" in _bad(ForwardMode.EXTEND, "extend_num_tokens", 2)
     assert "extend_start_loc" in _bad(ForwardMode.EXTEND, "extend_start_loc", f["extend_seq_lens"])
@@ -175,14 +263,15 @@ def test_layer_defaults():
     assert not dataclasses.replace(layer, is_cross_attention=True).causal
 
 
-def test_tokens_must_sit_at_their_page_offset():
-    """Paged kernels read token i at offset i % page_size of its page: a shuffled page is refused."""
+def test_page_alignment_is_checked_only_for_backends_that_need_it():
+    """Paged kernels read token i at offset i % page_size of its page: a shuffled page is refused for them."""
     f = _fields(ForwardMode.EXTEND, "extend_prefix_page16")
     row = int(f["req_pool_indices"][0])
     rt = f["req_to_token_pool"].req_to_token
     rt[row, [0, 1]] = rt[row, [1, 0]]  # two prefix tokens swap places inside their page
+    fb = ForwardBatch(**f, validate="full")  # the torch and triton backends read slot by slot: fine
     with pytest.raises(InvalidBatchError, match=r"offset i % page_size"):
-        ForwardBatch(**f)
+        validate_batch(fb, "full", page_aligned=True)
 
 
 def test_the_padding_page_holds_no_request_tokens():
@@ -190,7 +279,7 @@ def test_the_padding_page_holds_no_request_tokens():
     row = int(f["req_pool_indices"][0])
     f["req_to_token_pool"].req_to_token[row, :16] = torch.arange(16)  # the prefix's first page = page 0
     with pytest.raises(InvalidBatchError, match="page 0"):
-        ForwardBatch(**f)
+        ForwardBatch(**f, validate="full")
 
 
 def test_pool_dtype_and_dims_are_checked():
@@ -202,3 +291,33 @@ def test_pool_dtype_and_dims_are_checked():
         hal.ReqToTokenPool(2, 8).write(0, 0, [1, 2])
     with pytest.raises(ConfigError, match="logit_cap"):
         hal.AttentionLayer(0, 8, 4, 16, logit_cap=None)
+
+
+def test_pools_wrap_an_engines_tensors_without_a_copy():
+    k = [torch.randn(64, 2, 8) for _ in range(3)]
+    v = [torch.randn(64, 2, 4) for _ in range(3)]
+    pool = hal.PagedKVPool.from_buffers(k, v, page_size=16, start_layer=5)  # a pipeline stage: layers 5..7
+    assert pool.get_key_buffer(6).data_ptr() == k[1].data_ptr() and pool.v_head_dim == 4
+    assert (pool.layer_num, pool.head_num, pool.num_pages, pool.num_slots) == (3, 2, 3, 64)
+    pool.set_kv_buffer(7, torch.tensor([20]), torch.ones(1, 2, 8), torch.ones(1, 2, 4))
+    assert k[2][20].eq(1).all()
+    with pytest.raises(KVCacheError, match=r"layer_id.*\[5, 8\)"):
+        pool.get_key_buffer(0)
+    with pytest.raises(KVCacheError, match="num_slots"):
+        hal.PagedKVPool.from_buffers([torch.zeros(40, 2, 8)], [torch.zeros(40, 2, 8)], page_size=16)
+    with pytest.raises(KVCacheError, match="k_buffers"):
+        hal.PagedKVPool.from_buffers([torch.zeros(64, 2, 8), torch.zeros(64, 3, 8)], v[:2], page_size=16)
+    table = torch.zeros(4, 32, dtype=torch.int32)
+    req = hal.ReqToTokenPool.from_tensor(table)
+    assert req.req_to_token is table and (req.size, req.max_context_len) == (4, 32)
+    with pytest.raises(KVCacheError, match="req_to_token"):
+        hal.ReqToTokenPool.from_tensor(table.long())
+
+
+def test_devices_are_normalised():
+    assert hal.resolve_device("cpu:0") == torch.device("cpu") == hal.resolve_device(torch.device("cpu"))
+    pool = hal.PagedKVPool(2, 16, 1, 2, 8, device="cpu:0")
+    req = hal.ReqToTokenPool(2, 8, device="cpu:0")
+    assert pool.device == req.device == torch.device("cpu") == pool.k_buffer[0].device
+    with pytest.raises(ConfigError, match="device"):
+        hal.resolve_device("gpu-ish")

@@ -40,7 +40,8 @@ SGLANG_MEMBERS = [
 ]
 
 CPU = DeviceCapability(type="cpu", available=True, dtypes=("fp32", "bf16"))
-NPU = dataclasses.replace(CPU, type="npu", emulated=True)
+NPU = dataclasses.replace(CPU, type="npu", emulated=True, fused_mixed=True)
+TOY = dataclasses.replace(CPU, type="toy", fused_mixed=True)  # a plugin accelerator with a fused mixed kernel
 
 
 class Recorder(AttentionBackend):
@@ -146,12 +147,16 @@ def test_forward_routes_as_sglang(mode, capability, expected):
     assert torch.equal(out, torch.full_like(out, float(len(expected))))
 
 
-def test_npu_is_the_backends_capability_not_a_global_probe():
+def test_mixed_routing_reads_the_backends_capability_flag_not_a_device_name():
     built = build(_case(ForwardMode.MIXED))
-    for cap, expected in ((CPU, "forward_extend"), (NPU, "forward_mixed")):
+    no_fused_npu = dataclasses.replace(NPU, fused_mixed=False)
+    for cap, expected in ((CPU, "forward_extend"), (NPU, "forward_mixed"), (TOY, "forward_mixed")):
         backend = Recorder(cap)
         backend.forward(built.q, built.k, built.v, built.layer, built.batch)
         assert backend.calls[0][0] == expected
+    backend = Recorder(no_fused_npu)
+    backend.forward(built.q, built.k, built.v, built.layer, built.batch)
+    assert backend.calls[0][0] == "forward_extend"
 
 
 def test_idle_returns_an_empty_output_without_calling_a_kernel():
@@ -167,7 +172,9 @@ def test_idle_returns_an_empty_output_without_calling_a_kernel():
         req_to_token_pool=built.batch.req_to_token_pool,
         token_to_kv_pool=built.batch.token_to_kv_pool,
     )
-    q = torch.zeros(3, 4 * 32, dtype=torch.bfloat16)
+    q = torch.zeros(0, 4 * 32, dtype=torch.bfloat16)
     out = backend.forward(q, q, q, layer, idle)
-    assert out.shape == (3, 4 * 16) and out.dtype == torch.bfloat16
+    assert out.shape == (0, 4 * 16) and out.dtype == torch.bfloat16
+    with pytest.raises(hal.InvalidBatchError, match="IDLE"):  # tokens in an IDLE step: a caller's bug, not garbage
+        backend.forward(torch.zeros(3, 4 * 32), q, q, layer, idle)
     assert backend.calls == []

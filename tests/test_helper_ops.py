@@ -84,7 +84,7 @@ def test_no_triton_target_runs_the_torch_ops_only(spies):
 
 @triton_runs
 def test_triton_target_and_support_run_the_triton_kernels_only(spies):
-    from hal.kernels.triton.backend import TritonBackend
+    from hal.devices.cuda.triton_backend import TritonBackend
 
     _forward(TorchBackend(WITH_TARGET))
     assert spies["triton.write_kv"] == 1 and spies["torch.write_kv"] == 0

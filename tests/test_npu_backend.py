@@ -233,10 +233,10 @@ def test_mixed_batch_is_one_splitfuse_call_on_the_npu_and_forward_extend_on_the_
             _close(out, built)
     call = op_calls["_npu_paged_attention_splitfuse"][0]
     fb = built.batch
-    for name, expected in (("seq_len", fb.query_lens_cpu), ("context_lens", fb.kv_lens_cpu)):
+    for name, expected in (("seq_len", fb.lens.query), ("context_lens", fb.lens.kv)):
         assert call[name].device.type == "cpu" and call[name].dtype == torch.int32
         assert call[name].tolist() == expected
-    assert call["mask"].shape == (fb.num_tokens, max(fb.kv_lens_cpu))
+    assert call["mask"].shape == (fb.num_tokens, max(fb.lens.kv))
     assert call["block_table"].dtype == torch.int32 and call["block_table"].shape == (4, 2)
 
     # The same batch on the CPU torch backend: forward_extend, never forward_mixed.
@@ -334,12 +334,12 @@ def test_extend_routing(npu, op_calls, case, op, sparse_mode):
     fb = built.batch
     if sparse_mode is not None:  # FIA, TND: host lists, cumulative query ends and per-request KV lengths
         assert call["sparse_mode"] == sparse_mode and call["input_layout"] == "TND"
-        assert call["actual_seq_lengths"] == list(itertools.accumulate(fb.query_lens_cpu))
-        assert call["actual_seq_lengths_kv"] == fb.kv_lens_cpu
+        assert call["actual_seq_lengths"] == list(itertools.accumulate(fb.lens.query))
+        assert call["actual_seq_lengths_kv"] == fb.lens.kv
         assert all(type(n) is int for n in call["actual_seq_lengths"] + call["actual_seq_lengths_kv"])
         assert (call.get("atten_mask") is None) == (sparse_mode == 0)
     else:
-        assert call["seq_len"].tolist() == fb.query_lens_cpu and call["context_lens"].tolist() == fb.kv_lens_cpu
+        assert call["seq_len"].tolist() == fb.lens.query and call["context_lens"].tolist() == fb.lens.kv
 
 
 def test_save_kv_cache_false_writes_nothing(npu, op_calls):
@@ -414,7 +414,7 @@ def test_graph_replay_under_the_emulation_matches_the_reference(npu, op_calls, c
         _close(out[0], built)
         assert len(op_calls[op]) == before + 1
         # The replay read this batch's host lengths, padded with the fill value to the captured size 4.
-        assert op_calls[op][-1]["context_lens"].tolist() == fb.kv_lens_cpu + [1]
+        assert op_calls[op][-1]["context_lens"].tolist() == fb.lens.kv + [1]
     assert torch.equal(pool.k_buffer[0][pool.page_size :], built.expected_k[pool.page_size :])
 
 
@@ -530,9 +530,9 @@ def test_real_npu_graph_path_updates_the_captured_tasks_host_lengths(npu, op_cal
     assert [e[2] for e in fake.log if e[0] == "update_begin"] == [0, 1]  # the handles from group_end, in order
     assert all(e[1] is update_stream for e in fake.log if e[0] in ("update_begin", "update_end", "event.record"))
     reissued = op_calls["_npu_paged_attention"][2:]
-    assert [lens for lens, _ in workspaces[2:]] == [fb.kv_lens_cpu + [1]] * 2  # recomputed per update
+    assert [lens for lens, _ in workspaces[2:]] == [fb.lens.kv + [1]] * 2  # recomputed per update
     for old, new, (_, workspace) in zip(captured, reissued, workspaces[2:]):
-        assert new["context_lens"].tolist() == fb.kv_lens_cpu + [1]
+        assert new["context_lens"].tolist() == fb.lens.kv + [1]
         assert new["workspace"] is workspace
         for name in ("query", "key_cache", "value_cache", "block_table", "out"):
             assert new[name] is old[name]  # same tensors: only the host lengths change

@@ -18,8 +18,8 @@ from hal.capability import DeviceCapability
 from hal.config import AttentionConfig
 from hal.conformance.cases import CASES, build, tolerance
 from hal.devices.cpu import TorchBackend
+from hal.devices.cuda.triton_backend import TritonBackend
 from hal.errors import ConfigError, DeviceUnavailableError, HalError, NoBackendError
-from hal.kernels.triton.backend import TritonBackend
 from hal.registry import Device, Registry, register_device
 from hal.selection import HybridBackend, Selection, create_backend, detect, select
 
@@ -233,13 +233,17 @@ def test_hal_device_forces_a_lower_priority_device(monkeypatch):
     assert not any(step.startswith("device fast") for step in sel.trace)
 
 
-def test_device_argument_takes_precedence_over_hal_device(monkeypatch):
-    monkeypatch.setenv("HAL_DEVICE", "nosuchdevice")
-    sel = select(device="cpu")
-    assert sel.device == "cpu"
-    assert "device cpu: chosen by argument" in sel.trace
-    with pytest.raises(ConfigError, match=r"^argument = 'nope'"):
+def test_hal_device_overrides_the_device_argument(monkeypatch):
+    """An operator's variable beats the code's argument, as for the backend variables."""
+    sel = select(device="cpu:0")
+    assert sel.device == "cpu" and "device cpu: chosen by device" in sel.trace
+    with pytest.raises(ConfigError, match=r"^device = 'nope'"):
         select(device="nope")
+    with pytest.raises(ConfigError, match=r"^device = 'cpu:x'"):
+        select(device="cpu:x")
+    monkeypatch.setenv("HAL_DEVICE", "nosuchdevice")
+    with pytest.raises(ConfigError, match=r"^HAL_DEVICE = 'nosuchdevice'"):
+        select(device="cpu")
 
 
 def test_blank_hal_variables_mean_unset(monkeypatch):
@@ -259,6 +263,9 @@ def test_hal_attention_backend_unknown_lists_the_device_backends(monkeypatch):
     msg = str(info.value)
     assert msg.startswith("HAL_ATTENTION_BACKEND = 'flashattn'")
     assert "cpu backends ['torch', 'triton']" in msg
+    monkeypatch.delenv("HAL_ATTENTION_BACKEND")
+    with pytest.raises(ConfigError, match=r"^backend = 'flashattn'"):
+        select(backend="flashattn")
 
 
 def test_forced_triton_without_interpreter_is_an_error_never_a_fallback(monkeypatch):
@@ -266,7 +273,7 @@ def test_forced_triton_without_interpreter_is_an_error_never_a_fallback(monkeypa
     with pytest.raises(NoBackendError) as info:
         select()
     msg = str(info.value)
-    assert msg.startswith("HAL_ATTENTION_BACKEND = 'triton' cannot serve this config on cpu")
+    assert msg.startswith("HAL_ATTENTION_BACKEND = 'triton' cannot serve this config on any device")
     assert "no Triton target" in msg
     # the reason says how to fix it
     fix = "TRITON_INTERPRET=1" if importlib.util.find_spec("triton") else "pip install 'hal-attention[triton]'"

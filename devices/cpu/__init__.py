@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hal.capability import DeviceCapability, cpu_capability
-from hal.kernels.triton.backend import TritonBackend
+from hal.devices.cuda.triton_backend import TritonBackend
 from hal.registry import Device
 
 from .torch_backend import TorchBackend
@@ -15,7 +15,7 @@ class CpuDevice(Device):
     name = "cpu"
     priority = 0
 
-    def probe(self) -> DeviceCapability:
+    def probe(self, index: int | None = None) -> DeviceCapability:
         return cpu_capability()
 
     def backends(self):

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from hal.backend import AttentionBackend
-from hal.batch import ForwardBatch
+from hal.batch import ForwardBatch, device_lens, host_lens
 
 __all__ = ["TorchBackend"]
 
@@ -41,8 +41,8 @@ class TorchBackend(AttentionBackend):
     supports_mla = True
     needs_cpu_seq_lens = True
 
-    def __init__(self, capability):
-        super().__init__(capability)
+    def __init__(self, capability, config=None, **options):
+        super().__init__(capability, config, **options)
         self.graph_max_q = 1
         self.scratch = Scratch()
 
@@ -59,28 +59,32 @@ class TorchBackend(AttentionBackend):
         return 1
 
     def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
+        self.check_batch(fb)
         if fb.forward_mode.is_idle():  # forward() returns without attention: nothing to prepare
             self.set_forward_metadata(None, fb)
             return
-        if fb.graph_static:
-            width, max_q = fb.req_to_token_pool.max_context_len, self.graph_max_q
+        tokens = fb.out_cache_loc.shape[0]
+        if self.is_graph_batch(fb, in_capture):
+            width = fb.req_to_token_pool.req_to_token.shape[1]
+            max_q = tokens // fb.batch_size if fb.forward_mode.is_target_verify() else self.graph_max_q
         else:
-            width, max_q = max(fb.kv_lens_cpu, default=0), max(fb.query_lens_cpu, default=0)
-        self.set_forward_metadata(TorchMetadata(width=width, max_q=max_q, num_tokens=fb.num_tokens), fb)
+            lens = host_lens(fb)
+            width, max_q = max(lens.kv, default=0), max(lens.query, default=0)
+        self.set_forward_metadata(TorchMetadata(width=width, max_q=max_q, num_tokens=tokens), fb)
 
     def init_forward_metadata_in_graph(self, fb: ForwardBatch) -> None:
         if fb.forward_mode.is_idle():
             return
         meta = self.metadata_for(fb)
-        device = fb.device
-        q_lens, kv_lens = fb.device_lens()
+        device = fb.seq_lens.device
+        q_lens, kv_lens = device_lens(fb)
         prefix = kv_lens - q_lens
         q_start = torch.cumsum(q_lens, 0) - q_lens
         k_pos = torch.arange(meta.width, device=device)
         q_off = torch.arange(meta.max_q, device=device)
         rows = fb.req_to_token_pool.req_to_token[fb.req_pool_indices.long(), : meta.width].long()
         meta.kv_valid = k_pos[None, :] < kv_lens[:, None]
-        meta.slots = torch.where(meta.kv_valid, rows, fb.token_to_kv_pool.padding_slot)
+        meta.slots = torch.where(meta.kv_valid, rows, 0)  # padding reads slot 0, the padding page
         meta.q_pos = prefix[:, None] + q_off[None, :]
         q_valid = q_off[None, :] < q_lens[:, None]
         meta.q_index = torch.where(q_valid, q_start[:, None] + q_off[None, :], meta.num_tokens)
@@ -107,12 +111,16 @@ class TorchBackend(AttentionBackend):
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache)
 
     def _forward(self, q, k, v, layer, fb: ForwardBatch, save_kv_cache: bool) -> torch.Tensor:
-        """q ``[T, Hq, D]``, k/v ``[T, Hkv, D|Dv]`` -> ``[T, Hq * Dv]`` in q's dtype."""
-        q, k, v = (t.reshape(t.shape[0], -1, t.shape[-1]) if t.dim() == 3 else t for t in (q, k, v))
+        """q ``[T, Hq * D]`` or ``[T, Hq, D]``, k/v likewise (or None) -> ``[T, Hq * Dv]`` in q's dtype.
+
+        Every key, the new tokens' included, is read from the cache.
+        """
+        q, k, v = self.check_inputs(q, k, v, layer, fb, save_kv_cache)
         meta = self.metadata_for(fb)
         if save_kv_cache:
             self.save_kv(layer, fb, k, v)
-        k_buffer, v_buffer = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        pool = fb.token_to_kv_pool
+        k_buffer, v_buffer = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         out = attend_padded(q, k_buffer, v_buffer, meta, layer, self.scratch)
         return out.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
@@ -156,8 +164,10 @@ def attend_padded(q, k_buffer, v_buffer, meta: TorchMetadata, layer, scratch: Sc
             attn_mask=visible[:, None],
             scale=layer.scaling,
             enable_gqa=group > 1,
-        ).nan_to_num_(0.0)  # rows with no visible key -> 0
+        )
         out = out.transpose(1, 2)  # [B, Q, Hq, Dv]
+    # A query with no visible key outputs zeros (SDPA gives NaN there); NaN from q or the cache stays NaN.
+    out = out.masked_fill_(~visible.any(-1)[:, :, None, None], 0.0)
     result = q.new_empty(tokens + 1, kv_heads * group, v_dim)
     result.index_copy_(0, meta.q_index.flatten(), out.reshape(batch * max_q, -1, v_dim).to(q.dtype))
     return result[:tokens]
@@ -175,7 +185,7 @@ def _attend_capped(q_pad, keys, values, visible, layer) -> torch.Tensor:
     scores = torch.bmm(q_rows, keys.transpose(1, 2)).mul_(layer.scaling)  # [Hkv * B, G * Q, W]
     scores = layer.logit_cap * torch.tanh(scores / layer.logit_cap)
     scores = scores.view(kv_heads, batch, group, max_q, width).masked_fill_(~visible[None, :, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # rows with no visible key -> 0
+    probs = torch.softmax(scores, dim=-1)  # rows with no visible key are NaN: attend_padded zeroes them
     out = torch.bmm(probs.view(kv_heads * batch, rows, width), values.reshape(kv_heads * batch, width, v_dim))
     return out.view(kv_heads, batch, group, max_q, v_dim).permute(1, 3, 0, 2, 4).reshape(batch, max_q, -1, v_dim)
 

@@ -10,9 +10,8 @@ import importlib.util
 
 import torch
 
-from hal.capability import DeviceCapability, library_version, triton_status
+from hal.capability import DeviceCapability, current_index, library_version, triton_status
 from hal.graph import Graph, TorchGraph
-from hal.kernels.triton.backend import TritonBackend
 from hal.registry import Device
 
 __all__ = ["CudaDevice", "device", "cuda_capability"]
@@ -28,7 +27,8 @@ def _unavailable(why: str) -> DeviceCapability:
     )
 
 
-def cuda_capability(index: int = 0) -> DeviceCapability:
+def cuda_capability(index: int | None = None) -> DeviceCapability:
+    """Device ``index`` (None: the current CUDA device, as ``torch.cuda.set_device`` left it)."""
     if torch.version.cuda is None and torch.version.hip is None:
         return _unavailable(f"this torch build ({torch.__version__}) has no CUDA or ROCm support")
     try:
@@ -37,6 +37,9 @@ def cuda_capability(index: int = 0) -> DeviceCapability:
         return _unavailable(f"CUDA runtime error: {type(exc).__name__}: {exc}")
     if count == 0:
         return _unavailable("no CUDA device visible (driver missing, or CUDA_VISIBLE_DEVICES hides them)")
+    index = current_index("cuda") if index is None else index
+    if not 0 <= index < count:
+        return _unavailable(f"cuda:{index} does not exist: {count} device(s) visible")
     props = torch.cuda.get_device_properties(index)
     rocm = torch.version.hip is not None
     arch = props.gcnArchName.split(":")[0] if rocm else f"sm_{props.major}{props.minor}"
@@ -86,11 +89,12 @@ class CudaDevice(Device):
     name = "cuda"
     priority = 100
 
-    def probe(self) -> DeviceCapability:
-        return cuda_capability()
+    def probe(self, index: int | None = None) -> DeviceCapability:
+        return cuda_capability(index)
 
     def backends(self):
         from .flashinfer_backend import FlashInferBackend
+        from .triton_backend import TritonBackend
 
         return [FlashInferBackend, TritonBackend]
 

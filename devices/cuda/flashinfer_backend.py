@@ -62,9 +62,10 @@ from typing import Any
 import torch
 
 from hal.backend import AttentionBackend
-from hal.batch import ForwardBatch, ForwardMode
+from hal.batch import ForwardBatch, ForwardMode, host_lens
 from hal.capability import DeviceCapability
 from hal.errors import ConfigError, GraphCaptureError, expect
+from hal.kv_cache import paged_view
 
 __all__ = [
     "FlashInferBackend",
@@ -302,17 +303,23 @@ class FlashInferBackend(AttentionBackend):
     supports_mla = False
     needs_cpu_seq_lens = True
 
-    def __init__(
-        self,
-        capability: DeviceCapability,
-        *,
-        layers: Iterable | None = None,
-        max_context_len: int | None = None,
-        workspace_bytes: int = WORKSPACE_BYTES,
-        extend_strategy: str = "auto",
-        prefill_backend: str = "fa2",
-    ):
-        super().__init__(capability)
+    requires_page_aligned_slots = True  # paged kernels read whole pages through page ids
+    option_defaults = {
+        "layers": None,  # the model's AttentionLayers, to plan every variant up front (default: config.layers)
+        "max_context_len": None,  # sizes the graph page buffer (default: config.max_context_len)
+        "workspace_bytes": WORKSPACE_BYTES,
+        "extend_strategy": "auto",
+        "prefill_backend": "fa2",
+    }
+
+    def __init__(self, capability: DeviceCapability, config=None, **options):
+        super().__init__(capability, config, **options)
+        layers, max_context_len, workspace_bytes, extend_strategy, prefill_backend = (
+            self.options[k] for k in self.option_defaults
+        )
+        if config is not None:
+            layers = layers if layers is not None else (config.layers or None)
+            max_context_len = max_context_len or config.max_context_len
         expect(
             extend_strategy in ("auto", "paged"),
             ConfigError,
@@ -561,11 +568,12 @@ class FlashInferBackend(AttentionBackend):
         return 1
 
     def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
+        self.check_batch(fb)
         mode = fb.forward_mode
         if mode.is_idle():
-            self.forward_metadata = None
+            self.set_forward_metadata(None, fb)
             return
-        graph_static = bool(getattr(fb, "graph_static", False)) or in_capture
+        graph_static = self.is_graph_batch(fb, in_capture)
         if graph_static:
             expect(
                 mode.is_decode(),
@@ -581,18 +589,19 @@ class FlashInferBackend(AttentionBackend):
                 fb.batch_size,
                 "at most init_cuda_graph_state's max_bs (call it first)",
             )
-            self._graph_indices(fb.req_to_token_pool.max_context_len, fb.token_to_kv_pool.page_size)
+            self._graph_indices(fb.req_to_token_pool.req_to_token.shape[1], fb.token_to_kv_pool.page_size)
+        lens = host_lens(fb)
         pool = fb.token_to_kv_pool
         meta = FlashInferMetadata(
             mode=mode,
             batch_size=fb.batch_size,
-            num_tokens=fb.num_tokens,
+            num_tokens=fb.out_cache_loc.shape[0],
             dtype=pool.dtype,
             page_size=pool.page_size,
             graph_static=graph_static,
-            qo_indptr=indptr_from_lens(fb.query_lens_cpu),
-            kv_lens=list(fb.kv_lens_cpu),
-            prefix_lens=list(fb.prefix_lens_cpu),
+            qo_indptr=indptr_from_lens(lens.query),
+            kv_lens=lens.kv,
+            prefix_lens=list(lens.prefix),
             req_to_token=fb.req_to_token_pool.req_to_token,
             req_pool_indices=fb.req_pool_indices,
             custom_mask=fb.spec_info.custom_mask if mode.is_target_verify() else None,
@@ -616,21 +625,25 @@ class FlashInferBackend(AttentionBackend):
         )
 
     def _begin(self, q, k, v, layer, fb: ForwardBatch, save_kv_cache: bool):
-        """Checks (before anything is written), then the KV write, then the run inputs."""
+        """Checks (before anything is written), then the KV write, then the run inputs ``(meta, variant,
+        q, (k_cache, v_cache), k, v)``; ``k``/``v`` None (``save_kv_cache=False``) are read from the cache."""
         self._check_layer(layer)
+        q, k, v = self.check_inputs(q, k, v, layer, fb, save_kv_cache)
         meta = self.metadata_for(fb)
         if save_kv_cache:
             self.save_kv(layer, fb, k, v)  # the paged calls read the new tokens back
-        k_cache, v_cache = fb.token_to_kv_pool.get_paged_kv_buffer(layer.layer_id)
-        return meta, LayerVariant.of(layer), q.to(meta.dtype).contiguous(), (k_cache, v_cache)
+        elif k is None:
+            k, v = self.new_kv_from_cache(layer, fb)
+        paged = paged_view(fb.token_to_kv_pool, layer.layer_id)
+        return meta, LayerVariant.of(layer), q.to(meta.dtype).contiguous(), paged, k, v
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        meta, variant, q_in, paged = self._begin(q, k, v, layer, forward_batch, save_kv_cache)
+        meta, variant, q_in, paged, _, _ = self._begin(q, k, v, layer, forward_batch, save_kv_cache)
         out = self._planned(meta, "decode", variant).run(q_in, paged)
         return out.reshape(q.shape[0], layer.tp_q_head_num * layer.v_head_dim).to(q.dtype)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        meta, variant, q_in, paged = self._begin(q, k, v, layer, forward_batch, save_kv_cache)
+        meta, variant, q_in, paged, k, v = self._begin(q, k, v, layer, forward_batch, save_kv_cache)
         kinds = self._kinds(meta, variant)
         if kinds == ["ragged", "prefix"]:
             k_in, v_in = (t.to(meta.dtype).contiguous() for t in (k, v))

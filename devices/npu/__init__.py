@@ -83,10 +83,13 @@ def _unavailable(why: str) -> DeviceCapability:
     )
 
 
-def _real_capability(module, index: int) -> DeviceCapability:
+def _real_capability(module, index: int | None) -> DeviceCapability:
     npu = getattr(module, "npu", None) or torch.npu
     try:
         count = int(npu.device_count())
+        index = int(npu.current_device()) if index is None else index
+        if not 0 <= index < count:
+            return _unavailable(f"npu:{index} does not exist: {count} device(s) visible")
         name = str(npu.get_device_name(index))
     except Exception as exc:  # noqa: BLE001 - a driver error is a reason, not a crash
         return _unavailable(f"NPU runtime error: {type(exc).__name__}: {exc}")
@@ -115,6 +118,7 @@ def _real_capability(module, index: int) -> DeviceCapability:
         dtypes=tuple(dtypes),
         graph=graph,
         triton_target=target,
+        fused_mixed=True,
         libraries={
             "torch": torch.__version__,
             "torch_npu": str(getattr(module, "__version__", "") or library_version("torch-npu") or ""),
@@ -141,6 +145,7 @@ def _emulated_capability(why_no_npu: str) -> DeviceCapability:
         triton_target=None,
         libraries={"torch": torch.__version__, "torch_npu": "", "cann": ""},
         emulated=True,
+        fused_mixed=True,
         reasons={
             "emulated": (
                 f"correctness only, never performance ({EMULATION_ENV}=1 and {why_no_npu}); the "
@@ -154,8 +159,9 @@ def _emulated_capability(why_no_npu: str) -> DeviceCapability:
     )
 
 
-def npu_capability(index: int = 0) -> DeviceCapability:
-    """The NPU as hal sees it: real, emulated (``HAL_NPU_EMULATION=1``, no NPU) or unavailable with the reason."""
+def npu_capability(index: int | None = None) -> DeviceCapability:
+    """NPU ``index`` (None: the current one) as hal sees it: real, emulated (``HAL_NPU_EMULATION=1``,
+    no NPU) or unavailable with the reason. Its ``fused_mixed``: MIXED batches go to one splitfuse call."""
     from hal.kernels.npu import load_torch_npu
 
     emulate = emulation_requested()  # validated even when a real NPU makes it moot
@@ -171,8 +177,8 @@ class NpuDevice(Device):
     name = "npu"
     priority = 90
 
-    def probe(self) -> DeviceCapability:
-        return npu_capability()
+    def probe(self, index: int | None = None) -> DeviceCapability:
+        return npu_capability(index)
 
     def backends(self):
         return [AscendBackend]

@@ -48,12 +48,13 @@ from typing import Any
 import torch
 
 from hal.backend import AttentionBackend
-from hal.batch import ForwardBatch
+from hal.batch import ForwardBatch, host_lens
 from hal.capability import DeviceCapability
 from hal.config import AttentionConfig
 from hal.errors import DeviceUnavailableError, GraphCaptureError, UnsupportedError, expect
 from hal.graph import opaque_kernel
 from hal.kernels import npu as npu_ops
+from hal.kv_cache import paged_view
 from hal.layer import AttentionLayer
 
 __all__ = ["AscendBackend", "AscendMetadata", "GRAPH_UPDATE_API"]
@@ -150,10 +151,13 @@ class AscendBackend(AttentionBackend):
     supports_logit_cap = False  # neither ATB PagedAttention nor FIA takes a soft cap
     supports_mla = False  # one head size for the K and V caches
     needs_cpu_seq_lens = True  # the ops take per-request lengths on the host
+    requires_page_aligned_slots = (
+        True  # block tables: the ops read token i at offset i % block_size of block i // block_size
+    )
 
-    def __init__(self, capability: DeviceCapability):
+    def __init__(self, capability: DeviceCapability, config=None, **options):
         ops = _ops_for(capability)  # first: a real NPU without torch_npu is a clear error, not a torch one
-        super().__init__(capability)
+        super().__init__(capability, config, **options)
         self.ops = ops
         self.graph_max_bs: int | None = None
         self._graph_width = 0
@@ -228,7 +232,7 @@ class AscendBackend(AttentionBackend):
             fb.batch_size,
             f"<= the max_bs given to init_cuda_graph_state ({self.graph_max_bs}); call it first",
         )
-        width = fb.req_to_token_pool.max_context_len
+        width = fb.req_to_token_pool.req_to_token.shape[1]
         if self._graph_block_table is None or width != self._graph_width:
             ps = fb.token_to_kv_pool.page_size
             self._graph_width, self._graph_max_blocks = width, -(-width // ps)
@@ -239,9 +243,11 @@ class AscendBackend(AttentionBackend):
 
     # -- metadata ----------------------------------------------------------------------
     def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
+        self.check_batch(fb)
         pool = fb.token_to_kv_pool
-        q_lens, kv_lens = list(fb.query_lens_cpu), list(fb.kv_lens_cpu)
-        static = fb.graph_static
+        lens = host_lens(fb)
+        q_lens, kv_lens = list(lens.query), lens.kv
+        static = self.is_graph_batch(fb, in_capture)
         if static:
             self._ensure_graph_buffers(fb)
             max_blocks = self._graph_max_blocks
@@ -250,7 +256,7 @@ class AscendBackend(AttentionBackend):
         mode = fb.forward_mode
         meta = AscendMetadata(
             batch_size=fb.batch_size,
-            num_tokens=fb.num_tokens,
+            num_tokens=fb.out_cache_loc.shape[0],
             max_blocks=max_blocks,
             query_lens=q_lens,
             kv_lens=kv_lens,
@@ -279,7 +285,7 @@ class AscendBackend(AttentionBackend):
         table = npu_ops.block_tables(
             fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.token_to_kv_pool.page_size, meta.max_blocks
         )
-        if fb.graph_static:
+        if meta.graph_static:
             meta.block_table = self._graph_block_table[: fb.batch_size]
             meta.block_table.copy_(table)
         else:
@@ -367,25 +373,22 @@ class AscendBackend(AttentionBackend):
 
     # -- forward -----------------------------------------------------------------------
     def _prepare(self, q, k, v, layer: AttentionLayer, fb: ForwardBatch, save_kv_cache: bool):
-        """Checks, the KV write, and ``(meta, query [T, Hq, D] in the cache dtype, k_cache, v_cache)``."""
-        meta = self.metadata_for(fb)
+        """Checks, the KV write, and ``(meta, query [T, Hq, D] in the cache dtype, k_cache, v_cache)``.
+
+        Every op reads the new tokens from the cache, so ``k``/``v`` may be None without a write.
+        """
         if layer.logit_cap > 0:
             raise UnsupportedError(f"ascend: logit_cap = {layer.logit_cap}: the Ascend ops have no soft cap")
         if layer.v_head_dim != layer.head_dim:
             raise UnsupportedError(f"ascend: v_head_dim {layer.v_head_dim} != head_dim {layer.head_dim}")
-        tokens = fb.num_tokens
-        q = q.reshape(tokens, layer.tp_q_head_num, layer.head_dim)
+        q, k, v = self.check_inputs(q, k, v, layer, fb, save_kv_cache)
+        meta = self.metadata_for(fb)
         pool = fb.token_to_kv_pool
-        k_buffer, v_buffer = pool.get_kv_buffer(layer.layer_id)
-        k_cache = npu_ops.paged_view(k_buffer, pool.page_size)
-        v_cache = npu_ops.paged_view(v_buffer, pool.page_size)
+        k_cache, v_cache = paged_view(pool, layer.layer_id)
         if save_kv_cache:
-            k = k.reshape(tokens, layer.tp_k_head_num, layer.head_dim)
-            v = v.reshape(tokens, layer.tp_v_head_num, layer.v_head_dim)
-            pool.check_kv(fb.out_cache_loc, k, v, check_range=False)
             slots = fb.out_cache_loc
-            if fb.graph_static:  # padding requests all target the padding slot: skip them (negative slot)
-                slots = torch.where(slots == pool.padding_slot, -1, slots)
+            if meta.graph_static:  # padding requests all target the padding slot: skip them (negative slot)
+                slots = torch.where(slots == 0, -1, slots)
             npu_ops.write_kv(self.ops, k, v, k_cache, v_cache, slots)
         return meta, q.to(pool.dtype).contiguous(), k_cache, v_cache
 

@@ -13,12 +13,14 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from hal.batch import ForwardBatch, ForwardMode, SpecInfo
+from hal.capability import resolve_device
 from hal.config import AttentionConfig
 from hal.kernels import reference
+from hal.kernels.reference import tolerance
 from hal.kv_cache import PagedKVPool, ReqToTokenPool
 from hal.layer import AttentionLayer
 
-__all__ = ["Case", "Built", "CASES", "GRAPH_CASES", "build", "reference_output", "tolerance"]
+__all__ = ["Case", "Built", "CASES", "GRAPH_CASES", "build", "tolerance"]
 
 
 @dataclass(frozen=True)
@@ -85,14 +87,6 @@ class Built:
     extra: dict = field(default_factory=dict)
 
 
-def tolerance(dtype: torch.dtype) -> dict:
-    return {
-        torch.float32: {"atol": 2e-4, "rtol": 1e-3},
-        torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2},
-        torch.float16: {"atol": 5e-3, "rtol": 5e-3},
-    }[dtype]
-
-
 def _verify_mask(prefix: int, draft: int, gen: torch.Generator, blind_row: bool) -> torch.Tensor:
     """A random draft tree: every draft token sees the prefix, itself and a random subset of earlier drafts."""
     tree = torch.rand(draft, draft, generator=gen) < 0.5
@@ -101,30 +95,6 @@ def _verify_mask(prefix: int, draft: int, gen: torch.Generator, blind_row: bool)
     if blind_row:
         mask[0] = False
     return mask.flatten()
-
-
-def reference_output(
-    fb: ForwardBatch, layer: AttentionLayer, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor
-) -> torch.Tensor:
-    """What ``hal.kernels.reference`` says ``layer`` outputs for ``fb``: ``[T, q_heads * v_head_dim]``.
-
-    ``q`` is ``[T, q_heads * head_dim]``; ``k_buffer``/``v_buffer`` are the layer's pool
-    buffers with the batch's new tokens already written.
-    """
-    return reference.paged_attention(
-        q.view(fb.num_tokens, layer.tp_q_head_num, -1),
-        k_buffer,
-        v_buffer,
-        fb.req_to_token_pool.req_to_token,
-        fb.req_pool_indices,
-        torch.tensor(fb.kv_lens_cpu),
-        torch.tensor(fb.query_lens_cpu),
-        scale=layer.scaling,
-        logit_cap=layer.logit_cap,
-        sliding_window=layer.sliding_window_size,
-        causal=layer.causal,
-        custom_mask=fb.spec_info.custom_mask if fb.forward_mode.is_target_verify() else None,
-    ).reshape(fb.num_tokens, -1)
 
 
 def build(case: Case, device: torch.device | str = "cpu", layer_num: int = 1) -> Built:
@@ -163,8 +133,15 @@ def build(case: Case, device: torch.device | str = "cpu", layer_num: int = 1) ->
         kw["spec_info"] = SpecInfo(int(new_lens[0]), torch.cat(masks))
     else:
         seq_lens = prefix_lens + new_lens
-        kw.update(extend_prefix_lens=prefix_lens, extend_seq_lens=new_lens)
+        kw.update(
+            extend_prefix_lens=prefix_lens,
+            extend_seq_lens=new_lens,
+            extend_prefix_lens_cpu=prefix_lens.tolist(),
+            extend_seq_lens_cpu=new_lens.tolist(),
+        )
     fb = ForwardBatch(
+        seq_lens_cpu=seq_lens.clone(),
+        validate="full",
         forward_mode=mode,
         batch_size=bs,
         req_pool_indices=rows.to(torch.int64),
@@ -187,7 +164,7 @@ def build(case: Case, device: torch.device | str = "cpu", layer_num: int = 1) ->
         k.view(tokens, case.tp_k_head_num, -1),
         v.view(tokens, case.tp_k_head_num, -1),
     )
-    expected = reference_output(fb, layer, q, expected_k, expected_v)
+    expected = reference.batch_attention(q, expected_k, expected_v, layer, fb)
     built = Built(case, layer, fb, q, k, v, expected, expected_k, expected_v)
     return to_device(built, torch.device(device)) if torch.device(device).type != "cpu" else built
 
@@ -196,7 +173,7 @@ def to_device(built: Built, device: torch.device) -> Built:
     """Move a CPU-built case to ``device`` (pools, batch tensors, inputs)."""
     fb = built.batch
     kv, rt = fb.token_to_kv_pool, fb.req_to_token_pool
-    kv.device, rt.device = device, device
+    kv.device = rt.device = resolve_device(device)
     kv.k_buffer = [b.to(device) for b in kv.k_buffer]
     kv.v_buffer = [b.to(device) for b in kv.v_buffer]
     rt.req_to_token = rt.req_to_token.to(device)
@@ -220,6 +197,10 @@ def to_device(built: Built, device: torch.device) -> Built:
         req_to_token_pool=rt,
         token_to_kv_pool=kv,
         spec_info=spec,
+        seq_lens_cpu=fb.seq_lens_cpu,
+        extend_seq_lens_cpu=fb.extend_seq_lens_cpu,
+        extend_prefix_lens_cpu=fb.extend_prefix_lens_cpu,
+        validate="full",
         **{**{k: v for k, v in moved.items() if k not in ("extend_start_loc",)}},
     )
     return replace(

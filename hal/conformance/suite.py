@@ -6,6 +6,8 @@ with those reasons; everything else must match the reference.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -117,17 +119,23 @@ def test_bad_input_is_rejected_and_cache_untouched(hal_target, corrupt):
 
 
 def test_forward_needs_this_batchs_metadata(hal_target):
-    """forward without init_forward_metadata, or with another batch's, is a hal error and writes nothing."""
+    """forward without init_forward_metadata, or with metadata of an earlier step or of a batch of
+    another size, is a hal error and writes nothing."""
     case = _first_servable(hal_target, ForwardMode.DECODE)
     backend = _backend_for(hal_target, case)
     built = build(case, hal_target.capability.torch_device)
     other = build(case, hal_target.capability.torch_device)
+    smaller = build(dataclasses.replace(case, requests=case.requests[:-1]), hal_target.capability.torch_device)
     pool = built.batch.token_to_kv_pool
     before = [b.clone() for b in pool.k_buffer + pool.v_buffer]
     with pytest.raises(InvalidBatchError, match="init_forward_metadata"):
         backend.forward(built.q, built.k, built.v, built.layer, built.batch)
-    backend.init_forward_metadata(other.batch)
-    with pytest.raises(InvalidBatchError, match="another batch"):
+    backend.init_forward_metadata(built.batch)
+    backend.init_forward_metadata(other.batch)  # a later step: built.batch's metadata is gone
+    with pytest.raises(InvalidBatchError, match="init_forward_metadata"):
+        backend.forward(built.q, built.k, built.v, built.layer, built.batch)
+    backend.init_forward_metadata(smaller.batch)
+    with pytest.raises(InvalidBatchError, match="init_forward_metadata"):
         backend.forward(built.q, built.k, built.v, built.layer, built.batch)
     assert all(torch.equal(a, b) for a, b in zip(before, pool.k_buffer + pool.v_buffer)), "cache was touched"
 

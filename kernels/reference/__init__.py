@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["paged_attention", "attention_mask", "write_kv"]
+__all__ = ["paged_attention", "attention_mask", "write_kv", "batch_attention", "tolerance"]
 
 
 def attention_mask(
@@ -135,3 +135,59 @@ def write_kv(
     """Store ``k``/``v`` (``[n, kv_heads, dim]``) at slots ``loc`` (``[n]``), cast to the pool dtype."""
     k_buffer[loc.long()] = k.to(k_buffer.dtype)
     v_buffer[loc.long()] = v.to(v_buffer.dtype)
+
+
+def batch_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    layer,
+    batch,
+    *,
+    acc_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """What ``layer`` outputs for ``batch``: ``[T, q_heads * v_head_dim]`` in ``q.dtype``.
+
+    ``batch`` is any object with SGLang's forward-batch fields (``forward_mode``,
+    ``req_pool_indices``, ``seq_lens``, ``extend_seq_lens``, ``spec_info``,
+    ``req_to_token_pool``); ``layer`` any object with RadixAttention's fields. ``q`` is
+    ``[T, q_heads * head_dim]`` or ``[T, q_heads, head_dim]``; ``k_buffer``/``v_buffer`` are
+    the layer's pool buffers with the batch's new tokens already written. Lengths are read
+    from the device tensors: this is the oracle, not a hot path.
+    """
+    mode, seq_lens = batch.forward_mode, batch.seq_lens.long().cpu()
+    custom_mask = None
+    if mode.is_decode():
+        kv_lens, q_lens = seq_lens, torch.ones_like(seq_lens)
+    elif mode.is_target_verify():
+        draft = batch.spec_info.draft_token_num
+        kv_lens, q_lens = seq_lens + draft, torch.full_like(seq_lens, draft)
+        custom_mask = batch.spec_info.custom_mask
+    else:
+        kv_lens, q_lens = seq_lens, batch.extend_seq_lens.long().cpu()
+    tokens = int(q_lens.sum())
+    out = paged_attention(
+        q.reshape(tokens, layer.tp_q_head_num, layer.head_dim),
+        k_buffer,
+        v_buffer,
+        batch.req_to_token_pool.req_to_token,
+        batch.req_pool_indices,
+        kv_lens,
+        q_lens,
+        scale=layer.scaling,
+        logit_cap=layer.logit_cap,
+        sliding_window=layer.sliding_window_size,
+        causal=not layer.is_cross_attention and getattr(layer, "attn_type", "decoder") == "decoder",
+        custom_mask=custom_mask,
+        acc_dtype=acc_dtype,
+    )
+    return out.reshape(tokens, -1)
+
+
+def tolerance(dtype: torch.dtype) -> dict:
+    """``torch.testing.assert_close`` tolerances for a backend's output in ``dtype`` against this oracle."""
+    return {
+        torch.float32: {"atol": 2e-4, "rtol": 1e-3},
+        torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2},
+        torch.float16: {"atol": 5e-3, "rtol": 5e-3},
+    }[dtype]

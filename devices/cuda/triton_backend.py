@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hal.backend import AttentionBackend
-from hal.batch import ForwardBatch
+from hal.batch import ForwardBatch, device_lens, host_lens
 from hal.capability import DeviceCapability
 from hal.errors import GraphCaptureError
 
@@ -45,8 +45,8 @@ class TritonBackend(AttentionBackend):
     supports_mla = True
     needs_cpu_seq_lens = True  # kv_indices is sized by seq_lens_sum outside graphs
 
-    def __init__(self, capability: DeviceCapability):
-        super().__init__(capability)
+    def __init__(self, capability: DeviceCapability, config=None, **options):
+        super().__init__(capability, config, **options)
         self.graph_max_bs: int | None = None
         self.graph_buffers: dict[str, torch.Tensor] = {}
 
@@ -73,9 +73,9 @@ class TritonBackend(AttentionBackend):
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
 
-    def _buffer(self, fb: ForwardBatch, name: str, size: int, dtype: torch.dtype) -> torch.Tensor:
+    def _buffer(self, graph: bool, name: str, size: int, dtype: torch.dtype) -> torch.Tensor:
         """For a graph's static batch, the first ``size`` elements of a fixed buffer; otherwise a new tensor."""
-        if not fb.graph_static:
+        if not graph:
             return torch.empty(size, dtype=dtype, device=self.device)
         buf = self.graph_buffers.get(name)
         if buf is None or buf.numel() < size:
@@ -86,29 +86,34 @@ class TritonBackend(AttentionBackend):
         return buf[:size]
 
     def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
+        self.check_batch(fb)
         if fb.forward_mode.is_idle():  # forward() returns without attention: nothing to prepare
             self.set_forward_metadata(None, fb)
             return
-        bs = fb.batch_size
-        if fb.graph_static and not self.graph_buffers and self.graph_max_bs is not None:
-            width = fb.req_to_token_pool.max_context_len
+        bs, graph = fb.batch_size, self.is_graph_batch(fb, in_capture)
+        width = fb.req_to_token_pool.req_to_token.shape[1]
+        if graph and not self.graph_buffers and self.graph_max_bs is not None:
             self.graph_buffers = {
                 "kv_indptr": torch.zeros(self.graph_max_bs + 1, dtype=torch.int32, device=self.device),
                 "kv_indices": torch.zeros(self.graph_max_bs * width, dtype=torch.int32, device=self.device),
             }
-        if fb.forward_mode.is_decode():
-            keys = fb.seq_lens_sum
-            if fb.graph_static:  # fixed at capture: every replay launches the same grid
-                splits, keys = MAX_KV_SPLITS, bs * fb.req_to_token_pool.max_context_len
-            else:
-                splits = min(MAX_KV_SPLITS, max(1, -(-max(fb.kv_lens_cpu) // TOKENS_PER_SPLIT)))
+        if graph:  # fixed at capture: every replay launches the same grid over buffers of the same size
+            splits = MAX_KV_SPLITS if fb.forward_mode.is_decode() else 1
+            keys = bs * width
+            max_extend = fb.out_cache_loc.shape[0] // bs
         else:
-            keys, splits = sum(fb.prefix_lens_cpu), 1
+            lens = host_lens(fb)
+            if fb.forward_mode.is_decode():
+                keys = sum(lens.kv)
+                splits = min(MAX_KV_SPLITS, max(1, -(-max(lens.kv) // TOKENS_PER_SPLIT)))
+            else:
+                keys, splits = sum(lens.prefix), 1
+            max_extend = max(lens.query, default=0)
         meta = TritonMetadata(
             num_kv_splits=splits,
-            max_extend_len=max(fb.query_lens_cpu, default=0),
-            kv_indptr=self._buffer(fb, "kv_indptr", bs + 1, torch.int32),
-            kv_indices=self._buffer(fb, "kv_indices", keys, torch.int32),
+            max_extend_len=max_extend,
+            kv_indptr=self._buffer(graph, "kv_indptr", bs + 1, torch.int32),
+            kv_indices=self._buffer(graph, "kv_indices", keys, torch.int32),
         )
         self.set_forward_metadata(meta, fb)
 
@@ -117,7 +122,7 @@ class TritonBackend(AttentionBackend):
         if mode.is_idle():
             return
         meta = self.metadata_for(fb)
-        q_lens, kv_lens = fb.device_lens()
+        q_lens, kv_lens = device_lens(fb)
         # decode reads every key from the cache; the extend kernel reads the new tokens from k/v
         meta.kv_end = kv_lens if mode.is_decode() else kv_lens - q_lens
         meta.kv_indptr[0] = 0
@@ -153,6 +158,7 @@ class TritonBackend(AttentionBackend):
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         from hal.kernels import triton as kernels
 
+        q, k, v = self.check_inputs(q, k, v, layer, forward_batch, save_kv_cache)
         meta = self.metadata_for(forward_batch)
         if save_kv_cache:
             self.save_kv(layer, forward_batch, k, v)
@@ -164,7 +170,8 @@ class TritonBackend(AttentionBackend):
         out = q.new_empty(bs, heads, layer.v_head_dim)
         partial_out = torch.empty(bs, heads, splits, layer.v_head_dim, dtype=torch.float32, device=q.device)
         partial_lse = torch.empty(bs, heads, splits, dtype=torch.float32, device=q.device)
-        k_buffer, v_buffer = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        pool = forward_batch.token_to_kv_pool
+        k_buffer, v_buffer = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         kernels.decode_attention(
             q,
             k_buffer,
@@ -183,11 +190,15 @@ class TritonBackend(AttentionBackend):
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         from hal.kernels import triton as kernels
 
+        q, k, v = self.check_inputs(q, k, v, layer, forward_batch, save_kv_cache)
         meta = self.metadata_for(forward_batch)
         if save_kv_cache:
             self.save_kv(layer, forward_batch, k, v)
+        elif k is None:  # the kernel reads the new tokens from k/v: take them from the cache
+            k, v = (t.to(q.dtype) for t in self.new_kv_from_cache(layer, forward_batch))
         out = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
-        k_buffer, v_buffer = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        pool = forward_batch.token_to_kv_pool
+        k_buffer, v_buffer = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         kernels.extend_attention(
             q,
             k,
