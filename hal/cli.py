@@ -89,6 +89,21 @@ def _print_info(data: dict) -> None:
         print(f"  {step}")
 
 
+def _format_step(data: dict) -> str:
+    lines = [f"step costs on {data['device']} / {data['backend']} (DECODE, context {data['results'][0]['context']})"]
+    lines.append(
+        f"{'batch':>6} {'build cheap':>12} {'build full':>11} {'meta cheap':>11} {'meta full':>10} {'reads':>6}"
+    )
+    for r in data["results"]:
+        c, m = r["construct_ms"], r["init_forward_metadata_ms"]
+        lines.append(
+            f"{r['batch_size']:>6} {c['cheap']:>10.3f}ms {c['full']:>9.2f}ms {m['cheap']:>9.2f}ms {m['full']:>8.2f}ms"
+            f" {r['host_reads']['outside_out_graph']:>6}"
+        )
+    lines.append(f"one layer's forward at batch 32, tiny shapes: {data['forward_us']:.1f} us")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hal", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -110,6 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     p_bench.add_argument("--repeats", type=int, default=7)
     p_bench.add_argument("--peer-python", help="python of a venv with the SGLang peer (../shared/peer) installed")
     p_bench.add_argument("--json", action="store_true")
+    p_bench.add_argument(
+        "--workload",
+        choices=["step"],
+        help="step: per-step host costs (batch construction, metadata, host reads, per-layer forward time)",
+    )
     args = parser.parse_args(argv)
     try:
         if args.command == "info":
@@ -134,6 +154,13 @@ def main(argv: list[str] | None = None) -> int:
             from hal.demo import run_demo
 
             return run_demo(args.device, as_json=args.json)
+        if args.command == "bench" and args.workload == "step":
+            from hal.step_bench import run_step_workload
+
+            backend = args.backend[0] if args.backend else None
+            data = run_step_workload(args.device, backend, repeats=5 if args.quick else 20)
+            print(json.dumps(data, indent=2) if args.json else _format_step(data))
+            return 0
         if args.command == "bench":
             from hal.bench import run_bench
 
