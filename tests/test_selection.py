@@ -468,3 +468,24 @@ def test_create_backend_on_a_named_device():
     assert backend.prefill_attention_backend_str == "renamed"
     with pytest.raises(NoBackendError):
         create_backend(AttentionConfig(dtype="fp16"), device="cpu")
+
+
+def test_an_index_less_accelerator_name_means_the_current_device(monkeypatch):
+    """A tensor-parallel worker calls torch.cuda.set_device(3): "cuda" must then mean cuda:3 everywhere."""
+    import types
+
+    from hal.capability import resolve_device
+    from hal.devices.cuda import cuda_capability
+
+    props = types.SimpleNamespace(name="Fake H200", major=9, minor=0, total_memory=141 << 30, gcnArchName="")
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    assert resolve_device("cuda") == torch.device("cuda", 3)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    cap = cuda_capability()
+    assert cap.index == 3 and cap.torch_device == torch.device("cuda", 3)
+    assert cuda_capability(1).index == 1
+    assert "does not exist" in cuda_capability(7).reasons["device"]
