@@ -53,7 +53,7 @@ class Server:
         self.requests: list[Request] = []
 
     def add_request(self) -> Request:
-        request = Request(row=len(self.requests))
+        request = Request(row=len(self.requests) + 1)  # row 0 is the padding row
         self.requests.append(request)
         return request
 

@@ -73,9 +73,11 @@ def pool_geometry(pool: KVPool, layer_id: int) -> tuple[int, int, int, int]:
 
 
 class ReqToTokenPool:
-    """``req_to_token``: int32 ``[size, max_context_len]``, the KV slot of every token of every request row.
+    """``req_to_token``: int32 ``[size + 1, max_context_len]``, the KV slot of every token of every request row.
 
-    ``size`` counts the rows, as SGLang's ``ReqToTokenPool(size, ...)`` does.
+    As SGLang's ``ReqToTokenPool(size, ...)``: ``size`` requests fit, in rows ``1 .. size``;
+    row 0 is the padding row (graph-padding requests use ``req_pool_indices = 0``) and
+    stays all zeros, i.e. the padding slot.
     """
 
     def __init__(self, size: int, max_context_len: int, device: torch.device | str = "cpu"):
@@ -90,27 +92,37 @@ class ReqToTokenPool:
         self.size = size
         self.max_context_len = max_context_len
         self.device = resolve_device(device)
-        self.req_to_token = torch.zeros(size, max_context_len, dtype=torch.int32, device=self.device)
+        self.req_to_token = torch.zeros(size + 1, max_context_len, dtype=torch.int32, device=self.device)
 
     @classmethod
     def from_tensor(cls, req_to_token: torch.Tensor) -> ReqToTokenPool:
-        """Wrap an engine's int32 ``[rows, max_context_len]`` table; the pool reads and writes that very tensor."""
+        """Wrap an engine's int32 ``[size + 1, max_context_len]`` table (row 0: padding) without a copy."""
         expect(
-            isinstance(req_to_token, torch.Tensor) and req_to_token.dim() == 2 and req_to_token.dtype == torch.int32,
+            isinstance(req_to_token, torch.Tensor)
+            and req_to_token.dim() == 2
+            and req_to_token.dtype == torch.int32
+            and req_to_token.shape[0] >= 2,
             KVCacheError,
             "req_to_token",
             _describe(req_to_token),
-            "an int32 tensor [rows, max_context_len]",
+            "an int32 tensor [size + 1, max_context_len] (row 0 is the padding row)",
         )
         pool = cls.__new__(cls)
-        pool.size, pool.max_context_len = req_to_token.shape
+        rows, pool.max_context_len = req_to_token.shape
+        pool.size = rows - 1
         pool.device = resolve_device(req_to_token.device)
         pool.req_to_token = req_to_token
         return pool
 
     def write(self, req_index: int, start: int, slots: torch.Tensor) -> None:
-        """Set ``req_to_token[req_index, start : start + len(slots)] = slots``."""
-        expect(0 <= req_index < self.size, KVCacheError, "req_index", req_index, f"in [0, {self.size})")
+        """Set ``req_to_token[req_index, start : start + len(slots)] = slots`` (``req_index`` in ``1 .. size``)."""
+        expect(
+            isinstance(req_index, int) and 1 <= req_index <= self.size,
+            KVCacheError,
+            "req_index",
+            req_index,
+            f"a request row in [1, {self.size}] (row 0 is the padding row)",
+        )
         expect(
             isinstance(slots, torch.Tensor) and slots.dim() == 1 and slots.dtype in INDEX_DTYPES,
             KVCacheError,

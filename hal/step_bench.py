@@ -53,7 +53,7 @@ def _decode_step(batch: int, context: int, device: torch.device, page_size: int)
     """Pools and the fields of a DECODE step of ``batch`` requests of ``context`` tokens, slots scattered by page."""
     pages_per_req = -(-context // page_size)
     kv = PagedKVPool(batch * pages_per_req + 1, page_size, 1, 1, 8, device=device)
-    rt = ReqToTokenPool(batch + 1, context, device=device)
+    rt = ReqToTokenPool(batch, context, device=device)
     gen = torch.Generator().manual_seed(0)
     pages = (torch.randperm(batch * pages_per_req, generator=gen) + 1).view(batch, pages_per_req)
     token = torch.arange(context)

@@ -241,9 +241,12 @@ def test_pool_constructors_validate():
         hal.ReqToTokenPool(4, 0)
     pool = hal.ReqToTokenPool(2, 8)
     with pytest.raises(KVCacheError, match="token range"):
-        pool.write(0, 4, torch.arange(5))
+        pool.write(1, 4, torch.arange(5))
     with pytest.raises(KVCacheError, match="req_index"):
-        pool.write(2, 0, torch.arange(2))
+        pool.write(3, 0, torch.arange(2))
+    with pytest.raises(KVCacheError, match="padding row"):
+        pool.write(0, 0, torch.arange(2))
+    assert pool.req_to_token.shape == (3, 8)  # SGLang's layout: size usable rows after the padding row
 
 
 @pytest.mark.parametrize(
@@ -288,7 +291,7 @@ def test_pool_dtype_and_dims_are_checked():
     with pytest.raises(KVCacheError, match="v_head_dim"):
         hal.PagedKVPool(4, 16, 1, 2, 8, v_head_dim=-3)
     with pytest.raises(KVCacheError, match="slots"):
-        hal.ReqToTokenPool(2, 8).write(0, 0, [1, 2])
+        hal.ReqToTokenPool(2, 8).write(1, 0, [1, 2])
     with pytest.raises(ConfigError, match="logit_cap"):
         hal.AttentionLayer(0, 8, 4, 16, logit_cap=None)
 
@@ -309,7 +312,7 @@ def test_pools_wrap_an_engines_tensors_without_a_copy():
         hal.PagedKVPool.from_buffers([torch.zeros(64, 2, 8), torch.zeros(64, 3, 8)], v[:2], page_size=16)
     table = torch.zeros(4, 32, dtype=torch.int32)
     req = hal.ReqToTokenPool.from_tensor(table)
-    assert req.req_to_token is table and (req.size, req.max_context_len) == (4, 32)
+    assert req.req_to_token is table and (req.size, req.max_context_len) == (3, 32)
     with pytest.raises(KVCacheError, match="req_to_token"):
         hal.ReqToTokenPool.from_tensor(table.long())
 

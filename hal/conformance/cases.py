@@ -111,7 +111,7 @@ def build(case: Case, device: torch.device | str = "cpu", layer_num: int = 1) ->
         buf.copy_(torch.randn(buf.shape, generator=gen))  # noise everywhere: reading a wrong slot shows
     bs = len(case.requests)
     req_pool = ReqToTokenPool(bs + 3, max(totals) + 5)
-    rows = torch.randperm(bs + 3, generator=gen)[:bs]
+    rows = torch.randperm(bs + 3, generator=gen)[:bs] + 1  # row 0 is the padding row
     pages = (torch.randperm(num_pages, generator=gen) + 1)[: sum(pages_per_req)].tolist()
     loc, masks = [], []
     for r, ((prefix, new), total) in enumerate(zip(case.requests, totals)):
