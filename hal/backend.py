@@ -307,12 +307,40 @@ class AttentionBackend:
 
         Each must be exactly ``[T, heads * dim]`` or ``[T, heads, dim]`` of the layer, one
         float dtype, on the pool's device; ``k``/``v`` may be None only with
-        ``save_kv_cache=False``. Shapes only: no device read.
+        ``save_kv_cache=False``. Shapes only: no device read. Runs once per layer call, so
+        the passing path builds no message.
         """
         tokens = forward_batch.out_cache_loc.shape[0]
         pool = forward_batch.token_to_kv_pool
         k_buffer = pool.get_key_buffer(layer.layer_id)  # the pool checks layer_id
         v_buffer = pool.get_value_buffer(layer.layer_id)
+        kv_heads, head_dim, v_dim = layer.tp_k_head_num, layer.head_dim, layer.v_head_dim
+        specs = ((q, layer.tp_q_head_num, head_dim), (k, kv_heads, head_dim), (v, layer.tp_v_head_num, v_dim))
+        ok = (k_buffer.shape[1], k_buffer.shape[2], v_buffer.shape[2]) == (kv_heads, head_dim, v_dim)
+        ok = ok and (k is not None and v is not None or k is None and v is None and not save_kv_cache)
+        device, dtype = k_buffer.device, getattr(q, "dtype", None)
+        shaped = []
+        for t, heads, dim in specs:
+            if t is None:
+                shaped.append(None)
+                continue
+            if not (
+                ok
+                and isinstance(t, torch.Tensor)
+                and t.dtype == dtype
+                and t.device == device
+                and (t.shape == (tokens, heads * dim) or t.shape == (tokens, heads, dim))
+            ):
+                ok = False
+                break
+            shaped.append(t.unflatten(1, (heads, dim)) if t.dim() == 2 else t)
+        if not ok or dtype not in DTYPE_NAMES or not q.is_floating_point():
+            self._explain_bad_inputs(q, k, v, layer, tokens, k_buffer, v_buffer, save_kv_cache)
+        return shaped
+
+    @staticmethod
+    def _explain_bad_inputs(q, k, v, layer, tokens, k_buffer, v_buffer, save_kv_cache) -> None:
+        """Raise the ``InvalidBatchError`` that names what :meth:`check_inputs` found wrong."""
         expect(
             (k_buffer.shape[1], k_buffer.shape[2], v_buffer.shape[2])
             == (layer.tp_k_head_num, layer.head_dim, layer.v_head_dim),
@@ -329,14 +357,12 @@ class AttentionBackend:
                 "None",
                 "tensors, or both None with save_kv_cache=False (the new tokens are then read from the cache)",
             )
-        shaped = []
         for name, t, heads, dim in (
             ("q", q, layer.tp_q_head_num, layer.head_dim),
             ("k", k, layer.tp_k_head_num, layer.head_dim),
             ("v", v, layer.tp_v_head_num, layer.v_head_dim),
         ):
             if t is None:
-                shaped.append(None)
                 continue
             expect(
                 isinstance(t, torch.Tensor) and tuple(t.shape) in ((tokens, heads * dim), (tokens, heads, dim)),
@@ -353,12 +379,10 @@ class AttentionBackend:
                 "float32, bfloat16 or float16",
             )
             expect(t.device == k_buffer.device, InvalidBatchError, f"{name}.device", t.device, str(k_buffer.device))
-            shaped.append(t.unflatten(1, (heads, dim)) if t.dim() == 2 else t)
         expect(
-            k is None or q.dtype == k.dtype == v.dtype,
+            False,
             InvalidBatchError,
             "q/k/v dtypes",
             (q.dtype, getattr(k, "dtype", None), getattr(v, "dtype", None)),
             "one dtype",
         )
-        return shaped

@@ -252,8 +252,10 @@ class PagedKVPool:
 
     def _layer(self, layer_id: int) -> int:
         index = layer_id - self.start_layer if isinstance(layer_id, int) else -1
+        if 0 <= index < self.layer_num:  # the per-layer hot path builds no message
+            return index
         expect(
-            0 <= index < self.layer_num,
+            False,
             KVCacheError,
             "layer_id",
             layer_id,
