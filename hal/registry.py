@@ -10,16 +10,28 @@ out-of-tree package would be)::
 A plugin that fails to import or is not a ``Device`` is recorded in
 ``Registry.errors`` and does not take the others down. ``HAL_PLUGINS=cpu,mydev``
 limits which plugins load.
+
+Faults are contained: any exception a plugin raises at import, in ``probe()`` or in
+``backends()`` (``SystemExit`` and every other ``BaseException`` included, except
+``KeyboardInterrupt``) becomes a reason, never a crash; ``probe()`` runs under a time
+limit (``HAL_PROBE_TIMEOUT`` seconds, default 20) and a probe that does not return is an
+unavailable device whose reason says so; a plugin whose entry point reuses a built-in
+device name (``cpu``, ``cuda``, ``npu``) is reported and the built-in is kept.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import math
 import os
+import threading
+import time
 import traceback
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import torch
 
 from hal.capability import DeviceCapability
 from hal.errors import ConfigError, PluginError
@@ -36,9 +48,14 @@ __all__ = [
     "probe_device",
     "device_backends",
     "ENTRY_POINT_GROUP",
+    "BUILTIN_DEVICES",
+    "probe_timeout",
 ]
 
 ENTRY_POINT_GROUP = "hal.devices"
+BUILTIN_DEVICES = {"cpu": "hal.devices.cpu", "cuda": "hal.devices.cuda", "npu": "hal.devices.npu"}
+"""The in-tree devices: name -> module. An entry point of another module cannot take these names."""
+DEFAULT_PROBE_TIMEOUT = 20.0
 
 
 class Device(ABC):
@@ -83,6 +100,8 @@ class Registry:
 
     def add(self, device: Device, source: str = "") -> None:
         problem = _check_device(device)
+        if problem is None and device.name in BUILTIN_DEVICES and not _is_builtin(type(device).__module__):
+            problem = f"device name {device.name!r} is a built-in device's; choose another name"
         if problem:
             raise PluginError(f"{source or device!r}: {problem}")
         self.devices[device.name] = device
@@ -92,30 +111,123 @@ class Registry:
         return sorted(self.devices.values(), key=lambda d: -d.priority)
 
 
-def probe_device(device: Device, index: int | None = None) -> DeviceCapability:
-    """``device.probe(index)``, with a plugin's exception turned into an unavailable capability.
-
-    A ``ConfigError`` (a bad ``HAL_*`` value the plugin reads) is the user's to fix and
-    propagates: a device must not quietly vanish from selection because of a typo.
-    """
+def probe_timeout() -> float:
+    """``HAL_PROBE_TIMEOUT``: seconds a device's ``probe()`` may take (default 20; ``inf`` waits forever)."""
+    raw = os.environ.get("HAL_PROBE_TIMEOUT", "").strip()
+    if not raw:
+        return DEFAULT_PROBE_TIMEOUT
     try:
-        cap = device.probe(index) if index is not None else device.probe()
-        if not isinstance(cap, DeviceCapability):
-            raise PluginError(f"probe() returned {type(cap).__name__}, expected a DeviceCapability")
-        return cap
-    except ConfigError:
-        raise
-    except Exception as exc:
-        why = f"plugin {device.name!r} probe() raised {type(exc).__name__}: {exc}"
-        return DeviceCapability(type=device.name, available=False, reasons={"device": why})
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not value > 0:  # also rejects nan
+        raise ConfigError(f"HAL_PROBE_TIMEOUT = {raw!r}: expected a number of seconds > 0 (or 'inf' for no limit)")
+    return value
+
+
+class _Call:
+    """One call of a plugin function in a daemon thread: a hang stays in that thread."""
+
+    def __init__(self, fn):
+        self.result = None
+        self.error: BaseException | None = None
+        self.started = time.monotonic()
+        index = _current_device_index()
+        self.thread = threading.Thread(target=self._run, args=(fn, index), name="hal-probe", daemon=True)
+        self.thread.start()
+
+    def _run(self, fn, index: int | None) -> None:
+        try:
+            if index is not None:  # the current device is per thread: give the probe the caller's
+                torch.accelerator.set_device_index(index)
+            self.result = fn()
+        except BaseException as exc:  # SystemExit from a plugin is a reason too
+            self.error = exc
+
+    def wait(self, timeout: float) -> bool:
+        """True when the call finished within ``timeout`` seconds."""
+        self.thread.join(None if math.isinf(timeout) else timeout)
+        return not self.thread.is_alive()
+
+
+def _current_device_index() -> int | None:
+    """The caller's current accelerator index when its runtime is already initialised (never initialises it)."""
+    acc = getattr(torch, "accelerator", None)
+    try:
+        if acc is None or not acc.is_available():
+            return None
+        module = getattr(torch, acc.current_accelerator().type, None)
+        if module is None or not module.is_initialized():
+            return None
+        return acc.current_device_index()
+    except Exception:  # an odd runtime: the probe then sees its own thread's default
+        return None
+
+
+_HANGING: dict[tuple[int, int | None], tuple[Device, _Call]] = {}  # (id(device), index) -> its probe still running
+_HANGING_LOCK = threading.Lock()
+
+
+def _unavailable(device: Device, why: str) -> DeviceCapability:
+    return DeviceCapability(type=device.name, available=False, reasons={"device": why})
+
+
+def probe_device(device: Device, index: int | None = None) -> DeviceCapability:
+    """``device.probe(index)`` under the ``HAL_PROBE_TIMEOUT`` limit, any fault turned into an unavailable capability.
+
+    Whatever the plugin raises (``SystemExit`` included; ``KeyboardInterrupt`` is the
+    user's and propagates) is a reason. A probe that does not return in time is left
+    running in its daemon thread and the device is unavailable; later calls do not start
+    another one but wait for that one (up to the limit again) and use its answer if it
+    comes. A ``ConfigError`` (a bad ``HAL_*`` value the plugin reads) is the user's to
+    fix and propagates: a device must not quietly vanish from selection because of a typo.
+    """
+    timeout = probe_timeout()
+    key = (id(device), index)
+    with _HANGING_LOCK:
+        pending = _HANGING.pop(key, None)
+    if pending is not None and pending[0] is device:
+        call = pending[1]
+    else:
+        call = _Call(device.probe if index is None else lambda: device.probe(index))
+    if not call.wait(timeout):
+        with _HANGING_LOCK:
+            _HANGING[key] = (device, call)
+        waited = time.monotonic() - call.started
+        return _unavailable(
+            device,
+            f"plugin {device.name!r} probe() did not return within {timeout:g} s (still running after "
+            f"{waited:.1f} s; HAL_PROBE_TIMEOUT sets the limit)",
+        )
+    exc = call.error
+    if exc is None:
+        cap = call.result
+        if isinstance(cap, DeviceCapability):
+            return cap
+        exc = PluginError(f"probe() returned {type(cap).__name__}, expected a DeviceCapability")
+    if isinstance(exc, (ConfigError, KeyboardInterrupt)):
+        raise exc
+    return _unavailable(device, f"plugin {device.name!r} probe() raised {_describe(exc)}")
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, SystemExit):
+        return f"SystemExit (code {exc.code!r})"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def device_backends(device: Device) -> tuple[list[type[AttentionBackend]], str | None]:
-    """``device.backends()`` and None, or ``[]`` and the error a broken plugin raised."""
+    """``device.backends()`` and None, or ``[]`` and the error a broken plugin raised (``SystemExit`` included)."""
     try:
         return list(device.backends()), None
-    except Exception as exc:
-        return [], f"plugin {device.name!r} backends() raised {type(exc).__name__}: {exc}"
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # a plugin's SystemExit must not end the caller
+        return [], f"plugin {device.name!r} backends() raised {_describe(exc)}"
+
+
+def _is_builtin(module: str) -> bool:
+    return any(module == m or module.startswith(m + ".") for m in BUILTIN_DEVICES.values())
 
 
 def _check_device(device: object) -> str | None:
@@ -141,10 +253,21 @@ def _wanted_plugins(available: list[str]) -> list[str]:
 
 
 def load_registry() -> Registry:
-    """Load every plugin of the ``hal.devices`` group that ``HAL_PLUGINS`` allows."""
+    """Load every plugin of the ``hal.devices`` group that ``HAL_PLUGINS`` allows.
+
+    An entry point reusing a built-in device's name (``cpu``, ``cuda``, ``npu``) is
+    recorded in ``errors`` under ``"<name> (<entry point>)"`` and the built-in is kept.
+    """
     reg = Registry()
-    entry_points = {}
+    entry_points: dict[str, importlib.metadata.EntryPoint] = {}
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        builtin = BUILTIN_DEVICES.get(ep.name)
+        if builtin is not None and not _is_builtin(ep.module):
+            reg.errors[f"{ep.name} ({ep.value})"] = (
+                f"{ep.value}: entry point {ep.name!r} reuses the name of the built-in device {ep.name!r} "
+                f"({builtin}); the built-in is kept: publish the plugin under another name"
+            )
+            continue
         if ep.name in entry_points and entry_points[ep.name].value != ep.value:
             reg.errors[ep.name] = f"two plugins are named {ep.name!r}: {entry_points[ep.name].value} and {ep.value}"
         entry_points[ep.name] = ep
@@ -160,10 +283,12 @@ def load_registry() -> Registry:
                 problem = f"entry point {name!r} names a device called {device.name!r}"
             if problem:
                 raise PluginError(problem)
-        except Exception as exc:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # SystemExit at a plugin's import is contained too
             last = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
             where = f" (at {last[0].filename}:{last[0].lineno})" if last else ""
-            reg.errors[name] = f"{ep.value}: {type(exc).__name__}: {exc}{where}"
+            reg.errors[name] = f"{ep.value}: {_describe(exc)}{where}"
             continue
         reg.devices[name] = device
     return reg

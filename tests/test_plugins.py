@@ -397,3 +397,163 @@ def test_unregister_device_removes_it_for_good(monkeypatch):
     unregister_device("vendor")
     assert "vendor" not in get_registry().devices
     assert "vendor" not in get_registry(reload=True).devices
+
+
+# -- faults contained: hanging probes, SystemExit, built-in names -----------------------------
+
+HANGING_DEVICE = """
+    import threading
+
+    from hal.capability import DeviceCapability
+    from hal.registry import Device
+
+    release = threading.Event()
+    calls = []
+
+    class HangingDevice(Device):
+        name = "hanging"
+        priority = 300
+
+        def probe(self):
+            calls.append(1)
+            release.wait(600)  # a driver call that never returns
+            return DeviceCapability(type="hanging", available=False, reasons={{"device": "{why}"}})
+
+        def backends(self):
+            return []
+
+    device = HangingDevice()
+"""
+
+
+def test_hanging_probe_is_unavailable_and_info_and_select_still_answer(monkeypatch, plugins):
+    monkeypatch.setenv("HAL_PROBE_TIMEOUT", "0.2")
+    plugins.install(plugins.add("hanging", HANGING_DEVICE.format(why="woke up late")))
+    reg = get_registry(reload=True)
+    device = reg.devices["hanging"]
+    module = sys.modules[type(device).__module__]
+    try:
+        cap = probe_device(device)
+        assert not cap.available
+        assert "probe() did not return within 0.2 s" in cap.reasons["device"]
+        assert "HAL_PROBE_TIMEOUT" in cap.reasons["device"]
+
+        sel = select()
+        assert sel.device == "cpu"
+        assert any(s.startswith("device hanging: unavailable:") and "did not return" in s for s in sel.trace)
+        by_name = {d["name"]: d for d in info()["devices"]}
+        assert not by_name["hanging"]["available"] and by_name["cpu"]["available"]
+        assert len(module.calls) == 1  # the hung probe is waited for again, never started twice
+
+        monkeypatch.setenv("HAL_DEVICE", "hanging")
+        with pytest.raises(DeviceUnavailableError, match="did not return within"):
+            select()
+    finally:
+        module.release.set()
+    # once the probe returns, its answer is used
+    cap = probe_device(device)
+    assert cap.reasons["device"] == "woke up late"
+    assert len(module.calls) == 1
+
+
+@pytest.mark.parametrize("raw", ["abc", "0", "-1", "nan"])
+def test_bad_probe_timeout_is_a_config_error(monkeypatch, raw):
+    monkeypatch.setenv("HAL_PROBE_TIMEOUT", raw)
+    with pytest.raises(ConfigError, match=r"HAL_PROBE_TIMEOUT = .*expected a number of seconds > 0"):
+        probe_device(get_registry().get("cpu"))
+
+
+def test_probe_timeout_default_and_inf(monkeypatch):
+    from hal.registry import DEFAULT_PROBE_TIMEOUT, probe_timeout
+
+    monkeypatch.delenv("HAL_PROBE_TIMEOUT", raising=False)
+    assert probe_timeout() == DEFAULT_PROBE_TIMEOUT
+    monkeypatch.setenv("HAL_PROBE_TIMEOUT", "inf")
+    assert probe_timeout() == float("inf")
+    assert probe_device(get_registry().get("cpu")).available
+
+
+def test_plugin_calling_sys_exit_at_import_is_contained(plugins):
+    plugins.install(plugins.add("quitter", "import sys\nsys.exit('no licence')\n"))
+    reg = get_registry(reload=True)
+    assert "quitter" not in reg.devices
+    assert "SystemExit (code 'no licence')" in reg.errors["quitter"]
+    sel = select()
+    assert sel.device == "cpu"
+    assert any(s.startswith("plugin quitter: failed to load:") for s in sel.trace)
+    assert {d["name"] for d in info()["devices"]} == {"cpu", "quitter"}
+
+
+class _Odd(BaseException):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("exc", "said"),
+    [(SystemExit(3), "SystemExit (code 3)"), (_Odd("weird"), "_Odd: weird"), (GeneratorExit(), "GeneratorExit")],
+)
+def test_probe_raising_any_base_exception_is_contained(monkeypatch, exc, said):
+    monkeypatch.setenv("HAL_PLUGINS", "cpu")
+
+    class Raiser(Device):
+        name = "raiser"
+        priority = 100
+
+        def probe(self):
+            raise exc
+
+        def backends(self):
+            raise exc
+
+    register_device(Raiser())
+    device = get_registry().devices["raiser"]
+    cap = probe_device(device)
+    assert not cap.available and said in cap.reasons["device"]
+    classes, error = device_backends(device)
+    assert classes == [] and f"plugin 'raiser' backends() raised {said}" in error
+    assert select().device == "cpu"
+
+
+def test_keyboard_interrupt_in_probe_propagates(monkeypatch):
+    monkeypatch.setenv("HAL_PLUGINS", "cpu")
+
+    class Interrupted(Device):
+        name = "interrupted"
+
+        def probe(self):
+            raise KeyboardInterrupt
+
+        def backends(self):
+            return []
+
+    with pytest.raises(KeyboardInterrupt):
+        probe_device(Interrupted())
+
+
+def test_plugin_reusing_a_builtin_name_is_reported_and_the_builtin_kept(plugins):
+    impostor = plugins.add("cpu", GOOD_DEVICE.format(name="cpu"))
+    plugins.install(impostor)
+    reg = get_registry(reload=True)
+    assert type(reg.devices["cpu"]).__module__ == "hal.devices.cpu"
+    key = f"cpu ({impostor.value})"
+    assert "reuses the name of the built-in device 'cpu'" in reg.errors[key]
+    assert "the built-in is kept" in reg.errors[key]
+    sel = select()
+    assert sel.device == "cpu" and sel.backend == "torch"
+    names = [d["name"] for d in info()["devices"]]
+    assert names.count("cpu") == 1 and key in names
+
+
+def test_register_device_cannot_take_a_builtin_name():
+    class FakeCpu(Device):
+        name = "cpu"
+
+        def probe(self):
+            return DeviceCapability(type="cpu", available=True)
+
+        def backends(self):
+            return []
+
+    with pytest.raises(PluginError, match="'cpu' is a built-in device's"):
+        register_device(FakeCpu())
+    assert type(get_registry().devices["cpu"]).__module__ == "hal.devices.cpu"
