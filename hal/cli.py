@@ -1,4 +1,4 @@
-"""The ``hal`` command: ``info``, ``check``, ``demo``, ``bench``."""
+"""The ``hal`` command: ``info``, ``check``, ``demo``, ``bench``, ``lint``, ``report``."""
 
 from __future__ import annotations
 
@@ -130,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         choices=["step"],
         help="step: per-step host costs (batch construction, metadata, host reads, per-layer forward time)",
     )
+    p_lint = sub.add_parser("lint", help="static check of backend sources for what breaks graph capture")
+    p_lint.add_argument("paths", nargs="+", metavar="PATH", help="backend .py files or directories")
+    p_lint.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     try:
         if args.command == "info":
@@ -161,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
             data = run_step_workload(args.device, backend, repeats=5 if args.quick else 20)
             print(json.dumps(data, indent=2) if args.json else _format_step(data))
             return 0
+        if args.command == "lint":
+            from hal.lint import main as run_lint
+
+            return run_lint(args.paths, as_json=args.json)
         if args.command == "bench":
             from hal.bench import run_bench
 

@@ -346,6 +346,7 @@ class AscendBackend(AttentionBackend):
             workspace = get_workspace(**kwargs, context_lens=longest)
         extra = {} if workspace is None else {"workspace": workspace}
         npu.graph_task_group_begin(stream)
+        # hal: allow-host-data the task is re-issued with each replay's host lengths (_update_graph_tasks)
         self.ops._npu_paged_attention(**kwargs, context_lens=torch.tensor(meta.kv_lens, dtype=torch.int32), **extra)
         handle = npu.graph_task_group_end(stream)
         self._graph_tasks[meta.batch_size].append(_CapturedTask(handle, event, kwargs, workspace))

@@ -1,0 +1,515 @@
+"""``hal lint``: a static check of a backend's source for what breaks graph capture.
+
+A captured graph (CUDA graph, NPU graph) records device work once and replays it; host
+code does not run at replay. So the methods that run inside a capture must not read
+device data on the host, must not produce shapes that depend on tensor data, and must
+not size allocations from tensor data. ``hal lint`` reads a backend's Python source
+(``ast``, nothing is imported or run) and reports, in the in-graph methods
+
+    init_forward_metadata_in_graph, forward, forward_decode, forward_extend, forward_mixed
+
+and every function of the same module they call (``self.f()``, ``f()``,
+``self.attr.f()`` for a method ``f`` of a class of the module):
+
+* host syncs (``host-sync``): ``.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()``,
+  ``.to("cpu")``, Python ``int()`` / ``float()`` / ``bool()`` of a tensor, a tensor
+  as an ``if`` / ``while`` / ``assert`` condition or an ``and`` / ``or`` operand,
+  ``torch.equal``;
+* data-dependent shapes (``dynamic-shape``): ``nonzero``, ``argwhere``, one-argument
+  ``torch.where``, ``unique``, ``unique_consecutive``, ``masked_select``, indexing
+  with a boolean mask (where the mask is recognisably boolean: a comparison, ``~``,
+  ``&``/``|`` of those, ``.bool()``...), ``repeat_interleave`` with tensor repeats and
+  no ``output_size``;
+* allocations sized from tensor data (``data-alloc``): ``torch.empty`` / ``zeros`` /
+  ``ones`` / ``full`` / ``arange`` / ``new_*`` ... whose size involves a tensor value;
+* host data baked into the graph (``host-data``): ``torch.tensor(<not a literal>)`` or
+  ``torch.as_tensor`` (a graph replays the values seen at capture).
+
+What is a tensor is inferred, conservatively: the ``ForwardBatch`` tensor fields
+(``fb.seq_lens``...), ``q``/``k``/``v`` parameters, results of ``torch.*`` calls and of
+tensor methods, and names assigned from those. A finding that is intended (a path that
+never runs under capture) is allowed by a comment on its line, or on the line above::
+
+    n = int(lens.max())  # hal: allow-host-sync eager-only path, never captured
+
+(``allow-<tag>`` with the finding's tag, followed by a reason; a reason is required.)
+Each finding prints as ``file:line: message [tag]``; ``hal lint`` exits 1 when there is
+any, 2 when a file cannot be read or parsed.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from hal.errors import ConfigError
+
+__all__ = ["IN_GRAPH_METHODS", "Finding", "lint_source", "lint_paths", "main"]
+
+IN_GRAPH_METHODS = frozenset(
+    {"init_forward_metadata_in_graph", "forward", "forward_decode", "forward_extend", "forward_mixed"}
+)
+TAGS = ("host-sync", "dynamic-shape", "data-alloc", "host-data")
+
+# ForwardBatch / SpecInfo / pool fields that are tensors
+_TENSOR_FIELDS = frozenset(
+    {
+        "req_pool_indices",
+        "seq_lens",
+        "seq_lens_cpu",
+        "out_cache_loc",
+        "positions",
+        "extend_seq_lens",
+        "extend_prefix_lens",
+        "extend_start_loc",
+        "custom_mask",
+        "req_to_token",
+        "k_buffer",
+        "v_buffer",
+    }
+)
+_TENSOR_PARAMS = frozenset({"q", "k", "v", "q_rope", "k_rope"})  # when not annotated
+# methods whose result is a tensor whatever the receiver (no Python builtin type has them)
+_TENSOR_RESULT_METHODS = frozenset(
+    {
+        "max",
+        "min",
+        "sum",
+        "prod",
+        "mean",
+        "any",
+        "all",
+        "argmax",
+        "argmin",
+        "cumsum",
+        "long",
+        "int",
+        "float",
+        "half",
+        "bfloat16",
+        "bool",
+        "clone",
+        "contiguous",
+        "view",
+        "reshape",
+        "flatten",
+        "transpose",
+        "permute",
+        "squeeze",
+        "unsqueeze",
+        "expand",
+        "narrow",
+        "gather",
+        "index_select",
+        "masked_fill",
+        "clamp",
+        "abs",
+        "exp",
+        "softmax",
+        "matmul",
+        "bmm",
+        "eq",
+        "ne",
+        "lt",
+        "le",
+        "gt",
+        "ge",
+        "logical_and",
+        "logical_or",
+        "logical_not",
+        "isnan",
+        "device_lens",
+        "get_key_buffer",
+        "get_value_buffer",
+        "get_kv_buffer",
+    }
+)
+# torch.* functions whose result is not a tensor
+_TORCH_NON_TENSOR = frozenset(
+    {"device", "dtype", "is_tensor", "is_floating_point", "numel", "get_default_dtype", "Size", "finfo", "iinfo"}
+)
+# Tensor attributes / methods that give host metadata, not data
+_METADATA = frozenset(
+    {"shape", "dtype", "device", "ndim", "dim", "numel", "size", "stride", "is_floating_point", "element_size"}
+)
+_BOOL_METHODS = frozenset({"bool", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not"})
+_BOOL_TORCH = frozenset({"isnan", "isinf", "isfinite", "logical_and", "logical_or", "logical_not", "eq", "ne"})
+_HOST_METHODS = {
+    "item": ".item() reads a device value on the host",
+    "tolist": ".tolist() copies a tensor to the host",
+    "cpu": ".cpu() copies a tensor to the host",
+    "numpy": ".numpy() needs a host tensor",
+}
+_SHAPE_FUNCS = {
+    "nonzero": "nonzero has a data-dependent output shape",
+    "argwhere": "argwhere has a data-dependent output shape",
+    "unique": "unique has a data-dependent output shape",
+    "unique_consecutive": "unique_consecutive has a data-dependent output shape",
+    "masked_select": "masked_select has a data-dependent output shape",
+}
+_ALLOCATORS = frozenset(
+    {"empty", "zeros", "ones", "full", "arange", "rand", "randn", "randint", "empty_strided", "linspace"}
+)
+_NEW_ALLOCATORS = frozenset({"new_empty", "new_zeros", "new_ones", "new_full"})
+_ALLOW = re.compile(r"#\s*hal:\s*allow-([a-z-]+)(.*)$")
+
+
+@dataclass(frozen=True)
+class Finding:
+    path: str
+    line: int
+    tag: str
+    message: str
+    function: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.message} (in {self.function}) [{self.tag}]"
+
+
+def _tensor_param(arg: ast.arg) -> bool:
+    """A parameter annotated as a tensor, or an unannotated ``q``/``k``/``v``."""
+    if arg.annotation is not None:
+        return "Tensor" in ast.unparse(arg.annotation)
+    return arg.arg in _TENSOR_PARAMS
+
+
+def _dotted(node: ast.AST) -> str:
+    """``torch.nn.functional.pad`` for an attribute chain of names, else ``""``."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+        return ".".join(reversed(parts))
+    return ""
+
+
+class _FunctionLinter(ast.NodeVisitor):
+    """Findings in one function's body, with a small flow-insensitive guess of which names hold tensors."""
+
+    def __init__(self, func: ast.FunctionDef, torch_names: set[str]):
+        self.func = func
+        self.torch_names = torch_names  # names the module binds to torch (torch, th...)
+        self.tensors: set[str] = {a.arg for a in func.args.args + func.args.kwonlyargs if _tensor_param(a)}
+        self.bools: set[str] = set()
+        self.synced: set[str] = set()  # host values read from tensor data (n = int(x.max()))
+        self.findings: list[tuple[int, str, str]] = []
+        self._infer_names()
+
+    # -- what is a tensor ------------------------------------------------------------
+    def _infer_names(self) -> None:
+        assigns = [n for n in ast.walk(self.func) if isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign))]
+        for _ in range(3):  # names assigned from names assigned from tensors
+            for node in assigns:
+                value = node.value
+                if value is None:
+                    continue
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    names = [target] if isinstance(target, ast.Name) else []
+                    if isinstance(target, (ast.Tuple, ast.List)):
+                        names = [e for e in target.elts if isinstance(e, ast.Name)]
+                    if not names:
+                        continue
+                    if self.is_tensor(value):
+                        self.tensors.update(n.id for n in names)
+                    if len(names) == 1 and self.is_bool_tensor(value):
+                        self.bools.add(names[0].id)
+                    if self._reads_data(value):
+                        self.synced.update(n.id for n in names)
+
+    def _reads_data(self, node: ast.AST) -> bool:
+        """A host value read from a tensor: ``int(t)``, ``float(t)``, ``t.item()`` or ``t.tolist()`` in it."""
+        for sub in ast.walk(node):
+            if not isinstance(sub, ast.Call):
+                continue
+            if isinstance(sub.func, ast.Attribute) and sub.func.attr in ("item", "tolist"):
+                return True
+            if isinstance(sub.func, ast.Name) and sub.func.id in ("int", "float") and sub.args:
+                if self.is_tensor(sub.args[0]) or (isinstance(sub.args[0], ast.Name) and sub.args[0].id in self.synced):
+                    return True
+        return False
+
+    def is_torch_call(self, node: ast.AST) -> str | None:
+        """The function name of a ``torch.f(...)`` / ``torch.nn.functional.f(...)`` call, else None."""
+        if isinstance(node, ast.Call):
+            name = _dotted(node.func)
+            head, _, rest = name.partition(".")
+            if rest and head in self.torch_names:
+                return rest.rsplit(".", 1)[-1]
+        return None
+
+    def is_tensor(self, node: ast.AST) -> bool:
+        if isinstance(node, ast.Name):
+            return node.id in self.tensors
+        if isinstance(node, ast.Attribute):
+            return node.attr in _TENSOR_FIELDS
+        if isinstance(node, ast.Subscript):
+            return self.is_tensor(node.value)
+        if isinstance(node, ast.BinOp):
+            return self.is_tensor(node.left) or self.is_tensor(node.right)
+        if isinstance(node, ast.UnaryOp):
+            return self.is_tensor(node.operand)
+        if isinstance(node, ast.Compare):
+            if all(isinstance(op, (ast.Is, ast.IsNot, ast.In, ast.NotIn)) for op in node.ops):
+                return False
+            return self.is_tensor(node.left) or any(self.is_tensor(c) for c in node.comparators)
+        if isinstance(node, ast.Call):
+            fn = self.is_torch_call(node)
+            if fn is not None:
+                return fn not in _TORCH_NON_TENSOR
+            if isinstance(node.func, ast.Attribute):
+                method = node.func.attr
+                if method in _METADATA or method in _HOST_METHODS:
+                    return False
+                return method in _TENSOR_RESULT_METHODS or self.is_tensor(node.func.value)
+        return False
+
+    def is_bool_tensor(self, node: ast.AST) -> bool:
+        if isinstance(node, ast.Name):
+            return node.id in self.bools
+        if isinstance(node, ast.Compare):
+            return self.is_tensor(node)
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Invert):
+            return self.is_bool_tensor(node.operand) or self.is_tensor(node.operand)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.BitAnd, ast.BitOr, ast.BitXor)):
+            return self.is_bool_tensor(node.left) or self.is_bool_tensor(node.right)
+        if isinstance(node, ast.Call):
+            fn = self.is_torch_call(node)
+            if fn is not None:
+                return fn in _BOOL_TORCH
+            if isinstance(node.func, ast.Attribute) and node.func.attr in _BOOL_METHODS:
+                return True
+        return False
+
+    def _data_in(self, node: ast.AST) -> bool:
+        """Whether a size expression involves tensor data (a tensor, ``int()``/``.item()`` of one, a name set so)."""
+        if isinstance(node, ast.Attribute) and node.attr in _METADATA:
+            return False
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr in _METADATA:
+                return False
+            if node.func.attr in _HOST_METHODS:
+                return True
+        if isinstance(node, ast.Name) and node.id in self.synced:
+            return True
+        if self.is_tensor(node):
+            return True
+        return any(self._data_in(child) for child in ast.iter_child_nodes(node))
+
+    # -- findings --------------------------------------------------------------------
+    def add(self, node: ast.AST, tag: str, message: str) -> None:
+        self.findings.append((node.lineno, tag, message))
+
+    def _condition(self, test: ast.AST, what: str) -> None:
+        if self.is_tensor(test):
+            self.add(test, "host-sync", f"a tensor as {what} condition is bool() of it: a host sync")
+
+    def visit_If(self, node: ast.If) -> None:
+        self._condition(node.test, "an if")
+        self.generic_visit(node)
+
+    def visit_While(self, node: ast.While) -> None:
+        self._condition(node.test, "a while")
+        self.generic_visit(node)
+
+    def visit_IfExp(self, node: ast.IfExp) -> None:
+        self._condition(node.test, "a conditional expression's")
+        self.generic_visit(node)
+
+    def visit_Assert(self, node: ast.Assert) -> None:
+        self._condition(node.test, "an assert")
+        self.generic_visit(node)
+
+    def visit_BoolOp(self, node: ast.BoolOp) -> None:
+        for value in node.values[:-1]:
+            if self.is_tensor(value):
+                self.add(value, "host-sync", "a tensor as an and/or operand is bool() of it: a host sync")
+        self.generic_visit(node)
+
+    def visit_Subscript(self, node: ast.Subscript) -> None:
+        index = node.slice
+        items = index.elts if isinstance(index, ast.Tuple) else [index]
+        if any(self.is_bool_tensor(i) for i in items):
+            self.add(node, "dynamic-shape", "indexing with a boolean mask has a data-dependent shape (nonzero)")
+        self.generic_visit(node)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        fn = self.is_torch_call(node)
+        method = node.func.attr if isinstance(node.func, ast.Attribute) and fn is None else None
+        name = fn or method
+        builtin = node.func.id if isinstance(node.func, ast.Name) else None
+        if method in _HOST_METHODS:
+            self.add(node, "host-sync", _HOST_METHODS[method])
+        elif method == "to" and any(
+            isinstance(a, ast.Constant) and a.value == "cpu" for a in [*node.args, *(k.value for k in node.keywords)]
+        ):
+            self.add(node, "host-sync", '.to("cpu") copies a tensor to the host')
+        elif fn == "equal":
+            self.add(node, "host-sync", "torch.equal returns a Python bool: a host sync")
+        elif builtin in ("int", "float", "bool") and node.args and self.is_tensor(node.args[0]):
+            self.add(node, "host-sync", f"{builtin}() of a tensor reads it on the host")
+        if name in _SHAPE_FUNCS and (fn is not None or method is not None):
+            self.add(node, "dynamic-shape", _SHAPE_FUNCS[name])
+        elif fn == "where" and len(node.args) == 1 and not node.keywords:
+            self.add(node, "dynamic-shape", "torch.where(cond) (one argument) is nonzero: a data-dependent shape")
+        elif name == "repeat_interleave" and not any(k.arg == "output_size" for k in node.keywords):
+            repeats = node.args[1] if fn is not None and len(node.args) > 1 else (node.args[0] if node.args else None)
+            repeats = next((k.value for k in node.keywords if k.arg == "repeats"), repeats)
+            if repeats is not None and self.is_tensor(repeats):
+                self.add(node, "dynamic-shape", "repeat_interleave with tensor repeats and no output_size")
+        sizes = [k.value for k in node.keywords if k.arg in ("size", "end", "start", "steps")]
+        if fn in _ALLOCATORS or method in _NEW_ALLOCATORS:
+            sizes += node.args[:1] if name in ("full", "new_full") else node.args
+        if sizes and (fn in _ALLOCATORS or method in _NEW_ALLOCATORS) and any(self._data_in(a) for a in sizes):
+            self.add(node, "data-alloc", f"{name}() sized from tensor data: a shape the graph cannot replay")
+        if fn in ("tensor", "as_tensor") and node.args and not isinstance(node.args[0], ast.Constant):
+            self.add(node, "host-data", f"torch.{fn}(<host data>): a graph replays the values seen at capture")
+        self.generic_visit(node)
+
+
+def _torch_names(tree: ast.Module) -> set[str]:
+    names = {"torch"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.asname or a.name for a in node.names if a.name == "torch")
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch" and node.names:
+            pass  # `from torch import nn`: handled as the attribute chain nn.functional...
+    return names
+
+
+def _reachable(tree: ast.Module) -> list[tuple[str, ast.FunctionDef]]:
+    """The in-graph methods and every function of the module they call, as ``(qualified name, def)``."""
+    functions: dict[str, ast.FunctionDef] = {}
+    methods: dict[str, dict[str, ast.FunctionDef]] = {}  # class -> name -> def
+    bases: dict[str, list[str]] = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            functions[node.name] = node
+        elif isinstance(node, ast.ClassDef):
+            methods[node.name] = {
+                n.name: n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            }
+            bases[node.name] = [b.id for b in node.bases if isinstance(b, ast.Name)]
+
+    def method_of(cls: str, name: str) -> tuple[str, ast.FunctionDef] | None:
+        seen = set()
+        while cls in methods and cls not in seen:
+            seen.add(cls)
+            if name in methods[cls]:
+                return cls, methods[cls][name]
+            cls = next((b for b in bases.get(cls, []) if b in methods), "")
+        return None
+
+    todo: list[tuple[str | None, str, ast.FunctionDef]] = []
+    for cls, members in methods.items():
+        todo += [(cls, name, fn) for name, fn in members.items() if name in IN_GRAPH_METHODS]
+    todo += [(None, name, fn) for name, fn in functions.items() if name in IN_GRAPH_METHODS]
+    seen: dict[int, tuple[str, ast.FunctionDef]] = {}
+    while todo:
+        cls, name, fn = todo.pop()
+        if id(fn) in seen:
+            continue
+        seen[id(fn)] = (f"{cls}.{name}" if cls else name, fn)
+        for call in (n for n in ast.walk(fn) if isinstance(n, ast.Call)):
+            target = call.func
+            if isinstance(target, ast.Name) and target.id in functions:
+                todo.append((None, target.id, functions[target.id]))
+            elif isinstance(target, ast.Attribute):
+                owner = target.value
+                if isinstance(owner, ast.Name) and owner.id in ("self", "cls") and cls is not None:
+                    found = method_of(cls, target.attr)
+                    if found:
+                        todo.append((found[0], target.attr, found[1]))
+                elif (
+                    isinstance(owner, ast.Attribute) and isinstance(owner.value, ast.Name) and owner.value.id == "self"
+                ):
+                    todo += [(c, target.attr, m[target.attr]) for c, m in methods.items() if target.attr in m]
+                elif isinstance(owner, ast.Name) and owner.id in methods:
+                    found = method_of(owner.id, target.attr)
+                    if found:
+                        todo.append((found[0], target.attr, found[1]))
+    return sorted(seen.values(), key=lambda item: item[1].lineno)
+
+
+def _allowed(lines: list[str], line: int, tag: str) -> tuple[bool, str | None]:
+    """Whether an allow comment for ``tag`` sits on ``line`` or the line above; and a problem with it."""
+    for number in (line, line - 1):
+        if not 1 <= number <= len(lines):
+            continue
+        match = _ALLOW.search(lines[number - 1])
+        if match and match.group(1) == tag:
+            if not match.group(2).strip():
+                return False, f"`# hal: allow-{tag}` needs a reason after it"
+            return True, None
+    return False, None
+
+
+def lint_source(source: str, path: str = "<source>") -> list[Finding]:
+    """Findings for one module's source (raises ``SyntaxError`` when it does not parse)."""
+    tree = ast.parse(source, filename=path)
+    lines = source.splitlines()
+    torch_names = _torch_names(tree)
+    findings: dict[tuple[int, str, str], Finding] = {}
+    for qualname, fn in _reachable(tree):
+        linter = _FunctionLinter(fn, torch_names)
+        for stmt in fn.body:
+            linter.visit(stmt)
+        for line, tag, message in linter.findings:
+            ok, problem = _allowed(lines, line, tag)
+            if ok:
+                continue
+            if problem:
+                message = f"{message}; {problem}"
+            findings.setdefault((line, tag, message), Finding(path, line, tag, message, qualname))
+    return sorted(findings.values(), key=lambda f: (f.line, f.tag))
+
+
+def _files(paths: list[str]) -> list[Path]:
+    files: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if path.is_dir():
+            files += sorted(p for p in path.rglob("*.py") if p.is_file())
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise ConfigError(f"hal lint: {raw!r}: expected a Python file or a directory")
+    return files
+
+
+def lint_paths(paths: list[str]) -> list[Finding]:
+    """Findings over files and directories (every ``*.py`` below a directory)."""
+    findings: list[Finding] = []
+    for path in _files(paths):
+        try:
+            source = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"hal lint: {path}: cannot read: {exc}") from exc
+        try:
+            findings += lint_source(source, str(path))
+        except SyntaxError as exc:
+            raise ConfigError(f"hal lint: {path}:{exc.lineno}: does not parse: {exc.msg}") from exc
+    return findings
+
+
+def main(paths: list[str], as_json: bool = False) -> int:
+    """Print the findings (``file:line: message``) and return 1 when there is any, else 0."""
+    findings = lint_paths(paths)
+    if as_json:
+        import json
+
+        print(json.dumps([f.__dict__ for f in findings], indent=2))
+    else:
+        for finding in findings:
+            print(finding)
+        files = len(_files(paths))
+        print(
+            f"hal lint: {len(findings)} finding(s) in {files} file(s)"
+            if findings
+            else f"hal lint: {files} file(s) clean"
+        )
+    return 1 if findings else 0
