@@ -133,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     p_lint = sub.add_parser("lint", help="static check of backend sources for what breaks graph capture")
     p_lint.add_argument("paths", nargs="+", metavar="PATH", help="backend .py files or directories")
     p_lint.add_argument("--json", action="store_true")
+    p_report = sub.add_parser("report", help="merge `hal check --json` files into one device x backend x family matrix")
+    p_report.add_argument("results", nargs="+", metavar="RESULT.json")
+    p_report.add_argument("--format", default="md", choices=["md", "html"])
+    p_report.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
     args = parser.parse_args(argv)
     try:
         if args.command == "info":
@@ -168,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
             from hal.lint import main as run_lint
 
             return run_lint(args.paths, as_json=args.json)
+        if args.command == "report":
+            from hal.report import main as run_report
+
+            return run_report(args.results, args.format, args.output)
         if args.command == "bench":
             from hal.bench import run_bench
 
