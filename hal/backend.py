@@ -137,17 +137,34 @@ class AttentionBackend:
         self.init_forward_metadata_in_graph(forward_batch)
 
     def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False) -> None:
-        """Host-side per-step metadata, outside any graph (``in_capture=True`` before a capture)."""
+        """Host-side per-step metadata, outside any graph (``in_capture=True`` before a capture).
+
+        Runs before every eager step and every graph replay. May read host mirrors and fix
+        every shape; must end with ``self.set_forward_metadata(meta, forward_batch)`` (the
+        ``forward_*`` methods read it back with ``self.metadata_for(forward_batch)``). Returns None.
+        """
 
     def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:
-        """Graph-recordable, static-shape device work; replayed by the graph."""
+        """Graph-recordable, static-shape device work; replayed by the graph. Returns None.
+
+        Fills the device tensors of the metadata ``out_graph`` set, from the batch's device
+        tensors only: no ``.item()`` / ``.tolist()`` / ``.cpu()``, no ``int()`` of a tensor,
+        no data-dependent shape, no allocation sized from tensor data (``hal lint`` checks).
+        """
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        """Allocate every buffer a captured graph reads, for up to ``max_bs`` requests."""
+        """Allocate every buffer a captured graph reads, for up to ``max_bs`` requests and
+        ``max_num_tokens`` query tokens. Returns None. Called once, before any capture;
+        a backend that declares ``supports_graph`` must implement it."""
         raise NotImplementedError()
 
     def init_forward_metadata_for_breakable_cuda_graph_capture(self, forward_batch: ForwardBatch):
-        """Create forward metadata whose tensor addresses a breakable graph captures."""
+        """Create forward metadata whose tensor addresses a breakable graph captures.
+
+        Returns the metadata object (the engine keeps it and hands it back to
+        ``prepare_forward_metadata_for_breakable_cuda_graph_replay``). Only for backends
+        that set ``use_captured_forward_metadata_for_breakable_cuda_graph``.
+        """
         raise NotImplementedError()
 
     def prepare_forward_metadata_for_breakable_cuda_graph_replay(
@@ -157,11 +174,19 @@ class AttentionBackend:
         *,
         static_forward_batch: ForwardBatch | None = None,
     ) -> None:
-        """Refresh captured metadata in place for this batch and make it the active metadata."""
+        """Refresh captured metadata in place for this batch and make it the active metadata.
+
+        Writes into ``capture_metadata``'s tensors (same addresses) and calls
+        ``set_forward_metadata``; returns None.
+        """
         raise NotImplementedError()
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
-        """``seq_lens`` value of the padding requests of a replayed batch (0 or 1)."""
+        """``seq_lens`` value of the padding requests of a replayed batch: returns the int 0 or 1.
+
+        1 when a kernel needs at least one key per request (the padding request then reads
+        the padding slot); a backend that declares ``supports_graph`` must implement it.
+        """
         raise NotImplementedError()
 
     def on_after_cuda_graph_warmup(self) -> None:
@@ -172,7 +197,11 @@ class AttentionBackend:
         return [None, None]
 
     def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs: int | None) -> None:
-        """Recompute metadata that depends on the buffers above once the draft filled them."""
+        """Recompute metadata that depends on the buffers above once the draft filled them.
+
+        Returns None. Only for backends whose ``get_verify_buffers_to_fill_after_draft``
+        returns buffers.
+        """
         raise NotImplementedError()
 
     # -- forward -----------------------------------------------------------------------
@@ -208,15 +237,27 @@ class AttentionBackend:
         return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs) -> torch.Tensor:
-        """One query token per request; same shapes as ``forward``."""
+        """DECODE: one query token per request. Returns ``[T, q_heads * v_head_dim]`` in ``q.dtype``.
+
+        ``q`` is ``[T, q_heads, head_dim]`` (``T = batch_size``), ``k``/``v`` the new tokens'
+        ``[T, kv_heads, dim]``: write them at ``out_cache_loc`` of ``layer.layer_id`` unless
+        ``save_kv_cache`` is False, then attend over each request's ``seq_lens`` keys.
+        """
         raise NotImplementedError()
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs) -> torch.Tensor:
-        """New tokens after a cached prefix (EXTEND, MIXED off-NPU, TARGET_VERIFY, DRAFT_EXTEND)."""
+        """New tokens after a cached prefix (EXTEND, MIXED without ``fused_mixed``, TARGET_VERIFY,
+        DRAFT_EXTEND). Returns ``[T, q_heads * v_head_dim]`` in ``q.dtype``, rows in ``q``'s order.
+
+        Shapes as ``forward_decode``, ``T`` = the batch's query tokens; TARGET_VERIFY applies
+        ``spec_info.custom_mask`` instead of the causal rule (docs/porting.md, "Masks").
+        """
         raise NotImplementedError()
 
     def forward_mixed(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs) -> torch.Tensor:
-        """A MIXED batch (chunked prefills and decodes) in one call; reached where ``capability.fused_mixed``."""
+        """A MIXED batch (chunked prefills and decodes) in one call, reached where ``capability.fused_mixed``
+        (the npu device). Returns ``[T, q_heads * v_head_dim]`` in ``q.dtype``, as ``forward_extend``.
+        """
         raise NotImplementedError()
 
     def support_triton(self) -> bool:
