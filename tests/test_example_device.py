@@ -22,7 +22,7 @@ from hal.registry import ENTRY_POINT_GROUP, get_registry, probe_device, register
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hal-device-example"
 SRC = EXAMPLE / "src"
-PUBLIC = {"hal", "hal.graph", "hal.kernels.reference"}  # what a plugin may import of hal
+PUBLIC = {"hal", "hal.batch", "hal.graph", "hal.kernels.reference"}  # what a plugin may import of hal
 
 
 @pytest.fixture

@@ -31,12 +31,14 @@ from .backend import ToyBackend
 __all__ = ["ToyDevice", "ToyBackend", "device", "toy_capability"]
 
 
-def toy_capability() -> DeviceCapability:
-    """What the toy accelerator is. Never raises: anything missing is a reason."""
+def toy_capability(index: int | None = None) -> DeviceCapability:
+    """What toy card ``index`` is (None: the current one; there is one). Never raises: what is missing is a reason."""
     if os.environ.get("HAL_TOY_DISABLE", "0") not in ("", "0"):
         return DeviceCapability(
             type="toy", available=False, reasons={"device": "HAL_TOY_DISABLE is set: no toy card in this machine"}
         )
+    if index not in (None, 0):
+        return DeviceCapability(type="toy", available=False, reasons={"device": f"toy:{index}: there is one toy card"})
     return DeviceCapability(
         type="toy",
         available=True,
@@ -52,6 +54,7 @@ def toy_capability() -> DeviceCapability:
         triton_target=None,
         libraries={"torch": torch.__version__},
         emulated=True,  # its speed means nothing: say so, hal info shows it
+        fused_mixed=False,  # MIXED batches go to forward_extend (True: to forward_mixed, one fused kernel)
         reasons={
             "fp16": "toy has no fp16 units",
             "fp8": "toy has no fp8 units",
@@ -64,8 +67,8 @@ class ToyDevice(Device):
     name = "toy"
     priority = -10  # below cpu (0): a pretend device never wins automatic selection
 
-    def probe(self) -> DeviceCapability:
-        return toy_capability()
+    def probe(self, index: int | None = None) -> DeviceCapability:
+        return toy_capability(index)
 
     def backends(self):
         return [ToyBackend]

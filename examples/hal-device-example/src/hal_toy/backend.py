@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from hal import AttentionBackend
+from hal.batch import device_lens, host_lens
 
 
 @dataclass
@@ -38,29 +39,6 @@ class ToyMetadata:
     custom_mask: torch.Tensor | None = None  # bool [B, Q, W]: TARGET_VERIFY only
 
 
-def host_lens(fb) -> tuple[list[int], list[int]]:
-    """``(cached prefix, query tokens)`` per request from the host mirrors (SGLang's fields, per mode)."""
-    mode = fb.forward_mode
-    if mode.is_idle():
-        return [], []
-    if mode.is_decode():  # seq_lens counts the new token
-        return [n - 1 for n in fb.seq_lens_cpu.tolist()], [1] * fb.batch_size
-    if mode.is_target_verify():  # seq_lens = committed tokens; every request brings draft_token_num
-        return fb.seq_lens_cpu.tolist(), [fb.spec_info.draft_token_num] * fb.batch_size
-    return list(fb.extend_prefix_lens_cpu), list(fb.extend_seq_lens_cpu)  # EXTEND, MIXED, DRAFT_EXTEND
-
-
-def device_lens(fb) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(query tokens, keys)`` per request, int64 on the device, from device tensors only (graph-safe)."""
-    mode, seq_lens = fb.forward_mode, fb.seq_lens.long()
-    if mode.is_decode():
-        return torch.ones_like(seq_lens), seq_lens
-    if mode.is_target_verify():
-        draft = fb.spec_info.draft_token_num
-        return torch.full_like(seq_lens, draft), seq_lens + draft
-    return fb.extend_seq_lens.long(), seq_lens
-
-
 class ToyBackend(AttentionBackend):
     # What it serves: validate() turns these into the reasons it cannot serve a config.
     name = "toy"
@@ -71,8 +49,7 @@ class ToyBackend(AttentionBackend):
     needs_cpu_seq_lens = True
 
     def __init__(self, capability, config=None, **options):
-        # TARGET-API (core after issue 7): super().__init__(capability, config, **options)
-        super().__init__(capability)
+        super().__init__(capability, config, **options)  # config: the model served; options: validate=...
         self.graph_max_q = 1
 
     def support_triton(self) -> bool:
@@ -87,21 +64,24 @@ class ToyBackend(AttentionBackend):
 
     # -- metadata ----------------------------------------------------------------------
     def init_forward_metadata_out_graph(self, fb, in_capture: bool = False) -> None:
+        self.check_batch(fb)  # validates an engine's batch at this backend's level (hal's own: already done)
         if fb.forward_mode.is_idle():
             self.set_forward_metadata(None, fb)
             return
-        prefix, query = host_lens(fb)
-        if getattr(fb, "graph_static", False):  # a graph runner's static batch: shapes fixed for every replay
-            width, max_q = fb.req_to_token_pool.req_to_token.shape[1], self.graph_max_q
+        tokens = fb.out_cache_loc.shape[0]
+        if self.is_graph_batch(fb, in_capture):  # a captured graph's static batch: shapes fixed for every replay
+            width = fb.req_to_token_pool.req_to_token.shape[1]
+            max_q = tokens // fb.batch_size if fb.forward_mode.is_target_verify() else self.graph_max_q
         else:
-            width, max_q = max(p + q for p, q in zip(prefix, query)), max(query)
-        self.set_forward_metadata(ToyMetadata(width, max_q, sum(query)), fb)
+            lens = host_lens(fb)  # (prefix, query) per request from the host mirrors, per mode
+            width, max_q = max(lens.kv), max(lens.query)
+        self.set_forward_metadata(ToyMetadata(width, max_q, tokens), fb)
 
     def init_forward_metadata_in_graph(self, fb) -> None:
         if fb.forward_mode.is_idle():
             return
         meta = self.metadata_for(fb)
-        q_lens, kv_lens = device_lens(fb)
+        q_lens, kv_lens = device_lens(fb)  # query tokens and keys per request, from device tensors only
         k_pos = torch.arange(meta.width, device=self.device)
         q_off = torch.arange(meta.max_q, device=self.device)
         rows = fb.req_to_token_pool.req_to_token[fb.req_pool_indices.long(), : meta.width].long()
@@ -133,11 +113,13 @@ class ToyBackend(AttentionBackend):
         return self._attend(q, k, v, layer, forward_batch, save_kv_cache)
 
     def _attend(self, q, k, v, layer, fb, save_kv_cache: bool) -> torch.Tensor:
-        """q ``[T, Hq, D]``, k/v ``[T, Hkv, D | Dv]`` -> ``[T, Hq * Dv]`` in q's dtype."""
+        """q ``[T, Hq * D]`` or ``[T, Hq, D]``, k/v likewise (None with save_kv_cache=False) -> ``[T, Hq * Dv]``."""
+        q, k, v = self.check_inputs(q, k, v, layer, fb, save_kv_cache)  # shapes only, before anything is written
         meta = self.metadata_for(fb)
         if save_kv_cache:
             self.save_kv(layer, fb, k, v)  # at out_cache_loc, before reading: the new tokens attend to themselves
-        k_buffer, v_buffer = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        pool = fb.token_to_kv_pool
+        k_buffer, v_buffer = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         group = layer.tp_q_head_num // layer.tp_k_head_num  # query head h reads KV head h // group
         keys = k_buffer[meta.slots].float().repeat_interleave(group, dim=2)  # [B, W, Hq, D]
         values = v_buffer[meta.slots].float().repeat_interleave(group, dim=2)  # [B, W, Hq, Dv]
