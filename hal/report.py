@@ -36,8 +36,8 @@ The input: what ``hal check --json`` prints (the schema ``hal report`` reads)::
 
 Files without ``machine`` / ``versions`` / ``cases`` are still read: the row then shows
 the result's totals only and says the file carried no per-case results. The same
-(device, backend, machine) in several files is merged case by case (a failure wins over
-a pass, a pass over a skip).
+(device, backend, machine) in several files is merged case by case, a case being its
+(id, family, mode, page_size, dtype) (a failure wins over a pass, a pass over a skip).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class Row:
     machine: dict
     versions: dict
     sources: list[str] = field(default_factory=list)
-    cases: dict[str, dict] = field(default_factory=dict)
+    cases: dict[tuple, dict] = field(default_factory=dict)  # (id, family, mode, page_size, dtype) -> case
     totals: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
     failures: list[str] = field(default_factory=list)
     has_cases: bool = False
@@ -153,9 +153,10 @@ def merge(documents: Iterable[tuple[str, dict]]) -> Matrix:
                 if family not in families:
                     families.append(family)
                 case = {**case, "family": family}
-                old = row.cases.get(case["id"])
+                key = (case["id"], family, case.get("mode"), case.get("page_size"), case.get("dtype"))
+                old = row.cases.get(key)
                 if old is None or _RANK[case["outcome"]] > _RANK[old["outcome"]]:
-                    row.cases[case["id"]] = case
+                    row.cases[key] = case
     ordered = sorted(rows.values(), key=lambda r: r.key)
     return Matrix(ordered, families, notes)
 

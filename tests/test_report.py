@@ -189,3 +189,26 @@ def test_report_reads_what_hal_check_json_prints(tmp_path, capsys, cpu_only):
     assert main(["report", str(path)]) == 0
     text = capsys.readouterr().out
     assert "| fp8dev / fp8only |" in text
+
+
+def test_machine_and_versions_per_result_and_extra_fields(tmp_path):
+    """`hal check --json` may carry machine/versions on each result, and fields hal report does not read."""
+    cases = [
+        {**_case("fwd:decode_p16", "basic", "passed", page_size=16), "reason": ""},
+        {**_case("fwd:decode_p64", "basic", "passed", page_size=64), "reason": ""},
+        _case("coverage:DRAFT_EXTEND", "coverage", "failed", "claims DRAFT_EXTEND but ran no DRAFT_EXTEND case"),
+    ]
+    doc = {
+        "exit_code": 1,
+        "errors": [],
+        "results": [
+            _result("toy", "toy", cases, machine=GPU_MACHINE, versions=VERSIONS, summary={"DECODE": {}}),
+        ],
+    }
+    path = _write(tmp_path, "toy.json", doc)
+    [row] = merge([(path, load(path))]).rows
+    assert row.machine == GPU_MACHINE and row.versions == VERSIONS
+    assert row.cell("basic")["passed"] == 2 and row.cell("basic")["reasons"] == {}
+    assert row.cell("coverage")["failed"] == 1
+    text = render_markdown(merge([(path, load(path))]))
+    assert "| toy / toy | gpu-runner-1 | pass 2 | **FAIL 1/1** | **FAIL 1/3** |" in text
