@@ -146,3 +146,14 @@ def test_single_rules(line, tag):
     source = f"import torch\n\n\ndef forward(q, fb):\n        {line}\n"
     tags = {f.tag for f in lint_source(textwrap.dedent(source))}
     assert tags == set(tag.split() if tag else ())
+
+
+def test_json_output(tmp_path, capsys):
+    import json
+
+    path = tmp_path / "planted_backend.py"
+    path.write_text(PLANTED)
+    assert main(["lint", "--json", str(path)]) == 1
+    findings = json.loads(capsys.readouterr().out)
+    assert {f["tag"] for f in findings} == {"host-sync", "dynamic-shape", "data-alloc", "host-data"}
+    assert all(f["path"] == str(path) and isinstance(f["line"], int) for f in findings)

@@ -557,3 +557,24 @@ def test_register_device_cannot_take_a_builtin_name():
     with pytest.raises(PluginError, match="'cpu' is a built-in device's"):
         register_device(FakeCpu())
     assert type(get_registry().devices["cpu"]).__module__ == "hal.devices.cpu"
+
+
+def test_probe_by_index_runs_under_the_limit_too(monkeypatch):
+    monkeypatch.setenv("HAL_PLUGINS", "cpu")
+    monkeypatch.setenv("HAL_PROBE_TIMEOUT", "5")
+    seen = []
+
+    class Indexed(Device):
+        name = "indexed"
+
+        def probe(self, index=None):
+            seen.append(index)
+            return DeviceCapability(type="indexed", available=index == 1, index=index or 0)
+
+        def backends(self):
+            return []
+
+    device = Indexed()
+    assert probe_device(device, 1).available and probe_device(device, 1).index == 1
+    assert not probe_device(device).available
+    assert seen == [1, 1, None]
