@@ -101,3 +101,31 @@ def test_graph_replay(toy):
     runner.capture()
     out = runner.run(fb, built.q, built.k, built.v)
     torch.testing.assert_close(out[0], built.expected, **tolerance(case.dtype))
+
+
+def _minimal_backend():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "porting.md").read_text()
+    block = text.split("<!-- minimal-backend", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict = {}
+    exec(compile(block, "docs/porting.md#minimal-backend", "exec"), namespace)
+    return namespace["MinimalBackend"]
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["decode", "extend_prefix_page16", "mixed", "draft_extend", "verify_sliding_window", "extend_v_head_dim"],
+)
+def test_the_guides_minimal_backend_matches_the_reference(name):
+    from hal.capability import cpu_capability
+
+    case = next(c for c in CASES if c.name == name)
+    cls = _minimal_backend()
+    cap = cpu_capability()
+    assert cls.validate(case.config(), cap) == []
+    backend = cls(cap, case.config())
+    built = build(case)
+    backend.init_forward_metadata(built.batch)
+    out = backend.forward(built.q, built.k, built.v, built.layer, built.batch)
+    torch.testing.assert_close(out, built.expected, **tolerance(case.dtype))
+    pool = built.batch.token_to_kv_pool
+    assert torch.equal(pool.k_buffer[0], built.expected_k) and torch.equal(pool.v_buffer[0], built.expected_v)
