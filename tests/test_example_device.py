@@ -68,20 +68,24 @@ def test_probe_and_disable(toy, monkeypatch):
     assert not cap.available and "HAL_TOY_DISABLE" in cap.reasons["device"]
 
 
-PAGE16 = [c for c in CASES if c.page_size == 16 and c.dtype != torch.float16]
-
-
-@pytest.mark.parametrize("case", PAGE16, ids=lambda c: c.name)
-def test_matches_the_reference(toy, case):
-    cap = toy.toy_capability()
-    assert toy.ToyBackend.validate(case.config(), cap) == []
-    backend = toy.ToyBackend(cap)
+def _matches_reference(cls, cap, case) -> None:
+    """``cls`` declares it serves ``case``; its output and the whole KV pool after one forward are the reference's."""
+    assert cls.validate(case.config(), cap) == []
+    backend = cls(cap, case.config())
     built = build(case)
     backend.init_forward_metadata(built.batch)
     out = backend.forward(built.q, built.k, built.v, built.layer, built.batch)
     torch.testing.assert_close(out, built.expected, **tolerance(case.dtype))
     pool = built.batch.token_to_kv_pool
     assert torch.equal(pool.k_buffer[0], built.expected_k) and torch.equal(pool.v_buffer[0], built.expected_v)
+
+
+PAGE16 = [c for c in CASES if c.page_size == 16 and c.dtype != torch.float16]
+
+
+@pytest.mark.parametrize("case", PAGE16, ids=lambda c: c.name)
+def test_matches_the_reference(toy, case):
+    _matches_reference(toy.ToyBackend, toy.toy_capability(), case)
 
 
 def test_graph_replay(toy):
@@ -119,13 +123,4 @@ def test_the_guides_minimal_backend_matches_the_reference(name):
     from hal.capability import cpu_capability
 
     case = next(c for c in CASES if c.name == name)
-    cls = _minimal_backend()
-    cap = cpu_capability()
-    assert cls.validate(case.config(), cap) == []
-    backend = cls(cap, case.config())
-    built = build(case)
-    backend.init_forward_metadata(built.batch)
-    out = backend.forward(built.q, built.k, built.v, built.layer, built.batch)
-    torch.testing.assert_close(out, built.expected, **tolerance(case.dtype))
-    pool = built.batch.token_to_kv_pool
-    assert torch.equal(pool.k_buffer[0], built.expected_k) and torch.equal(pool.v_buffer[0], built.expected_v)
+    _matches_reference(_minimal_backend(), cpu_capability(), case)
