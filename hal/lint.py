@@ -127,8 +127,9 @@ _TENSOR_RESULT_METHODS = frozenset(
     }
 )
 # torch.* functions whose result is not a tensor
+_TENSOR_NAMESPACES = frozenset({"nn", "linalg", "special", "fft", "ops", "Tensor"})
 _TORCH_NON_TENSOR = frozenset(
-    {"device", "dtype", "is_tensor", "is_floating_point", "numel", "get_default_dtype", "Size", "finfo", "iinfo"}
+    {"equal", "allclose", "device", "dtype", "numel", "Size", "finfo", "iinfo"}  # and every is_* / get_*
 )
 # Tensor attributes / methods that give host metadata, not data
 _METADATA = frozenset(
@@ -220,6 +221,11 @@ class _FunctionLinter(ast.NodeVisitor):
                         self.bools.add(names[0].id)
                     if self._reads_data(value):
                         self.synced.update(n.id for n in names)
+        # a name also bound to a Python container or literal is ambiguous: not assumed a tensor
+        for node in assigns:
+            if isinstance(node.value, (ast.List, ast.Dict, ast.Set, ast.Constant, ast.ListComp, ast.DictComp)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                self.tensors -= {t.id for t in targets if isinstance(t, ast.Name)}
 
     def _reads_data(self, node: ast.AST) -> bool:
         """A host value read from a tensor: ``int(t)``, ``float(t)``, ``t.item()`` or ``t.tolist()`` in it."""
@@ -235,12 +241,24 @@ class _FunctionLinter(ast.NodeVisitor):
 
     def is_torch_call(self, node: ast.AST) -> str | None:
         """The function name of a ``torch.f(...)`` / ``torch.nn.functional.f(...)`` call, else None."""
+        path = self._torch_path(node)
+        return path.rsplit(".", 1)[-1] if path else None
+
+    def _torch_path(self, node: ast.AST) -> str | None:
+        """``nn.functional.pad`` for a call of ``torch.nn.functional.pad(...)``, else None."""
         if isinstance(node, ast.Call):
             name = _dotted(node.func)
             head, _, rest = name.partition(".")
             if rest and head in self.torch_names:
-                return rest.rsplit(".", 1)[-1]
+                return rest
         return None
+
+    def _torch_returns_tensor(self, node: ast.Call) -> bool:
+        path = self._torch_path(node) or ""
+        namespace, _, fn = path.rpartition(".")
+        if namespace and namespace.split(".")[0] not in _TENSOR_NAMESPACES:  # torch.cuda.*, torch.distributed.*
+            return False
+        return fn not in _TORCH_NON_TENSOR and not fn.startswith(("is_", "get_"))
 
     def is_tensor(self, node: ast.AST) -> bool:
         if isinstance(node, ast.Name):
@@ -252,18 +270,17 @@ class _FunctionLinter(ast.NodeVisitor):
         if isinstance(node, ast.BinOp):
             return self.is_tensor(node.left) or self.is_tensor(node.right)
         if isinstance(node, ast.UnaryOp):
-            return self.is_tensor(node.operand)
+            return not isinstance(node.op, ast.Not) and self.is_tensor(node.operand)
         if isinstance(node, ast.Compare):
             if all(isinstance(op, (ast.Is, ast.IsNot, ast.In, ast.NotIn)) for op in node.ops):
                 return False
             return self.is_tensor(node.left) or any(self.is_tensor(c) for c in node.comparators)
         if isinstance(node, ast.Call):
-            fn = self.is_torch_call(node)
-            if fn is not None:
-                return fn not in _TORCH_NON_TENSOR
+            if self.is_torch_call(node) is not None:
+                return self._torch_returns_tensor(node)
             if isinstance(node.func, ast.Attribute):
                 method = node.func.attr
-                if method in _METADATA or method in _HOST_METHODS:
+                if method in _METADATA or method in _HOST_METHODS or method.startswith(("is_", "get_")):
                     return False
                 return method in _TENSOR_RESULT_METHODS or self.is_tensor(node.func.value)
         return False
@@ -330,6 +347,11 @@ class _FunctionLinter(ast.NodeVisitor):
                 self.add(value, "host-sync", "a tensor as an and/or operand is bool() of it: a host sync")
         self.generic_visit(node)
 
+    def visit_UnaryOp(self, node: ast.UnaryOp) -> None:
+        if isinstance(node.op, ast.Not) and self.is_tensor(node.operand):
+            self.add(node, "host-sync", "`not` of a tensor is bool() of it: a host sync")
+        self.generic_visit(node)
+
     def visit_Subscript(self, node: ast.Subscript) -> None:
         index = node.slice
         items = index.elts if isinstance(index, ast.Tuple) else [index]
@@ -348,8 +370,8 @@ class _FunctionLinter(ast.NodeVisitor):
             isinstance(a, ast.Constant) and a.value == "cpu" for a in [*node.args, *(k.value for k in node.keywords)]
         ):
             self.add(node, "host-sync", '.to("cpu") copies a tensor to the host')
-        elif fn == "equal":
-            self.add(node, "host-sync", "torch.equal returns a Python bool: a host sync")
+        elif fn in ("equal", "allclose", "is_nonzero"):
+            self.add(node, "host-sync", f"torch.{fn} returns a Python bool: a host sync")
         elif builtin in ("int", "float", "bool") and node.args and self.is_tensor(node.args[0]):
             self.add(node, "host-sync", f"{builtin}() of a tensor reads it on the host")
         if name in _SHAPE_FUNCS and (fn is not None or method is not None):

@@ -140,6 +140,12 @@ def test_hal_own_backends_are_clean():
         ("return q.bool() and q", "host-sync"),
         ("return q[~(q > 0)]", "dynamic-shape"),
         ("x = fb.custom_mask\n        return x if x is not None else q", None),
+        ("return q if not q.is_contiguous() and q.dim() == 3 else q", None),
+        ("return q if torch.cuda.is_current_stream_capturing() else -q", None),
+        ("return q if not q else -q", "host-sync"),
+        ("return torch.allclose(q, q)", "host-sync"),
+        ("return q if q.is_cuda or q.get_device() else q", None),
+        ("parts = []\n        if not parts:\n            parts = torch.cat([q])\n        return parts", None),
     ],
 )
 def test_single_rules(line, tag):
