@@ -56,6 +56,7 @@ ENTRY_POINT_GROUP = "hal.devices"
 BUILTIN_DEVICES = {"cpu": "hal.devices.cpu", "cuda": "hal.devices.cuda", "npu": "hal.devices.npu"}
 """The in-tree devices: name -> module. An entry point of another module cannot take these names."""
 DEFAULT_PROBE_TIMEOUT = 20.0
+_RECHECK_WAIT = 1.0  # seconds a later call waits for a probe that already timed out
 
 
 class Device(ABC):
@@ -178,19 +179,21 @@ def probe_device(device: Device, index: int | None = None) -> DeviceCapability:
     Whatever the plugin raises (``SystemExit`` included; ``KeyboardInterrupt`` is the
     user's and propagates) is a reason. A probe that does not return in time is left
     running in its daemon thread and the device is unavailable; later calls do not start
-    another one but wait for that one (up to the limit again) and use its answer if it
-    comes. A ``ConfigError`` (a bad ``HAL_*`` value the plugin reads) is the user's to
-    fix and propagates: a device must not quietly vanish from selection because of a typo.
+    another one: they give it a short grace (a second at most) and use its answer once
+    it comes, so ``hal info`` and ``select()`` wait for a hanging plugin once per
+    process. A ``ConfigError`` (a bad ``HAL_*`` value the plugin reads) is the user's to
+    fix and propagates: a device must not quietly vanish from selection because of a
+    typo.
     """
     timeout = probe_timeout()
     key = (id(device), index)
     with _HANGING_LOCK:
         pending = _HANGING.pop(key, None)
     if pending is not None and pending[0] is device:
-        call = pending[1]
+        call, wait = pending[1], min(timeout, _RECHECK_WAIT)  # it already had its time: only a short grace
     else:
-        call = _Call(device.probe if index is None else lambda: device.probe(index))
-    if not call.wait(timeout):
+        call, wait = _Call(device.probe if index is None else lambda: device.probe(index)), timeout
+    if not call.wait(wait):
         with _HANGING_LOCK:
             _HANGING[key] = (device, call)
         waited = time.monotonic() - call.started
