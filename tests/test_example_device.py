@@ -124,3 +124,13 @@ def test_the_guides_minimal_backend_matches_the_reference(name):
 
     case = next(c for c in CASES if c.name == name)
     _matches_reference(_minimal_backend(), cpu_capability(), case)
+
+
+def test_tox_installs_it_and_runs_hal_check_by_default():
+    import configparser
+
+    tox = configparser.ConfigParser(interpolation=None)
+    tox.read(Path(__file__).resolve().parents[1] / "tox.ini")
+    assert "example" in [e.strip() for e in tox["tox"]["envlist"].split(",")]
+    commands = tox["testenv:example"]["commands"]
+    assert "examples/hal-device-example" in commands and "hal check --device toy" in commands

@@ -212,3 +212,15 @@ def test_machine_and_versions_per_result_and_extra_fields(tmp_path):
     assert row.cell("coverage")["failed"] == 1
     text = render_markdown(merge([(path, load(path))]))
     assert "| toy / toy | gpu-runner-1 | pass 2 | **FAIL 1/1** | **FAIL 1/3** |" in text
+
+
+def test_workflow_uploads_every_check_and_renders_the_matrix():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "ci" / "github" / "workflows" / "hal.yml").read_text()
+    checks = [line for line in text.splitlines() if "bin/hal check" in line]
+    assert len(checks) == 3 and all("--json" in line for line in checks)  # hosted matrix, cuda, npu
+    assert text.count("actions/upload-artifact@v4") >= 4
+    assert "actions/download-artifact@v4" in text and "pattern: hal-check-*" in text
+    assert 'hal report "${files[@]}" --format md >> "$GITHUB_STEP_SUMMARY"' in text
+    assert "env: example" in text and 'check: "--device toy"' in text
