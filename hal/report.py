@@ -179,7 +179,7 @@ def _row_name(row: Row) -> str:
 
 def _machine_text(row: Row) -> str:
     m = row.machine
-    return ", ".join(str(m[k]) for k in ("hostname", "platform", "cpu") if m.get(k)) or "unknown machine"
+    return ", ".join(str(m[k]) for k in ("platform", "cpu") if m.get(k)) or "unknown machine"
 
 
 def _versions_text(row: Row) -> str:
