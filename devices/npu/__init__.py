@@ -105,6 +105,11 @@ def _real_capability(module, index: int | None) -> DeviceCapability:
     target, why_not = triton_status("npu")
     if why_not:
         reasons["triton"] = why_not
+    from hal.kernels.npu import load_atb
+
+    atb_why_not = load_atb()  # the op names exist whether or not NNAL's ATB loads: load it, as vllm-ascend does
+    if atb_why_not:
+        reasons["atb"] = atb_why_not
     return DeviceCapability(
         type="npu",
         available=True,
@@ -123,6 +128,7 @@ def _real_capability(module, index: int | None) -> DeviceCapability:
             "torch": torch.__version__,
             "torch_npu": str(getattr(module, "__version__", "") or library_version("torch-npu") or ""),
             "cann": _cann_version(module),
+            "atb": "" if atb_why_not else "loaded",
             "triton": library_version("triton") or library_version("triton-ascend") or "",
         },
         reasons=reasons,

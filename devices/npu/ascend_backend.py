@@ -104,6 +104,9 @@ def _ops_for(capability: DeviceCapability) -> Any:
     module, why = npu_ops.load_torch_npu()
     if module is None:
         raise DeviceUnavailableError(f"the ascend backend needs torch_npu on a real NPU: {why}")
+    why = npu_ops.load_atb()
+    if why:
+        raise DeviceUnavailableError(f"the ascend backend needs torch_npu's ATB ops: {why}")
     return module
 
 
@@ -173,6 +176,8 @@ class AscendBackend(AttentionBackend):
     def available(cls, capability: DeviceCapability) -> list[str]:
         if capability.type != "npu":
             return [f"the ascend backend runs on the npu device only, not {capability.type}"]
+        if "atb" in capability.reasons:  # decode, splitfuse and the KV write are ATB ops
+            return [capability.reasons["atb"]]
         return []
 
     @classmethod

@@ -39,6 +39,8 @@ from . import emulation
 
 __all__ = [
     "OP_NAMES",
+    "ATB_LOADER",
+    "load_atb",
     "load_torch_npu",
     "resolve_ops",
     "is_emulation",
@@ -120,6 +122,49 @@ def load_torch_npu() -> tuple[ModuleType | None, str]:
     if not available:
         return None, "no NPU device visible (torch_npu.npu.is_available() is False)"
     return module, ""
+
+
+# op-plugin's lazy loader of its ATB (NNAL) ops: ``_register_atb_extensions()`` (``lru_cache``d) loads
+# ``torch_npu/lib/libop_plugin_atb.so``, which needs NNAL's ``libatb.so`` (``source .../nnal/atb/set_env.sh``),
+# and raises OSError when it cannot. Until then ``torch_npu._npu_paged_attention`` & co. are lazy wrappers
+# that exist whether or not ATB is there (op-plugin ``op_plugin/atb/_atb_ops.py``). vllm-ascend's
+# ``NPUWorker.__init__`` calls it at start-up (``vllm_ascend/worker/worker.py``:
+# ``from torch_npu.op_plugin.atb._atb_ops import _register_atb_extensions``); hal's probe does the same.
+ATB_LOADER = "torch_npu.op_plugin.atb._atb_ops"
+_ATB_HINT = "install CANN's NNAL package and `source <nnal>/atb/set_env.sh` before starting python"
+
+
+def load_atb() -> str:
+    """Load op-plugin's ATB extensions as vllm-ascend's worker does; ``""`` when they loaded, else the reason.
+
+    Never raises. A torch_npu without the loader module (older than op-plugin's lazy ATB
+    loading, which registered the ops at import) has nothing to load: ``""``.
+    """
+    try:
+        loader = importlib.import_module(ATB_LOADER)
+    except ModuleNotFoundError as err:
+        if ATB_LOADER.startswith(err.name or "?"):
+            return ""
+        return f"torch_npu's ATB loader ({ATB_LOADER}) failed to import: {type(err).__name__}: {err}"
+    except BaseException as err:  # noqa: BLE001 - native init errors are reasons too
+        if isinstance(err, KeyboardInterrupt):
+            raise
+        return f"torch_npu's ATB loader ({ATB_LOADER}) failed to import: {type(err).__name__}: {err}"
+    register = getattr(loader, "_register_atb_extensions", None)
+    if register is None:
+        return ""
+    try:
+        register()
+    except BaseException as err:  # noqa: BLE001 - OSError (libatb.so, undefined symbol) and anything native
+        if isinstance(err, KeyboardInterrupt):
+            raise
+        cause = err.__cause__ or err.__context__
+        detail = f"{type(err).__name__}: {err}" + (f" ({cause})" if cause and str(cause) not in str(err) else "")
+        return (
+            f"ATB ops (_npu_paged_attention, _npu_paged_attention_splitfuse, _npu_reshape_and_cache) "
+            f"cannot load: {detail}; {_ATB_HINT}"
+        )
+    return ""
 
 
 def resolve_ops(allow_emulation: bool = True) -> tuple[Any | None, str]:

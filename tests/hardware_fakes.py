@@ -1,0 +1,199 @@
+"""Fakes of the hardware stacks hal meets on GPU and NPU hosts, for CPU tests. Nothing here is real.
+
+* :func:`fake_torch_npu` - a ``torch_npu`` whose ATB ops are op-plugin's lazy wrappers
+  (present whether or not NNAL loads) and whose ``torch_npu.op_plugin.atb._atb_ops._register_atb_extensions``
+  fails the way op-plugin's does when ``libatb.so`` is missing (``OSError`` naming NNAL's ``set_env.sh``).
+* :func:`fake_flashinfer_stack` - an installed-looking flashinfer-python on ``sys.path`` (a package
+  directory and its ``.dist-info``), optionally with flashinfer-jit-cache / flashinfer-cubin, an
+  ``nvcc`` under a fake ``CUDA_HOME`` and a ``ninja``; or a flashinfer whose import fails.
+* :class:`FakeGraphModule` - ``torch.cuda``'s graph API (``CUDAGraph``, ``graph``, ``graph_pool_handle``,
+  ``Stream``, ``stream``, ``current_stream``) recording which pool and stream each capture used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import stat
+import sys
+import types
+from pathlib import Path
+
+from hal.kernels.npu import OP_NAMES
+
+# ----------------------------------------------------------------------------- torch_npu without ATB
+
+NNAL_OSERROR = (
+    "Please check that the nnal package is installed. Please run 'source set_env.sh' in the NNAL installation path."
+)
+
+
+def fake_torch_npu(monkeypatch, *, atb_loads: bool) -> dict:
+    """Install a fake ``torch_npu`` (one visible Ascend910B3) in ``sys.modules``; returns a call log."""
+    log = {"register": 0, "op_calls": 0}
+    module = types.ModuleType("torch_npu")
+    module.__version__ = "2.5.1.fake"
+
+    def lazy(name):
+        def op(*args, **kwargs):  # op-plugin's lazy wrapper: loads ATB on first call, which fails without NNAL
+            log["op_calls"] += 1
+            register()
+            raise AssertionError(f"the fake {name} has no kernel")
+
+        op.__name__ = name
+        return op
+
+    for name in OP_NAMES:
+        setattr(module, name, lazy(name))
+    module.npu = types.SimpleNamespace(
+        is_available=lambda: True,
+        device_count=lambda: 1,
+        get_device_name=lambda index=0: "Ascend910B3",
+        get_device_properties=lambda index=0: types.SimpleNamespace(total_memory=64 << 30),
+        NPUGraph=object,
+    )
+
+    def register():
+        log["register"] += 1
+        if not atb_loads:
+            cause = OSError("libatb.so: cannot open shared object file: No such file or directory")
+            raise OSError(2, NNAL_OSERROR) from cause
+
+    atb_ops = types.ModuleType("torch_npu.op_plugin.atb._atb_ops")
+    atb_ops._register_atb_extensions = register
+    for name, mod in (
+        ("torch_npu", module),
+        ("torch_npu.op_plugin", types.ModuleType("torch_npu.op_plugin")),
+        ("torch_npu.op_plugin.atb", types.ModuleType("torch_npu.op_plugin.atb")),
+        ("torch_npu.op_plugin.atb._atb_ops", atb_ops),
+    ):
+        monkeypatch.setitem(sys.modules, name, mod)
+    return log
+
+
+# ----------------------------------------------------------------------------- flashinfer's install states
+
+
+def _dist(site: Path, dist: str, version: str) -> None:
+    info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+
+
+def _executable(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\nexit 0\n")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+
+
+def fake_flashinfer_stack(
+    monkeypatch,
+    tmp_path: Path,
+    *,
+    version: str = "0.7.4",
+    jit_cache: str | None = None,
+    cubin: str | None = None,
+    nvcc: bool = False,
+    ninja: bool = True,
+    import_error: str | None = None,
+) -> Path:
+    """A fake flashinfer-python ``version`` on ``sys.path``; returns the site directory.
+
+    ``jit_cache`` / ``cubin``: versions of flashinfer-jit-cache / flashinfer-cubin to install
+    beside it. ``nvcc``: a ``CUDA_HOME`` with ``bin/nvcc``. ``PATH`` holds only a ``ninja``
+    (when ``ninja``), so the host's own toolchain never leaks in. ``import_error``: ``import
+    flashinfer`` raises ``RuntimeError(import_error)``, as flashinfer's ``jit/env.py`` does on a
+    version mismatch of its kernel packages.
+    """
+    site = tmp_path / "site"
+    pkg = site / "flashinfer"
+    pkg.mkdir(parents=True)
+    body = f"__version__ = {version!r}\n"
+    if import_error:
+        body = f"raise RuntimeError({import_error!r})\n"
+    (pkg / "__init__.py").write_text(body)
+    _dist(site, "flashinfer-python", version)
+    for dist, dist_version in (("flashinfer-jit-cache", jit_cache), ("flashinfer-cubin", cubin)):
+        if dist_version:
+            mod = site / dist.replace("-", "_")
+            mod.mkdir()
+            (mod / "__init__.py").write_text(f"__version__ = {dist_version!r}\n")
+            _dist(site, dist, dist_version)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    if ninja:
+        _executable(bin_dir / "ninja")
+    monkeypatch.setenv("PATH", str(bin_dir))
+    for var in ("CUDA_HOME", "CUDA_PATH", "FLASHINFER_NVCC"):
+        monkeypatch.delenv(var, raising=False)
+    if nvcc:
+        cuda_home = tmp_path / "cuda"
+        _executable(cuda_home / "bin" / "nvcc")
+        monkeypatch.setenv("CUDA_HOME", str(cuda_home))
+    monkeypatch.syspath_prepend(str(site))
+    packages = ("flashinfer", "flashinfer_jit_cache", "flashinfer_cubin")
+    for name in [m for m in sys.modules if m.split(".")[0] in packages]:
+        monkeypatch.delitem(sys.modules, name)
+    return site
+
+
+# ----------------------------------------------------------------------------- torch.cuda's graph API
+
+
+class FakeGraphModule:
+    """Stands in for ``torch.cuda``: captures run the function eagerly and are recorded, replays re-run it."""
+
+    def __init__(self):
+        self.captures: list[dict] = []  # per capture: pool, stream
+        self.pools: list[object] = []
+        self.streams: list[object] = []
+        self.current = "default"
+        module = self
+
+        class CUDAGraph:
+            def __init__(self):
+                self.fn = None
+
+            def replay(self):
+                pass
+
+            def pool(self):
+                return self.capture_pool
+
+        class Stream:
+            def __init__(self):
+                module.streams.append(self)
+
+            def wait_stream(self, other):
+                pass
+
+        self.CUDAGraph = CUDAGraph
+        self.Stream = Stream
+
+    def graph_pool_handle(self):
+        handle = ("pool", len(self.pools))
+        self.pools.append(handle)
+        return handle
+
+    def current_stream(self):
+        return types.SimpleNamespace(wait_stream=lambda other: None, name=self.current)
+
+    @contextlib.contextmanager
+    def stream(self, stream):
+        before, self.current = self.current, stream
+        try:
+            yield
+        finally:
+            self.current = before
+
+    @contextlib.contextmanager
+    def graph(self, cuda_graph, pool=None, stream=None, capture_error_mode="global"):
+        cuda_graph.capture_pool = pool
+        self.captures.append({"pool": pool, "stream": stream})
+        before, self.current = self.current, "capture"
+        try:
+            yield
+        finally:
+            self.current = before
+
+
+__all__ = ["fake_torch_npu", "fake_flashinfer_stack", "FakeGraphModule", "NNAL_OSERROR"]
