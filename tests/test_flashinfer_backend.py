@@ -586,7 +586,7 @@ def fake_fi(request, monkeypatch, flashinfer_found):
 
 
 def _cpu_backend(**kw) -> FlashInferBackend:
-    return FlashInferBackend(cuda_cap(torch_type="cpu"), workspace_bytes=1024, **kw)
+    return FlashInferBackend(cuda_cap(torch_type="cpu"), workspace_mb=1, **kw)
 
 
 def _as_bf16(case: Case) -> Case:
@@ -736,7 +736,7 @@ def test_graph_capture_of_extend_is_refused(fake_fi):
 
 def test_graph_page_buffer_too_small(fake_fi):
     built = build(_as_bf16(GRAPH_CASES[0]))
-    backend = FlashInferBackend(cuda_cap(torch_type="cpu"), workspace_bytes=1024, max_context_len=4)
+    backend = FlashInferBackend(cuda_cap(torch_type="cpu"), workspace_mb=1, max_context_len=4)
     backend.init_cuda_graph_state(4, 4)
     fb = built.batch
     static = static_decode_batch(2, fb.req_to_token_pool, fb.token_to_kv_pool, 1)

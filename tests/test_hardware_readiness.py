@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
-from hardware_fakes import NNAL_OSERROR, fake_torch_npu
+from hardware_fakes import NNAL_OSERROR, fake_flashinfer_stack, fake_torch_npu
 
+from hal.capability import DeviceCapability
+from hal.cli import main
 from hal.config import AttentionConfig
+from hal.devices.cuda import cuda_capability
+from hal.devices.cuda import flashinfer_backend as fib
+from hal.devices.cuda.flashinfer_backend import FlashInferBackend
 from hal.devices.npu import AscendBackend, npu_capability
-from hal.errors import DeviceUnavailableError
+from hal.errors import ConfigError, DeviceUnavailableError
 from hal.kernels.npu import load_torch_npu
+from hal.registry import get_registry
+
+
+def cuda_cap(**kw) -> DeviceCapability:
+    kw.setdefault("torch_type", "cuda")
+    return DeviceCapability(type="cuda", available=True, vendor="NVIDIA", arch="sm_90", dtypes=("fp16", "bf16"), **kw)
+
 
 # ----------------------------------------------------------------------------- ATB on the NPU
 
@@ -44,3 +58,109 @@ def test_load_atb_without_torch_npu_is_no_reason():
     from hal.kernels.npu import load_atb
 
     assert load_atb() == ""  # no torch_npu here: nothing to load (load_torch_npu says why there is no NPU)
+
+
+# ----------------------------------------------------------------------------- FlashInfer: installed is not usable
+
+
+@pytest.fixture
+def no_default_cuda(monkeypatch, tmp_path):
+    """FlashInfer's last resort, /usr/local/cuda, points nowhere (this machine may have one)."""
+    monkeypatch.setattr(fib, "DEFAULT_CUDA_HOME", str(tmp_path / "no-cuda"))
+    monkeypatch.delenv("FLASHINFER_DISABLE_VERSION_CHECK", raising=False)
+
+
+@pytest.mark.parametrize(
+    "stack, state, needle",
+    [
+        (dict(), "none", "no prebuilt kernels"),
+        (dict(cubin="0.7.4"), "none", "no JIT toolchain: no nvcc"),  # cubins are not the FA2 modules
+        (dict(nvcc=True, ninja=False), "none", "ninja"),
+        (dict(nvcc=True), "jit: nvcc ", None),
+        (dict(jit_cache="0.7.4+cu129"), "prebuilt: flashinfer-jit-cache 0.7.4+cu129", None),
+        (dict(jit_cache="0.7.3+cu129", nvcc=True), "none", "flashinfer-jit-cache 0.7.3+cu129 does not match"),
+        (dict(cubin="0.7.3", jit_cache="0.7.4"), "none", "flashinfer-cubin 0.7.3 does not match"),
+    ],
+    ids=["neither", "cubin_only", "no_ninja", "jit", "prebuilt", "jit_cache_mismatch", "cubin_mismatch"],
+)
+def test_flashinfer_kernels_tell_prebuilt_jit_and_neither_apart(
+    monkeypatch, tmp_path, no_default_cuda, stack, state, needle
+):
+    fake_flashinfer_stack(monkeypatch, tmp_path, **stack)
+    got, why = fib.flashinfer_kernels()
+    assert got.startswith(state), (got, why)
+    if needle is None:
+        assert why is None
+    else:
+        assert needle in why, why
+        assert FlashInferBackend.available(cuda_cap(reasons={"flashinfer": why})) == [why]
+
+
+@pytest.fixture
+def fake_h100(monkeypatch):
+    """torch.cuda says one H100 is there (no CUDA call reaches a driver)."""
+    props = types.SimpleNamespace(name="NVIDIA H100 80GB HBM3", major=9, minor=0, total_memory=80 << 30)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=0: props)
+
+
+def test_cuda_capability_and_hal_info_show_where_flashinfer_kernels_come_from(
+    monkeypatch, tmp_path, no_default_cuda, fake_h100, capsys
+):
+    fake_flashinfer_stack(monkeypatch, tmp_path, nvcc=True)
+    cap = cuda_capability()
+    assert cap.available and cap.libraries["flashinfer_kernels"].startswith("jit: nvcc")
+    assert "flashinfer" not in cap.reasons
+    assert any("compiles at its first plan()" in n for n in FlashInferBackend.notes(cap))
+    monkeypatch.setenv("HAL_PLUGINS", "cpu,cuda")
+    get_registry(reload=True)
+    try:
+        assert main(["info"]) == 0
+    finally:
+        monkeypatch.delenv("HAL_PLUGINS")
+        get_registry(reload=True)
+    out = capsys.readouterr().out
+    assert "flashinfer" in out and "compiles at its first plan()" in out, out
+
+    monkeypatch.delenv("CUDA_HOME")  # neither: the capability says so, and the backend steps aside
+    cap = cuda_capability()
+    assert cap.libraries["flashinfer_kernels"] == "none" and "no JIT toolchain" in cap.reasons["flashinfer"]
+    assert "no JIT toolchain" in FlashInferBackend.available(cap)[0]
+
+
+def test_a_flashinfer_import_failure_is_a_hal_error_with_the_reason(monkeypatch, tmp_path):
+    why = "flashinfer-cubin version (0.7.3) does not match flashinfer version (0.7.4)."
+    fake_flashinfer_stack(monkeypatch, tmp_path, import_error=why)
+    with pytest.raises(DeviceUnavailableError, match=r"flashinfer failed to import: RuntimeError: .*0\.7\.3"):
+        fib.import_flashinfer()
+    backend = FlashInferBackend(cuda_cap(torch_type="cpu"), workspace_mb=1)
+    with pytest.raises(DeviceUnavailableError, match="flashinfer failed to import"):
+        backend._fi()
+
+
+# ----------------------------------------------------------------------------- FlashInfer workspace
+
+
+def test_flashinfer_workspace_defaults_like_sglang_and_is_an_option(monkeypatch):
+    monkeypatch.delenv("HAL_FLASHINFER_WORKSPACE_MB", raising=False)
+    cap = cuda_cap(torch_type="cpu")
+    assert FlashInferBackend(cap).workspace_bytes == 384 * 1024 * 1024  # SGLANG_FLASHINFER_WORKSPACE_SIZE
+    assert FlashInferBackend(cap, workspace_mb=512).workspace_bytes == 512 << 20
+    monkeypatch.setenv("HAL_FLASHINFER_WORKSPACE_MB", "768")
+    assert FlashInferBackend(cap).workspace_mb == 768
+    assert FlashInferBackend(cap, workspace_mb=256).workspace_mb == 256  # the option wins over the variable
+
+
+@pytest.mark.parametrize(
+    "env, option", [("lots", None), ("0", None), ("-5", None), (None, 0), (None, True), (None, 1.5)]
+)
+def test_flashinfer_workspace_is_validated(monkeypatch, env, option):
+    if env is None:
+        monkeypatch.delenv("HAL_FLASHINFER_WORKSPACE_MB", raising=False)
+    else:
+        monkeypatch.setenv("HAL_FLASHINFER_WORKSPACE_MB", env)
+    name = "HAL_FLASHINFER_WORKSPACE_MB" if env is not None else "workspace_mb"
+    with pytest.raises(ConfigError, match=rf"^{name} = .*expected a whole number of MB"):
+        FlashInferBackend(cuda_cap(torch_type="cpu"), workspace_mb=option)

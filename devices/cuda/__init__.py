@@ -57,10 +57,17 @@ def cuda_capability(index: int | None = None) -> DeviceCapability:
     if why_not:
         reasons["triton"] = why_not
     flashinfer = library_version("flashinfer-python")
+    kernels = ""
     if rocm:
         reasons["flashinfer"] = "FlashInfer is CUDA-only"
     elif flashinfer is None or importlib.util.find_spec("flashinfer") is None:
         reasons["flashinfer"] = "flashinfer-python is not installed (pip install 'hal-attention[cuda]')"
+    else:  # installed is not usable: prebuilt kernels, or nvcc to JIT them, or neither
+        from .flashinfer_backend import flashinfer_kernels
+
+        kernels, why_not = flashinfer_kernels()
+        if why_not:
+            reasons["flashinfer"] = why_not
     return DeviceCapability(
         type="cuda",
         available=True,
@@ -80,6 +87,7 @@ def cuda_capability(index: int | None = None) -> DeviceCapability:
             "hip": torch.version.hip or "",
             "triton": library_version("triton") or "",
             "flashinfer": flashinfer or "",
+            "flashinfer_kernels": kernels,
         },
         reasons=reasons,
     )

@@ -54,7 +54,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import re
+import shutil
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,15 +65,18 @@ import torch
 
 from hal.backend import AttentionBackend
 from hal.batch import ForwardBatch, ForwardMode, host_lens
-from hal.capability import DeviceCapability
-from hal.errors import ConfigError, GraphCaptureError, expect
+from hal.capability import DeviceCapability, library_version
+from hal.errors import ConfigError, DeviceUnavailableError, GraphCaptureError, expect
 from hal.kv_cache import paged_view
 
 __all__ = [
     "FlashInferBackend",
     "LayerVariant",
     "PagedKV",
+    "WORKSPACE_ENV",
     "build_paged_kv",
+    "flashinfer_kernels",
+    "import_flashinfer",
     "indptr_from_lens",
     "merge_states_base2",
     "paged_kv_layout",
@@ -80,7 +85,13 @@ __all__ = [
 MIN_SM = 75  # FlashInfer's JIT refuses GPUs below sm_75 (flashinfer/jit/core.py)
 MIN_SM_BF16 = 80  # bf16 tensor cores
 HEAD_DIMS = frozenset({64, 128, 256})  # FlashInfer's DISPATCH_HEAD_DIM set (utils.cuh); vLLM declares the same
-WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace
+# The float workspace of every wrapper: SGLang's default, 384 MB (python/sglang/srt/environ.py,
+# SGLANG_FLASHINFER_WORKSPACE_SIZE = EnvInt(384 * 1024 * 1024); it raises it to 512 MB for some
+# architectures). FlashInfer's docs suggest 128 MB, which large split-KV prefills overflow at plan().
+WORKSPACE_MB = 384
+WORKSPACE_ENV = "HAL_FLASHINFER_WORKSPACE_MB"
+# flashinfer/jit/cpp_ext.py get_cuda_path(): CUDA_HOME, CUDA_PATH, the parent of `which nvcc`, then this.
+DEFAULT_CUDA_HOME = "/usr/local/cuda"
 _MERGE_STATE_MAX_THREADS = 1024  # merge_state's CUDA block is (head_dim / vec_size) x num_heads threads
 
 
@@ -279,13 +290,126 @@ def _flashinfer_missing() -> str | None:
     return None
 
 
+def import_flashinfer():
+    """``import flashinfer``; a missing or broken install is a :class:`DeviceUnavailableError` saying why."""
+    missing = _flashinfer_missing()
+    if missing:
+        raise DeviceUnavailableError(missing)
+    try:
+        return importlib.import_module("flashinfer")
+    except Exception as exc:  # noqa: BLE001 - a version mismatch (RuntimeError), a missing .so (OSError)...
+        raise DeviceUnavailableError(
+            f"flashinfer failed to import: {type(exc).__name__}: {exc} "
+            f"(flashinfer-python {library_version('flashinfer-python') or '?'}; the flashinfer backend cannot run)"
+        ) from exc
+
+
+def _nvcc() -> str | None:
+    """The nvcc FlashInfer's JIT would run, if it exists (its lookup order, flashinfer/jit/cpp_ext.py)."""
+    if os.environ.get("FLASHINFER_NVCC"):
+        return shutil.which(os.environ["FLASHINFER_NVCC"])
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if not home:
+        found = shutil.which("nvcc")
+        if found:
+            return found
+        home = DEFAULT_CUDA_HOME
+    nvcc = os.path.join(home, "bin", "nvcc")
+    return nvcc if os.access(nvcc, os.X_OK) else None
+
+
+def _packaged_aot(version: str) -> bool:
+    """Whether the flashinfer package itself ships prebuilt kernels (the AOT wheels of 0.2.x: ``data/aot``
+    or ``_kernels*.so``), found without importing it."""
+    try:
+        spec = importlib.util.find_spec("flashinfer")
+    except (ImportError, ValueError):
+        return False
+    roots = list(spec.submodule_search_locations or []) if spec else []
+    for root in roots:
+        aot = os.path.join(root, "data", "aot")
+        if (os.path.isdir(aot) and os.listdir(aot)) or any(n.startswith("_kernels") for n in os.listdir(root)):
+            return True
+    return False
+
+
+def flashinfer_kernels() -> tuple[str, str | None]:
+    """Where FlashInfer's attention kernels would come from here: ``(state, None)`` or ``("none", reason)``.
+
+    flashinfer-python (0.3+) compiles each kernel with nvcc at its first ``plan``/``run`` unless a
+    prebuilt one is found: flashinfer-jit-cache (the JIT modules prebuilt, ``flashinfer/jit/env.py``
+    ``FLASHINFER_AOT_DIR``) or, for 0.2.x AOT wheels, kernels inside the package. flashinfer-cubin
+    holds downloaded cubins (TRT-LLM kernels), not the FA2 modules hal plans, so it does not count.
+    ``import flashinfer`` raises when flashinfer-jit-cache / flashinfer-cubin do not match its
+    version (unless ``FLASHINFER_DISABLE_VERSION_CHECK`` is set): reported here without importing it.
+    States: ``prebuilt: <what>``, ``jit: nvcc <path>``.
+    """
+    version = library_version("flashinfer-python")
+    if version is None or _flashinfer_missing():
+        return "none", _flashinfer_missing() or "flashinfer-python is not installed"
+    jit_cache, cubin = library_version("flashinfer-jit-cache"), library_version("flashinfer-cubin")
+    if not os.environ.get("FLASHINFER_DISABLE_VERSION_CHECK"):
+        for dist, found, ok in (
+            ("flashinfer-jit-cache", jit_cache, jit_cache is None or jit_cache.startswith(version)),
+            ("flashinfer-cubin", cubin, cubin is None or cubin == version),
+        ):
+            if not ok:
+                return "none", (
+                    f"{dist} {found} does not match flashinfer-python {version}: `import flashinfer` raises "
+                    f"(install the same version of both, or set FLASHINFER_DISABLE_VERSION_CHECK=1)"
+                )
+    if jit_cache:
+        return f"prebuilt: flashinfer-jit-cache {jit_cache}", None
+    if _packaged_aot(version):
+        return f"prebuilt: AOT kernels in flashinfer-python {version}", None
+    nvcc, ninja = _nvcc(), shutil.which("ninja")
+    if nvcc and ninja:
+        return f"jit: nvcc {nvcc}", None
+    missing = " and ".join(
+        what
+        for what, found in (
+            ("nvcc (set CUDA_HOME or CUDA_PATH, or put nvcc on PATH)", nvcc),
+            ("ninja (pip install ninja)", ninja),
+        )
+        if not found
+    )
+    return "none", (
+        f"flashinfer-python {version} has no prebuilt kernels (pip install flashinfer-jit-cache=={version} "
+        f"from flashinfer.ai's wheel index for this CUDA) and no JIT toolchain: no {missing}; "
+        "its first plan() would fail"
+    )
+
+
+def workspace_mb_option(workspace_mb: int | None) -> int:
+    """The float workspace in MB: ``workspace_mb``, else ``HAL_FLASHINFER_WORKSPACE_MB``, else 384 (SGLang's)."""
+    source, value = "workspace_mb", workspace_mb
+    if value is None:
+        raw = os.environ.get(WORKSPACE_ENV)
+        if raw is None or raw == "":
+            return WORKSPACE_MB
+        source = WORKSPACE_ENV
+        try:
+            value = int(raw)
+        except ValueError:
+            value = raw
+    expect(
+        isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 1 << 20,
+        ConfigError,
+        source,
+        value,
+        f"a whole number of MB in [1, {1 << 20}] (FlashInfer's float workspace; default {WORKSPACE_MB}, as SGLang)",
+    )
+    return value
+
+
 class FlashInferBackend(AttentionBackend):
     """FlashInfer on NVIDIA GPUs (sm_75+; bf16 from sm_80). See the module docstring for the call plan.
 
     Keyword arguments: ``layers`` (the model's ``AttentionLayer``s, planned from the first
     step; otherwise learnt from forwards), ``max_context_len`` (sizes the graph page
     buffer; default: the ``req_to_token`` width of the first captured batch),
-    ``workspace_bytes`` (FlashInfer's float workspace), ``extend_strategy`` (``"auto"``:
+    ``workspace_mb`` (FlashInfer's float workspace in MB; default ``HAL_FLASHINFER_WORKSPACE_MB``,
+    else 384 as SGLang), ``extend_strategy`' (``"auto"``:
     ragged + paged prefix + merge, one paged call for windowed layers; ``"paged"``: one
     paged call over prefix + new for every layer), ``prefill_backend`` (FlashInfer's
     prefill implementation, ``"fa2"`` as SGLang pins it, or ``"auto"``).
@@ -307,14 +431,14 @@ class FlashInferBackend(AttentionBackend):
     option_defaults = {
         "layers": None,  # the model's AttentionLayers, to plan every variant up front (default: config.layers)
         "max_context_len": None,  # sizes the graph page buffer (default: config.max_context_len)
-        "workspace_bytes": WORKSPACE_BYTES,
+        "workspace_mb": None,  # FlashInfer's float workspace (default: HAL_FLASHINFER_WORKSPACE_MB, else 384)
         "extend_strategy": "auto",
         "prefill_backend": "fa2",
     }
 
     def __init__(self, capability: DeviceCapability, config=None, **options):
         super().__init__(capability, config, **options)
-        layers, max_context_len, workspace_bytes, extend_strategy, prefill_backend = (
+        layers, max_context_len, workspace_mb, extend_strategy, prefill_backend = (
             self.options[k] for k in self.option_defaults
         )
         if config is not None:
@@ -328,7 +452,8 @@ class FlashInferBackend(AttentionBackend):
             "'auto' or 'paged'",
         )
         self.max_context_len = max_context_len
-        self.workspace_bytes = workspace_bytes
+        self.workspace_mb = workspace_mb_option(workspace_mb)
+        self.workspace_bytes = self.workspace_mb * 1024 * 1024
         self.extend_strategy = extend_strategy
         self.prefill_backend = prefill_backend
         self.variants: dict[LayerVariant, None] = {}  # an ordered set
@@ -347,6 +472,8 @@ class FlashInferBackend(AttentionBackend):
         missing = _flashinfer_missing()
         if missing:
             reasons.append(missing)
+        elif capability.type == "cuda" and capability.reasons.get("flashinfer"):
+            reasons.append(capability.reasons["flashinfer"])  # installed, but no kernels it can run
         arch = capability.arch or ""
         if capability.type != "cuda":
             reasons.append(f"FlashInfer runs on NVIDIA CUDA devices only, not {capability.type!r}")
@@ -357,6 +484,19 @@ class FlashInferBackend(AttentionBackend):
             if sm is not None and sm < MIN_SM:
                 reasons.append(f"FlashInfer needs sm_{MIN_SM} or newer; this GPU is {arch}")
         return reasons
+
+    @classmethod
+    def notes(cls, capability: DeviceCapability) -> list[str]:
+        kernels = capability.libraries.get("flashinfer_kernels", "")
+        notes = super().notes(capability)
+        if kernels.startswith("jit"):
+            notes.append(
+                f"no prebuilt kernels ({kernels}): each kernel variant compiles at its first plan(), "
+                "minutes per variant; pip install flashinfer-jit-cache to avoid it"
+            )
+        elif kernels:
+            notes.append(f"kernels {kernels}")
+        return notes
 
     @classmethod
     def validate(cls, config, capability: DeviceCapability) -> list[str]:
@@ -386,10 +526,7 @@ class FlashInferBackend(AttentionBackend):
     # -- FlashInfer objects ------------------------------------------------------------
     def _fi(self):
         if self._fi_module is None:
-            missing = _flashinfer_missing()
-            if missing:
-                raise ConfigError(missing)
-            self._fi_module = importlib.import_module("flashinfer")
+            self._fi_module = import_flashinfer()
         return self._fi_module
 
     def _workspace_buffer(self) -> torch.Tensor:
