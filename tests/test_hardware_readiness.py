@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import configparser
+import fnmatch
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -164,3 +167,39 @@ def test_flashinfer_workspace_is_validated(monkeypatch, env, option):
     name = "HAL_FLASHINFER_WORKSPACE_MB" if env is not None else "workspace_mb"
     with pytest.raises(ConfigError, match=rf"^{name} = .*expected a whole number of MB"):
         FlashInferBackend(cuda_cap(torch_type="cpu"), workspace_mb=option)
+
+
+# ----------------------------------------------------------------------------- tox device envs see the toolchain
+
+
+def _pass_env(env: str) -> list[str]:
+    parser = configparser.ConfigParser(interpolation=None)
+    parser.read(Path(__file__).parents[1] / "tox.ini")
+    raw = parser[f"testenv:{env}"].get("passenv", parser["testenv"]["passenv"])
+    raw = raw.replace("{[testenv]passenv}", parser["testenv"]["passenv"])
+    return [v.strip() for v in raw.replace(",", "\n").split("\n") if v.strip()]
+
+
+CANN_SET_ENV = (  # ascend-toolkit/set_env.sh and nnal/atb/set_env.sh
+    "ASCEND_TOOLKIT_HOME",
+    "ASCEND_HOME_PATH",
+    "ASCEND_OPP_PATH",
+    "ASCEND_AICPU_PATH",
+    "TOOLCHAIN_HOME",
+    "ATB_HOME_PATH",
+    "ATB_OPERATION_EXECUTE_ASYNC",
+    "ASDOPS_HOME_PATH",
+    "ASDOPS_LOG_LEVEL",
+    "LCCL_DETERMINISTIC",
+    "LD_LIBRARY_PATH",
+    "PYTHONPATH",  # ${ASCEND_TOOLKIT_HOME}/python/site-packages:.../opp/built-in/op_impl/ai_core/tbe
+)
+CUDA_TOOLCHAIN = ("CUDA_HOME", "CUDA_PATH", "CUDA_VISIBLE_DEVICES", "LD_LIBRARY_PATH", "FLASHINFER_WORKSPACE_BASE")
+
+
+@pytest.mark.parametrize("env, names", [("npu", CANN_SET_ENV), ("cuda", CUDA_TOOLCHAIN)])
+def test_device_tox_envs_pass_the_toolchain_variables(env, names):
+    patterns = _pass_env(env)
+    assert all(" " not in p for p in patterns), "tox 4 rejects whitespace inside a pass_env value"
+    missing = [n for n in names if not any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+    assert not missing, f"tox -e {env} drops {missing}"
