@@ -312,10 +312,19 @@ def test_decode_with_a_sliding_window_goes_through_splitfuse(npu, op_calls):
 @pytest.mark.parametrize(
     "case, op, sparse_mode",
     [
-        (Case("extend_page128", E, EXTEND_REQS, page_size=128), FIA, 3),
-        (Case("extend_page128_bf16", E, EXTEND_REQS, page_size=128, dtype=torch.bfloat16), FIA, 3),
-        (Case("extend_page128_nc", E, ((0, 7), (0, 12)), page_size=128, attn_type="encoder_only"), FIA, 0),
-        (Case("draft_extend_page128", ForwardMode.DRAFT_EXTEND, ((6, 3), (140, 3)), page_size=128), FIA, 3),
+        (Case("extend_page128", E, EXTEND_REQS, page_size=128, head_dim=128), FIA, 3),
+        (Case("extend_page128_bf16", E, EXTEND_REQS, page_size=128, head_dim=128, dtype=torch.bfloat16), FIA, 3),
+        (
+            Case("extend_page128_nc", E, ((0, 7), (0, 12)), page_size=128, head_dim=128, attn_type="encoder_only"),
+            FIA,
+            0,
+        ),
+        (
+            Case("draft_extend_page128", ForwardMode.DRAFT_EXTEND, ((6, 3), (140, 3)), page_size=128, head_dim=128),
+            FIA,
+            3,
+        ),
+        (Case("extend_page128_d64", E, EXTEND_REQS, page_size=128), SPLITFUSE, None),  # FIA TND: 128/192 only
         (Case("extend_page16", E, EXTEND_REQS, page_size=16), SPLITFUSE, None),
         (Case("extend_page128_window", E, EXTEND_REQS, page_size=128, sliding_window_size=6), SPLITFUSE, None),
         (Case("extend_page16_nc", E, ((0, 7), (0, 12)), page_size=16, attn_type="encoder_only"), SPLITFUSE, None),
@@ -536,3 +545,15 @@ def test_real_npu_graph_path_updates_the_captured_tasks_host_lengths(npu, op_cal
         assert new["workspace"] is workspace
         for name in ("query", "key_cache", "value_cache", "block_table", "out"):
             assert new[name] is old[name]  # same tensors: only the host lengths change
+
+
+@pytest.mark.parametrize("head_dim, op", [(128, FIA), (64, SPLITFUSE), (256, SPLITFUSE)])
+def test_extend_route_is_declared_with_the_reason(npu, head_dim, op):
+    _, cap = npu
+    config = AttentionConfig(tp_q_head_num=8, tp_k_head_num=2, head_dim=head_dim, page_size=128, dtype=torch.bfloat16)
+    route, reasons = AscendBackend.extend_route(config, cap)
+    assert route == op
+    assert bool(reasons) == (op == SPLITFUSE)
+    if reasons:
+        assert "TND takes head dim 128 or 192" in reasons[0]
+    assert any("head_dim 128 or 192" in n for n in AscendBackend.notes(cap))

@@ -548,6 +548,10 @@ def test_unsupported_reasons():
     assert len(cap) == 3 and all("soft-cap" in r for r in cap)
     assert unsupported_reasons(**{**ok, "causal": False}) == []
     assert any("<= 64" in r for r in unsupported_reasons(**ok, kv_heads=1, q_heads=128))
+    assert unsupported_reasons(**{**ok, "head_dim": 192, "v_head_dim": 192, "block_size": 128}, paths=("extend",)) == []
+    for head_dim in (64, 80, 96, 256, 512):  # FIA TND takes 128 or 192 without rope: the rest go to splitfuse
+        fia = unsupported_reasons(**{**ok, "head_dim": head_dim, "v_head_dim": head_dim}, paths=("extend",))
+        assert len(fia) == 1 and "TND takes head dim 128 or 192" in fia[0], fia
 
 
 def test_wrappers_are_thin_and_keyword_called():

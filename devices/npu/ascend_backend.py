@@ -7,7 +7,9 @@ Routing, per forward mode (the ops and their limits are documented in ``hal.kern
   windowed mask, since ``_npu_paged_attention`` takes no mask.
 * EXTEND / DRAFT_EXTEND: ``npu_fused_infer_attention_score`` (TND, paged; :func:`~hal.kernels.npu.paged_prefill`,
   ``sparse_mode`` 3 causal / 0 non-causal) when the op can serve the layer (page size a multiple of 128 in
-  [128, 512], no window, head-dim limits); otherwise splitfuse, whose mask carries causal / window / non-causal.
+  [128, 512], no window, head dim 128 or 192: ``hal.kernels.npu.ops.FIA_TND_HEAD_DIMS`` cites the doc and
+  its version); otherwise splitfuse, whose mask carries causal / window / non-causal. ``notes()`` and
+  ``extend_route(config)`` declare it.
 * TARGET_VERIFY: splitfuse with hal's custom mask (per request ``[draft, seq_len + draft]``).
 * MIXED: ``forward_mixed``, ONE splitfuse call for the whole batch (decodes and chunked prefills);
   ``forward_extend`` sends a MIXED batch down the same path.
@@ -179,6 +181,34 @@ class AscendBackend(AttentionBackend):
         if "atb" in capability.reasons:  # decode, splitfuse and the KV write are ATB ops
             return [capability.reasons["atb"]]
         return []
+
+    @classmethod
+    def notes(cls, capability: DeviceCapability) -> list[str]:
+        return [
+            *super().notes(capability),
+            "EXTEND runs npu_fused_infer_attention_score (TND, paged) only for head_dim "
+            f"{' or '.join(map(str, npu_ops.FIA_TND_HEAD_DIMS))}, page size a multiple of 128 in [128, 512], "
+            "no sliding window (op-plugin's FIA doc); every other extend takes _npu_paged_attention_splitfuse "
+            "(extend_route() says why)",
+        ]
+
+    @classmethod
+    def extend_route(cls, config: AttentionConfig, capability: DeviceCapability) -> tuple[str, list[str]]:
+        """``(op, reasons)``: the op EXTEND batches of ``config`` run, and why FIA does not serve them."""
+        reasons = npu_ops.unsupported_reasons(
+            config.head_dim,
+            config.v_head_dim,
+            config.page_size,
+            _op_dtype(config.dtype, capability),
+            config.logit_cap,
+            config.sliding_window_size,
+            False,
+            not config.non_causal,
+            kv_heads=config.tp_k_head_num,
+            q_heads=config.tp_q_head_num,
+            paths=("extend",),
+        )
+        return ("_npu_paged_attention_splitfuse" if reasons else "npu_fused_infer_attention_score"), reasons
 
     @classmethod
     def validate(cls, config: AttentionConfig, capability: DeviceCapability) -> list[str]:

@@ -6,6 +6,7 @@ the plain-torch emulation (``emulation.torch_npu`` stands in for the ``torch_npu
 
 from . import emulation
 from .ops import (
+    FIA_TND_HEAD_DIMS,
     OP_NAMES,
     block_tables,
     fia_causal_mask,
@@ -25,6 +26,7 @@ from .ops import (
 
 __all__ = [
     "emulation",
+    "FIA_TND_HEAD_DIMS",
     "OP_NAMES",
     "block_tables",
     "fia_causal_mask",

@@ -546,11 +546,11 @@ def npu_fused_infer_attention_score(
     TND allows no other mode ("sparse模式仅支持sparse=0且不传mask，或sparse=3且传入mask"), so
     band (sparse_mode 4, pre_tokens/next_tokens) is rejected.
 
-    Not enforced, on purpose: the same doc's general TND paragraph says that for D != 512 TND
-    needs D = 192, equal Q/K/V head counts, bfloat16 and no page attention, while its page
-    attention paragraphs list TND among the layouts paged KV supports, and vllm-ascend runs
-    exactly this call (TND, paged, GQA, D = 128) on CANN 8.3+. The emulation follows that
-    usage; on older CANN the real op may reject it. Returns ``(attention_out
+    Not enforced, on purpose: the TND head-dim rule (D = 128, or 192, without rope: the doc at
+    op-plugin master 56bbfdf; earlier versions said 192 only, without page attention, while
+    vllm-ascend ran TND paged at D = 128). The emulation computes any D; hal's routing
+    (``hal.kernels.npu.ops.unsupported_reasons``, ``FIA_TND_HEAD_DIMS``) sends other head dims
+    to splitfuse, so the real op never sees them from hal. Returns ``(attention_out
     [T, num_heads, D_v] in query dtype, softmax_lse)``; the LSE is natural-log over the scaled
     scores, ``[T, num_heads, 1]`` float32 with ``softmax_lse_flag``, else a float32 ``[1]`` zero.
     """

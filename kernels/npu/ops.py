@@ -40,6 +40,7 @@ from . import emulation
 __all__ = [
     "OP_NAMES",
     "ATB_LOADER",
+    "FIA_TND_HEAD_DIMS",
     "load_atb",
     "load_torch_npu",
     "resolve_ops",
@@ -65,7 +66,16 @@ OP_NAMES = (
 
 _VLLM_ASCEND = "https://github.com/vllm-project/vllm-ascend/blob/main/vllm_ascend/attention/attention_v1.py"
 _SGLANG = "https://github.com/sgl-project/sglang/blob/main/python/sglang/srt/layers/attention/ascend_backend.py"
-_FIA_DOC = "https://github.com/Ascend/op-plugin/blob/master/docs/context/torch_npu-npu_fused_infer_attention_score.md"
+_FIA_DOC = (
+    "https://github.com/Ascend/op-plugin/blob/master/docs/zh/custom_APIs/torch_npu/"
+    "torch_npu-npu_fused_infer_attention_score.md"
+)
+# FIA with input_layout TND, per that doc at op-plugin master 56bbfdf (2026-08-10), section "TND布局约束":
+# query D = 512 only with query_rope/key_rope (MLA, KV_N = 1); D != 512 without rope needs
+# Q_D = K_D = V_D = 128, or Q_D = K_D = 192 with V_D = 128 or 192. hal passes no rope and one head size
+# for K and V, so 128 or 192. (Earlier versions of the doc, docs/context/..., said D = 192 only, without
+# page attention, while vllm-ascend ran TND paged at D = 128; the current text allows 128.)
+FIA_TND_HEAD_DIMS = (128, 192)
 _ATB_PA_DOC = (
     "https://www.hiascend.com/document/detail/zh/canncommercial/80RC2/apiref/ascendtbapi/ascendtb_01_0070.html"
 )
@@ -582,8 +592,11 @@ def unsupported_reasons(
                 f"{name} (extend): v_head_dim {v_head_dim} != head_dim {head_dim} "
                 "(paged key and value shapes must match)"
             )
-        if head_dim % 16 or head_dim > 512:
-            reasons.append(f"{name} (extend): head_dim {head_dim} must be a multiple of 16 and <= 512")
+        if head_dim not in FIA_TND_HEAD_DIMS:  # see FIA_TND_HEAD_DIMS for the doc and its version
+            reasons.append(
+                f"{name} (extend): head_dim {head_dim}: input_layout TND takes head dim 128 or 192 without rope "
+                "(512 only with MLA's query_rope/key_rope; op-plugin doc, TND constraints)"
+            )
         if block_size % 128 or not 128 <= block_size <= 512:
             reasons.append(
                 f"{name} (extend): page size {block_size} must be a multiple of 128 in [128, 512] "
