@@ -491,10 +491,13 @@ class ForwardBatch:
         return host_lens(self)
 
     def set_decode_host_lens(self, seq_lens: list[int]) -> None:
-        """Refresh the host mirrors of a DECODE batch whose ``seq_lens`` tensor was refilled in place."""
+        """Refresh the host mirrors of a DECODE (or TARGET_VERIFY) batch whose ``seq_lens`` were refilled in place."""
         self.seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int64)
         self.seq_lens_sum = sum(seq_lens)
-        self._lens = BatchLens([n - 1 for n in seq_lens], [1] * len(seq_lens))
+        if self.forward_mode.is_target_verify():
+            self._lens = BatchLens(list(seq_lens), [self.spec_info.draft_token_num] * len(seq_lens))
+        else:
+            self._lens = BatchLens([n - 1 for n in seq_lens], [1] * len(seq_lens))
 
 
 def static_decode_batch(
@@ -502,24 +505,37 @@ def static_decode_batch(
     req_to_token_pool: ReqToTokenTable,
     token_to_kv_pool: KVPool,
     seq_len_fill_value: int,
+    draft_token_num: int | None = None,
 ) -> ForwardBatch:
-    """A DECODE batch of padding requests whose tensors a graph runner captures and refills.
+    """A DECODE (or, with ``draft_token_num``, TARGET_VERIFY) batch of padding requests whose tensors a
+    graph runner captures and refills.
 
     Its padding requests are SGLang's: row 0, ``seq_len_fill_value`` tokens, writes to the
-    padding slot 0.
+    padding slot 0. A verify batch's ``spec_info.custom_mask`` is a fixed buffer of
+    ``batch_size * draft_token_num * max_context_len`` entries (the most any batch of this size
+    needs): a replay copies the step's flat mask into its start, the backends read the first
+    ``sum(draft * (seq_len + draft))``.
     """
     device = req_to_token_pool.req_to_token.device
+    verify = draft_token_num is not None
+    tokens = batch_size * (draft_token_num if verify else 1)
+    spec_info = None
+    if verify:
+        width = req_to_token_pool.req_to_token.shape[1]
+        mask = torch.ones(tokens * width, dtype=torch.bool, device=device)
+        spec_info = SpecInfo(draft_token_num=draft_token_num, custom_mask=mask)
     fb = ForwardBatch(
-        forward_mode=ForwardMode.DECODE,
+        forward_mode=ForwardMode.TARGET_VERIFY if verify else ForwardMode.DECODE,
         batch_size=batch_size,
         req_pool_indices=torch.zeros(batch_size, dtype=torch.int64, device=device),
         seq_lens=torch.full((batch_size,), seq_len_fill_value, dtype=torch.int32, device=device),
         out_cache_loc=torch.full(
-            (batch_size,), getattr(token_to_kv_pool, "padding_slot", 0), dtype=torch.int64, device=device
+            (tokens,), getattr(token_to_kv_pool, "padding_slot", 0), dtype=torch.int64, device=device
         ),
         req_to_token_pool=req_to_token_pool,
         token_to_kv_pool=token_to_kv_pool,
-        positions=torch.zeros(batch_size, dtype=torch.int64, device=device),
+        positions=torch.zeros(tokens, dtype=torch.int64, device=device),
+        spec_info=spec_info,
         validate="off",
     )
     fb.graph_static = True

@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten
 
 from hal.backend import AttentionBackend
-from hal.batch import ForwardBatch, host_lens, static_decode_batch
+from hal.batch import ForwardBatch, ForwardMode, host_lens, static_decode_batch
 from hal.errors import GraphCaptureError, InvalidBatchError, expect
 from hal.kv_cache import KVPool, ReqToTokenTable
 from hal.layer import AttentionLayer
@@ -150,7 +150,18 @@ def opaque_kernel() -> Iterator[None]:
 
 
 class Graph:
-    """A device's capture mechanism: ``capture(fn)`` records ``fn`` and returns its static output."""
+    """A device's capture mechanism: ``capture(fn)`` records ``fn`` and returns its static output.
+
+    ``pool``: the memory pool the capture allocates from. The graph runner sets it to the pool of
+    its previous capture before each capture and reads it back after, so every captured size
+    shares one pool (None: the graph makes one). ``warmup(fn)`` runs ``fn`` once eagerly
+    before the capture, where the device wants it (a side stream for CUDA and NPU graphs).
+    """
+
+    pool: object = None
+
+    def warmup(self, fn: Callable[[], torch.Tensor]) -> None:
+        fn()
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
@@ -189,20 +200,30 @@ class EagerGraph(Graph):
 
 
 class TorchGraph(Graph):
-    """``torch.cuda.CUDAGraph`` or ``torch.npu.NPUGraph`` (``module`` is ``torch.cuda`` / ``torch.npu``)."""
+    """``torch.cuda.CUDAGraph`` or ``torch.npu.NPUGraph`` (``module`` is ``torch.cuda`` / ``torch.npu``, or
+    anything with their graph API).
+
+    As torch's CUDA-graph documentation asks: warm-up runs on a side stream, and captures share
+    one memory pool (``graph_pool_handle()``, passed as ``pool=``), so the sizes a runner captures,
+    largest first, reuse one another's memory instead of each holding a private pool.
+    """
 
     def __init__(self, module):
         self.module = module
-        self.graph = module.CUDAGraph() if module is torch.cuda else module.NPUGraph()
+        self.graph = module.NPUGraph() if hasattr(module, "NPUGraph") else module.CUDAGraph()
 
-    def capture(self, fn):
+    def warmup(self, fn):
         stream = self.module.Stream()
         stream.wait_stream(self.module.current_stream())
         with self.module.stream(stream):
-            context = torch.cuda.graph(self.graph) if self.module is torch.cuda else self.module.graph(self.graph)
-            with context:
-                output = fn()
+            fn()
         self.module.current_stream().wait_stream(stream)
+
+    def capture(self, fn):
+        if self.pool is None:
+            self.pool = self.module.graph_pool_handle()
+        with self.module.graph(self.graph, pool=self.pool):  # captures on its own side stream
+            output = fn()
         return output
 
     def replay(self):
@@ -210,10 +231,14 @@ class TorchGraph(Graph):
 
 
 class GraphRunner:
-    """Capture ``backend``'s DECODE forward over ``layers`` at ``capture_bs`` and replay it.
+    """Capture ``backend``'s DECODE forward over ``layers`` at ``capture_bs`` and replay it; with
+    ``draft_token_num``, its TARGET_VERIFY forward of that many draft tokens per request instead
+    (SGLang's graph runner under speculative decoding).
 
-    ``run(fb, q, k, v)`` returns ``[num_layers, batch, q_heads * v_head_dim]``, the same
-    values eager forwards would, for any DECODE batch of at most ``max(capture_bs)``.
+    ``run(fb, q, k, v)`` returns ``[num_layers, tokens, q_heads * v_head_dim]``, the same
+    values eager forwards would, for any batch of the captured mode (and draft count) of at
+    most ``max(capture_bs)`` requests. Sizes are captured largest first, all into one memory
+    pool.
     """
 
     def __init__(
@@ -225,6 +250,7 @@ class GraphRunner:
         make_graph: Callable[[], Graph],
         capture_bs: Sequence[int] = (1, 2, 4, 8),
         dtype: torch.dtype = torch.float32,
+        draft_token_num: int | None = None,
     ):
         expect(
             len(capture_bs) > 0 and all(b > 0 for b in capture_bs),
@@ -233,53 +259,70 @@ class GraphRunner:
             capture_bs,
             "positive batch sizes",
         )
+        expect(
+            draft_token_num is None or (isinstance(draft_token_num, int) and draft_token_num >= 1),
+            InvalidBatchError,
+            "draft_token_num",
+            draft_token_num,
+            "None (capture DECODE) or an int >= 1 (capture TARGET_VERIFY)",
+        )
         self.backend, self.layers = backend, list(layers)
         self.req_to_token_pool, self.token_to_kv_pool = req_to_token_pool, token_to_kv_pool
         self.make_graph = make_graph
         self.capture_bs = sorted(set(capture_bs))
         self.max_bs = self.capture_bs[-1]
+        self.draft_token_num = draft_token_num
+        self.mode = ForwardMode.DECODE if draft_token_num is None else ForwardMode.TARGET_VERIFY
+        self.tokens_per_req = draft_token_num or 1
         layer = self.layers[0]
         device = req_to_token_pool.req_to_token.device
-        self.q = torch.zeros(self.max_bs, layer.tp_q_head_num * layer.head_dim, dtype=dtype, device=device)
-        self.k = torch.zeros(self.max_bs, layer.tp_k_head_num * layer.head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros(self.max_bs, layer.tp_v_head_num * layer.v_head_dim, dtype=dtype, device=device)
+        rows = self.max_bs * self.tokens_per_req
+        self.q = torch.zeros(rows, layer.tp_q_head_num * layer.head_dim, dtype=dtype, device=device)
+        self.k = torch.zeros(rows, layer.tp_k_head_num * layer.head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros(rows, layer.tp_v_head_num * layer.v_head_dim, dtype=dtype, device=device)
         self.graphs: dict[int, tuple[Graph, ForwardBatch, torch.Tensor]] = {}
+        self.pool: object = None  # the memory pool every captured size shares
 
     def _forward(self, fb: ForwardBatch) -> torch.Tensor:
-        bs = fb.batch_size
-        q, k, v = self.q[:bs], self.k[:bs], self.v[:bs]
+        rows = fb.batch_size * self.tokens_per_req
+        q, k, v = self.q[:rows], self.k[:rows], self.v[:rows]
         return torch.stack([self.backend.forward(q, k, v, layer, fb) for layer in self.layers])
 
     def capture(self) -> None:
         backend = self.backend
-        backend.init_cuda_graph_state(self.max_bs, self.max_bs)
+        backend.init_cuda_graph_state(self.max_bs, self.max_bs * self.tokens_per_req)
         fill = backend.get_cuda_graph_seq_len_fill_value()
-        for bs in reversed(self.capture_bs):
-            fb = static_decode_batch(bs, self.req_to_token_pool, self.token_to_kv_pool, fill)
+        for bs in reversed(self.capture_bs):  # largest first: the smaller ones reuse its memory
+            fb = static_decode_batch(bs, self.req_to_token_pool, self.token_to_kv_pool, fill, self.draft_token_num)
 
             def step(fb=fb):
                 backend.init_forward_metadata_in_graph(fb)
                 return self._forward(fb)
 
+            graph = self.make_graph()
             backend.init_forward_metadata_out_graph(fb, in_capture=True)
-            step()  # warm-up
+            graph.warmup(step)
             backend.on_after_cuda_graph_warmup()
             backend.init_forward_metadata_out_graph(fb, in_capture=True)
-            graph = self.make_graph()
+            graph.pool = self.pool
             output = graph.capture(step)
+            self.pool = graph.pool
             self.graphs[bs] = (graph, fb, output)
 
     def can_run(self, fb: ForwardBatch) -> bool:
-        return fb.forward_mode.is_decode() and fb.batch_size <= self.max_bs
+        if fb.forward_mode != self.mode or fb.batch_size > self.max_bs:
+            return False
+        return self.draft_token_num is None or fb.spec_info.draft_token_num == self.draft_token_num
 
     def run(self, fb: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Replay for ``fb`` (a validated DECODE batch); ``q``/``k``/``v`` as for ``forward``."""
+        """Replay for ``fb`` (a validated batch of the captured mode); ``q``/``k``/``v`` as for ``forward``."""
+        draft = "" if self.draft_token_num is None else f" of {self.draft_token_num} draft tokens"
         expect(
             self.can_run(fb),
             InvalidBatchError,
             "forward batch",
             f"{fb.forward_mode.name} x {fb.batch_size}",
-            f"a DECODE batch of at most {self.max_bs} requests",
+            f"a {self.mode.name} batch{draft} of at most {self.max_bs} requests",
         )
         expect(bool(self.graphs), GraphCaptureError, "graphs", "none", "capture() before run()")
         expect(
@@ -291,18 +334,24 @@ class GraphRunner:
         )
         for layer in self.layers:
             q, k, v = self.backend.check_inputs(q, k, v, layer, fb)
-        expect(k is not None, InvalidBatchError, "k, v", "None", "tensors: a replayed decode step writes the cache")
+        expect(k is not None, InvalidBatchError, "k, v", "None", "tensors: a replayed step writes the cache")
         expect(q.dtype == self.q.dtype, InvalidBatchError, "q.dtype", q.dtype, f"{self.q.dtype}, as captured")
-        bs = fb.batch_size
+        bs, per = fb.batch_size, self.tokens_per_req
         padded = self.capture_bs[bisect.bisect_left(self.capture_bs, bs)]
         graph, static, output = self.graphs[padded]
         fill = self.backend.get_cuda_graph_seq_len_fill_value()
         static.req_pool_indices.zero_()[:bs].copy_(fb.req_pool_indices)
         static.seq_lens.fill_(fill)[:bs].copy_(fb.seq_lens)
-        static.out_cache_loc.fill_(0)[:bs].copy_(fb.out_cache_loc)  # padding writes the padding slot 0
+        static.out_cache_loc.fill_(0)[: bs * per].copy_(fb.out_cache_loc)  # padding writes the padding slot 0
         for static_t, t in ((self.q, q), (self.k, k), (self.v, v)):
-            static_t[:bs].copy_(t.reshape(bs, -1))
-        static.set_decode_host_lens(host_lens(fb).kv + [fill] * (padded - bs))
+            static_t[: bs * per].copy_(t.reshape(bs * per, -1))
+        lens = host_lens(fb)
+        if self.draft_token_num is not None:  # the step's flat mask first; padding requests see everything
+            mask = fb.spec_info.custom_mask.reshape(-1)
+            static.spec_info.custom_mask.fill_(True)[: mask.numel()].copy_(mask)
+            static.set_decode_host_lens(lens.prefix + [fill] * (padded - bs))
+        else:
+            static.set_decode_host_lens(lens.kv + [fill] * (padded - bs))
         self.backend.init_forward_metadata_out_graph(static)
         graph.replay()
-        return output[:, :bs]
+        return output[:, : bs * per]

@@ -93,6 +93,28 @@ def test_runner_follows_the_protocol_and_pads_to_the_next_size():
     torch.testing.assert_close(out[0], built.expected)
 
 
+def test_verify_runner_captures_target_verify_at_a_fixed_draft_count():
+    log: list = []
+    case = next(c for c in GRAPH_CASES if c.mode.is_target_verify())  # 3 requests of 4 draft tokens
+    built = build(case)
+    fb = built.batch
+    runner = GraphRunner(
+        Recording(CAP, log), [built.layer], fb.req_to_token_pool, fb.token_to_kv_pool, EagerGraph, (1, 4),
+        case.dtype, draft_token_num=4,
+    )  # fmt: skip
+    runner.capture()
+    assert log[0] == ("state", 4, 16), "init_cuda_graph_state(max_bs, max_bs * draft)"
+    static = runner.graphs[4][1]
+    assert static.forward_mode.is_target_verify() and static.out_cache_loc.numel() == 16
+    for _ in range(2):
+        out = runner.run(fb, built.q, built.k, built.v)
+        assert out.shape == (1, 12, built.expected.shape[1])
+        torch.testing.assert_close(out[0], built.expected)
+    decode = build(GRAPH_CASES[0])
+    with pytest.raises(InvalidBatchError, match="TARGET_VERIFY batch of 4 draft tokens"):
+        runner.run(decode.batch, decode.q, decode.k, decode.v)
+
+
 def test_runner_rejects_what_it_did_not_capture():
     built = build(GRAPH_CASES[0])
     runner = _runner(TorchBackend(CAP), built, capture_bs=(1, 2))

@@ -9,16 +9,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from hardware_fakes import NNAL_OSERROR, fake_flashinfer_stack, fake_torch_npu
+from hardware_fakes import NNAL_OSERROR, FakeGraphModule, fake_flashinfer_stack, fake_torch_npu
 
 from hal.capability import DeviceCapability
 from hal.cli import main
 from hal.config import AttentionConfig
+from hal.conformance.cases import GRAPH_CASES, build
+from hal.devices.cpu import TorchBackend
+from hal.devices.cpu import device as cpu_device
 from hal.devices.cuda import cuda_capability
 from hal.devices.cuda import flashinfer_backend as fib
 from hal.devices.cuda.flashinfer_backend import FlashInferBackend
 from hal.devices.npu import AscendBackend, npu_capability
 from hal.errors import ConfigError, DeviceUnavailableError
+from hal.graph import GraphRunner, TorchGraph
 from hal.kernels.npu import load_torch_npu
 from hal.registry import get_registry
 
@@ -203,3 +207,38 @@ def test_device_tox_envs_pass_the_toolchain_variables(env, names):
     assert all(" " not in p for p in patterns), "tox 4 rejects whitespace inside a pass_env value"
     missing = [n for n in names if not any(fnmatch.fnmatchcase(n, p) for p in patterns)]
     assert not missing, f"tox -e {env} drops {missing}"
+
+
+# ----------------------------------------------------------------------------- CUDA / NPU graph memory
+
+
+def test_graphs_share_one_memory_pool_largest_first_and_warm_up_on_a_side_stream():
+    """torch's CUDA-graph docs: warm up on a side stream; SGLang: one pool for every captured size, largest first."""
+    fake = FakeGraphModule()
+    built = build(GRAPH_CASES[0])
+    seen: list[tuple[int, object]] = []
+
+    class Watching(TorchBackend):
+        def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+            seen.append((forward_batch.batch_size, fake.current))
+            return super().forward(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
+
+    fb = built.batch
+    runner = GraphRunner(
+        Watching(cpu_device.probe()),
+        [built.layer],
+        fb.req_to_token_pool,
+        fb.token_to_kv_pool,
+        make_graph=lambda: TorchGraph(fake),
+        capture_bs=(1, 2, 4, 8),
+        dtype=built.case.dtype,
+    )
+    runner.capture()
+    assert len(fake.pools) == 1 and [c["pool"] for c in fake.captures] == fake.pools * 4, "one pool for all sizes"
+    assert [bs for bs, where in seen if where == "capture"] == [8, 4, 2, 1], "largest size captured first"
+    warmups = [(bs, where) for bs, where in seen if where != "capture"]
+    assert [bs for bs, _ in warmups] == [8, 4, 2, 1]
+    assert all(isinstance(where, fake.Stream) for _, where in warmups), "warm-up on a side stream"
+    assert runner.pool == fake.pools[0]
+    out = runner.run(fb, built.q, built.k, built.v)  # the fake replays nothing: only the plumbing is checked here
+    assert out.shape[1] == fb.batch_size

@@ -165,6 +165,7 @@ class AscendBackend(AttentionBackend):
         super().__init__(capability, config, **options)
         self.ops = ops
         self.graph_max_bs: int | None = None
+        self.graph_max_tokens = 0
         self._graph_width = 0
         self._graph_max_blocks = 0
         self._graph_block_table: torch.Tensor | None = None
@@ -251,6 +252,8 @@ class AscendBackend(AttentionBackend):
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         # The block table and mask buffers are sized on the first static batch, when req_to_token's width is known.
         self.graph_max_bs = max_bs
+        # query rows of the largest captured batch: max_bs for decode, max_bs * draft for TARGET_VERIFY
+        self.graph_max_tokens = max(max_bs, max_num_tokens)
         self._graph_width = self._graph_max_blocks = 0
         self._graph_block_table = None
         self._graph_masks = {}
@@ -297,7 +300,7 @@ class AscendBackend(AttentionBackend):
             kv_lens=kv_lens,
             dtype=pool.dtype,
             graph_static=static,
-            custom_mask=fb.spec_info.custom_mask if mode.is_target_verify() else None,
+            custom_mask=self._custom_mask(fb, q_lens, kv_lens) if mode.is_target_verify() else None,
         )
         if static:
             for key in self._graph_masks:  # the variants the captured layers use, refilled in place
@@ -339,11 +342,16 @@ class AscendBackend(AttentionBackend):
             custom_mask=meta.custom_mask if kind == "custom" else None,
         )
 
+    @staticmethod
+    def _custom_mask(fb: ForwardBatch, q_lens: list[int], kv_lens: list[int]) -> torch.Tensor:
+        """The step's flat verify mask: a graph's static batch holds it at the start of a larger fixed buffer."""
+        return fb.spec_info.custom_mask.reshape(-1)[: sum(q * n for q, n in zip(q_lens, kv_lens))]
+
     def _fill_graph_mask(self, meta: AscendMetadata, key: MaskKey) -> torch.Tensor:
-        """Rebuild ``key``'s mask into its fixed ``[max_bs, width]`` buffer (outside the graph)."""
+        """Rebuild ``key``'s mask into its fixed ``[max query rows, width]`` buffer (outside the graph)."""
         buf = self._graph_masks.get(key)
         if buf is None:
-            buf = torch.empty(self.graph_max_bs, self._graph_width, dtype=meta.dtype, device=self.device)
+            buf = torch.empty(self.graph_max_tokens, self._graph_width, dtype=meta.dtype, device=self.device)
             self._graph_masks[key] = buf
         mask = self._build_mask(meta, key)
         rows = buf[: meta.num_tokens]

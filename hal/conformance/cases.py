@@ -288,4 +288,20 @@ GRAPH_CASES: tuple[Case, ...] = (
         page_size=16,
         dtype=torch.bfloat16,
     ),
+    # TARGET_VERIFY at a fixed draft count (SGLang captures verify under speculative decoding)
+    Case("graph_verify", ForwardMode.TARGET_VERIFY, ((3, 4), (20, 4), (9, 4))),
+    Case(
+        "graph_verify_page16_bf16",
+        ForwardMode.TARGET_VERIFY,
+        ((3, 3), (40, 3), (17, 3)),
+        page_size=16,
+        dtype=torch.bfloat16,
+    ),
+    Case(
+        "graph_verify_page128_window",
+        ForwardMode.TARGET_VERIFY,
+        ((130, 4), (3, 4)),
+        page_size=128,
+        sliding_window_size=5,
+    ),
 )

@@ -68,7 +68,10 @@ def test_save_kv_cache_false_reads_existing_cache(hal_target, mode):
 
 @pytest.mark.parametrize("case", GRAPH_CASES, ids=lambda c: c.name)
 def test_graph_replay_matches_reference(hal_target, case):
-    """Captured at batch sizes 1/2/4/8 and replayed padded, outputs equal the reference twice in a row."""
+    """Captured at batch sizes 1/2/4/8 and replayed padded, outputs equal the reference twice in a row.
+
+    DECODE cases capture decode steps; TARGET_VERIFY cases capture verify steps of their (fixed) draft count.
+    """
     backend = _backend_for(hal_target, case, graph=True)
     built = build(case, hal_target.capability.torch_device)
     fb = built.batch
@@ -81,6 +84,7 @@ def test_graph_replay_matches_reference(hal_target, case):
         make_graph=lambda: hal_target.device.make_graph(hal_target.capability),
         capture_bs=(1, 2, 4, 8),
         dtype=case.dtype,
+        draft_token_num=case.requests[0][1] if case.mode.is_target_verify() else None,
     )
     runner.capture()
     for _ in range(2):
