@@ -442,7 +442,21 @@ class _FakeFlashInfer:
                 mask_indptr_buf=None,
                 backend="auto",
             ):
-                assert kv_layout == "NHD" and not use_cuda_graph and backend in ("auto", "fa2", "fa3")
+                assert kv_layout == "NHD" and backend in ("auto", "fa2", "fa3")
+                self.graph = use_cuda_graph
+                self.bufs = None
+                if use_cuda_graph:  # FlashInfer's cuda-graph mode: plan copies into these, run reads them
+                    assert custom_mask_buf is not None and custom_mask_buf.dtype == torch.uint8
+                    assert len(qo_indptr_buf) == len(paged_kv_indptr_buf) == len(mask_indptr_buf)
+                    assert len(paged_kv_last_page_len_buf) == len(qo_indptr_buf) - 1
+                    self.bufs = (
+                        qo_indptr_buf,
+                        paged_kv_indptr_buf,
+                        paged_kv_indices_buf,
+                        paged_kv_last_page_len_buf,
+                        custom_mask_buf,
+                        mask_indptr_buf,
+                    )
 
             def plan(
                 self,
@@ -480,10 +494,27 @@ class _FakeFlashInfer:
                     sizes = [int(qo_indptr[b + 1] - qo_indptr[b]) * n for b, n in enumerate(kv_lens)]
                     assert custom_mask.dtype == torch.bool and custom_mask.numel() == sum(sizes)
                     self.p["masks"] = list(torch.split(custom_mask, sizes))
+                if self.graph:
+                    qb, ib, xb, lb, mb, mib = self.bufs
+                    assert len(qo_indptr) == len(qb), "batch size is fixed in cudagraph mode"
+                    assert len(paged_kv_indices) <= len(xb) and custom_mask is not None
+                    assert custom_mask.numel() <= mb.numel(), "custom_mask_buf too small"
+                    qb.copy_(qo_indptr)
+                    ib.copy_(paged_kv_indptr)
+                    xb[: len(paged_kv_indices)].copy_(paged_kv_indices)
+                    lb.copy_(paged_kv_last_page_len)
+                    mb[: custom_mask.numel()].copy_(custom_mask)
+                    mib.copy_(indptr_from_lens(sizes))
                 fake.plans.append(("paged", self.p))
 
             def run(self, q, paged_kv_cache, *, return_lse=False):
-                p = self.p
+                p = dict(self.p)
+                if self.graph:  # what the fixed buffers hold now
+                    qb, ib, xb, lb, mb, mib = self.bufs
+                    sizes = (mib[1:] - mib[:-1]).tolist()
+                    masks = list(torch.split(mb[: int(mib[-1])].bool(), sizes))
+                    p.update(qo_indptr=qb, paged_kv_indptr=ib, paged_kv_indices=xb, paged_kv_last_page_len=lb)
+                    p["masks"] = masks
                 check_dtypes(p, q, paged_kv_cache)
                 assert q.shape == (int(p["qo_indptr"][-1]), p["num_qo_heads"], p["head_dim_qk"])
                 keys, values = _paged_keys(
@@ -714,6 +745,7 @@ def test_graph_replay_against_fake(fake_fi, case):
         make_graph=_RerunGraph,
         capture_bs=(1, 2, 4, 8),
         dtype=case.dtype,
+        draft_token_num=case.requests[0][1] if case.mode.is_target_verify() else None,
     )
     runner.capture()
     graph_wrappers = {key for key in backend._wrappers if key[2] is not None}
@@ -730,7 +762,7 @@ def test_graph_capture_of_extend_is_refused(fake_fi):
     built = build(_as_bf16(CASES[10]))
     backend = _cpu_backend()
     backend.init_cuda_graph_state(4, 4)
-    with pytest.raises(GraphCaptureError, match="DECODE"):
+    with pytest.raises(GraphCaptureError, match="DECODE or TARGET_VERIFY"):
         backend.init_forward_metadata_out_graph(built.batch, in_capture=True)
 
 

@@ -27,6 +27,9 @@ What runs, per forward mode (``P``: cached prefix, ``E``: query tokens of a requ
 * TARGET_VERIFY: one paged prefill over committed + draft tokens with
   ``custom_mask`` = ``spec_info.custom_mask`` (FlashInfer's flat layout is hal's: per
   request row-major ``[draft, seq_len + draft]``), ``window_left`` = the window on top.
+  Under graph capture, one ``use_cuda_graph=True`` paged-prefill wrapper per captured batch
+  size over fixed ``qo_indptr`` / page-table / ``custom_mask_buf`` / ``mask_indptr_buf``
+  buffers, re-planned by ``out_graph`` before each replay (SGLang's verify graphs do the same).
 
 FlashInfer fixes the kernel (sliding window on/off, soft cap on/off), the softmax
 scale and the schedule at ``plan`` time, so a plan belongs to one *layer variant*
@@ -46,7 +49,7 @@ Assumes page-aligned ``req_to_token`` rows (token ``i`` of a request at offset
 ``i % page_size`` of its page), as SGLang's paged allocator guarantees and FlashInfer
 needs. Not supported: fp32 (FlashInfer compiles fp16/bf16, fp8 KV), ``v_head_dim !=
 head_dim`` (MLA has its own FlashInfer wrappers), head dims outside 64/128/256, graph
-capture of non-DECODE batches. Signatures followed: flashinfer-python 0.2.5 and 0.7.4
+capture of EXTEND / MIXED batches. Signatures followed: flashinfer-python 0.2.5 and 0.7.4
 (the keyword subset used here is common to both).
 """
 
@@ -265,12 +268,21 @@ class FlashInferMetadata:
 
 @dataclass
 class _GraphState:
-    """Fixed buffers shared by every captured decode wrapper (all batch sizes, all variants)."""
+    """Fixed buffers shared by every captured wrapper (all batch sizes, all variants).
+
+    Decode wrappers take ``indptr`` / ``indices`` / ``last_page_len``; TARGET_VERIFY (paged prefill)
+    wrappers those and ``qo_indptr``, ``custom_mask`` (FlashInfer's packed bits, sized as SGLang's
+    ``max_num_tokens * max_context_len`` bytes) and ``mask_indptr``.
+    """
 
     max_bs: int
+    max_tokens: int
     indptr: torch.Tensor  # int32 [max_bs + 1]
     last_page_len: torch.Tensor  # int32 [max_bs]
+    qo_indptr: torch.Tensor  # int32 [max_bs + 1]
+    mask_indptr: torch.Tensor  # int32 [max_bs + 1]
     indices: torch.Tensor | None = None  # int32 [max_bs * pages per req_to_token row], sized lazily
+    custom_mask: torch.Tensor | None = None  # uint8 [max_tokens * max_context_len], sized lazily
     pages_per_row: int = 0
 
 
@@ -423,7 +435,7 @@ class FlashInferBackend(AttentionBackend):
     supports_logit_cap = True  # logits_soft_cap
     supports_non_causal = True  # causal=False
     supports_custom_mask = True  # custom_mask (prefill wrappers)
-    supports_graph = True  # DECODE
+    supports_graph = True  # DECODE and TARGET_VERIFY
     supports_mla = False
     needs_cpu_seq_lens = True
 
@@ -551,6 +563,20 @@ class FlashInferBackend(AttentionBackend):
                     paged_kv_last_page_len_buffer=g.last_page_len[:graph_bs],
                 )
             wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", **kw)
+        elif kind == "verify" and graph_bs is not None:  # plan() copies into these; replays read them
+            g = self._graph
+            wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(
+                ws,
+                "NHD",
+                use_cuda_graph=True,
+                qo_indptr_buf=g.qo_indptr[: graph_bs + 1],
+                paged_kv_indptr_buf=g.indptr[: graph_bs + 1],
+                paged_kv_indices_buf=g.indices,
+                paged_kv_last_page_len_buf=g.last_page_len[:graph_bs],
+                custom_mask_buf=g.custom_mask,
+                mask_indptr_buf=g.mask_indptr[: graph_bs + 1],
+                backend=self.prefill_backend,
+            )
         elif kind == "ragged":
             wrapper = fi.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=self.prefill_backend)
         else:
@@ -569,7 +595,7 @@ class FlashInferBackend(AttentionBackend):
 
     def _plan(self, meta: FlashInferMetadata, kind: str, variant: LayerVariant):
         """``plan`` one wrapper for this step (host work: outside any graph)."""
-        graph_bs = meta.batch_size if (meta.graph_static and kind == "decode") else None
+        graph_bs = meta.batch_size if (meta.graph_static and kind in ("decode", "verify")) else None
         wrapper = self._wrapper(kind, variant, graph_bs)
         hq, hkv, dim, ps = variant.q_heads, variant.kv_heads, variant.head_dim, meta.page_size
         common = dict(
@@ -682,8 +708,11 @@ class FlashInferBackend(AttentionBackend):
         self._wrappers = {key: w for key, w in self._wrappers.items() if key[2] is None}
         self._graph = _GraphState(
             max_bs=max_bs,
+            max_tokens=max(max_bs, max_num_tokens),
             indptr=torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device),
             last_page_len=torch.ones(max_bs, dtype=torch.int32, device=self.device),
+            qo_indptr=torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device),
+            mask_indptr=torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device),
         )
         if self.max_context_len is not None:
             self._graph_indices(self.max_context_len, 1)
@@ -695,6 +724,7 @@ class FlashInferBackend(AttentionBackend):
         if g.indices is None:
             g.pages_per_row = pages
             g.indices = torch.zeros(g.max_bs * pages, dtype=torch.int32, device=self.device)
+            g.custom_mask = torch.zeros(g.max_tokens * pages * page_size, dtype=torch.uint8, device=self.device)
         elif pages > g.pages_per_row:
             raise GraphCaptureError(
                 f"flashinfer graph page buffer holds {g.pages_per_row} pages per request, a batch needs "
@@ -713,11 +743,11 @@ class FlashInferBackend(AttentionBackend):
         graph_static = self.is_graph_batch(fb, in_capture)
         if graph_static:
             expect(
-                mode.is_decode(),
+                mode.is_decode() or mode.is_target_verify(),
                 GraphCaptureError,
                 "forward_mode under graph capture",
                 mode.name,
-                "DECODE (the flashinfer backend captures decode steps only)",
+                "DECODE or TARGET_VERIFY (the flashinfer backend captures those)",
             )
             expect(
                 self._graph is not None and fb.batch_size <= self._graph.max_bs,
@@ -741,7 +771,12 @@ class FlashInferBackend(AttentionBackend):
             prefix_lens=list(lens.prefix),
             req_to_token=fb.req_to_token_pool.req_to_token,
             req_pool_indices=fb.req_pool_indices,
-            custom_mask=fb.spec_info.custom_mask if mode.is_target_verify() else None,
+            # a graph's static batch holds the step's flat mask at the start of a larger fixed buffer
+            custom_mask=(
+                fb.spec_info.custom_mask.reshape(-1)[: sum(q * n for q, n in zip(lens.query, lens.kv))]
+                if mode.is_target_verify()
+                else None
+            ),
         )
         self.set_forward_metadata(meta, fb)
         for variant in self.variants:
