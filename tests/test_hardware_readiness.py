@@ -242,3 +242,29 @@ def test_graphs_share_one_memory_pool_largest_first_and_warm_up_on_a_side_stream
     assert runner.pool == fake.pools[0]
     out = runner.run(fb, built.q, built.k, built.v)  # the fake replays nothing: only the plumbing is checked here
     assert out.shape[1] == fb.batch_size
+
+
+# ----------------------------------------------------------------------------- the oldest supported stack
+
+
+def _pins(path: Path) -> dict[str, str]:
+    pins = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if "==" in line:
+            name, version = line.split("==")
+            pins[name.strip()] = version.strip()
+    return pins
+
+
+def test_oldest_env_runs_pyprojects_lower_bounds():
+    """tox -e oldest pins Triton at pyproject's lower bound, and torch at the oldest CPU build reachable here."""
+    root = Path(__file__).parents[1]
+    text = (root / "pyproject.toml").read_text()
+    pins = _pins(root / "constraints-oldest.txt")
+    assert '"triton>=3.6"' in text and pins["triton"] == "3.6.0"
+    assert '"torch>=2.11"' in text, "torch 2.11: the GPU hosts we support"
+    assert tuple(map(int, pins["torch"].split(".")[:2])) >= (2, 11)
+    parser = configparser.ConfigParser(interpolation=None)
+    parser.read(root / "tox.ini")
+    assert "constraints-oldest.txt" in parser["testenv:oldest"]["install_command"]
