@@ -5,6 +5,7 @@ from __future__ import annotations
 import configparser
 import fnmatch
 import types
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,17 @@ def test_npu_probe_with_atb_loaded_has_no_atb_reason(monkeypatch):
     assert log["register"] == 1
     assert "atb" not in cap.reasons and cap.libraries["atb"] == "loaded"
     assert not AscendBackend.available(cap)
+
+
+def test_real_npu_declares_it_cannot_capture_verify_graphs(monkeypatch):
+    """splitfuse's host lengths have no in-graph update on a real NPU: a verify graph is refused up front."""
+    fake_torch_npu(monkeypatch, atb_loads=True)
+    monkeypatch.delenv("HAL_NPU_EMULATION", raising=False)
+    cap = npu_capability()
+    config = AttentionConfig(tp_q_head_num=8, tp_k_head_num=2, head_dim=128, page_size=128, dtype=torch.bfloat16)
+    verify_graph = AscendBackend.validate(replace(config, graph=True, custom_mask=True), cap)
+    assert any("TARGET_VERIFY" in r for r in verify_graph), verify_graph
+    assert not any("TARGET_VERIFY" in r for r in AscendBackend.validate(replace(config, graph=True), cap))
 
 
 def test_load_atb_without_torch_npu_is_no_reason():

@@ -546,7 +546,7 @@ class FlashInferBackend(AttentionBackend):
             self._workspace = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=self.device)
         return self._workspace
 
-    def _wrapper(self, kind: str, variant: LayerVariant, graph_bs: int | None):
+    def _wrapper(self, kind: str, variant: LayerVariant, graph_bs: int | None, page_size: int = 1):
         key = (kind, variant, graph_bs)
         wrapper = self._wrappers.get(key)
         if wrapper is not None:
@@ -565,6 +565,9 @@ class FlashInferBackend(AttentionBackend):
             wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", **kw)
         elif kind == "verify" and graph_bs is not None:  # plan() copies into these; replays read them
             g = self._graph
+            if g.custom_mask is None:  # packed bits, sized generously as SGLang does (max tokens x row width)
+                width = g.pages_per_row * page_size
+                g.custom_mask = torch.zeros(g.max_tokens * width, dtype=torch.uint8, device=self.device)
             wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(
                 ws,
                 "NHD",
@@ -596,7 +599,7 @@ class FlashInferBackend(AttentionBackend):
     def _plan(self, meta: FlashInferMetadata, kind: str, variant: LayerVariant):
         """``plan`` one wrapper for this step (host work: outside any graph)."""
         graph_bs = meta.batch_size if (meta.graph_static and kind in ("decode", "verify")) else None
-        wrapper = self._wrapper(kind, variant, graph_bs)
+        wrapper = self._wrapper(kind, variant, graph_bs, meta.page_size)
         hq, hkv, dim, ps = variant.q_heads, variant.kv_heads, variant.head_dim, meta.page_size
         common = dict(
             sm_scale=variant.scale,
@@ -724,7 +727,6 @@ class FlashInferBackend(AttentionBackend):
         if g.indices is None:
             g.pages_per_row = pages
             g.indices = torch.zeros(g.max_bs * pages, dtype=torch.int32, device=self.device)
-            g.custom_mask = torch.zeros(g.max_tokens * pages * page_size, dtype=torch.uint8, device=self.device)
         elif pages > g.pages_per_row:
             raise GraphCaptureError(
                 f"flashinfer graph page buffer holds {g.pages_per_row} pages per request, a batch needs "

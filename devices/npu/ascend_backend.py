@@ -242,6 +242,11 @@ class AscendBackend(AttentionBackend):
                     "graph capture of sliding-window decode (_npu_paged_attention_splitfuse) on a real NPU: "
                     "no documented in-graph update of its host lengths; only _npu_paged_attention has one"
                 )
+            if config.custom_mask:
+                reasons.append(
+                    "graph capture of TARGET_VERIFY (_npu_paged_attention_splitfuse with the verify mask) on a "
+                    "real NPU: no documented in-graph update of its host lengths; capture decode only there"
+                )
         return list(dict.fromkeys(reasons))
 
     def support_triton(self) -> bool:
