@@ -1,11 +1,15 @@
 """Graph capture and replay under SGLang's out_graph / in_graph contract, on every device.
 
-``GraphRunner`` captures DECODE steps of one backend at fixed batch sizes and replays
+``GraphRunner`` captures DECODE steps of one backend at fixed batch sizes, or with
+``draft_token_num`` TARGET_VERIFY steps of that many draft tokens per request, and replays
 them for any smaller batch, padded with requests of ``get_cuda_graph_seq_len_fill_value()``
-tokens that write to the pool's padding slot. The protocol, per captured size:
+tokens that write to the pool's padding slot. Sizes are captured largest first into one
+memory pool. The protocol, per captured size:
 
-1. ``init_cuda_graph_state(max_bs, max_num_tokens)`` once;
-2. warm-up: ``out_graph(fb, in_capture=True)``, ``in_graph(fb)``, forward (eagerly);
+1. ``init_cuda_graph_state(max_bs, max_num_tokens)`` once (``max_num_tokens`` = ``max_bs``
+   times the draft count for verify);
+2. warm-up: ``out_graph(fb, in_capture=True)``, then ``in_graph(fb)`` and the forward run
+   eagerly by ``Graph.warmup`` (on a side stream for CUDA / NPU graphs);
 3. ``on_after_cuda_graph_warmup()``;
 4. ``out_graph(fb, in_capture=True)`` outside the capture, then inside it
    ``in_graph(fb)`` and the forward;
