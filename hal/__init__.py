@@ -5,6 +5,7 @@
 >>> backend = selection.create()
 """
 
+from hal.allocator import PageAllocator
 from hal.backend import AttentionBackend
 from hal.batch import BatchLens, ForwardBatch, ForwardMode, SpecInfo, host_lens, validate_batch
 from hal.capability import DeviceCapability, resolve_device
@@ -49,6 +50,7 @@ __all__ = [
     "KVCacheError",
     "MHATokenToKVPool",
     "NoBackendError",
+    "PageAllocator",
     "PagedKVPool",
     "PluginError",
     "ReqToTokenPool",

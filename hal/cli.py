@@ -115,9 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     p_check.add_argument("--backend", action="append", default=[])
     p_check.add_argument("--json", action="store_true")
     p_check.add_argument("-v", "--verbose", action="store_true")
-    p_demo = sub.add_parser("demo", help="serve a small synthetic model for a few scheduler steps")
-    p_demo.add_argument("--device")
-    p_demo.add_argument("--json", action="store_true")
+    p_demo = sub.add_parser("demo", help="serve a Llama-architecture model with continuous batching through hal")
+    from hal.demo import add_arguments
+
+    add_arguments(p_demo)
     p_bench = sub.add_parser("bench", help="decode/extend speed as ratios to this machine's own limits")
     p_bench.add_argument("--device")
     p_bench.add_argument("--backend", action="append", default=[])
@@ -137,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     p_report.add_argument("results", nargs="+", metavar="RESULT.json")
     p_report.add_argument("--format", default="md", choices=["md", "html"])
     p_report.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     try:
         if args.command == "info":
@@ -160,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             from hal.demo import run_demo
 
-            return run_demo(args.device, as_json=args.json)
+            return run_demo(args, argv[argv.index("demo") + 1 :])
         if args.command == "bench" and args.workload == "step":
             from hal.step_bench import run_step_workload
 

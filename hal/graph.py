@@ -341,14 +341,24 @@ class GraphRunner:
         expect(k is not None, InvalidBatchError, "k, v", "None", "tensors: a replayed step writes the cache")
         expect(q.dtype == self.q.dtype, InvalidBatchError, "q.dtype", q.dtype, f"{self.q.dtype}, as captured")
         bs, per = fb.batch_size, self.tokens_per_req
+        for static_t, t in ((self.q, q), (self.k, k), (self.v, v)):
+            static_t[: bs * per].copy_(t.reshape(bs * per, -1))
+        return self.replay(fb)[:, : bs * per]
+
+    def replay(self, fb: ForwardBatch) -> torch.Tensor:
+        """Refill the static batch of ``fb``'s padded size from ``fb`` and replay its graph.
+
+        Returns the whole captured output (padded rows included). A subclass whose
+        ``_forward`` reads other static inputs (a model's token ids) fills them, then calls this.
+        """
+        expect(bool(self.graphs), GraphCaptureError, "graphs", "none", "capture() before run()")
+        bs, per = fb.batch_size, self.tokens_per_req
         padded = self.capture_bs[bisect.bisect_left(self.capture_bs, bs)]
         graph, static, output = self.graphs[padded]
         fill = self.backend.get_cuda_graph_seq_len_fill_value()
         static.req_pool_indices.zero_()[:bs].copy_(fb.req_pool_indices)
         static.seq_lens.fill_(fill)[:bs].copy_(fb.seq_lens)
         static.out_cache_loc.fill_(0)[: bs * per].copy_(fb.out_cache_loc)  # padding writes the padding slot 0
-        for static_t, t in ((self.q, q), (self.k, k), (self.v, v)):
-            static_t[: bs * per].copy_(t.reshape(bs * per, -1))
         lens = host_lens(fb)
         if self.draft_token_num is not None:  # the step's flat mask first; padding requests see everything
             mask = fb.spec_info.custom_mask.reshape(-1)
@@ -358,4 +368,4 @@ class GraphRunner:
             static.set_decode_host_lens(lens.kv + [fill] * (padded - bs))
         self.backend.init_forward_metadata_out_graph(static)
         graph.replay()
-        return output[:, : bs * per]
+        return output

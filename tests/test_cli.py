@@ -37,7 +37,7 @@ SUBPROCESS_RUNS = {
     "info_all_plugins": (("info", "--json"), None),
     "check": (("check", "--device", "cpu", "--backend", "torch", "--json"), "cpu"),
     "check_unknown": (("check", "--device", "nosuchdevice"), "cpu"),
-    "demo": (("demo", "--json"), "cpu"),
+    "demo": (("demo", "--check-steps", "--json"), "cpu"),
 }
 
 

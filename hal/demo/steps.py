@@ -1,4 +1,4 @@
-"""``hal demo``: serve a small synthetic model for a few scheduler steps and check every step.
+"""``hal demo --check-steps``: a synthetic attention stack for a few scheduler steps, every step checked.
 
 The model is attention-only with random weights (no download): each step projects
 random hidden states to q/k/v, which all its layers attend with (every other layer
@@ -95,7 +95,7 @@ class Server:
         )
 
 
-def run_demo(device: str | None = None, as_json: bool = False, decode_steps: int = 6) -> int:
+def run_steps(device: str | None = None, as_json: bool = False, decode_steps: int = 6) -> int:
     probe_cfg = AttentionConfig(tp_q_head_num=16, tp_k_head_num=4, head_dim=64, dtype=torch.float32)
     cap = select(probe_cfg, device).capability
     dtype = torch.bfloat16 if cap.supports_dtype(torch.bfloat16) else torch.float32

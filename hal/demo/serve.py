@@ -1,0 +1,270 @@
+"""``hal demo``: serve a Llama-architecture model with continuous batching through hal."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from dataclasses import asdict
+
+import torch
+
+from hal.config import AttentionConfig
+from hal.errors import ConfigError, expect
+
+from . import tp as tp_mod
+from .core import make_graph, make_pools, select_backend
+from .engine import Engine, ModelGraphRunner, Request
+from .model import LlamaModel, ModelShape, random_weights
+
+__all__ = ["serve", "make_requests", "build"]
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def make_requests(args) -> list[Request]:
+    """The demo's request queue: seeded prompts of varied lengths and varied output lengths."""
+    rng = random.Random(args.seed)
+    if args.prompt_lens:
+        lens = args.prompt_lens
+    else:
+        lo, hi = args.prompt_range
+        lens = [rng.randint(lo, hi) for _ in range(args.requests)]
+    m = args.max_new_tokens
+    return [
+        Request(
+            rid=i,
+            prompt=[rng.randrange(args.vocab) for _ in range(n)],
+            max_new_tokens=rng.randint(max(1, m // 4), m),
+        )
+        for i, n in enumerate(lens)
+    ]
+
+
+def _shape(args) -> ModelShape:
+    return ModelShape(
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        vocab=args.vocab,
+        intermediate=args.intermediate or 2 * args.hidden,
+        max_position=max(args.context_len, 2048),
+    )
+
+
+def build(args, shape: ModelShape, rank: tp_mod.RankInfo, record_logits: bool):
+    """Select the backend, build the model on this rank's slice, the pools, the graph runner and the engine."""
+    dtype = DTYPES[args.dtype]
+    config = AttentionConfig(
+        tp_q_head_num=shape.heads // rank.world,
+        tp_k_head_num=shape.kv_heads // rank.world,
+        head_dim=shape.head_dim,
+        dtype=dtype,
+        page_size=args.page_size,
+        graph=False,
+    )
+    selection = select_backend(config, args.device, args.backend, rank.local_rank if rank.world > 1 else None)
+    backend = selection.create()
+    device = selection.capability.torch_device
+    model = LlamaModel(shape, random_weights(shape, args.seed), backend, dtype, device, rank.rank, rank.world)
+    pages_per_req = -(-args.context_len // args.page_size)
+    req_pool, kv_pool = make_pools(
+        selection,
+        num_pages=args.kv_pages or args.max_running * pages_per_req,
+        page_size=args.page_size,
+        layer_num=shape.layers,
+        head_num=model.kv_heads,
+        head_dim=shape.head_dim,
+        dtype=dtype,
+        rows=args.max_running + 1,
+        max_context_len=args.context_len,
+    )
+    runner = None
+    graph = selection.capability.graph
+    if graph and (args.graph == "on" or (args.graph == "auto" and graph != "eager_guard")):
+        sizes = [1 << i for i in range(args.max_running.bit_length()) if 1 << i < args.max_running]
+        runner = ModelGraphRunner(
+            model, req_pool, kv_pool, lambda: make_graph(selection), capture_bs=[*sizes, args.max_running]
+        )
+        with torch.inference_mode():
+            runner.capture()
+    engine = Engine(
+        model,
+        req_pool,
+        kv_pool,
+        max_running=args.max_running,
+        chunk_tokens=args.chunk,
+        graph_runner=runner,
+        validate="full" if args.check else None,
+        record_logits=record_logits,
+    )
+    return selection, engine
+
+
+class Progress:
+    """One status line on stderr, redrawn in place on a terminal (nothing when stderr is a file)."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.enabled = total, enabled and sys.stderr.isatty()
+        self.start, self.last = time.perf_counter(), 0.0
+
+    def __call__(self, engine: Engine) -> None:
+        now = time.perf_counter()
+        if not self.enabled or now - self.last < 0.1:
+            return
+        self.last = now
+        generated = sum(len(r.output) for r in engine.finished + engine.running)
+        print(
+            f"\rstep {len(engine.stats):5d}  running {len(engine.running):3d}  waiting {len(engine.waiting):3d}  "
+            f"done {len(engine.finished):3d}/{self.total}  {generated / (now - self.start):8.1f} tok/s",
+            end="",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def close(self) -> None:
+        if self.enabled:
+            print("\r" + " " * 78 + "\r", end="", file=sys.stderr, flush=True)
+
+
+def serve(args, argv: list[str]) -> int:
+    shape = _shape(args)
+    shape.check_tp(args.tp)
+    expect(args.page_size >= 1, ConfigError, "--page-size", args.page_size, "a positive power of two")
+    for name in ("requests", "max_new_tokens", "max_running", "chunk", "context_len"):
+        value = getattr(args, name)
+        expect(value >= 1, ConfigError, "--" + name.replace("_", "-"), value, "an int >= 1")
+    if args.dtype not in DTYPES:
+        raise ConfigError(f"--dtype = {args.dtype!r}: expected one of {sorted(DTYPES)} (never fp16 on a CPU)")
+    rank = tp_mod.rank_info(args.tp)
+    if rank is None:
+        if args.tp > 1:
+            # Selection errors (unknown device or backend) are reported once, here, before any rank starts.
+            select_backend(_attention_config(args, shape), args.device, args.backend)
+            return tp_mod.launch(args.tp, argv)
+        rank = tp_mod.RankInfo()
+    else:
+        name = args.device or select_backend(_attention_config(args, shape), None, args.backend).capability.torch_type
+        tp_mod.init_group(rank, name.partition(":")[0])
+    try:
+        return _serve_rank(args, shape, rank)
+    finally:
+        if rank.world > 1 and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _attention_config(args, shape: ModelShape) -> AttentionConfig:
+    return AttentionConfig(
+        tp_q_head_num=shape.heads // args.tp,
+        tp_k_head_num=shape.kv_heads // args.tp,
+        head_dim=shape.head_dim,
+        dtype=DTYPES[args.dtype],
+        page_size=args.page_size,
+    )
+
+
+def _serve_rank(args, shape: ModelShape, rank: tp_mod.RankInfo) -> int:
+    selection, engine = build(args, shape, rank, record_logits=args.check and rank.is_main)
+    requests = make_requests(args)
+    for req in requests:
+        if not engine.submit(req) and rank.is_main:
+            print(f"hal demo: request {req.rid} rejected: {req.error}", file=sys.stderr)
+    progress = Progress(len(engine.waiting), rank.is_main)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        engine.run(progress)
+    seconds = time.perf_counter() - start
+    progress.close()
+    if not rank.is_main:
+        return 0
+    served = sorted(engine.finished, key=lambda r: r.rid)
+    generated = sum(len(r.output) for r in served)
+    report = {
+        "device": selection.device,
+        "torch_device": str(selection.capability.torch_device),
+        "device_name": selection.capability.name,
+        "emulated": selection.capability.emulated,
+        "backend": selection.backend,
+        "selection_trace": selection.trace,
+        "dtype": args.dtype,
+        "tp": rank.world,
+        "page_size": args.page_size,
+        "model": asdict(shape),
+        "requests": len(served),
+        "rejected": [{"request": r.rid, "error": r.error} for r in engine.rejected],
+        "prompt_tokens": sum(len(r.prompt) for r in served),
+        "generated_tokens": generated,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(generated / seconds, 1) if seconds else None,
+        **engine.summary(),
+        "outputs": {str(r.rid): r.output for r in served},
+        "matches_reference": None,
+    }
+    code = 2 if engine.rejected else 0
+    if args.check and served:
+        from .reference import check_against_hf
+
+        weights = random_weights(shape, args.seed)
+        report.update(check_against_hf(shape, weights, served, DTYPES[args.dtype], selection.capability.torch_device))
+        ref = report["reference_tokens_per_s"]
+        report["speedup"] = round(report["tokens_per_s"] / ref, 2) if ref else None
+        if not report["matches_reference"]:
+            code = 1
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_table(report)
+    return code
+
+
+def print_table(r: dict) -> None:
+    m = r["model"]
+    emulated = " (emulated)" if r["emulated"] else ""
+    rows = [
+        (
+            "model",
+            f"Llama, {m['layers']} layers, hidden {m['hidden']}, {m['heads']} q / {m['kv_heads']} kv heads, "
+            f"vocab {m['vocab']}, {r['dtype']}, seeded random weights",
+        ),
+        ("device", f"{r['device']}{emulated} ({r['torch_device']}, {r['device_name']}), tp {r['tp']}"),
+        ("backend", f"{r['backend']}, page size {r['page_size']}"),
+        *(("  why", step) for step in r["selection_trace"]),
+        ("requests", f"{r['requests']} served, {len(r['rejected'])} rejected"),
+        ("tokens", f"{r['prompt_tokens']} prompt, {r['generated_tokens']} generated in {r['seconds']} s"),
+        (
+            "speed",
+            f"{r['tokens_per_s']} generated tokens/s end to end; prefill {r['prefill_tokens_per_s']} tokens/s, "
+            f"decode {r['decode_tokens_per_s']} tokens/s (steps of that kind only)",
+        ),
+        ("batches", f"sizes {r['batch_sizes']} (mean {r['mean_batch_size']})"),
+        (
+            "steps",
+            ", ".join(f"{k} {v}" for k, v in sorted(r["steps_by_mode"].items()))
+            + f" ({r['graph_steps']} decode steps replayed through a graph)",
+        ),
+    ]
+    for rej in r["rejected"]:
+        rows.append(("rejected", f"request {rej['request']}: {rej['error']}"))
+    if r["matches_reference"] is not None:
+        verdict = "PASS" if r["matches_reference"] else "FAIL"
+        rows += [
+            (
+                "check",
+                f"{verdict}: {r['identical_requests']}/{r['compared_requests']} requests token-identical to "
+                f"transformers generate, {len(r['near_ties'])} near-ties, {len(r['mismatches'])} mismatches",
+            ),
+            ("logits", f"max |hal - HF| {r['max_logit_diff']:.2e} (tolerance {r['logit_tolerance']:.0e})"),
+            (
+                "reference",
+                f"HF generate {r['reference_tokens_per_s']} tokens/s: hal is {r['speedup']}x faster",
+            ),
+        ]
+        for tie in r["near_ties"]:
+            rows.append(("near-tie", json.dumps(tie)))
+        for bad in r["mismatches"]:
+            rows.append(("MISMATCH", json.dumps(bad)))
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")

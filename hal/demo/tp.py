@@ -1,0 +1,105 @@
+"""Tensor parallelism for the demo: one process per rank over ``torch.distributed``.
+
+Under ``torchrun`` (``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` set) the demo joins the
+group it was started in; otherwise ``--tp N`` starts ``N`` copies of itself as ranks
+with the same variables (rank 0 keeps the terminal, the others run quietly). The
+process-group backend follows the device: gloo on the CPU, nccl on CUDA, hccl on an NPU.
+Each rank serves the same requests in lockstep: the scheduler is deterministic and the
+logits after ``all_reduce`` are the same on every rank, so every rank samples the same
+tokens.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import subprocess
+import sys
+
+import torch
+
+from hal.errors import ConfigError
+
+__all__ = ["RankInfo", "rank_info", "launch", "init_group", "group_backend"]
+
+_CHILD = "HAL_DEMO_TP_RANK_OF"
+
+
+class RankInfo:
+    def __init__(self, rank: int = 0, local_rank: int = 0, world: int = 1):
+        self.rank, self.local_rank, self.world = rank, local_rank, world
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def rank_info(tp: int) -> RankInfo | None:
+    """This process's rank when it runs inside a group (torchrun or a rank the demo started), else None."""
+    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+        return None
+    world = int(os.environ["WORLD_SIZE"])
+    if world != tp:
+        raise ConfigError(f"--tp = {tp}: expected the launcher's WORLD_SIZE ({world})")
+    rank = int(os.environ["RANK"])
+    return RankInfo(rank, int(os.environ.get("LOCAL_RANK", rank)), world)
+
+
+def group_backend(torch_type: str) -> str:
+    return {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}.get(torch_type, "gloo")
+
+
+def init_group(info: RankInfo, torch_type: str) -> None:
+    if torch_type == "cuda":
+        torch.cuda.set_device(info.local_rank)
+    elif torch_type == "npu":
+        torch.npu.set_device(info.local_rank)
+    else:  # share the cores between the ranks on one machine
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.world))
+    torch.distributed.init_process_group(
+        group_backend(torch_type),
+        rank=info.rank,
+        world_size=info.world,
+        timeout=datetime.timedelta(seconds=120),
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(tp: int, argv: list[str]) -> int:
+    """Run ``hal demo <argv>`` as ``tp`` ranks; rank 0's output is the demo's. Returns the worst exit status."""
+    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(tp)}
+    procs = []
+    for rank in range(tp):
+        env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), _CHILD: str(os.getpid())}
+        quiet = subprocess.DEVNULL if rank else None
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "hal.cli", "demo", *argv],
+                env=env,
+                stdout=quiet,
+                stderr=subprocess.PIPE if rank else None,
+                text=True,
+            )
+        )
+    codes = [0] * tp
+    try:
+        for rank, proc in enumerate(procs):
+            _, err = proc.communicate()
+            codes[rank] = proc.returncode
+            if proc.returncode and rank and err:
+                print(f"hal demo: rank {rank} failed (exit {proc.returncode}):\n{err[-4000:]}", file=sys.stderr)
+            if proc.returncode:  # a rank is gone: the others would wait for it until the group times out
+                for other in procs:
+                    if other.poll() is None:
+                        other.terminate()
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    return max(codes, key=abs)
