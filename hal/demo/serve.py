@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import random
 import sys
@@ -129,6 +130,17 @@ class Progress:
             print("\r" + " " * 78 + "\r", end="", file=sys.stderr, flush=True)
 
 
+def keep_freed_memory() -> None:
+    """Stop glibc handing freed activation buffers back to the OS (and faulting them in again on the next
+    step): fresh pages run at a few GB/s here and halved the CPU's step time. No-op off glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD: serve large blocks from the heap
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: keep the heap's free top
+    except (OSError, AttributeError):
+        pass
+
+
 def serve(args, argv: list[str]) -> int:
     shape = _shape(args)
     shape.check_tp(args.tp)
@@ -138,6 +150,7 @@ def serve(args, argv: list[str]) -> int:
         expect(value >= 1, ConfigError, "--" + name.replace("_", "-"), value, "an int >= 1")
     if args.dtype not in DTYPES:
         raise ConfigError(f"--dtype = {args.dtype!r}: expected one of {sorted(DTYPES)} (never fp16 on a CPU)")
+    keep_freed_memory()
     rank = tp_mod.rank_info(args.tp)
     if rank is None:
         if args.tp > 1:
