@@ -138,7 +138,7 @@ def test_serving_loop_batches_continuously_and_frees_everything():
     # chunked prefill: no step took more than --chunk prompt tokens, and some prompt needed several
     assert max(s.prefill_tokens for s in engine.stats) <= 48
     assert engine.allocator.num_used == 0 and engine.allocator.reserved == 0
-    assert sorted(engine.free_rows) == list(range(1, args.max_running + 1))
+    assert sorted(engine.free_rows) == list(range(1, args.max_running + 1))  # row 0 is the padding row
 
 
 def test_graph_replayed_decode_gives_the_same_tokens():

@@ -23,7 +23,7 @@ from hal.batch import ForwardMode
 from hal.errors import KVCacheError
 from hal.graph import GraphRunner
 
-from .core import make_batch
+from .core import make_batch, request_rows
 
 __all__ = ["Request", "Engine", "ModelGraphRunner"]
 
@@ -105,7 +105,7 @@ class Engine:
         max_running: int,
         chunk_tokens: int,
         graph_runner: ModelGraphRunner | None = None,
-        validate: str = "cheap",
+        validate: str | None = None,
         record_logits: bool = False,
     ):
         self.model, self.req_pool, self.kv_pool = model, req_pool, kv_pool
@@ -114,7 +114,7 @@ class Engine:
         self.page_size = kv_pool.page_size
         self.max_running, self.chunk_tokens = max_running, chunk_tokens
         self.graph_runner, self.validate, self.record_logits = graph_runner, validate, record_logits
-        self.free_rows = list(range(req_pool.size - 1, 0, -1))  # row 0: graph padding requests read it
+        self.free_rows = request_rows(req_pool)[::-1]  # pop() takes the lowest
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: list[Request] = []

@@ -58,16 +58,10 @@ def _shape(args) -> ModelShape:
 def build(args, shape: ModelShape, rank: tp_mod.RankInfo, record_logits: bool):
     """Select the backend, build the model on this rank's slice, the pools, the graph runner and the engine."""
     dtype = DTYPES[args.dtype]
-    config = AttentionConfig(
-        tp_q_head_num=shape.heads // rank.world,
-        tp_k_head_num=shape.kv_heads // rank.world,
-        head_dim=shape.head_dim,
-        dtype=dtype,
-        page_size=args.page_size,
-        graph=False,
-    )
+    config = _attention_config(args, shape)
     selection = select_backend(config, args.device, args.backend, rank.local_rank if rank.world > 1 else None)
-    backend = selection.create()
+    validate = "full" if args.check else None
+    backend = selection.create(validate=validate)
     device = selection.capability.torch_device
     model = LlamaModel(shape, random_weights(shape, args.seed), backend, dtype, device, rank.rank, rank.world)
     pages_per_req = -(-args.context_len // args.page_size)
@@ -79,7 +73,7 @@ def build(args, shape: ModelShape, rank: tp_mod.RankInfo, record_logits: bool):
         head_num=model.kv_heads,
         head_dim=shape.head_dim,
         dtype=dtype,
-        rows=args.max_running + 1,
+        max_requests=args.max_running,
         max_context_len=args.context_len,
     )
     runner = None
@@ -98,7 +92,7 @@ def build(args, shape: ModelShape, rank: tp_mod.RankInfo, record_logits: bool):
         max_running=args.max_running,
         chunk_tokens=args.chunk,
         graph_runner=runner,
-        validate="full" if args.check else None,
+        validate=validate,
         record_logits=record_logits,
     )
     return selection, engine
@@ -169,12 +163,18 @@ def serve(args, argv: list[str]) -> int:
 
 
 def _attention_config(args, shape: ModelShape) -> AttentionConfig:
+    """What one rank's attention asks of a backend: its slice of the heads, the pool's page size, the model's
+    layers, and the context and batch the engine plans for."""
     return AttentionConfig(
         tp_q_head_num=shape.heads // args.tp,
         tp_k_head_num=shape.kv_heads // args.tp,
         head_dim=shape.head_dim,
         dtype=DTYPES[args.dtype],
         page_size=args.page_size,
+        graph=args.graph == "on",
+        layer_num=shape.layers,
+        max_context_len=args.context_len,
+        max_batch_size=args.max_running,
     )
 
 
