@@ -99,28 +99,28 @@ def build(args, shape: ModelShape, rank: tp_mod.RankInfo, record_logits: bool):
 
 
 class Progress:
-    """One status line on stderr, redrawn in place on a terminal (nothing when stderr is a file)."""
+    """A status line on stderr: redrawn in place on a terminal, else a line every few seconds."""
 
     def __init__(self, total: int, enabled: bool):
-        self.total, self.enabled = total, enabled and sys.stderr.isatty()
-        self.start, self.last = time.perf_counter(), 0.0
+        self.total, self.enabled, self.tty = total, enabled, sys.stderr.isatty()
+        self.start, self.last = time.perf_counter(), time.perf_counter()
 
     def __call__(self, engine: Engine) -> None:
         now = time.perf_counter()
-        if not self.enabled or now - self.last < 0.1:
+        if not self.enabled or now - self.last < (0.1 if self.tty else 5.0):
             return
         self.last = now
         generated = sum(len(r.output) for r in engine.finished + engine.running)
+        line = (
+            f"step {len(engine.stats):5d}  running {len(engine.running):3d}  waiting {len(engine.waiting):3d}  "
+            f"done {len(engine.finished):3d}/{self.total}  {generated / (now - self.start):8.1f} tok/s"
+        )
         print(
-            f"\rstep {len(engine.stats):5d}  running {len(engine.running):3d}  waiting {len(engine.waiting):3d}  "
-            f"done {len(engine.finished):3d}/{self.total}  {generated / (now - self.start):8.1f} tok/s",
-            end="",
-            file=sys.stderr,
-            flush=True,
+            f"\r{line}" if self.tty else f"hal demo: {line}", end="" if self.tty else "\n", file=sys.stderr, flush=True
         )
 
     def close(self) -> None:
-        if self.enabled:
+        if self.enabled and self.tty:
             print("\r" + " " * 78 + "\r", end="", file=sys.stderr, flush=True)
 
 
