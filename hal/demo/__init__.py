@@ -35,9 +35,9 @@ def _range(text: str) -> tuple[int, int]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="cpu, cuda, cuda:1, npu... (default: the best available)")
     p.add_argument("--backend", help="force an attention backend (default: the device's first that fits)")
-    p.add_argument("--requests", type=int, default=24, help="requests in the queue (default 24)")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="the longest output; each request draws its own")
-    p.add_argument("--prompt-range", type=_range, default=(8, 160), metavar="MIN:MAX", help="prompt lengths")
+    p.add_argument("--requests", type=int, default=32, help="requests in the queue (default 32)")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="the longest output; each request draws its own")
+    p.add_argument("--prompt-range", type=_range, default=(8, 96), metavar="MIN:MAX", help="prompt lengths")
     p.add_argument("--prompt-lens", type=_int_list, help="explicit prompt lengths, one request each (N1,N2,...)")
     p.add_argument("--dtype", default="fp32", help="fp32 (default) or bf16")
     p.add_argument("--check", action="store_true", help="compare every token with transformers' generate")
@@ -54,6 +54,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="replay decode steps through hal.graph.GraphRunner: auto = where the device captures real graphs "
         "(CUDA, NPU); on = also the CPU's checked eager graph (it checks the contract, it does not speed up)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        help="CPU threads of torch (default: 1 when other work keeps the cores busy, else torch's default)",
     )
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)

@@ -55,8 +55,6 @@ def init_group(info: RankInfo, torch_type: str) -> None:
         torch.cuda.set_device(info.local_rank)
     elif torch_type == "npu":
         torch.npu.set_device(info.local_rank)
-    else:  # share the cores between the ranks on one machine
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.world))
     torch.distributed.init_process_group(
         group_backend(torch_type),
         rank=info.rank,
