@@ -16,6 +16,8 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 
 import torch
 
@@ -72,7 +74,7 @@ def _free_port() -> int:
 def launch(tp: int, argv: list[str]) -> int:
     """Run ``hal demo <argv>`` as ``tp`` ranks; rank 0's output is the demo's. Returns the worst exit status."""
     base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(tp)}
-    procs = []
+    procs, logs = [], [tempfile.TemporaryFile("w+") for _ in range(tp)]  # a pipe could fill and block a rank
     for rank in range(tp):
         env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), _CHILD: str(os.getpid())}
         quiet = subprocess.DEVNULL if rank else None
@@ -81,23 +83,33 @@ def launch(tp: int, argv: list[str]) -> int:
                 [sys.executable, "-m", "hal.cli", "demo", *argv],
                 env=env,
                 stdout=quiet,
-                stderr=subprocess.PIPE if rank else None,
+                stderr=logs[rank] if rank else None,
                 text=True,
             )
         )
-    codes = [0] * tp
+    errors = [""] * tp
+    failed_at = None
     try:
-        for rank, proc in enumerate(procs):
-            _, err = proc.communicate()
-            codes[rank] = proc.returncode
-            if proc.returncode and rank and err:
-                print(f"hal demo: rank {rank} failed (exit {proc.returncode}):\n{err[-4000:]}", file=sys.stderr)
-            if proc.returncode:  # a rank is gone: the others would wait for it until the group times out
-                for other in procs:
-                    if other.poll() is None:
-                        other.terminate()
+        while any(p.poll() is None for p in procs):
+            if failed_at is None and any(p.poll() for p in procs):
+                failed_at = time.monotonic()
+            # A rank that failed leaves the others waiting on it until the group times out: give them a grace.
+            if failed_at is not None and time.monotonic() - failed_at > 30:
+                for proc in procs:
+                    if proc.poll() is None:
+                        proc.terminate()
+            time.sleep(0.05)
+        for rank in range(1, tp):
+            logs[rank].seek(0)
+            errors[rank] = logs[rank].read()
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
-    return max(codes, key=abs)
+        for log in logs:
+            log.close()
+    codes = [p.returncode for p in procs]
+    for rank in range(1, tp):
+        if codes[rank] and codes[rank] != codes[0] and errors[rank]:
+            print(f"hal demo: rank {rank} failed (exit {codes[rank]}):\n{errors[rank][-4000:]}", file=sys.stderr)
+    return codes[0] or next((c for c in codes if c), 0)
