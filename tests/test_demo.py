@@ -155,7 +155,7 @@ def test_a_logit_error_past_the_tolerance_fails_the_check():
     from hal.demo.reference import check_against_hf
 
     args, engine, requests = serve("--requests", "1", "--max-new-tokens", "3", "--check", record_logits=True)
-    requests[0].logits[1] = requests[0].logits[1] + 1.0
+    requests[0].logits[0] = requests[0].logits[0] + 1.0
     shape = _shape(args)
     report = check_against_hf(shape, random_weights(shape, args.seed), requests, torch.float32, torch.device("cpu"))
     assert not report["matches_reference"] and report["max_logit_diff"] >= 1.0
