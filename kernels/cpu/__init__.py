@@ -251,7 +251,7 @@ def paged_attention(
     qf = q if q.dtype == torch.float32 and q.stride(2) == 1 else q.float().contiguous()
     out = torch.empty(tokens, q_heads, v_buffer.shape[2], dtype=torch.float32)
     try:
-        bad = module.paged_attention(
+        bad, slot = module.paged_attention(
             qf,
             k_buffer,
             v_buffer,
@@ -274,6 +274,6 @@ def paged_attention(
         if "hal: " in message:
             raise KVCacheError(message.split("hal: ", 1)[1]) from None
         raise
-    if bad >= 0:
-        raise KVCacheError(f"req_to_token holds slot {bad}: expected a slot in [0, {k_buffer.shape[0]})")
+    if bad:
+        raise KVCacheError(f"req_to_token holds slot {slot}: expected a slot in [0, {k_buffer.shape[0]})")
     return out if q.dtype == torch.float32 else out.to(q.dtype)

@@ -237,6 +237,7 @@ struct Problem {
   int64_t window;
   bool causal;
   std::atomic<int64_t>* bad_slot;
+  std::atomic<bool>* bad;
 };
 
 struct Task {
@@ -269,6 +270,7 @@ inline bool slot_ptrs(const Problem& P, const int32_t* r2t_row, int64_t j0, int6
     const int64_t slot = r2t_row[j0 + j];
     if (slot < 0 || slot >= P.num_slots) {
       P.bad_slot->store(slot);
+      P.bad->store(true);
       return false;
     }
     kp[j] = K + slot * P.k_s0 + h * P.k_s1;
@@ -354,6 +356,22 @@ inline void load_q(const Problem& P, int64_t b, int64_t h, int64_t i0, int64_t i
   }
 }
 
+// Key ranges of a task's query rows (and their union [LO, HI)), its scaled queries, zeroed state.
+inline void start_task(const Problem& P, const Task& task, int64_t R, int64_t* lo, int64_t* hi, int64_t& LO,
+                       int64_t& HI, float* qs, float* acc, float* m, float* l) {
+  LO = std::numeric_limits<int64_t>::max();
+  HI = 0;
+  for (int64_t i = 0; i < task.i1 - task.i0; ++i) {
+    key_range(P, task.b, task.i0 + i, lo[i], hi[i]);
+    LO = std::min(LO, lo[i]);
+    HI = std::max(HI, hi[i]);
+  }
+  load_q(P, task.b, task.h, task.i0, task.i1, qs);
+  std::fill(acc, acc + R * P.Dv, 0.f);
+  std::fill(m, m + R, kNegInf);
+  std::fill(l, l + R, 0.f);
+}
+
 // Decode / verify / short extend: every row of the task over blocks of kBlock keys.
 template <typename T>
 void run_rows(const Problem& P, const Task& task) {
@@ -366,16 +384,8 @@ void run_rows(const Problem& P, const Task& task) {
   float* m = s + R * kBlock;
   float* l = m + R;
   std::vector<int64_t> lo(nq), hi(nq);
-  int64_t LO = std::numeric_limits<int64_t>::max(), HI = 0;
-  for (int64_t i = 0; i < nq; ++i) {
-    key_range(P, b, i0 + i, lo[i], hi[i]);
-    LO = std::min(LO, lo[i]);
-    HI = std::max(HI, hi[i]);
-  }
-  load_q(P, b, h, i0, task.i1, qs);
-  std::fill(acc, acc + R * Dv, 0.f);
-  std::fill(m, m + R, kNegInf);
-  std::fill(l, l + R, 0.f);
+  int64_t LO, HI;
+  start_task(P, task, R, lo.data(), hi.data(), LO, HI, qs, acc, m, l);
   if (int64_t(t_ptrs.size()) < 4 * kBlock) t_ptrs.resize(4 * kBlock);
   const T** kp = reinterpret_cast<const T**>(t_ptrs.data());
   const T** vp = kp + kBlock;
@@ -418,16 +428,8 @@ void run_tile(const Problem& P, const Task& task) {
   float* m = vs + BK * Dv;
   float* l = m + R;
   std::vector<int64_t> lo(nq), hi(nq);
-  int64_t LO = std::numeric_limits<int64_t>::max(), HI = 0;
-  for (int64_t i = 0; i < nq; ++i) {
-    key_range(P, b, i0 + i, lo[i], hi[i]);
-    LO = std::min(LO, lo[i]);
-    HI = std::max(HI, hi[i]);
-  }
-  load_q(P, b, h, i0, task.i1, qs);
-  std::fill(acc, acc + R * Dv, 0.f);
-  std::fill(m, m + R, kNegInf);
-  std::fill(l, l + R, 0.f);
+  int64_t LO, HI;
+  start_task(P, task, R, lo.data(), hi.data(), LO, HI, qs, acc, m, l);
   auto opts = at::TensorOptions().dtype(at::kFloat);
   at::Tensor q_t = at::from_blob(qs, {R, D}, opts);
   at::Tensor acc_t = at::from_blob(acc, {R, Dv}, opts);
@@ -454,8 +456,8 @@ void run_tile(const Problem& P, const Task& task) {
 
 // q: float32 [T, Hq, D] (last dim contiguous); k/v_buffer: [S, Hkv, D|Dv] float32 or bf16;
 // req_to_token int32 [R, C]; rows, kv_lens, q_lens, q_start, mask_start: int64 [B] (CPU);
-// custom_mask: bool flat or empty; out: float32 [T, Hq, Dv]. Returns -1, or the first bad slot.
-int64_t paged_attention(at::Tensor q, at::Tensor k_buffer, at::Tensor v_buffer, at::Tensor req_to_token,
+// custom_mask: bool flat or empty; out: float32 [T, Hq, Dv]. Returns {1, slot} for a slot outside the pool, else {0, 0}.
+std::vector<int64_t> paged_attention(at::Tensor q, at::Tensor k_buffer, at::Tensor v_buffer, at::Tensor req_to_token,
                         at::Tensor rows, at::Tensor kv_lens, at::Tensor q_lens, at::Tensor q_start,
                         at::Tensor custom_mask, at::Tensor mask_start, at::Tensor out, double scale, double logit_cap,
                         int64_t window, bool causal, int64_t tile_rows) {
@@ -464,7 +466,8 @@ int64_t paged_attention(at::Tensor q, at::Tensor k_buffer, at::Tensor v_buffer, 
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_buffer.stride(2) == 1 && v_buffer.stride(2) == 1,
               "last dims must be contiguous");
   TORCH_CHECK(req_to_token.scalar_type() == at::kInt && req_to_token.stride(1) == 1, "req_to_token: int32 rows");
-  std::atomic<int64_t> bad(-1);
+  std::atomic<int64_t> bad_slot(0);
+  std::atomic<bool> bad(false);
   Problem P;
   P.q = q.data_ptr<float>();
   P.q_s0 = q.stride(0);
@@ -497,7 +500,8 @@ int64_t paged_attention(at::Tensor q, at::Tensor k_buffer, at::Tensor v_buffer, 
   P.cap = float(logit_cap);
   P.window = window;
   P.causal = causal;
-  P.bad_slot = &bad;
+  P.bad_slot = &bad_slot;
+  P.bad = &bad;
 
   const int64_t B = rows.numel();
   TORCH_CHECK(kv_lens.numel() == B && q_lens.numel() == B && q_start.numel() == B,
@@ -541,7 +545,7 @@ int64_t paged_attention(at::Tensor q, at::Tensor k_buffer, at::Tensor v_buffer, 
   TORCH_CHECK(bf16 || k_buffer.scalar_type() == at::kFloat, "KV buffers must be float32 or bfloat16");
   auto worker = [&](int64_t, int64_t) {
     for (int64_t t = next.fetch_add(1); t < n; t = next.fetch_add(1)) {
-      if (bad.load() >= 0) return;
+      if (bad.load()) return;
       const Task& task = tasks[t];
       if (bf16) {
         task.tile ? run_tile<at::BFloat16>(P, task) : run_rows<at::BFloat16>(P, task);
@@ -556,7 +560,7 @@ int64_t paged_attention(at::Tensor q, at::Tensor k_buffer, at::Tensor v_buffer, 
   } else {
     at::parallel_for(0, threads, 1, worker);
   }
-  return bad.load();
+  return std::vector<int64_t>{bad.load() ? 1 : 0, bad_slot.load()};
 }
 
 std::string build_info() {
