@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hal.batch import host_lens
 from hal.capability import cpu_capability
 from hal.conformance.cases import CASES, build, tolerance
 from hal.devices.cpu import CompiledBackend, PlainTorchBackend, TorchBackend, device
@@ -25,17 +26,18 @@ CPU_CASES = [c for c in CASES if not TorchBackend.validate(c.config(), CAP)]
 
 def _kernel_out(built, tile_rows):
     fb, layer = built.batch, built.layer
+    lens = host_lens(fb)
     k_buffer, v_buffer = fb.token_to_kv_pool.get_kv_buffer(0)
     k_buffer.copy_(built.expected_k)
     v_buffer.copy_(built.expected_v)
     out = cpu_kernels.paged_attention(
-        built.q.view(fb.num_tokens, layer.tp_q_head_num, layer.head_dim),
+        built.q.view(lens.num_tokens, layer.tp_q_head_num, layer.head_dim),
         k_buffer,
         v_buffer,
         fb.req_to_token_pool.req_to_token,
         fb.req_pool_indices,
-        torch.tensor(fb.kv_lens_cpu),
-        torch.tensor(fb.query_lens_cpu),
+        torch.tensor(lens.kv),
+        torch.tensor(lens.query),
         scale=layer.scaling,
         logit_cap=layer.logit_cap,
         sliding_window=layer.sliding_window_size,
@@ -43,7 +45,7 @@ def _kernel_out(built, tile_rows):
         custom_mask=fb.spec_info.custom_mask if fb.forward_mode.is_target_verify() else None,
         tile_rows=tile_rows,
     )
-    return out.reshape(fb.num_tokens, -1)
+    return out.reshape(lens.num_tokens, -1)
 
 
 @needs_kernels

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hal.batch import device_lens
 from hal.kernels import cpu as cpu_kernels
 
 from .torch_backend import TorchBackend
@@ -41,8 +42,8 @@ class CompiledBackend(TorchBackend):
 
     name = "torch"
 
-    def __init__(self, capability, *args, **kwargs):
-        super().__init__(capability, *args, **kwargs)
+    def __init__(self, capability, config=None, **options):
+        super().__init__(capability, config, **options)
         self.kernels = None
         if cpu_kernels.status()[0]:
             try:
@@ -67,6 +68,7 @@ class CompiledBackend(TorchBackend):
     def init_forward_metadata_out_graph(self, fb, in_capture: bool = False) -> None:
         if self.kernels is None:
             return super().init_forward_metadata_out_graph(fb, in_capture)
+        self.check_batch(fb)
         self.set_forward_metadata(None if fb.forward_mode.is_idle() else CompiledMetadata(), fb)
 
     def init_forward_metadata_in_graph(self, fb) -> None:
@@ -75,7 +77,7 @@ class CompiledBackend(TorchBackend):
         if fb.forward_mode.is_idle():
             return
         meta = self.metadata_for(fb)
-        meta.q_lens, meta.kv_lens = fb.device_lens()
+        meta.q_lens, meta.kv_lens = device_lens(fb)
         meta.rows = fb.req_pool_indices.long()
         meta.q_start = torch.cumsum(meta.q_lens, 0) - meta.q_lens
         if fb.forward_mode.is_target_verify():
@@ -89,11 +91,12 @@ class CompiledBackend(TorchBackend):
     def _forward(self, q, k, v, layer, fb, save_kv_cache: bool) -> torch.Tensor:
         if self.kernels is None:
             return super()._forward(q, k, v, layer, fb, save_kv_cache)
+        q, k, v = self.check_inputs(q, k, v, layer, fb, save_kv_cache)
         meta = self.metadata_for(fb)
-        q = q.reshape(q.shape[0], layer.tp_q_head_num, layer.head_dim)
         if save_kv_cache:
-            self.save_kv(layer, fb, *(t.reshape(t.shape[0], layer.tp_k_head_num, -1) for t in (k, v)))
-        k_buffer, v_buffer = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+            self.save_kv(layer, fb, k, v)
+        pool = fb.token_to_kv_pool
+        k_buffer, v_buffer = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         out = cpu_kernels.paged_attention(
             q,
             k_buffer,

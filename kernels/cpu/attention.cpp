@@ -93,18 +93,28 @@ inline float exp_sub_sum(float* s, int64_t n, float m) {
   return total;
 }
 
+// Largest of s[0, n), or NaN when any is NaN (NaN in q or K must reach the output).
 inline float max_of(const float* s, int64_t n) {
   float m = kNegInf;
+  bool nan = false;
   int64_t i = 0;
 #ifdef HAL_AVX2
-  __m256 vm = _mm256_set1_ps(kNegInf);
-  for (; i + 8 <= n; i += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(s + i));
+  __m256 vm = _mm256_set1_ps(kNegInf), vn = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    __m256 x = _mm256_loadu_ps(s + i);
+    vn = _mm256_or_ps(vn, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    vm = _mm256_max_ps(vm, x);
+  }
   alignas(32) float t[8];
   _mm256_store_ps(t, vm);
   for (float x : t) m = std::max(m, x);
+  nan = _mm256_movemask_ps(vn) != 0;
 #endif
-  for (; i < n; ++i) m = std::max(m, s[i]);
-  return m;
+  for (; i < n; ++i) {
+    nan |= std::isnan(s[i]);
+    m = std::max(m, s[i]);
+  }
+  return nan ? std::numeric_limits<float>::quiet_NaN() : m;
 }
 
 inline void scale_row(float* a, int64_t n, float f) {
@@ -317,6 +327,11 @@ inline bool fold_block(const Problem& P, int64_t b, int64_t i0, int64_t R, int64
       }
     }
     const float bm = max_of(sr, nk);
+    if (std::isnan(bm)) {  // the row's output is NaN (l = NaN marks it), as the reference's would be
+      l[r] = std::numeric_limits<float>::quiet_NaN();
+      for (int64_t j = 0; j < nk; ++j) sr[j] = 0.f;
+      continue;
+    }
     if (bm == kNegInf) {
       for (int64_t j = 0; j < nk; ++j) sr[j] = 0.f;
       continue;
@@ -339,7 +354,7 @@ inline void write_rows(const Problem& P, int64_t b, int64_t h, int64_t i0, int64
   for (int64_t r = 0; r < R; ++r) {
     const int64_t t = P.q_start[b] + i0 + r / P.G, head = h * P.G + r % P.G;
     float* o = P.out + t * P.o_s0 + head * P.o_s1;
-    const float f = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    const float f = std::isnan(l[r]) ? l[r] : (l[r] > 0.f ? 1.f / l[r] : 0.f);
     for (int64_t d = 0; d < P.Dv; ++d) o[d] = acc[r * P.Dv + d] * f;
   }
 }
