@@ -49,10 +49,14 @@ def _kernel_out(built, tile_rows):
 
 
 @needs_kernels
-@pytest.mark.parametrize("tile_rows", [0, 2], ids=["rows", "tiles"])
+@pytest.mark.parametrize(
+    "tile_rows, heads_per_task", [(0, "1"), (0, "64"), (2, "1")], ids=["rows", "rows-all-heads", "tiles"]
+)
 @pytest.mark.parametrize("case", CPU_CASES, ids=[c.name for c in CPU_CASES])
-def test_kernel_matches_reference_on_both_paths(case, tile_rows):
-    """tile_rows=0: every request on the row path; 2: every request through at::mm tiles."""
+def test_kernel_matches_reference_on_every_path(case, tile_rows, heads_per_task, monkeypatch):
+    """tile_rows=0: every request on the row path, one task per (request, KV head) or per request
+    (all its KV heads); 2: every request through at::mm tiles."""
+    monkeypatch.setenv("HAL_HEADS_PER_TASK", heads_per_task)
     built = build(case)
     out = _kernel_out(built, tile_rows)
     assert out.dtype == built.q.dtype

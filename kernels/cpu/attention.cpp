@@ -1,7 +1,8 @@
 // hal CPU attention: paged decode / extend / verify over req_to_token, no gathered copy of the KV cache.
 //
-// One task per (request, KV head) (decode, verify: every query row of the request and all
-// query heads of the GQA group together) or per (request, KV head, tile of queries) (extend:
+// One task per request (or per (request, KV head) when requests are few) for decode and verify
+// (every query row of the request and all query heads of the GQA group together; HAL_HEADS_PER_TASK
+// overrides the heads per task), or per (request, KV head, tile of queries) for extend (
 // matrix-sized tiles through at::mm). Keys are read in blocks straight from the pool through
 // req_to_token; each block is scored, masked, folded into an online softmax and multiplied
 // into the accumulators. Tasks are handed to the threads dynamically, largest first.
@@ -16,6 +17,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -251,7 +253,8 @@ struct Problem {
 };
 
 struct Task {
-  int64_t b, h, i0, i1;  // request, KV head, query rows [i0, i1) of the request
+  int64_t b, h, i0, i1;  // request, first KV head, query rows [i0, i1) of the request
+  int64_t nh;            // KV heads [h, h + nh) (row tasks; tiles take one)
   double cost;
   bool tile;
 };
@@ -287,14 +290,6 @@ inline bool slot_ptrs(const Problem& P, const int32_t* r2t_row, int64_t j0, int6
     vp[j] = V + slot * P.v_s0 + h * P.v_s1;
   }
   return true;
-}
-
-template <typename T>
-inline void prefetch_rows(const T* const* p, int64_t n, int64_t bytes) {
-  for (int64_t j = 0; j < n; ++j) {
-    const char* c = reinterpret_cast<const char*>(p[j]);
-    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 1);
-  }
 }
 
 // Fold one block of scores s[R x ld] (keys [j0, j0 + nk)) into the rows' softmax state; returns
@@ -387,46 +382,83 @@ inline void start_task(const Problem& P, const Task& task, int64_t R, int64_t* l
   std::fill(l, l + R, 0.f);
 }
 
-// Decode / verify / short extend: every row of the task over blocks of kBlock keys.
+// Decode / verify / short extend: every row of the task, for KV heads [h, h + nh), over blocks of keys.
+// With several heads a block's slots are read head after head: each slot's K (and V) rows of all
+// heads are adjacent, so a block costs one TLB walk and one DRAM page per slot, not one per head.
 template <typename T>
 void run_rows(const Problem& P, const Task& task) {
-  const int64_t b = task.b, h = task.h, i0 = task.i0, nq = task.i1 - task.i0;
+  const int64_t b = task.b, i0 = task.i0, nq = task.i1 - task.i0, nh = task.nh;
   const int64_t R = nq * P.G, D = P.D, Dv = P.Dv;
-  float* base = scratch(R * D + R * Dv + R * kBlock + 2 * R + 2 * nq);
-  float* qs = base;
-  float* acc = qs + R * D;
-  float* s = acc + R * Dv;
-  float* m = s + R * kBlock;
-  float* l = m + R;
+  const int64_t blk = nh > 1 ? kBlock / 2 : kBlock;
+  const int64_t per_head = R * D + R * Dv + 2 * R;
+  float* s = scratch(R * blk + nh * per_head);
+  float* state = s + R * blk;
   std::vector<int64_t> lo(nq), hi(nq);
-  int64_t LO, HI;
-  start_task(P, task, R, lo.data(), hi.data(), LO, HI, qs, acc, m, l);
-  if (int64_t(t_ptrs.size()) < 4 * kBlock) t_ptrs.resize(4 * kBlock);
-  const T** kp = reinterpret_cast<const T**>(t_ptrs.data());
-  const T** vp = kp + kBlock;
-  const T** kn = vp + kBlock;
-  const T** vn = kn + kBlock;
-  const int32_t* r2t_row = P.r2t + P.rows[b] * P.r2t_s0;
-  if (LO < HI && !slot_ptrs<T>(P, r2t_row, LO, std::min(kBlock, HI - LO), h, kp, vp)) return;
-  for (int64_t j0 = LO; j0 < HI; j0 += kBlock) {
-    const int64_t nk = std::min(kBlock, HI - j0);
-    const int64_t j1 = j0 + kBlock;
-    int64_t nn = 0;
-    if (j1 < HI) {  // the next block's rows: prefetch them while this one computes
-      nn = std::min(kBlock, HI - j1);
-      if (!slot_ptrs<T>(P, r2t_row, j1, nn, h, kn, vn)) return;
-      prefetch_rows(kn, nn, D * sizeof(T));
-      prefetch_rows(vn, nn, Dv * sizeof(T));
-    }
-    for (int64_t r = 0; r < R; r += 4) qk_any<T>(int(std::min<int64_t>(4, R - r)), qs + r * D, D, kp, nk, s + r * kBlock, kBlock);
-    if (fold_block(P, b, i0, R, j0, nk, s, kBlock, m, l, acc, Dv, lo.data(), hi.data())) {
-      for (int64_t r = 0; r < R; r += 4)
-        pv_any<T>(int(std::min<int64_t>(4, R - r)), s + r * kBlock, kBlock, vp, nk, acc + r * Dv, Dv);
-    }
-    std::swap(kp, kn);
-    std::swap(vp, vn);
+  int64_t LO = 0, HI = 0;
+  for (int64_t hh = 0; hh < nh; ++hh) {
+    float* qs = state + hh * per_head;
+    Task head = task;
+    head.h = task.h + hh;
+    start_task(P, head, R, lo.data(), hi.data(), LO, HI, qs, qs + R * D, qs + R * D + R * Dv,
+               qs + R * D + R * Dv + R);
   }
-  write_rows(P, b, h, i0, R, acc, l);
+  if (int64_t(t_ptrs.size()) < 2 * blk) t_ptrs.resize(2 * blk);
+  const T** kp = reinterpret_cast<const T**>(t_ptrs.data());
+  const T** vp = kp + blk;
+  thread_local std::vector<int64_t> t_slots;
+  if (int64_t(t_slots.size()) < 2 * blk) t_slots.resize(2 * blk);
+  int64_t* cur = t_slots.data();
+  int64_t* nxt = cur + blk;
+  const int32_t* r2t_row = P.r2t + P.rows[b] * P.r2t_s0;
+  const T* K = static_cast<const T*>(P.k);
+  const T* V = static_cast<const T*>(P.v);
+  auto read_slots = [&](int64_t j0, int64_t n, int64_t* out) {
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t slot = r2t_row[j0 + j];
+      if (slot < 0 || slot >= P.num_slots) {
+        P.bad_slot->store(slot);
+        P.bad->store(true);
+        return false;
+      }
+      out[j] = slot;
+    }
+    return true;
+  };
+  if (LO < HI && !read_slots(LO, std::min(blk, HI - LO), cur)) return;
+  for (int64_t j0 = LO; j0 < HI; j0 += blk) {
+    const int64_t nk = std::min(blk, HI - j0);
+    const int64_t j1 = j0 + blk;
+    const int64_t nn = j1 < HI ? std::min(blk, HI - j1) : 0;
+    if (nn && !read_slots(j1, nn, nxt)) return;
+    for (int64_t hh = 0; hh < nh; ++hh) {
+      const int64_t h = task.h + hh;
+      for (int64_t j = 0; j < nn; ++j) {  // the next block's rows of this head, while this one computes
+        const char* kc = reinterpret_cast<const char*>(K + nxt[j] * P.k_s0 + h * P.k_s1);
+        const char* vc = reinterpret_cast<const char*>(V + nxt[j] * P.v_s0 + h * P.v_s1);
+        for (int64_t o = 0; o < int64_t(D * sizeof(T)); o += 64) __builtin_prefetch(kc + o, 0, 1);
+        for (int64_t o = 0; o < int64_t(Dv * sizeof(T)); o += 64) __builtin_prefetch(vc + o, 0, 1);
+      }
+      for (int64_t j = 0; j < nk; ++j) {
+        kp[j] = K + cur[j] * P.k_s0 + h * P.k_s1;
+        vp[j] = V + cur[j] * P.v_s0 + h * P.v_s1;
+      }
+      float* qs = state + hh * per_head;
+      float* acc = qs + R * D;
+      float* m = acc + R * Dv;
+      float* l = m + R;
+      for (int64_t r = 0; r < R; r += 4)
+        qk_any<T>(int(std::min<int64_t>(4, R - r)), qs + r * D, D, kp, nk, s + r * blk, blk);
+      if (fold_block(P, b, i0, R, j0, nk, s, blk, m, l, acc, Dv, lo.data(), hi.data())) {
+        for (int64_t r = 0; r < R; r += 4)
+          pv_any<T>(int(std::min<int64_t>(4, R - r)), s + r * blk, blk, vp, nk, acc + r * Dv, Dv);
+      }
+    }
+    std::swap(cur, nxt);
+  }
+  for (int64_t hh = 0; hh < nh; ++hh) {
+    float* qs = state + hh * per_head;
+    write_rows(P, b, task.h + hh, i0, R, qs + R * D, qs + R * D + R * Dv + R);
+  }
 }
 
 // Extend tiles: scores and values through at::mm over blocks of kGemmBlock keys, widened to float32.
@@ -538,18 +570,26 @@ std::vector<int64_t> paged_attention(at::Tensor q, at::Tensor k_buffer, at::Tens
     }
   }
   std::vector<Task> tasks;
+  // Row tasks take every KV head of a request when there are requests enough to keep the threads
+  // busy (HAL_HEADS_PER_TASK overrides: 1 = one task per (request, KV head)).
+  int64_t row_requests = 0;
+  for (int64_t b = 0; b < B; ++b) row_requests += P.q_lens[b] > 0 && !(tile_rows > 0 && P.q_lens[b] * P.G >= tile_rows);
+  int64_t heads_per_task = row_requests >= 4 * at::get_num_threads() ? P.Hkv : 1;
+  if (const char* env = std::getenv("HAL_HEADS_PER_TASK")) heads_per_task = std::max<int64_t>(1, std::atoll(env));
   for (int64_t b = 0; b < B; ++b) {
     const int64_t nq = P.q_lens[b], kv = P.kv_lens[b];
     if (nq <= 0) continue;
     const bool tile = tile_rows > 0 && nq * P.G >= tile_rows;
     const int64_t step = tile ? std::max<int64_t>(1, tile_rows / P.G) : nq;
-    for (int64_t h = 0; h < P.Hkv; ++h) {
+    const int64_t hstep = tile ? 1 : std::min(heads_per_task, P.Hkv);
+    for (int64_t h = 0; h < P.Hkv; h += hstep) {
+      const int64_t nh = std::min(hstep, P.Hkv - h);
       for (int64_t i0 = 0; i0 < nq; i0 += step) {
         const int64_t i1 = std::min(nq, i0 + step);
         int64_t keys = kv;  // upper bound on keys the tile reads
         if (causal && !P.cmask) keys = kv - nq + i1;
         if (window >= 0) keys = std::min<int64_t>(keys, window + (i1 - i0));
-        tasks.push_back({b, h, i0, i1, double(keys) * double(i1 - i0 + (tile ? 0 : 8)), tile});
+        tasks.push_back({b, h, i0, i1, nh, double(keys) * double(nh) * double(i1 - i0 + (tile ? 0 : 8)), tile});
       }
     }
   }
