@@ -9,7 +9,7 @@ matrix-sized ``at::mm`` tiles (extend). Its semantics are the reference's
 The C++ source (``attention.cpp``) is compiled by ``torch.utils.cpp_extension`` the
 first time a kernel is asked for, with ``-O3 -march=native`` and OpenMP, into a per-user
 cache keyed by the source, the torch build and this CPU's features, so it is built once
-per machine kind. Nothing here runs at import: ``pip install`` and ``hal info`` never
+per machine kind (and Python and torch build). Nothing here runs at import: ``pip install`` and ``hal info`` never
 need a compiler. Where the build cannot run (no compiler, no ninja,
 ``HAL_CPU_KERNELS=0``), :func:`status` says why and callers keep their torch path.
 
@@ -21,7 +21,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import platform
 import shutil
+import sys
 import threading
 import time
 from pathlib import Path
@@ -155,7 +157,9 @@ def load():
             raise KernelBuildError(why)
         source = SOURCE.read_text()
         flags = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG"]
-        key = "|".join([source, torch.__version__, " ".join(flags), " ".join(cpu_features()["flags"])])
+        # the build depends on the source, the torch and Python it links against, the flags and this CPU
+        python = f"{sys.implementation.cache_tag}-{platform.machine()}"
+        key = "|".join([source, torch.__version__, python, " ".join(flags), " ".join(cpu_features()["flags"])])
         name = "hal_cpu_attention_" + hashlib.sha256(key.encode()).hexdigest()[:16]
         build_dir = _build_dir(name)
         cached = any(build_dir.glob(f"{name}*.so"))
