@@ -1,4 +1,4 @@
-"""``hal bench``: decode and extend speed, as ratios to this machine's own limits, in one run.
+"""``hal bench``: decode, extend and mixed speed, as ratios to this machine's own limits, in one run.
 
 Each workload is timed per backend (``init_forward_metadata`` + ``forward`` of one
 layer, KV write included, as a serving step runs it) and reported as medians and as:
@@ -9,10 +9,15 @@ layer, KV write included, as a serving step runs it) and reported as medians and
 * ``fraction_of_matmul``: useful attention FLOPs per second over a square matmul's rate
   in the same dtype;
 * ``speedup_vs_reference``: against ``hal.kernels.reference`` (decode only; the oracle
-  loops over requests), and against SGLang's ``TorchNativeAttnBackend`` when
-  ``--peer-python`` names an interpreter with the peer installed (run in the same bench).
+  loops over requests), and ``speedup_vs_sglang`` against SGLang's
+  ``TorchNativeAttnBackend`` when ``--peer-python`` names an interpreter that has SGLang
+  (the harness is ``bench/sglang_peer.py`` of a checkout, run in the same bench).
 
-Emulated devices and interpreted Triton are never timed: their numbers mean nothing.
+The limits are ceilings: each is the best of several measurements interleaved with the
+workloads, so one busy moment cannot lower it. Workloads are a registry
+(:data:`WORKLOADS`: name -> builder of its cases), filtered by ``--workload``,
+``--dtype`` and ``--page-size``. Emulated devices and interpreted Triton are never timed:
+their numbers mean nothing. Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -33,7 +40,13 @@ from hal.kernels.reference import batch_attention, tolerance
 from hal.registry import device_backends, get_registry
 from hal.selection import select
 
-PEER_SCRIPT = Path(__file__).resolve().parents[1] / ".." / "shared" / "peer" / "sglang_torch_native_bench.py"
+PEER_SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "sglang_peer.py"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+HEADS = {"tp_q_head_num": 32, "tp_k_head_num": 8, "head_dim": 128}
+
+
+def _progress(message: str) -> None:
+    print(f"[hal bench] {message}", file=sys.stderr, flush=True)
 
 
 def _sync(device: torch.device) -> None:
@@ -54,38 +67,91 @@ def _time(fn, device: torch.device, repeats: int, warmup: int) -> dict:
     return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "repeats": repeats}
 
 
-def _bandwidth(device: torch.device, n: int) -> dict:
-    x = torch.ones(n, dtype=torch.float32, device=device)
-    limits = {"read_GBps": 4 * n / _time(lambda: x.sum(), device, 5, 1)["median_ms"] / 1e6}
-    if device.type != "cpu":
-        y = torch.empty_like(x)
-        limits["copy_GBps"] = 2 * 4 * n / _time(lambda: y.copy_(x), device, 5, 1)["median_ms"] / 1e6
-    return limits
+class Limits:
+    """The machine's read (and copy) bandwidth and matmul rates: the best of every sample taken."""
+
+    def __init__(self, device: torch.device, quick: bool):
+        self.device, self.quick = device, quick
+        n = (1 << 26) if quick else (1 << 28)  # fp32 elements: 256 MiB or 1 GiB
+        self.x = torch.ones(n, dtype=torch.float32, device=device)
+        self.y = torch.empty_like(self.x) if device.type != "cpu" else None
+        size = 1024 if quick or device.type == "cpu" else 8192
+        self.size = size
+        self.mats = {name: torch.randn(size, size, device=device).to(dt) for name, dt in DTYPES.items()}
+        self.best: dict = {"matmul_TFLOPs": {}}
+        self.samples = 0
+
+    def sample(self) -> None:
+        """Measure every limit once more (best of 3 runs each) and keep the best seen."""
+        best, n = self.best, self.x.numel()
+        read = 4 * n / _time(lambda: self.x.sum(), self.device, 3, 1)["min_ms"] / 1e6
+        best["read_GBps"] = max(best.get("read_GBps", 0.0), read)
+        if self.y is not None:
+            copy = 2 * 4 * n / _time(lambda: self.y.copy_(self.x), self.device, 3, 1)["min_ms"] / 1e6
+            best["copy_GBps"] = max(best.get("copy_GBps", 0.0), copy)
+        for name, a in self.mats.items():
+            rate = 2 * self.size**3 / _time(lambda a=a: a @ a, self.device, 3, 1)["min_ms"] / 1e9
+            best["matmul_TFLOPs"][name] = max(best["matmul_TFLOPs"].get(name, 0.0), rate)
+        self.samples += 1
+
+    def report(self) -> dict:
+        return {**self.best, "samples": self.samples, "how": "best of every sample, interleaved with the workloads"}
 
 
-def machine_limits(device: torch.device, quick: bool) -> dict:
+def machine_limits(device: torch.device, quick: bool, samples: int = 1) -> dict:
     """Read (and on GPUs copy) bandwidth and square-matmul rates measured now, on ``device``."""
-    limits = _bandwidth(device, (1 << 26) if quick else (1 << 28))  # fp32 elements: 256 MiB or 1 GiB
-    size = 1024 if quick or device.type == "cpu" else 8192
-    limits["matmul_TFLOPs"] = {}
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        a = torch.randn(size, size, device=device).to(dtype)
-        ms = _time(lambda a=a: a @ a, device, 5, 1)["median_ms"]
-        limits["matmul_TFLOPs"][name] = 2 * size**3 / ms / 1e9
-    return limits
+    limits = Limits(device, quick)
+    for _ in range(samples):
+        limits.sample()
+    return limits.report()
 
 
-def workloads(quick: bool) -> list[Case]:
-    heads = {"q_heads": 32, "kv_heads": 8, "head_dim": 128}
-    if quick:
-        decode, extend = tuple((511, 1) for _ in range(8)), tuple((128, 128) for _ in range(2))
-    else:  # the SGLang peer's shapes
-        decode, extend = tuple((2047, 1) for _ in range(32)), tuple((512, 512) for _ in range(4))
+# -- workloads: name -> (quick, dtype, page size) -> cases --------------------------------
+def _decode(quick: bool, dtype: torch.dtype, page_size: int) -> list[Case]:
+    requests = tuple((511, 1) for _ in range(8)) if quick else tuple((2047, 1) for _ in range(32))
+    return [Case("decode", ForwardMode.DECODE, requests, dtype=dtype, page_size=page_size, **HEADS)]
+
+
+def _extend(quick: bool, dtype: torch.dtype, page_size: int) -> list[Case]:
+    requests = tuple((128, 128) for _ in range(2)) if quick else tuple((512, 512) for _ in range(4))
+    return [Case("extend", ForwardMode.EXTEND, requests, dtype=dtype, page_size=page_size, **HEADS)]
+
+
+def _mixed(quick: bool, dtype: torch.dtype, page_size: int) -> list[Case]:
+    """4 extends + 28 decodes in one MIXED batch, then its two parts alone (to compare)."""
+    extends = tuple((128, 128) for _ in range(2)) if quick else tuple((512, 512) for _ in range(4))
+    decodes = tuple((511, 1) for _ in range(6)) if quick else tuple((2047, 1) for _ in range(28))
+    common = {"dtype": dtype, "page_size": page_size, **HEADS}
+    return [
+        Case("mixed_part_extend", ForwardMode.EXTEND, extends, **common),
+        Case("mixed_part_decode", ForwardMode.DECODE, decodes, **common),
+        Case("mixed", ForwardMode.MIXED, extends + decodes, **common),
+    ]
+
+
+# Timed forward workloads. ``step`` (per-step host costs, hal.step_bench) is a report of another kind.
+WORKLOADS: dict[str, Callable[[bool, torch.dtype, int], list[Case]]] = {
+    "decode": _decode,
+    "extend": _extend,
+    "mixed": _mixed,
+}
+
+
+def workloads(
+    quick: bool, names: list[str] | None = None, dtypes: list[str] | None = None, page_sizes: list[int] | None = None
+) -> list[Case]:
+    """The cases to time. Decode runs at every page size asked for; the others at the first."""
+    page_sizes = page_sizes or [1, 16]
     cases = []
-    for dtype in (torch.float32, torch.bfloat16):
-        tag = "fp32" if dtype == torch.float32 else "bf16"
-        cases.append(Case(f"decode_{tag}", ForwardMode.DECODE, decode, dtype=dtype, **heads))
-        cases.append(Case(f"extend_{tag}", ForwardMode.EXTEND, extend, dtype=dtype, **heads))
+    for name, make in WORKLOADS.items():
+        if names and name not in names:
+            continue
+        for tag, dtype in DTYPES.items():
+            if dtypes and tag not in dtypes:
+                continue
+            for ps in page_sizes if name == "decode" else page_sizes[:1]:
+                suffix = f"_{tag}" + ("" if ps == 1 else f"_p{ps}")
+                cases += [replace(c, name=c.name + suffix) for c in make(quick, dtype, ps)]
     return cases
 
 
@@ -111,27 +177,33 @@ def _measure(backend, built, device, repeats: int, warmup: int) -> dict:
     return {**timing, "max_abs_err": err, "correct": correct}
 
 
-def _peer(python: str, quick: bool, threads: int) -> dict:
+def _peer(python: str, quick: bool, threads: int, dtypes: list[str] | None, modes: list[str]) -> dict:
     if not PEER_SCRIPT.is_file():
-        return {"error": f"the peer script is not at {PEER_SCRIPT} (a checkout beside ../shared/peer is needed)"}
-    args = [python, str(PEER_SCRIPT), "--json", "--skip-dense", "--threads", str(threads)]
+        return {"error": f"the peer harness is not at {PEER_SCRIPT}: run hal bench from a checkout of hal"}
+    args = [python, str(PEER_SCRIPT), "--json", "--threads", str(threads)]
+    args += ["--dtypes", ",".join(dtypes or DTYPES), "--modes", ",".join(modes)]
     if quick:
-        args += [
-            "--decode-batch",
-            "8",
-            "--decode-ctx",
-            "512",
-            "--extend-batch",
-            "2",
-            "--extend-prefix",
-            "128",
-            "--extend-new",
-            "128",
-        ]
+        args += ["--decode-batch", "8", "--decode-ctx", "512", "--extend-batch", "2"]
+        args += ["--extend-prefix", "128", "--extend-new", "128"]
+    _progress(f"SGLang peer: {' '.join(args)}")
     done = subprocess.run(args, capture_output=True, text=True, check=False)
     if done.returncode not in (0, 1):
         return {"error": done.stderr[-2000:]}
     return json.loads(done.stdout)
+
+
+def _cpu_meta() -> dict:
+    from hal.kernels import cpu as cpu_kernels
+
+    ok, why = cpu_kernels.status()
+    meta = {"cpu_features": cpu_kernels.cpu_features(), "kernels": {"available": ok, "reason": why}}
+    if ok:
+        try:
+            cpu_kernels.load()  # first-use build cost, reported and kept out of the timings
+        except cpu_kernels.KernelBuildError as exc:
+            meta["kernels"].update(available=False, reason=str(exc))
+    meta["kernels"]["first_use"] = cpu_kernels.build_record()
+    return meta
 
 
 def run_bench(
@@ -141,6 +213,9 @@ def run_bench(
     as_json: bool = False,
     peer_python: str | None = None,
     repeats: int = 7,
+    workload_names: list[str] | None = None,
+    dtypes: list[str] | None = None,
+    page_sizes: list[int] | None = None,
 ) -> int:
     selection = select(device=device)
     dev_name, cap = selection.device, selection.capability
@@ -150,24 +225,30 @@ def run_bench(
         print(f"hal bench: {dev_name} is emulated here; an emulation never reports performance", file=sys.stderr)
         return 2
     threads = torch.get_num_threads()
-    report = {
-        "meta": {
-            "device": dev_name,
-            "name": cap.name,
-            "arch": cap.arch,
-            "torch": torch.__version__,
-            "threads": threads,
-            "quick": quick,
-            "repeats": repeats,
-            "loadavg": os.getloadavg(),
-        },
-        "machine": machine_limits(torch_device, quick),
-        "workloads": [],
+    meta = {
+        "device": dev_name,
+        "name": cap.name,
+        "arch": cap.arch,
+        "torch": torch.__version__,
+        "threads": threads,
+        "quick": quick,
+        "repeats": repeats,
+        "loadavg_at_start": os.getloadavg(),
     }
-    limits = report["machine"]
+    if torch_device.type == "cpu":
+        _progress("CPU kernels: loading (compiled at first use)")
+        meta.update(_cpu_meta())
+    report = {"meta": meta, "machine": {}, "workloads": []}
     classes = [c for c in device_backends(dev)[0] if not backends or c.name in backends]
-    peer = _peer(peer_python, quick, threads) if peer_python else None
-    for case in workloads(quick):
+    cases = workloads(quick, workload_names, dtypes, page_sizes)
+    modes = sorted({c.name.split("_")[0] for c in cases} & {"decode", "extend"})
+    peer = _peer(peer_python, quick, threads, dtypes, modes) if peer_python and modes else None
+    _progress("machine limits")
+    limits = Limits(torch_device, quick)
+    limits.sample()
+    parts: dict[str, float] = {}
+    for index, case in enumerate(cases):
+        _progress(f"[{index + 1}/{len(cases)}] {case.name}: building")
         built = build(case)
         if torch_device.type != "cpu":
             built = to_device(built, torch_device)
@@ -175,6 +256,7 @@ def run_bench(
         row = {
             "name": case.name,
             "dtype": case.config().dtype_name,
+            "page_size": case.page_size,
             "requests": len(case.requests),
             "kv_bytes": kv_bytes,
             "flops": flops,
@@ -188,53 +270,84 @@ def run_bench(
             if reasons:
                 row["skipped"][cls.name] = reasons
                 continue
-            result = _measure(cls(cap), built, torch_device, repeats, 2)
-            seconds = result["median_ms"] / 1e3
-            result["kv_GBps"] = kv_bytes / seconds / 1e9
-            result["fraction_of_read_bw"] = result["kv_GBps"] / limits["read_GBps"]
-            if "copy_GBps" in limits:
-                result["fraction_of_copy_bw"] = result["kv_GBps"] / limits["copy_GBps"]
-            result["GFLOPs"] = flops / seconds / 1e9
-            matmul = limits["matmul_TFLOPs"].get("bf16" if case.dtype == torch.bfloat16 else "fp32")
-            result["fraction_of_matmul"] = result["GFLOPs"] / (matmul * 1e3)
-            row["results"][cls.name] = result
-        if case.mode.is_decode() and torch_device.type == "cpu":
+            _progress(f"[{index + 1}/{len(cases)}] {case.name}: {cls.name}")
+            row["results"][cls.name] = _measure(cls(cap), built, torch_device, repeats, 2)
+        if case.mode.is_decode() and torch_device.type == "cpu" and "part" not in case.name:
+            _progress(f"[{index + 1}/{len(cases)}] {case.name}: reference")
             buffers = built.batch.token_to_kv_pool.get_kv_buffer(0)
-            ref = _time(
+            row["reference"] = _time(
                 lambda built=built, buffers=buffers: batch_attention(built.q, *buffers, built.layer, built.batch),
                 torch_device,
                 3,
                 1,
             )
-            row["reference"] = ref
-            for result in row["results"].values():
-                result["speedup_vs_reference"] = ref["median_ms"] / result["median_ms"]
-        if peer and "error" not in peer:
-            mode, dtype = case.name.split("_")
-            peer_row = peer.get(mode, {}).get(dtype, {}).get("torch_native_backend")
-            if peer_row:
-                row["sglang_torch_native"] = peer_row
-                for result in row["results"].values():
-                    result["speedup_vs_sglang"] = peer_row["median_ms"] / result["median_ms"]
         report["workloads"].append(row)
+        del built
+        limits.sample()  # interleaved: a busy moment during one sample cannot lower the ceiling
+    report["machine"] = machine = limits.report()
+    for row in report["workloads"]:
+        _derive(row, machine, peer, parts)
     if peer and "error" in peer:
         report["peer_error"] = peer["error"]
+    meta["loadavg_at_end"] = os.getloadavg()
     if as_json:
         print(json.dumps(report, indent=2))
     else:
-        print(
-            f"hal bench on {dev_name} ({cap.name}), {threads} threads; read {limits['read_GBps']:.1f} GB/s, "
-            f"matmul fp32 {limits['matmul_TFLOPs']['fp32']:.2f} / bf16 {limits['matmul_TFLOPs']['bf16']:.2f} TFLOP/s"
-        )
-        for row in report["workloads"]:
-            for name, r in row["results"].items():
-                extra = f"  x{r['speedup_vs_reference']:.1f} vs reference" if "speedup_vs_reference" in r else ""
-                extra += f"  x{r['speedup_vs_sglang']:.2f} vs sglang" if "speedup_vs_sglang" in r else ""
-                print(
-                    f"{row['name']:<12}{name:<12}{r['median_ms']:>9.2f} ms  {r['kv_GBps']:>7.2f} GB/s "
-                    f"({100 * r['fraction_of_read_bw']:.0f}% of read bw)  {r['GFLOPs']:>8.1f} GFLOP/s "
-                    f"({100 * r['fraction_of_matmul']:.0f}% of matmul){extra}" + ("" if r["correct"] else "  WRONG")
-                )
-            for name, reasons in row["skipped"].items():
-                print(f"{row['name']:<12}{name:<12}skipped: {'; '.join(reasons)}")
+        _print(report, dev_name, cap.name, threads)
     return 0 if all(r["correct"] for w in report["workloads"] for r in w["results"].values()) else 1
+
+
+def _derive(row: dict, machine: dict, peer: dict | None, parts: dict) -> None:
+    """Ratios of one workload's results to the limits, the reference, SGLang and (mixed) its parts."""
+    matmul = machine["matmul_TFLOPs"].get(row["dtype"])
+    for name, result in row["results"].items():
+        seconds = result["median_ms"] / 1e3
+        result["kv_GBps"] = row["kv_bytes"] / seconds / 1e9
+        result["fraction_of_read_bw"] = result["kv_GBps"] / machine["read_GBps"]
+        if "copy_GBps" in machine:
+            result["fraction_of_copy_bw"] = result["kv_GBps"] / machine["copy_GBps"]
+        result["GFLOPs"] = row["flops"] / seconds / 1e9
+        result["fraction_of_matmul"] = result["GFLOPs"] / (matmul * 1e3)
+        if "reference" in row:
+            result["speedup_vs_reference"] = row["reference"]["median_ms"] / result["median_ms"]
+        if row["name"].startswith("mixed_part"):
+            parts[f"{row['dtype']}/{name}"] = parts.get(f"{row['dtype']}/{name}", 0.0) + result["median_ms"]
+        elif row["name"].startswith("mixed") and f"{row['dtype']}/{name}" in parts:
+            result["parts_ms"] = parts[f"{row['dtype']}/{name}"]
+            result["ratio_to_parts"] = result["median_ms"] / result["parts_ms"]
+    if peer and "error" not in peer and row["page_size"] == 1:
+        mode = row["name"].split("_")[0]
+        peer_row = peer.get(mode, {}).get(row["dtype"], {}).get("torch_native_backend")
+        if peer_row:
+            row["sglang_torch_native"] = peer_row
+            for result in row["results"].values():
+                result["speedup_vs_sglang"] = peer_row["median_ms"] / result["median_ms"]
+
+
+def _print(report: dict, dev_name: str, cap_name: str, threads: int) -> None:
+    limits = report["machine"]
+    print(
+        f"hal bench on {dev_name} ({cap_name}), {threads} threads; read {limits['read_GBps']:.1f} GB/s, "
+        f"matmul fp32 {limits['matmul_TFLOPs']['fp32']:.3f} / bf16 {limits['matmul_TFLOPs']['bf16']:.3f} TFLOP/s "
+        f"(best of {limits['samples']} samples)"
+    )
+    kernels = report["meta"].get("kernels")
+    if kernels:
+        first = kernels.get("first_use") or {}
+        print(
+            f"CPU features: {' '.join(report['meta']['cpu_features']['flags'])}; compiled kernels: "
+            + (f"{first.get('build_info')}, first use {first.get('seconds')} s" if kernels["available"] else "")
+            + ("" if kernels["available"] else f"off ({kernels['reason']})")
+        )
+    for row in report["workloads"]:
+        for name, r in row["results"].items():
+            extra = f"  x{r['speedup_vs_reference']:.1f} vs reference" if "speedup_vs_reference" in r else ""
+            extra += f"  x{r['speedup_vs_sglang']:.2f} vs sglang" if "speedup_vs_sglang" in r else ""
+            extra += f"  {r['ratio_to_parts']:.2f}x its parts" if "ratio_to_parts" in r else ""
+            print(
+                f"{row['name']:<24}{name:<10}{r['median_ms']:>9.2f} ms  {r['kv_GBps']:>7.2f} GB/s "
+                f"({100 * r['fraction_of_read_bw']:.0f}% of read bw)  {r['GFLOPs']:>8.1f} GFLOP/s "
+                f"({100 * r['fraction_of_matmul']:.0f}% of matmul){extra}" + ("" if r["correct"] else "  WRONG")
+            )
+        for name, reasons in row["skipped"].items():
+            print(f"{row['name']:<24}{name:<10}skipped: {'; '.join(reasons)}")

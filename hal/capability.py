@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from hal.errors import ConfigError
+from hal.kernels.cpu import cpu_features
 
 __all__ = [
     "DeviceCapability",
@@ -59,6 +60,7 @@ class DeviceCapability:
     emulated: bool = False
     fused_mixed: bool = False
     reasons: Mapping[str, str] = field(default_factory=dict)
+    features: tuple[str, ...] = ()  # CPU: the vector features kernels choose paths by (avx2, avx512_bf16, amx_bf16...)
 
     @property
     def torch_device(self) -> torch.device:
@@ -74,7 +76,7 @@ class DeviceCapability:
     def to_dict(self) -> dict:
         data = asdict(self)
         data["libraries"], data["reasons"] = dict(self.libraries), dict(self.reasons)
-        data["dtypes"] = list(self.dtypes)
+        data["dtypes"], data["features"] = list(self.dtypes), list(self.features)
         return data
 
 
@@ -197,4 +199,5 @@ def cpu_capability() -> DeviceCapability:
         triton_target=target,
         libraries={"torch": torch.__version__, "triton": library_version("triton") or ""},
         reasons=reasons,
+        features=tuple(cpu_features()["flags"]),
     )

@@ -124,13 +124,18 @@ def main(argv: list[str] | None = None) -> int:
     p_bench.add_argument("--backend", action="append", default=[])
     p_bench.add_argument("--quick", action="store_true", help="small shapes, a smoke run")
     p_bench.add_argument("--repeats", type=int, default=7)
-    p_bench.add_argument("--peer-python", help="python of a venv with the SGLang peer (../shared/peer) installed")
-    p_bench.add_argument("--json", action="store_true")
+    p_bench.add_argument("--peer-python", help="python of a venv that has SGLang (runs bench/sglang_peer.py)")
     p_bench.add_argument(
         "--workload",
-        choices=["step"],
-        help="step: per-step host costs (batch construction, metadata, host reads, per-layer forward time)",
+        action="append",
+        default=[],
+        choices=["decode", "extend", "mixed", "step"],
+        help="repeatable (default: decode, extend, mixed); step, alone: per-step host costs (batch construction, "
+        "metadata, host reads, per-layer forward time)",
     )
+    p_bench.add_argument("--dtype", action="append", default=[], choices=["fp32", "bf16"], help="repeatable")
+    p_bench.add_argument("--page-size", action="append", default=[], type=int, help="repeatable (default 1 and 16)")
+    p_bench.add_argument("--json", action="store_true")
     p_lint = sub.add_parser("lint", help="static check of backend sources for what breaks graph capture")
     p_lint.add_argument("paths", nargs="+", metavar="PATH", help="backend .py files or directories")
     p_lint.add_argument("--json", action="store_true")
@@ -163,7 +168,9 @@ def main(argv: list[str] | None = None) -> int:
             from hal.demo import run_demo
 
             return run_demo(args, argv[argv.index("demo") + 1 :])
-        if args.command == "bench" and args.workload == "step":
+        if args.command == "bench" and "step" in args.workload:
+            if args.workload != ["step"]:
+                raise ConfigError(f"--workload {args.workload}: step runs alone (its report is of another kind)")
             from hal.step_bench import run_step_workload
 
             backend = args.backend[0] if args.backend else None
@@ -181,7 +188,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             from hal.bench import run_bench
 
-            return run_bench(args.device, args.backend, args.quick, args.json, args.peer_python, args.repeats)
+            return run_bench(
+                args.device,
+                args.backend,
+                args.quick,
+                args.json,
+                args.peer_python,
+                args.repeats,
+                args.workload or None,
+                args.dtype or None,
+                args.page_size or None,
+            )
     except HalError as exc:
         print(f"hal: error: {exc}", file=sys.stderr)
         return 2

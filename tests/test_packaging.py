@@ -224,6 +224,7 @@ def test_wheel_holds_every_package_and_the_entry_points(wheel):
         # modules, not just __init__: e.g. the cpu backend and the triton kernels
         assert "hal/devices/cpu/torch_backend.py" in names
         assert "hal/devices/cuda/triton_backend.py" in names
+        assert "hal/kernels/cpu/attention.cpp" in names, "the CPU kernels' source is built at first use"
         assert not any(n.startswith(("devices/", "kernels/")) for n in names), "top-level devices/kernels in wheel"
         [ep_file] = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
         entry_points = zf.read(ep_file).decode()

@@ -1,4 +1,5 @@
-"""The CPU device: always available; backends ``torch`` and, under ``TRITON_INTERPRET=1``, ``triton``."""
+"""The CPU device: always available; backends ``torch`` (compiled kernels where a compiler is, plain
+torch otherwise) and, under ``TRITON_INTERPRET=1``, ``triton``."""
 
 from __future__ import annotations
 
@@ -6,9 +7,13 @@ from hal.capability import DeviceCapability, cpu_capability
 from hal.devices.cuda.triton_backend import TritonBackend
 from hal.registry import Device
 
-from .torch_backend import TorchBackend
+from .compiled_backend import CompiledBackend
+from .torch_backend import TorchBackend as PlainTorchBackend
 
-__all__ = ["CpuDevice", "device", "TorchBackend"]
+# The registered ``torch`` backend: compiled kernels, the plain torch path where none can be built.
+TorchBackend = CompiledBackend
+
+__all__ = ["CpuDevice", "device", "CompiledBackend", "PlainTorchBackend", "TorchBackend"]
 
 
 class CpuDevice(Device):

@@ -18,11 +18,9 @@ from hal.backend import AttentionBackend
 from hal.batch import ForwardBatch, device_lens, host_lens
 from hal.capability import DeviceCapability
 from hal.errors import GraphCaptureError
+from hal.kernels.triton.sizing import decode_splits
 
 __all__ = ["TritonBackend"]
-
-MAX_KV_SPLITS = 8
-TOKENS_PER_SPLIT = 256  # decode: one more split per this many keys of the longest request, up to MAX_KV_SPLITS
 
 
 @dataclass
@@ -49,6 +47,10 @@ class TritonBackend(AttentionBackend):
         super().__init__(capability, config, **options)
         self.graph_max_bs: int | None = None
         self.graph_buffers: dict[str, torch.Tensor] = {}
+        # decode's split count fills the GPU's SMs (None on the CPU interpreter: the legacy cap)
+        self.sm_count = (
+            torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else None
+        )
 
     @classmethod
     def available(cls, capability: DeviceCapability) -> list[str]:
@@ -97,15 +99,16 @@ class TritonBackend(AttentionBackend):
                 "kv_indptr": torch.zeros(self.graph_max_bs + 1, dtype=torch.int32, device=self.device),
                 "kv_indices": torch.zeros(self.graph_max_bs * width, dtype=torch.int32, device=self.device),
             }
+        kv_heads = self.config.tp_k_head_num if self.config is not None else 8
         if graph:  # fixed at capture: every replay launches the same grid over buffers of the same size
-            splits = MAX_KV_SPLITS if fb.forward_mode.is_decode() else 1
+            splits = decode_splits(bs, kv_heads, width, self.sm_count) if fb.forward_mode.is_decode() else 1
             keys = bs * width
             max_extend = fb.out_cache_loc.shape[0] // bs
         else:
             lens = host_lens(fb)
             if fb.forward_mode.is_decode():
                 keys = sum(lens.kv)
-                splits = min(MAX_KV_SPLITS, max(1, -(-max(lens.kv) // TOKENS_PER_SPLIT)))
+                splits = decode_splits(bs, kv_heads, max(lens.kv, default=1), self.sm_count)
             else:
                 keys, splits = sum(lens.prefix), 1
             max_extend = max(lens.query, default=0)
@@ -215,6 +218,7 @@ class TritonBackend(AttentionBackend):
             sliding_window=layer.sliding_window_size,
             logit_cap=layer.logit_cap,
             custom_mask=meta.custom_mask,
+            arch=self.capability.arch,
         )
         return out.view(q.shape[0], -1)
 

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from ._common import INTERPRETING, check_float, dot, dot_config, soft_cap
+from .sizing import extend_blocks
 
 __all__ = ["extend_attention"]
 
@@ -194,13 +195,6 @@ def _extend_kernel(
     )
 
 
-def _default_blocks(block_d: int) -> tuple[int, int, int]:
-    """``(BLOCK_M, BLOCK_N, num_warps)`` for a GPU launch."""
-    if block_d <= 128:
-        return 64, 64, 4
-    return 64, 32, 8
-
-
 def extend_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -221,6 +215,7 @@ def extend_attention(
     mask_indptr: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    arch: str | None = None,
 ) -> torch.Tensor:
     """Attention of ragged new tokens over their cached prefix and over themselves.
 
@@ -262,6 +257,7 @@ def extend_attention(
             when ``None``.
         block_m: query rows per program (power of two >= 16); ``None`` for the default.
         block_n: keys per tile (power of two >= 16); ``None`` for the default.
+        arch: the GPU's architecture (``sm_90``...): picks the default tiles (``sizing.extend_blocks``).
 
     Returns:
         ``out``.
@@ -305,12 +301,12 @@ def extend_attention(
 
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_dv = max(16, triton.next_power_of_2(v_head_dim))
-    default_m, default_n, num_warps = _default_blocks(max(block_d, block_dv))
+    default_m, default_n, num_warps, num_stages = extend_blocks(arch, max(block_d, block_dv))
     block_m = block_m or default_m
     block_n = block_n or default_n
     qk_dtype, qk_ieee = dot_config(q.dtype, k.dtype, k_buffer.dtype)
     pv_dtype, pv_ieee = dot_config(v.dtype, v_buffer.dtype)
-    launch = {} if INTERPRETING else {"num_warps": num_warps, "num_stages": 1}
+    launch = {} if INTERPRETING else {"num_warps": num_warps, "num_stages": num_stages}
     grid = (batch, q_heads, triton.cdiv(max_extend_len, block_m))
     _extend_kernel[grid](
         q,

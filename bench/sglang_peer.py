@@ -1,0 +1,244 @@
+#!/usr/bin/env python
+"""SGLang's TorchNativeAttnBackend timed on hal bench's decode / extend shapes (the peer of ``hal bench``).
+
+Run by ``hal bench --peer-python PYTHON`` with the interpreter of any venv that has SGLang
+(tested: 0.5.21 with torch 2.13.0+cpu, installed ``--no-deps`` plus what its import chain
+needs; see bench/README.md). It imports SGLang only; hal is not needed. Prints one JSON
+object: ``{"meta": ..., "decode": {"fp32": {"torch_native_backend": {"median_ms": ...}, "correct": ...}}, ...}``.
+
+What is SGLang's own code: ``TorchNativeAttnBackend``, ``MHATokenToKVPool`` (page size 1,
+CPU), ``ReqToTokenPool``, ``RadixAttention`` (the layer descriptor) and ``ForwardMode``.
+What is stood in: the model runner (the three attributes the backend reads) and the
+forward batch (a namespace with the fields it reads). KV slots are a random permutation
+of the pool, as a serving engine leaves them; each timed call writes the step's K/V and
+attends, as ``RadixAttention.forward`` issues it.
+
+torchvision: PyPI's Linux wheels are CUDA builds that fail to load against a CPU torch,
+and SGLang imports it at module level for multimodal code only; when no working one is
+importable an import-only placeholder module is installed (calling anything in it raises).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import json
+import platform
+import statistics
+import sys
+import time
+import types
+from types import SimpleNamespace
+
+import torch
+
+
+class _Missing:
+    """A torchvision attribute: further attributes are placeholders too; calling one raises."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _Missing(f"{self._name}.{attr}")
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(f"{self._name}: torchvision is a placeholder here")
+
+
+class _Placeholder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Import-only torchvision: every attribute is a :class:`_Missing`."""
+
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] == "torchvision":
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = types.ModuleType(spec.name)
+        module.__path__, module.__version__ = [], "0.0.0+placeholder"
+
+        def attr(name, _owner=spec.name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return _Missing(f"{_owner}.{name}")
+
+        module.__getattr__ = attr
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+def _torchvision() -> str:
+    if importlib.util.find_spec("torchvision") is not None:
+        try:
+            import torchvision  # noqa: F401
+
+            return "real"
+        except Exception:
+            for name in [m for m in sys.modules if m.split(".")[0] == "torchvision"]:
+                del sys.modules[name]
+    sys.meta_path.append(_Placeholder())
+    return "placeholder"
+
+
+def _sglang():
+    tv = _torchvision()
+    with contextlib.redirect_stdout(sys.stderr):  # keep stdout for the JSON
+        import sglang
+        from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+        from sglang.srt.layers.radix_attention import RadixAttention
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    return SimpleNamespace(
+        version=getattr(sglang, "__version__", "?"),
+        Backend=TorchNativeAttnBackend,
+        RadixAttention=RadixAttention,
+        KVPool=MHATokenToKVPool,
+        ReqPool=ReqToTokenPool,
+        ForwardMode=ForwardMode,
+        torchvision=tv,
+    )
+
+
+def _batch(sg, mode: str, dtype, batch: int, prefix: int, new: int, heads: tuple[int, int, int], seed: int):
+    """Pools with the prefixes written, a forward batch, and the step's q/k/v (new K/V written by the call)."""
+    q_heads, kv_heads, dim = heads
+    gen = torch.Generator().manual_seed(seed)
+    total = prefix + new
+    kv = sg.KVPool(
+        size=batch * total + 1,
+        page_size=1,
+        dtype=dtype,
+        head_num=kv_heads,
+        head_dim=dim,
+        layer_num=1,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+    req = sg.ReqPool(size=batch + 1, max_context_len=total, device="cpu", enable_memory_saver=False)
+    slots = (torch.randperm(batch * total, generator=gen) + 1).view(batch, total)  # slot 0: padding
+    req.req_to_token[1 : batch + 1] = slots.to(torch.int32)
+    k_all = torch.randn(batch, total, kv_heads, dim, generator=gen).to(dtype)
+    v_all = torch.randn(batch, total, kv_heads, dim, generator=gen).to(dtype)
+    kbuf, vbuf = kv.get_key_buffer(0), kv.get_value_buffer(0)
+    kbuf[slots[:, :prefix].reshape(-1)] = k_all[:, :prefix].reshape(-1, kv_heads, dim)
+    vbuf[slots[:, :prefix].reshape(-1)] = v_all[:, :prefix].reshape(-1, kv_heads, dim)
+    layer = sg.RadixAttention(num_heads=q_heads, head_dim=dim, scaling=dim**-0.5, num_kv_heads=kv_heads, layer_id=0)
+    lens = torch.full((batch,), total, dtype=torch.int64)
+    fb = SimpleNamespace(
+        forward_mode=sg.ForwardMode.DECODE if mode == "decode" else sg.ForwardMode.EXTEND,
+        batch_size=batch,
+        req_pool_indices=torch.arange(1, batch + 1),
+        seq_lens=lens,
+        seq_lens_cpu=lens.clone(),
+        seq_lens_sum=batch * total,
+        out_cache_loc=slots[:, prefix:].reshape(-1),
+        extend_prefix_lens=torch.full((batch,), prefix, dtype=torch.int64),
+        extend_seq_lens=torch.full((batch,), new, dtype=torch.int64),
+        extend_prefix_lens_cpu=[prefix] * batch,
+        extend_seq_lens_cpu=[new] * batch,
+        encoder_lens=None,
+        encoder_out_cache_loc=None,
+    )
+    runner = SimpleNamespace(device="cpu", req_to_token_pool=req, token_to_kv_pool=kv)
+    q = torch.randn(batch * new, q_heads * dim, generator=gen).to(dtype)
+    k_new = k_all[:, prefix:].reshape(-1, kv_heads, dim)
+    v_new = v_all[:, prefix:].reshape(-1, kv_heads, dim)
+    return sg.Backend(runner), layer, fb, (q, k_new, v_new), (k_all, v_all)
+
+
+def _expected(q, k_all, v_all, prefix: int, new: int, heads) -> torch.Tensor:
+    """float64 causal GQA attention of the step's queries over every request's keys."""
+    q_heads, kv_heads, dim = heads
+    batch, total = k_all.shape[:2]
+    qd = q.double().view(batch, new, q_heads, dim).transpose(1, 2)  # [B, Hq, n, D]
+    k = k_all.double().transpose(1, 2).repeat_interleave(q_heads // kv_heads, 1)  # [B, Hq, L, D]
+    v = v_all.double().transpose(1, 2).repeat_interleave(q_heads // kv_heads, 1)
+    scores = qd @ k.transpose(-1, -2) * dim**-0.5
+    visible = torch.arange(total)[None, :] <= torch.arange(prefix, total)[:, None]
+    out = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1) @ v  # [B, Hq, n, D]
+    return out.transpose(1, 2).reshape(batch * new, q_heads * dim)
+
+
+def _time(fn, warmup: int, repeats: int) -> dict:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - start))
+    return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "repeats": repeats}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="store_true", help="(the output is always JSON; kept for hal bench)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--modes", default="decode,extend")
+    ap.add_argument("--decode-batch", type=int, default=32)
+    ap.add_argument("--decode-ctx", type=int, default=2048)
+    ap.add_argument("--extend-batch", type=int, default=4)
+    ap.add_argument("--extend-prefix", type=int, default=512)
+    ap.add_argument("--extend-new", type=int, default=512)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    sg = _sglang()
+    heads = (32, 8, 128)
+    shapes = {
+        "decode": (args.decode_batch, args.decode_ctx - 1, 1),
+        "extend": (args.extend_batch, args.extend_prefix, args.extend_new),
+    }
+    report = {
+        "meta": {
+            "sglang": sg.version,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "threads": torch.get_num_threads(),
+            "torchvision": sg.torchvision,
+            "import_s": round(time.perf_counter() - start, 2),
+            "backend": "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend",
+        }
+    }
+    ok = True
+    for mode in filter(None, args.modes.split(",")):
+        report[mode] = {}
+        batch, prefix, new = shapes[mode]
+        for name in filter(None, args.dtypes.split(",")):
+            dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+            print(f"[sglang peer] {mode} {name}", file=sys.stderr, flush=True)
+            backend, layer, fb, (q, k, v), (k_all, v_all) = _batch(
+                sg, mode, dtype, batch, prefix, new, heads, args.seed
+            )
+
+            def step(backend=backend, layer=layer, fb=fb, q=q, k=k, v=v):
+                backend.init_forward_metadata(fb)
+                return backend.forward(q, k, v, layer, fb, save_kv_cache=True)
+
+            err = (step().double() - _expected(q, k_all, v_all, prefix, new, heads)).abs().max().item()
+            correct = err <= (1e-4 if dtype == torch.float32 else 3e-2)
+            ok &= correct
+            report[mode][name] = {
+                "shape": {"batch": batch, "prefix": prefix, "new": new, "heads": heads},
+                "torch_native_backend": _time(step, args.warmup, args.repeats),
+                "max_abs_err": err,
+                "correct": correct,
+            }
+    print(json.dumps(report, indent=2))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

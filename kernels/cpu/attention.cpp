@@ -1,0 +1,635 @@
+// hal CPU attention: paged decode / extend / verify over req_to_token, no gathered copy of the KV cache.
+//
+// One task per request (or per (request, KV head) when requests are few) for decode and verify
+// (every query row of the request and all query heads of the GQA group together; HAL_HEADS_PER_TASK
+// overrides the heads per task), or per (request, KV head, tile of queries) for extend (
+// matrix-sized tiles through at::mm). Keys are read in blocks straight from the pool through
+// req_to_token; each block is scored, masked, folded into an online softmax and multiplied
+// into the accumulators. Tasks are handed to the threads dynamically, largest first.
+//
+// Built at first use by hal.kernels.cpu with -O3 -march=native; AVX2+FMA paths where the
+// compiler targets them, plain loops otherwise. bf16 pools are widened to float32 on load
+// (a shift: exact), every sum is float32.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAL_AVX2 1
+#endif
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int64_t kBlock = 32;       // keys per block on the row path
+constexpr int64_t kGemmBlock = 256;  // keys per block on the tile path
+
+inline float to_float(float x) { return x; }
+inline float to_float(at::BFloat16 x) {
+  uint32_t u = uint32_t(x.x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+#ifdef HAL_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+// exp(x) for x <= ~88 (Cephes polynomial, ~1 ulp); -inf -> 0 exactly.
+inline __m256 exp8(__m256 x) {
+  const __m256 is_neg_inf = _mm256_cmp_ps(x, _mm256_set1_ps(kNegInf), _CMP_NEQ_OQ);
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
+  x = _mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f));
+  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+  fx = _mm256_floor_ps(fx);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), is_neg_inf);
+}
+#endif
+
+// p[i] = exp(s[i] - m) for i < n; returns the sum.
+inline float exp_sub_sum(float* s, int64_t n, float m) {
+  int64_t i = 0;
+  float total = 0.f;
+#ifdef HAL_AVX2
+  __m256 acc = _mm256_setzero_ps(), vm = _mm256_set1_ps(m);
+  for (; i + 8 <= n; i += 8) {
+    __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), vm));
+    _mm256_storeu_ps(s + i, p);
+    acc = _mm256_add_ps(acc, p);
+  }
+  total = hsum(acc);
+#endif
+  for (; i < n; ++i) {
+    s[i] = s[i] == kNegInf ? 0.f : std::exp(s[i] - m);
+    total += s[i];
+  }
+  return total;
+}
+
+// Largest of s[0, n), or NaN when any is NaN (NaN in q or K must reach the output).
+inline float max_of(const float* s, int64_t n) {
+  float m = kNegInf;
+  bool nan = false;
+  int64_t i = 0;
+#ifdef HAL_AVX2
+  __m256 vm = _mm256_set1_ps(kNegInf), vn = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    __m256 x = _mm256_loadu_ps(s + i);
+    vn = _mm256_or_ps(vn, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    vm = _mm256_max_ps(vm, x);
+  }
+  alignas(32) float t[8];
+  _mm256_store_ps(t, vm);
+  for (float x : t) m = std::max(m, x);
+  nan = _mm256_movemask_ps(vn) != 0;
+#endif
+  for (; i < n; ++i) {
+    nan |= std::isnan(s[i]);
+    m = std::max(m, s[i]);
+  }
+  return nan ? std::numeric_limits<float>::quiet_NaN() : m;
+}
+
+inline void scale_row(float* a, int64_t n, float f) {
+  for (int64_t i = 0; i < n; ++i) a[i] *= f;
+}
+
+// ---- row path micro-kernels -------------------------------------------------------------
+// scores[r * ld + j] = dot(q[r], k[j]) for NR rows and the keys of a block.
+template <int NR, typename T>
+inline void qk_rows(const float* q, int64_t D, const T* const* kp, int64_t nk, float* s, int64_t ld) {
+  int64_t j = 0;
+#ifdef HAL_AVX2
+  const int64_t D8 = D & ~int64_t(7);
+  for (; j + 2 <= nk; j += 2) {
+    __m256 acc0[NR], acc1[NR];
+    for (int r = 0; r < NR; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+    const T* k0 = kp[j];
+    const T* k1 = kp[j + 1];
+    for (int64_t d = 0; d < D8; d += 8) {
+      __m256 a = load8(k0 + d), b = load8(k1 + d);
+      for (int r = 0; r < NR; ++r) {
+        __m256 qv = _mm256_loadu_ps(q + r * D + d);
+        acc0[r] = _mm256_fmadd_ps(qv, a, acc0[r]);
+        acc1[r] = _mm256_fmadd_ps(qv, b, acc1[r]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      float x0 = hsum(acc0[r]), x1 = hsum(acc1[r]);
+      for (int64_t d = D8; d < D; ++d) {
+        x0 += q[r * D + d] * to_float(k0[d]);
+        x1 += q[r * D + d] * to_float(k1[d]);
+      }
+      s[r * ld + j] = x0;
+      s[r * ld + j + 1] = x1;
+    }
+  }
+#endif
+  for (; j < nk; ++j) {
+    const T* k0 = kp[j];
+    for (int r = 0; r < NR; ++r) {
+      float x = 0.f;
+      for (int64_t d = 0; d < D; ++d) x += q[r * D + d] * to_float(k0[d]);
+      s[r * ld + j] = x;
+    }
+  }
+}
+
+// acc[r] += sum_j p[r * ld + j] * v[j] for NR rows.
+template <int NR, typename T>
+inline void pv_rows(const float* p, int64_t ld, const T* const* vp, int64_t nk, float* acc, int64_t Dv) {
+  int64_t d = 0;
+#ifdef HAL_AVX2
+  for (; d + 16 <= Dv; d += 16) {
+    __m256 a0[NR], a1[NR];
+    for (int r = 0; r < NR; ++r) {
+      a0[r] = _mm256_loadu_ps(acc + r * Dv + d);
+      a1[r] = _mm256_loadu_ps(acc + r * Dv + d + 8);
+    }
+    for (int64_t j = 0; j < nk; ++j) {
+      __m256 x = load8(vp[j] + d), y = load8(vp[j] + d + 8);
+      for (int r = 0; r < NR; ++r) {
+        __m256 w = _mm256_broadcast_ss(p + r * ld + j);
+        a0[r] = _mm256_fmadd_ps(w, x, a0[r]);
+        a1[r] = _mm256_fmadd_ps(w, y, a1[r]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      _mm256_storeu_ps(acc + r * Dv + d, a0[r]);
+      _mm256_storeu_ps(acc + r * Dv + d + 8, a1[r]);
+    }
+  }
+  for (; d + 8 <= Dv; d += 8) {
+    __m256 a0[NR];
+    for (int r = 0; r < NR; ++r) a0[r] = _mm256_loadu_ps(acc + r * Dv + d);
+    for (int64_t j = 0; j < nk; ++j) {
+      __m256 x = load8(vp[j] + d);
+      for (int r = 0; r < NR; ++r) a0[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + r * ld + j), x, a0[r]);
+    }
+    for (int r = 0; r < NR; ++r) _mm256_storeu_ps(acc + r * Dv + d, a0[r]);
+  }
+#endif
+  for (; d < Dv; ++d) {
+    for (int r = 0; r < NR; ++r) {
+      float x = acc[r * Dv + d];
+      for (int64_t j = 0; j < nk; ++j) x += p[r * ld + j] * to_float(vp[j][d]);
+      acc[r * Dv + d] = x;
+    }
+  }
+}
+
+template <typename T>
+inline void qk_any(int nr, const float* q, int64_t D, const T* const* kp, int64_t nk, float* s, int64_t ld) {
+  switch (nr) {
+    case 4: return qk_rows<4>(q, D, kp, nk, s, ld);
+    case 3: return qk_rows<3>(q, D, kp, nk, s, ld);
+    case 2: return qk_rows<2>(q, D, kp, nk, s, ld);
+    default: return qk_rows<1>(q, D, kp, nk, s, ld);
+  }
+}
+template <typename T>
+inline void pv_any(int nr, const float* p, int64_t ld, const T* const* vp, int64_t nk, float* acc, int64_t Dv) {
+  switch (nr) {
+    case 4: return pv_rows<4>(p, ld, vp, nk, acc, Dv);
+    case 3: return pv_rows<3>(p, ld, vp, nk, acc, Dv);
+    case 2: return pv_rows<2>(p, ld, vp, nk, acc, Dv);
+    default: return pv_rows<1>(p, ld, vp, nk, acc, Dv);
+  }
+}
+
+// ---- problem description -----------------------------------------------------------------
+struct Problem {
+  const float* q;  // [T, Hq, D], float32
+  int64_t q_s0, q_s1;
+  const void* k;
+  const void* v;
+  int64_t k_s0, k_s1, v_s0, v_s1;
+  int64_t num_slots;
+  const int32_t* r2t;
+  int64_t r2t_s0, r2t_cols;
+  const int64_t* rows;     // req_pool_indices [B]
+  const int64_t* kv_lens;  // [B]
+  const int64_t* q_lens;   // [B]
+  const int64_t* q_start;  // [B]
+  const bool* cmask;       // flat, or null
+  const int64_t* m_start;  // [B], or null
+  float* out;              // [T, Hq, Dv]
+  int64_t o_s0, o_s1;
+  int64_t Hq, Hkv, G, D, Dv;
+  float scale, cap;
+  int64_t window;
+  bool causal;
+  std::atomic<int64_t>* bad_slot;
+  std::atomic<bool>* bad;
+};
+
+struct Task {
+  int64_t b, h, i0, i1;  // request, first KV head, query rows [i0, i1) of the request
+  int64_t nh;            // KV heads [h, h + nh) (row tasks; tiles take one)
+  double cost;
+  bool tile;
+};
+
+// Visible key range of query i of request b (the custom mask narrows it further).
+inline void key_range(const Problem& P, int64_t b, int64_t i, int64_t& lo, int64_t& hi) {
+  const int64_t kv = P.kv_lens[b], pos = kv - P.q_lens[b] + i;
+  hi = (P.causal && !P.cmask) ? std::min(kv, pos + 1) : kv;
+  lo = P.window >= 0 ? std::max<int64_t>(0, pos - P.window) : 0;
+}
+
+thread_local std::vector<float> t_scratch;
+thread_local std::vector<const void*> t_ptrs;
+
+float* scratch(int64_t n) {
+  if (int64_t(t_scratch.size()) < n) t_scratch.resize(n);
+  return t_scratch.data();
+}
+
+template <typename T>
+inline bool slot_ptrs(const Problem& P, const int32_t* r2t_row, int64_t j0, int64_t nk, int64_t h, const T** kp,
+                      const T** vp) {
+  const T* K = static_cast<const T*>(P.k);
+  const T* V = static_cast<const T*>(P.v);
+  for (int64_t j = 0; j < nk; ++j) {
+    const int64_t slot = r2t_row[j0 + j];
+    if (slot < 0 || slot >= P.num_slots) {
+      P.bad_slot->store(slot);
+      P.bad->store(true);
+      return false;
+    }
+    kp[j] = K + slot * P.k_s0 + h * P.k_s1;
+    vp[j] = V + slot * P.v_s0 + h * P.v_s1;
+  }
+  return true;
+}
+
+// Fold one block of scores s[R x ld] (keys [j0, j0 + nk)) into the rows' softmax state; returns
+// whether any row saw a key. Masks by range / custom mask, applies the logit cap.
+inline bool fold_block(const Problem& P, int64_t b, int64_t i0, int64_t R, int64_t j0, int64_t nk, float* s,
+                       int64_t ld, float* m, float* l, float* acc, int64_t Dv, const int64_t* lo, const int64_t* hi) {
+  const int64_t G = P.G;
+  const int64_t kv = P.kv_lens[b];
+  bool any = false;
+  for (int64_t r = 0; r < R; ++r) {
+    float* sr = s + r * ld;
+    const int64_t qi = r / G;
+    const int64_t rlo = lo[qi], rhi = hi[qi];
+    if (rhi <= j0 || rlo >= j0 + nk) {  // nothing visible in this block
+      for (int64_t j = 0; j < nk; ++j) sr[j] = 0.f;
+      continue;
+    }
+    if (P.cap > 0.f) {
+      for (int64_t j = 0; j < nk; ++j) sr[j] = P.cap * std::tanh(sr[j] / P.cap);
+    }
+    if (rlo > j0 || rhi < j0 + nk) {
+      for (int64_t j = 0; j < nk; ++j) {
+        if (j0 + j < rlo || j0 + j >= rhi) sr[j] = kNegInf;
+      }
+    }
+    if (P.cmask) {
+      const bool* mk = P.cmask + P.m_start[b] + (i0 + qi) * kv + j0;
+      for (int64_t j = 0; j < nk; ++j) {
+        if (!mk[j]) sr[j] = kNegInf;
+      }
+    }
+    const float bm = max_of(sr, nk);
+    if (std::isnan(bm)) {  // the row's output is NaN (l = NaN marks it), as the reference's would be
+      l[r] = std::numeric_limits<float>::quiet_NaN();
+      for (int64_t j = 0; j < nk; ++j) sr[j] = 0.f;
+      continue;
+    }
+    if (bm == kNegInf) {
+      for (int64_t j = 0; j < nk; ++j) sr[j] = 0.f;
+      continue;
+    }
+    any = true;
+    const float mn = std::max(m[r], bm);
+    if (m[r] != kNegInf && mn != m[r]) {
+      const float alpha = std::exp(m[r] - mn);
+      l[r] *= alpha;
+      scale_row(acc + r * Dv, Dv, alpha);
+    }
+    m[r] = mn;
+    l[r] += exp_sub_sum(sr, nk, mn);
+  }
+  return any;
+}
+
+inline void write_rows(const Problem& P, int64_t b, int64_t h, int64_t i0, int64_t R, const float* acc,
+                       const float* l) {
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t t = P.q_start[b] + i0 + r / P.G, head = h * P.G + r % P.G;
+    float* o = P.out + t * P.o_s0 + head * P.o_s1;
+    const float f = std::isnan(l[r]) ? l[r] : (l[r] > 0.f ? 1.f / l[r] : 0.f);
+    for (int64_t d = 0; d < P.Dv; ++d) o[d] = acc[r * P.Dv + d] * f;
+  }
+}
+
+// Rows of a task: the G query heads of KV head h for query rows [i0, i1), scaled, float32.
+inline void load_q(const Problem& P, int64_t b, int64_t h, int64_t i0, int64_t i1, float* qs) {
+  int64_t r = 0;
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t t = P.q_start[b] + i;
+    for (int64_t g = 0; g < P.G; ++g, ++r) {
+      const float* src = P.q + t * P.q_s0 + (h * P.G + g) * P.q_s1;
+      for (int64_t d = 0; d < P.D; ++d) qs[r * P.D + d] = src[d] * P.scale;
+    }
+  }
+}
+
+// Key ranges of a task's query rows (and their union [LO, HI)), its scaled queries, zeroed state.
+inline void start_task(const Problem& P, const Task& task, int64_t R, int64_t* lo, int64_t* hi, int64_t& LO,
+                       int64_t& HI, float* qs, float* acc, float* m, float* l) {
+  LO = std::numeric_limits<int64_t>::max();
+  HI = 0;
+  for (int64_t i = 0; i < task.i1 - task.i0; ++i) {
+    key_range(P, task.b, task.i0 + i, lo[i], hi[i]);
+    LO = std::min(LO, lo[i]);
+    HI = std::max(HI, hi[i]);
+  }
+  load_q(P, task.b, task.h, task.i0, task.i1, qs);
+  std::fill(acc, acc + R * P.Dv, 0.f);
+  std::fill(m, m + R, kNegInf);
+  std::fill(l, l + R, 0.f);
+}
+
+// Decode / verify / short extend: every row of the task, for KV heads [h, h + nh), over blocks of keys.
+// With several heads a block's slots are read head after head: each slot's K (and V) rows of all
+// heads are adjacent, so a block costs one TLB walk and one DRAM page per slot, not one per head.
+template <typename T>
+void run_rows(const Problem& P, const Task& task) {
+  const int64_t b = task.b, i0 = task.i0, nq = task.i1 - task.i0, nh = task.nh;
+  const int64_t R = nq * P.G, D = P.D, Dv = P.Dv;
+  const int64_t blk = nh > 1 ? kBlock / 2 : kBlock;
+  const int64_t per_head = R * D + R * Dv + 2 * R;
+  float* s = scratch(R * blk + nh * per_head);
+  float* state = s + R * blk;
+  std::vector<int64_t> lo(nq), hi(nq);
+  int64_t LO = 0, HI = 0;
+  for (int64_t hh = 0; hh < nh; ++hh) {
+    float* qs = state + hh * per_head;
+    Task head = task;
+    head.h = task.h + hh;
+    start_task(P, head, R, lo.data(), hi.data(), LO, HI, qs, qs + R * D, qs + R * D + R * Dv,
+               qs + R * D + R * Dv + R);
+  }
+  if (int64_t(t_ptrs.size()) < 2 * blk) t_ptrs.resize(2 * blk);
+  const T** kp = reinterpret_cast<const T**>(t_ptrs.data());
+  const T** vp = kp + blk;
+  thread_local std::vector<int64_t> t_slots;
+  if (int64_t(t_slots.size()) < 2 * blk) t_slots.resize(2 * blk);
+  int64_t* cur = t_slots.data();
+  int64_t* nxt = cur + blk;
+  const int32_t* r2t_row = P.r2t + P.rows[b] * P.r2t_s0;
+  const T* K = static_cast<const T*>(P.k);
+  const T* V = static_cast<const T*>(P.v);
+  auto read_slots = [&](int64_t j0, int64_t n, int64_t* out) {
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t slot = r2t_row[j0 + j];
+      if (slot < 0 || slot >= P.num_slots) {
+        P.bad_slot->store(slot);
+        P.bad->store(true);
+        return false;
+      }
+      out[j] = slot;
+    }
+    return true;
+  };
+  if (LO < HI && !read_slots(LO, std::min(blk, HI - LO), cur)) return;
+  for (int64_t j0 = LO; j0 < HI; j0 += blk) {
+    const int64_t nk = std::min(blk, HI - j0);
+    const int64_t j1 = j0 + blk;
+    const int64_t nn = j1 < HI ? std::min(blk, HI - j1) : 0;
+    if (nn && !read_slots(j1, nn, nxt)) return;
+    for (int64_t hh = 0; hh < nh; ++hh) {
+      const int64_t h = task.h + hh;
+      for (int64_t j = 0; j < nn; ++j) {  // the next block's rows of this head, while this one computes
+        const char* kc = reinterpret_cast<const char*>(K + nxt[j] * P.k_s0 + h * P.k_s1);
+        const char* vc = reinterpret_cast<const char*>(V + nxt[j] * P.v_s0 + h * P.v_s1);
+        for (int64_t o = 0; o < int64_t(D * sizeof(T)); o += 64) __builtin_prefetch(kc + o, 0, 1);
+        for (int64_t o = 0; o < int64_t(Dv * sizeof(T)); o += 64) __builtin_prefetch(vc + o, 0, 1);
+      }
+      for (int64_t j = 0; j < nk; ++j) {
+        kp[j] = K + cur[j] * P.k_s0 + h * P.k_s1;
+        vp[j] = V + cur[j] * P.v_s0 + h * P.v_s1;
+      }
+      float* qs = state + hh * per_head;
+      float* acc = qs + R * D;
+      float* m = acc + R * Dv;
+      float* l = m + R;
+      for (int64_t r = 0; r < R; r += 4)
+        qk_any<T>(int(std::min<int64_t>(4, R - r)), qs + r * D, D, kp, nk, s + r * blk, blk);
+      if (fold_block(P, b, i0, R, j0, nk, s, blk, m, l, acc, Dv, lo.data(), hi.data())) {
+        for (int64_t r = 0; r < R; r += 4)
+          pv_any<T>(int(std::min<int64_t>(4, R - r)), s + r * blk, blk, vp, nk, acc + r * Dv, Dv);
+      }
+    }
+    std::swap(cur, nxt);
+  }
+  for (int64_t hh = 0; hh < nh; ++hh) {
+    float* qs = state + hh * per_head;
+    write_rows(P, b, task.h + hh, i0, R, qs + R * D, qs + R * D + R * Dv + R);
+  }
+}
+
+// Extend tiles: scores and values through at::mm over blocks of kGemmBlock keys, widened to float32.
+template <typename T>
+void run_tile(const Problem& P, const Task& task) {
+  const int64_t b = task.b, h = task.h, i0 = task.i0, nq = task.i1 - task.i0;
+  const int64_t R = nq * P.G, D = P.D, Dv = P.Dv, BK = kGemmBlock;
+  float* base = scratch(R * D + R * Dv + R * BK + BK * D + BK * Dv + 2 * R);
+  float* qs = base;
+  float* acc = qs + R * D;
+  float* s = acc + R * Dv;
+  float* ks = s + R * BK;
+  float* vs = ks + BK * D;
+  float* m = vs + BK * Dv;
+  float* l = m + R;
+  std::vector<int64_t> lo(nq), hi(nq);
+  int64_t LO, HI;
+  start_task(P, task, R, lo.data(), hi.data(), LO, HI, qs, acc, m, l);
+  auto opts = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor q_t = at::from_blob(qs, {R, D}, opts);
+  at::Tensor acc_t = at::from_blob(acc, {R, Dv}, opts);
+  if (int64_t(t_ptrs.size()) < 2 * BK) t_ptrs.resize(2 * BK);
+  const T** kp = reinterpret_cast<const T**>(t_ptrs.data());
+  const T** vp = kp + BK;
+  const int32_t* r2t_row = P.r2t + P.rows[b] * P.r2t_s0;
+  for (int64_t j0 = LO; j0 < HI; j0 += BK) {
+    const int64_t nk = std::min(BK, HI - j0);
+    if (!slot_ptrs<T>(P, r2t_row, j0, nk, h, kp, vp)) return;
+    for (int64_t j = 0; j < nk; ++j)
+      for (int64_t d = 0; d < D; ++d) ks[j * D + d] = to_float(kp[j][d]);
+    at::Tensor s_t = at::from_blob(s, {R, nk}, opts);
+    at::mm_out(s_t, q_t, at::from_blob(ks, {nk, D}, opts).t());
+    if (!fold_block(P, b, i0, R, j0, nk, s, nk, m, l, acc, Dv, lo.data(), hi.data())) continue;
+    for (int64_t j = 0; j < nk; ++j)
+      for (int64_t d = 0; d < Dv; ++d) vs[j * Dv + d] = to_float(vp[j][d]);
+    acc_t.addmm_(s_t, at::from_blob(vs, {nk, Dv}, opts));
+  }
+  write_rows(P, b, h, i0, R, acc, l);
+}
+
+}  // namespace
+
+// q: float32 [T, Hq, D] (last dim contiguous); k/v_buffer: [S, Hkv, D|Dv] float32 or bf16;
+// req_to_token int32 [R, C]; rows, kv_lens, q_lens, q_start, mask_start: int64 [B] (CPU);
+// custom_mask: bool flat or empty; out: float32 [T, Hq, Dv]. Returns {1, slot} for a slot outside the pool, else {0, 0}.
+std::vector<int64_t> paged_attention(at::Tensor q, at::Tensor k_buffer, at::Tensor v_buffer, at::Tensor req_to_token,
+                        at::Tensor rows, at::Tensor kv_lens, at::Tensor q_lens, at::Tensor q_start,
+                        at::Tensor custom_mask, at::Tensor mask_start, at::Tensor out, double scale, double logit_cap,
+                        int64_t window, bool causal, int64_t tile_rows) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "q and out must be float32");
+  TORCH_CHECK(k_buffer.scalar_type() == v_buffer.scalar_type(), "k and v buffers differ in dtype");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_buffer.stride(2) == 1 && v_buffer.stride(2) == 1,
+              "last dims must be contiguous");
+  TORCH_CHECK(req_to_token.scalar_type() == at::kInt && req_to_token.stride(1) == 1, "req_to_token: int32 rows");
+  std::atomic<int64_t> bad_slot(0);
+  std::atomic<bool> bad(false);
+  Problem P;
+  P.q = q.data_ptr<float>();
+  P.q_s0 = q.stride(0);
+  P.q_s1 = q.stride(1);
+  P.k = k_buffer.data_ptr();
+  P.v = v_buffer.data_ptr();
+  P.k_s0 = k_buffer.stride(0);
+  P.k_s1 = k_buffer.stride(1);
+  P.v_s0 = v_buffer.stride(0);
+  P.v_s1 = v_buffer.stride(1);
+  P.num_slots = k_buffer.size(0);
+  P.r2t = req_to_token.data_ptr<int32_t>();
+  P.r2t_s0 = req_to_token.stride(0);
+  P.r2t_cols = req_to_token.size(1);
+  P.rows = rows.data_ptr<int64_t>();
+  P.kv_lens = kv_lens.data_ptr<int64_t>();
+  P.q_lens = q_lens.data_ptr<int64_t>();
+  P.q_start = q_start.data_ptr<int64_t>();
+  P.cmask = custom_mask.numel() ? custom_mask.data_ptr<bool>() : nullptr;
+  P.m_start = P.cmask ? mask_start.data_ptr<int64_t>() : nullptr;
+  P.out = out.data_ptr<float>();
+  P.o_s0 = out.stride(0);
+  P.o_s1 = out.stride(1);
+  P.Hq = q.size(1);
+  P.Hkv = k_buffer.size(1);
+  P.G = P.Hq / P.Hkv;
+  P.D = q.size(2);
+  P.Dv = v_buffer.size(2);
+  P.scale = float(scale);
+  P.cap = float(logit_cap);
+  P.window = window;
+  P.causal = causal;
+  P.bad_slot = &bad_slot;
+  P.bad = &bad;
+
+  const int64_t B = rows.numel();
+  TORCH_CHECK(kv_lens.numel() == B && q_lens.numel() == B && q_start.numel() == B,
+              "hal: req_pool_indices, seq_lens and extend_lens must have one entry per request");
+  TORCH_CHECK(P.Hkv > 0 && P.Hq % P.Hkv == 0, "hal: q heads must be a multiple of KV heads");
+  TORCH_CHECK(!P.cmask || mask_start.numel() == B, "hal: mask_start must have one entry per request");
+  const int64_t T = q.size(0), R2T_rows = req_to_token.size(0);
+  for (int64_t b = 0; b < B; ++b) {  // everything a task reads through, checked before any is run
+    TORCH_CHECK(P.rows[b] >= 0 && P.rows[b] < R2T_rows, "hal: req_pool_indices[", b, "] = ", P.rows[b],
+                ": expected a row of req_to_token in [0, ", R2T_rows, ")");
+    TORCH_CHECK(P.q_lens[b] >= 0 && P.q_lens[b] <= P.kv_lens[b] && P.kv_lens[b] <= P.r2t_cols,
+                "hal: request ", b, " has ", P.q_lens[b], " query tokens over ", P.kv_lens[b],
+                " keys: expected 0 <= query tokens <= keys <= ", P.r2t_cols, " (req_to_token columns)");
+    TORCH_CHECK(P.q_start[b] >= 0 && P.q_start[b] + P.q_lens[b] <= T, "hal: request ", b,
+                "'s query tokens run past the ", T, " rows of q");
+    if (P.cmask) {
+      TORCH_CHECK(P.m_start[b] >= 0 && P.m_start[b] + P.q_lens[b] * P.kv_lens[b] <= custom_mask.numel(),
+                  "hal: custom_mask has ", custom_mask.numel(), " entries: too few for request ", b);
+    }
+  }
+  std::vector<Task> tasks;
+  // Row tasks take every KV head of a request when there are requests enough to keep the threads
+  // busy (HAL_HEADS_PER_TASK overrides: 1 = one task per (request, KV head)).
+  int64_t row_requests = 0;
+  for (int64_t b = 0; b < B; ++b) row_requests += P.q_lens[b] > 0 && !(tile_rows > 0 && P.q_lens[b] * P.G >= tile_rows);
+  int64_t heads_per_task = row_requests >= 4 * at::get_num_threads() ? P.Hkv : 1;
+  if (const char* env = std::getenv("HAL_HEADS_PER_TASK")) heads_per_task = std::max<int64_t>(1, std::atoll(env));
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t nq = P.q_lens[b], kv = P.kv_lens[b];
+    if (nq <= 0) continue;
+    const bool tile = tile_rows > 0 && nq * P.G >= tile_rows;
+    const int64_t step = tile ? std::max<int64_t>(1, tile_rows / P.G) : nq;
+    const int64_t hstep = tile ? 1 : std::min(heads_per_task, P.Hkv);
+    for (int64_t h = 0; h < P.Hkv; h += hstep) {
+      const int64_t nh = std::min(hstep, P.Hkv - h);
+      for (int64_t i0 = 0; i0 < nq; i0 += step) {
+        const int64_t i1 = std::min(nq, i0 + step);
+        int64_t keys = kv;  // upper bound on keys the tile reads
+        if (causal && !P.cmask) keys = kv - nq + i1;
+        if (window >= 0) keys = std::min<int64_t>(keys, window + (i1 - i0));
+        tasks.push_back({b, h, i0, i1, nh, double(keys) * double(nh) * double(i1 - i0 + (tile ? 0 : 8)), tile});
+      }
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& c) { return a.cost > c.cost; });
+  std::atomic<int64_t> next(0);
+  const int64_t n = int64_t(tasks.size());
+  const bool bf16 = k_buffer.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || k_buffer.scalar_type() == at::kFloat, "KV buffers must be float32 or bfloat16");
+  auto worker = [&](int64_t, int64_t) {
+    for (int64_t t = next.fetch_add(1); t < n; t = next.fetch_add(1)) {
+      if (bad.load()) return;
+      const Task& task = tasks[t];
+      if (bf16) {
+        task.tile ? run_tile<at::BFloat16>(P, task) : run_rows<at::BFloat16>(P, task);
+      } else {
+        task.tile ? run_tile<float>(P, task) : run_rows<float>(P, task);
+      }
+    }
+  };
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(n, 1));
+  if (threads <= 1) {
+    worker(0, 1);
+  } else {
+    at::parallel_for(0, threads, 1, worker);
+  }
+  return std::vector<int64_t>{bad.load() ? 1 : 0, bad_slot.load()};
+}
+
+std::string build_info() {
+  std::string s;
+#ifdef HAL_AVX2
+  s += "avx2+fma";
+#else
+  s += "scalar";
+#endif
+#ifdef __AVX512F__
+  s += ",avx512f(compiler)";
+#endif
+#ifdef __AVX512BF16__
+  s += ",avx512bf16(compiler)";
+#endif
+  return s;
+}
