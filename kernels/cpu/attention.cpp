@@ -609,7 +609,10 @@ std::vector<int64_t> paged_attention(at::Tensor q, at::Tensor k_buffer, at::Tens
       }
     }
   };
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(n, 1));
+  double total = 0;
+  for (const Task& task : tasks) total += task.cost;
+  // A step this small (microseconds of work) costs more to hand to a second thread than to run.
+  const int64_t threads = total < 16384 ? 1 : std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(n, 1));
   if (threads <= 1) {
     worker(0, 1);
   } else {
