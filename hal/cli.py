@@ -115,6 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     p_check.add_argument("--backend", action="append", default=[])
     p_check.add_argument("--json", action="store_true")
     p_check.add_argument("-v", "--verbose", action="store_true")
+    p_check.add_argument("--fuzz", type=int, default=0, metavar="N", help="also N random batches per backend")
+    p_check.add_argument("--seed", type=int, default=0, help="seed of the random batches (with --fuzz)")
+    p_check.add_argument(
+        "--family", action="append", default=[], help="only this feature family (repeatable), e.g. fuzz, graph"
+    )
     p_demo = sub.add_parser("demo", help="serve a Llama-architecture model with continuous batching through hal")
     from hal.demo import add_arguments
 
@@ -157,13 +162,16 @@ def main(argv: list[str] | None = None) -> int:
                 cap = probe_device(get_registry().get(name))
                 if not cap.available:
                     raise DeviceUnavailableError(f"device {name!r} is not available: {cap.reasons.get('device', '?')}")
-            report = run_check(args.device, args.backend, args.verbose)
+            from hal.conformance.runner import format_report
+
+            report = run_check(args.device, args.backend, args.verbose, args.fuzz, args.seed, args.family)
             if args.json:
                 print(json.dumps({k: report[k] for k in ("results", "exit_code", "errors")}, indent=2))
             else:
-                print(report["log"])
+                print(report["log"] if args.verbose else "", end="")
+                print(format_report(report, args.verbose))
             failed = sum(r["failed"] for r in report["results"])
-            return 1 if failed or report["exit_code"] not in (0,) else 0
+            return 1 if failed or report["exit_code"] not in (0, 5) or not report["results"] else 0
         if args.command == "demo":
             from hal.demo import run_demo
 

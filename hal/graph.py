@@ -58,6 +58,11 @@ class HostSyncGuard(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.shapes: list[tuple[str, tuple]] = []
+        # (op index, input index, data_ptr) of every input tensor the run did not produce itself
+        self.reads: list[tuple[int, int, int]] = []
+        self.inputs: list[torch.Tensor] = []  # those tensors, alive so that no later allocation takes their address
+        self._produced: set[int] = set()  # storages the run allocated
+        self._external: set[int] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -75,10 +80,29 @@ class HostSyncGuard(TorchDispatchMode):
             isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1] if i is not None
         ):
             raise GraphCaptureError(f"{func} with a boolean mask inside a graph: a data-dependent shape (nonzero)")
+        op = len(self.shapes)
+        flat_in, _ = tree_flatten((args, kwargs))
+        for i, t in enumerate(x for x in flat_in if isinstance(x, torch.Tensor)):
+            storage = _storage_ptr(t)
+            if storage is not None and storage not in self._produced:
+                self._external.add(storage)
+                self.reads.append((op, i, t.data_ptr()))
+                self.inputs.append(t)
         out = func(*args, **kwargs)
         flat, _ = tree_flatten(out)
+        for t in flat:
+            storage = _storage_ptr(t) if isinstance(t, torch.Tensor) else None
+            if storage is not None and storage not in self._external:
+                self._produced.add(storage)
         self.shapes.append((str(func), tuple(tuple(t.shape) for t in flat if isinstance(t, torch.Tensor))))
         return out
+
+
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr() if t.numel() else None
+    except (RuntimeError, NotImplementedError):  # tensors without storage (meta, sparse, wrapper subclasses)
+        return None
 
 
 class _HostMethodGuard(TorchFunctionMode):
@@ -175,15 +199,26 @@ class Graph:
 
 
 class EagerGraph(Graph):
-    """The CPU's graph: re-runs the function at replay, checked as a real graph would be."""
+    """The CPU's graph: re-runs the function at replay, checked as a real graph would be.
+
+    A real graph replays the kernels it recorded on the addresses it recorded: a replay
+    must read the same tensors the capture read (a tensor made fresh outside the graph,
+    e.g. metadata allocated in ``out_graph`` and read by the captured forward, is a stale
+    address on a GPU). Each replay checks that every tensor the function reads but did
+    not produce is the one read at that place during capture (the captured ones are
+    kept alive, so no new tensor can reuse their addresses).
+    """
 
     def capture(self, fn):
         self.fn = fn
-        self.output, self.shapes = self._run()
+        self.output, guard = self._run()
+        self.shapes, self.reads, self.inputs = guard.shapes, guard.reads, guard.inputs
+        self.captured_at = {(op, i): ptr for op, i, ptr in guard.reads}
         return self.output
 
     def replay(self):
-        output, shapes = self._run()
+        output, guard = self._run()
+        shapes = guard.shapes
         if shapes != self.shapes:
             first = next(
                 (i for i, (a, b) in enumerate(zip(shapes, self.shapes)) if a != b),
@@ -194,13 +229,22 @@ class EagerGraph(Graph):
             raise GraphCaptureError(
                 f"op #{first} at replay produced {got}, at capture {want}: a shape depends on batch contents"
             )
+        for op, i, ptr in guard.reads:
+            captured = self.captured_at.get((op, i))
+            if captured is not None and captured != ptr:
+                raise GraphCaptureError(
+                    f"op #{op} ({shapes[op][0]}) input {i} at replay reads a tensor at {ptr:#x}, at capture one at "
+                    f"{captured:#x}: a real graph replays the captured address, so it would read stale data. "
+                    "Metadata read inside the graph must live in buffers allocated once (init_cuda_graph_state) and "
+                    "refilled in place in out_graph, or be computed in in_graph"
+                )
         self.output.copy_(output)
 
     def _run(self):
         guard = HostSyncGuard()
         with _HostMethodGuard(), guard:
             output = self.fn()
-        return output, guard.shapes
+        return output, guard
 
 
 class TorchGraph(Graph):

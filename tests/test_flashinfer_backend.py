@@ -624,15 +624,23 @@ def _as_bf16(case: Case) -> Case:
     return dataclasses.replace(case, dtype=torch.bfloat16) if case.dtype == torch.float32 else case
 
 
-_FAKE_CASES = [c for c in CASES if c.v_head_dim in (None, c.head_dim)]
+def _named(name: str) -> Case:
+    return next(c for c in CASES if c.name == name)
 
 
-@pytest.mark.parametrize("strategy", ["auto", "paged"])
-@pytest.mark.parametrize("case", _FAKE_CASES, ids=lambda c: c.name)
+def _with_strategies(cases) -> list:
+    """(case, extend strategy) pairs: decode once (the extend strategy does not touch it), the rest with both."""
+    return [
+        pytest.param(c, s, id=f"{c.name}-{s}")
+        for c in cases
+        if c.v_head_dim in (None, c.head_dim)
+        for s in (["auto"] if c.mode.is_decode() else ["auto", "paged"])
+    ]
+
+
+@pytest.mark.parametrize(("case", "strategy"), _with_strategies(CASES))
 def test_call_plan_against_fake_flashinfer(fake_fi, case, strategy):
     """Every conformance case (bf16) through the backend over the plain-torch FlashInfer."""
-    if case.mode.is_decode() and strategy == "paged":
-        pytest.skip("the extend strategy does not touch decode")
     case = _as_bf16(case)
     built = build(case)
     backend = _cpu_backend(extend_strategy=strategy)
@@ -641,7 +649,8 @@ def test_call_plan_against_fake_flashinfer(fake_fi, case, strategy):
     assert out.shape == built.expected.shape and out.dtype == built.q.dtype
     torch.testing.assert_close(out.float(), built.expected.float(), **tolerance(case.dtype))
     pool = built.batch.token_to_kv_pool
-    assert torch.equal(pool.k_buffer[0], built.expected_k) and torch.equal(pool.v_buffer[0], built.expected_v)
+    lid = built.layer.layer_id
+    assert torch.equal(pool.k_buffer[lid], built.expected_k) and torch.equal(pool.v_buffer[lid], built.expected_v)
     kinds = fake_fi.kinds()
     mode, has_prefix = case.mode, any(p for p, _ in case.requests)
     if mode.is_decode():
@@ -688,7 +697,7 @@ def test_registered_layers_are_planned_in_out_graph(fake_fi):
 
 
 def test_new_variant_inside_capture_is_an_error(fake_fi, monkeypatch):
-    built = build(_as_bf16(CASES[0]))
+    built = build(_as_bf16(_named("decode")))
     backend = _cpu_backend()
     backend.init_forward_metadata(built.batch)
     monkeypatch.setattr(backend, "_capturing", lambda: True)
@@ -707,11 +716,11 @@ def test_mla_layer_is_refused(fake_fi):
 
 
 def test_save_kv_cache_false_against_fake(fake_fi):
-    for case in (CASES[0], CASES[11]):
+    for case in (_named("decode"), _named("extend_prefix")):
         built = build(_as_bf16(case))
         pool = built.batch.token_to_kv_pool
-        pool.k_buffer[0].copy_(built.expected_k)
-        pool.v_buffer[0].copy_(built.expected_v)
+        pool.k_buffer[built.layer.layer_id].copy_(built.expected_k)
+        pool.v_buffer[built.layer.layer_id].copy_(built.expected_v)
         backend = _cpu_backend()
         backend.init_forward_metadata(built.batch)
         out = backend.forward(built.q, built.k, built.v, built.layer, built.batch, save_kv_cache=False)
@@ -759,7 +768,7 @@ def test_graph_replay_against_fake(fake_fi, case):
 
 
 def test_graph_capture_of_extend_is_refused(fake_fi):
-    built = build(_as_bf16(CASES[10]))
+    built = build(_as_bf16(_named("extend_no_prefix")))
     backend = _cpu_backend()
     backend.init_cuda_graph_state(4, 4)
     with pytest.raises(GraphCaptureError, match="DECODE or TARGET_VERIFY"):
@@ -800,15 +809,9 @@ def _gpu_case(case: Case) -> Case:
     return dataclasses.replace(case, **change)
 
 
-_GPU_CASES = [_gpu_case(c) for c in CASES if c.v_head_dim in (None, c.head_dim)]
-
-
 @needs_gpu
-@pytest.mark.parametrize("strategy", ["auto", "paged"])
-@pytest.mark.parametrize("case", _GPU_CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize(("case", "strategy"), _with_strategies([_gpu_case(c) for c in CASES]))
 def test_gpu_conformance_cases(case, strategy):
-    if case.mode.is_decode() and strategy == "paged":
-        pytest.skip("the extend strategy does not touch decode")
     cap = _gpu_capability()
     reasons = FlashInferBackend.validate(case.config(), cap)
     if reasons:
@@ -824,7 +827,7 @@ def test_gpu_conformance_cases(case, strategy):
 
 
 @needs_gpu
-@pytest.mark.parametrize("case", [_gpu_case(c) for c in (CASES[0], CASES[11])], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", [_gpu_case(_named(n)) for n in ("decode", "extend_prefix")], ids=lambda c: c.name)
 def test_gpu_save_kv_cache_false(case):
     cap = _gpu_capability()
     built = build(case, cap.torch_device)

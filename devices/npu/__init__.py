@@ -146,7 +146,7 @@ def _emulated_capability(why_no_npu: str) -> DeviceCapability:
         vendor="Huawei (emulated)",
         arch="emulated",
         memory_bytes=cpu_memory(),
-        dtypes=("fp32", "bf16"),
+        dtypes=("fp32", "bf16", "fp16"),  # the emulation computes every dtype in float32: fp16 costs nothing extra
         graph="eager_guard",
         triton_target=None,
         libraries={"torch": torch.__version__, "torch_npu": "", "cann": ""},
@@ -158,7 +158,6 @@ def _emulated_capability(why_no_npu: str) -> DeviceCapability:
                 "torch_npu ops run as plain-torch CPU code (hal.kernels.npu.emulation), tensors stay on the CPU; "
                 "fp32 is allowed here because the emulation computes it, although " + _HALF_ONLY
             ),
-            "fp16": "emulated on the CPU, which never runs fp16 (fp16 matmul there is ~1000x slower than fp32)",
             "npu_graph": "emulated: graphs run as hal's checked eager graph (eager_guard), not torch.npu.NPUGraph",
             "triton": "emulated: no Triton NPU target (triton-ascend needs an NPU); helper ops use torch",
         },

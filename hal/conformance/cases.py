@@ -2,30 +2,54 @@
 
 A :class:`Case` names a forward mode, the requests (cached prefix, new tokens) and the
 layer's shape and features. :func:`build` lays the requests out in a KV pool filled
-with noise, pages shuffled so that nothing works by accident, and returns everything a
-forward needs plus what the reference says it must produce.
+with noise (every layer different), pages shuffled so that nothing works by accident,
+and returns everything a forward needs plus what the float64 reference says it must
+produce, for the output and for the whole pool.
+
+:func:`check_cache` and :func:`check_output` compare a backend's result with that
+expectation and say what differs in the porter's terms: which layer and slots of the
+cache (a missing write, a wrong one, a write outside ``out_cache_loc``), which
+requests, positions and heads of the output, reference against got.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from hal.batch import ForwardBatch, ForwardMode, SpecInfo
-from hal.capability import resolve_device
+from hal.capability import DTYPE_NAMES, resolve_device
 from hal.config import AttentionConfig
 from hal.kernels import reference
 from hal.kernels.reference import tolerance
 from hal.kv_cache import PagedKVPool, ReqToTokenPool
 from hal.layer import AttentionLayer
 
-__all__ = ["Case", "Built", "CASES", "GRAPH_CASES", "build", "tolerance"]
+__all__ = [
+    "Case",
+    "Built",
+    "CASES",
+    "GRAPH_CASES",
+    "build",
+    "cases_for",
+    "check_cache",
+    "check_output",
+    "sub_batch",
+    "tolerance",
+]
 
 
 @dataclass(frozen=True)
 class Case:
-    """One conformance batch. ``requests``: ``(cached prefix, new tokens)`` per request."""
+    """One conformance batch. ``requests``: ``(cached prefix, new tokens)`` per request.
+
+    ``layer_num`` layers of pool, each with its own noise; the forward runs on layer
+    ``layer_id``. ``sweep``: run at every page size the backend declares (the other
+    cases run at their own page size, or the declared one nearest to it).
+    """
 
     name: str
     mode: ForwardMode
@@ -42,14 +66,58 @@ class Case:
     q_scale: float = 1.0  # larger queries make the logit cap matter
     blind_row: bool = False  # TARGET_VERIFY: each request's first draft token sees no key (outputs zeros)
     seed: int = 0
+    scaling: float | None = None  # None: head_dim ** -0.5
+    layer_num: int = 1
+    layer_id: int = 0
+    sweep: bool = False
 
-    def layer(self, layer_id: int = 0) -> AttentionLayer:
+    @property
+    def id(self) -> str:
+        return self.name
+
+    @property
+    def family(self) -> str:
+        """The feature this case is about, for coverage reports (the first that applies)."""
+        if self.attn_type != "decoder":
+            return "non_causal"
+        if self.sliding_window_size >= 0:
+            return "window"
+        if self.logit_cap > 0:
+            return "logit_cap"
+        if self.layer_num > 1:
+            return "multi_layer"
+        if self.scaling is not None:
+            return "scaling"
+        if self.v_head_dim not in (None, self.head_dim):
+            return "v_head_dim"
+        if (self.tp_q_head_num, self.tp_k_head_num) != (4, 2):
+            return "gqa"
+        if self.blind_row:
+            return "verify_tree"
+        if len(self.requests) == 1:
+            return "batch1"
+        if self.sweep:
+            return "page_boundaries"
+        return "paged" if self.page_size > 1 else "basic"
+
+    @property
+    def dtype_name(self) -> str:
+        return DTYPE_NAMES[self.dtype]
+
+    def at_page(self, page_size: int) -> Case:
+        """This case at another page size (named ``name@pageN``)."""
+        if page_size == self.page_size:
+            return self
+        return replace(self, page_size=page_size, name=f"{self.name.split('@')[0]}@page{page_size}")
+
+    def layer(self, layer_id: int | None = None) -> AttentionLayer:
         return AttentionLayer(
-            layer_id=layer_id,
+            layer_id=self.layer_id if layer_id is None else layer_id,
             tp_q_head_num=self.tp_q_head_num,
             tp_k_head_num=self.tp_k_head_num,
             head_dim=self.head_dim,
             v_head_dim=self.v_head_dim,
+            scaling=self.scaling,
             logit_cap=self.logit_cap,
             sliding_window_size=self.sliding_window_size,
             attn_type=self.attn_type,
@@ -70,10 +138,20 @@ class Case:
             graph=graph,
         )
 
+    def source(self) -> str:
+        """Python that rebuilds this case (``from hal.conformance.cases import *``): a reproducible example."""
+        args = [repr(self.name), f"ForwardMode.{self.mode.name}", repr(self.requests)]
+        for f in dataclasses.fields(self)[3:]:
+            value = getattr(self, f.name)
+            if value != f.default:
+                text = f"torch.{str(value).split('.')[-1]}" if isinstance(value, torch.dtype) else repr(value)
+                args.append(f"{f.name}={text}")
+        return f"Case({', '.join(args)})"
+
 
 @dataclass
 class Built:
-    """A built case: the batch, its inputs, and the expected output and cache."""
+    """A built case: the batch, its inputs, and the expected output and pool."""
 
     case: Case
     layer: AttentionLayer
@@ -81,10 +159,15 @@ class Built:
     q: torch.Tensor  # [T, Hq * D]
     k: torch.Tensor  # [T, Hkv * D]
     v: torch.Tensor  # [T, Hkv * Dv]
-    expected: torch.Tensor  # [T, Hq * Dv], from the reference
+    expected: torch.Tensor  # [T, Hq * Dv], from the float64 reference
     expected_k: torch.Tensor  # the layer's key buffer after a correct forward
     expected_v: torch.Tensor
     extra: dict = field(default_factory=dict)
+    expected_pool_k: list[torch.Tensor] = field(default_factory=list)  # every layer, after a correct forward
+    expected_pool_v: list[torch.Tensor] = field(default_factory=list)
+    initial_pool_k: list[torch.Tensor] = field(default_factory=list)  # every layer, before it
+    initial_pool_v: list[torch.Tensor] = field(default_factory=list)
+    token_origin: list[tuple[int, int]] = field(default_factory=list)  # per query token: (request, position)
 
 
 def _verify_mask(prefix: int, draft: int, gen: torch.Generator, blind_row: bool) -> torch.Tensor:
@@ -100,6 +183,7 @@ def _verify_mask(prefix: int, draft: int, gen: torch.Generator, blind_row: bool)
 def build(case: Case, device: torch.device | str = "cpu", layer_num: int = 1) -> Built:
     """Lay out ``case`` on ``device``: pools full of noise, shuffled pages, the batch and its expectation."""
     gen = torch.Generator().manual_seed(case.seed)
+    layer_num = max(layer_num, case.layer_num)
     layer = case.layer()
     ps, mode = case.page_size, case.mode
     verify = mode.is_target_verify()
@@ -108,17 +192,18 @@ def build(case: Case, device: torch.device | str = "cpu", layer_num: int = 1) ->
     num_pages = sum(pages_per_req) + 2
     kv_pool = PagedKVPool(num_pages, ps, layer_num, case.tp_k_head_num, case.head_dim, case.v_head_dim, case.dtype)
     for buf in kv_pool.k_buffer + kv_pool.v_buffer:
-        buf.copy_(torch.randn(buf.shape, generator=gen))  # noise everywhere: reading a wrong slot shows
+        buf.copy_(torch.randn(buf.shape, generator=gen))  # noise everywhere: reading a wrong slot or layer shows
     bs = len(case.requests)
     req_pool = ReqToTokenPool(bs + 3, max(totals) + 5)
     rows = torch.randperm(bs + 3, generator=gen)[:bs] + 1  # row 0 is the padding row
     pages = (torch.randperm(num_pages, generator=gen) + 1)[: sum(pages_per_req)].tolist()
-    loc, masks = [], []
+    loc, masks, origin = [], [], []
     for r, ((prefix, new), total) in enumerate(zip(case.requests, totals)):
         own, pages = pages[: pages_per_req[r]], pages[pages_per_req[r] :]
         slots = torch.tensor([own[i // ps] * ps + i % ps for i in range(total)])
         req_pool.write(int(rows[r]), 0, slots)
         loc.append(slots[prefix:])
+        origin += [(r, prefix + i) for i in range(new)]
         if verify:
             masks.append(_verify_mask(prefix, new, gen, case.blind_row))
     kw: dict = {}
@@ -151,21 +236,42 @@ def build(case: Case, device: torch.device | str = "cpu", layer_num: int = 1) ->
         token_to_kv_pool=kv_pool,
         **kw,
     )
-    tokens = fb.num_tokens
+    tokens = len(origin)
     q = (torch.randn(tokens, case.tp_q_head_num * case.head_dim, generator=gen) * case.q_scale).to(case.dtype)
     k = torch.randn(tokens, case.tp_k_head_num * case.head_dim, generator=gen).to(case.dtype)
     v = torch.randn(tokens, case.tp_k_head_num * layer.v_head_dim, generator=gen).to(case.dtype)
 
-    expected_k, expected_v = kv_pool.k_buffer[0].clone(), kv_pool.v_buffer[0].clone()
+    initial_k = [b.clone() for b in kv_pool.k_buffer]
+    initial_v = [b.clone() for b in kv_pool.v_buffer]
+    expected_pool_k = [b.clone() for b in initial_k]
+    expected_pool_v = [b.clone() for b in initial_v]
+    lid = layer.layer_id
     reference.write_kv(
-        expected_k,
-        expected_v,
+        expected_pool_k[lid],
+        expected_pool_v[lid],
         fb.out_cache_loc,
         k.view(tokens, case.tp_k_head_num, -1),
         v.view(tokens, case.tp_k_head_num, -1),
     )
-    expected = reference.batch_attention(q, expected_k, expected_v, layer, fb)
-    built = Built(case, layer, fb, q, k, v, expected, expected_k, expected_v)
+    expected = reference.batch_attention(
+        q, expected_pool_k[lid], expected_pool_v[lid], layer, fb, acc_dtype=torch.float64
+    )
+    built = Built(
+        case,
+        layer,
+        fb,
+        q,
+        k,
+        v,
+        expected,
+        expected_pool_k[lid],
+        expected_pool_v[lid],
+        expected_pool_k=expected_pool_k,
+        expected_pool_v=expected_pool_v,
+        initial_pool_k=initial_k,
+        initial_pool_v=initial_v,
+        token_origin=origin,
+    )
     return to_device(built, torch.device(device)) if torch.device(device).type != "cpu" else built
 
 
@@ -185,7 +291,6 @@ def to_device(built: Built, device: torch.device) -> Built:
             "out_cache_loc",
             "extend_prefix_lens",
             "extend_seq_lens",
-            "extend_start_loc",
             "positions",
         )
         if getattr(fb, name) is not None
@@ -201,8 +306,12 @@ def to_device(built: Built, device: torch.device) -> Built:
         extend_seq_lens_cpu=fb.extend_seq_lens_cpu,
         extend_prefix_lens_cpu=fb.extend_prefix_lens_cpu,
         validate="full",
-        **{**{k: v for k, v in moved.items() if k not in ("extend_start_loc",)}},
+        **moved,
     )
+
+    def move(ts):
+        return [t.to(device) for t in ts]
+
     return replace(
         built,
         batch=fb,
@@ -212,14 +321,231 @@ def to_device(built: Built, device: torch.device) -> Built:
         expected=built.expected.to(device),
         expected_k=built.expected_k.to(device),
         expected_v=built.expected_v.to(device),
+        expected_pool_k=move(built.expected_pool_k),
+        expected_pool_v=move(built.expected_pool_v),
+        initial_pool_k=move(built.initial_pool_k),
+        initial_pool_v=move(built.initial_pool_v),
+    )
+
+
+def sub_batch(built: Built, requests: list[int]):
+    """A batch of some of ``built``'s requests (a DECODE or TARGET_VERIFY case) over the same pools.
+
+    Returns ``(fb, q, k, v, tokens)``; ``tokens`` are the rows of ``built``'s inputs it takes.
+    """
+    fb = built.batch
+    device = fb.req_pool_indices.device
+    tokens = [t for r in requests for t, (req, _) in enumerate(built.token_origin) if req == r]
+    idx = torch.tensor(requests, dtype=torch.long, device=device)
+    rows = torch.tensor(tokens, dtype=torch.long, device=device)
+    kw: dict = {}
+    if fb.forward_mode.is_target_verify():
+        draft = fb.spec_info.draft_token_num
+        sizes = [draft * (int(n) + draft) for n in fb.seq_lens_cpu.tolist()]
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        mask = fb.spec_info.custom_mask
+        kw["spec_info"] = SpecInfo(draft, torch.cat([mask[starts[r] : starts[r] + sizes[r]] for r in requests]))
+    sub = ForwardBatch(
+        forward_mode=fb.forward_mode,
+        batch_size=len(requests),
+        req_pool_indices=fb.req_pool_indices[idx],
+        seq_lens=fb.seq_lens[idx],
+        out_cache_loc=fb.out_cache_loc[rows],
+        req_to_token_pool=fb.req_to_token_pool,
+        token_to_kv_pool=fb.token_to_kv_pool,
+        seq_lens_cpu=fb.seq_lens_cpu[idx.cpu()],
+        validate="full",
+        **kw,
+    )
+    return sub, built.q[rows], built.k[rows], built.v[rows], tokens
+
+
+# ----------------------------------------------------------------------------- page sizes
+
+
+def _nearest(page_size: int, declared) -> int:
+    return min(sorted(declared), key=lambda p: abs(math.log2(p) - math.log2(page_size)))
+
+
+def cases_for(backend_cls, cases) -> list[Case]:
+    """``cases`` at the page sizes ``backend_cls`` declares.
+
+    A case runs at its own page size when the backend takes it, else at the declared
+    size nearest to it; sweep cases run at every declared size. A backend that takes
+    any power of two (``page_sizes = None``) runs every case at its own size. Cases
+    that end up identical but for their names run once.
+    """
+    declared = getattr(backend_cls, "page_sizes", None)
+    out, seen = [], set()
+    for case in cases:
+        if declared is None:
+            sizes = [case.page_size]
+        elif case.sweep:
+            sizes = sorted(declared)
+        else:
+            sizes = [case.page_size if case.page_size in declared else _nearest(case.page_size, declared)]
+        for ps in sizes:
+            moved = case.at_page(ps)
+            key = replace(moved, name="")
+            if key not in seen:
+                seen.add(key)
+                out.append(moved)
+    return out
+
+
+# ----------------------------------------------------------------------------- diagnostics
+
+
+def _ranges(values: list[int]) -> str:
+    values = sorted(set(values))
+    parts, i = [], 0
+    while i < len(values):
+        j = i
+        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
+            j += 1
+        parts.append(str(values[i]) if i == j else f"{values[i]}..{values[j]}")
+        i = j + 1
+    return ", ".join(parts)
+
+
+def _fmt(t: torch.Tensor, n: int = 4) -> str:
+    vals = [f"{x:.4g}" for x in t.flatten()[:n].tolist()]
+    return "[" + ", ".join(vals) + (", ...]" if t.numel() > n else "]")
+
+
+def _differs(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Per slot: whether any element differs (NaN equals NaN)."""
+    diff = (got != want) & ~(torch.isnan(got) & torch.isnan(want))
+    return diff.flatten(1).any(1)
+
+
+def check_cache(
+    built: Built, pool=None, layers: list[int] | None = None, skip_padding_page: bool = False
+) -> str | None:
+    """None when every layer's K and V buffers equal the expectation, else what differs and how.
+
+    It tells a missing KV write (a slot of ``out_cache_loc`` still holds its old value)
+    from a wrong one, and both from a write outside ``out_cache_loc``.
+    """
+    pool = pool if pool is not None else built.batch.token_to_kv_pool
+    loc = built.batch.out_cache_loc.cpu().long().tolist()
+    slot_token = {s: i for i, s in enumerate(loc)}
+    first = pool.page_size if skip_padding_page else 0
+    problems = []
+    for name, got_list, want_list, init_list in (
+        ("K", pool.k_buffer, built.expected_pool_k, built.initial_pool_k),
+        ("V", pool.v_buffer, built.expected_pool_v, built.initial_pool_v),
+    ):
+        for lid, (got, want, init) in enumerate(zip(got_list, want_list, init_list)):
+            if layers is not None and lid not in layers:
+                continue
+            bad = _differs(got[first:].cpu(), want[first:].cpu()).nonzero().flatten().add(first).tolist()
+            if not bad:
+                continue
+            ours = [s for s in bad if s in slot_token]
+            missing = [s for s in ours if not bool(_differs(got[s : s + 1].cpu(), init[s : s + 1].cpu()).any())]
+            wrong = [s for s in ours if s not in missing]
+            outside = [s for s in bad if s not in slot_token]
+
+            def where(slots):
+                toks = [slot_token[s] for s in slots[:6]]
+                return ", ".join(
+                    f"slot {s} (request {built.token_origin[t][0]} position {built.token_origin[t][1]})"
+                    for s, t in zip(slots, toks)
+                ) + (" ..." if len(slots) > 6 else "")
+
+            if missing:
+                problems.append(
+                    f"{name} cache of layer {lid}: the new tokens were not written at {len(missing)} slot(s) of "
+                    f"out_cache_loc: {where(missing)} (a missing KV write, or a write to another layer)"
+                )
+            if wrong:
+                s = wrong[0]
+                problems.append(
+                    f"{name} cache of layer {lid}: wrong values written at {len(wrong)} slot(s) of out_cache_loc: "
+                    f"{where(wrong)}; slot {s}: expected {_fmt(want[s].float())} got {_fmt(got[s].float())}"
+                )
+            if outside:
+                problems.append(
+                    f"{name} cache of layer {lid}: {len(outside)} slot(s) outside out_cache_loc changed: "
+                    f"{_ranges(outside)[:200]} (only the batch's new tokens may be written; "
+                    f"save_kv_cache=False writes nothing)"
+                )
+    if not problems:
+        return None
+    return "KV cache differs from the expected writes (checked before the output):\n  " + "\n  ".join(problems)
+
+
+def check_output(built: Built, out: torch.Tensor, expected: torch.Tensor | None = None, rows=None) -> str | None:
+    """None when ``out`` matches the reference within the dtype's tolerance, else where and how it differs.
+
+    ``rows``: the requests ``out``'s rows belong to, when it covers a subset (a graph replay).
+    """
+    expected = built.expected if expected is None else expected
+    layer, case = built.layer, built.case
+    if tuple(out.shape) != tuple(expected.shape):
+        return f"output shape {tuple(out.shape)} != expected {tuple(expected.shape)} ([tokens, q_heads * v_head_dim])"
+    if out.dtype != built.q.dtype:
+        return f"output dtype {out.dtype} != q dtype {built.q.dtype}"
+    tol = tolerance(case.dtype)
+    got, want = out.detach().double().cpu(), expected.double().cpu()
+    close = torch.isclose(got, want, equal_nan=True, **tol)
+    if bool(close.all()):
+        return None
+    tokens = got.shape[0]
+    heads, dv = layer.tp_q_head_num, layer.v_head_dim
+    bad = ~close.view(tokens, heads, dv)
+    bad_th = bad.any(-1)
+    origin = [built.token_origin[i] for i in rows] if rows is not None else built.token_origin
+    per_request: dict[int, list[int]] = {}
+    for t in bad_th.any(1).nonzero().flatten().tolist():
+        r, pos = origin[t]
+        per_request.setdefault(r, []).append(pos)
+    bad_heads = bad_th.any(0).nonzero().flatten().tolist()
+    lines = [
+        f"attention output differs from the float64 reference in {int(bad.sum())} of {bad.numel()} elements "
+        f"(atol {tol['atol']}, rtol {tol['rtol']}); the KV cache was right",
+        "  requests (prefix, new) -> query positions that differ: "
+        + "; ".join(
+            f"request {r} {case.requests[r] if r < len(case.requests) else ''}: positions {_ranges(p)}"
+            for r, p in sorted(per_request.items())
+        ),
+        f"  q heads that differ: {_ranges(bad_heads)} of {heads} (kv head of q head h: h // {layer.group_size})",
+    ]
+    for t, h in bad_th.nonzero().tolist()[:4]:
+        r, pos = origin[t]
+        lines.append(
+            f"  request {r} position {pos} head {h}: reference {_fmt(want[t].view(heads, dv)[h])} "
+            f"got {_fmt(got[t].view(heads, dv)[h])}"
+        )
+    return "\n".join(lines)
+
+
+def describe(case: Case) -> str:
+    """One line about a case, for failure messages."""
+    window = f" window {case.sliding_window_size}" if case.sliding_window_size >= 0 else ""
+    cap = f" cap {case.logit_cap}" if case.logit_cap else ""
+    layers = f" layer {case.layer_id} of {case.layer_num}" if case.layer_num > 1 else ""
+    return (
+        f"{case.id}: {case.mode.name} {case.dtype_name} page {case.page_size}, heads {case.tp_q_head_num}/"
+        f"{case.tp_k_head_num}, head_dim {case.head_dim}/{case.v_head_dim or case.head_dim}{window}{cap}"
+        f"{' non-causal' if case.attn_type != 'decoder' else ''}{layers}, requests (prefix, new) {case.requests}"
     )
 
 
 D, E, M, V = ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY
+X = ForwardMode.DRAFT_EXTEND
 _DECODE = ((0, 1), (5, 1), (17, 1), (33, 1))
 _EXTEND = ((9, 5), (0, 3), (20, 11))
 _MIXED = ((12, 1), (0, 9), (7, 6), (30, 1))
 _VERIFY = ((10, 4), (3, 4), (25, 4))
+_P128_DECODE = ((0, 1), (130, 1), (260, 1), (5, 1))
+_P128_EXTEND = ((130, 5), (0, 20), (200, 12))
+# KV lengths at exact multiples of 16 (and of 1, 2, 4, 8) next to lengths across a boundary
+_EXACT_DECODE = ((15, 1), (31, 1), (47, 1), (0, 1))
+_EXACT_EXTEND = ((16, 16), (0, 16), (31, 1), (40, 8))
+_EXACT_MIXED = ((15, 1), (16, 16), (0, 32), (31, 1))
+_EXACT_VERIFY = ((12, 4), (28, 4))
 
 CASES: tuple[Case, ...] = (
     Case("decode", D, _DECODE),
@@ -229,36 +555,71 @@ CASES: tuple[Case, ...] = (
     Case("decode_mqa", D, _DECODE, tp_q_head_num=4, tp_k_head_num=1),
     Case("decode_mha", D, _DECODE, tp_q_head_num=2, tp_k_head_num=2),
     Case("decode_gqa8", D, _DECODE, tp_q_head_num=8, tp_k_head_num=2),
+    Case("decode_gqa3", D, _DECODE, tp_q_head_num=6, tp_k_head_num=2),
     Case("decode_head_dim_80", D, _DECODE, head_dim=80),
     Case("decode_sliding_window", D, _DECODE, sliding_window_size=8),
     Case("decode_logit_cap", D, _DECODE, logit_cap=5.0, q_scale=8.0),
+    Case("decode_v_head_dim", D, _DECODE, v_head_dim=32),
+    Case("decode_scaling", D, _DECODE, scaling=0.3),
+    Case("decode_batch1", D, ((20, 1),)),
+    Case("decode_page16_exact", D, _EXACT_DECODE, page_size=16),
+    Case("decode_multi_layer", D, _DECODE, layer_num=3, layer_id=1),
     Case("extend_no_prefix", E, ((0, 7), (0, 12), (0, 1))),
     Case("extend_prefix", E, _EXTEND),
     Case("extend_prefix_bf16", E, _EXTEND, dtype=torch.bfloat16),
     Case("extend_prefix_page16", E, _EXTEND, page_size=16),
     Case("extend_page4", E, _EXTEND, page_size=4),
     Case("extend_mqa", E, _EXTEND, tp_k_head_num=1),
+    Case("extend_gqa3", E, _EXTEND, tp_q_head_num=6, tp_k_head_num=2),
     Case("extend_sliding_window", E, _EXTEND, sliding_window_size=6),
     Case("extend_logit_cap", E, _EXTEND, logit_cap=5.0, q_scale=8.0),
     Case("extend_non_causal", E, ((0, 7), (0, 12)), attn_type="encoder_only"),
     Case("extend_v_head_dim", E, _EXTEND, v_head_dim=32),
+    Case("extend_scaling", E, _EXTEND, scaling=0.3),
+    Case("extend_batch1", E, ((9, 5),)),
+    Case("extend_page16_exact", E, _EXACT_EXTEND, page_size=16),
+    Case("extend_multi_layer", E, _EXTEND, layer_num=3, layer_id=2),
     Case("mixed", M, _MIXED),
     Case("mixed_page16", M, _MIXED, page_size=16),
     Case("mixed_bf16", M, _MIXED, dtype=torch.bfloat16),
-    Case("draft_extend", ForwardMode.DRAFT_EXTEND, ((6, 3), (11, 3))),
+    Case("mixed_sliding_window", M, _MIXED, sliding_window_size=5),
+    Case("mixed_logit_cap", M, _MIXED, logit_cap=5.0, q_scale=8.0),
+    Case("mixed_non_causal", M, _MIXED, attn_type="encoder_only"),
+    Case("mixed_mqa", M, _MIXED, tp_q_head_num=8, tp_k_head_num=1),
+    Case("mixed_mha", M, _MIXED, tp_q_head_num=2, tp_k_head_num=2),
+    Case("mixed_gqa3", M, _MIXED, tp_q_head_num=6, tp_k_head_num=2),
+    Case("mixed_scaling", M, _MIXED, scaling=0.3),
+    Case("mixed_batch1", M, ((7, 6),)),
+    Case("mixed_page16_exact", M, _EXACT_MIXED, page_size=16),
+    Case("mixed_multi_layer", M, _MIXED, layer_num=2, layer_id=1),
+    Case("draft_extend", X, ((6, 3), (11, 3))),
+    Case("draft_extend_batch1", X, ((13, 3),)),
+    Case("draft_extend_sliding_window", X, ((6, 3), (11, 3)), sliding_window_size=4),
     Case("verify", V, _VERIFY),
     Case("verify_page16_bf16", V, _VERIFY, page_size=16, dtype=torch.bfloat16),
     Case("verify_sliding_window", V, _VERIFY, sliding_window_size=7),
-    # fp16: accelerators only (hal never runs fp16 on a CPU)
+    Case("verify_logit_cap", V, _VERIFY, logit_cap=5.0, q_scale=8.0),
+    Case("verify_mqa", V, _VERIFY, tp_q_head_num=4, tp_k_head_num=1),
+    Case("verify_scaling", V, _VERIFY, scaling=0.3),
+    Case("verify_batch1", V, ((10, 4),)),
+    Case("verify_page16_exact", V, _EXACT_VERIFY, page_size=16),
+    Case("verify_multi_layer", V, _VERIFY, layer_num=2, layer_id=1),
+    # fp16: accelerators (and emulations that compute it); at page 16 too, where paged-only kernels run it
     Case("decode_fp16", D, _DECODE, dtype=torch.float16),
+    Case("decode_fp16_page16", D, _EXACT_DECODE, dtype=torch.float16, page_size=16),
     Case("extend_prefix_fp16", E, _EXTEND, dtype=torch.float16, page_size=16),
     Case("mixed_fp16", M, _MIXED, dtype=torch.float16),
+    Case("mixed_fp16_page16", M, _EXACT_MIXED, dtype=torch.float16, page_size=16),
     Case("verify_fp16", V, _VERIFY, dtype=torch.float16),
+    Case("verify_fp16_page16", V, _EXACT_VERIFY, dtype=torch.float16, page_size=16),
+    Case("draft_extend_fp16_page16", X, ((6, 3), (29, 3)), dtype=torch.float16, page_size=16),
     # 128-token pages (Ascend's default block size): requests cross page boundaries
-    Case("decode_page128", D, ((0, 1), (130, 1), (260, 1), (5, 1)), page_size=128),
-    Case("decode_page128_bf16", D, ((0, 1), (130, 1), (260, 1), (5, 1)), page_size=128, dtype=torch.bfloat16),
-    Case("extend_prefix_page128", E, ((130, 5), (0, 20), (200, 12)), page_size=128),
-    Case("extend_prefix_page128_bf16", E, ((130, 5), (0, 20), (200, 12)), page_size=128, dtype=torch.bfloat16),
+    Case("decode_page128", D, _P128_DECODE, page_size=128),
+    Case("decode_page128_bf16", D, _P128_DECODE, page_size=128, dtype=torch.bfloat16),
+    # long contexts in bf16: a sum kept in bf16 (softmax denominator, output) stalls there
+    Case("decode_long_bf16", D, ((1000, 1), (700, 1), (300, 1)), page_size=16, dtype=torch.bfloat16, q_scale=2.0),
+    Case("extend_prefix_page128", E, _P128_EXTEND, page_size=128),
+    Case("extend_prefix_page128_bf16", E, _P128_EXTEND, page_size=128, dtype=torch.bfloat16),
     Case("mixed_page128", M, ((140, 1), (0, 30), (129, 9), (3, 1)), page_size=128),
     Case("mixed_page128_bf16", M, ((140, 1), (0, 30), (129, 9), (3, 1)), page_size=128, dtype=torch.bfloat16),
     Case("verify_page128", V, ((130, 4), (3, 4)), page_size=128),
@@ -267,20 +628,30 @@ CASES: tuple[Case, ...] = (
     Case("decode_gqa8_page128", D, ((0, 1), (130, 1), (260, 1)), tp_q_head_num=8, page_size=128),
     Case("decode_sliding_window_page16", D, _DECODE, sliding_window_size=8, page_size=16),
     Case("extend_no_prefix_page128", E, ((0, 7), (0, 140), (0, 1)), page_size=128),
-    Case("extend_sliding_window_page128", E, ((130, 5), (0, 20), (200, 12)), sliding_window_size=6, page_size=128),
+    Case("extend_sliding_window_page128", E, _P128_EXTEND, sliding_window_size=6, page_size=128),
     Case("extend_non_causal_page16", E, ((0, 7), (0, 12)), attn_type="encoder_only", page_size=16),
     Case("extend_non_causal_page128", E, ((0, 7), (0, 130)), attn_type="encoder_only", page_size=128),
-    Case("draft_extend_page128", ForwardMode.DRAFT_EXTEND, ((130, 3), (11, 3)), page_size=128),
+    Case("draft_extend_page128", X, ((130, 3), (11, 3)), page_size=128),
     Case("mixed_page16_bf16", M, _MIXED, page_size=16, dtype=torch.bfloat16),
+    Case("mixed_sliding_window_page16", M, _EXACT_MIXED, sliding_window_size=9, page_size=16),
     Case("verify_sliding_window_page16", V, _VERIFY, sliding_window_size=7, page_size=16),
     Case("verify_blind_row_page16", V, _VERIFY, page_size=16, blind_row=True),
+    # run at every page size the backend declares: KV lengths at and across 16/32/64/128 boundaries
+    Case("decode_pages", D, ((15, 1), (63, 1), (128, 1), (0, 1), (31, 1)), sweep=True),
+    Case("extend_pages", E, ((16, 16), (0, 64), (100, 29)), sweep=True),
+    Case("mixed_pages", M, ((31, 1), (0, 16), (64, 64), (127, 1)), sweep=True),
+    Case("verify_pages", V, ((12, 4), (60, 4)), sweep=True),
+    Case("draft_extend_pages", X, ((13, 3), (125, 3)), sweep=True),
 )
 
+# Graph cases: DECODE or TARGET_VERIFY batches; the graph test replays several
+# different sub-batches of them in a row (see GRAPH_REPLAYS), so state kept from a previous replay shows.
 GRAPH_CASES: tuple[Case, ...] = (
     Case("graph_decode", D, ((3, 1), (20, 1), (9, 1))),
-    Case("graph_decode_page128", D, ((3, 1), (200, 1)), page_size=128),
+    Case("graph_decode_page128", D, ((3, 1), (200, 1), (127, 1)), page_size=128),
     Case("graph_decode_fp16", D, ((3, 1), (20, 1), (9, 1)), dtype=torch.float16),
-    Case("graph_decode_page16_window", D, ((3, 1), (20, 1), (9, 1)), page_size=16, sliding_window_size=6),
+    Case("graph_decode_fp16_page16", D, ((3, 1), (20, 1), (15, 1), (40, 1)), dtype=torch.float16, page_size=16),
+    Case("graph_decode_page16_window", D, ((3, 1), (20, 1), (9, 1), (31, 1)), page_size=16, sliding_window_size=6),
     Case(
         "graph_decode_page16_bf16",
         D,
@@ -288,20 +659,16 @@ GRAPH_CASES: tuple[Case, ...] = (
         page_size=16,
         dtype=torch.bfloat16,
     ),
+    Case("graph_decode_multi_layer", D, ((3, 1), (20, 1), (15, 1), (33, 1)), page_size=16, layer_num=2),
+    Case("graph_decode_pages", D, ((15, 1), (63, 1), (2, 1), (40, 1)), sweep=True),
     # TARGET_VERIFY at a fixed draft count (SGLang captures verify under speculative decoding)
-    Case("graph_verify", ForwardMode.TARGET_VERIFY, ((3, 4), (20, 4), (9, 4))),
-    Case(
-        "graph_verify_page16_bf16",
-        ForwardMode.TARGET_VERIFY,
-        ((3, 3), (40, 3), (17, 3)),
-        page_size=16,
-        dtype=torch.bfloat16,
-    ),
-    Case(
-        "graph_verify_page128_window",
-        ForwardMode.TARGET_VERIFY,
-        ((130, 4), (3, 4)),
-        page_size=128,
-        sliding_window_size=5,
-    ),
+    Case("graph_verify", V, ((3, 4), (20, 4), (9, 4))),
+    Case("graph_verify_page16_bf16", V, ((3, 3), (40, 3), (17, 3)), page_size=16, dtype=torch.bfloat16),
+    Case("graph_verify_page128_window", V, ((130, 4), (3, 4)), page_size=128, sliding_window_size=5),
 )
+
+
+def graph_replays(num_requests: int) -> list[list[int]]:
+    """The sub-batches a graph test replays in order: same padded size with other lengths back to back."""
+    every = list(range(num_requests))
+    return [every, every[::-1], [num_requests - 1], every[:2]]

@@ -1,4 +1,9 @@
-"""pytest plugin: parametrizes the conformance tests over the available (device, backend) pairs."""
+"""pytest plugin: parametrizes the conformance tests over the available (device, backend) pairs.
+
+Tests marked ``hal_cases("forward" | "graph")`` are parametrized over the cases at the
+page sizes each backend declares (``cases_for``); every item carries, in its
+``user_properties``, the case record ``hal check`` reports (id, family, mode, page size, dtype).
+"""
 
 from __future__ import annotations
 
@@ -41,10 +46,26 @@ def available_targets(devices: list[str] | None = None, backends: list[str] | No
     return targets
 
 
+def _case_lists():
+    from hal.conformance.cases import CASES, GRAPH_CASES
+
+    return {"forward": CASES, "graph": GRAPH_CASES}
+
+
 def pytest_addoption(parser):
     group = parser.getgroup("hal", "hal conformance suite")
     group.addoption("--hal-device", action="append", default=[], help="only this device (repeatable)")
     group.addoption("--hal-backend", action="append", default=[], help="only this backend (repeatable)")
+    group.addoption(
+        "--hal-family", action="append", default=[], help="only this feature family (repeatable; see hal check)"
+    )
+    group.addoption("--hal-fuzz", type=int, default=0, help="random batches per backend (0: no fuzzing)")
+    group.addoption("--hal-seed", type=int, default=0, help="seed of the random batches")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "hal_cases(kind): parametrize over the conformance cases of kind")
+    config.addinivalue_line("markers", "hal_family(name): the feature family a conformance test covers")
 
 
 def pytest_generate_tests(metafunc):
@@ -56,4 +77,66 @@ def pytest_generate_tests(metafunc):
     if not targets:
         wanted = f"device {devices or 'any'}, backend {backends or 'any'}"
         pytest.fail(f"no available (device, backend) matches {wanted}: see `hal info`", pytrace=False)
-    metafunc.parametrize("hal_target", targets, ids=[t.id for t in targets])
+    marker = metafunc.definition.get_closest_marker("hal_cases")
+    if marker is None or "hal_case" not in metafunc.fixturenames:
+        metafunc.parametrize("hal_target", targets, ids=[t.id for t in targets])
+        return
+    from hal.conformance.cases import cases_for
+
+    cases = _case_lists()[marker.args[0]]
+    pairs = [(t, c) for t in targets for c in cases_for(t.backend, cases)]
+    metafunc.parametrize(("hal_target", "hal_case"), pairs, ids=[f"{t.id}-{c.id}" for t, c in pairs])
+
+
+def case_record(item) -> dict | None:
+    """What ``hal check`` reports about a conformance item: id, family, mode, page_size, dtype."""
+    callspec = getattr(item, "callspec", None)
+    if callspec is None or "hal_target" not in callspec.params:
+        return None
+    params = callspec.params
+    name = item.originalname or item.name.split("[")[0]
+    case = params.get("hal_case")
+    cases_marker = item.get_closest_marker("hal_cases")
+    family_marker = item.get_closest_marker("hal_family")
+    if case is not None:
+        kind = cases_marker.args[0] if cases_marker else "forward"
+        return {
+            "id": f"{kind}:{case.id}",
+            "family": "graph" if kind == "graph" else case.family,
+            "mode": case.mode.name,
+            "page_size": case.page_size,
+            "dtype": case.dtype_name,
+            "test": name,
+        }
+    rest = [getattr(v, "name", str(v)) for k, v in sorted(params.items()) if k != "hal_target"]
+    mode = params.get("mode")
+    family = family_marker.args[0] if family_marker else name.removeprefix("test_")
+    if mode is not None:
+        mode_name = mode.name
+    else:
+        mode_name = "ANY" if family == "fuzz" else "IDLE" if "idle" in name else "DECODE"
+    return {
+        "id": ":".join([name.removeprefix("test_"), *rest]),
+        "family": family,
+        "mode": mode_name,
+        "page_size": None,
+        "dtype": None,
+        "test": name,
+    }
+
+
+def pytest_collection_modifyitems(config, items):
+    families = set(config.getoption("hal_family"))
+    fuzz = config.getoption("hal_fuzz")
+    keep, drop = [], []
+    for item in items:
+        record = case_record(item)
+        if record is not None:
+            item.user_properties.append(("hal_case", record))
+            if (record["family"] == "fuzz" and not fuzz) or (families and record["family"] not in families):
+                drop.append(item)
+                continue
+        keep.append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep

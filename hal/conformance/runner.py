@@ -1,59 +1,220 @@
-"""``hal check``: run the conformance suite here and count results per (device, backend)."""
+"""``hal check``: run the conformance suite here and report per (device, backend) what ran.
+
+Each result carries the machine, the library versions and one record per case
+(``id, family, mode, page_size, dtype, outcome, reason``), the schema ``hal report``
+merges. A backend that ran no case, or that ran no case of a mode it claims, fails.
+"""
 
 from __future__ import annotations
 
 import io
+import platform
+import socket
 from collections import defaultdict
 from contextlib import redirect_stdout
 
 import pytest
 
+CLAIMED_MODES = ("DECODE", "EXTEND", "MIXED", "DRAFT_EXTEND", "TARGET_VERIFY")
+
+
+def machine() -> dict:
+    from hal.capability import _cpu_name
+
+    return {"hostname": socket.gethostname(), "platform": platform.platform(), "cpu": _cpu_name()}
+
+
+def versions() -> dict:
+    import torch
+
+    import hal
+    from hal.capability import library_version
+
+    return {
+        "hal": hal.__version__,
+        "torch": torch.__version__,
+        "triton": library_version("triton"),
+        "flashinfer": library_version("flashinfer-python") or library_version("flashinfer"),
+        "torch_npu": library_version("torch-npu"),
+    }
+
+
+def _reason(report) -> str:
+    if hasattr(report, "wasxfail"):
+        return f"xfail: {report.wasxfail}"
+    longrepr = report.longrepr
+    if report.skipped and isinstance(longrepr, tuple):
+        return str(longrepr[2]).removeprefix("Skipped: ")
+    crash = getattr(longrepr, "reprcrash", None)
+    text = crash.message if crash is not None else str(longrepr)
+    lines = []
+    for line in text.splitlines():
+        if line.startswith("assert ") and lines:  # pytest's rewrite of `assert problem is None`
+            break
+        lines.append(line)
+    return "\n".join(lines).removeprefix("AssertionError: ")
+
 
 class _Collector:
     def __init__(self):
-        self.counts = defaultdict(lambda: {"passed": 0, "failed": 0, "skipped": 0})
-        self.failures: dict[str, list[str]] = defaultdict(list)
-        self.errors: list[str] = []
+        self.records: dict[str, dict] = {}
         self.targets: dict[str, tuple[str, str]] = {}
+        self.target_objs: dict[tuple[str, str], object] = {}
+        self.errors: list[str] = []
 
     def pytest_collection_modifyitems(self, items):
         for item in items:
             target = getattr(item, "callspec", None) and item.callspec.params.get("hal_target")
             if target is not None:
-                self.targets[item.nodeid] = (target.device.name, target.backend.name)
+                key = (target.device.name, target.backend.name)
+                self.targets[item.nodeid] = key
+                self.target_objs[key] = target
 
     def pytest_runtest_logreport(self, report):
-        if report.when != "call" and not (report.failed or report.skipped):
+        key = self.targets.get(report.nodeid)
+        if key is None:
             return
-        key = self.targets.get(report.nodeid, ("?", "?"))
-        outcome = "failed" if report.failed else report.outcome
-        self.counts[key][outcome] += 1
+        props = dict(report.user_properties)
+        record = self.records.get(report.nodeid)
+        if record is None:
+            base = props.get("hal_case") or {"id": report.nodeid, "family": "?", "mode": "?"}
+            record = {k: base.get(k) for k in ("id", "family", "mode", "page_size", "dtype")}
+            record.update(outcome=None, reason="", key=key)
+            self.records[report.nodeid] = record
+        detail = props.get("hal_case_detail")
+        if detail:
+            record["page_size"], record["dtype"] = detail["page_size"], detail["dtype"]
+            record["id"] = f"{record['id']}@{detail['case']}"
         if report.failed:
-            self.failures[key].append(f"{report.nodeid}: {str(report.longrepr).splitlines()[-1]}")
+            record["outcome"], record["reason"] = "failed", _reason(report)
+        elif report.skipped and record["outcome"] != "failed":
+            record["outcome"], record["reason"] = "skipped", _reason(report)
+        elif report.when == "call" and report.passed and record["outcome"] is None:
+            record["outcome"] = "passed"
 
     def pytest_collectreport(self, report):
         if report.failed:
             self.errors.append(str(report.longrepr))
 
 
-def run_check(devices: list[str], backends: list[str], verbose: bool = False) -> dict:
-    """Run ``hal.conformance.suite``; returns ``{results: [...], exit_code, errors}``."""
+def _coverage_failures(target, cases: list[dict]) -> list[dict]:
+    """A backend that ran nothing, or no case of a mode (or graph) it claims, fails."""
+    ran = [c for c in cases if c["outcome"] in ("passed", "failed")]
+    problems = []
+    if not ran:
+        skipped = [c["reason"] for c in cases if c["outcome"] == "skipped"]
+        why = f"; e.g. {skipped[0]}" if skipped else ""
+        problems.append(("ANY", f"ran no case at all ({len(skipped)} skipped){why}"))
+    else:
+        backend, cap = target.backend, target.capability
+        claimed = [m for m in CLAIMED_MODES if m != "TARGET_VERIFY" or backend.supports_custom_mask]
+        forward = [c for c in cases if c["id"].startswith("forward:")]
+        for mode in claimed:
+            if not any(c["mode"] == mode and c["outcome"] in ("passed", "failed") for c in forward):
+                reasons = sorted({c["reason"] for c in forward if c["mode"] == mode})[:2]
+                problems.append((mode, f"claims {mode} but ran no {mode} case: {'; '.join(reasons) or 'none'}"))
+        if backend.supports_graph and cap.graph:
+            if not any(c["family"] == "graph" and c["outcome"] in ("passed", "failed") for c in cases):
+                problems.append(("DECODE", "claims graph capture but ran no graph case"))
+    return [
+        {"id": f"coverage:{mode}", "family": "coverage", "mode": mode, "page_size": None, "dtype": None}
+        | {"outcome": "failed", "reason": why}
+        for mode, why in problems
+    ]
+
+
+def summarize(cases: list[dict]) -> dict:
+    """``{mode: {family: {passed, failed, skipped}}}``."""
+    table: dict = defaultdict(lambda: defaultdict(lambda: {"passed": 0, "failed": 0, "skipped": 0}))
+    for c in cases:
+        table[c["mode"]][c["family"]][c["outcome"]] += 1
+    return {m: dict(f) for m, f in table.items()}
+
+
+def run_check(
+    devices: list[str],
+    backends: list[str],
+    verbose: bool = False,
+    fuzz: int = 0,
+    seed: int = 0,
+    families: list[str] | tuple = (),
+    extra_args: list[str] | tuple = (),
+    plugins: list | tuple = (),
+) -> dict:
+    """Run ``hal.conformance.suite``; returns ``{results: [...], exit_code, errors, log}``."""
     args = ["--pyargs", "hal.conformance.suite", "-p", "no:cacheprovider", "-q" if not verbose else "-v"]
+    args += ["-W", "ignore::pytest.PytestUnknownMarkWarning"]
     for d in devices:
         args += ["--hal-device", d]
     for b in backends:
         args += ["--hal-backend", b]
+    for f in families:
+        args += ["--hal-family", f]
+    if fuzz:
+        args += ["--hal-fuzz", str(fuzz), "--hal-seed", str(seed)]
+    args += list(extra_args)
     collector = _Collector()
     buffer = io.StringIO()
     with redirect_stdout(buffer):
-        exit_code = pytest.main(args, plugins=[collector])
-    results = [
-        {"device": d, "backend": b, **counts, "failures": collector.failures.get((d, b), [])}
-        for (d, b), counts in sorted(collector.counts.items())
-    ]
-    return {
-        "results": results,
-        "exit_code": int(exit_code),
-        "errors": collector.errors,
-        "log": buffer.getvalue(),
-    }
+        exit_code = pytest.main(args, plugins=[collector, *plugins])
+    by_target: dict = defaultdict(list)
+    for record in collector.records.values():
+        key = record.pop("key")
+        if record["outcome"] is None:
+            record["outcome"] = "skipped"
+        by_target[key].append(record)
+    filtered = bool(families) or bool(extra_args)
+    results = []
+    for key in sorted(set(by_target) | set(collector.target_objs)):
+        cases = by_target.get(key, [])
+        if not filtered:
+            cases += _coverage_failures(collector.target_objs[key], cases)
+        counts = {o: sum(c["outcome"] == o for c in cases) for o in ("passed", "failed", "skipped")}
+        results.append(
+            {
+                "device": key[0],
+                "backend": key[1],
+                **counts,
+                "failures": [f"{c['id']}: {c['reason']}" for c in cases if c["outcome"] == "failed"],
+                "machine": machine(),
+                "versions": versions(),
+                "summary": summarize(cases),
+                "cases": cases,
+            }
+        )
+    return {"results": results, "exit_code": int(exit_code), "errors": collector.errors, "log": buffer.getvalue()}
+
+
+def format_report(report: dict, verbose: bool = False) -> str:
+    """The text ``hal check`` prints: per target, a mode x family table, skip reasons, failures."""
+    out = []
+    for r in report["results"]:
+        out.append(f"{r['device']}/{r['backend']}: {r['passed']} passed, {r['failed']} failed, {r['skipped']} skipped")
+        out.append(f"  {'mode':<14}{'family':<18}{'passed':>7}{'failed':>7}{'skipped':>8}")
+        for mode in sorted(r["summary"]):
+            for family, n in sorted(r["summary"][mode].items()):
+                out.append(f"  {mode:<14}{family:<18}{n['passed']:>7}{n['failed']:>7}{n['skipped']:>8}")
+        reasons: dict[str, int] = defaultdict(int)
+        for c in r["cases"]:
+            if c["outcome"] == "skipped":
+                text = c["reason"].split("cannot serve ", 1)[-1]
+                text = text.split(": ", 1)[-1] if ": " in text and "cannot serve" in c["reason"] else text
+                reasons[text] += 1
+        if reasons:
+            out.append("  skipped, by reason:")
+            out += [f"    {n:>3} x {why}" for why, n in sorted(reasons.items(), key=lambda x: -x[1])]
+        for c in r["cases"]:
+            if c["outcome"] == "failed":
+                where = f"{c['mode']}, {c['family']}, page {c['page_size']}, {c['dtype']}"
+                lines = c["reason"].splitlines()
+                shown = lines if verbose else lines[:20]
+                out.append(f"  FAILED {c['id']} ({where}):")
+                out += [f"      {line}" for line in shown]
+                if len(shown) < len(lines):
+                    out.append(f"      ... ({len(lines) - len(shown)} more lines; -v shows them)")
+        out.append("")
+    for error in report["errors"]:
+        out.append(f"collection error: {error}")
+    if not report["results"]:
+        out.append(report["log"])
+    return "\n".join(out)

@@ -1,84 +1,144 @@
 """The conformance tests. Each takes ``hal_target`` (a device and backend) from the plugin.
 
 A case the backend declares it cannot serve (``validate`` gives reasons) is skipped
-with those reasons; everything else must match the reference.
+with those reasons; everything else must match the float64 reference, and the whole
+KV pool (every layer, K and V) must equal what a correct forward leaves: the new
+tokens at ``out_cache_loc`` and nothing else. The cache is compared first, so a
+failure says whether the KV write or the attention output is wrong.
+
+Cases run at the page sizes the backend declares (``hal.conformance.cases.cases_for``).
+Every assertion says what it expected; ``hal check`` reports per mode and feature family
+what passed, failed and was skipped, and why.
 """
 
 from __future__ import annotations
 
-import dataclasses
+from dataclasses import replace
 
 import pytest
 import torch
 
 from hal.batch import ForwardBatch, ForwardMode
-from hal.conformance.cases import CASES, GRAPH_CASES, Case, build, tolerance
+from hal.conformance.cases import (
+    CASES,
+    Built,
+    Case,
+    build,
+    cases_for,
+    check_cache,
+    check_output,
+    describe,
+    graph_replays,
+    sub_batch,
+)
 from hal.errors import InvalidBatchError, KVCacheError
 from hal.graph import GraphRunner
+from hal.kernels import reference
+
+NEEDS_CORE = pytest.mark.xfail(strict=False, reason="needs engine-ready core")
 
 
 def _backend_for(target, case: Case, graph: bool = False):
     reasons = target.backend.validate(case.config(graph=graph), target.capability)
     if reasons:
-        pytest.skip(f"{target.id} declares it cannot serve {case.name}: " + "; ".join(reasons))
+        pytest.skip(f"{target.id} declares it cannot serve {case.id}: " + "; ".join(reasons))
     return target.create()
 
 
-def _assert_output(out: torch.Tensor, built) -> None:
-    assert out.shape == built.expected.shape, f"output shape {tuple(out.shape)} != {tuple(built.expected.shape)}"
-    assert out.dtype == built.q.dtype, f"output dtype {out.dtype} != q dtype {built.q.dtype}"
-    torch.testing.assert_close(out.float().cpu(), built.expected.float().cpu(), **tolerance(built.case.dtype))
+def _record(request, case: Case, family: str | None = None) -> None:
+    """Tell ``hal check`` which case a test chose at run time (page size, dtype)."""
+    request.node.user_properties.append(
+        ("hal_case_detail", {"case": case.id, "page_size": case.page_size, "dtype": case.dtype_name, "family": family})
+    )
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_forward_matches_reference(hal_target, case):
-    """Output equals the reference, the new K/V land at out_cache_loc, and no other slot changes."""
-    backend = _backend_for(hal_target, case)
-    built = build(case, hal_target.capability.torch_device)
+def assert_result(built: Built, out: torch.Tensor | None, expected=None, rows=None, skip_padding_page=False) -> None:
+    """The cache first (a wrong or missing KV write), then the output; one message naming the case."""
+    problem = check_cache(built, skip_padding_page=skip_padding_page)
+    if problem is None and out is not None:
+        problem = check_output(built, out, expected=expected, rows=rows)
+    assert problem is None, f"{describe(built.case)}\n{problem}"
+
+
+@pytest.mark.hal_cases("forward")
+def test_forward_matches_reference(hal_target, hal_case):
+    """Output equals the reference, the new K/V land at out_cache_loc, and no other slot of any layer changes."""
+    backend = _backend_for(hal_target, hal_case)
+    built = build(hal_case, hal_target.capability.torch_device)
     backend.init_forward_metadata(built.batch)
     out = backend.forward(built.q, built.k, built.v, built.layer, built.batch)
-    _assert_output(out, built)
-    pool = built.batch.token_to_kv_pool
-    assert torch.equal(pool.k_buffer[0], built.expected_k), "key cache differs from the expected writes"
-    assert torch.equal(pool.v_buffer[0], built.expected_v), "value cache differs from the expected writes"
+    assert_result(built, out)
 
 
-def _first_servable(target, mode: ForwardMode) -> Case:
-    """The first case of ``mode`` the target declares it can serve (skip when there is none)."""
-    for case in CASES:
-        if case.mode == mode and not target.backend.validate(case.config(), target.capability):
+def _first_servable(target, mode: ForwardMode, prefix: bool = True) -> Case:
+    """The first plain case of ``mode`` (with a cached prefix) the target declares it can serve."""
+    for case in cases_for(target.backend, CASES):
+        if case.mode != mode or case.family not in ("basic", "paged", "page_boundaries"):
+            continue
+        if prefix and not all(p > 0 for p, _ in case.requests[:1]):
+            continue
+        if not target.backend.validate(case.config(), target.capability):
             return case
-    pytest.skip(f"{target.id} declares it can serve no {mode.name} case")
+    pytest.skip(f"{target.id} declares it can serve no plain {mode.name} case")
 
 
-@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED], ids=lambda m: m.name)
-def test_save_kv_cache_false_reads_existing_cache(hal_target, mode):
-    """With save_kv_cache=False the backend writes nothing and attends over what the cache holds."""
-    case = _first_servable(hal_target, mode)
-    backend = _backend_for(hal_target, case)
-    built = build(case, hal_target.capability.torch_device)
+_MODES = [ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY]
+_MODES.append(ForwardMode.DRAFT_EXTEND)
+
+
+def _cache_holds_the_truth(target, mode, request) -> tuple[object, Built]:
+    case = _first_servable(target, mode)
+    _record(request, case, "save_kv_cache")
+    backend = _backend_for(target, case)
+    built = build(case, target.capability.torch_device)
     pool = built.batch.token_to_kv_pool
-    pool.k_buffer[0].copy_(built.expected_k)
-    pool.v_buffer[0].copy_(built.expected_v)
+    for bufs, want in ((pool.k_buffer, built.expected_pool_k), (pool.v_buffer, built.expected_pool_v)):
+        for buf, w in zip(bufs, want):
+            buf.copy_(w)  # the engine already wrote the new tokens (e.g. a fused rotary + cache kernel)
+    built.initial_pool_k = [b.clone() for b in pool.k_buffer]
+    built.initial_pool_v = [b.clone() for b in pool.v_buffer]
+    return backend, built
+
+
+@pytest.mark.hal_family("save_kv_cache")
+@pytest.mark.parametrize("mode", _MODES, ids=lambda m: m.name)
+def test_save_kv_cache_false_reads_the_cache_not_k_v(hal_target, mode, request):
+    """save_kv_cache=False: write nothing (K nor V, any layer) and attend over the cache, not the k/v passed."""
+    backend, built = _cache_holds_the_truth(hal_target, mode, request)
+    gen = torch.Generator().manual_seed(1)
+    other_k = (torch.randn(built.k.shape, generator=gen) * 3).to(built.k.dtype).to(built.k.device)
+    other_v = (torch.randn(built.v.shape, generator=gen) * 3).to(built.v.dtype).to(built.v.device)
     backend.init_forward_metadata(built.batch)
-    out = backend.forward(built.q, built.k, built.v, built.layer, built.batch, save_kv_cache=False)
-    _assert_output(out, built)
-    assert torch.equal(pool.k_buffer[0], built.expected_k)
+    out = backend.forward(built.q, other_k, other_v, built.layer, built.batch, save_kv_cache=False)
+    assert_result(built, out)
 
 
-@pytest.mark.parametrize("case", GRAPH_CASES, ids=lambda c: c.name)
-def test_graph_replay_matches_reference(hal_target, case):
-    """Captured at batch sizes 1/2/4/8 and replayed padded, outputs equal the reference twice in a row.
+@NEEDS_CORE
+@pytest.mark.hal_family("save_kv_cache")
+@pytest.mark.parametrize("mode", _MODES, ids=lambda m: m.name)
+def test_save_kv_cache_false_with_k_v_none(hal_target, mode, request):
+    """SGLang's contract: with save_kv_cache=False, k and v may be None; the cache is read."""
+    backend, built = _cache_holds_the_truth(hal_target, mode, request)
+    backend.init_forward_metadata(built.batch)
+    out = backend.forward(built.q, None, None, built.layer, built.batch, save_kv_cache=False)
+    assert_result(built, out)
+
+
+@pytest.mark.hal_cases("graph")
+def test_graph_replay_matches_reference(hal_target, hal_case):
+    """Captured at batch sizes 1/2/4/8, replayed padded for several different batches in a row, every layer.
 
     DECODE cases capture decode steps; TARGET_VERIFY cases capture verify steps of their (fixed) draft count.
     """
+    case = hal_case
     backend = _backend_for(hal_target, case, graph=True)
     built = build(case, hal_target.capability.torch_device)
     fb = built.batch
     pool = fb.token_to_kv_pool
+    layers = [case.layer(i) for i in range(case.layer_num)]
     runner = GraphRunner(
         backend,
-        [built.layer],
+        layers,
         fb.req_to_token_pool,
         pool,
         make_graph=lambda: hal_target.device.make_graph(hal_target.capability),
@@ -87,21 +147,35 @@ def test_graph_replay_matches_reference(hal_target, case):
         draft_token_num=case.requests[0][1] if case.mode.is_target_verify() else None,
     )
     runner.capture()
-    for _ in range(2):
-        out = runner.run(fb, built.q, built.k, built.v)
-        _assert_output(out[0], built)
-    ps = pool.page_size  # page 0 takes the padding requests' writes
-    assert torch.equal(pool.k_buffer[0][ps:], built.expected_k[ps:]), "graph replay wrote outside out_cache_loc"
-    assert torch.equal(pool.v_buffer[0][ps:], built.expected_v[ps:])
+    # the runner writes the new tokens to every layer: that is the expectation
+    tokens = built.q.shape[0]
+    exp_k = [b.clone() for b in built.initial_pool_k]
+    exp_v = [b.clone() for b in built.initial_pool_v]
+    expected = []
+    for layer in layers:
+        kb, vb = exp_k[layer.layer_id], exp_v[layer.layer_id]
+        kb[fb.out_cache_loc] = built.k.view(tokens, case.tp_k_head_num, -1).to(kb.dtype)
+        vb[fb.out_cache_loc] = built.v.view(tokens, case.tp_k_head_num, -1).to(vb.dtype)
+        expected.append(reference.batch_attention(built.q, kb, vb, layer, fb, acc_dtype=torch.float64))
+    built = replace(built, expected_pool_k=exp_k, expected_pool_v=exp_v)
+    for step, rows in enumerate(graph_replays(len(case.requests))):
+        sub, q, k, v, tokens = sub_batch(built, rows)
+        out = runner.run(sub, q, k, v)
+        for li, layer in enumerate(layers):
+            problem = check_output(replace(built, layer=layer), out[li], expected=expected[li][tokens], rows=tokens)
+            assert problem is None, (
+                f"{describe(case)}\nreplay {step} (requests {rows}, after {graph_replays(len(case.requests))[:step]})"
+                f", layer {layer.layer_id}:\n{problem}"
+            )
+    assert_result(built, None, skip_padding_page=True)  # page 0 takes the padding requests' writes
 
 
-@pytest.mark.parametrize(
-    "corrupt",
-    ["q_tokens", "k_heads", "v_dtype", "layer_id"],
-)
-def test_bad_input_is_rejected_and_cache_untouched(hal_target, corrupt):
+@pytest.mark.hal_family("bad_input")
+@pytest.mark.parametrize("corrupt", ["q_tokens", "k_heads", "v_dtype", "layer_id"])
+def test_bad_input_is_rejected_and_cache_untouched(hal_target, corrupt, request):
     """Ill-shaped inputs raise a hal error naming the field, before anything is written."""
-    case = _first_servable(hal_target, ForwardMode.DECODE)
+    case = _first_servable(hal_target, ForwardMode.DECODE, prefix=False)
+    _record(request, case)
     backend = _backend_for(hal_target, case)
     built = build(case, hal_target.capability.torch_device)
     q, k, v, layer = built.q, built.k, built.v, built.layer
@@ -113,25 +187,24 @@ def test_bad_input_is_rejected_and_cache_untouched(hal_target, corrupt):
         v = v.to(torch.float64)
     else:
         layer = case.layer(layer_id=5)
-    pool = built.batch.token_to_kv_pool
-    before = [b.clone() for b in pool.k_buffer + pool.v_buffer]
     backend.init_forward_metadata(built.batch)
     with pytest.raises((InvalidBatchError, KVCacheError)) as info:
         backend.forward(q, k, v, layer, built.batch)
-    assert corrupt.split("_")[0] in str(info.value)
-    assert all(torch.equal(a, b) for a, b in zip(before, pool.k_buffer + pool.v_buffer)), "cache was touched"
+    field = corrupt.split("_")[0]
+    assert field in str(info.value), f"the error does not name {field!r}: {info.value}"
+    assert_result(replace(built, expected_pool_k=built.initial_pool_k, expected_pool_v=built.initial_pool_v), None)
 
 
-def test_forward_needs_this_batchs_metadata(hal_target):
+@pytest.mark.hal_family("metadata")
+def test_forward_needs_this_batchs_metadata(hal_target, request):
     """forward without init_forward_metadata, or with metadata of an earlier step or of a batch of
     another size, is a hal error and writes nothing."""
-    case = _first_servable(hal_target, ForwardMode.DECODE)
+    case = _first_servable(hal_target, ForwardMode.DECODE, prefix=False)
+    _record(request, case)
     backend = _backend_for(hal_target, case)
     built = build(case, hal_target.capability.torch_device)
     other = build(case, hal_target.capability.torch_device)
-    smaller = build(dataclasses.replace(case, requests=case.requests[:-1]), hal_target.capability.torch_device)
-    pool = built.batch.token_to_kv_pool
-    before = [b.clone() for b in pool.k_buffer + pool.v_buffer]
+    smaller = build(replace(case, requests=case.requests[:-1]), hal_target.capability.torch_device)
     with pytest.raises(InvalidBatchError, match="init_forward_metadata"):
         backend.forward(built.q, built.k, built.v, built.layer, built.batch)
     backend.init_forward_metadata(built.batch)
@@ -141,16 +214,17 @@ def test_forward_needs_this_batchs_metadata(hal_target):
     backend.init_forward_metadata(smaller.batch)
     with pytest.raises(InvalidBatchError, match="init_forward_metadata"):
         backend.forward(built.q, built.k, built.v, built.layer, built.batch)
-    assert all(torch.equal(a, b) for a, b in zip(before, pool.k_buffer + pool.v_buffer)), "cache was touched"
+    assert_result(replace(built, expected_pool_k=built.initial_pool_k, expected_pool_v=built.initial_pool_v), None)
 
 
-def test_idle_batch(hal_target):
-    """An IDLE step (no requests, as under data-parallel attention) prepares and returns an empty output."""
-    case = _first_servable(hal_target, ForwardMode.DECODE)
-    backend = _backend_for(hal_target, case)
-    built = build(case, hal_target.capability.torch_device)
+def _idle_step(target, request):
+    """A backend, a built decode case, and an IDLE batch over its pools whose metadata the backend prepared."""
+    case = _first_servable(target, ForwardMode.DECODE, prefix=False)
+    _record(request, case)
+    backend = _backend_for(target, case)
+    built = build(case, target.capability.torch_device)
     fb = built.batch
-    device = fb.device
+    device = fb.req_pool_indices.device
     idle = ForwardBatch(
         forward_mode=ForwardMode.IDLE,
         batch_size=0,
@@ -159,8 +233,88 @@ def test_idle_batch(hal_target):
         out_cache_loc=torch.zeros(0, dtype=torch.int64, device=device),
         req_to_token_pool=fb.req_to_token_pool,
         token_to_kv_pool=fb.token_to_kv_pool,
+        validate="full",
     )
     backend.init_forward_metadata(idle)
-    empty = built.q[:0]
-    out = backend.forward(empty, built.k[:0], built.v[:0], built.layer, idle)
-    assert out.shape == (0, built.layer.tp_q_head_num * built.layer.v_head_dim)
+    return backend, built, idle
+
+
+@pytest.mark.hal_family("idle")
+def test_idle_batch(hal_target, request):
+    """An IDLE step (no requests, as under data-parallel attention) prepares and returns an empty output."""
+    backend, built, idle = _idle_step(hal_target, request)
+    out = backend.forward(built.q[:0], built.k[:0], built.v[:0], built.layer, idle)
+    want = (0, built.layer.tp_q_head_num * built.layer.v_head_dim)
+    assert tuple(out.shape) == want, f"IDLE output shape {tuple(out.shape)}, expected {want}"
+
+
+@NEEDS_CORE
+@pytest.mark.hal_family("validation")
+def test_idle_batch_with_tokens_is_rejected(hal_target, request):
+    """An IDLE batch has no tokens: q/k/v with tokens are a caller's bug, not an uninitialised output."""
+    backend, built, idle = _idle_step(hal_target, request)
+    with pytest.raises(InvalidBatchError):
+        backend.forward(built.q, built.k, built.v, built.layer, idle)
+
+
+@NEEDS_CORE
+@pytest.mark.hal_family("validation")
+def test_duplicate_out_cache_loc_is_rejected(hal_target, request):
+    """Two query tokens writing one slot (two requests sharing a page) is rejected by full validation."""
+    case = Case("duplicate_slots", ForwardMode.DECODE, ((4, 1), (6, 1)), page_size=1)
+    _record(request, case)
+    built = build(case)
+    fb = built.batch
+    rt = fb.req_to_token_pool.req_to_token
+    rows = fb.req_pool_indices.tolist()
+    rt[rows[1], 6] = rt[rows[0], 4]  # request 1's new token lands on request 0's
+    loc = torch.stack([rt[rows[0], 4], rt[rows[1], 6]]).long()
+    with pytest.raises(InvalidBatchError, match="out_cache_loc"):
+        ForwardBatch(
+            forward_mode=fb.forward_mode,
+            batch_size=2,
+            req_pool_indices=fb.req_pool_indices,
+            seq_lens=fb.seq_lens,
+            out_cache_loc=loc,
+            req_to_token_pool=fb.req_to_token_pool,
+            token_to_kv_pool=fb.token_to_kv_pool,
+            validate="full",
+        )
+
+
+@NEEDS_CORE
+@pytest.mark.hal_family("nan")
+@pytest.mark.parametrize("where", ["q", "cache"])
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED], ids=lambda m: m.name)
+def test_nan_propagates(hal_target, mode, where, request):
+    """NaN in a query, or in a cached key every query of its request sees, gives NaN there and only there."""
+    case = _first_servable(hal_target, mode)
+    _record(request, case, "nan")
+    backend = _backend_for(hal_target, case)
+    built = build(case, hal_target.capability.torch_device)
+    expected = built.expected.clone()
+    heads, dv, group = case.tp_q_head_num, built.layer.v_head_dim, built.layer.group_size
+    view = expected.view(expected.shape[0], heads, dv)
+    if where == "q":
+        built.q.view(built.q.shape[0], heads, -1)[0, 1] = float("nan")
+        view[0, 1] = float("nan")
+    else:
+        r = next(i for i, (p, _) in enumerate(case.requests) if p > 0)
+        fb = built.batch
+        slot = int(fb.req_to_token_pool.req_to_token[int(fb.req_pool_indices[r]), 0])
+        for bufs in (fb.token_to_kv_pool.k_buffer, built.expected_pool_k, built.initial_pool_k):
+            bufs[built.layer.layer_id][slot, 0] = float("nan")
+        for t, (req, _) in enumerate(built.token_origin):
+            if req == r:
+                view[t, :group] = float("nan")
+    backend.init_forward_metadata(built.batch)
+    out = backend.forward(built.q, built.k, built.v, built.layer, built.batch)
+    assert_result(built, out, expected=expected)
+
+
+@pytest.mark.hal_family("fuzz")
+def test_fuzz(hal_target, request):
+    """``--hal-fuzz N``: N random batches from hypothesis strategies, against the reference and KV canaries."""
+    from hal.conformance.fuzz import run_fuzz
+
+    run_fuzz(hal_target, request.config.getoption("hal_fuzz"), request.config.getoption("hal_seed"))

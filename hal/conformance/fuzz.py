@@ -1,0 +1,142 @@
+"""Property-based batches: ``hal check --fuzz N [--seed S]``.
+
+:func:`cases` is a hypothesis strategy of :class:`~hal.conformance.cases.Case` for one
+backend: any mode it claims, request lengths including an empty prefix, one token and
+page boundaries, head layouts, the page sizes and dtypes it declares, windows, logit
+caps, non-causal layers, random verify trees, shuffled (scattered) pages, several
+layers. Each batch is compared with the float64 reference and the whole pool with its
+canaries (only ``out_cache_loc`` of the forwarded layer may change). A failing batch is
+shrunk by hypothesis and reported as Python that rebuilds it.
+"""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import seed as hypothesis_seed
+from hypothesis import strategies as st
+
+from hal.batch import ForwardMode
+from hal.capability import DTYPE_NAMES
+from hal.conformance.cases import Case, build, check_cache, check_output, describe
+
+__all__ = ["cases", "run_fuzz", "check_case"]
+
+_ANY_PAGE = (1, 2, 4, 16)
+
+
+def _lengths(page: int):
+    """Prefix lengths with the interesting values over-represented: 0, 1, around page boundaries."""
+    boundaries = sorted({0, 1, page - 1, page, page + 1, 2 * page, 2 * page + 1} - {-1})
+    return st.one_of(st.sampled_from(boundaries), st.integers(0, max(3 * page + 5, 40)))
+
+
+@st.composite
+def cases(draw, backend_cls, capability) -> Case:
+    """A random case ``backend_cls`` declares it can serve on ``capability``."""
+    pages = sorted(backend_cls.page_sizes) if backend_cls.page_sizes is not None else list(_ANY_PAGE)
+    page = draw(st.sampled_from([p for p in pages if p <= 128] or pages[:1]))
+    modes = [ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DRAFT_EXTEND]
+    if backend_cls.supports_custom_mask:
+        modes.append(ForwardMode.TARGET_VERIFY)
+    mode = draw(st.sampled_from(modes))
+    dtypes = [d for d, n in DTYPE_NAMES.items() if d is not None and n in backend_cls.dtypes and n in capability.dtypes]
+    dtypes = [d for d in dtypes if d in (torch.float32, torch.bfloat16, torch.float16)]
+    dtype = draw(st.sampled_from(dtypes or [torch.float32]))
+    kv_heads = draw(st.sampled_from([1, 2, 4]))
+    group = draw(st.sampled_from([1, 2, 3, 4]))
+    head_dims = sorted(backend_cls.head_dims) if backend_cls.head_dims else [16, 32, 64, 80, 128]
+    head_dim = draw(st.sampled_from(head_dims))
+    v_head_dim = None
+    if backend_cls.supports_mla and draw(st.booleans()):
+        v_head_dim = draw(st.sampled_from([16, 32, 64]))
+    bs = draw(st.integers(1, 4))
+    prefixes = [draw(_lengths(page)) for _ in range(bs)]
+    if mode.is_decode():
+        news = [1] * bs
+    elif mode.is_target_verify():
+        news = [draw(st.integers(1, 5))] * bs
+    elif mode.is_mixed():
+        news = [draw(st.one_of(st.just(1), st.integers(1, 2 * page + 3))) for _ in range(bs)]
+    else:
+        news = [draw(st.one_of(st.sampled_from([1, page, page + 1]), st.integers(1, 2 * page + 3))) for _ in range(bs)]
+    if not mode.is_target_verify() and not mode.is_decode():
+        prefixes = [p if mode != ForwardMode.DRAFT_EXTEND or p > 0 else 1 for p in prefixes]
+    window = -1
+    if backend_cls.supports_sliding_window and draw(st.booleans()):
+        window = draw(st.one_of(st.sampled_from([0, 1, page - 1, page, page + 1]), st.integers(0, 40)))
+        window = max(window, 0)
+    cap, q_scale = 0.0, 1.0
+    if backend_cls.supports_logit_cap and draw(st.booleans()):
+        cap, q_scale = draw(st.sampled_from([1.0, 5.0, 30.0])), draw(st.sampled_from([1.0, 8.0]))
+    attn_type = "decoder"
+    if backend_cls.supports_non_causal and mode in (ForwardMode.EXTEND, ForwardMode.MIXED) and draw(st.booleans()):
+        attn_type = "encoder_only"
+    scaling = draw(st.one_of(st.none(), st.sampled_from([0.05, 0.3, 1.0])))
+    layer_num = draw(st.integers(1, 3))
+    layer_id = draw(st.integers(0, layer_num - 1))
+    case = Case(
+        "fuzz",
+        mode,
+        tuple(zip(prefixes, news)),
+        tp_q_head_num=kv_heads * group,
+        tp_k_head_num=kv_heads,
+        head_dim=head_dim,
+        v_head_dim=v_head_dim,
+        dtype=dtype,
+        page_size=page,
+        sliding_window_size=window,
+        logit_cap=cap,
+        attn_type=attn_type,
+        q_scale=q_scale,
+        blind_row=mode.is_target_verify() and draw(st.booleans()),
+        seed=draw(st.integers(0, 2**16)),
+        scaling=scaling,
+        layer_num=layer_num,
+        layer_id=layer_id,
+    )
+    return case
+
+
+def check_case(target, backend, case: Case) -> str | None:
+    """Run ``case`` on ``backend``; None when the output and the whole pool are right, else what is wrong."""
+    built = build(case, target.capability.torch_device)
+    backend.init_forward_metadata(built.batch)
+    out = backend.forward(built.q, built.k, built.v, built.layer, built.batch)
+    return check_cache(built) or check_output(built, out)
+
+
+def run_fuzz(target, examples: int, seed: int = 0) -> int:
+    """``examples`` random batches on ``target``; raises AssertionError with a shrunk, reproducible case."""
+    backend = target.create()  # one backend for every batch, as an engine keeps it
+    counted = {"ran": 0}
+
+    @hypothesis_seed(seed)
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        derandomize=False,
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
+    )
+    @given(case=cases(target.backend, target.capability))
+    def property_(case):
+        reasons = target.backend.validate(case.config(), target.capability)
+        if reasons:
+            from hypothesis import reject
+
+            reject()
+        counted["ran"] += 1
+        try:
+            problem = check_case(target, backend, case)
+        except Exception as exc:  # an exception is a failure like any other, with the case that raised it
+            problem = f"{type(exc).__name__}: {exc}"
+        assert problem is None, (
+            f"{describe(case)}\n{problem}\nreproduce:\n  from hal.batch import ForwardMode\n"
+            f"  from hal.conformance.cases import Case, build\n  import torch\n  case = {case.source()}\n"
+            f"  built = build(case)"
+        )
+
+    property_()
+    return counted["ran"]

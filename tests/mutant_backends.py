@@ -1,0 +1,562 @@
+"""A plain-torch backend as a porter would write it, and mutants of it: one realistic porting mistake each.
+
+``Ported`` computes attention the way paged kernels do (a block table per request, the
+last page's length, a per-request padded score matrix) in vectorized plain torch, with
+graph support (static shapes in ``in_graph``). It passes the conformance suite. Each
+mutant overrides one hook with one mistake a porter makes; ``hal check`` must fail it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from hal.backend import AttentionBackend
+from hal.batch import host_lens
+from hal.capability import DeviceCapability
+from hal.registry import Device
+
+
+@dataclass
+class Meta:
+    width: int  # W: keys per request (padded)
+    max_q: int  # Q: query tokens per request (padded)
+    num_tokens: int
+    bs: int = 0
+    slots: torch.Tensor | None = None  # [B, W]
+    valid: torch.Tensor | None = None  # [B, W]
+    q_pos: torch.Tensor | None = None  # [B, Q]
+    q_index: torch.Tensor | None = None  # [B, Q] row of q (num_tokens for padding)
+    prefix: torch.Tensor | None = None  # [B]
+    custom: torch.Tensor | None = None  # [B, Q, W]
+
+
+def _device_lens(fb) -> tuple[torch.Tensor, torch.Tensor]:
+    mode, seq = fb.forward_mode, fb.seq_lens.long()
+    if mode.is_decode():
+        return torch.ones_like(seq), seq
+    if mode.is_target_verify():
+        return torch.full_like(seq, fb.spec_info.draft_token_num), seq + fb.spec_info.draft_token_num
+    return fb.extend_seq_lens.long(), seq
+
+
+class Ported(AttentionBackend):
+    """The control: a correct port."""
+
+    name = "ported"
+    dtypes = frozenset({"fp32", "bf16"})
+    supports_mla = True
+
+    # -- metadata ----------------------------------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        self.graph_bs = max_bs
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1
+
+    def init_forward_metadata_out_graph(self, fb, in_capture: bool = False) -> None:
+        if fb.forward_mode.is_idle():
+            self.set_forward_metadata(None, fb)
+            return
+        lens = host_lens(fb)
+        q_lens, kv_lens = lens.query, lens.kv
+        if getattr(fb, "graph_static", False):
+            width, max_q = fb.req_to_token_pool.max_context_len, 1
+        else:
+            width, max_q = max(kv_lens), max(q_lens)
+        self.set_forward_metadata(Meta(width, max_q, sum(q_lens), fb.batch_size), fb)
+
+    def init_forward_metadata_in_graph(self, fb) -> None:
+        if fb.forward_mode.is_idle():
+            return
+        self.fill(self.metadata_for(fb), fb)
+
+    def query_lens(self, fb):
+        return _device_lens(fb)
+
+    def fill(self, meta: Meta, fb) -> None:
+        device = fb.seq_lens.device
+        ps = fb.token_to_kv_pool.page_size
+        q_lens, kv_lens = self.query_lens(fb)
+        prefix = kv_lens - q_lens
+        k_pos = torch.arange(meta.width, device=device)
+        q_off = torch.arange(meta.max_q, device=device)
+        rows = self.rows(fb)
+        page_of = k_pos // ps
+        block_table = fb.req_to_token_pool.req_to_token[rows][:, (page_of * ps)].long() // ps  # [B, W] page ids
+        meta.slots = block_table * ps + k_pos % ps
+        num_pages, last_len = self.pages(kv_lens, ps)
+        meta.valid = (page_of[None, :] < num_pages[:, None] - 1) | (
+            (page_of[None, :] == num_pages[:, None] - 1) & (k_pos % ps < last_len[:, None])
+        )
+        meta.slots = torch.where(meta.valid, meta.slots, 0)
+        meta.prefix = prefix
+        meta.q_pos = self.positions(fb, prefix, q_off)
+        q_start = torch.cumsum(q_lens, 0) - q_lens
+        q_valid = q_off[None, :] < q_lens[:, None]
+        meta.q_index = torch.where(q_valid, q_start[:, None] + q_off[None, :], meta.num_tokens)
+        meta.custom = self.custom_mask(fb, q_lens, kv_lens, q_off, k_pos, q_valid, meta.valid)
+
+    def rows(self, fb):
+        return fb.req_pool_indices.long()
+
+    def pages(self, kv_lens, ps):
+        num_pages = (kv_lens + ps - 1) // ps
+        return num_pages, kv_lens - (num_pages - 1) * ps
+
+    def positions(self, fb, prefix, q_off):
+        return prefix[:, None] + q_off[None, :]
+
+    def custom_mask(self, fb, q_lens, kv_lens, q_off, k_pos, q_valid, kv_valid):
+        if not fb.forward_mode.is_target_verify():
+            return None
+        sizes = q_lens * kv_lens
+        start = torch.cumsum(sizes, 0) - sizes
+        flat = start[:, None, None] + self.mask_offset(q_off, k_pos, q_lens, kv_lens)
+        inside = q_valid[:, :, None] & kv_valid[:, None, :]
+        mask = fb.spec_info.custom_mask
+        return inside & mask[torch.where(inside, flat, 0).clamp(max=mask.numel() - 1)]
+
+    def mask_offset(self, q_off, k_pos, q_lens, kv_lens):
+        return q_off[None, :, None] * kv_lens[:, None, None] + k_pos[None, None, :]  # row-major [q, kv]
+
+    # -- forward -----------------------------------------------------------------------
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        return self.attend(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        return self.attend(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def forward_mixed(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        return self.attend(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def write(self, layer, fb, k, v) -> None:
+        self.save_kv(layer, fb, k, v)
+
+    def buffers(self, layer, fb):
+        return fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+
+    def visible(self, meta: Meta, layer, fb) -> torch.Tensor:
+        k_pos = torch.arange(meta.width, device=meta.slots.device)
+        vis = meta.valid[:, None, :]
+        if meta.custom is not None:
+            vis = vis & meta.custom
+        elif self.causal(layer, fb):
+            vis = vis & (k_pos[None, None, :] <= meta.q_pos[:, :, None])
+        if self.window(layer, fb) >= 0:
+            vis = vis & (k_pos[None, None, :] >= meta.q_pos[:, :, None] - self.window(layer, fb))
+        return vis
+
+    def causal(self, layer, fb) -> bool:
+        return layer.causal
+
+    def window(self, layer, fb) -> int:
+        return layer.sliding_window_size
+
+    def scale(self, layer) -> float:
+        return layer.scaling
+
+    def cap(self, scores, layer, fb):
+        if layer.logit_cap > 0:
+            return layer.logit_cap * torch.tanh(scores / layer.logit_cap)
+        return scores
+
+    def head_map(self, layer, device) -> torch.Tensor:
+        return torch.arange(layer.tp_q_head_num, device=device) // layer.group_size
+
+    def compute_dtype(self, q) -> torch.dtype:
+        return torch.float32
+
+    def keys_values(self, meta, layer, fb, k, v, kb, vb):
+        return kb[meta.slots], vb[meta.slots]  # [B, W, Hkv, D]
+
+    def finish(self, probs):
+        return probs
+
+    def softmax(self, scores, dtype):
+        return torch.softmax(scores, dim=-1)
+
+    def attend(self, q, k, v, layer, fb, save_kv_cache):
+        meta = self.metadata_for(fb)
+        tokens = meta.num_tokens
+        q = q.reshape(tokens, layer.tp_q_head_num, layer.head_dim)
+        if k is not None:
+            k = k.reshape(tokens, layer.tp_k_head_num, layer.head_dim)
+            v = v.reshape(tokens, layer.tp_k_head_num, layer.v_head_dim)
+        if save_kv_cache:
+            self.write(layer, fb, k, v)
+        kb, vb = self.buffers(layer, fb)
+        dtype = self.compute_dtype(q)
+        keys, values = self.keys_values(meta, layer, fb, k, v, kb, vb)
+        heads = self.head_map(layer, q.device)
+        keys, values = keys[:, :, heads].to(dtype), values[:, :, heads].to(dtype)  # [B, W, Hq, D]
+        q_pad = torch.cat([q, q.new_zeros(1, *q.shape[1:])])[meta.q_index].to(dtype)  # [B, Q, Hq, D]
+        scores = torch.einsum("bqhd,bwhd->bhqw", q_pad, keys) * self.scale(layer)
+        scores = self.cap(scores, layer, fb)
+        vis = self.visible(meta, layer, fb)[:, None]  # [B, 1, Q, W]
+        probs = self.softmax(scores.masked_fill(~vis, float("-inf")), q.dtype)
+        probs = torch.where(vis.any(-1, keepdim=True), probs, 0.0)  # no visible key: zeros (NaN elsewhere stays)
+        probs = self.finish(probs)
+        out = torch.einsum("bhqw,bwhd->bqhd", probs, values)  # [B, Q, Hq, Dv]
+        result = q.new_zeros(tokens + 1, layer.tp_q_head_num, layer.v_head_dim)
+        result.index_copy_(0, meta.q_index.flatten(), out.reshape(-1, *out.shape[2:]).to(result.dtype))
+        return self.output(result[:tokens], layer, fb)
+
+    def output(self, out, layer, fb):
+        return out.reshape(out.shape[0], -1)
+
+
+# ----------------------------------------------------------------------------- the mutants
+
+
+class WindowOffByOne(Ported):
+    """Window of W keys instead of W + 1 (``j > p - W``)."""
+
+    def window(self, layer, fb):
+        w = layer.sliding_window_size
+        return w - 1 if w > 0 else w
+
+
+class WindowDroppedInMixed(Ported):
+    def window(self, layer, fb):
+        return -1 if fb.forward_mode.is_mixed() else layer.sliding_window_size
+
+
+class WindowDroppedInDecode(Ported):
+    def window(self, layer, fb):
+        return -1 if fb.forward_mode.is_decode() else layer.sliding_window_size
+
+
+class WindowDroppedWithCustomMask(Ported):
+    """The verify mask replaces causality, and (wrongly) the window too."""
+
+    def window(self, layer, fb):
+        return -1 if fb.forward_mode.is_target_verify() else layer.sliding_window_size
+
+
+class CapDropped(Ported):
+    def cap(self, scores, layer, fb):
+        return scores
+
+
+class CapDroppedInMixed(Ported):
+    def cap(self, scores, layer, fb):
+        return scores if fb.forward_mode.is_mixed() else super().cap(scores, layer, fb)
+
+
+class CapBeforeScale(Ported):
+    """``cap * tanh(q.k / cap) * scale`` instead of capping the scaled score."""
+
+    def scale(self, layer):
+        return 1.0
+
+    def cap(self, scores, layer, fb):
+        capped = super().cap(scores, layer, fb) if layer.logit_cap > 0 else scores
+        return capped * layer.scaling
+
+
+class CausalityFlipped(Ported):
+    def causal(self, layer, fb):
+        return not layer.causal
+
+
+class NonCausalIgnoredInMixed(Ported):
+    def causal(self, layer, fb):
+        return True if fb.forward_mode.is_mixed() else layer.causal
+
+
+class GqaModulo(Ported):
+    """Query head h reads KV head ``h % kv_heads`` instead of ``h // group``."""
+
+    def head_map(self, layer, device):
+        return torch.arange(layer.tp_q_head_num, device=device) % layer.tp_k_head_num
+
+
+class ScaleIgnored(Ported):
+    """Recomputes ``head_dim ** -0.5`` instead of using ``layer.scaling``."""
+
+    def scale(self, layer):
+        return layer.head_dim**-0.5
+
+
+class ScaleFromVHeadDim(Ported):
+    def scale(self, layer):
+        return layer.v_head_dim**-0.5
+
+
+class PrefixIgnored(Ported):
+    """Extend attends over the new tokens only (a prefill kernel without the cached prefix)."""
+
+    def visible(self, meta, layer, fb):
+        vis = super().visible(meta, layer, fb)
+        if fb.forward_mode.is_decode():
+            return vis
+        k_pos = torch.arange(meta.width, device=vis.device)
+        return vis & (k_pos[None, None, :] >= meta.prefix[:, None, None])
+
+
+class LastPageLenModulo(Ported):
+    """``last_page_len = kv_len % page_size``: 0 (an empty page) at an exact multiple."""
+
+    def pages(self, kv_lens, ps):
+        num_pages = (kv_lens + ps - 1) // ps
+        return num_pages, kv_lens % ps
+
+
+class PagesFloor(Ported):
+    """``num_pages = kv_len // page_size``: the last, partial page is dropped."""
+
+    def pages(self, kv_lens, ps):
+        num_pages = kv_lens // ps
+        return num_pages, torch.full_like(kv_lens, ps)
+
+
+class MissedKvWrite(Ported):
+    def write(self, layer, fb, k, v):
+        pass
+
+
+class MissedVWrite(Ported):
+    def write(self, layer, fb, k, v):
+        fb.token_to_kv_pool.get_key_buffer(layer.layer_id)[fb.out_cache_loc] = k.to(fb.token_to_kv_pool.dtype)
+
+
+class WritesWhenSaveFalse(Ported):
+    def attend(self, q, k, v, layer, fb, save_kv_cache):
+        return super().attend(q, k, v, layer, fb, True)
+
+
+class ReadsKvNotCache(Ported):
+    """Attends over the k/v passed for the new tokens (a ragged prefill) instead of the cache."""
+
+    def keys_values(self, meta, layer, fb, k, v, kb, vb):
+        keys, values = super().keys_values(meta, layer, fb, k, v, kb, vb)
+        k_pos = torch.arange(meta.width, device=keys.device)
+        new = (k_pos[None, :] >= meta.prefix[:, None]) & meta.valid  # [B, W]
+        q_start = meta.q_index[:, :1]
+        index = torch.where(new, q_start + k_pos[None, :] - meta.prefix[:, None], 0)
+        keys = torch.where(new[..., None, None], k[index], keys)
+        values = torch.where(new[..., None, None], v[index], values)
+        return keys, values
+
+
+class VerifyMaskTransposed(Ported):
+    def mask_offset(self, q_off, k_pos, q_lens, kv_lens):
+        return k_pos[None, None, :] * q_lens[:, None, None] + q_off[None, :, None]  # column-major
+
+
+class VerifyMaskIgnored(Ported):
+    def custom_mask(self, fb, *args):
+        return None
+
+
+class VerifySeqLensIncludeDrafts(Ported):
+    """Takes TARGET_VERIFY's seq_lens as counting the draft tokens too."""
+
+    def query_lens(self, fb):
+        q_lens, kv_lens = _device_lens(fb)
+        if fb.forward_mode.is_target_verify():
+            return q_lens, fb.seq_lens.long().clamp(min=1)
+        return q_lens, kv_lens
+
+
+class MixedRoutedAsDecode(Ported):
+    """MIXED sent down the decode path, which skips the causal mask (one query sees every key)."""
+
+    def causal(self, layer, fb):
+        return False if fb.forward_mode.is_mixed() else layer.causal
+
+
+class DraftExtendNotCausal(Ported):
+    def causal(self, layer, fb):
+        return False if fb.forward_mode.is_draft_extend() else layer.causal
+
+
+class GraphStateKept(Ported):
+    """Refills its graph metadata only when the padded batch size changes (a cached mask)."""
+
+    def init_forward_metadata_in_graph(self, fb):
+        if fb.forward_mode.is_idle():
+            return
+        meta = self.metadata_for(fb)
+        if getattr(fb, "graph_static", False):
+            cache = self.__dict__.setdefault("_kept", {})
+            key = (fb.batch_size, meta.width)
+            if key not in cache or getattr(self, "_last_bs", None) != fb.batch_size:
+                self.fill(meta, fb)
+                cache[key] = meta
+            else:
+                kept = cache[key]
+                meta.slots, meta.valid, meta.q_pos, meta.q_index = kept.slots, kept.valid, kept.q_pos, kept.q_index
+                meta.prefix, meta.custom = kept.prefix, kept.custom
+            self._last_bs = fb.batch_size
+            return
+        self.fill(meta, fb)
+
+
+class FreshMetadataInOutGraph(Ported):
+    """Builds every metadata tensor in out_graph (fresh tensors each step) and reads them in the captured forward."""
+
+    def init_forward_metadata_out_graph(self, fb, in_capture=False):
+        super().init_forward_metadata_out_graph(fb, in_capture)
+        if not fb.forward_mode.is_idle():
+            self.fill(self.forward_metadata, fb)
+
+    def init_forward_metadata_in_graph(self, fb):
+        pass
+
+
+class Batch1FastPathLayout(Ported):
+    """A single-request fast path that returns heads-major ``[Hq, T, Dv]`` flattened."""
+
+    def output(self, out, layer, fb):
+        if fb.batch_size == 1:
+            return out.transpose(0, 1).reshape(out.shape[0], -1)
+        return super().output(out, layer, fb)
+
+
+class LayerIdIgnored(Ported):
+    def buffers(self, layer, fb):
+        return fb.token_to_kv_pool.get_kv_buffer(0)
+
+
+class LayerIdIgnoredOnWrite(Ported):
+    def write(self, layer, fb, k, v):
+        self.save_kv(replace(layer, layer_id=0), fb, k, v)
+
+
+class Bf16Accumulation(Ported):
+    """The softmax denominator summed key by key in the input dtype (bf16): long contexts stall the sum."""
+
+    def softmax(self, scores, dtype):
+        if dtype == torch.float32:
+            return super().softmax(scores, dtype)
+        e = torch.exp(scores - scores.amax(-1, keepdim=True).clamp(min=-1e30))
+        total = torch.zeros_like(e[..., :1], dtype=dtype)
+        for j in range(e.shape[-1]):
+            total = total + e[..., j : j + 1].to(dtype)
+        return e / total.float()
+
+
+class NanZeroed(Ported):
+    """``nan_to_num`` over the probabilities: NaN in q or the cache silently becomes 0."""
+
+    def finish(self, probs):
+        return probs.nan_to_num(0.0)
+
+
+class PaddingKeysVisible(Ported):
+    """Keys past a request's length (the padded tail of its block) are not masked."""
+
+    def visible(self, meta, layer, fb):
+        saved = meta.valid
+        meta.valid = torch.ones_like(saved)
+        try:
+            return super().visible(meta, layer, fb)
+        finally:
+            meta.valid = saved
+
+
+class ReqPoolIndicesIgnored(Ported):
+    """Request r's tokens read from row r of req_to_token instead of row req_pool_indices[r]."""
+
+    def rows(self, fb):
+        return torch.arange(fb.seq_lens.shape[0], device=fb.seq_lens.device)
+
+
+class DecodePositionOffByOne(Ported):
+    """The decode query sits at position seq_len (not seq_len - 1): the window is shifted by one."""
+
+    def positions(self, fb, prefix, q_off):
+        pos = super().positions(fb, prefix, q_off)
+        return pos + 1 if fb.forward_mode.is_decode() else pos
+
+
+class OutputFloat32(Ported):
+    """Forgets to cast the output back to q's dtype."""
+
+    def output(self, out, layer, fb):
+        return super().output(out, layer, fb).float()
+
+
+class WriteLocFromSeqLens(Ported):
+    """Writes the decode token at req_to_token[row, seq_len] (one past it) instead of out_cache_loc."""
+
+    def write(self, layer, fb, k, v):
+        if not fb.forward_mode.is_decode():
+            return self.save_kv(layer, fb, k, v)
+        rt = fb.req_to_token_pool.req_to_token
+        loc = rt[fb.req_pool_indices.long(), fb.seq_lens.long()].long()
+        kb, vb = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        kb[loc], vb[loc] = k.to(kb.dtype), v.to(vb.dtype)
+
+
+MUTANTS: dict[str, type[Ported]] = {
+    cls.__name__: cls
+    for cls in (
+        WindowOffByOne,
+        WindowDroppedInMixed,
+        WindowDroppedInDecode,
+        WindowDroppedWithCustomMask,
+        CapDropped,
+        CapDroppedInMixed,
+        CapBeforeScale,
+        CausalityFlipped,
+        NonCausalIgnoredInMixed,
+        GqaModulo,
+        ScaleIgnored,
+        ScaleFromVHeadDim,
+        PrefixIgnored,
+        LastPageLenModulo,
+        PagesFloor,
+        MissedKvWrite,
+        MissedVWrite,
+        WritesWhenSaveFalse,
+        ReadsKvNotCache,
+        VerifyMaskTransposed,
+        VerifyMaskIgnored,
+        VerifySeqLensIncludeDrafts,
+        MixedRoutedAsDecode,
+        DraftExtendNotCausal,
+        GraphStateKept,
+        FreshMetadataInOutGraph,
+        Batch1FastPathLayout,
+        LayerIdIgnored,
+        LayerIdIgnoredOnWrite,
+        Bf16Accumulation,
+        NanZeroed,
+        PaddingKeysVisible,
+        ReqPoolIndicesIgnored,
+        DecodePositionOffByOne,
+        OutputFloat32,
+        WriteLocFromSeqLens,
+    )
+}
+for _name, _cls in MUTANTS.items():
+    _cls.name = _name.lower()
+
+
+class MutantDevice(Device):
+    """A plugin device serving the control and every mutant, each as a backend."""
+
+    name = "mutants"
+    priority = 1
+
+    def __init__(self, backends=None):
+        self._backends = backends if backends is not None else [Ported, *MUTANTS.values()]
+
+    def probe(self) -> DeviceCapability:
+        return DeviceCapability(
+            type="mutants",
+            available=True,
+            torch_type="cpu",
+            count=1,
+            name="mutant backends (tests)",
+            dtypes=("fp32", "bf16"),
+            graph="eager_guard",
+            emulated=True,
+        )
+
+    def backends(self):
+        return list(self._backends)
