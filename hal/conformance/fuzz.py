@@ -135,7 +135,10 @@ def run_fuzz(target, examples: int, seed: int = 0) -> int:
         assert problem is None, (
             f"{describe(case)}\n{problem}\nreproduce:\n  from hal.batch import ForwardMode\n"
             f"  from hal.conformance.cases import Case, build\n  import torch\n  case = {case.source()}\n"
-            f"  built = build(case)"
+            f"  built = build(case)  # then, with your backend:\n"
+            "  backend.init_forward_metadata(built.batch)\n"
+            "  out = backend.forward(built.q, built.k, built.v, built.layer, built.batch)\n"
+            "  # compare: hal.conformance.cases.check_cache(built), check_output(built, out)"
         )
 
     property_()

@@ -91,6 +91,9 @@ class _Collector:
             record["outcome"], record["reason"] = "skipped", _reason(report)
         elif report.when == "call" and report.passed and record["outcome"] is None:
             record["outcome"] = "passed"
+        if "hal_fuzz_examples" in props:
+            record["examples"] = props["hal_fuzz_examples"]
+            record["reason"] = record["reason"] or f"{props['hal_fuzz_examples']} random batches matched the reference"
 
     def pytest_collectreport(self, report):
         if report.failed:

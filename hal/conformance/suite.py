@@ -317,4 +317,5 @@ def test_fuzz(hal_target, request):
     """``--hal-fuzz N``: N random batches from hypothesis strategies, against the reference and KV canaries."""
     from hal.conformance.fuzz import run_fuzz
 
-    run_fuzz(hal_target, request.config.getoption("hal_fuzz"), request.config.getoption("hal_seed"))
+    ran = run_fuzz(hal_target, request.config.getoption("hal_fuzz"), request.config.getoption("hal_seed"))
+    request.node.user_properties.append(("hal_fuzz_examples", ran))

@@ -1,0 +1,111 @@
+"""``hal check`` reports: per-case records, coverage failures, fuzzing that shrinks to a reproducible case."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hal.batch import ForwardMode
+from hal.conformance.cases import Case, build, check_cache, check_output
+from hal.conformance.plugin import available_targets
+from hal.conformance.runner import _coverage_failures, format_report, run_check
+from hal.registry import register_device
+
+sys.path.insert(0, str(Path(__file__).parent))
+from mutant_backends import MUTANTS, MutantDevice, Ported  # noqa: E402
+
+CASE_KEYS = {"id", "family", "mode", "page_size", "dtype", "outcome", "reason"}
+
+
+class Fp16Only(Ported):
+    """Declares only a dtype the device lacks: every case is skipped."""
+
+    name = "fp16only"
+    dtypes = frozenset({"fp16"})
+
+
+def test_records_carry_machine_versions_and_cases(cpu_only):
+    report = run_check(["cpu"], ["torch"], families=["idle", "validation", "bad_input"])
+    [result] = report["results"]
+    assert set(result["machine"]) == {"hostname", "platform", "cpu"}
+    assert set(result["versions"]) == {"hal", "torch", "triton", "flashinfer", "torch_npu"}
+    assert result["versions"]["torch"] == torch.__version__
+    assert result["cases"] and all(CASE_KEYS <= set(c) for c in result["cases"])
+    assert {c["outcome"] for c in result["cases"]} <= {"passed", "failed", "skipped"}
+    bad = [c for c in result["cases"] if c["family"] == "bad_input"]
+    assert len(bad) == 4 and all(c["page_size"] and c["dtype"] == "fp32" for c in bad)
+    text = format_report(report)
+    assert "mode" in text and "family" in text and "bad_input" in text
+
+
+def test_a_backend_that_runs_no_case_fails(restore_registry):
+    register_device(MutantDevice([Fp16Only]))
+    report = run_check(["mutants"], [], families=[])
+    [result] = report["results"]
+    assert result["passed"] == 0 and result["failed"] >= 1
+    [coverage] = [c for c in result["cases"] if c["family"] == "coverage"]
+    assert "ran no case at all" in coverage["reason"] and "fp16" in coverage["reason"]
+
+
+def test_a_claimed_mode_or_graph_that_ran_nothing_fails(restore_registry):
+    register_device(MutantDevice([Ported]))
+    [target] = available_targets(["mutants"])
+
+    def case(mode, family, outcome, test="forward"):
+        return {"id": f"{test}:x", "family": family, "mode": mode, "outcome": outcome, "reason": "r"}
+
+    ran = [case(m, "basic", "passed") for m in ("DECODE", "EXTEND", "MIXED", "DRAFT_EXTEND", "TARGET_VERIFY")]
+    ran.append(case("DECODE", "graph", "passed", "graph"))
+    assert _coverage_failures(target, ran) == []
+    missing = [c for c in ran if c["mode"] != "MIXED"] + [case("MIXED", "basic", "skipped")]
+    [failure] = _coverage_failures(target, missing)
+    assert failure["outcome"] == "failed" and failure["mode"] == "MIXED" and "claims MIXED" in failure["reason"]
+    no_graph = [c for c in ran if c["family"] != "graph"]
+    assert "graph" in _coverage_failures(target, no_graph)[0]["reason"]
+
+
+def test_a_mismatch_names_requests_positions_heads_and_the_kv_write():
+    built = build(Case("m", ForwardMode.EXTEND, ((9, 5), (0, 3)), page_size=4))
+    out = built.expected.clone()
+    out.view(out.shape[0], 4, -1)[6, 3] += 1.0  # request 1, position 1, head 3
+    message = check_output(built, out)
+    assert "request 1 (0, 3): positions 1" in message and "q heads that differ: 3 of 4" in message
+    assert "reference [" in message and "got [" in message
+    pool = built.batch.token_to_kv_pool
+    for buf, want in zip(pool.k_buffer + pool.v_buffer, built.expected_pool_k + built.expected_pool_v):
+        buf.copy_(want)
+    loc = built.batch.out_cache_loc
+    pool.v_buffer[0][loc[2]] = built.initial_pool_v[0][loc[2]]  # one value not written
+    pool.k_buffer[0][3] += 1  # page 0: never a request's
+    message = check_cache(built)
+    assert "V cache of layer 0: the new tokens were not written at 1 slot(s)" in message
+    assert "request 0 position 11" in message
+    assert "K cache of layer 0: 1 slot(s) outside out_cache_loc changed: 3" in message
+
+
+def test_fuzzing_shrinks_a_mutant_to_a_reproducible_case(restore_registry):
+    register_device(MutantDevice([MUTANTS["WindowOffByOne"]]))
+    report = run_check(["mutants"], [], fuzz=80, seed=0, families=["fuzz"])
+    [result] = report["results"]
+    [fuzz] = result["cases"]
+    assert fuzz["outcome"] == "failed" and fuzz["family"] == "fuzz"
+    reason = fuzz["reason"]
+    assert "reproduce:" in reason and "sliding_window_size=" in reason
+    source = next(line.split("case = ", 1)[1] for line in reason.splitlines() if "case = Case(" in line)
+    case = eval(source, {"Case": Case, "ForwardMode": ForwardMode, "torch": torch})  # noqa: S307
+    assert len(case.requests) == 1 and case.sliding_window_size >= 1  # shrunk: one request, a window
+
+
+@pytest.mark.parametrize("backend", ["torch", "ascend"])
+def test_fuzz_passes_the_native_backends(backend):
+    """A short fuzz run here; tox's cpu env runs 500 batches per native backend through `hal check --fuzz`."""
+    targets = [t for t in available_targets() if t.backend.name == backend]
+    if not targets:
+        pytest.skip(f"no {backend} backend here (the npu one needs HAL_NPU_EMULATION=1)")
+    report = run_check([targets[0].device.name], [backend], fuzz=25, seed=7, families=["fuzz"])
+    [result] = report["results"]
+    assert result["failed"] == 0, "\n".join(result["failures"])
+    assert result["cases"][0]["examples"] == 25
