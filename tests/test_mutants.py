@@ -78,18 +78,7 @@ def test_there_are_enough_mutants():
     assert len(MUTANTS) >= 30
 
 
-NEEDS_CORE = {"NanZeroed"}  # the NaN cases are xfail until the core propagates NaN
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(n, marks=pytest.mark.xfail(strict=False, reason="needs engine-ready core"))
-        if n in NEEDS_CORE
-        else n
-        for n in sorted(MUTANTS)
-    ],
-)
+@pytest.mark.parametrize("name", sorted(MUTANTS))
 def test_hal_check_fails_the_mutant(mutant_results, name):
     result = mutant_results[name.lower()]
     assert result["failed"] > 0, f"{name} ({MUTANTS[name].__doc__}) passed hal check: the suite has a gap"

@@ -35,8 +35,6 @@ from hal.errors import InvalidBatchError, KVCacheError
 from hal.graph import GraphRunner
 from hal.kernels import reference
 
-NEEDS_CORE = pytest.mark.xfail(strict=False, reason="needs engine-ready core")
-
 
 def _backend_for(target, case: Case, graph: bool = False):
     reasons = target.backend.validate(case.config(graph=graph), target.capability)
@@ -113,7 +111,6 @@ def test_save_kv_cache_false_reads_the_cache_not_k_v(hal_target, mode, request):
     assert_result(built, out)
 
 
-@NEEDS_CORE
 @pytest.mark.hal_family("save_kv_cache")
 @pytest.mark.parametrize("mode", _MODES, ids=lambda m: m.name)
 def test_save_kv_cache_false_with_k_v_none(hal_target, mode, request):
@@ -248,7 +245,6 @@ def test_idle_batch(hal_target, request):
     assert tuple(out.shape) == want, f"IDLE output shape {tuple(out.shape)}, expected {want}"
 
 
-@NEEDS_CORE
 @pytest.mark.hal_family("validation")
 def test_idle_batch_with_tokens_is_rejected(hal_target, request):
     """An IDLE batch has no tokens: q/k/v with tokens are a caller's bug, not an uninitialised output."""
@@ -257,7 +253,6 @@ def test_idle_batch_with_tokens_is_rejected(hal_target, request):
         backend.forward(built.q, built.k, built.v, built.layer, idle)
 
 
-@NEEDS_CORE
 @pytest.mark.hal_family("validation")
 def test_duplicate_out_cache_loc_is_rejected(hal_target, request):
     """Two query tokens writing one slot (two requests sharing a page) is rejected by full validation."""
@@ -282,7 +277,6 @@ def test_duplicate_out_cache_loc_is_rejected(hal_target, request):
         )
 
 
-@NEEDS_CORE
 @pytest.mark.hal_family("nan")
 @pytest.mark.parametrize("where", ["q", "cache"])
 @pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED], ids=lambda m: m.name)
