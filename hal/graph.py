@@ -49,6 +49,7 @@ _DATA_DEPENDENT = {
     _aten._unique2: "a data-dependent shape (unique)",
     _aten.unique_consecutive: "a data-dependent shape (unique_consecutive)",
 }
+_LITERALS = {_aten.lift_fresh, _aten.lift, _aten.lift_fresh_copy}
 _HOST_METHODS = {torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.tolist, torch.Tensor.item}
 
 
@@ -81,7 +82,8 @@ class HostSyncGuard(TorchDispatchMode):
         ):
             raise GraphCaptureError(f"{func} with a boolean mask inside a graph: a data-dependent shape (nonzero)")
         op = len(self.shapes)
-        flat_in, _ = tree_flatten((args, kwargs))
+        # a literal (torch.tensor(3)) reaches the dispatcher only as lift_fresh's input: a graph records its value
+        flat_in, _ = tree_flatten((args, kwargs)) if packet not in _LITERALS else ([], None)
         for i, t in enumerate(x for x in flat_in if isinstance(x, torch.Tensor)):
             storage = _storage_ptr(t)
             if storage is not None and storage not in self._produced:

@@ -197,7 +197,7 @@ class TritonBackend(AttentionBackend):
         meta = self.metadata_for(forward_batch)
         if save_kv_cache:
             self.save_kv(layer, forward_batch, k, v)
-        elif k is None:  # the kernel reads the new tokens from k/v: take them from the cache
+        else:  # the kernel reads the new tokens from k/v: take them from the cache, which the caller filled
             k, v = (t.to(q.dtype) for t in self.new_kv_from_cache(layer, forward_batch))
         out = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
         pool = forward_batch.token_to_kv_pool
