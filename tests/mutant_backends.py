@@ -178,12 +178,9 @@ class Ported(AttentionBackend):
         return torch.softmax(scores, dim=-1)
 
     def attend(self, q, k, v, layer, fb, save_kv_cache):
+        q, k, v = self.check_inputs(q, k, v, layer, fb, save_kv_cache)  # [T, heads, dim]; k/v None allowed
         meta = self.metadata_for(fb)
         tokens = meta.num_tokens
-        q = q.reshape(tokens, layer.tp_q_head_num, layer.head_dim)
-        if k is not None:
-            k = k.reshape(tokens, layer.tp_k_head_num, layer.head_dim)
-            v = v.reshape(tokens, layer.tp_k_head_num, layer.v_head_dim)
         if save_kv_cache:
             self.write(layer, fb, k, v)
         kb, vb = self.buffers(layer, fb)

@@ -256,6 +256,7 @@ def test_idle_batch_with_tokens_is_rejected(hal_target, request):
 @pytest.mark.hal_family("validation")
 def test_duplicate_out_cache_loc_is_rejected(hal_target, request):
     """Two query tokens writing one slot (two requests sharing a page) is rejected by full validation."""
+    _first_servable(hal_target, ForwardMode.DECODE, prefix=False)  # a target that serves nothing runs nothing
     case = Case("duplicate_slots", ForwardMode.DECODE, ((4, 1), (6, 1)), page_size=1)
     _record(request, case)
     built = build(case)
