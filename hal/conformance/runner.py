@@ -82,9 +82,8 @@ class _Collector:
             record.update(outcome=None, reason="", key=key)
             self.records[report.nodeid] = record
         detail = props.get("hal_case_detail")
-        if detail:
+        if detail:  # the case a test chose at run time: the id stays the same on every machine
             record["page_size"], record["dtype"] = detail["page_size"], detail["dtype"]
-            record["id"] = f"{record['id']}@{detail['case']}"
         if report.failed:
             record["outcome"], record["reason"] = "failed", _reason(report)
         elif report.skipped and record["outcome"] != "failed":
