@@ -196,6 +196,7 @@ def format_report(report: dict, verbose: bool = False) -> str:
         for mode in sorted(r["summary"]):
             for family, n in sorted(r["summary"][mode].items()):
                 out.append(f"  {mode:<14}{family:<18}{n['passed']:>7}{n['failed']:>7}{n['skipped']:>8}")
+        out += [f"  fuzz: {c['reason']}" for c in r["cases"] if "examples" in c and c["outcome"] == "passed"]
         reasons: dict[str, int] = defaultdict(int)
         for c in r["cases"]:
             if c["outcome"] == "skipped":
