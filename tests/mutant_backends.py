@@ -61,10 +61,9 @@ class Ported(AttentionBackend):
             return
         lens = host_lens(fb)
         q_lens, kv_lens = lens.query, lens.kv
-        if getattr(fb, "graph_static", False):
-            width, max_q = fb.req_to_token_pool.max_context_len, 1
-        else:
-            width, max_q = max(kv_lens), max(q_lens)
+        static = getattr(fb, "graph_static", False)
+        width = fb.req_to_token_pool.max_context_len if static else max(kv_lens)
+        max_q = max(q_lens)  # a captured verify step: its fixed draft count
         self.set_forward_metadata(Meta(width, max_q, sum(q_lens), fb.batch_size), fb)
 
     def init_forward_metadata_in_graph(self, fb) -> None:
