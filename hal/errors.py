@@ -12,6 +12,7 @@ __all__ = [
     "NoBackendError",
     "UnsupportedError",
     "GraphCaptureError",
+    "MissingDependencyError",
 ]
 
 
@@ -49,6 +50,10 @@ class UnsupportedError(HalError, NotImplementedError):
 
 class GraphCaptureError(HalError, RuntimeError):
     """Graph capture or replay broke the out_graph / in_graph contract."""
+
+
+class MissingDependencyError(HalError, ImportError):
+    """An optional part of hal (an engine integration) was imported without the package it adapts."""
 
 
 def expect(condition: bool, error: type[HalError], field: str, value: object, expected: str) -> None:

@@ -1,0 +1,462 @@
+"""Run SGLang's own attention test kit (``sglang.test.kits.attention_unittest``) against a backend.
+
+    python ci/sglang_kit.py                                   # hal, whatever hal selects, fp32 at 1e-5
+    python ci/sglang_kit.py --hal-backend torch --dtype bf16  # the kit's own tolerance (3e-2)
+    python ci/sglang_kit.py --hal-backend triton --triton-interpret --families dense,graph_decode
+    python ci/sglang_kit.py --hal-backend ascend --npu-emulation --refuse "page_size=1:ATB"
+    python ci/sglang_kit.py --backend torch_native            # SGLang's own reference backend
+    python ci/sglang_kit.py --list                            # the cases, by family
+
+The kit is a library of case builders and runners (SGLang's per-backend test files pick
+cases from it); this script picks 80 dense-attention cases in eight families and runs
+them through SGLang's real ``MockModelRunner`` / ``ForwardBatch`` / ``RadixAttention`` /
+``ReqToTokenPool`` / ``MHATokenToKVPool`` and its graph runners:
+
+=============  ====  ======================================================================
+family         n     what
+=============  ====  ======================================================================
+dense          12    ``make_dense_cases``: extend / decode, page 1/16/32, MHA/GQA/MQA
+layouts        33    the 11 paged dense cases x KV layouts ``contiguous``,
+                     ``interleaved_pages``, ``non_monotonic_extend`` (dense runs the
+                     default ``shuffled_pages``)
+swa_extend     2     ``make_swa_no_prefix_input_config_cases`` + ``..._prefix_...``
+swa_decode     4     decode with window 4 below / at / above it (MHA, GQA, page 1, long)
+invariants     12    the dense cases: after ``init_forward_metadata`` the metadata must
+                     expose SGLang's ``kv_indptr`` / ``kv_indices`` (an absent field would
+                     check nothing), pass the kit's ``assert_cg_metadata_well_formed``,
+                     and describe this batch (indptr steps = KV lengths, indices = the
+                     request table's slots); plus the output check
+target_verify  5     ``run_dense_spec_verify_case``: EAGLE chains and trees, NGRAM, GQA,
+                     sliding window
+graph_decode   7     ``run_dense_cuda_graph_decode_case`` (capture at batch 4, replay
+                     padded with real requests, as the kit does)
+graph_verify   5     ``run_dense_spec_verify_cuda_graph_case``; the last case pads the
+                     replayed batch as SGLang's production runner does (``prod_fill``:
+                     request 0, slot 0, ``seq_lens = get_cuda_graph_seq_len_fill_value()``)
+=============  ====  ======================================================================
+
+The backend is ``--backend`` (an ``ATTENTION_BACKENDS`` name or ``module:Class``, default
+``hal.integrations.sglang:HalAttnBackend``), registered under ``--name``. The kit knows two
+sliding-window decode rules and needs each backend classified: a class attribute
+``swa_decode_rule`` (``"extend_window"`` or ``"min_seq_len_window"``) says which.
+
+A backend may refuse a case when it is built (SGLang calls the factory with the model
+runner, so that is selection time). ``--refuse "page_size=1:REGEX"`` declares the
+refusals expected: every case with that page size must be refused with a message
+matching REGEX, every other case must pass. Exit status 0 when all did as expected.
+
+SGLang is imported from the installed package. Packages it imports at module level but
+never calls on this path (torchvision, fastapi, uvicorn) come from ``ci/sglang_stubs``
+(import-only stand-ins) when they are not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import re
+import sys
+import time
+import traceback
+import unittest
+from dataclasses import dataclass, field
+
+STUBS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_stubs")
+FAMILIES = (
+    "dense",
+    "layouts",
+    "swa_extend",
+    "swa_decode",
+    "invariants",
+    "target_verify",
+    "graph_decode",
+    "graph_verify",
+)
+LAYOUTS = ("contiguous", "interleaved_pages", "non_monotonic_extend")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--backend", default="hal.integrations.sglang:HalAttnBackend")
+    p.add_argument("--name", default="hal", help="the name the backend is registered under (case.backend)")
+    p.add_argument("--hal-backend", help="HAL_ATTENTION_BACKEND for this run (torch, triton, ascend...)")
+    p.add_argument("--hal-device", help="HAL_DEVICE for this run")
+    p.add_argument("--triton-interpret", action="store_true", help="TRITON_INTERPRET=1 (Triton kernels on the CPU)")
+    p.add_argument("--npu-emulation", action="store_true", help="HAL_NPU_EMULATION=1 (the npu device, emulated)")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--atol", type=float, help="default: 1e-5 for fp32, the kit's DENSE_ATOL otherwise")
+    p.add_argument("--rtol", type=float, help="default: as --atol")
+    p.add_argument("--families", default=",".join(FAMILIES))
+    p.add_argument("--cases", help="regex on 'family/case' names")
+    p.add_argument("--refuse", action="append", default=[], help="'page_size=N:REGEX' (repeatable)")
+    p.add_argument("--list", action="store_true")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("-v", "--verbose", action="store_true", help="tracebacks of failures")
+    return p.parse_args(argv)
+
+
+def set_environment(args) -> None:
+    """Environment for hal and Triton: before anything imports them."""
+    if args.hal_backend:
+        os.environ["HAL_ATTENTION_BACKEND"] = args.hal_backend
+    if args.hal_device:
+        os.environ["HAL_DEVICE"] = args.hal_device
+    if args.triton_interpret:
+        os.environ["TRITON_INTERPRET"] = "1"
+    if args.npu_emulation:
+        os.environ["HAL_NPU_EMULATION"] = "1"
+    if any(importlib.util.find_spec(name) is None for name in ("torchvision", "fastapi", "uvicorn")):
+        sys.path.append(STUBS)  # appended: a real package earlier on the path still wins
+
+
+# ----------------------------------------------------------------------------- cases
+
+
+@dataclass
+class KitCase:
+    family: str
+    case: object  # DenseAttentionCase
+    run: object  # callable(testcase) -> None
+    layout: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"{self.family}/{self.case.name}" + (f"@{self.layout}" if self.layout else "")
+
+
+@dataclass
+class Result:
+    name: str
+    page_size: int
+    status: str  # passed, failed, refused, skipped
+    seconds: float
+    message: str = ""
+    expected: bool = True
+    details: dict = field(default_factory=dict)
+
+
+class _TestCase(unittest.TestCase):
+    def runTest(self):  # the kit needs a TestCase for skipTest / subTest
+        pass
+
+
+def build_cases(kit, name: str, dtype, device: str) -> list[KitCase]:
+    d, ForwardMode = kit.dense, kit.ForwardMode
+    common = dict(dtype=dtype, device=device)
+
+    def dense_run(case, **kw):
+        return lambda t: d.run_dense_attention_case(t, case, **common, **kw)
+
+    cases = []
+    dense = d.make_dense_cases(name)
+    cases += [KitCase("dense", c, dense_run(c)) for c in dense]
+    for c in dense:
+        if c.page_size > 1:
+            cases += [KitCase("layouts", c, dense_run(c, loc_layout=lay), lay) for lay in LAYOUTS]
+    swa = d.make_swa_no_prefix_input_config_cases(name) + d.make_swa_prefix_input_config_cases(name)
+    cases += [KitCase("swa_extend", c, dense_run(c)) for c in swa]
+
+    def case(case_name, mode, prefix_lens, extend_lens=(), heads=4, kv_heads=4, page_size=16, window=None):
+        return d.DenseAttentionCase(
+            name=case_name,
+            backend=name,
+            forward_mode=mode,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            page_size=page_size,
+            prefix_lens=prefix_lens,
+            extend_lens=extend_lens,
+            sliding_window_size=window,
+        )
+
+    decode, verify = ForwardMode.DECODE, ForwardMode.TARGET_VERIFY
+    swa_decode = (
+        case("swa_decode_window_edges", decode, (2, 3, 4, 5, 9), window=4),
+        case("swa_decode_gqa_window_edges", decode, (3, 4, 17), kv_heads=2, window=4),
+        case("swa_decode_page_size_1", decode, (3, 5, 12), page_size=1, window=4),
+        case("swa_decode_long_prefix", decode, (40,), window=8),
+    )
+    cases += [KitCase("swa_decode", c, dense_run(c)) for c in swa_decode]
+    cases += [KitCase("invariants", c, lambda t, c=c: run_invariants_case(kit, t, c, **common)) for c in dense]
+
+    tv = kit.target_verify
+    target_verify = (
+        (case("eagle_chain_page_edges", verify, (5, 16, 17), (4, 4, 4)), dict(topk=1)),
+        (case("eagle_tree_topk2", verify, (7, 15), (3, 3)), dict(topk=2)),
+        (case("ngram_chain_gqa", verify, (9, 2), (3, 3), kv_heads=2), dict(topk=1, spec_kind="ngram")),
+        (case("eagle_chain_page_size_1", verify, (3, 8), (4, 4), page_size=1), dict(topk=1)),
+        (case("eagle_chain_swa", verify, (2, 6, 11), (3, 3, 3), window=4), dict(topk=1)),
+    )
+    cases += [
+        KitCase("target_verify", c, lambda t, c=c, kw=kw: tv.run_dense_spec_verify_case(t, c, **kw, **common))
+        for c, kw in target_verify
+    ]
+
+    cg = kit.graph_decode
+    graph_decode = (
+        case("graph_decode_page_boundary_padded", decode, (14, 15, 16)),
+        case("graph_decode_full_batch", decode, (3, 16, 17, 31)),
+        case("graph_decode_bsz1", decode, (7,)),
+        case("graph_decode_gqa", decode, (14, 15, 16), kv_heads=2),
+        case("graph_decode_mqa", decode, (5, 33), kv_heads=1),
+        case("graph_decode_page_size_1", decode, (2, 9, 10), page_size=1),
+        case("graph_decode_swa", decode, (3, 4, 12), window=4),
+    )
+    cases += [
+        KitCase("graph_decode", c, lambda t, c=c: cg.run_dense_cuda_graph_decode_case(t, c, **common))
+        for c in graph_decode
+    ]
+    graph_verify = (
+        (case("graph_verify_chain_padded", verify, (5, 16), (4, 4)), dict(topk=1)),
+        (case("graph_verify_tree_full_batch", verify, (3, 7, 15, 16), (3, 3, 3, 3)), dict(topk=2)),
+        (case("graph_verify_gqa_page_size_1", verify, (6, 9, 2), (3, 3, 3), kv_heads=2, page_size=1), dict(topk=1)),
+        (case("graph_verify_swa", verify, (2, 6, 11), (3, 3, 3), window=4), dict(topk=1)),
+    )
+    cases += [
+        KitCase("graph_verify", c, lambda t, c=c, kw=kw: tv.run_dense_spec_verify_cuda_graph_case(t, c, **kw, **common))
+        for c, kw in graph_verify
+    ]
+    prod = case("graph_verify_prod_fill_padding", verify, (9, 4), (4, 4))
+    cases.append(KitCase("graph_verify", prod, lambda t: run_prod_fill_verify_case(kit, t, prod, **common)))
+    return cases
+
+
+def run_invariants_case(kit, testcase, case, *, dtype, device) -> None:
+    """Eager metadata of a dense case, inspected by SGLang's field names, then the output check."""
+    import torch
+
+    d = kit.dense
+    fixture = d.build_dense_attention_fixture(testcase, case, dtype=dtype, device=device)
+    actual = d.run_dense_fixture_eager(fixture)
+    backend, fb = fixture.backend, fixture.forward_batch
+    meta = getattr(backend, "forward_metadata", None)
+    missing = [f for f in ("kv_indptr", "kv_indices") if not isinstance(getattr(meta, f, None), torch.Tensor)]
+    assert not missing, f"forward_metadata ({type(meta).__name__}) does not expose {missing}: nothing to inspect"
+    kit.invariants.assert_cg_metadata_well_formed(backend, bs=case.batch_size)
+    bs = case.batch_size
+    indptr = meta.kv_indptr[: bs + 1].long().cpu()
+    kv_lens = torch.tensor(case.seq_lens)
+    steps = indptr[1:] - indptr[:-1]
+    assert torch.equal(steps, kv_lens), f"kv_indptr steps {steps.tolist()} != the KV lengths {case.seq_lens}"
+    table = fixture.runner.req_to_token_pool.req_to_token
+    slots = torch.cat([table[fb.req_pool_indices[i].item(), :n] for i, n in enumerate(case.seq_lens)]).long()
+    got = meta.kv_indices[: int(indptr[-1])].long().cpu()
+    assert torch.equal(got, slots.cpu()), "kv_indices are not the request table's slots of the batch"
+    torch.testing.assert_close(actual, d.expected_dense_fixture_output(fixture), atol=d.DENSE_ATOL, rtol=d.DENSE_RTOL)
+
+
+def run_prod_fill_verify_case(kit, testcase, case, *, dtype, device) -> None:
+    """Graph verify whose replay is padded as SGLang's production graph runner pads it."""
+    d, tv, spec = kit.dense, kit.target_verify, kit.spec_graph
+    draft = tv._check_target_verify_case(case)
+    adapter = spec.SpeculativeCudaGraphAdapter(
+        build_fixture=d.build_dense_attention_fixture,
+        make_capture_case=lambda base, n, fill, bs: d.make_dense_case_with_prefix_lens(base, n, (fill,) * bs),
+        make_replay_case=lambda base, n, pad: d.make_dense_case_with_prefix_lens(base, n, base.prefix_lens + pad),
+        make_forward_batch=d._make_forward_batch,
+        fixture_inputs=d.dense_fixture_inputs,
+        make_capture_inputs=d.make_dense_random_inputs,
+        make_replay_inputs=d.make_dense_padded_replay_inputs,
+        prepare_batch=lambda c, b: tv._prepare_spec_verify_batch(c, b, topk=1, spec_kind="eagle", device=device),
+        prepare_inputs=d.prepare_dense_runner_inputs,
+        run_forward=d.run_dense_forward,
+        expected_output=lambda fx, c, inputs, _state: tv._target_verify_expected_output(
+            reference_fn=d.dense_attention_reference_with_custom_mask,
+            fixture=fx,
+            case=c,
+            inputs=inputs,
+            topk=1,
+            spec_kind="eagle",
+            device=device,
+        ),
+        max_num_tokens=lambda _c, bs: bs * draft,
+        atol=d.DENSE_ATOL,
+        rtol=d.DENSE_RTOL,
+        pad_style="prod_fill",
+        pad_num_tokens_per_req=draft,
+    )
+    spec.run_speculative_cuda_graph_case(
+        testcase,
+        case,
+        adapter=adapter,
+        build_kwargs=dict(dtype=dtype, device=device),
+        capture_batch_size=4,
+        max_context_len=d.DEFAULT_MAX_CONTEXT_LEN,
+        dtype=dtype,
+        device=device,
+    )
+
+
+# ----------------------------------------------------------------------------- setup
+
+
+class Kit:
+    """The kit's modules, imported once (SGLang's import takes ~15 s on two cores)."""
+
+    def __init__(self):
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+        from sglang.test.kits.attention_unittest.attention_methods import dense_attention
+        from sglang.test.kits.attention_unittest.runner_modes import (
+            cuda_graph_decode_runner,
+            metadata_invariants,
+            speculative_cuda_graph_runner,
+            speculative_target_verify_runner,
+        )
+
+        self.ForwardMode = ForwardMode
+        self.dense = dense_attention
+        self.graph_decode = cuda_graph_decode_runner
+        self.target_verify = speculative_target_verify_runner
+        self.spec_graph = speculative_cuda_graph_runner
+        self.invariants = metadata_invariants
+
+    def set_tolerance(self, atol: float, rtol: float) -> None:
+        for module in (self.dense, self.graph_decode, self.target_verify):
+            module.DENSE_ATOL, module.DENSE_RTOL = atol, rtol
+
+
+def register_backend(kit: Kit, spec: str, name: str):
+    """Put ``spec`` (a registry name or ``module:Class``) in SGLang's registry under ``name``."""
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+
+    if ":" in spec:
+        module, _, attr = spec.partition(":")
+        factory = getattr(importlib.import_module(module), attr)
+    else:
+        factory = ATTENTION_BACKENDS[spec]
+        if name != spec:  # keep the kit's SWA-rule classification of a built-in backend
+            for rule in ("_SWA_DECODE_MIN_SEQ_LEN_WINDOW", "_SWA_DECODE_EXTEND_WINDOW"):
+                if spec in getattr(kit.dense, rule):
+                    setattr(kit.dense, rule, getattr(kit.dense, rule) | {name})
+    ATTENTION_BACKENDS[name] = factory
+    rule = getattr(factory, "swa_decode_rule", None)
+    if rule is not None:
+        target = {"extend_window": "_SWA_DECODE_EXTEND_WINDOW", "min_seq_len_window": "_SWA_DECODE_MIN_SEQ_LEN_WINDOW"}
+        if rule not in target:
+            raise SystemExit(f"{spec}.swa_decode_rule = {rule!r}: expected one of {sorted(target)}")
+        setattr(kit.dense, target[rule], getattr(kit.dense, target[rule]) | {name})
+    return factory
+
+
+def parse_refusals(items: list[str]) -> dict[int, re.Pattern]:
+    out = {}
+    for item in items:
+        key, _, pattern = item.partition(":")
+        m = re.fullmatch(r"page_size=(\d+)", key.strip())
+        if not m:
+            raise SystemExit(f"--refuse {item!r}: expected 'page_size=N:REGEX'")
+        out[int(m.group(1))] = re.compile(pattern)
+    return out
+
+
+def is_refusal(exc: BaseException) -> bool:
+    """A backend saying, when it is built, that it cannot serve the config (hal: NoBackendError)."""
+    try:
+        from hal.errors import NoBackendError
+    except ImportError:
+        return False
+    return isinstance(exc, NoBackendError)
+
+
+def run_case(kc: KitCase, refusals: dict[int, re.Pattern], verbose: bool) -> Result:
+    t = _TestCase()
+    page = kc.case.page_size
+    start = time.perf_counter()
+    status, message = "passed", ""
+    try:
+        kc.run(t)
+    except unittest.SkipTest as exc:
+        status, message = "skipped", str(exc)
+    except Exception as exc:  # noqa: BLE001 - every failure is reported, not raised
+        status = "refused" if is_refusal(exc) else "failed"
+        message = f"{type(exc).__name__}: {exc}"
+        if verbose and status == "failed":
+            message += "\n" + traceback.format_exc()
+    seconds = time.perf_counter() - start
+    want = refusals.get(page)
+    if want is None:
+        expected = status == "passed"
+    else:
+        expected = status == "refused" and bool(want.search(message))
+    return Result(kc.name, page, status, seconds, message, expected)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    set_environment(args)
+    import torch
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    t0 = time.perf_counter()
+    kit = Kit()
+    import_s = time.perf_counter() - t0
+    factory = register_backend(kit, args.backend, args.name)
+    atol = args.atol if args.atol is not None else (1e-5 if args.dtype == "fp32" else kit.dense.DENSE_ATOL)
+    rtol = args.rtol if args.rtol is not None else atol
+    kit.set_tolerance(atol, rtol)
+    families = [f.strip() for f in args.families.split(",") if f.strip()]
+    unknown = sorted(set(families) - set(FAMILIES))
+    if unknown:
+        raise SystemExit(f"--families: unknown {unknown}; expected some of {list(FAMILIES)}")
+    cases = [c for c in build_cases(kit, args.name, dtype, args.device) if c.family in families]
+    if args.cases:
+        cases = [c for c in cases if re.search(args.cases, c.name)]
+    if args.list:
+        for c in cases:
+            print(f"{c.name}  (page {c.case.page_size}, {c.case.forward_mode.name})")
+        print(f"{len(cases)} cases")
+        return 0
+    refusals = parse_refusals(args.refuse)
+    names = ("HAL_ATTENTION_BACKEND", "HAL_DEVICE", "TRITON_INTERPRET", "HAL_NPU_EMULATION")
+    env = {k: os.environ[k] for k in names if k in os.environ}
+    print(
+        f"SGLang kit: backend {args.backend} as {args.name!r}, {args.dtype}, atol {atol:g} rtol {rtol:g}, "
+        f"{len(cases)} cases, env {env} (import {import_s:.1f} s)",
+        flush=True,
+    )
+    results = []
+    for kc in cases:
+        r = run_case(kc, refusals, args.verbose)
+        results.append(r)
+        mark = "ok " if r.expected else "BAD"
+        line = f"{mark} {r.status:8s} {r.seconds:6.2f}s  {r.name}"
+        if r.message and (not r.expected or r.status != "passed"):
+            first = r.message if args.verbose and not r.expected else r.message.splitlines()[0][:300]
+            line += f"\n      {first}"
+        print(line, flush=True)
+    counts = {s: sum(r.status == s for r in results) for s in ("passed", "failed", "refused", "skipped")}
+    bad = [r for r in results if not r.expected]
+    total_s = time.perf_counter() - t0
+    print(
+        f"SGLang kit summary: {counts['passed']}/{len(results)} passed, {counts['refused']} refused, "
+        f"{counts['failed']} failed, {counts['skipped']} skipped; {len(bad)} not as expected; {total_s:.1f} s",
+        flush=True,
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "backend": args.backend,
+                    "name": args.name,
+                    "swa_decode_rule": getattr(factory, "swa_decode_rule", None),
+                    "dtype": args.dtype,
+                    "atol": atol,
+                    "rtol": rtol,
+                    "env": env,
+                    "counts": counts,
+                    "not_as_expected": len(bad),
+                    "seconds": total_s,
+                    "results": [r.__dict__ for r in results],
+                },
+                f,
+                indent=1,
+            )
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

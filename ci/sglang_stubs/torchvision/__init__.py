@@ -1,0 +1,8 @@
+"""IMPORT-ONLY STAND-IN for torchvision: not torchvision. Importing works; calling anything raises.
+
+See ci/sglang_stubs/_hal_sglang_stub.py for why hal's `sglang` test env carries it.
+"""
+
+from _hal_sglang_stub import stub_package
+
+stub_package(__name__, globals(), "0.28.0+hal.importstub")

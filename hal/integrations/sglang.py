@@ -1,0 +1,398 @@
+"""hal inside SGLang: ``--attention-backend hal``.
+
+``HalAttnBackend(model_runner)`` is an SGLang attention backend (a subclass of SGLang's
+``AttentionBackend``, built the way SGLang's attention registry builds one: from the
+model runner). It chooses hal's device and backend for the runner's device and the
+model's attention shape, then serves SGLang's own ``ForwardBatch`` (and its graph
+runners' views of one), ``RadixAttention`` layers, ``ReqToTokenPool`` and
+``MHATokenToKVPool`` directly: the pools are read where they are, nothing is copied.
+
+    import hal.integrations.sglang as hal_sglang
+    hal_sglang.register()            # --attention-backend hal (also done by SGLang's plugin loader)
+
+Choosing: the device is the runner's (``model_runner.device`` with ``gpu_id``), the
+backend is hal's first that can serve the model; ``HAL_DEVICE`` /
+``HAL_ATTENTION_BACKEND`` / ``HAL_PREFILL_BACKEND`` / ``HAL_DECODE_BACKEND`` override
+as everywhere in hal, and SGLang's own split (``--prefill-attention-backend`` /
+``--decode-attention-backend``) picks hal backends by registered name: ``register("hal_triton",
+backend="triton")`` makes ``--decode-attention-backend hal_triton`` mean hal's triton
+backend. Anything hal cannot serve is refused when the backend is built, with every
+backend's reasons (``hal.NoBackendError``).
+
+Importing this module without SGLang raises ``hal.errors.MissingDependencyError``; no
+other hal module imports SGLang.
+"""
+
+from __future__ import annotations
+
+from hal.errors import MissingDependencyError
+
+try:
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.layers.attention.base_attn_backend import AttentionBackend as _SGLangAttentionBackend
+except ImportError as _exc:  # not installed, or installed without what its import chain needs
+    raise MissingDependencyError(
+        "hal.integrations.sglang needs SGLang (tested with sglang==0.5.21): "
+        f"importing it failed with {type(_exc).__name__}: {_exc}. Install SGLang, or on a CPU-only machine "
+        "`pip install --no-deps sglang==0.5.21` plus hal's `sglang` extra (see docs/sglang.md)."
+    ) from _exc
+
+import torch  # noqa: E402  (after the SGLang guard: its error is the one to see)
+
+import hal  # noqa: E402
+from hal.errors import ConfigError, UnsupportedError  # noqa: E402
+
+__all__ = ["HalAttnBackend", "register", "sglang_plugin", "attention_config"]
+
+# SGLang's ForwardMode -> hal's, by name (SGLang has no DRAFT_EXTEND; its DRAFT_EXTEND_V2 is hal's DRAFT_EXTEND).
+_MODES = {
+    "EXTEND": hal.ForwardMode.EXTEND,
+    "DECODE": hal.ForwardMode.DECODE,
+    "MIXED": hal.ForwardMode.MIXED,
+    "IDLE": hal.ForwardMode.IDLE,
+    "TARGET_VERIFY": hal.ForwardMode.TARGET_VERIFY,
+    "DRAFT_EXTEND_V2": hal.ForwardMode.DRAFT_EXTEND,
+}
+
+# name -> (hal backend, hal device) for names registered with register(); None: hal chooses.
+_REGISTERED: dict[str, tuple[str | None, str | None]] = {}
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def runner_device(model_runner) -> str:
+    """The runner's device for hal: ``cuda:<gpu_id>`` / ``npu:<gpu_id>``, or ``cpu``."""
+    device = str(model_runner.device)
+    gpu_id = getattr(model_runner, "gpu_id", None)
+    if ":" not in device and device in ("cuda", "npu") and isinstance(gpu_id, int):
+        return f"{device}:{gpu_id}"
+    return device
+
+
+def hal_layer(layer) -> hal.AttentionLayer:
+    """hal's descriptor of a ``RadixAttention`` (same field names; refused: what hal does not compute)."""
+    attn_type = getattr(layer.attn_type, "value", layer.attn_type) if hasattr(layer, "attn_type") else "decoder"
+    if attn_type not in ("decoder", "encoder_only"):
+        raise UnsupportedError(f"layer {layer.layer_id}: attn_type {attn_type!r}: hal computes decoder, encoder_only")
+    method = getattr(layer, "logit_capping_method", "tanh")
+    if (layer.logit_cap or 0) > 0 and method != "tanh":
+        raise UnsupportedError(f"layer {layer.layer_id}: logit_capping_method {method!r}: hal caps with tanh")
+    window = layer.sliding_window_size
+    return hal.AttentionLayer(
+        layer_id=layer.layer_id,
+        tp_q_head_num=layer.tp_q_head_num,
+        tp_k_head_num=layer.tp_k_head_num,
+        head_dim=layer.head_dim,
+        tp_v_head_num=layer.tp_v_head_num,
+        v_head_dim=layer.v_head_dim,
+        scaling=float(layer.scaling),
+        logit_cap=float(layer.logit_cap or 0.0),
+        sliding_window_size=-1 if window is None else int(window),
+        is_cross_attention=bool(layer.is_cross_attention),
+        attn_type=attn_type,
+    )
+
+
+def _radix_layers(model) -> list:
+    if not isinstance(model, torch.nn.Module):
+        return []
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    return [m for m in model.modules() if isinstance(m, RadixAttention)]
+
+
+def _attention_tp_size(model_runner) -> int:
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        return int(get_parallel().attn_tp_size)
+    except Exception:  # an older SGLang, or a runner outside a server: the runner's own width
+        return int(getattr(model_runner, "tp_size", 1) or 1)
+
+
+def _server_args(model_runner):
+    return getattr(model_runner, "server_args", None)
+
+
+def _uses_graphs(model_runner) -> bool:
+    config = getattr(_server_args(model_runner), "cuda_graph_config", None)
+    decode = getattr(config, "decode", None)
+    return decode is not None and getattr(decode, "backend", "disabled") != "disabled"
+
+
+def _speculative(model_runner) -> bool:
+    args = _server_args(model_runner)
+    algorithm = getattr(model_runner, "spec_algorithm", None)
+    is_none = getattr(algorithm, "is_none", None)
+    return bool(getattr(args, "speculative_num_draft_tokens", 0)) or (callable(is_none) and not is_none())
+
+
+def attention_config(model_runner) -> hal.AttentionConfig:
+    """The ``AttentionConfig`` of the model a runner serves: shape from its KV pool and model config,
+    per-layer window / cap / causality from its ``RadixAttention`` layers (when the model has them),
+    limits from its request table, and whether speculative verify and graphs will come."""
+    pool = model_runner.token_to_kv_pool
+    table = model_runner.req_to_token_pool
+    model_config = model_runner.model_config
+    layout = getattr(pool, "kv_cache_layout", "nhd")
+    if layout != "nhd":
+        raise UnsupportedError(f"KV cache layout {layout!r}: hal reads [slots, kv_heads, head_dim] (nhd) buffers")
+    store = getattr(pool, "store_dtype", pool.dtype)
+    if store != pool.dtype or pool.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise UnsupportedError(
+            f"KV cache dtype {pool.dtype} (stored as {store}): hal serves fp32 / bf16 / fp16 caches in the model dtype"
+        )
+    layers = tuple(hal_layer(m) for m in _radix_layers(getattr(model_runner, "model", None)))
+    window = getattr(model_runner, "sliding_window_size", None)
+    if window is None:
+        window = getattr(model_config, "sliding_window_size", None)
+    common = dict(
+        dtype=pool.dtype,
+        page_size=pool.page_size,
+        custom_mask=_speculative(model_runner),
+        graph=_uses_graphs(model_runner),
+        layer_num=pool.layer_num,
+        max_context_len=int(table.req_to_token.shape[1]),
+        max_batch_size=int(table.size),
+    )
+    if layers:
+        return hal.AttentionConfig.from_layers(layers, **common)
+    return hal.AttentionConfig(
+        tp_q_head_num=model_config.get_num_attention_heads(_attention_tp_size(model_runner)),
+        tp_k_head_num=pool.head_num,
+        head_dim=pool.head_dim,
+        v_head_dim=getattr(pool, "v_head_dim", None) or pool.head_dim,
+        sliding_window_size=-1 if window is None else int(window),
+        non_causal=bool(getattr(model_config, "is_encoder_decoder", False)),
+        **common,
+    )
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+class SGLangBatch:
+    """SGLang's ``ForwardBatch`` (or a graph runner's view of one) as hal reads a batch.
+
+    Every field is SGLang's own object, read through; this adds what SGLang keeps
+    elsewhere: the pools (SGLang's backends hold them; its batches do not), hal's
+    ``forward_mode`` (SGLang's ``DRAFT_EXTEND_V2`` is hal's ``DRAFT_EXTEND``) and
+    ``graph_static`` (SGLang prepares a graph step with ``init_forward_metadata_out_graph``
+    called directly, an eager one with ``init_forward_metadata``).
+    """
+
+    __slots__ = ("batch", "forward_mode", "req_to_token_pool", "token_to_kv_pool", "graph_static")
+
+    def __init__(self, batch, req_to_token_pool, token_to_kv_pool, graph_static: bool):
+        mode = batch.forward_mode
+        hal_mode = _MODES.get(getattr(mode, "name", None))
+        if hal_mode is None:
+            raise UnsupportedError(f"forward_mode {mode!r}: hal serves {sorted(_MODES)}")
+        self.batch = batch
+        self.forward_mode = hal_mode
+        self.req_to_token_pool = req_to_token_pool
+        self.token_to_kv_pool = token_to_kv_pool
+        self.graph_static = graph_static
+
+    def __getattr__(self, name):
+        return getattr(self.batch, name)
+
+
+# ----------------------------------------------------------------------------- the backend
+
+# kwargs SGLang's models may pass to forward that hal does not compute; None is accepted as absent.
+_KWARGS_REFUSED = ("sinks", "attn_sink", "k_rope", "q_rope", "cos_sin_cache", "topk_indices", "score_mod", "rel_bias")
+
+
+def _same_device(a, b) -> bool:
+    a, b = torch.device(a), torch.device(b)
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+class HalAttnBackend(_SGLangAttentionBackend):
+    """An SGLang attention backend that runs hal's backend for the runner's device and model.
+
+    ``HalAttnBackend(model_runner, backend=None, device=None, **options)``: ``backend``
+    forces one hal backend for both phases (``HAL_ATTENTION_BACKEND`` still overrides it, as
+    everywhere in hal); ``device`` replaces the runner's; ``options`` go to the backend's
+    constructor. Raises ``hal.NoBackendError`` (every backend with its reasons) when hal cannot
+    serve the model here, ``UnsupportedError`` for what hal does not compute at all (an fp8 or
+    HND KV cache, SGLang's unified memory pool, attention sinks...).
+
+    ``hal_backend`` is the hal backend, ``selection`` how it was chosen (``selection.trace``),
+    ``config`` the ``AttentionConfig`` derived from the runner (:func:`attention_config`).
+    """
+
+    # SGLang's attention kit knows two sliding-window decode rules; hal's is the extend rule for
+    # every mode: a query at position p sees keys p - W .. p (W + 1 keys).
+    swa_decode_rule = "extend_window"
+
+    def __init__(self, model_runner, *, backend: str | None = None, device: str | None = None, **options):
+        super().__init__()
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.token_to_kv_pool = model_runner.token_to_kv_pool
+        translator = getattr(model_runner, "kv_index_translator", None)
+        if getattr(translator, "is_translating", False):
+            raise UnsupportedError(
+                "SGLang's unified memory pool (a translating KVIndexTranslator): hal reads req_to_token slots as "
+                "physical KV slots"
+            )
+        self.kv_index_translator = translator
+        self.config = attention_config(model_runner)
+        self.selection = hal.select(
+            self.config,
+            device=device or runner_device(model_runner),
+            prefill_backend=backend,
+            decode_backend=backend,
+        )
+        cap = self.selection.capability
+        pool_device = self.token_to_kv_pool.device
+        if not _same_device(cap.torch_device, pool_device):
+            raise ConfigError(
+                f"hal chose device {self.selection.device!r} (tensors on {cap.torch_device}), but SGLang's KV pool "
+                f"is on {pool_device}: set HAL_DEVICE to the runner's device"
+            )
+        self.hal_backend = self.selection.create(**options)
+        self.device = cap.torch_device
+        self.needs_cpu_seq_lens = self.hal_backend.needs_cpu_seq_lens
+        self.data_type = getattr(model_runner, "dtype", self.config.dtype)
+        self.kv_cache_dtype = self.config.dtype
+        self._layers: dict[int, tuple[object, hal.AttentionLayer]] = {}
+        self._graph = False  # whether the current metadata was prepared for a graph step
+        self._last: tuple[object, SGLangBatch] | None = None
+
+    def __repr__(self) -> str:
+        return f"HalAttnBackend({self.selection.device}/{self.selection.backend})"
+
+    # -- what hal reads ----------------------------------------------------------------
+    def hal_batch(self, forward_batch, graph_static: bool | None = None) -> SGLangBatch:
+        """``forward_batch`` as hal reads it (the same view while SGLang passes the same object)."""
+        graph_static = self._graph if graph_static is None else graph_static
+        last = self._last
+        if last is not None and last[0] is forward_batch and last[1].graph_static == graph_static:
+            return last[1]
+        view = SGLangBatch(forward_batch, self.req_to_token_pool, self.token_to_kv_pool, graph_static)
+        self._last = (forward_batch, view)
+        return view
+
+    def hal_layer(self, layer) -> hal.AttentionLayer:
+        """hal's descriptor of a ``RadixAttention``, built once per layer object."""
+        entry = self._layers.get(id(layer))
+        if entry is None or entry[0] is not layer:
+            entry = (layer, layer if isinstance(layer, hal.AttentionLayer) else hal_layer(layer))
+            self._layers[id(layer)] = entry
+        return entry[1]
+
+    @property
+    def forward_metadata(self):
+        """The hal backend's current metadata (SGLang's field names where SGLang has one: ``kv_indptr``...)."""
+        backend = self.__dict__.get("hal_backend")
+        return None if backend is None else backend.forward_metadata
+
+    @forward_metadata.setter
+    def forward_metadata(self, value) -> None:  # SGLang's metadata snapshot / restore
+        backend = self.__dict__.get("hal_backend")
+        if backend is not None:
+            backend.forward_metadata = value
+
+    # -- SGLang's metadata contract --------------------------------------------------------
+    def init_forward_metadata(self, forward_batch) -> None:
+        """An eager step."""
+        self._graph = False
+        self.hal_backend.init_forward_metadata(self.hal_batch(forward_batch, False))
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
+        """A graph step, before its capture (``in_capture``) or replay: hal's fixed-shape graph buffers."""
+        self._graph = True
+        self.hal_backend.init_forward_metadata_out_graph(self.hal_batch(forward_batch, True), in_capture)
+
+    def init_forward_metadata_in_graph(self, forward_batch) -> None:
+        self.hal_backend.init_forward_metadata_in_graph(self.hal_batch(forward_batch))
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        self.hal_backend.init_cuda_graph_state(max_bs, max_num_tokens)
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return self.hal_backend.get_cuda_graph_seq_len_fill_value()
+
+    def get_cpu_graph_seq_len_fill_value(self) -> int:
+        return self.hal_backend.get_cuda_graph_seq_len_fill_value()
+
+    def on_after_cuda_graph_warmup(self) -> None:
+        self.hal_backend.on_after_cuda_graph_warmup()
+
+    def support_triton(self) -> bool:
+        return self.hal_backend.support_triton()
+
+    def get_indexer_metadata(self, layer_id: int, forward_batch):
+        return None
+
+    # -- forward -----------------------------------------------------------------------
+    def _call(self, method: str, q, k, v, layer, forward_batch, save_kv_cache: bool, kwargs: dict):
+        given = sorted(key for key in _KWARGS_REFUSED if kwargs.get(key) is not None)
+        if given:
+            raise UnsupportedError(f"hal's attention takes no {given} (layer {getattr(layer, 'layer_id', '?')})")
+        batch = self.hal_batch(forward_batch)
+        return getattr(self.hal_backend, method)(q, k, v, self.hal_layer(layer), batch, save_kv_cache=save_kv_cache)
+
+    def forward(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        """SGLang's ``forward``, routed by hal (MIXED goes to ``forward_mixed`` where the device fuses it)."""
+        return self._call("forward", q, k, v, layer, forward_batch, save_kv_cache, kwargs)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        return self._call("forward_decode", q, k, v, layer, forward_batch, save_kv_cache, kwargs)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        return self._call("forward_extend", q, k, v, layer, forward_batch, save_kv_cache, kwargs)
+
+    def forward_mixed(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        return self._call("forward_mixed", q, k, v, layer, forward_batch, save_kv_cache, kwargs)
+
+
+# ----------------------------------------------------------------------------- registration
+
+
+def register(name: str = "hal", *, backend: str | None = None, device: str | None = None):
+    """Add ``name`` to SGLang's attention registry (and its ``--attention-backend`` choices).
+
+    ``backend`` / ``device`` fix hal's choice for this name, so SGLang's own split works
+    with hal backends: ``register("hal_triton", backend="triton")`` then
+    ``--prefill-attention-backend hal --decode-attention-backend hal_triton``. Returns the
+    factory SGLang calls with its model runner.
+    """
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"name = {name!r}: expected a non-empty string")
+
+    def factory(model_runner):
+        return HalAttnBackend(model_runner, backend=backend, device=device)
+
+    factory.__name__ = factory.__qualname__ = f"create_{name}_backend"
+    factory.swa_decode_rule = HalAttnBackend.swa_decode_rule
+    ATTENTION_BACKENDS[name] = factory
+    try:
+        from sglang.srt.arg_groups import choices
+    except ImportError:  # an SGLang without extensible choice lists: the registry entry is what counts
+        choices = None
+    if choices is not None:
+        for listed, add in (
+            (choices.ATTENTION_BACKEND_CHOICES, choices.add_attention_backend_choices),
+            (choices.DRAFT_ATTENTION_BACKEND_CHOICES, choices.add_draft_attention_backend_choices),
+        ):
+            if name not in listed:
+                add([name])
+    _REGISTERED[name] = (backend, device)
+    return factory
+
+
+def sglang_plugin() -> None:
+    """SGLang's plugin hook (entry point group ``sglang.srt.plugins``): registers ``hal`` and
+    ``hal_<backend>`` for every backend of every hal device."""
+    from hal.registry import device_backends, get_registry
+
+    register("hal")
+    for device in get_registry().devices.values():
+        classes, _ = device_backends(device)
+        for cls in classes:
+            if f"hal_{cls.name}" not in _REGISTERED:
+                register(f"hal_{cls.name}", backend=cls.name)
