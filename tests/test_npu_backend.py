@@ -556,3 +556,51 @@ def test_extend_route_is_declared_with_the_reason(npu, head_dim, op):
     if reasons:
         assert "TND takes head dim 128 or 192" in reasons[0]
     assert any("head_dim 128 or 192" in n for n in AscendBackend.notes(cap))
+
+
+def test_a_captured_verify_step_has_a_splitfuse_mask_row_per_draft_token(npu):
+    """SGLang's graph runner captures TARGET_VERIFY at bs requests of draft tokens each: the mask buffer
+    needs bs * draft_token_num rows (init_cuda_graph_state's max_num_tokens), not max_bs."""
+    _, cap = npu
+    built = build(Case("graph_verify", V, ((5, 4), (20, 4), (17, 4)), page_size=16))
+    fb = built.batch
+    fb.graph_static = True  # a graph runner's static batch
+    backend = AscendBackend(cap)
+    backend.init_cuda_graph_state(max_bs=3, max_num_tokens=3 * 4)
+    for in_capture in (True, False):  # capture, then a replay of the same (mode, batch size)
+        backend.init_forward_metadata_out_graph(fb, in_capture=in_capture)
+        backend.init_forward_metadata_in_graph(fb)
+        assert backend.forward_metadata.graph_static
+        _close(backend.forward(built.q, built.k, built.v, built.layer, fb), built)
+    with pytest.raises(GraphCaptureError, match="max_num_tokens"):
+        backend.init_cuda_graph_state(max_bs=3, max_num_tokens=3)
+        backend.init_forward_metadata_out_graph(fb, in_capture=True)
+
+
+def _permute_new_slots(built, request: int) -> None:
+    """Scatter request ``request``'s new tokens over its new-token slots in another order (SGLang's kit
+    layout ``non_monotonic_extend``): req_to_token and out_cache_loc agree; pages no longer hold
+    token i at offset i % page_size."""
+    fb = built.batch
+    prefix, new = built.case.requests[request]
+    row = int(fb.req_pool_indices[request])
+    start = sum(n for _, n in built.case.requests[:request])
+    slots = fb.req_to_token_pool.req_to_token[row, prefix : prefix + new].clone()
+    order = torch.arange(new).roll(1)
+    fb.req_to_token_pool.req_to_token[row, prefix : prefix + new] = slots[order]
+    fb.out_cache_loc[start : start + new] = slots[order].to(fb.out_cache_loc.dtype)
+
+
+@pytest.mark.parametrize("mode", [E, M], ids=["extend", "mixed"])
+def test_eager_steps_with_slots_off_their_page_offsets_are_served_through_an_aligned_copy(npu, mode):
+    _, cap = npu
+    requests = ((0, 20), (14, 5), (40, 1)) if mode == M else ((0, 20), (14, 5))
+    built = build(Case("misaligned", mode, requests, page_size=16))
+    backend = AscendBackend(cap)
+    backend.init_forward_metadata(built.batch)
+    assert backend.forward_metadata.relayout is None  # hal's layout: page-aligned, read in place
+    _permute_new_slots(built, 0)
+    _permute_new_slots(built, 1)
+    out = _run(backend, built)
+    assert backend.forward_metadata.relayout is not None
+    _close(out, built)

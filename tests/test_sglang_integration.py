@@ -8,10 +8,16 @@ real ``ModelRunner`` mock, ``ForwardBatch``, ``RadixAttention``, ``ReqToTokenPoo
 
 from __future__ import annotations
 
+import itertools
 import os
 import pathlib
 import subprocess
 import sys
+
+import pytest
+import torch
+
+import hal
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -50,3 +56,23 @@ def test_the_rest_of_hal_never_imports_sglang():
     for path in [*ROOT.glob("hal/**/*.py"), *ROOT.glob("devices/**/*.py"), *ROOT.glob("kernels/**/*.py")]:
         if "integrations" not in path.parts:
             assert "import sglang" not in path.read_text() and "from sglang" not in path.read_text(), path
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "ascend"])
+def test_metadata_is_exposed_under_sglangs_names(monkeypatch, backend_name):
+    """SGLang's kit and tools read ``forward_metadata.kv_indptr`` / ``kv_indices``: every key's slot, CSR."""
+    from hal.batch import ForwardMode
+    from hal.conformance.cases import Case, build
+    from hal.selection import select
+
+    monkeypatch.setenv("HAL_NPU_EMULATION", "1")
+    case = Case("names", ForwardMode.EXTEND, ((0, 20), (14, 5), (40, 1)), page_size=16)
+    built = build(case)
+    config = hal.AttentionConfig(tp_q_head_num=4, tp_k_head_num=2, head_dim=64, dtype=torch.float32, page_size=16)
+    backend = select(config, device="npu" if backend_name == "ascend" else "cpu", backend=backend_name).create()
+    backend.init_forward_metadata(built.batch)
+    meta = backend.forward_metadata
+    kv = [p + n for p, n in case.requests]
+    assert meta.kv_indptr.tolist() == [0, *itertools.accumulate(kv)]
+    table, rows = built.batch.req_to_token_pool.req_to_token, built.batch.req_pool_indices.tolist()
+    assert meta.kv_indices.tolist() == [s for r, n in zip(rows, kv) for s in table[r, :n].tolist()]

@@ -34,6 +34,26 @@ class TorchMetadata:
     q_index: torch.Tensor | None = None  # int64 [B, Q], row of each query in q (T for padding)
     custom_mask: torch.Tensor | None = None  # bool [B, Q, W] (TARGET_VERIFY only)
 
+    # SGLang's names for the same data (its attention kit and tools inspect them), built when read.
+    @property
+    def kv_indptr(self) -> torch.Tensor | None:
+        """int32 ``[B + 1]``: 0, then the running sum of each request's keys (its query tokens included)."""
+        return None if self.kv_valid is None else _indptr(self.kv_valid.sum(1))
+
+    @property
+    def kv_indices(self) -> torch.Tensor | None:
+        """int32: the KV slot of every key, request after request (CSR over ``kv_indptr``)."""
+        return None if self.slots is None else self.slots[self.kv_valid].to(torch.int32)
+
+    @property
+    def qo_indptr(self) -> torch.Tensor | None:
+        """int32 ``[B + 1]``: 0, then the running sum of each request's query tokens."""
+        return None if self.q_index is None else _indptr((self.q_index < self.num_tokens).sum(1))
+
+
+def _indptr(counts: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.pad(torch.cumsum(counts, 0, dtype=torch.int32), (1, 0))
+
 
 class TorchBackend(AttentionBackend):
     name = "torch"

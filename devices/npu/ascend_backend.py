@@ -25,6 +25,10 @@ Host/device split: the ops take per-request lengths on the host, so ``init_forwa
 keeps them as Python lists (the wrappers make the CPU int32 tensors / lists the ops take) and
 builds the splitfuse masks (once per batch per variant, other windows lazily);
 ``init_forward_metadata_in_graph`` only gathers the block table on the device (a static shape).
+Eager steps also check, with one host read, that every request's token ``i`` sits at offset
+``i % page_size`` of its page, as the block tables assume; a batch laid out otherwise (SGLang's
+attention kit builds such layouts; its paged allocator never does) is served through a
+page-aligned scratch copy of its keys and values (``AscendMetadata.relayout``).
 ``forward`` reads no device tensor on the host; the one exception, outside any graph, is the first
 layer with a new window in a TARGET_VERIFY batch, whose mask copies the custom mask to the host.
 Under the emulation each op runs as one opaque launch (``_EmulatedOps``): hal's eager-graph guard
@@ -134,6 +138,32 @@ class AscendMetadata:
     custom_mask: torch.Tensor | None = None  # TARGET_VERIFY: hal's flat bool mask (device)
     block_table: torch.Tensor | None = None  # int32 [B, max_blocks] (device)
     masks: dict[MaskKey, torch.Tensor] = field(default_factory=dict)  # splitfuse masks [T, W] (device)
+    page_size: int = 1
+    # int64 [B * max_blocks * page_size]: when the batch's slots are not page-aligned, the pool slot of every
+    # slot of a scratch paged cache that is (request b's pages at b * max_blocks ...); None when they are.
+    relayout: torch.Tensor | None = None
+
+    # SGLang's names for the same data (its attention kit and tools inspect them), built when read.
+    @property
+    def kv_indptr(self) -> torch.Tensor | None:
+        """int32 ``[B + 1]``: 0, then the running sum of ``kv_lens``."""
+        if self.block_table is None:
+            return None
+        indptr = torch.zeros(len(self.kv_lens) + 1, dtype=torch.int32)
+        indptr[1:] = torch.cumsum(torch.tensor(self.kv_lens, dtype=torch.int64), 0)
+        return indptr.to(self.block_table.device)
+
+    @property
+    def kv_indices(self) -> torch.Tensor | None:
+        """int32: the KV slot the ops read for every key (block table page * page_size + offset), CSR over
+        ``kv_indptr``."""
+        if self.block_table is None:
+            return None
+        parts = []
+        for row, n in zip(self.block_table, self.kv_lens):
+            pos = torch.arange(n, device=row.device)
+            parts.append(row[pos // self.page_size].long() * self.page_size + pos % self.page_size)
+        return torch.cat(parts).to(torch.int32) if parts else self.block_table.new_zeros(0)
 
 
 @dataclass
@@ -146,6 +176,26 @@ class _CapturedTask:
     workspace: torch.Tensor | None = None
 
 
+def _relayout(
+    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, kv_lens: list[int], page_size: int, max_blocks: int
+) -> torch.Tensor | None:
+    """None when token ``i`` of every request sits at offset ``i % page_size`` of a page (what the ops read
+    through a block table, and what SGLang's paged allocator produces); else the gather index of a scratch
+    cache laid out that way, ``[B * max_blocks * page_size]`` pool slots (0, the padding slot, past a
+    request's keys). One device-to-host read; eager steps only (a captured graph trusts the layout)."""
+    width = max_blocks * page_size
+    rows = req_to_token.index_select(0, req_pool_indices.long())[:, :width].long()
+    if rows.shape[1] < width:
+        rows = torch.nn.functional.pad(rows, (0, width - rows.shape[1]))
+    pos = torch.arange(width, device=rows.device)
+    valid = pos[None, :] < torch.tensor(kv_lens, device=rows.device)[:, None]
+    page_start = rows[:, pos - pos % page_size]
+    aligned = (page_start % page_size == 0) & (rows == page_start + pos % page_size)
+    if bool((aligned | ~valid).all()):
+        return None
+    return torch.where(valid, rows, 0).reshape(-1)
+
+
 # ----------------------------------------------------------------------------- backend
 
 
@@ -156,9 +206,10 @@ class AscendBackend(AttentionBackend):
     supports_logit_cap = False  # neither ATB PagedAttention nor FIA takes a soft cap
     supports_mla = False  # one head size for the K and V caches
     needs_cpu_seq_lens = True  # the ops take per-request lengths on the host
-    requires_page_aligned_slots = (
-        True  # block tables: the ops read token i at offset i % block_size of block i // block_size
-    )
+    # The ops read token i at offset i % block_size of block i // block_size (block tables). An eager step
+    # whose slots are laid out otherwise is re-laid out into a scratch cache (one host read, see _relayout);
+    # a captured graph step trusts the layout, which SGLang's paged allocator and hal's guarantee.
+    requires_page_aligned_slots = False
 
     def __init__(self, capability: DeviceCapability, config=None, **options):
         ops = _ops_for(capability)  # first: a real NPU without torch_npu is a clear error, not a torch one
@@ -275,6 +326,14 @@ class AscendBackend(AttentionBackend):
             fb.batch_size,
             f"<= the max_bs given to init_cuda_graph_state ({self.graph_max_bs}); call it first",
         )
+        tokens = fb.out_cache_loc.shape[0]
+        expect(
+            tokens <= self.graph_max_tokens,
+            GraphCaptureError,
+            "static batch tokens",
+            tokens,
+            f"<= the max_num_tokens given to init_cuda_graph_state ({self.graph_max_tokens})",
+        )
         width = fb.req_to_token_pool.req_to_token.shape[1]
         if self._graph_block_table is None or width != self._graph_width:
             ps = fb.token_to_kv_pool.page_size
@@ -305,8 +364,13 @@ class AscendBackend(AttentionBackend):
             kv_lens=kv_lens,
             dtype=pool.dtype,
             graph_static=static,
+            page_size=pool.page_size,
             custom_mask=self._custom_mask(fb, q_lens, kv_lens) if mode.is_target_verify() else None,
         )
+        if not static and pool.page_size > 1 and fb.batch_size:
+            meta.relayout = _relayout(
+                fb.req_to_token_pool.req_to_token, fb.req_pool_indices, kv_lens, pool.page_size, max_blocks
+            )
         if static:
             for key in self._graph_masks:  # the variants the captured layers use, refilled in place
                 meta.masks[key] = self._fill_graph_mask(meta, key)
@@ -331,6 +395,9 @@ class AscendBackend(AttentionBackend):
         if meta.graph_static:
             meta.block_table = self._graph_block_table[: fb.batch_size]
             meta.block_table.copy_(table)
+        elif meta.relayout is not None:  # the scratch cache's pages, request after request
+            pages = torch.arange(fb.batch_size * meta.max_blocks, dtype=torch.int32, device=table.device)
+            meta.block_table = pages.view(fb.batch_size, meta.max_blocks)
         else:
             meta.block_table = table
 
@@ -439,6 +506,9 @@ class AscendBackend(AttentionBackend):
             if meta.graph_static:  # padding requests all target the padding slot: skip them (negative slot)
                 slots = torch.where(slots == 0, -1, slots)
             npu_ops.write_kv(self.ops, k, v, k_cache, v_cache, slots)
+        if meta.relayout is not None:  # read through a page-aligned copy of the batch's keys and values
+            k_cache = npu_ops.paged_view(pool.get_key_buffer(layer.layer_id)[meta.relayout], meta.page_size)
+            v_cache = npu_ops.paged_view(pool.get_value_buffer(layer.layer_id)[meta.relayout], meta.page_size)
         return meta, q.to(pool.dtype).contiguous(), k_cache, v_cache
 
     def _refuse_capture(self, op: str) -> None:
