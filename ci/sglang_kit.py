@@ -213,7 +213,7 @@ def build_cases(kit, name: str, dtype, device: str) -> list[KitCase]:
     graph_verify = (
         (case("graph_verify_chain_padded", verify, (5, 16), (4, 4)), dict(topk=1)),
         (case("graph_verify_tree_full_batch", verify, (3, 7, 15, 16), (3, 3, 3, 3)), dict(topk=2)),
-        (case("graph_verify_gqa_page_size_1", verify, (6, 9, 2), (3, 3, 3), kv_heads=2, page_size=1), dict(topk=1)),
+        (case("graph_verify_gqa", verify, (6, 9, 2), (3, 3, 3), kv_heads=2), dict(topk=1)),
         (case("graph_verify_swa", verify, (2, 6, 11), (3, 3, 3), window=4), dict(topk=1)),
     )
     cases += [
@@ -239,13 +239,17 @@ def run_invariants_case(kit, testcase, case, *, dtype, device) -> None:
     kit.invariants.assert_cg_metadata_well_formed(backend, bs=case.batch_size)
     bs = case.batch_size
     indptr = meta.kv_indptr[: bs + 1].long().cpu()
-    kv_lens = torch.tensor(case.seq_lens)
-    steps = indptr[1:] - indptr[:-1]
-    assert torch.equal(steps, kv_lens), f"kv_indptr steps {steps.tolist()} != the KV lengths {case.seq_lens}"
+    steps = (indptr[1:] - indptr[:-1]).tolist()
+    # Every key, or (SGLang's triton convention for extend) the cached prefix only, the new keys coming from k/v.
+    conventions = [list(case.seq_lens)] + ([] if case.forward_mode.is_decode() else [list(case.prefix_lens)])
+    assert steps in conventions, f"kv_indptr steps {steps}: expected the KV lengths {case.seq_lens}" + (
+        f" or the prefix lengths {case.prefix_lens}" if len(conventions) > 1 else ""
+    )
     table = fixture.runner.req_to_token_pool.req_to_token
-    slots = torch.cat([table[fb.req_pool_indices[i].item(), :n] for i, n in enumerate(case.seq_lens)]).long()
+    slots = [table[fb.req_pool_indices[i].item(), :n] for i, n in enumerate(steps)]
+    want = torch.cat(slots).long().cpu() if slots else torch.zeros(0, dtype=torch.long)
     got = meta.kv_indices[: int(indptr[-1])].long().cpu()
-    assert torch.equal(got, slots.cpu()), "kv_indices are not the request table's slots of the batch"
+    assert torch.equal(got, want), "kv_indices are not the request table's slots of the batch's keys"
     torch.testing.assert_close(actual, d.expected_dense_fixture_output(fixture), atol=d.DENSE_ATOL, rtol=d.DENSE_RTOL)
 
 
