@@ -8,6 +8,8 @@ real ``ModelRunner`` mock, ``ForwardBatch``, ``RadixAttention``, ``ReqToTokenPoo
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import itertools
 import os
 import pathlib
@@ -76,3 +78,160 @@ def test_metadata_is_exposed_under_sglangs_names(monkeypatch, backend_name):
     assert meta.kv_indptr.tolist() == [0, *itertools.accumulate(kv)]
     table, rows = built.batch.req_to_token_pool.req_to_token, built.batch.req_pool_indices.tolist()
     assert meta.kv_indices.tolist() == [s for r, n in zip(rows, kv) for s in table[r, :n].tolist()]
+
+
+def test_flashinfer_metadata_is_exposed_under_sglangs_names_too():
+    from hal.devices.cuda.flashinfer_backend import FlashInferMetadata
+
+    table = torch.arange(4 * 8, dtype=torch.int32).view(4, 8) + 100
+    meta = FlashInferMetadata(
+        mode=hal.ForwardMode.DECODE,
+        batch_size=2,
+        num_tokens=2,
+        dtype=torch.float32,
+        page_size=1,
+        graph_static=False,
+        qo_indptr=torch.tensor([0, 1, 2], dtype=torch.int32),
+        kv_lens=[3, 5],
+        prefix_lens=[2, 4],
+        req_to_token=table,
+        req_pool_indices=torch.tensor([2, 1]),
+    )
+    assert meta.kv_indptr.tolist() == [0, 3, 8]
+    assert meta.kv_indices.tolist() == table[2, :3].tolist() + table[1, :5].tolist()
+
+
+# ----------------------------------------------------------------------------- under SGLang (tox -e sglang)
+
+
+@pytest.fixture(scope="module")
+def kit():
+    """SGLang's dense-attention kit with hal registered as ``hal`` (skips where SGLang is not installed)."""
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("SGLang is not installed (tox -e sglang installs it)")
+    sys.path.insert(0, str(ROOT / "ci"))
+    try:
+        import sglang_kit
+    finally:
+        sys.path.remove(str(ROOT / "ci"))
+    sglang_kit.set_environment(sglang_kit.parse_args([]))  # stand-ins for torchvision & co when missing
+    k = sglang_kit.Kit()
+    import hal.integrations.sglang as hal_sglang
+
+    hal_sglang.register("hal")
+    sglang_kit.register_backend(k, "hal", "hal")
+    k.module = sglang_kit
+    return k
+
+
+def _fixture(kit, mode_name="DECODE", prefix=(14, 15, 16), extend=(), page_size=16, window=None, **kw):
+    d = kit.dense
+    case = d.DenseAttentionCase(
+        name="t",
+        backend="hal",
+        forward_mode=getattr(kit.ForwardMode, mode_name),
+        num_heads=4,
+        num_kv_heads=2,
+        page_size=page_size,
+        prefix_lens=prefix,
+        extend_lens=extend,
+        sliding_window_size=window,
+    )
+    return d.build_dense_attention_fixture(kit.module._TestCase(), case, dtype=torch.float32, device="cpu", **kw)
+
+
+def test_register_puts_hal_in_sglangs_registry_and_choices(kit):
+    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+
+    import hal.integrations.sglang as hal_sglang
+
+    hal_sglang.sglang_plugin()
+    for name in ("hal", "hal_torch", "hal_triton", "hal_ascend", "hal_flashinfer"):
+        assert name in ATTENTION_BACKENDS and name in ATTENTION_BACKEND_CHOICES, name
+    (entry,) = [e for e in importlib.metadata.entry_points(group="sglang.srt.plugins") if e.name == "hal"]
+    assert entry.value == "hal.integrations.sglang:sglang_plugin"
+    with pytest.raises(hal.ConfigError):
+        hal_sglang.register("")
+
+
+def test_the_backend_is_sglangs_and_serves_its_runner_pools_in_place(kit):
+    from sglang.srt.layers.attention.base_attn_backend import AttentionBackend as SGLangBackend
+
+    fx = _fixture(kit, window=4)
+    backend, runner = fx.backend, fx.runner
+    assert isinstance(backend, SGLangBackend) and backend.swa_decode_rule == "extend_window"
+    assert backend.selection.device == "cpu" and backend.selection.backend == "torch"
+    config = backend.config
+    assert (config.tp_q_head_num, config.tp_k_head_num, config.head_dim, config.page_size) == (4, 2, 16, 16)
+    assert (config.sliding_window_size, config.max_context_len, config.max_batch_size) == (4, 64, 3)
+    assert backend.token_to_kv_pool is runner.token_to_kv_pool
+    assert backend.req_to_token_pool is runner.req_to_token_pool
+    k_buffer = runner.token_to_kv_pool.get_key_buffer(0)
+    pointer = k_buffer.data_ptr()
+    out = kit.dense.run_dense_fixture_eager(fx)
+    torch.testing.assert_close(out, kit.dense.expected_dense_fixture_output(fx), atol=1e-5, rtol=1e-5)
+    assert runner.token_to_kv_pool.get_key_buffer(0).data_ptr() == pointer  # written in place, never copied
+    _, k, _ = fx.actual_module.project_qkv(fx.input_hidden)
+    loc = fx.forward_batch.out_cache_loc
+    torch.testing.assert_close(k_buffer[loc], k.view(-1, 2, 16))
+
+
+@torch.no_grad()
+def test_sglangs_production_graph_padding_replays_correctly(kit):
+    """A decode step replayed at a captured batch of 4 with SGLang's padding rows: request 0, seq_len =
+    the fill value, slot 0. The real rows match the eager step."""
+    import types
+
+    fx = _fixture(kit, prefix=(14, 15, 16), runner_batch_size=4)
+    backend, fb = fx.backend, fx.forward_batch
+    q, k, v = fx.actual_module.project_qkv(fx.input_hidden)
+    layer = fx.actual_module.attn
+    backend.init_forward_metadata(fb)
+    eager = backend.forward(q, k, v, layer, fb)
+    fill = backend.get_cuda_graph_seq_len_fill_value()
+    padded = types.SimpleNamespace(
+        forward_mode=fb.forward_mode,
+        batch_size=4,
+        req_pool_indices=torch.cat([fb.req_pool_indices.long(), torch.zeros(1, dtype=torch.long)]),
+        seq_lens=torch.cat([fb.seq_lens.long(), torch.full((1,), fill)]),
+        seq_lens_cpu=torch.cat([fb.seq_lens_cpu.long(), torch.full((1,), fill)]),
+        seq_lens_sum=fb.seq_lens_sum + fill,
+        out_cache_loc=torch.cat([fb.out_cache_loc, torch.zeros(1, dtype=fb.out_cache_loc.dtype)]),
+        positions=None,
+        spec_info=None,
+        encoder_lens=None,
+    )
+    backend.init_cuda_graph_state(4, 4)
+    backend.init_forward_metadata_out_graph(padded, in_capture=True)
+    backend.init_forward_metadata_in_graph(padded)
+    pad = lambda t: torch.cat([t, torch.zeros_like(t[:1])])  # noqa: E731
+    backend.forward(pad(q), pad(k), pad(v), layer, padded)  # capture (warm-up)
+    backend.init_forward_metadata_out_graph(padded)  # replay
+    backend.init_forward_metadata_in_graph(padded)
+    replayed = backend.forward(pad(q), pad(k), pad(v), layer, padded)
+    torch.testing.assert_close(replayed[:3], eager, atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_what_hal_does_not_compute_is_refused_with_a_hal_error(kit):
+    import types
+
+    fx = _fixture(kit)
+    backend, fb = fx.backend, fx.forward_batch
+    q, k, v = fx.actual_module.project_qkv(fx.input_hidden)
+    backend.init_forward_metadata(fb)
+    with pytest.raises(hal.UnsupportedError, match="sinks"):
+        backend.forward(q, k, v, fx.actual_module.attn, fb, sinks=torch.zeros(4))
+    split = types.SimpleNamespace(forward_mode=kit.ForwardMode.SPLIT_PREFILL, batch_size=3)
+    with pytest.raises(hal.UnsupportedError, match="SPLIT_PREFILL"):
+        backend.init_forward_metadata(split)
+    runner = fx.runner
+    pool = runner.token_to_kv_pool
+    fp8 = types.SimpleNamespace(**{**vars(runner), "token_to_kv_pool": types.SimpleNamespace(**vars(pool))})
+    fp8.token_to_kv_pool.dtype = torch.float8_e4m3fn
+    fp8.token_to_kv_pool.store_dtype = torch.uint8
+    import hal.integrations.sglang as hal_sglang
+
+    with pytest.raises(hal.UnsupportedError, match="KV cache dtype"):
+        hal_sglang.HalAttnBackend(fp8)

@@ -253,6 +253,21 @@ class FlashInferMetadata:
     def has_prefix(self) -> bool:
         return any(self.prefix_lens)
 
+    # SGLang's names (its attention kit and tools inspect them), over keys rather than pages, built when read.
+    @property
+    def kv_indptr(self) -> torch.Tensor:
+        """int32 ``[B + 1]`` on ``req_to_token``'s device: 0, then the running sum of ``kv_lens``."""
+        return indptr_from_lens(self.kv_lens).to(self.req_to_token.device)
+
+    @property
+    def kv_indices(self) -> torch.Tensor:
+        """int32: the KV slot of every key, request after request (CSR over ``kv_indptr``)."""
+        device = self.req_to_token.device
+        lens = torch.tensor(self.kv_lens, dtype=torch.int64)
+        req = torch.repeat_interleave(torch.arange(len(self.kv_lens)), lens).to(device)
+        pos = (torch.arange(int(lens.sum())) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)).to(device)
+        return self.req_to_token[self.req_pool_indices.to(device).long()[req], pos].to(torch.int32)
+
     def kv(self) -> PagedKV:
         """Page table over every key a query sees (prefix + query tokens)."""
         if self._kv is None:

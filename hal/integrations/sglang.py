@@ -41,6 +41,7 @@ import torch  # noqa: E402  (after the SGLang guard: its error is the one to see
 
 import hal  # noqa: E402
 from hal.errors import ConfigError, UnsupportedError  # noqa: E402
+from hal.selection import HybridBackend  # noqa: E402
 
 __all__ = ["HalAttnBackend", "register", "sglang_plugin", "attention_config"]
 
@@ -284,15 +285,21 @@ class HalAttnBackend(_SGLangAttentionBackend):
             self._layers[id(layer)] = entry
         return entry[1]
 
+    def _metadata_owner(self):
+        backend, last = self.__dict__.get("hal_backend"), self.__dict__.get("_last")
+        if isinstance(backend, HybridBackend) and last is not None:  # the phase of the current step
+            return backend._for(last[1])
+        return backend
+
     @property
     def forward_metadata(self):
         """The hal backend's current metadata (SGLang's field names where SGLang has one: ``kv_indptr``...)."""
-        backend = self.__dict__.get("hal_backend")
+        backend = self._metadata_owner()
         return None if backend is None else backend.forward_metadata
 
     @forward_metadata.setter
     def forward_metadata(self, value) -> None:  # SGLang's metadata snapshot / restore
-        backend = self.__dict__.get("hal_backend")
+        backend = self._metadata_owner()
         if backend is not None:
             backend.forward_metadata = value
 
