@@ -235,3 +235,44 @@ def test_what_hal_does_not_compute_is_refused_with_a_hal_error(kit):
 
     with pytest.raises(hal.UnsupportedError, match="KV cache dtype"):
         hal_sglang.HalAttnBackend(fp8)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("mode_name", ["MIXED", "DRAFT_EXTEND_V2"])
+def test_sglangs_other_extend_modes_route_as_hal_defines_them(kit, mode_name):
+    """MIXED (chunked prefills with decodes) and SGLang's DRAFT_EXTEND_V2 (hal's DRAFT_EXTEND)."""
+    fx = _fixture(kit, mode_name, prefix=(0, 15, 33), extend=(20, 1, 3))
+    out = kit.dense.run_dense_fixture_eager(fx)
+    torch.testing.assert_close(out, kit.dense.expected_dense_fixture_output(fx), atol=1e-5, rtol=1e-5)
+    assert fx.backend.hal_batch(fx.forward_batch).forward_mode.name == (
+        "MIXED" if mode_name == "MIXED" else "DRAFT_EXTEND"
+    )
+
+
+def test_cross_attention_layers_are_refused(kit):
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    import hal.integrations.sglang as hal_sglang
+
+    layer = RadixAttention(4, 16, 0.25, 2, layer_id=0, is_cross_attention=True)
+    with pytest.raises(hal.UnsupportedError, match="cross attention"):
+        hal_sglang.hal_layer(layer)
+
+
+def test_the_config_takes_each_layers_window_and_cap_from_the_models_radix_attention(kit):
+    import types
+
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    import hal.integrations.sglang as hal_sglang
+
+    runner = _fixture(kit).runner
+    model = torch.nn.ModuleList(
+        [
+            RadixAttention(4, 16, 0.25, 2, layer_id=0, sliding_window_size=8),
+            RadixAttention(4, 16, 0.25, 2, layer_id=1, logit_cap=30.0),
+        ]
+    )
+    config = hal_sglang.attention_config(types.SimpleNamespace(**{**vars(runner), "model": model}))
+    assert [x.sliding_window_size for x in config.layers] == [8, -1]
+    assert (config.sliding_window_size, config.logit_cap, config.layer_num) == (8, 30.0, 2)

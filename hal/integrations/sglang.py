@@ -76,6 +76,11 @@ def hal_layer(layer) -> hal.AttentionLayer:
     attn_type = getattr(layer.attn_type, "value", layer.attn_type) if hasattr(layer, "attn_type") else "decoder"
     if attn_type not in ("decoder", "encoder_only"):
         raise UnsupportedError(f"layer {layer.layer_id}: attn_type {attn_type!r}: hal computes decoder, encoder_only")
+    if getattr(layer, "is_cross_attention", False):
+        raise UnsupportedError(
+            f"layer {layer.layer_id}: cross attention reads the encoder's KV (SGLang's encoder_lens / "
+            "encoder_out_cache_loc), which hal's batch does not describe"
+        )
     method = getattr(layer, "logit_capping_method", "tanh")
     if (layer.logit_cap or 0) > 0 and method != "tanh":
         raise UnsupportedError(f"layer {layer.layer_id}: logit_capping_method {method!r}: hal caps with tanh")
@@ -90,7 +95,6 @@ def hal_layer(layer) -> hal.AttentionLayer:
         scaling=float(layer.scaling),
         logit_cap=float(layer.logit_cap or 0.0),
         sliding_window_size=-1 if window is None else int(window),
-        is_cross_attention=bool(layer.is_cross_attention),
         attn_type=attn_type,
     )
 
@@ -153,13 +157,13 @@ def attention_config(model_runner) -> hal.AttentionConfig:
         page_size=pool.page_size,
         custom_mask=_speculative(model_runner),
         graph=_uses_graphs(model_runner),
-        layer_num=pool.layer_num,
         max_context_len=int(table.req_to_token.shape[1]),
         max_batch_size=int(table.size),
     )
     if layers:
         return hal.AttentionConfig.from_layers(layers, **common)
     return hal.AttentionConfig(
+        layer_num=pool.layer_num,
         tp_q_head_num=model_config.get_num_attention_heads(_attention_tp_size(model_runner)),
         tp_k_head_num=pool.head_num,
         head_dim=pool.head_dim,
