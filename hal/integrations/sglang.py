@@ -43,7 +43,15 @@ import hal  # noqa: E402
 from hal.errors import ConfigError, UnsupportedError  # noqa: E402
 from hal.selection import HybridBackend  # noqa: E402
 
-__all__ = ["HalAttnBackend", "register", "sglang_plugin", "attention_config"]
+__all__ = [
+    "HalAttnBackend",
+    "SGLangBatch",
+    "register",
+    "sglang_plugin",
+    "attention_config",
+    "hal_layer",
+    "runner_device",
+]
 
 # SGLang's ForwardMode -> hal's, by name (SGLang has no DRAFT_EXTEND; its DRAFT_EXTEND_V2 is hal's DRAFT_EXTEND).
 _MODES = {
