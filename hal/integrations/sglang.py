@@ -393,13 +393,9 @@ def register(name: str = "hal", *, backend: str | None = None, device: str | Non
         from sglang.srt.arg_groups import choices
     except ImportError:  # an SGLang without extensible choice lists: the registry entry is what counts
         choices = None
-    if choices is not None:
-        for listed, add in (
-            (choices.ATTENTION_BACKEND_CHOICES, choices.add_attention_backend_choices),
-            (choices.DRAFT_ATTENTION_BACKEND_CHOICES, choices.add_draft_attention_backend_choices),
-        ):
-            if name not in listed:
-                add([name])
+    # Not a draft-model choice: SGLang's speculative draft decode needs multi-step draft backends.
+    if choices is not None and name not in choices.ATTENTION_BACKEND_CHOICES:
+        choices.add_attention_backend_choices([name])
     _REGISTERED[name] = (backend, device)
     return factory
 
