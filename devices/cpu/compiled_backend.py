@@ -20,7 +20,7 @@ import torch
 from hal.batch import device_lens
 from hal.kernels import cpu as cpu_kernels
 
-from .torch_backend import TorchBackend
+from .torch_backend import TorchBackend, _indptr
 
 __all__ = ["CompiledBackend"]
 
@@ -35,6 +35,26 @@ class CompiledMetadata:
     q_start: torch.Tensor | None = None  # first query row of each request
     mask_start: torch.Tensor | None = None  # first custom-mask entry of each request (TARGET_VERIFY)
     custom_mask: torch.Tensor | None = None
+    req_to_token: torch.Tensor | None = None  # the request table the kernels read (for the names below)
+
+    # SGLang's names for the same data (its attention kit and tools inspect them), built when read.
+    @property
+    def kv_indptr(self) -> torch.Tensor | None:
+        """int32 ``[B + 1]``: 0, then the running sum of ``kv_lens``."""
+        return None if self.kv_lens is None else _indptr(self.kv_lens)
+
+    @property
+    def kv_indices(self) -> torch.Tensor | None:
+        """int32: the KV slot of every key, request after request (CSR over ``kv_indptr``)."""
+        if self.kv_lens is None or self.req_to_token is None:
+            return None
+        rows = [self.req_to_token[r, :n] for r, n in zip(self.rows.tolist(), self.kv_lens.tolist())]
+        return torch.cat(rows).to(torch.int32) if rows else self.req_to_token.new_zeros(0)
+
+    @property
+    def qo_indptr(self) -> torch.Tensor | None:
+        """int32 ``[B + 1]``: 0, then the running sum of ``q_lens``."""
+        return None if self.q_lens is None else _indptr(self.q_lens)
 
 
 class CompiledBackend(TorchBackend):
@@ -79,6 +99,7 @@ class CompiledBackend(TorchBackend):
         meta = self.metadata_for(fb)
         meta.q_lens, meta.kv_lens = device_lens(fb)
         meta.rows = fb.req_pool_indices.long()
+        meta.req_to_token = fb.req_to_token_pool.req_to_token
         meta.q_start = torch.cumsum(meta.q_lens, 0) - meta.q_lens
         if fb.forward_mode.is_target_verify():
             sizes = meta.q_lens * meta.kv_lens
