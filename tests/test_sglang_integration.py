@@ -211,8 +211,10 @@ def test_sglangs_production_graph_padding_replays_correctly(kit):
     backend.init_forward_metadata_in_graph(padded)
     pad = lambda t: torch.cat([t, torch.zeros_like(t[:1])])  # noqa: E731
     backend.forward(pad(q), pad(k), pad(v), layer, padded)  # capture (warm-up)
-    backend.init_forward_metadata_out_graph(padded)  # replay
-    backend.init_forward_metadata_in_graph(padded)
+    # SGLang's replay view (build_replay_fb_view) keeps the live batch's unpadded out_cache_loc
+    replay = types.SimpleNamespace(**{**vars(padded), "out_cache_loc": fb.out_cache_loc})
+    backend.init_forward_metadata_out_graph(replay)  # replay
+    backend.init_forward_metadata_in_graph(replay)
     replayed = backend.forward(pad(q), pad(k), pad(v), layer, padded)
     torch.testing.assert_close(replayed[:3], eager, atol=1e-5, rtol=1e-5)
 

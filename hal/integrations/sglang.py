@@ -195,7 +195,7 @@ class SGLangBatch:
     called directly, an eager one with ``init_forward_metadata``).
     """
 
-    __slots__ = ("batch", "forward_mode", "req_to_token_pool", "token_to_kv_pool", "graph_static")
+    __slots__ = ("batch", "forward_mode", "req_to_token_pool", "token_to_kv_pool", "graph_static", "out_cache_loc")
 
     def __init__(self, batch, req_to_token_pool, token_to_kv_pool, graph_static: bool):
         mode = batch.forward_mode
@@ -207,6 +207,15 @@ class SGLangBatch:
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool = token_to_kv_pool
         self.graph_static = graph_static
+        loc = batch.out_cache_loc
+        if graph_static and loc is not None and (hal_mode.is_decode() or hal_mode.is_target_verify()):
+            # SGLang's replay view pads the requests (batch_size, seq_lens...) but keeps the live batch's
+            # out_cache_loc: its padding tokens write the padding slot 0, as in the captured batch.
+            per_request = batch.spec_info.draft_token_num if hal_mode.is_target_verify() else 1
+            missing = batch.batch_size * per_request - loc.shape[0]
+            if missing > 0:
+                loc = torch.nn.functional.pad(loc, (0, missing))
+        self.out_cache_loc = loc
 
     def __getattr__(self, name):
         return getattr(self.batch, name)
