@@ -24,17 +24,17 @@ from the capture's. So the contract is checked on machines with no accelerator t
 from __future__ import annotations
 
 import bisect
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from hal.backend import AttentionBackend
 from hal.batch import ForwardBatch, ForwardMode, host_lens, static_decode_batch
 from hal.errors import GraphCaptureError, InvalidBatchError, expect
+from hal.kernels import opaque_kernel  # defined with the kernels it serves; exported here too
 from hal.kv_cache import KVPool, ReqToTokenTable
 from hal.layer import AttentionLayer
 
@@ -164,19 +164,6 @@ class HostReadCounter(TorchFunctionMode):
     @property
     def count(self) -> int:
         return len(self.reads)
-
-
-@contextlib.contextmanager
-def opaque_kernel() -> Iterator[None]:
-    """Run a Python-emulated kernel (e.g. ``hal.kernels.npu.emulation``) as the one device launch it stands for.
-
-    Its CPU internals (reading a block table or host lengths), and the host-side
-    arguments of an op whose graph node is updated per replay (the NPU's task-update
-    path), are not the caller's graph work: the guard, and any other torch mode, is
-    suspended for its duration; the caller's own code stays checked.
-    """
-    with _disable_current_modes(), torch._C.DisableTorchFunction():
-        yield
 
 
 class Graph:

@@ -58,8 +58,8 @@ from hal.batch import ForwardBatch, host_lens
 from hal.capability import DeviceCapability
 from hal.config import AttentionConfig
 from hal.errors import DeviceUnavailableError, GraphCaptureError, UnsupportedError, expect
-from hal.graph import opaque_kernel
 from hal.kernels import npu as npu_ops
+from hal.kernels import opaque_kernel
 from hal.kv_cache import paged_view
 from hal.layer import AttentionLayer
 

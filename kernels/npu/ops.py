@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from hal.errors import UnsupportedError
-from hal.graph import opaque_kernel
+from hal.kernels import opaque_kernel
 
 from . import emulation
 
