@@ -50,8 +50,10 @@ def _progress(message: str) -> None:
 
 
 def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    """Wait for ``device``'s queued work (``torch.cuda``, ``torch.npu``, a plugin's module); the CPU has none."""
+    module = getattr(torch, device.type, None)
+    if device.type != "cpu" and hasattr(module, "synchronize"):
+        module.synchronize(device)
 
 
 def _time(fn, device: torch.device, repeats: int, warmup: int) -> dict:
