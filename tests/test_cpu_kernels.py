@@ -143,3 +143,19 @@ def test_scattered_long_decode_and_extend_match_the_reference():
         out = cpu_kernels.paged_attention(*args, scale=0.125, sliding_window=400)
         expected = reference.paged_attention(*args, scale=0.125, sliding_window=400)
         torch.testing.assert_close(out.float(), expected.float(), **tolerance(dtype))
+
+
+@needs_kernels
+def test_a_build_killed_midway_does_not_block_the_next_one():
+    """torch's build lock is a plain file; a killed build leaves it behind. The next load must not wait on it."""
+    import pathlib
+    import subprocess
+    import sys
+
+    cpu_kernels.load()
+    stale = pathlib.Path(cpu_kernels.build_record()["path"]) / "lock"
+    stale.touch()
+    code = "from hal.kernels import cpu; cpu.load(); print('loaded')"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "loaded" in proc.stdout, proc.stderr
+    assert not stale.exists()

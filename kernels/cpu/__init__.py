@@ -18,6 +18,7 @@ A leaf module: it imports nothing of hal but its errors.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -131,6 +132,25 @@ _STATE: dict = {"module": None, "error": None, "record": None}
 _LOCK = threading.Lock()
 
 
+@contextlib.contextmanager
+def _build_lock(build_dir: Path):
+    """Serialise builds of ``build_dir`` across processes with a lock the OS drops when its holder dies.
+
+    torch's own build lock is a plain ``lock`` file: a build killed midway leaves it behind
+    and every later build waits on it forever. Holding this lock, any such file is stale.
+    """
+    import fcntl  # POSIX; the kernels build only where a C++ toolchain and OpenMP are (Linux here)
+
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir.parent / f"{build_dir.name}.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _build_dir(name: str) -> Path:
     root = os.environ.get("HAL_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hal"
@@ -167,15 +187,16 @@ def load():
         try:
             from torch.utils.cpp_extension import load_inline
 
-            module = load_inline(
-                name=name,
-                cpp_sources=[source],
-                functions=["paged_attention", "build_info"],
-                extra_cflags=flags,
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(build_dir),
-                verbose=False,
-            )
+            with _build_lock(build_dir):
+                module = load_inline(
+                    name=name,
+                    cpp_sources=[source],
+                    functions=["paged_attention", "build_info"],
+                    extra_cflags=flags,
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=str(build_dir),
+                    verbose=False,
+                )
         except Exception as exc:
             text = str(exc)
             first = next((line for line in text.splitlines() if "error" in line.lower()), text.strip()[-400:])
