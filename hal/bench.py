@@ -56,7 +56,7 @@ def _sync(device: torch.device) -> None:
         module.synchronize(device)
 
 
-def _time(fn, device: torch.device, repeats: int, warmup: int) -> dict:
+def time_ms(fn, device: torch.device, repeats: int, warmup: int) -> dict:
     for _ in range(warmup):
         fn()
     _sync(device)
@@ -86,13 +86,13 @@ class Limits:
     def sample(self) -> None:
         """Measure every limit once more (best of 3 runs each) and keep the best seen."""
         best, n = self.best, self.x.numel()
-        read = 4 * n / _time(lambda: self.x.sum(), self.device, 3, 1)["min_ms"] / 1e6
+        read = 4 * n / time_ms(lambda: self.x.sum(), self.device, 3, 1)["min_ms"] / 1e6
         best["read_GBps"] = max(best.get("read_GBps", 0.0), read)
         if self.y is not None:
-            copy = 2 * 4 * n / _time(lambda: self.y.copy_(self.x), self.device, 3, 1)["min_ms"] / 1e6
+            copy = 2 * 4 * n / time_ms(lambda: self.y.copy_(self.x), self.device, 3, 1)["min_ms"] / 1e6
             best["copy_GBps"] = max(best.get("copy_GBps", 0.0), copy)
         for name, a in self.mats.items():
-            rate = 2 * self.size**3 / _time(lambda a=a: a @ a, self.device, 3, 1)["min_ms"] / 1e9
+            rate = 2 * self.size**3 / time_ms(lambda a=a: a @ a, self.device, 3, 1)["min_ms"] / 1e9
             best["matmul_TFLOPs"][name] = max(best["matmul_TFLOPs"].get(name, 0.0), rate)
         self.samples += 1
 
@@ -173,7 +173,7 @@ def _measure(backend, built, device, repeats: int, warmup: int) -> dict:
         return backend.forward(built.q, built.k, built.v, built.layer, fb)
 
     out = step()
-    timing = _time(step, device, repeats, warmup)
+    timing = time_ms(step, device, repeats, warmup)
     err = (out.float() - built.expected.float()).abs().max().item()
     correct = torch.allclose(out.float(), built.expected.float(), **tolerance(built.case.dtype))
     return {**timing, "max_abs_err": err, "correct": correct}
@@ -275,7 +275,7 @@ def run_bench(
         if case.mode.is_decode() and torch_device.type == "cpu" and "part" not in case.name:
             _progress(f"[{index + 1}/{len(cases)}] {case.name}: reference")
             buffers = built.batch.token_to_kv_pool.get_kv_buffer(0)
-            row["reference"] = _time(
+            row["reference"] = time_ms(
                 lambda built=built, buffers=buffers: batch_attention(built.q, *buffers, built.layer, built.batch),
                 torch_device,
                 3,

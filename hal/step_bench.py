@@ -22,12 +22,11 @@ depend on the number of requests and tokens, not on the model's width.
 from __future__ import annotations
 
 import functools
-import statistics
-import time
 
 import torch
 
 from hal.batch import ForwardBatch, ForwardMode
+from hal.bench import time_ms
 from hal.config import AttentionConfig
 from hal.graph import HostReadCounter
 from hal.kv_cache import PagedKVPool, ReqToTokenPool
@@ -37,16 +36,6 @@ from hal.selection import select
 __all__ = ["run_step_workload"]
 
 LEVELS = ("cheap", "full")
-
-
-def _median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(1e3 * (time.perf_counter() - start))
-    return statistics.median(times)
 
 
 def _decode_step(batch: int, context: int, device: torch.device, page_size: int):
@@ -94,10 +83,9 @@ def run_step_workload(
         for level in LEVELS:
             impl = selection.create(validate=level)
             build = functools.partial(ForwardBatch, **fields, validate=level)
-            row["construct_ms"][level] = _median_ms(build, repeats)
-            row["init_forward_metadata_ms"][level] = _median_ms(
-                functools.partial(impl.init_forward_metadata, build()), 5
-            )
+            row["construct_ms"][level] = time_ms(build, torch_device, repeats, 1)["median_ms"]
+            prepare = functools.partial(impl.init_forward_metadata, build())
+            row["init_forward_metadata_ms"][level] = time_ms(prepare, torch_device, 5, 1)["median_ms"]
         impl = selection.create(validate="cheap")
         q, kv = torch.zeros(batch, 16, device=torch_device), torch.zeros(batch, 8, device=torch_device)
         mirrors = (fields["seq_lens_cpu"],)
@@ -119,7 +107,7 @@ def run_step_workload(
     fb = ForwardBatch(**fields, validate="cheap")
     impl.init_forward_metadata(fb)
     q, kv = torch.randn(32, 16, device=torch_device), torch.randn(32, 8, device=torch_device)
-    forward_ms = _median_ms(lambda: impl.forward(q, kv, kv, layer, fb), 10 * repeats)
+    forward_ms = time_ms(lambda: impl.forward(q, kv, kv, layer, fb), torch_device, 10 * repeats, 1)["median_ms"]
     return {
         "workload": "step",
         "device": str(torch_device),
