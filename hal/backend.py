@@ -25,6 +25,7 @@ batch size, a step counter) catches metadata left from another step.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -37,9 +38,19 @@ if TYPE_CHECKING:
     from hal.batch import ForwardBatch
     from hal.config import AttentionConfig
     from hal.layer import AttentionLayer
-    from hal.ops import HelperOps
 
-__all__ = ["AttentionBackend"]
+__all__ = ["AttentionBackend", "helper_ops_for"]
+
+
+def helper_ops_for(backend: AttentionBackend) -> ModuleType:
+    """The kernel package whose ``write_kv`` / ``build_kv_indices`` / ``compute_positions`` serve ``backend``:
+    :mod:`hal.kernels.triton` when ``backend.support_triton()`` and its device has a Triton target,
+    else :mod:`hal.kernels.reference`. The one place ``support_triton()`` is read."""
+    if backend.support_triton() and backend.capability.triton_target:
+        from hal.kernels import triton as ops
+    else:
+        from hal.kernels import reference as ops
+    return ops
 
 
 class AttentionBackend:
@@ -324,10 +335,8 @@ class AttentionBackend:
         return self.forward_metadata
 
     @property
-    def helper_ops(self) -> HelperOps:
-        """The positions / kv-indices / KV-write ops for this backend, Triton or torch (see ``hal.ops``)."""
-        from hal.ops import helper_ops_for
-
+    def helper_ops(self) -> ModuleType:
+        """The positions / kv-indices / KV-write ops for this backend: a kernel package (:func:`helper_ops_for`)."""
         return helper_ops_for(self)
 
     def save_kv(self, layer: AttentionLayer, forward_batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:

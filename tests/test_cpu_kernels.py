@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from hal.batch import host_lens
-from hal.capability import cpu_capability
 from hal.conformance.cases import CASES, build, tolerance
 from hal.devices.cpu import CompiledBackend, PlainTorchBackend, TorchBackend, device
+from hal.devices.cpu.capability import cpu_capability
 from hal.errors import KVCacheError
 from hal.kernels import cpu as cpu_kernels
 

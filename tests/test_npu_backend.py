@@ -20,16 +20,17 @@ import pytest
 import torch
 
 from hal.batch import ForwardMode, static_decode_batch
-from hal.capability import cpu_capability
 from hal.config import AttentionConfig
 from hal.conformance.cases import Case, build, tolerance
 from hal.devices.cpu import TorchBackend
+from hal.devices.cpu.capability import cpu_capability
 from hal.devices.npu import EMULATED_NAME, AscendBackend, emulation_requested
 from hal.devices.npu import device as npu_device
 from hal.errors import ConfigError, DeviceUnavailableError, GraphCaptureError, InvalidBatchError, UnsupportedError
 from hal.graph import EagerGraph, GraphRunner
+from hal.kernels import reference as TORCH_OPS
+from hal.kernels import triton as TRITON_OPS
 from hal.kernels.npu import OP_NAMES, emulation, load_torch_npu
-from hal.ops import TORCH_OPS, TRITON_OPS
 from hal.registry import get_registry, probe_device
 from hal.selection import select
 

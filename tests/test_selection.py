@@ -18,7 +18,7 @@ from hal.capability import DeviceCapability
 from hal.config import AttentionConfig
 from hal.conformance.cases import CASES, build, tolerance
 from hal.devices.cpu import TorchBackend
-from hal.devices.cuda.triton_backend import TritonBackend
+from hal.devices.triton_backend import TritonBackend
 from hal.errors import ConfigError, DeviceUnavailableError, HalError, NoBackendError
 from hal.registry import Device, Registry, register_device
 from hal.selection import HybridBackend, Selection, create_backend, detect, select

@@ -3,10 +3,11 @@ torch otherwise) and, under ``TRITON_INTERPRET=1``, ``triton``."""
 
 from __future__ import annotations
 
-from hal.capability import DeviceCapability, cpu_capability
-from hal.devices.cuda.triton_backend import TritonBackend
+from hal.capability import DeviceCapability
+from hal.devices.triton_backend import TritonBackend
 from hal.registry import Device
 
+from .capability import cpu_capability
 from .compiled_backend import CompiledBackend
 from .torch_backend import TorchBackend as PlainTorchBackend
 

@@ -14,7 +14,10 @@ from hal.capability import DeviceCapability, current_index, library_version, tri
 from hal.graph import Graph, TorchGraph
 from hal.registry import Device
 
-__all__ = ["CudaDevice", "device", "cuda_capability"]
+__all__ = ["CudaDevice", "device", "cuda_capability", "TRITON_BACKENDS"]
+
+TRITON_BACKENDS = ("cuda", "hip")
+"""Triton's driver backends for this device: ROCm's torch device type is ``cuda`` too."""
 
 
 def _unavailable(why: str) -> DeviceCapability:
@@ -53,7 +56,7 @@ def cuda_capability(index: int | None = None) -> DeviceCapability:
         dtypes.append("fp8")
     else:
         reasons["fp8"] = f"{arch} has no fp8 support hal uses (needs sm_89+)"
-    target, why_not = triton_status("cuda")
+    target, why_not = triton_status("cuda", TRITON_BACKENDS)
     if why_not:
         reasons["triton"] = why_not
     flashinfer = library_version("flashinfer-python")
@@ -90,6 +93,7 @@ def cuda_capability(index: int | None = None) -> DeviceCapability:
             "flashinfer_kernels": kernels,
         },
         reasons=reasons,
+        compute_units=getattr(props, "multi_processor_count", None),
     )
 
 
@@ -101,8 +105,9 @@ class CudaDevice(Device):
         return cuda_capability(index)
 
     def backends(self):
+        from hal.devices.triton_backend import TritonBackend
+
         from .flashinfer_backend import FlashInferBackend
-        from .triton_backend import TritonBackend
 
         return [FlashInferBackend, TritonBackend]
 
