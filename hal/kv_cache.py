@@ -21,7 +21,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from hal.capability import resolve_device
-from hal.errors import KVCacheError, expect
+from hal.errors import KVCacheError, describe, expect
 
 __all__ = [
     "ReqToTokenTable",
@@ -104,7 +104,7 @@ class ReqToTokenPool:
             and req_to_token.shape[0] >= 2,
             KVCacheError,
             "req_to_token",
-            _describe(req_to_token),
+            describe(req_to_token),
             "an int32 tensor [size + 1, max_context_len] (row 0 is the padding row)",
         )
         pool = cls.__new__(cls)
@@ -218,14 +218,14 @@ class PagedKVPool:
                     and buf.device == like.device,
                     KVCacheError,
                     f"{name}[{i}]",
-                    _describe(buf),
-                    f"a 3-D tensor like layer 0's {_describe(like)}",
+                    describe(buf),
+                    f"a 3-D tensor like layer 0's {describe(like)}",
                 )
         expect(
             v0.shape[:2] == k0.shape[:2] and v0.dtype == k0.dtype and v0.device == k0.device,
             KVCacheError,
             "v_buffers[0]",
-            _describe(v0),
+            describe(v0),
             f"[{k0.shape[0]}, {k0.shape[1]}, v_head_dim] {k0.dtype} on {k0.device}, like the K buffers",
         )
         expect(k0.dtype in KV_DTYPES, KVCacheError, "dtype", k0.dtype, f"one of {KV_DTYPES}")
@@ -330,7 +330,7 @@ def check_kv_inputs(loc, cache_k, cache_v, dims: tuple[int, int, int], device: t
         isinstance(loc, torch.Tensor) and loc.dim() == 1 and loc.dtype in INDEX_DTYPES,
         KVCacheError,
         "loc",
-        _describe(loc),
+        describe(loc),
         "a 1-D int32/int64 tensor",
     )
     n, (heads, head_dim, v_dim) = loc.numel(), dims
@@ -339,7 +339,7 @@ def check_kv_inputs(loc, cache_k, cache_v, dims: tuple[int, int, int], device: t
             isinstance(tensor, torch.Tensor) and tuple(tensor.shape) == (n, heads, dim),
             KVCacheError,
             f"{name}.shape",
-            _describe(tensor),
+            describe(tensor),
             f"({n}, {heads}, {dim}) for {n} slots",
         )
         expect(tensor.is_floating_point(), KVCacheError, f"{name}.dtype", tensor.dtype, "a float dtype")
@@ -355,12 +355,6 @@ def _check_page_size(page_size) -> None:
         page_size,
         "a power of two",
     )
-
-
-def _describe(value) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)} on {value.device}"
-    return type(value).__name__
 
 
 MHATokenToKVPool = PagedKVPool

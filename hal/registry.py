@@ -210,10 +210,10 @@ def probe_device(device: Device, index: int | None = None) -> DeviceCapability:
         exc = PluginError(f"probe() returned {type(cap).__name__}, expected a DeviceCapability")
     if isinstance(exc, (ConfigError, KeyboardInterrupt)):
         raise exc
-    return _unavailable(device, f"plugin {device.name!r} probe() raised {_describe(exc)}")
+    return _unavailable(device, f"plugin {device.name!r} probe() raised {_describe_exception(exc)}")
 
 
-def _describe(exc: BaseException) -> str:
+def _describe_exception(exc: BaseException) -> str:
     if isinstance(exc, SystemExit):
         return f"SystemExit (code {exc.code!r})"
     return f"{type(exc).__name__}: {exc}"
@@ -226,7 +226,7 @@ def device_backends(device: Device) -> tuple[list[type[AttentionBackend]], str |
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # a plugin's SystemExit must not end the caller
-        return [], f"plugin {device.name!r} backends() raised {_describe(exc)}"
+        return [], f"plugin {device.name!r} backends() raised {_describe_exception(exc)}"
 
 
 def _is_builtin(module: str) -> bool:
@@ -291,7 +291,7 @@ def load_registry() -> Registry:
         except BaseException as exc:  # SystemExit at a plugin's import is contained too
             last = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
             where = f" (at {last[0].filename}:{last[0].lineno})" if last else ""
-            reg.errors[name] = f"{ep.value}: {_describe(exc)}{where}"
+            reg.errors[name] = f"{ep.value}: {_describe_exception(exc)}{where}"
             continue
         reg.devices[name] = device
     return reg

@@ -23,6 +23,7 @@ from hal.backend import AttentionBackend
 from hal.capability import DeviceCapability
 from hal.config import AttentionConfig
 from hal.errors import ConfigError, DeviceUnavailableError, NoBackendError
+from hal.hybrid import HybridBackend
 from hal.registry import Device, device_backends, get_registry, probe_device
 
 __all__ = ["Selection", "select", "detect", "create_backend", "HybridBackend", "backend_report"]
@@ -277,44 +278,3 @@ def backend_report(
             }
         )
     return rows
-
-
-class HybridBackend(AttentionBackend):
-    """One backend for prefill (extend, mixed, verify) and another for decode, as SGLang's ``HybridAttnBackend``."""
-
-    name = "hybrid"
-
-    def __init__(self, prefill: AttentionBackend, decode: AttentionBackend):
-        super().__init__(prefill.capability, prefill.config, validate=prefill.validation)
-        self.prefill, self.decode = prefill, decode
-        self.needs_cpu_seq_lens = prefill.needs_cpu_seq_lens or decode.needs_cpu_seq_lens
-
-    def _for(self, fb) -> AttentionBackend:
-        return self.decode if fb.forward_mode.is_decode_or_idle() else self.prefill
-
-    def init_forward_metadata_out_graph(self, fb, in_capture=False):
-        self._for(fb).init_forward_metadata_out_graph(fb, in_capture)
-
-    def init_forward_metadata_in_graph(self, fb):
-        self._for(fb).init_forward_metadata_in_graph(fb)
-
-    def init_cuda_graph_state(self, max_bs, max_num_tokens):
-        self.decode.init_cuda_graph_state(max_bs, max_num_tokens)
-
-    def get_cuda_graph_seq_len_fill_value(self):
-        return self.decode.get_cuda_graph_seq_len_fill_value()
-
-    def on_after_cuda_graph_warmup(self):
-        self.decode.on_after_cuda_graph_warmup()
-
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        return self.decode.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
-
-    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        return self.prefill.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
-
-    def forward_mixed(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        return self.prefill.forward_mixed(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
-
-    def support_triton(self) -> bool:
-        return self.prefill.support_triton() and self.decode.support_triton()

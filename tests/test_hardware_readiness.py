@@ -19,7 +19,7 @@ from hal.conformance.cases import GRAPH_CASES, build
 from hal.devices.cpu import TorchBackend
 from hal.devices.cpu import device as cpu_device
 from hal.devices.cuda import cuda_capability
-from hal.devices.cuda import flashinfer_backend as fib
+from hal.devices.cuda import flashinfer_env as fib
 from hal.devices.cuda.flashinfer_backend import FlashInferBackend
 from hal.devices.npu import AscendBackend, npu_capability
 from hal.errors import ConfigError, DeviceUnavailableError

@@ -66,7 +66,7 @@ def cuda_capability(index: int | None = None) -> DeviceCapability:
     elif flashinfer is None or importlib.util.find_spec("flashinfer") is None:
         reasons["flashinfer"] = "flashinfer-python is not installed (pip install 'hal-attention[cuda]')"
     else:  # installed is not usable: prebuilt kernels, or nvcc to JIT them, or neither
-        from .flashinfer_backend import flashinfer_kernels
+        from .flashinfer_env import flashinfer_kernels
 
         kernels, why_not = flashinfer_kernels()
         if why_not:
