@@ -52,7 +52,7 @@ class TritonBackend(AttentionBackend):
         self.sm_count = capability.compute_units
 
     @classmethod
-    def available(cls, capability: DeviceCapability) -> list[str]:
+    def unavailable_reasons(cls, capability: DeviceCapability) -> list[str]:
         if not capability.triton_target:
             return [f"no Triton target: {capability.reasons.get('triton', 'unknown')}"]
         return []
@@ -160,10 +160,7 @@ class TritonBackend(AttentionBackend):
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         from hal.kernels import triton as kernels
 
-        q, k, v = self.check_inputs(q, k, v, layer, forward_batch, save_kv_cache)
-        meta = self.metadata_for(forward_batch)
-        if save_kv_cache:
-            self.save_kv(layer, forward_batch, k, v)
+        meta = self.forward_metadata
         kv_indptr, kv_indices = meta.kv_indptr, meta.kv_indices
         if layer.sliding_window_size >= 0:
             kv_indptr, kv_indices = self._window_indices(forward_batch, layer.sliding_window_size)
@@ -192,12 +189,7 @@ class TritonBackend(AttentionBackend):
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         from hal.kernels import triton as kernels
 
-        q, k, v = self.check_inputs(q, k, v, layer, forward_batch, save_kv_cache)
-        meta = self.metadata_for(forward_batch)
-        if save_kv_cache:
-            self.save_kv(layer, forward_batch, k, v)
-        else:  # the kernel reads the new tokens from k/v: take them from the cache, which the caller filled
-            k, v = (t.to(q.dtype) for t in self.new_kv_from_cache(layer, forward_batch))
+        meta = self.forward_metadata  # the kernel reads the new tokens from k/v (read back by the prologue)
         out = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
         pool = forward_batch.token_to_kv_pool
         k_buffer, v_buffer = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)

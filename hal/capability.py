@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import os
+import platform
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
@@ -25,6 +26,8 @@ __all__ = [
     "interpreter_enabled",
     "resolve_device",
     "current_index",
+    "host_cpu_name",
+    "cpu_memory",
 ]
 
 
@@ -170,7 +173,20 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
     return dev
 
 
+def host_cpu_name() -> str:
+    """The host CPU's model name (``/proc/cpuinfo``, else ``platform``): a host fact, for any device's report."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def cpu_memory() -> int | None:
+    """The host's physical memory in bytes, None when unknown: a host fact (emulated devices use it)."""
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):

@@ -36,3 +36,36 @@ def moved_names(module: str, moved: Mapping[str, str]) -> Callable[[str], object
         return getattr(importlib.import_module(target_module), target)
 
     return __getattr__
+
+
+def accept_renamed_kwargs(cls: type, renamed: Mapping[str, str], error: type[Exception]) -> type:
+    """Let ``cls(...)`` take the old keyword names in ``renamed`` (old -> new) with a warning.
+
+    Giving both an old name and its replacement is ``error``. Each old name also stays readable
+    as an attribute (``obj.old`` -> ``obj.new``), with the same warning.
+    """
+    init = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        for old, new in renamed.items():
+            if old in kwargs:
+                if new in kwargs:
+                    raise error(f"{cls.__name__}({old}=..., {new}=...): expected only {new} ({old} is its old name)")
+                warn_renamed(f"{cls.__name__}({old}=...)", f"{cls.__name__}({new}=...)")
+                kwargs[new] = kwargs.pop(old)
+        init(self, *args, **kwargs)
+
+    __init__.__wrapped__ = init
+    __init__.__doc__ = init.__doc__
+    cls.__init__ = __init__
+    for old, new in renamed.items():
+        setattr(cls, old, _renamed_attribute(cls.__name__, old, new))
+    return cls
+
+
+def _renamed_attribute(owner: str, old: str, new: str) -> property:
+    def get(self):
+        warn_renamed(f"{owner}.{old}", f"{owner}.{new}")
+        return getattr(self, new)
+
+    return property(get, doc=f"Deprecated (0.2.0): use ``{new}``.")

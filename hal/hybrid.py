@@ -14,6 +14,7 @@ class HybridBackend(AttentionBackend):
     """One backend for prefill (extend, mixed, verify) and another for decode, as SGLang's ``HybridAttnBackend``."""
 
     name = "hybrid"
+    runs_prologue = False  # forward_* delegate: the chosen backend runs the prologue, once
 
     def __init__(self, prefill: AttentionBackend, decode: AttentionBackend):
         super().__init__(prefill.capability, prefill.config, validate=prefill.validation)
@@ -37,6 +38,10 @@ class HybridBackend(AttentionBackend):
 
     def on_after_cuda_graph_warmup(self):
         self.decode.on_after_cuda_graph_warmup()
+
+    def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        """The phase's backend's own ``forward`` (its routing and prologue)."""
+        return self._for(forward_batch).forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         return self.decode.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)

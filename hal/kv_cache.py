@@ -21,6 +21,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from hal.capability import resolve_device
+from hal.deprecation import accept_renamed_kwargs
 from hal.errors import KVCacheError, describe, expect
 
 __all__ = [
@@ -315,6 +316,10 @@ class PagedKVPool:
         self.check_kv(loc, cache_k, cache_v)
         self.k_buffer[index][loc] = cache_k.to(self.dtype)
         self.v_buffer[index][loc] = cache_v.to(self.dtype)
+
+
+# Renamed in 0.2.0 to SGLang's names; the old keywords still work, with a warning.
+accept_renamed_kwargs(PagedKVPool, {"num_layers": "layer_num", "kv_heads": "head_num"}, KVCacheError)
 
 
 def paged_view(pool: KVPool, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,6 +22,7 @@ import torch
 from hal.backend import AttentionBackend
 from hal.capability import DeviceCapability
 from hal.config import AttentionConfig
+from hal.deprecation import warn_renamed
 from hal.errors import ConfigError, DeviceUnavailableError, NoBackendError
 from hal.hybrid import HybridBackend
 from hal.registry import Device, device_backends, get_registry, probe_device
@@ -31,14 +32,24 @@ __all__ = ["Selection", "select", "detect", "create_backend", "HybridBackend", "
 
 @dataclass
 class Selection:
-    """The outcome of :func:`select`. ``trace`` lists each decision, in order, as text."""
+    """The outcome of :func:`select`. ``trace`` lists each decision, in order, as text.
 
-    device: str
+    ``device_name``: the chosen device's registry name (``cpu``, ``cuda``, a plugin's); its
+    ``capability`` says which one (index, torch device).
+    """
+
+    device_name: str
     capability: DeviceCapability
     prefill_backend: type[AttentionBackend]
     decode_backend: type[AttentionBackend]
     trace: list[str] = field(default_factory=list)
     config: AttentionConfig = field(default_factory=AttentionConfig)
+
+    @property
+    def device(self) -> str:
+        """Deprecated (0.2.0): :attr:`device_name` (elsewhere ``device`` is a ``Device`` or a torch device)."""
+        warn_renamed("Selection.device", "Selection.device_name")
+        return self.device_name
 
     @property
     def backend(self) -> str:
@@ -123,8 +134,8 @@ def _device_order(
         if wanted_backend is not None:
             classes, _ = device_backends(device)
             offered = [c for c in classes if c.name == wanted_backend]
-            if not offered or offered[0].available(cap):
-                why = "has no such backend" if not offered else "; ".join(offered[0].available(cap))
+            if not offered or offered[0].unavailable_reasons(cap):
+                why = "has no such backend" if not offered else "; ".join(offered[0].unavailable_reasons(cap))
                 trace.append(f"device {device.name}: skipped: backend {wanted_backend!r} {why}")
                 continue
         trace.append(f"device {device.name}: available (priority {device.priority})")
@@ -155,7 +166,7 @@ def _pick(
     for cls in classes:
         if forced is not None and cls.name != forced:
             continue
-        reasons = cls.validate(config, cap)
+        reasons = cls.unsupported_reasons(config, cap)
         if not reasons:
             how = f"forced by {forced_by}" if forced else "first in priority order with no reasons against it"
             trace.append(f"{device.name}/{cls.name}: selected for {phase} ({how})")
@@ -260,18 +271,18 @@ def backend_report(
         return [{"name": "?", "available": False, "selected": False, "reasons": [error]}]
     for cls in classes:
         if cap.available:
-            reasons = cls.validate(config, cap)
+            reasons = cls.unsupported_reasons(config, cap)
         else:  # config checks against an absent device would only add noise
-            reasons = [f"device unavailable: {cap.reasons.get('device', '?')}", *cls.available(cap)]
+            reasons = [f"device unavailable: {cap.reasons.get('device', '?')}", *cls.unavailable_reasons(cap)]
         is_selected = (
             chosen is not None
-            and chosen.device == device.name
+            and chosen.device_name == device.name
             and cls in (chosen.prefill_backend, chosen.decode_backend)
         )
         rows.append(
             {
                 "name": cls.name,
-                "available": not cls.available(cap) and cap.available,
+                "available": not cls.unavailable_reasons(cap) and cap.available,
                 "selected": is_selected,
                 "reasons": reasons,
                 "notes": cls.notes(cap) if cap.available else [],

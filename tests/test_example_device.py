@@ -70,7 +70,7 @@ def test_probe_and_disable(toy, monkeypatch):
 
 def _matches_reference(cls, cap, case) -> None:
     """``cls`` declares it serves ``case``; its output and the whole KV pool after one forward are the reference's."""
-    assert cls.validate(case.config(), cap) == []
+    assert cls.unsupported_reasons(case.config(), cap) == []
     backend = cls(cap, case.config())
     built = build(case)
     backend.init_forward_metadata(built.batch)

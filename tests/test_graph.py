@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hal.conformance.cases import GRAPH_CASES, build
-from hal.devices.cpu import TorchBackend, device
+from hal.devices.cpu import CompiledBackend, device
 from hal.errors import GraphCaptureError, InvalidBatchError
 from hal.graph import EagerGraph, GraphRunner
 
@@ -51,7 +51,7 @@ def test_eager_graph_replay_refreshes_the_static_output():
     assert out.tolist() == [10.0, 14.0]
 
 
-class Recording(TorchBackend):
+class Recording(CompiledBackend):
     def __init__(self, capability, log):
         super().__init__(capability)
         self.log = log
@@ -117,7 +117,7 @@ def test_verify_runner_captures_target_verify_at_a_fixed_draft_count():
 
 def test_runner_rejects_what_it_did_not_capture():
     built = build(GRAPH_CASES[0])
-    runner = _runner(TorchBackend(CAP), built, capture_bs=(1, 2))
+    runner = _runner(CompiledBackend(CAP), built, capture_bs=(1, 2))
     with pytest.raises(GraphCaptureError, match="capture"):
         runner.run(_small_batch(), built.q[:1], built.k[:1], built.v[:1])
     runner.capture()
@@ -133,7 +133,7 @@ def _small_batch():
 
 
 def test_a_backend_that_syncs_in_graph_fails_capture():
-    class Syncing(TorchBackend):
+    class Syncing(CompiledBackend):
         def init_forward_metadata_in_graph(self, fb):
             super().init_forward_metadata_in_graph(fb)
             self.longest = int(fb.seq_lens.max())  # a host sync: belongs in out_graph
@@ -155,7 +155,7 @@ def test_a_scalar_literal_is_a_constant_not_host_data():
 
 def test_runner_rejects_a_batch_of_other_pools_or_ill_shaped_inputs():
     built = build(GRAPH_CASES[0])
-    runner = _runner(TorchBackend(CAP), built)
+    runner = _runner(CompiledBackend(CAP), built)
     runner.capture()
     other = build(GRAPH_CASES[0])  # same shapes, its own pools
     before = [b.clone() for b in built.batch.token_to_kv_pool.k_buffer]

@@ -15,7 +15,7 @@ import torch
 
 from hal.capability import interpreter_enabled
 from hal.conformance.cases import CASES, build, tolerance
-from hal.devices.cpu import TorchBackend, device
+from hal.devices.cpu import CompiledBackend, device
 from hal.kernels import reference as TORCH_OPS
 from hal.kernels import triton as TRITON_OPS
 
@@ -29,7 +29,7 @@ triton_runs = pytest.mark.skipif(
 KERNELS = ("write_kv", "build_kv_indices", "compute_positions")
 
 
-class NoTriton(TorchBackend):
+class NoTriton(CompiledBackend):
     def support_triton(self) -> bool:
         return False
 
@@ -67,9 +67,9 @@ def spies(monkeypatch):
 
 
 def test_the_choice_is_made_in_one_place():
-    assert TorchBackend(WITH_TARGET).helper_ops is TRITON_OPS
+    assert CompiledBackend(WITH_TARGET).helper_ops is TRITON_OPS
     assert NoTriton(WITH_TARGET).helper_ops is TORCH_OPS, "support_triton() False wins over a Triton target"
-    assert TorchBackend(WITHOUT_TARGET).helper_ops is TORCH_OPS, "no Triton target: torch"
+    assert CompiledBackend(WITHOUT_TARGET).helper_ops is TORCH_OPS, "no Triton target: torch"
 
 
 def test_support_triton_false_runs_the_torch_ops_only(spies):
@@ -79,7 +79,7 @@ def test_support_triton_false_runs_the_torch_ops_only(spies):
 
 
 def test_no_triton_target_runs_the_torch_ops_only(spies):
-    _forward(TorchBackend(WITHOUT_TARGET), spies)
+    _forward(CompiledBackend(WITHOUT_TARGET), spies)
     assert spies["torch.write_kv"] == 1
     assert all(spies[f"triton.{n}"] == 0 for n in KERNELS)
 
@@ -88,7 +88,7 @@ def test_no_triton_target_runs_the_torch_ops_only(spies):
 def test_triton_target_and_support_run_the_triton_kernels_only(spies):
     from hal.devices.triton_backend import TritonBackend
 
-    _forward(TorchBackend(WITH_TARGET), spies)
+    _forward(CompiledBackend(WITH_TARGET), spies)
     assert spies["triton.write_kv"] == 1 and spies["torch.write_kv"] == 0
     _forward(TritonBackend(WITH_TARGET), spies, "decode")  # builds kv indices through the helper ops too
     assert spies["triton.build_kv_indices"] >= 1

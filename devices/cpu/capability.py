@@ -6,21 +6,10 @@ import platform
 
 import torch
 
-from hal.capability import DeviceCapability, cpu_memory, library_version, triton_interpreter_status
+from hal.capability import DeviceCapability, cpu_memory, host_cpu_name, library_version, triton_interpreter_status
 from hal.kernels.cpu import cpu_features
 
 __all__ = ["cpu_capability"]
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def cpu_capability() -> DeviceCapability:
@@ -31,7 +20,7 @@ def cpu_capability() -> DeviceCapability:
     target, why_not = triton_interpreter_status()  # the CPU runs Triton only interpreted
     if why_not:
         reasons["triton"] = why_not
-    name = _cpu_name()
+    name = host_cpu_name()
     return DeviceCapability(
         type="cpu",
         available=True,

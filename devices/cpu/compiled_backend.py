@@ -5,7 +5,7 @@ compiled paged kernels, which read K/V straight from the pool through ``req_to_t
 task per (request, KV head) with the GQA group together for decode and verify, and
 matrix-sized ``at::mm`` tiles for extend; see ``hal.kernels.cpu``. The kernels are
 compiled at first use; where that cannot happen (no compiler or ninja,
-``HAL_CPU_KERNELS=0``, a failed build) the plain torch path (:class:`TorchBackend`, which
+``HAL_CPU_KERNELS=0``, a failed build) the plain torch path (:class:`PlainTorchBackend`, which
 this class extends) serves, with a warning when a build was tried and failed, and ``hal
 info`` says which path runs and why.
 """
@@ -20,7 +20,7 @@ import torch
 from hal.batch import device_lens
 from hal.kernels import cpu as cpu_kernels
 
-from .torch_backend import TorchBackend, _indptr
+from .torch_backend import PlainTorchBackend, _indptr
 
 __all__ = ["CompiledBackend"]
 
@@ -57,7 +57,7 @@ class CompiledMetadata:
         return None if self.q_lens is None else _indptr(self.q_lens)
 
 
-class CompiledBackend(TorchBackend):
+class CompiledBackend(PlainTorchBackend):
     """The ``torch`` backend with its attention compiled; the plain path where no kernels could be built."""
 
     name = "torch"
@@ -112,10 +112,7 @@ class CompiledBackend(TorchBackend):
     def _forward(self, q, k, v, layer, fb, save_kv_cache: bool) -> torch.Tensor:
         if self.kernels is None:
             return super()._forward(q, k, v, layer, fb, save_kv_cache)
-        q, k, v = self.check_inputs(q, k, v, layer, fb, save_kv_cache)
-        meta = self.metadata_for(fb)
-        if save_kv_cache:
-            self.save_kv(layer, fb, k, v)
+        meta = self.forward_metadata
         pool = fb.token_to_kv_pool
         k_buffer, v_buffer = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         out = cpu_kernels.paged_attention(

@@ -17,8 +17,9 @@ import torch.nn.functional as F
 
 from hal.backend import AttentionBackend
 from hal.batch import ForwardBatch, device_lens, host_lens
+from hal.deprecation import moved_names
 
-__all__ = ["TorchBackend"]
+__all__ = ["PlainTorchBackend"]
 
 
 @dataclass
@@ -55,11 +56,14 @@ def _indptr(counts: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(torch.cumsum(counts, 0, dtype=torch.int32), (1, 0))
 
 
-class TorchBackend(AttentionBackend):
+class PlainTorchBackend(AttentionBackend):
+    """The plain torch path of the ``torch`` backend (no compiled kernels); see the module docstring."""
+
     name = "torch"
     dtypes = frozenset({"fp32", "bf16"})
     supports_mla = True
     needs_cpu_seq_lens = True
+    reads_new_kv = False  # every key, the new tokens' included, is read from the cache
 
     def __init__(self, capability, config=None, **options):
         super().__init__(capability, config, **options)
@@ -131,17 +135,13 @@ class TorchBackend(AttentionBackend):
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache)
 
     def _forward(self, q, k, v, layer, fb: ForwardBatch, save_kv_cache: bool) -> torch.Tensor:
-        """q ``[T, Hq * D]`` or ``[T, Hq, D]``, k/v likewise (or None) -> ``[T, Hq * Dv]`` in q's dtype.
+        """q ``[T, Hq, D]`` (the prologue ran) -> ``[T, Hq * Dv]`` in q's dtype.
 
-        Every key, the new tokens' included, is read from the cache.
+        Every key, the new tokens' included, is read from the cache (``k``/``v`` are not used).
         """
-        q, k, v = self.check_inputs(q, k, v, layer, fb, save_kv_cache)
-        meta = self.metadata_for(fb)
-        if save_kv_cache:
-            self.save_kv(layer, fb, k, v)
         pool = fb.token_to_kv_pool
         k_buffer, v_buffer = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
-        out = attend_padded(q, k_buffer, v_buffer, meta, layer, self.scratch)
+        out = attend_padded(q, k_buffer, v_buffer, self.forward_metadata, layer, self.scratch)
         return out.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
 
@@ -232,3 +232,6 @@ class Scratch:
         if pool.dtype == dtype:
             return out
         return self._buffer(name, dtype, out.numel(), pool.device).view(out.shape).copy_(out)
+
+
+__getattr__ = moved_names(__name__, {"TorchBackend": "hal.devices.cpu.torch_backend:PlainTorchBackend"})

@@ -298,7 +298,7 @@ class FlashInferBackend(AttentionBackend):
 
     # -- selection ---------------------------------------------------------------------
     @classmethod
-    def available(cls, capability: DeviceCapability) -> list[str]:
+    def unavailable_reasons(cls, capability: DeviceCapability) -> list[str]:
         reasons = []
         missing = _flashinfer_missing()
         if missing:
@@ -330,9 +330,9 @@ class FlashInferBackend(AttentionBackend):
         return notes
 
     @classmethod
-    def validate(cls, config, capability: DeviceCapability) -> list[str]:
+    def unsupported_reasons(cls, config, capability: DeviceCapability) -> list[str]:
         reasons = []
-        for reason in super().validate(config, capability):
+        for reason in super().unsupported_reasons(config, capability):
             if reason.startswith("dtype fp32"):
                 reason += ": FlashInfer compiles attention for fp16/bf16 (and fp8 KV) only, no fp32 kernels"
             elif reason.startswith("head_dim"):
@@ -351,7 +351,7 @@ class FlashInferBackend(AttentionBackend):
     def register_layers(self, layers: Iterable) -> None:
         """Make ``out_graph`` plan for these layers from the next step on."""
         for layer in layers:
-            self._check_layer(layer)
+            self.check_layer(layer)
             self.variants.setdefault(LayerVariant.of(layer), None)
 
     # -- FlashInfer objects ------------------------------------------------------------
@@ -608,7 +608,7 @@ class FlashInferBackend(AttentionBackend):
         """Nothing: FlashInfer's kernels read the buffers ``plan`` filled in ``out_graph``."""
 
     # -- forward -----------------------------------------------------------------------
-    def _check_layer(self, layer) -> None:
+    def check_layer(self, layer) -> None:
         expect(
             layer.v_head_dim == layer.head_dim,
             ConfigError,
@@ -617,26 +617,20 @@ class FlashInferBackend(AttentionBackend):
             f"== head_dim ({layer.head_dim}): the flashinfer backend has no MLA path",
         )
 
-    def _begin(self, q, k, v, layer, fb: ForwardBatch, save_kv_cache: bool):
-        """Checks (before anything is written), then the KV write, then the run inputs ``(meta, variant,
-        q, (k_cache, v_cache), k, v)``; ``k``/``v`` None (``save_kv_cache=False``) are read from the cache."""
-        self._check_layer(layer)
-        q, k, v = self.check_inputs(q, k, v, layer, fb, save_kv_cache)
-        meta = self.metadata_for(fb)
-        if save_kv_cache:
-            self.save_kv(layer, fb, k, v)  # the paged calls read the new tokens back
-        elif k is None:
-            k, v = self.new_kv_from_cache(layer, fb)
+    def _begin(self, q, layer, fb: ForwardBatch):
+        """The run inputs after the prologue (which wrote the KV: the paged calls read the new tokens
+        back): ``(meta, variant, q in the kernels' dtype, (k_cache, v_cache))``."""
+        meta = self.forward_metadata
         paged = paged_view(fb.token_to_kv_pool, layer.layer_id)
-        return meta, LayerVariant.of(layer), q.to(meta.dtype).contiguous(), paged, k, v
+        return meta, LayerVariant.of(layer), q.to(meta.dtype).contiguous(), paged
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        meta, variant, q_in, paged, _, _ = self._begin(q, k, v, layer, forward_batch, save_kv_cache)
+        meta, variant, q_in, paged = self._begin(q, layer, forward_batch)
         out = self._planned(meta, "decode", variant).run(q_in, paged)
         return out.reshape(q.shape[0], layer.tp_q_head_num * layer.v_head_dim).to(q.dtype)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        meta, variant, q_in, paged, k, v = self._begin(q, k, v, layer, forward_batch, save_kv_cache)
+        meta, variant, q_in, paged = self._begin(q, layer, forward_batch)
         kinds = self._kinds(meta, variant)
         if kinds == ["ragged", "prefix"]:
             k_in, v_in = (t.to(meta.dtype).contiguous() for t in (k, v))

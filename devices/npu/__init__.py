@@ -181,6 +181,7 @@ def npu_capability(index: int | None = None) -> DeviceCapability:
 class NpuDevice(Device):
     name = "npu"
     priority = 90
+    plugin_api = 2
 
     def probe(self, index: int | None = None) -> DeviceCapability:
         return npu_capability(index)
