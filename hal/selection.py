@@ -10,6 +10,10 @@ picks that backend's best available device. The variables ``HAL_DEVICE``,
 arguments (an operator's word beats the code's). A forced backend that cannot serve the
 config is an error with its reasons, never a silent fallback. ``Selection.trace``
 records every step.
+
+It also holds :func:`backend_report` (``hal info``'s row per backend): the same reasons
+selection weighs, shown to a user, so both read them in one place. The hybrid backend a
+split selection builds is :mod:`hal.hybrid`.
 """
 
 from __future__ import annotations
