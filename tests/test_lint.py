@@ -146,6 +146,13 @@ def test_hal_own_backends_are_clean():
         ("return torch.allclose(q, q)", "host-sync"),
         ("return q if q.is_cuda or q.get_device() else q", None),
         ("parts = []\n        if not parts:\n            parts = torch.cat([q])\n        return parts", None),
+        ("fb.seq_lens[0] = 0\n        return q", "host-data"),
+        ("self.buf = fb.seq_lens.clone()\n        self.buf[fb.seq_lens] = 1.0\n        return q", "host-data"),
+        ("fb.positions[1:] = 0\n        fb.positions[...] = 1\n        return q", None),
+        ("fb.positions[0] = fb.seq_lens[1]\n        return q", None),
+        ("return torch.tensor(0, device=q.device)", "host-data"),
+        ("fb.positions.copy_(torch.tensor([1, 2]))\n        return q", "host-data"),
+        ("fb.positions.copy_(fb.seq_lens)\n        return q", None),
     ],
 )
 def test_single_rules(line, tag):
