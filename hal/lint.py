@@ -554,6 +554,53 @@ def lint_paths(paths: list[str]) -> list[Finding]:
     return findings
 
 
+def _package_root(path: Path) -> Path | None:
+    """The top package directory holding ``path`` (``__init__.py`` all the way up), or None."""
+    top = None
+    folder = path.parent
+    while (folder / "__init__.py").is_file():
+        top, folder = folder, folder.parent
+    return top
+
+
+def own_imports(path: Path) -> set[Path]:
+    """The modules of ``path``'s own package it imports (relative, or absolute under the same top package)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    top = _package_root(path)
+    found: set[Path] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = path.parent
+            for _ in range(node.level - 1):
+                base = base.parent
+            modules = [(base, (node.module or "").split(".") if node.module else [], node.names)]
+        elif isinstance(node, ast.ImportFrom) and top is not None and (node.module or "").split(".")[0] == top.name:
+            modules = [(top.parent, node.module.split("."), node.names)]
+        elif isinstance(node, ast.Import) and top is not None:
+            modules = [(top.parent, a.name.split("."), []) for a in node.names if a.name.split(".")[0] == top.name]
+        else:
+            continue
+        for base, parts, names in modules:
+            for sub in [parts, *([*parts, a.name] for a in names)]:
+                folder = base.joinpath(*sub) if sub else base
+                for candidate in (folder.with_suffix(".py") if sub else None, folder / "__init__.py"):
+                    if candidate is not None and candidate.is_file() and candidate.resolve() != path.resolve():
+                        found.add(candidate.resolve())
+    return found
+
+
+def unread_imports(paths: list[str]) -> list[Path]:
+    """The own-package modules the given files import that are not among the files linted."""
+    files = {f.resolve() for f in _files(paths)}
+    imported: set[Path] = set()
+    for f in files:
+        try:
+            imported |= own_imports(f)
+        except (OSError, UnicodeDecodeError, SyntaxError):
+            continue  # lint_paths reports these
+    return sorted(imported - files)
+
+
 def main(paths: list[str], as_json: bool = False) -> int:
     """Print the findings (``file:line: message``) and return 1 when there is any, else 0."""
     findings = lint_paths(paths)
@@ -565,6 +612,12 @@ def main(paths: list[str], as_json: bool = False) -> int:
         for finding in findings:
             print(finding)
         files = len(_files(paths))
+        unread = unread_imports(paths)
+        if unread:
+            print(
+                f"hal lint: not read: {len(unread)} module(s) of the same package that these files import "
+                "(lint them too: pass the package directory): " + ", ".join(map(str, unread))
+            )
         print(
             f"hal lint: {len(findings)} finding(s) in {files} file(s)"
             if findings

@@ -170,3 +170,21 @@ def test_json_output(tmp_path, capsys):
     findings = json.loads(capsys.readouterr().out)
     assert {f["tag"] for f in findings} == {"host-sync", "dynamic-shape", "data-alloc", "host-data"}
     assert all(f["path"] == str(path) and isinstance(f["line"], int) for f in findings)
+
+
+def test_lint_says_which_modules_of_the_package_it_did_not_read(tmp_path, capsys):
+    """A host sync in the kernel module next to a backend: linting the backend alone names that module."""
+    package = tmp_path / "mydev"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "kernels.py").write_text("def launch(q):\n    return q.sum().item()\n")
+    (package / "ops.py").write_text("")
+    (package / "backend.py").write_text(
+        "from . import kernels\nfrom mydev.ops import *\n\n\nclass B:\n"
+        "    def forward(self, q, k, v, layer, fb):\n        return kernels.launch(q)\n"
+    )
+    assert main(["lint", str(package / "backend.py")]) == 0
+    out = capsys.readouterr().out
+    assert "not read: 3 module(s)" in out and all(f"{n}.py" in out for n in ("kernels", "ops", "__init__"))
+    assert main(["lint", str(package)]) == 0
+    assert "not read" not in capsys.readouterr().out
