@@ -74,10 +74,11 @@ class TritonBackend(AttentionBackend):
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
 
-    def _buffer(self, graph: bool, name: str, size: int, dtype: torch.dtype) -> torch.Tensor:
-        """For a graph's static batch, the first ``size`` elements of a fixed buffer; otherwise a new tensor."""
+    def _buffer(self, graph: bool, name: str, size: int, dtype: torch.dtype, zeros: bool = False) -> torch.Tensor:
+        """For a graph's static batch, the first ``size`` elements of a fixed (zero-initialised) buffer;
+        otherwise a new tensor, zeroed when ``zeros``."""
         if not graph:
-            return torch.empty(size, dtype=dtype, device=self.device)
+            return (torch.zeros if zeros else torch.empty)(size, dtype=dtype, device=self.device)
         buf = self.graph_buffers.get(name)
         if buf is None or buf.numel() < size:
             raise GraphCaptureError(
@@ -114,7 +115,7 @@ class TritonBackend(AttentionBackend):
         meta = TritonMetadata(
             num_kv_splits=splits,
             max_extend_len=max_extend,
-            kv_indptr=self._buffer(graph, "kv_indptr", bs + 1, torch.int32),
+            kv_indptr=self._buffer(graph, "kv_indptr", bs + 1, torch.int32, zeros=True),  # [0] stays 0
             kv_indices=self._buffer(graph, "kv_indices", keys, torch.int32),
         )
         self.set_forward_metadata(meta, fb)
@@ -127,7 +128,8 @@ class TritonBackend(AttentionBackend):
         q_lens, kv_lens = device_lens(fb)
         # decode reads every key from the cache; the extend kernel reads the new tokens from k/v
         meta.kv_end = kv_lens if mode.is_decode() else kv_lens - q_lens
-        meta.kv_indptr[0] = 0
+        # kv_indptr[0] is 0 from its allocation: writing it here (kv_indptr[0] = 0) would be a host-to-device
+        # copy with a stream sync on CUDA, which graph capture refuses
         torch.cumsum(meta.kv_end, 0, out=meta.kv_indptr[1:])
         self.helper_ops.build_kv_indices(
             fb.req_to_token_pool.req_to_token,
