@@ -332,7 +332,7 @@ def test_runner_rejects_a_batch_of_other_pools_or_ill_shaped_inputs():
 )
 def test_the_triton_backend_graph_path_passes_the_eager_guard(case):
     """Capture and replay through the Triton backend's in_graph metadata (kv_indptr, kv_indices, qo_indptr)."""
-    from hal.devices.cuda.triton_backend import TritonBackend
+    from hal.devices.triton_backend import TritonBackend
 
     built = build(case)
     fb = built.batch
