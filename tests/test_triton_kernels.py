@@ -456,6 +456,20 @@ def test_write_kv(loc_dtype, src_dtype, pool_dtype):
     assert torch.equal(k_buffer, expected_k) and torch.equal(v_buffer, expected_v)
 
 
+def test_write_kv_in_head_blocks():
+    """48 KV heads of 256: 32 heads per program (sizing.write_kv_heads), the second block ragged."""
+    from hal.kernels.triton.sizing import write_kv_heads
+
+    assert write_kv_heads(48, 256) == 32
+    gen = torch.Generator().manual_seed(1)
+    k_buffer, v_buffer = torch.zeros(6, 48, 256), torch.zeros(6, 48, 200)
+    k, v = torch.randn(2, 48, 256, generator=gen), torch.randn(2, 48, 200, generator=gen)
+    loc = torch.tensor([4, 1])
+    tk.write_kv(k_buffer, v_buffer, loc, k, v)
+    assert torch.equal(k_buffer[loc], k) and torch.equal(v_buffer[loc], v)
+    assert (k_buffer[[0, 2, 3, 5]] == 0).all() and (v_buffer[[0, 2, 3, 5]] == 0).all()
+
+
 def test_write_kv_empty_and_strided():
     k_buffer, v_buffer = torch.zeros(8, 1, 16), torch.zeros(8, 1, 8)
     tk.write_kv(k_buffer, v_buffer, torch.empty(0, dtype=torch.int64), torch.empty(0, 1, 16), torch.empty(0, 1, 8))

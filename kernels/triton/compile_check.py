@@ -47,6 +47,7 @@ from .sizing import (
     decode_blocks,
     extend_blocks,
     next_power_of_2,
+    write_kv_heads,
 )
 
 __all__ = ["Variant", "variants", "compile_variant", "run", "SPILL_BUDGET", "HEAD_DIMS", "DECODE_GROUPS", "main"]
@@ -175,7 +176,7 @@ def _decode_variants(arch: str, dtype: str, d: int, dv: int, worst_only: bool) -
     consts = {"BLOCK_S": next_power_of_2(MAX_DECODE_SPLITS), "BLOCK_DV": block_dv}
     out.append(Variant("decode_merge", arch, dtype, d, dv, (), tuple(consts.items()), 4, 3))
     for kv_heads in _HELPER_KV_HEADS[-1:] if worst_only else _HELPER_KV_HEADS:
-        consts = {"BLOCK_H": next_power_of_2(kv_heads), "BLOCK_D": block_d, "BLOCK_DV": block_dv}
+        consts = {"BLOCK_H": write_kv_heads(kv_heads, max(block_d, block_dv)), "BLOCK_D": block_d, "BLOCK_DV": block_dv}
         out.append(Variant("write_kv", arch, dtype, d, dv, (), tuple(consts.items()), 4, 3))
     return out
 

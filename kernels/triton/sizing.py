@@ -27,6 +27,7 @@ __all__ = [
     "decode_splits",
     "decode_blocks",
     "extend_blocks",
+    "write_kv_heads",
     "launch_plan",
     "format_plan",
     "plan_for_config",
@@ -144,6 +145,16 @@ def _lookup(table: dict, arch: str | None, head_block: int, dtype: str) -> tuple
         f"head block {head_block} ({dtype}): no Triton tile is sized and compiled for it on {arch} "
         f"(the {family} table goes up to {table[(family, 'fp32' if dtype == 'fp32' else '16')][-1][0]})"
     )
+
+
+#: Elements of K (or V) one write_kv program moves: 64 heads x 256 fit in registers, 64 x 1024 spilled.
+WRITE_KV_ELEMENTS = 8192
+
+
+def write_kv_heads(kv_heads: int, head_block: int) -> int:
+    """KV heads per ``write_kv`` program (grid ``(tokens, cdiv(kv_heads, this))``): all, up to
+    :data:`WRITE_KV_ELEMENTS` per tile."""
+    return max(1, min(next_power_of_2(kv_heads), WRITE_KV_ELEMENTS // head_block))
 
 
 def decode_blocks(arch: str | None, head_dim: int, dtype: str, group: int) -> tuple[int, int, int, int]:
