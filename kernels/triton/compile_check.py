@@ -296,6 +296,8 @@ def compile_variant(v: Variant) -> Result:
     result.seconds = round(time.perf_counter() - start, 2)
     result.shared = int(compiled.metadata.shared)
     text = log.getvalue()
+    if _PTXAS_SPILLS.search(text) is None:  # a Triton without the ptxas-log knob: assemble the PTX once more
+        text = _ptxas_report(compiled.asm["ptx"], int(v.arch[3:]))
     spills, regs = _PTXAS_SPILLS.search(text), _PTXAS_REGS.search(text)
     if spills is None or regs is None:
         result.problems.append("no ptxas -v report in the compiler's output")
@@ -308,6 +310,22 @@ def compile_variant(v: Variant) -> Result:
         result.problems.append(f"shared memory {result.shared} B > {v.arch}'s limit {limit} B")
     result.ok = not result.problems
     return result
+
+
+def _ptxas_report(ptx: str, capability: int) -> str:
+    """``ptxas -v``'s report for ``ptx`` from the ptxas Triton uses for ``capability``."""
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "kernel.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        cmd = [get_ptxas(capability).path, "-v", f"--gpu-name={sm_arch_from_capability(capability)}", src]
+        proc = subprocess.run([*cmd, "-o", os.path.join(tmp, "kernel.o")], capture_output=True, text=True)
+    return proc.stdout + proc.stderr
 
 
 def _init_worker() -> None:
