@@ -185,6 +185,7 @@ class TritonBackend(AttentionBackend):
             num_kv_splits=splits,
             partial_out=partial_out,
             partial_lse=partial_lse,
+            arch=self.capability.arch,
         )
         return out.view(bs, heads * layer.v_head_dim)
 

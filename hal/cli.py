@@ -110,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     p_info = sub.add_parser("info", help="devices, capabilities, backends and the selection trace")
     p_info.add_argument("--json", action="store_true")
     p_info.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
+    p_info.add_argument(
+        "--arch", help="also the Triton kernels' launch plan for this GPU architecture (sm_80, sm_90...)"
+    )
     p_check = sub.add_parser("check", help="run the conformance suite on this machine")
     p_check.add_argument("--device", action="append", default=[])
     p_check.add_argument("--backend", action="append", default=[])
@@ -153,7 +156,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "info":
             data = info(AttentionConfig(dtype=args.dtype))
+            if args.arch:
+                from hal.kernels.triton.sizing import format_plan, plan_for_config
+
+                data["triton_plan"] = plan_for_config(args.arch, data["config"])
             print(json.dumps(data, indent=2)) if args.json else _print_info(data)
+            if args.arch and not args.json:
+                print("\n" + format_plan(data["triton_plan"]))
             return 0
         if args.command == "check":
             from hal.conformance.runner import run_check
