@@ -17,6 +17,80 @@ import pytest
 
 CLAIMED_MODES = ("DECODE", "EXTEND", "MIXED", "DRAFT_EXTEND", "TARGET_VERIFY")
 
+# Features a backend can declare off, each as what it adds to a config it serves (see declared_off).
+FEATURES = {
+    "graph": {"graph": True},
+    "graph_verify": {"graph": True, "custom_mask": True},
+    "custom_mask": {"custom_mask": True},
+    "sliding_window": {"sliding_window_size": 8},
+    "logit_cap": {"logit_cap": 30.0},
+    "non_causal": {"non_causal": True},
+    "mla": {"v_head_dim": 64},
+    "fp32": {"dtype": "fp32"},
+    "bf16": {"dtype": "bf16"},
+    "fp16": {"dtype": "fp16"},
+}
+# What an SGLang serving path needs: graphs for DECODE and TARGET_VERIFY, custom mask (every mode), bf16.
+PROFILES = {"serving": ("graph", "graph_verify", "custom_mask", "bf16")}
+
+
+def _probe_config(backend, capability, **changes):
+    import torch
+
+    from hal.capability import DTYPE_NAMES
+    from hal.config import AttentionConfig
+
+    by_name = {name: dtype for dtype, name in DTYPE_NAMES.items() if dtype is not None}
+    pages = sorted(backend.page_sizes) if backend.page_sizes else [16]
+    head_dims = sorted(backend.head_dims) if backend.head_dims else [128]
+    fields = {
+        "tp_q_head_num": 8,
+        "tp_k_head_num": 2,
+        "head_dim": 128 if 128 in head_dims else head_dims[0],
+        "page_size": 128 if 128 in pages else pages[0],
+        "dtype": torch.bfloat16,
+    }
+    dtype = changes.pop("dtype", None)
+    if dtype is None:  # a dtype the backend serves, so that only the feature asked about can add a reason
+        for name in ("bf16", "fp16", "fp32"):
+            if not backend.validate(AttentionConfig(**{**fields, "dtype": by_name[name]}), capability):
+                fields["dtype"] = by_name[name]
+                break
+    else:
+        fields["dtype"] = by_name[dtype]
+    if "v_head_dim" in changes:
+        changes["v_head_dim"] = fields["head_dim"] // 2
+    return AttentionConfig(**{**fields, **changes})
+
+
+def declared_off(backend, capability) -> dict[str, str]:
+    """``{feature: why}`` for every feature of :data:`FEATURES` the backend declares off on ``capability``:
+    the reasons its ``validate`` gives for a config with that feature that it does not give without it."""
+    base = set(backend.validate(_probe_config(backend, capability), capability))
+    off = {}
+    for feature, changes in FEATURES.items():
+        extra = [
+            r for r in backend.validate(_probe_config(backend, capability, **changes), capability) if r not in base
+        ]
+        if extra:
+            off[feature] = "; ".join(extra)
+    if base:
+        off["any"] = "; ".join(sorted(base))
+    return off
+
+
+def case_features(case, kind: str) -> set[str]:
+    """The features of :data:`FEATURES` a conformance case needs (``kind``: forward or graph)."""
+    needs = {case.dtype_name}
+    verify = case.mode.name == "TARGET_VERIFY"
+    needs |= {"custom_mask"} if verify else set()
+    needs |= {"graph_verify" if verify else "graph"} if kind == "graph" else set()
+    needs |= {"sliding_window"} if case.sliding_window_size >= 0 else set()
+    needs |= {"logit_cap"} if case.logit_cap > 0 else set()
+    needs |= {"non_causal"} if case.attn_type != "decoder" else set()
+    needs |= {"mla"} if case.v_head_dim not in (None, case.head_dim) else set()
+    return needs
+
 
 def machine() -> dict:
     from hal.capability import _cpu_name
@@ -60,6 +134,7 @@ class _Collector:
         self.records: dict[str, dict] = {}
         self.targets: dict[str, tuple[str, str]] = {}
         self.target_objs: dict[tuple[str, str], object] = {}
+        self.needs: dict[str, set[str]] = {}
         self.errors: list[str] = []
 
     def pytest_collection_modifyitems(self, items):
@@ -69,6 +144,10 @@ class _Collector:
                 key = (target.device.name, target.backend.name)
                 self.targets[item.nodeid] = key
                 self.target_objs[key] = target
+                case = item.callspec.params.get("hal_case")
+                if case is not None:
+                    marker = item.get_closest_marker("hal_cases")
+                    self.needs[item.nodeid] = case_features(case, marker.args[0] if marker else "forward")
 
     def pytest_runtest_logreport(self, report):
         key = self.targets.get(report.nodeid)
@@ -79,8 +158,10 @@ class _Collector:
         if record is None:
             base = props.get("hal_case") or {"id": report.nodeid, "family": "?", "mode": "?"}
             record = {k: base.get(k) for k in ("id", "family", "mode", "page_size", "dtype")}
-            record.update(outcome=None, reason="", key=key)
+            record.update(outcome=None, reason="", key=key, needs=sorted(self.needs.get(report.nodeid, ())))
             self.records[report.nodeid] = record
+        if "hal_routes" in props:
+            record["routes"] = props["hal_routes"]
         detail = props.get("hal_case_detail")
         if detail:  # the case a test chose at run time: the id stays the same on every machine
             record["page_size"], record["dtype"] = detail["page_size"], detail["dtype"]
@@ -125,6 +206,67 @@ def _coverage_failures(target, cases: list[dict]) -> list[dict]:
     ]
 
 
+def route_coverage(cases: list[dict]) -> dict:
+    """``{declared, reached, unreached}``: the routes the backend declared for the cases that ran, and took."""
+    ran = [c["routes"] for c in cases if c.get("routes") and c["outcome"] in ("passed", "failed")]
+    declared = sorted({r for routes in ran for r in routes["declared"]})
+    reached = sorted({r for routes in ran for r in routes["taken"]})
+    return {"declared": declared, "reached": reached, "unreached": [r for r in declared if r not in reached]}
+
+
+def _route_failures(routes: dict) -> list[dict]:
+    return [
+        {"id": f"coverage:route:{route}", "family": "coverage", "mode": "ANY", "page_size": None, "dtype": None}
+        | {
+            "outcome": "failed",
+            "reason": f"route {route!r} (declared by routes()) was reached by no case: the suite does not test it "
+            f"here; reached: {', '.join(routes['reached']) or 'none'}",
+        }
+        for route in routes["unreached"]
+    ]
+
+
+def feature_summary(target, cases: list[dict]) -> dict:
+    """``{feature: {reason, skipped}}``: each feature the backend declares off and how many cases that skipped."""
+    off = declared_off(target.backend, target.capability)
+    return {
+        feature: {
+            "reason": why,
+            "skipped": sum(
+                c["outcome"] == "skipped" and (feature == "any" or feature in c.get("needs", ())) for c in cases
+            ),
+        }
+        for feature, why in off.items()
+    }
+
+
+def requirement_failures(off: dict, required: list[str] | tuple) -> list[dict]:
+    """A failed record for each required feature the backend declares off (``off``: :func:`feature_summary`)."""
+    failures = []
+    for feature in required:
+        entry = off.get(feature) or off.get("any")
+        if entry is not None:
+            failures.append(
+                {"id": f"require:{feature}", "family": "require", "mode": "ANY", "page_size": None, "dtype": None}
+                | {"outcome": "failed", "reason": f"required feature {feature!r} is declared off: {entry['reason']}"}
+            )
+    return failures
+
+
+def required_features(require: list[str] | tuple = (), profile: str | None = None) -> list[str]:
+    """The features ``--require`` and ``--profile`` name; a ``ConfigError`` for an unknown one."""
+    from hal.errors import ConfigError
+
+    if profile is not None and profile not in PROFILES:
+        raise ConfigError(f"--profile {profile!r}: expected one of {sorted(PROFILES)}")
+    wanted = [f.strip() for item in require for f in item.split(",") if f.strip()]
+    wanted += [f for f in PROFILES.get(profile, ()) if f not in wanted]
+    unknown = [f for f in wanted if f not in FEATURES]
+    if unknown:
+        raise ConfigError(f"--require {','.join(unknown)}: expected features among {list(FEATURES)}")
+    return wanted
+
+
 def summarize(cases: list[dict]) -> dict:
     """``{mode: {family: {passed, failed, skipped}}}``."""
     table: dict = defaultdict(lambda: defaultdict(lambda: {"passed": 0, "failed": 0, "skipped": 0}))
@@ -142,8 +284,11 @@ def run_check(
     families: list[str] | tuple = (),
     extra_args: list[str] | tuple = (),
     plugins: list | tuple = (),
+    require: list[str] | tuple = (),
 ) -> dict:
-    """Run ``hal.conformance.suite``; returns ``{results: [...], exit_code, errors, log}``."""
+    """Run ``hal.conformance.suite``; returns ``{results: [...], exit_code, errors, log}``.
+
+    ``require``: features (of :data:`FEATURES`) every backend must serve; one it declares off fails it."""
     args = ["--pyargs", "hal.conformance.suite", "-p", "no:cacheprovider", "-q" if not verbose else "-v"]
     args += ["-W", "ignore::pytest.PytestUnknownMarkWarning"]
     for d in devices:
@@ -169,8 +314,12 @@ def run_check(
     results = []
     for key in sorted(set(by_target) | set(collector.target_objs)):
         cases = by_target.get(key, [])
+        target = collector.target_objs[key]
+        routes = route_coverage(cases)
+        features = feature_summary(target, cases)
         if not filtered:
-            cases += _coverage_failures(collector.target_objs[key], cases)
+            cases += _coverage_failures(target, cases) + _route_failures(routes)
+        cases += requirement_failures(features, require)
         counts = {o: sum(c["outcome"] == o for c in cases) for o in ("passed", "failed", "skipped")}
         results.append(
             {
@@ -181,6 +330,8 @@ def run_check(
                 "machine": machine(),
                 "versions": versions(),
                 "summary": summarize(cases),
+                "declared_off": features,
+                "routes": routes,
                 "cases": cases,
             }
         )
@@ -197,6 +348,12 @@ def format_report(report: dict, verbose: bool = False) -> str:
             for family, n in sorted(r["summary"][mode].items()):
                 out.append(f"  {mode:<14}{family:<18}{n['passed']:>7}{n['failed']:>7}{n['skipped']:>8}")
         out += [f"  fuzz: {c['reason']}" for c in r["cases"] if "examples" in c and c["outcome"] == "passed"]
+        off = r.get("declared_off") or {}
+        out.append("  declared off: " + ("none" if not off else ""))
+        out += [f"    {f}: {v['skipped']} case(s) skipped ({v['reason']})" for f, v in off.items()]
+        routes = r.get("routes") or {}
+        if routes.get("declared"):
+            out.append(f"  routes reached: {', '.join(routes['reached']) or 'none'} of {', '.join(routes['declared'])}")
         reasons: dict[str, int] = defaultdict(int)
         for c in r["cases"]:
             if c["outcome"] == "skipped":
