@@ -263,7 +263,7 @@ def format_report(report: dict, verbose: bool = False) -> str:
                 out.append(f"  {mode:<14}{family:<18}{n['passed']:>7}{n['failed']:>7}{n['skipped']:>8}")
         out += [f"  fuzz: {c['reason']}" for c in r["cases"] if "examples" in c and c["outcome"] == "passed"]
         off = r.get("declared_off") or {}
-        out.append("  declared off: " + ("none" if not off else ""))
+        out.append("  declared off:" + ("" if off else " none"))
         out += [f"    {f}: {v['skipped']} case(s) skipped ({v['reason']})" for f, v in off.items()]
         routes = r.get("routes") or {}
         if routes.get("declared"):

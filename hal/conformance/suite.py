@@ -319,6 +319,32 @@ def test_duplicate_out_cache_loc_is_rejected(hal_target, request):
         )
 
 
+@pytest.mark.hal_family("validation")
+@pytest.mark.parametrize("onto", ["padding_page", "cached_context"])
+def test_write_over_padding_or_context_is_rejected(hal_target, onto, request):
+    """Full validation refuses a new token of a real request in the padding page, or on a slot a request of
+    the batch reads as cached context, even when req_to_token agrees (that KV would be overwritten)."""
+    _first_servable(hal_target, ForwardMode.DECODE, prefix=False)  # a target that serves nothing runs nothing
+    case = Case(f"write_onto_{onto}", ForwardMode.DECODE, ((4, 1), (6, 1)), page_size=4)
+    _record(request, case)
+    fb = build(case).batch
+    rt = fb.req_to_token_pool.req_to_token
+    rows = fb.req_pool_indices.tolist()
+    rt[rows[1], 6] = 0 if onto == "padding_page" else rt[rows[0], 2]  # req_to_token agrees with out_cache_loc
+    loc = torch.stack([rt[rows[0], 4], rt[rows[1], 6]]).long()
+    with pytest.raises(InvalidBatchError, match="out_cache_loc"):
+        ForwardBatch(
+            forward_mode=fb.forward_mode,
+            batch_size=2,
+            req_pool_indices=fb.req_pool_indices,
+            seq_lens=fb.seq_lens,
+            out_cache_loc=loc,
+            req_to_token_pool=fb.req_to_token_pool,
+            token_to_kv_pool=fb.token_to_kv_pool,
+            validate="full",
+        )
+
+
 @pytest.mark.hal_family("nan")
 @pytest.mark.parametrize("where", ["q", "cache"])
 @pytest.mark.parametrize("mode", _MODES, ids=lambda m: m.name)
