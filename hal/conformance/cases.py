@@ -433,6 +433,7 @@ def cases_for(backend_cls, cases) -> list[Case]:
             key = replace(moved, name="")
             if key not in seen:
                 seen.add(key)
+                names.add(moved.name)
                 out.append(moved)
     return out
 
