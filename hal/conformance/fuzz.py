@@ -5,9 +5,10 @@ backend: any mode it claims, request lengths including an empty prefix, one toke
 page boundaries, head layouts, the page sizes and dtypes it declares, windows, logit
 caps, non-causal layers, random verify trees, shuffled pages or slots scattered off
 their page offsets (where the backend does not require aligned slots), several layers
-of pools that start at layer 0 or later. Each batch is compared with the float64 reference and the whole pool with its
-canaries (only ``out_cache_loc`` of the forwarded layer may change). A failing batch is
-shrunk by hypothesis and reported as Python that rebuilds it.
+of pools that start at layer 0 or later. Each batch is compared with the float64
+reference and the whole pool with its canaries (only ``out_cache_loc`` of the forwarded
+layer may change). A failing batch is shrunk by hypothesis and reported as Python that
+rebuilds it.
 """
 
 from __future__ import annotations
