@@ -18,7 +18,7 @@ from hal.backend import AttentionBackend
 from hal.batch import ForwardBatch, device_lens, host_lens
 from hal.capability import DeviceCapability
 from hal.errors import GraphCaptureError
-from hal.kernels.triton.sizing import decode_splits
+from hal.kernels.triton.sizing import decode_splits, extend_blocks
 
 __all__ = ["TritonBackend"]
 
@@ -35,6 +35,13 @@ class TritonMetadata:
     qo_indptr: torch.Tensor | None = None  # [B + 1], extend modes
     custom_mask: torch.Tensor | None = None
     windows: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # decode, per window
+
+
+def _extend_tiles(arch: str | None, head_dim: int, v_head_dim: int) -> str:
+    """The extend kernel's (BLOCK_M, BLOCK_N) for these head dims, as ``extend_attention`` picks it."""
+    block = max(16, 1 << (max(head_dim, v_head_dim) - 1).bit_length())
+    block_m, block_n = extend_blocks(arch, block)[:2]
+    return f"extend: {block_m}x{block_n} tiles"
 
 
 class TritonBackend(AttentionBackend):
@@ -63,6 +70,23 @@ class TritonBackend(AttentionBackend):
         if capability.triton_interpreted:
             return ["runs interpreted (TRITON_INTERPRET=1): for correctness only, orders of magnitude slow"]
         return super().notes(capability)
+
+    @classmethod
+    def routes(cls, config, capability: DeviceCapability) -> list[str]:
+        """Decode with one share of the keys or split-KV; the extend kernel's tile for this head dim."""
+        return [
+            "decode: one split",
+            "decode: split-KV",
+            _extend_tiles(capability.arch, config.head_dim, config.v_head_dim),
+        ]
+
+    def route_of(self, forward_batch: ForwardBatch, layer) -> list[str]:
+        mode = forward_batch.forward_mode
+        if mode.is_idle():
+            return []
+        if mode.is_decode():
+            return ["decode: split-KV" if self.metadata_for(forward_batch).num_kv_splits > 1 else "decode: one split"]
+        return [_extend_tiles(self.capability.arch, layer.head_dim, layer.v_head_dim)]
 
     def support_triton(self) -> bool:
         return True
