@@ -180,6 +180,24 @@ def test_info_dtype_option_changes_the_config(capsys):
     assert not any(b["selected"] for d in data["devices"] for b in d["backends"])
 
 
+def test_info_judges_the_model_shape_given(capsys, restore_registry, monkeypatch):
+    from hal.registry import get_registry
+
+    monkeypatch.setenv("HAL_NPU_EMULATION", "1")
+    monkeypatch.delenv("HAL_PLUGINS", raising=False)
+    get_registry(reload=True)
+    args = ("info", "--json", "--page-size", "128", "--head-dim", "128", "--q-heads", "16", "--kv-heads", "4")
+    rc, out, _ = run_main(capsys, *args, "--dtype", "bf16")
+    data = json.loads(out)
+    assert rc == 0
+    cfg = data["config"]
+    assert (cfg["page_size"], cfg["head_dim"], cfg["tp_q_head_num"], cfg["tp_k_head_num"]) == (128, 128, 16, 4)
+    assert (data["selection"]["device"], data["selection"]["backend"]) == ("npu", "ascend")
+    rc, out, _ = run_main(capsys, "info", "--json", "--page-size", "4", "--dtype", "bf16")
+    npu = next(d for d in json.loads(out)["devices"] if d["name"] == "npu")
+    assert any("page_size 4" in why for b in npu["backends"] for why in b["reasons"]), npu["backends"]
+
+
 def test_human_info_mentions_every_device(capsys):
     register_device(FakeDevice("vendor", [Renamed], priority=10))
     register_device(FakeDevice("absent", [Renamed], available=False, reason="no card in slot 3"))
