@@ -37,7 +37,7 @@ SUBPROCESS_RUNS = {
     "info_all_plugins": (("info", "--json"), None),
     "check": (("check", "--device", "cpu", "--backend", "torch", "--json"), "cpu"),
     "check_unknown": (("check", "--device", "nosuchdevice"), "cpu"),
-    "demo": (("demo", "--check-steps", "--json"), "cpu"),
+    "demo": (("demo", "--check-steps", "--page-size", "32", "--json"), "cpu"),
 }
 
 
@@ -283,7 +283,7 @@ def test_demo_json_steps_through_every_mode(hal_cli):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(proc.stdout)
     assert data["ok"] is True
-    assert data["device"] == "cpu"
+    assert data["device"] == "cpu" and data["page_size"] == 32  # --check-steps honours --page-size
     assert {s["mode"] for s in data["steps"]} >= {"EXTEND", "DECODE", "MIXED", "TARGET_VERIFY"}
     assert all(s["ok"] for s in data["steps"])
     assert all(s["max_abs_err"] < 0.1 for s in data["steps"])
