@@ -667,6 +667,7 @@ class MutantDevice(Device):
     """A plugin device serving the control and every mutant, each as a backend."""
 
     name = "mutants"
+    plugin_api = 2
     priority = 1
 
     def __init__(self, backends=None):
