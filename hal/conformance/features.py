@@ -44,7 +44,7 @@ def _probe_config(backend, capability, **changes):
     dtype = changes.pop("dtype", None)
     if dtype is None:  # a dtype the backend serves, so that only the feature asked about can add a reason
         for name in ("bf16", "fp16", "fp32"):
-            if not backend.validate(AttentionConfig(**{**fields, "dtype": by_name[name]}), capability):
+            if not backend.unsupported_reasons(AttentionConfig(**{**fields, "dtype": by_name[name]}), capability):
                 fields["dtype"] = by_name[name]
                 break
     else:
@@ -57,11 +57,11 @@ def _probe_config(backend, capability, **changes):
 def declared_off(backend, capability) -> dict[str, str]:
     """``{feature: why}`` for every feature of :data:`FEATURES` the backend declares off on ``capability``:
     the reasons its ``validate`` gives for a config with that feature that it does not give without it."""
-    base = set(backend.validate(_probe_config(backend, capability), capability))
+    base = set(backend.unsupported_reasons(_probe_config(backend, capability), capability))
     off = {}
     for feature, changes in FEATURES.items():
         extra = [
-            r for r in backend.validate(_probe_config(backend, capability, **changes), capability) if r not in base
+            r for r in backend.unsupported_reasons(_probe_config(backend, capability, **changes), capability) if r not in base
         ]
         if extra:
             off[feature] = "; ".join(extra)
