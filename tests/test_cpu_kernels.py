@@ -27,7 +27,7 @@ CPU_CASES = [c for c in CASES if not CompiledBackend.unsupported_reasons(c.confi
 def _kernel_out(built, tile_rows):
     fb, layer = built.batch, built.layer
     lens = host_lens(fb)
-    k_buffer, v_buffer = fb.token_to_kv_pool.get_kv_buffer(0)
+    k_buffer, v_buffer = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
     k_buffer.copy_(built.expected_k)
     v_buffer.copy_(built.expected_v)
     out = cpu_kernels.paged_attention(

@@ -56,13 +56,12 @@ def _probe_config(backend, capability, **changes):
 
 def declared_off(backend, capability) -> dict[str, str]:
     """``{feature: why}`` for every feature of :data:`FEATURES` the backend declares off on ``capability``:
-    the reasons its ``validate`` gives for a config with that feature that it does not give without it."""
+    the reasons its ``unsupported_reasons`` gives for a config with that feature that it does not give without it."""
     base = set(backend.unsupported_reasons(_probe_config(backend, capability), capability))
     off = {}
     for feature, changes in FEATURES.items():
-        extra = [
-            r for r in backend.unsupported_reasons(_probe_config(backend, capability, **changes), capability) if r not in base
-        ]
+        reasons = backend.unsupported_reasons(_probe_config(backend, capability, **changes), capability)
+        extra = [r for r in reasons if r not in base]
         if extra:
             off[feature] = "; ".join(extra)
     if base:
