@@ -205,6 +205,17 @@ class AttentionBackend:
             reasons.append(f"device has no graph capture: {capability.reasons.get('graph', 'not listed')}")
         return reasons
 
+    @classmethod
+    def routes(cls, config: AttentionConfig, capability: DeviceCapability) -> list[str]:
+        """The kernels and tile or task choices (routes) batches of ``config`` may take here; ``hal check``
+        reports each route no conformance case reached. Empty (the default): one route, nothing to report."""
+        return []
+
+    def route_of(self, forward_batch: ForwardBatch, layer: AttentionLayer) -> list[str]:
+        """The routes of :meth:`routes` the last forward of ``forward_batch`` on ``layer`` took (called by
+        the conformance suite after the forward, under the same host threads; may read host values)."""
+        return []
+
     # -- SGLang's metadata contract ----------------------------------------------------
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Eager entry point: ``out_graph`` then ``in_graph``."""

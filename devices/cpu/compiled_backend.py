@@ -12,12 +12,13 @@ info`` says which path runs and why.
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 
 import torch
 
-from hal.batch import device_lens
+from hal.batch import device_lens, host_lens
 from hal.kernels import cpu as cpu_kernels
 
 from .torch_backend import PlainTorchBackend, _indptr
@@ -83,6 +84,32 @@ class CompiledBackend(PlainTorchBackend):
             path = "compiled kernels, built with -march=native at first use (a minute or two once per CPU kind)"
         bf16 = "bf16 dot products" if features["bf16_dot"] else "bf16 widened to fp32 (no avx512_bf16 / amx_bf16)"
         return super().notes(capability) + [f"{path}; CPU features {' '.join(features['flags']) or 'none'}; {bf16}"]
+
+    # -- routes (hal check's coverage) -----------------------------------------------------
+    @classmethod
+    def routes(cls, config, capability) -> list[str]:
+        """The kernel's task shapes: query tiles, row tasks of one KV head, row tasks of every KV head."""
+        if not cpu_kernels.status()[0]:
+            return []
+        return ["tiles", "rows/one_head"] + (["rows/all_heads"] if config.tp_k_head_num > 1 else [])
+
+    def route_of(self, fb, layer) -> list[str]:
+        """The task shapes the kernel chose (attention.cpp, ``paged_attention``): a request whose query rows
+        (tokens x GQA group) reach ``TILE_ROWS`` goes through tiles; the others are row tasks, taking every KV
+        head at once when there are at least 4 per thread (``HAL_HEADS_PER_TASK`` overrides)."""
+        if self.kernels is None or fb.forward_mode.is_idle():
+            return []
+        group = layer.tp_q_head_num // layer.tp_k_head_num
+        query = host_lens(fb).query
+        tiled = [n * group >= cpu_kernels.TILE_ROWS for n in query]
+        row_requests = sum(n > 0 and not t for n, t in zip(query, tiled))
+        env = os.environ.get("HAL_HEADS_PER_TASK", "")
+        heads = layer.tp_k_head_num if row_requests >= 4 * torch.get_num_threads() else 1
+        heads = max(1, int(env)) if env.isdigit() else heads
+        taken = ["tiles"] if any(tiled) else []
+        if row_requests:
+            taken.append("rows/all_heads" if min(heads, layer.tp_k_head_num) > 1 else "rows/one_head")
+        return taken
 
     # -- metadata ----------------------------------------------------------------------
     def init_forward_metadata_out_graph(self, fb, in_capture: bool = False) -> None:
