@@ -652,7 +652,7 @@ def test_a2_runs_fia_for_decode_extend_and_mixed_and_scatters_the_kv(npu, op_cal
 
 def test_routes_follow_the_generation(monkeypatch):
     config = AttentionConfig(tp_q_head_num=8, tp_k_head_num=2, head_dim=128, page_size=128, dtype=torch.float16)
-    routes = {gen: AscendBackend.routes(config, _emulated(monkeypatch, gen)[1]) for gen in ("A2", "A5", "310P")}
+    routes = {gen: AscendBackend.step_routes(config, _emulated(monkeypatch, gen)[1]) for gen in ("A2", "A5", "310P")}
     assert routes["A2"] == {"kv_write": "npu_scatter_pa_kv_cache", "decode": FIA, "extend": FIA, "mixed": FIA}
     assert routes["A5"] == routes["A2"]
     assert routes["310P"] == {
@@ -662,7 +662,7 @@ def test_routes_follow_the_generation(monkeypatch):
         "mixed": SPLITFUSE,
     }
     graphed = dataclasses.replace(config, graph=True)
-    assert AscendBackend.routes(graphed, _emulated(monkeypatch, "A2")[1])["graph_decode"] == "_npu_paged_attention"
+    assert AscendBackend.step_routes(graphed, _emulated(monkeypatch, "A2")[1])["graph_decode"] == "_npu_paged_attention"
     a5 = _emulated(monkeypatch, "A5")[1]
     assert "A5 has no ATB ops" in " | ".join(AscendBackend.unsupported_reasons(graphed, a5))  # never PA on A5
     windowed = " | ".join(AscendBackend.unsupported_reasons(dataclasses.replace(config, sliding_window_size=8), a5))
@@ -674,9 +674,9 @@ def test_routes_follow_the_generation(monkeypatch):
 def test_head_dim_192_never_reaches_splitfuse_off_a_128_page(npu):
     _, cap = npu
     config = AttentionConfig(tp_q_head_num=8, tp_k_head_num=2, head_dim=192, page_size=64, dtype=torch.float16)
-    assert AscendBackend.routes(config, cap)["extend"] == ""
+    assert AscendBackend.step_routes(config, cap)["extend"] == ""
     assert "may crash" in " | ".join(AscendBackend.unsupported_reasons(config, cap))
-    assert AscendBackend.routes(dataclasses.replace(config, page_size=128), cap)["extend"] == FIA
+    assert AscendBackend.step_routes(dataclasses.replace(config, page_size=128), cap)["extend"] == FIA
 
 
 def test_negative_slots_go_to_the_padding_slot_before_the_scatter(npu, op_calls):

@@ -226,6 +226,8 @@ class AscendBackend(AttentionBackend):
         self._update_stream = None
         self._fia_ok: dict[tuple, bool] = {}
         self.generation = npu_ops.generation_of_arch(capability.arch)
+        self._taken: list[str] = []  # step:op routes of the current batch (route_of)
+        self._route_step = ""
 
     # -- selection ---------------------------------------------------------------------
     @classmethod
@@ -276,7 +278,26 @@ class AscendBackend(AttentionBackend):
         )
 
     @classmethod
-    def routes(cls, config: AttentionConfig, capability: DeviceCapability) -> dict[str, str]:
+    def routes(cls, config: AttentionConfig, capability: DeviceCapability) -> list[str]:
+        """``step:op`` for every step of ``config`` an op serves here (``hal check`` reports the unreached ones).
+        A captured decode's ``_npu_paged_attention`` needs a real NPU: the emulation replays eagerly."""
+        steps = cls.step_routes(config, capability)
+        if capability.emulated:
+            steps.pop("graph_decode", None)
+        relayout = ["relayout"] if config.page_size > 1 else []  # the scratch copy of slots off their page offsets
+        return [f"{step}:{op}" for step, op in steps.items() if op] + relayout
+
+    def route_of(self, forward_batch: ForwardBatch, layer: AttentionLayer) -> list[str]:
+        relayout = (
+            self.metadata_for(forward_batch).relayout is not None if not forward_batch.forward_mode.is_idle() else False
+        )
+        return list(dict.fromkeys(self._taken)) + (["relayout"] if relayout else [])
+
+    def _took(self, op: str, step: str | None = None) -> None:
+        self._taken.append(f"{step or self._route_step}:{op}")
+
+    @classmethod
+    def step_routes(cls, config: AttentionConfig, capability: DeviceCapability) -> dict[str, str]:
         """The op each kind of step of ``config`` runs on this generation (``""``: none can)."""
         generation = npu_ops.generation_of_arch(capability.arch)
         window = config.sliding_window_size
@@ -306,38 +327,14 @@ class AscendBackend(AttentionBackend):
     def extend_route(cls, config: AttentionConfig, capability: DeviceCapability) -> tuple[str, list[str]]:
         """``(op, reasons)``: the op EXTEND batches of ``config`` run, and why FIA does not serve them."""
         reasons = cls._reasons(config, capability, "extend", config.sliding_window_size)
-        return cls.routes(config, capability)["extend"], reasons
-
-    @classmethod
-    def routes(cls, config: AttentionConfig, capability: DeviceCapability) -> list[str]:
-        """The ops batches of ``config`` may run, and the scratch re-layout of slots that are not page-aligned."""
-        ops = ["_npu_paged_attention_splitfuse", "relayout"]
-        if config.sliding_window_size < 0:
-            ops.append("_npu_paged_attention")
-        if cls.extend_route(config, capability)[0] == "npu_fused_infer_attention_score":
-            ops.append("npu_fused_infer_attention_score")
-        return ops
-
-    def route_of(self, forward_batch: ForwardBatch, layer: AttentionLayer) -> list[str]:
-        mode = forward_batch.forward_mode
-        if mode.is_idle():
-            return []
-        meta = self.metadata_for(forward_batch)
-        if mode.is_decode() and layer.sliding_window_size < 0:
-            op = "_npu_paged_attention"
-        elif mode.is_extend() and not mode.is_mixed() and not mode.is_target_verify():
-            fia = self._fia_serves(layer, meta.page_size, meta.dtype)
-            op = "npu_fused_infer_attention_score" if fia else "_npu_paged_attention_splitfuse"
-        else:
-            op = "_npu_paged_attention_splitfuse"
-        return [op] + (["relayout"] if meta.relayout is not None else [])
+        return cls.step_routes(config, capability)["extend"], reasons
 
     @classmethod
     def unsupported_reasons(cls, config: AttentionConfig, capability: DeviceCapability) -> list[str]:
         reasons = super().unsupported_reasons(config, capability)
         generation = npu_ops.generation_of_arch(capability.arch)
         window = config.sliding_window_size
-        for step, op in cls.routes(config, capability).items():
+        for step, op in cls.step_routes(config, capability).items():
             if op:
                 continue
             why = []
@@ -417,6 +414,7 @@ class AscendBackend(AttentionBackend):
     # -- metadata ----------------------------------------------------------------------
     def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
         self.check_batch(fb)
+        self._taken = []
         pool = fb.token_to_kv_pool
         lens = host_lens(fb)
         q_lens, kv_lens = list(lens.query), lens.kv
@@ -583,6 +581,7 @@ class AscendBackend(AttentionBackend):
         elif self.forward_metadata.graph_static:
             slots = torch.where(slots == padding, -1, slots)
         npu_ops.write_kv(self.ops, k, v, k_cache, v_cache, slots, scatter=scatter)
+        self._took("npu_scatter_pa_kv_cache" if scatter else "_npu_reshape_and_cache", "kv_write")
 
     def _prepare(self, q, layer: AttentionLayer, fb: ForwardBatch):
         """After the prologue: ``(meta, query [T, Hq, D] in the cache dtype, k_cache, v_cache)``.
@@ -590,6 +589,16 @@ class AscendBackend(AttentionBackend):
         Every op reads the new tokens from the cache (``reads_new_kv = False``).
         """
         meta = self.forward_metadata
+        mode = fb.forward_mode
+        self._route_step = (
+            "decode"
+            if mode.is_decode()
+            else "mixed"
+            if mode.is_mixed()
+            else "target_verify"
+            if mode.is_target_verify()
+            else "extend"
+        )
         pool = fb.token_to_kv_pool
         k_cache, v_cache = paged_view(pool, layer.layer_id)
         if meta.relayout is not None:  # read through a page-aligned copy of the batch's keys and values
@@ -612,6 +621,7 @@ class AscendBackend(AttentionBackend):
                 f"{key[1]}), which A5 does not have (vllm-ascend runs no ATB attention op there)"
             )
         mask = self._mask(meta, key)
+        self._took("_npu_paged_attention_splitfuse")
         out = npu_ops.paged_mixed(
             self.ops,
             query,
@@ -654,7 +664,9 @@ class AscendBackend(AttentionBackend):
                 out=out,
             )
             self._capture_decode(meta, call)
+            self._took("_npu_paged_attention", "graph_decode")
         else:
+            self._took("_npu_paged_attention")
             out = npu_ops.paged_decode(
                 self.ops, query, k_cache, v_cache, meta.block_table, meta.kv_lens, scale=layer.scaling
             )
@@ -679,6 +691,7 @@ class AscendBackend(AttentionBackend):
         """FIA (TND, paged) over the batch: extend, a MIXED batch's decodes and chunks in one call, or a decode
         (one query token per request, which sees its whole context: no mask)."""
         self._refuse_capture("npu_fused_infer_attention_score")
+        self._took("npu_fused_infer_attention_score")
         q_lens = [1] * meta.batch_size if decode else meta.query_lens
         return npu_ops.paged_prefill(
             self.ops,
