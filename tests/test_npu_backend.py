@@ -45,13 +45,26 @@ DECODE_REQS = ((0, 1), (130, 1), (260, 1), (5, 1))
 FIA, SPLITFUSE = "npu_fused_infer_attention_score", "_npu_paged_attention_splitfuse"
 
 
-@pytest.fixture
-def npu(monkeypatch):
-    """The emulated npu device and its capability, loaded through the registry."""
+def _emulated(monkeypatch, value: str):
     monkeypatch.delenv("HAL_PLUGINS", raising=False)
-    monkeypatch.setenv("HAL_NPU_EMULATION", "1")
+    monkeypatch.setenv("HAL_NPU_EMULATION", value)
     device = get_registry(reload=True).get("npu")
     return device, probe_device(device)
+
+
+@pytest.fixture
+def npu(monkeypatch):
+    """The emulated npu device (an A2, ``HAL_NPU_EMULATION=1``) and its capability, loaded through the registry."""
+    return _emulated(monkeypatch, "1")
+
+
+@pytest.fixture
+def npu310p(monkeypatch):
+    """The emulated npu device as a 310P: ATB ops only (vllm-ascend's 310P routes)."""
+    return _emulated(monkeypatch, "310P")
+
+
+WRITES = ("_npu_reshape_and_cache", "npu_scatter_pa_kv_cache")
 
 
 @pytest.fixture
@@ -177,16 +190,19 @@ def test_selection_picks_the_emulated_npu_for_what_it_serves(npu):
 # ----------------------------------------------------------------------------- validate
 
 
-def test_validate_reasons_are_exactly_what_the_ops_cannot_do(npu):
-    _, cap = npu
+def test_validate_reasons_are_exactly_what_the_ops_cannot_do(npu310p):
+    _, cap = npu310p
     ok = AttentionConfig(tp_q_head_num=32, tp_k_head_num=8, head_dim=128, page_size=128, dtype=torch.float32)
     assert AscendBackend.unsupported_reasons(ok, cap) == []  # fp32 is fine on the emulation
     for cfg in (
         dataclasses.replace(ok, sliding_window_size=64, non_causal=True, custom_mask=True, graph=True),
-        dataclasses.replace(ok, page_size=16, dtype=torch.bfloat16),
+        dataclasses.replace(ok, page_size=16, dtype=torch.float16),
         dataclasses.replace(ok, head_dim=64, v_head_dim=64, page_size=256),
     ):
         assert AscendBackend.unsupported_reasons(cfg, cap) == [], cfg
+    assert "no bf16" in " | ".join(
+        AscendBackend.unsupported_reasons(dataclasses.replace(ok, dtype=torch.bfloat16), cap)
+    )
 
     def reasons(**changes):
         return " | ".join(AscendBackend.unsupported_reasons(dataclasses.replace(ok, **changes), cap))
@@ -212,8 +228,8 @@ def test_validate_reasons_are_exactly_what_the_ops_cannot_do(npu):
 # ----------------------------------------------------------------------------- routing
 
 
-def test_mixed_batch_is_one_splitfuse_call_on_the_npu_and_forward_extend_on_the_cpu(npu, op_calls, monkeypatch):
-    _, cap = npu
+def test_mixed_batch_is_one_splitfuse_call_on_the_npu_and_forward_extend_on_the_cpu(npu310p, op_calls, monkeypatch):
+    _, cap = npu310p
     case = Case("mixed_page128", M, MIXED_REQS, page_size=128, tp_q_head_num=8, tp_k_head_num=2)
     built = build(case, layer_num=2)
     backend = AscendBackend(cap)
@@ -225,6 +241,7 @@ def test_mixed_batch_is_one_splitfuse_call_on_the_npu_and_forward_extend_on_the_
         assert methods == {"forward_extend": 0, "forward_mixed": layer_id + 1, "forward_decode": 0}
         assert _counts(op_calls) == {
             "_npu_reshape_and_cache": layer_id + 1,
+            "npu_scatter_pa_kv_cache": 0,
             "_npu_paged_attention": 0,
             "_npu_paged_attention_splitfuse": layer_id + 1,
             "npu_fused_infer_attention_score": 0,
@@ -274,13 +291,14 @@ def test_forward_extend_called_directly_on_a_mixed_batch_takes_the_same_single_c
     assert _counts(op_calls)["npu_fused_infer_attention_score"] == 0
 
 
-def test_decode_uses_npu_paged_attention_with_host_lengths(npu, op_calls):
-    _, cap = npu
+def test_decode_uses_npu_paged_attention_with_host_lengths(npu310p, op_calls):
+    _, cap = npu310p
     built = build(Case("decode_page128", D, DECODE_REQS, page_size=128))
     backend = AscendBackend(cap)
     _close(_run(backend, built), built)
     assert _counts(op_calls) == {
         "_npu_reshape_and_cache": 1,
+        "npu_scatter_pa_kv_cache": 0,
         "_npu_paged_attention": 1,
         "_npu_paged_attention_splitfuse": 0,
         "npu_fused_infer_attention_score": 0,
@@ -337,7 +355,7 @@ def test_extend_routing(npu, op_calls, case, op, sparse_mode):
     _, cap = npu
     built = build(case)
     _close(_run(AscendBackend(cap), built), built)
-    attention = {name: n for name, n in _counts(op_calls).items() if name != "_npu_reshape_and_cache"}
+    attention = {name: n for name, n in _counts(op_calls).items() if name not in WRITES}
     assert attention == {name: int(name == op) for name in attention}
     call = op_calls[op][0]
     fb = built.batch
@@ -358,7 +376,7 @@ def test_save_kv_cache_false_writes_nothing(npu, op_calls):
     pool.k_buffer[0].copy_(built.expected_k)
     pool.v_buffer[0].copy_(built.expected_v)
     _close(_run(AscendBackend(cap), built, save_kv_cache=False), built)
-    assert _counts(op_calls)["_npu_reshape_and_cache"] == 0
+    assert _counts(op_calls)["_npu_reshape_and_cache"] == _counts(op_calls)["npu_scatter_pa_kv_cache"] == 0
     assert torch.equal(pool.k_buffer[0], built.expected_k)
 
 
@@ -547,13 +565,13 @@ def test_real_npu_graph_path_updates_the_captured_tasks_host_lengths(npu, op_cal
             assert new[name] is old[name]  # same tensors: only the host lengths change
 
 
-@pytest.mark.parametrize("head_dim, op", [(128, FIA), (64, SPLITFUSE), (256, SPLITFUSE)])
+@pytest.mark.parametrize("head_dim, op", [(128, FIA), (64, SPLITFUSE), (256, "")])  # 256 * 128 > ATB's 128 * 128
 def test_extend_route_is_declared_with_the_reason(npu, head_dim, op):
     _, cap = npu
     config = AttentionConfig(tp_q_head_num=8, tp_k_head_num=2, head_dim=head_dim, page_size=128, dtype=torch.bfloat16)
     route, reasons = AscendBackend.extend_route(config, cap)
     assert route == op
-    assert bool(reasons) == (op == SPLITFUSE)
+    assert bool(reasons) == (op != FIA)
     if reasons:
         assert "TND takes head dim 128 or 192" in reasons[0]
     assert any("head_dim 128 or 192" in n for n in AscendBackend.notes(cap))
@@ -605,3 +623,92 @@ def test_eager_steps_with_slots_off_their_page_offsets_are_served_through_an_ali
     out = _run(backend, built)
     assert backend.forward_metadata.relayout is not None
     _close(out, built)
+
+
+# ----------------------------------------------------------------------------- generations (vllm-ascend's routes)
+
+
+@pytest.mark.parametrize("value, arch", [("1", "Ascend910B"), ("a3", "Ascend910_93"), ("310P", "Ascend310P")])
+def test_the_emulated_generation_is_the_capability_arch(monkeypatch, value, arch):
+    _, cap = _emulated(monkeypatch, value)
+    assert cap.arch == arch and cap.emulated
+    assert ("bf16" in cap.dtypes) == (arch != "Ascend310P")
+
+
+def test_a2_runs_fia_for_decode_extend_and_mixed_and_scatters_the_kv(npu, op_calls):
+    _, cap = npu
+    for mode, reqs in ((D, DECODE_REQS), (E, EXTEND_REQS), (M, MIXED_REQS)):
+        for calls in op_calls.values():
+            calls.clear()
+        built = build(Case(f"a2_{mode.name}", mode, reqs, page_size=128, head_dim=128))
+        _close(_run(AscendBackend(cap), built), built)
+        assert _counts(op_calls) == {name: int(name in (FIA, "npu_scatter_pa_kv_cache")) for name in OP_NAMES}
+        call, fb = op_calls[FIA][0], built.batch
+        assert call["input_layout"] == "TND" and call["actual_seq_lengths_kv"] == fb.lens.kv
+        assert call["actual_seq_lengths"] == list(itertools.accumulate(fb.lens.query))
+        write = op_calls["npu_scatter_pa_kv_cache"][0]
+        assert write["cache_mode"] == "Norm" and write["slot_mapping"].dtype == torch.int32
+
+
+def test_routes_follow_the_generation(monkeypatch):
+    config = AttentionConfig(tp_q_head_num=8, tp_k_head_num=2, head_dim=128, page_size=128, dtype=torch.float16)
+    routes = {gen: AscendBackend.step_routes(config, _emulated(monkeypatch, gen)[1]) for gen in ("A2", "A5", "310P")}
+    assert routes["A2"] == {"kv_write": "npu_scatter_pa_kv_cache", "decode": FIA, "extend": FIA, "mixed": FIA}
+    assert routes["A5"] == routes["A2"]
+    assert routes["310P"] == {
+        "kv_write": "_npu_reshape_and_cache",
+        "decode": "_npu_paged_attention",
+        "extend": SPLITFUSE,
+        "mixed": SPLITFUSE,
+    }
+    graphed = dataclasses.replace(config, graph=True)
+    assert AscendBackend.step_routes(graphed, _emulated(monkeypatch, "A2")[1])["graph_decode"] == "_npu_paged_attention"
+    a5 = _emulated(monkeypatch, "A5")[1]
+    assert "A5 has no ATB ops" in " | ".join(AscendBackend.unsupported_reasons(graphed, a5))  # never PA on A5
+    windowed = " | ".join(AscendBackend.unsupported_reasons(dataclasses.replace(config, sliding_window_size=8), a5))
+    assert "sparse_mode 4" in windowed and "A5 has no ATB ops" in windowed
+    a2 = _emulated(monkeypatch, "1")[1]
+    assert AscendBackend.unsupported_reasons(dataclasses.replace(config, sliding_window_size=8), a2) == []
+
+
+def test_head_dim_192_never_reaches_splitfuse_off_a_128_page(npu):
+    _, cap = npu
+    config = AttentionConfig(tp_q_head_num=8, tp_k_head_num=2, head_dim=192, page_size=64, dtype=torch.float16)
+    assert AscendBackend.step_routes(config, cap)["extend"] == ""
+    assert "may crash" in " | ".join(AscendBackend.unsupported_reasons(config, cap))
+    assert AscendBackend.step_routes(dataclasses.replace(config, page_size=128), cap)["extend"] == FIA
+
+
+def test_negative_slots_go_to_the_padding_slot_before_the_scatter(npu, op_calls):
+    _, cap = npu
+    built = build(Case("decode_page16", D, DECODE_REQS, page_size=16))
+    fb = built.batch
+    pool = fb.token_to_kv_pool
+    fb.out_cache_loc[1] = -1  # a padding token
+    backend = AscendBackend(cap)
+    backend.init_forward_metadata(fb)
+    k = built.k.view(built.k.shape[0], -1, built.layer.head_dim)
+    backend.save_kv(built.layer, fb, k, k)
+    slots = op_calls["npu_scatter_pa_kv_cache"][0]["slot_mapping"]
+    assert slots[1] == pool.padding_slot and (slots >= 0).all()
+    with pytest.raises(ValueError, match="slot_mapping"):  # the op's documented range, as the emulation enforces it
+        emulation.torch_npu.npu_scatter_pa_kv_cache(
+            k[:1].contiguous(), k[:1].contiguous(), *npu_kv(pool), torch.tensor([-1]), cache_mode="Norm"
+        )
+
+
+def npu_kv(pool):
+    from hal.kv_cache import paged_view
+
+    return paged_view(pool, 0)
+
+
+def test_npu_graph_replay_synchronises_the_current_stream_first():
+    from hal.devices.npu import NpuGraph
+
+    log = []
+    stream = types.SimpleNamespace(synchronize=lambda: log.append("sync"))
+    graph = types.SimpleNamespace(replay=lambda: log.append("replay"))
+    module = types.SimpleNamespace(NPUGraph=lambda: graph, current_stream=lambda: stream)
+    NpuGraph(module).replay()
+    assert log == ["sync", "replay"]

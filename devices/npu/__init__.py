@@ -6,7 +6,12 @@ never at module import, and never raises except for an invalid ``HAL_NPU_EMULATI
 ``HAL_NPU_EMULATION=1`` (``0`` or unset: off) makes the device available on machines
 without an NPU, running the same backend over :data:`hal.kernels.npu.emulation.torch_npu`
 (plain-torch CPU versions of the ops, with their real argument contracts): correctness
-only, never performance. A real NPU always wins over the flag.
+only, never performance. A real NPU always wins over the flag. ``1`` emulates an A2
+(Ascend910B); ``A2``, ``A3``, ``310P`` or ``A5`` pick the generation whose routes run.
+
+The capability's ``arch`` is the chip generation (``Ascend910B`` = A2, ``Ascend910_93`` = A3,
+``Ascend310P``, ``Ascend950`` = A5: ``hal.kernels.npu.GENERATIONS``), from
+``torch_npu.npu.get_soc_version()`` as vllm-ascend reads it; the backend routes by it.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ __all__ = [
     "EMULATION_ENV",
     "EMULATED_NAME",
     "NpuDevice",
+    "NpuGraph",
     "AscendBackend",
     "device",
     "emulation_requested",
@@ -40,16 +46,27 @@ _HALF_ONLY = (
 )
 
 
-def emulation_requested() -> bool:
-    """Whether ``HAL_NPU_EMULATION`` asks for the CPU emulation; raises ``ConfigError`` on a bad value."""
+def emulated_generation() -> str | None:
+    """The generation ``HAL_NPU_EMULATION`` asks to emulate (``1``: A2), None when off; ``ConfigError`` if bad."""
+    from hal.kernels.npu import GENERATIONS
+
     raw = os.environ.get(EMULATION_ENV)
     if raw is None or raw == "0":
-        return False
+        return None
     if raw == "1":
-        return True
-    raise ConfigError(
-        f"{EMULATION_ENV} = {raw!r}: expected '1' (emulate the NPU's attention ops on the CPU), '0' or unset (off)"
-    )
+        return "A2"
+    generation = next((gen for gen in GENERATIONS if gen.lower() == raw.strip().lower()), None)
+    if generation is None:
+        raise ConfigError(
+            f"{EMULATION_ENV} = {raw!r}: expected '1' (emulate the NPU's attention ops on the CPU, as an A2), "
+            f"a generation to emulate ({', '.join(map(repr, GENERATIONS))}), '0' or unset (off)"
+        )
+    return generation
+
+
+def emulation_requested() -> bool:
+    """Whether ``HAL_NPU_EMULATION`` asks for the CPU emulation; raises ``ConfigError`` on a bad value."""
+    return emulated_generation() is not None
 
 
 def _memory(npu, index: int) -> int | None:
@@ -91,11 +108,21 @@ def _real_capability(module, index: int | None) -> DeviceCapability:
         if not 0 <= index < count:
             return _unavailable(f"npu:{index} does not exist: {count} device(s) visible")
         name = str(npu.get_device_name(index))
+        soc = int(npu.get_soc_version()) if hasattr(npu, "get_soc_version") else None
     except Exception as exc:  # noqa: BLE001 - a driver error is a reason, not a crash
         return _unavailable(f"NPU runtime error: {type(exc).__name__}: {exc}")
+    from hal.kernels.npu import GENERATIONS, generation_of_soc
+
     reasons = {"fp32": _HALF_ONLY, "fp8": "hal's Ascend backend has no fp8 path"}
+    generation = None if soc is None else generation_of_soc(soc)
+    if generation is None:
+        reasons["generation"] = (
+            f"{name}: soc_version {soc} is none of vllm-ascend's A2/A3/310P/A5 ranges"
+            if soc is not None
+            else f"torch_npu {getattr(module, '__version__', '?')} has no torch.npu.get_soc_version()"
+        ) + ": hal routes the attention ops by generation"
     dtypes = ["fp16", "bf16"]
-    if "310" in name:  # Atlas 300I (Ascend 310P): no bf16 compute
+    if generation == "310P":  # Atlas 300I (Ascend 310P): no bf16 compute
         dtypes.remove("bf16")
         reasons["bf16"] = f"{name} (Ascend 310P) has no bf16 support"
     graph = "npu_graph" if hasattr(npu, "NPUGraph") else None
@@ -118,7 +145,7 @@ def _real_capability(module, index: int | None) -> DeviceCapability:
         count=count,
         name=name,
         vendor="Huawei",
-        arch=name,
+        arch=GENERATIONS.get(generation, name),
         memory_bytes=_memory(npu, index),
         dtypes=tuple(dtypes),
         graph=graph,
@@ -135,7 +162,12 @@ def _real_capability(module, index: int | None) -> DeviceCapability:
     )
 
 
-def _emulated_capability(why_no_npu: str) -> DeviceCapability:
+def _emulated_capability(why_no_npu: str, generation: str) -> DeviceCapability:
+    from hal.kernels.npu import GENERATIONS
+
+    # the emulation computes every dtype in float32 (fp16 costs nothing extra); a 310P has no bf16
+    dtypes = ("fp32", "fp16") if generation == "310P" else ("fp32", "bf16", "fp16")
+    extra = {"bf16": "Ascend 310P (emulated) has no bf16 support"} if generation == "310P" else {}
     return DeviceCapability(
         type="npu",
         available=True,
@@ -144,9 +176,9 @@ def _emulated_capability(why_no_npu: str) -> DeviceCapability:
         count=1,
         name=EMULATED_NAME,
         vendor="Huawei (emulated)",
-        arch="emulated",
+        arch=GENERATIONS[generation],
         memory_bytes=cpu_memory(),
-        dtypes=("fp32", "bf16", "fp16"),  # the emulation computes every dtype in float32: fp16 costs nothing extra
+        dtypes=dtypes,
         graph="eager_guard",
         triton_target=None,
         libraries={"torch": torch.__version__, "torch_npu": "", "cann": ""},
@@ -160,6 +192,7 @@ def _emulated_capability(why_no_npu: str) -> DeviceCapability:
             ),
             "npu_graph": "emulated: graphs run as hal's checked eager graph (eager_guard), not torch.npu.NPUGraph",
             "triton": "emulated: no Triton NPU target (triton-ascend needs an NPU); helper ops use torch",
+            **extra,
         },
     )
 
@@ -169,13 +202,25 @@ def npu_capability(index: int | None = None) -> DeviceCapability:
     no NPU) or unavailable with the reason. Its ``fused_mixed``: MIXED batches go to one splitfuse call."""
     from hal.kernels.npu import load_torch_npu
 
-    emulate = emulation_requested()  # validated even when a real NPU makes it moot
+    emulate = emulated_generation()  # validated even when a real NPU makes it moot
     module, why_not = load_torch_npu()
     if module is not None:
         return _real_capability(module, index)
     if emulate:
-        return _emulated_capability(why_not)
+        return _emulated_capability(why_not, emulate)
     return _unavailable(why_not)
+
+
+class NpuGraph(TorchGraph):
+    """``torch.npu.NPUGraph`` whose replay first synchronises the current stream, as vllm-ascend does before
+    every FULL graph replay (vllm_ascend/compilation/acl_graph.py ``ACLGraphWrapper.__call__`` at 182b75e:
+    ``torch.npu.current_stream().synchronize()`` then ``entry.aclgraph.replay()``): the attention tasks'
+    parameter update (``AscendBackend._update_graph_tasks``, on another stream, fenced by an ExternalEvent)
+    must not race the previous replay still reading them."""
+
+    def replay(self):
+        self.module.current_stream().synchronize()
+        super().replay()
 
 
 class NpuDevice(Device):
@@ -192,7 +237,7 @@ class NpuDevice(Device):
     def make_graph(self, capability: DeviceCapability) -> Graph:
         if capability.emulated:
             return EagerGraph()
-        return TorchGraph(torch.npu)
+        return NpuGraph(torch.npu)
 
 
 device = NpuDevice()

@@ -225,86 +225,129 @@ class AscendBackend(AttentionBackend):
         self._graph_tasks: dict[int, list[_CapturedTask]] = {}
         self._update_stream = None
         self._fia_ok: dict[tuple, bool] = {}
+        self.generation = npu_ops.generation_of_arch(capability.arch)
+        self._taken: list[str] = []  # step:op routes of the current batch (route_of)
+        self._route_step = ""
 
     # -- selection ---------------------------------------------------------------------
     @classmethod
     def unavailable_reasons(cls, capability: DeviceCapability) -> list[str]:
         if capability.type != "npu":
             return [f"the ascend backend runs on the npu device only, not {capability.type}"]
-        if "atb" in capability.reasons:  # decode, splitfuse and the KV write are ATB ops
+        generation = npu_ops.generation_of_arch(capability.arch)
+        if generation is None:
+            return [capability.reasons.get("generation", f"unknown Ascend generation (arch {capability.arch!r})")]
+        if "atb" in capability.reasons and generation != "A5":  # A2/A3 fall back to ATB ops, 310P runs only them
             return [capability.reasons["atb"]]
         return []
 
     @classmethod
     def notes(cls, capability: DeviceCapability) -> list[str]:
-        return [
-            *super().notes(capability),
-            "EXTEND runs npu_fused_infer_attention_score (TND, paged) only for head_dim "
-            f"{' or '.join(map(str, npu_ops.FIA_TND_HEAD_DIMS))}, page size a multiple of 128 in [128, 512], "
-            "no sliding window (op-plugin's FIA doc); every other extend takes _npu_paged_attention_splitfuse "
-            "(extend_route() says why)",
-        ]
+        generation = npu_ops.generation_of_arch(capability.arch)
+        if generation == "310P":
+            route = "310P: _npu_paged_attention (decode), _npu_paged_attention_splitfuse (everything else), "
+            route += "_npu_reshape_and_cache (KV write)"
+        else:
+            route = (
+                f"{generation}: npu_fused_infer_attention_score (TND, paged) for decode, extend and mixed batches "
+                f"it serves (head_dim {' or '.join(map(str, npu_ops.FIA_TND_HEAD_DIMS))}, no window or custom "
+                "mask; op-plugin's FIA doc), npu_scatter_pa_kv_cache for the KV write"
+            )
+            route += (
+                "; nothing else (A5 has no ATB ops)"
+                if generation == "A5"
+                else "; _npu_paged_attention for captured decode graphs and decodes FIA cannot serve, "
+                "_npu_paged_attention_splitfuse for windows, verify masks and extends FIA cannot serve"
+            )
+        return [*super().notes(capability), route + " (routes() and extend_route() say why)"]
 
-    @classmethod
-    def extend_route(cls, config: AttentionConfig, capability: DeviceCapability) -> tuple[str, list[str]]:
-        """``(op, reasons)``: the op EXTEND batches of ``config`` run, and why FIA does not serve them."""
-        reasons = npu_ops.unsupported_reasons(
+    @staticmethod
+    def _reasons(config: AttentionConfig, capability: DeviceCapability, path: str, window: int = -1) -> list[str]:
+        return npu_ops.unsupported_reasons(
             config.head_dim,
             config.v_head_dim,
             config.page_size,
             _op_dtype(config.dtype, capability),
             config.logit_cap,
-            config.sliding_window_size,
-            False,
+            window,
+            config.custom_mask and path == "mixed",
             not config.non_causal,
             kv_heads=config.tp_k_head_num,
             q_heads=config.tp_q_head_num,
-            paths=("extend",),
+            paths=(path,),
         )
-        return ("_npu_paged_attention_splitfuse" if reasons else "npu_fused_infer_attention_score"), reasons
 
     @classmethod
     def routes(cls, config: AttentionConfig, capability: DeviceCapability) -> list[str]:
-        """The ops batches of ``config`` may run, and the scratch re-layout of slots that are not page-aligned."""
-        ops = ["_npu_paged_attention_splitfuse", "relayout"]
-        if config.sliding_window_size < 0:
-            ops.append("_npu_paged_attention")
-        if cls.extend_route(config, capability)[0] == "npu_fused_infer_attention_score":
-            ops.append("npu_fused_infer_attention_score")
-        return ops
+        """``step:op`` for every step of ``config`` an op serves here (``hal check`` reports the unreached ones).
+        A captured decode's ``_npu_paged_attention`` needs a real NPU: the emulation replays eagerly."""
+        steps = cls.step_routes(config, capability)
+        if capability.emulated:
+            steps.pop("graph_decode", None)
+        relayout = ["relayout"] if config.page_size > 1 else []  # the scratch copy of slots off their page offsets
+        return [f"{step}:{op}" for step, op in steps.items() if op] + relayout
 
     def route_of(self, forward_batch: ForwardBatch, layer: AttentionLayer) -> list[str]:
-        mode = forward_batch.forward_mode
-        if mode.is_idle():
-            return []
-        meta = self.metadata_for(forward_batch)
-        if mode.is_decode() and layer.sliding_window_size < 0:
-            op = "_npu_paged_attention"
-        elif mode.is_extend() and not mode.is_mixed() and not mode.is_target_verify():
-            fia = self._fia_serves(layer, meta.page_size, meta.dtype)
-            op = "npu_fused_infer_attention_score" if fia else "_npu_paged_attention_splitfuse"
-        else:
-            op = "_npu_paged_attention_splitfuse"
-        return [op] + (["relayout"] if meta.relayout is not None else [])
+        relayout = (
+            self.metadata_for(forward_batch).relayout is not None if not forward_batch.forward_mode.is_idle() else False
+        )
+        return list(dict.fromkeys(self._taken)) + (["relayout"] if relayout else [])
+
+    def _took(self, op: str, step: str | None = None) -> None:
+        self._taken.append(f"{step or self._route_step}:{op}")
+
+    @classmethod
+    def step_routes(cls, config: AttentionConfig, capability: DeviceCapability) -> dict[str, str]:
+        """The op each kind of step of ``config`` runs on this generation (``""``: none can)."""
+        generation = npu_ops.generation_of_arch(capability.arch)
+        window = config.sliding_window_size
+        fia = generation in ("A2", "A3", "A5")
+        atb = generation in ("A2", "A3", "310P")
+        pa, sf, fia_op = "_npu_paged_attention", "_npu_paged_attention_splitfuse", "npu_fused_infer_attention_score"
+
+        def pick(fia_path: str, atb_path: str, atb_op: str, window: int) -> str:
+            if fia and not cls._reasons(config, capability, fia_path, window):
+                return fia_op
+            return atb_op if atb and not cls._reasons(config, capability, atb_path, window) else ""
+
+        decode = pick("fia_decode", "decode", pa, -1) if window < 0 else pick("extend", "mixed", sf, window)
+        routes = {
+            "kv_write": "_npu_reshape_and_cache" if generation == "310P" else "npu_scatter_pa_kv_cache",
+            "decode": decode,
+            "extend": pick("extend", "mixed", sf, window),
+            "mixed": pick("extend", "mixed", sf, window),
+        }
+        if config.custom_mask:
+            routes["target_verify"] = sf if atb and not cls._reasons(config, capability, "mixed", window) else ""
+        if config.graph and window < 0:  # a captured decode runs the one op with an in-graph length update
+            routes["graph_decode"] = pa if atb and not cls._reasons(config, capability, "decode") else ""
+        return routes
+
+    @classmethod
+    def extend_route(cls, config: AttentionConfig, capability: DeviceCapability) -> tuple[str, list[str]]:
+        """``(op, reasons)``: the op EXTEND batches of ``config`` run, and why FIA does not serve them."""
+        reasons = cls._reasons(config, capability, "extend", config.sliding_window_size)
+        return cls.step_routes(config, capability)["extend"], reasons
 
     @classmethod
     def unsupported_reasons(cls, config: AttentionConfig, capability: DeviceCapability) -> list[str]:
         reasons = super().unsupported_reasons(config, capability)
-        common = dict(
-            head_dim=config.head_dim,
-            v_head_dim=config.v_head_dim,
-            block_size=config.page_size,
-            dtype=_op_dtype(config.dtype, capability),
-            logit_cap=config.logit_cap,
-            custom_mask=config.custom_mask,
-            causal=not config.non_causal,
-            kv_heads=config.tp_k_head_num,
-            q_heads=config.tp_q_head_num,
-        )
-        # Layers without a window decode with _npu_paged_attention; everything else (windowed decode,
-        # mixed, verify, and extends FIA cannot serve) goes through splitfuse. FIA itself is optional.
-        reasons += npu_ops.unsupported_reasons(**common, sliding_window=-1, paths=("decode",))
-        reasons += npu_ops.unsupported_reasons(**common, sliding_window=config.sliding_window_size, paths=("mixed",))
+        generation = npu_ops.generation_of_arch(capability.arch)
+        window = config.sliding_window_size
+        for step, op in cls.step_routes(config, capability).items():
+            if op:
+                continue
+            why = []
+            if generation in ("A2", "A3", "A5") and step != "target_verify" and step != "graph_decode":
+                why += cls._reasons(
+                    config, capability, "fia_decode" if step == "decode" and window < 0 else "extend", window
+                )
+            if generation != "A5":
+                atb_path = "decode" if step in ("decode", "graph_decode") and window < 0 else "mixed"
+                why += cls._reasons(config, capability, atb_path, -1 if atb_path == "decode" else window)
+            else:
+                why.append(f"{step}: A5 has no ATB ops (vllm-ascend never runs _npu_paged_attention/splitfuse there)")
+            reasons += why or [f"{step}: no Ascend op serves it on {generation}"]
         if config.graph and capability.available and not capability.emulated:
             npu = getattr(torch, "npu", None)
             missing = [name for name in GRAPH_UPDATE_API if not hasattr(npu, name)]
@@ -371,6 +414,7 @@ class AscendBackend(AttentionBackend):
     # -- metadata ----------------------------------------------------------------------
     def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
         self.check_batch(fb)
+        self._taken = []
         pool = fb.token_to_kv_pool
         lens = host_lens(fb)
         q_lens, kv_lens = list(lens.query), lens.kv
@@ -520,13 +564,24 @@ class AscendBackend(AttentionBackend):
             raise UnsupportedError(f"ascend: v_head_dim {layer.v_head_dim} != head_dim {layer.head_dim}")
 
     def save_kv(self, layer: AttentionLayer, fb: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
-        """The NPU's cache write (``_npu_reshape_and_cache`` on the paged view); a captured graph's padding
-        requests all target the padding slot, so they are skipped (a negative slot)."""
-        k_cache, v_cache = paged_view(fb.token_to_kv_pool, layer.layer_id)
-        slots = fb.out_cache_loc
-        if self.forward_metadata.graph_static:
-            slots = torch.where(slots == 0, -1, slots)
-        npu_ops.write_kv(self.ops, k, v, k_cache, v_cache, slots)
+        """The NPU's cache write on the paged view, padding handled by each op's documented contract.
+
+        A2/A3/A5: ``npu_scatter_pa_kv_cache`` takes slots in ``[0, slots)`` only, so a negative (padding) slot
+        is redirected to the pool's padding slot (several padding rows may land there: the doc leaves a
+        repeated slot's content unspecified, and nothing reads the padding slot). 310P:
+        ``_npu_reshape_and_cache`` documents a negative slot as skipped, so padding (negative, and a captured
+        graph's padding requests, which all target the padding slot) is passed as -1.
+        """
+        pool = fb.token_to_kv_pool
+        k_cache, v_cache = paged_view(pool, layer.layer_id)
+        slots, padding = fb.out_cache_loc, getattr(pool, "padding_slot", 0)  # SGLang pools: slot 0 too
+        scatter = self.generation != "310P"
+        if scatter:
+            slots = torch.where(slots < 0, padding, slots)
+        elif self.forward_metadata.graph_static:
+            slots = torch.where(slots == padding, -1, slots)
+        npu_ops.write_kv(self.ops, k, v, k_cache, v_cache, slots, scatter=scatter)
+        self._took("npu_scatter_pa_kv_cache" if scatter else "_npu_reshape_and_cache", "kv_write")
 
     def _prepare(self, q, layer: AttentionLayer, fb: ForwardBatch):
         """After the prologue: ``(meta, query [T, Hq, D] in the cache dtype, k_cache, v_cache)``.
@@ -534,6 +589,16 @@ class AscendBackend(AttentionBackend):
         Every op reads the new tokens from the cache (``reads_new_kv = False``).
         """
         meta = self.forward_metadata
+        mode = fb.forward_mode
+        self._route_step = (
+            "decode"
+            if mode.is_decode()
+            else "mixed"
+            if mode.is_mixed()
+            else "target_verify"
+            if mode.is_target_verify()
+            else "extend"
+        )
         pool = fb.token_to_kv_pool
         k_cache, v_cache = paged_view(pool, layer.layer_id)
         if meta.relayout is not None:  # read through a page-aligned copy of the batch's keys and values
@@ -550,15 +615,19 @@ class AscendBackend(AttentionBackend):
 
     def _splitfuse(self, meta, query, k_cache, v_cache, layer: AttentionLayer, key: MaskKey) -> torch.Tensor:
         self._refuse_capture("_npu_paged_attention_splitfuse")
+        if self.generation == "A5":
+            raise UnsupportedError(
+                f"ascend: layer {layer.layer_id} needs _npu_paged_attention_splitfuse ({key[0]} mask, window "
+                f"{key[1]}), which A5 does not have (vllm-ascend runs no ATB attention op there)"
+            )
         mask = self._mask(meta, key)
+        self._took("_npu_paged_attention_splitfuse")
         out = npu_ops.paged_mixed(
             self.ops,
             query,
             k_cache,
             v_cache,
-            meta.block_table,
-            meta.query_lens,
-            meta.kv_lens,
+            *(meta.block_table, meta.query_lens, meta.kv_lens),
             scale=layer.scaling,
             out=torch.empty_like(query),
             mask=mask,
@@ -578,7 +647,11 @@ class AscendBackend(AttentionBackend):
         meta, query, k_cache, v_cache = self._prepare(q, layer, forward_batch)
         if layer.sliding_window_size >= 0:  # _npu_paged_attention has no mask: splitfuse with a windowed one
             out = self._splitfuse(meta, query, k_cache, v_cache, layer, ("causal", layer.sliding_window_size))
-        elif self._capturing():
+        elif self._fia_serves(layer, k_cache.shape[1], meta.dtype, "fia_decode") and not self._capturing():
+            out = self._fia(meta, query, k_cache, v_cache, layer, decode=True)
+        elif self.generation == "A5":
+            raise UnsupportedError(f"ascend: decode of layer {layer.layer_id} on A5: FIA cannot serve it, no ATB")
+        elif self._capturing():  # vllm-ascend's full-decode graph op: its host lengths are updated per replay
             out = torch.empty_like(query)
             call = dict(
                 query=query,
@@ -591,7 +664,9 @@ class AscendBackend(AttentionBackend):
                 out=out,
             )
             self._capture_decode(meta, call)
+            self._took("_npu_paged_attention", "graph_decode")
         else:
+            self._took("_npu_paged_attention")
             out = npu_ops.paged_decode(
                 self.ops, query, k_cache, v_cache, meta.block_table, meta.kv_lens, scale=layer.scaling
             )
@@ -605,35 +680,43 @@ class AscendBackend(AttentionBackend):
         window = layer.sliding_window_size
         if mode.is_target_verify():
             out = self._splitfuse(meta, query, k_cache, v_cache, layer, ("custom", window))
-        elif self._fia_serves(layer, k_cache.shape[1], meta.dtype):
-            self._refuse_capture("npu_fused_infer_attention_score")
-            out = npu_ops.paged_prefill(
-                self.ops,
-                query,
-                k_cache,
-                v_cache,
-                meta.block_table,
-                meta.query_lens,
-                meta.kv_lens,
-                scale=layer.scaling,
-                causal=layer.causal,
-            )
+        elif self._fia_serves(layer, k_cache.shape[1], meta.dtype, "extend"):
+            out = self._fia(meta, query, k_cache, v_cache, layer)
         else:
             kind = "causal" if layer.causal else "full"
             out = self._splitfuse(meta, query, k_cache, v_cache, layer, (kind, window))
         return self._output(out, q, layer)
 
+    def _fia(self, meta, query, k_cache, v_cache, layer: AttentionLayer, decode: bool = False) -> torch.Tensor:
+        """FIA (TND, paged) over the batch: extend, a MIXED batch's decodes and chunks in one call, or a decode
+        (one query token per request, which sees its whole context: no mask)."""
+        self._refuse_capture("npu_fused_infer_attention_score")
+        self._took("npu_fused_infer_attention_score")
+        q_lens = [1] * meta.batch_size if decode else meta.query_lens
+        return npu_ops.paged_prefill(
+            self.ops,
+            *(query, k_cache, v_cache, meta.block_table, q_lens, meta.kv_lens),
+            scale=layer.scaling,
+            causal=layer.causal and not decode,
+        )
+
     def forward_mixed(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        """Decodes and chunked prefills of a MIXED batch in one ``_npu_paged_attention_splitfuse`` call."""
+        """Decodes and chunked prefills of a MIXED batch in one call: FIA (TND) where it serves the layer (A2/A3/A5,
+        as vllm-ascend's chunked prefill), else ``_npu_paged_attention_splitfuse``."""
         meta, query, k_cache, v_cache = self._prepare(q, layer, forward_batch)
+        if self._fia_serves(layer, k_cache.shape[1], meta.dtype, "extend"):
+            return self._output(self._fia(meta, query, k_cache, v_cache, layer), q, layer)
         kind = "causal" if layer.causal else "full"
         out = self._splitfuse(meta, query, k_cache, v_cache, layer, (kind, layer.sliding_window_size))
         return self._output(out, q, layer)
 
-    def _fia_serves(self, layer: AttentionLayer, page_size: int, dtype: torch.dtype) -> bool:
-        """Whether ``npu_fused_infer_attention_score`` (TND, paged) can run this layer's extend."""
+    def _fia_serves(self, layer: AttentionLayer, page_size: int, dtype: torch.dtype, path: str) -> bool:
+        """Whether ``npu_fused_infer_attention_score`` (TND, paged) can run this layer's ``path``
+        (``extend`` / ``fia_decode``) on this generation (never on 310P, which runs the ATB ops)."""
+        if self.generation == "310P":
+            return False
         key = (layer.head_dim, layer.v_head_dim, layer.tp_q_head_num, layer.tp_k_head_num)
-        key += (layer.sliding_window_size, layer.causal, page_size, dtype)
+        key += (layer.sliding_window_size, layer.causal, page_size, dtype, path)
         ok = self._fia_ok.get(key)
         if ok is None:
             ok = self._fia_ok[key] = not npu_ops.unsupported_reasons(
@@ -647,6 +730,6 @@ class AscendBackend(AttentionBackend):
                 layer.causal,
                 kv_heads=layer.tp_k_head_num,
                 q_heads=layer.tp_q_head_num,
-                paths=("extend",),
+                paths=(path,),
             )
         return ok

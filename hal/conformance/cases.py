@@ -669,6 +669,7 @@ CASES: tuple[Case, ...] = (
     Case("extend_prefix_page128_bf16", E, _P128_EXTEND, page_size=128, dtype=torch.bfloat16),
     Case("mixed_page128", M, ((140, 1), (0, 30), (129, 9), (3, 1)), page_size=128),
     Case("mixed_page128_bf16", M, ((140, 1), (0, 30), (129, 9), (3, 1)), page_size=128, dtype=torch.bfloat16),
+    Case("mixed_page128_head_dim_128", M, ((140, 1), (0, 30), (129, 9), (3, 1)), page_size=128, head_dim=128),
     Case("verify_page128", V, ((130, 4), (3, 4)), page_size=128),
     # the same features at the page sizes paged-only kernels (Ascend: multiples of 16) take
     Case("decode_mqa_page16", D, _DECODE, tp_k_head_num=1, page_size=16),

@@ -41,6 +41,7 @@ import torch  # noqa: E402  (after the SGLang guard: its error is the one to see
 
 import hal  # noqa: E402
 from hal.errors import ConfigError, UnsupportedError  # noqa: E402
+from hal.integrations.sglang_pools import serve_pool  # noqa: E402
 from hal.selection import HybridBackend  # noqa: E402
 
 __all__ = [
@@ -253,7 +254,7 @@ class HalAttnBackend(_SGLangAttentionBackend):
     def __init__(self, model_runner, *, backend: str | None = None, device: str | None = None, **options):
         super().__init__()
         self.req_to_token_pool = model_runner.req_to_token_pool
-        self.token_to_kv_pool = model_runner.token_to_kv_pool
+        self.token_to_kv_pool = serve_pool(model_runner.token_to_kv_pool)  # NPU pools' 4-D buffers as hal's
         translator = getattr(model_runner, "kv_index_translator", None)
         if getattr(translator, "is_translating", False):
             raise UnsupportedError(

@@ -7,10 +7,13 @@ the plain-torch emulation (``emulation.torch_npu`` stands in for the ``torch_npu
 from . import emulation
 from .ops import (
     FIA_TND_HEAD_DIMS,
+    GENERATIONS,
     OP_NAMES,
     block_tables,
     buffer_pages,
     fia_causal_mask,
+    generation_of_arch,
+    generation_of_soc,
     is_emulation,
     load_atb,
     load_torch_npu,
@@ -27,6 +30,9 @@ from .ops import (
 __all__ = [
     "emulation",
     "FIA_TND_HEAD_DIMS",
+    "GENERATIONS",
+    "generation_of_arch",
+    "generation_of_soc",
     "OP_NAMES",
     "block_tables",
     "fia_causal_mask",

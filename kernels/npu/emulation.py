@@ -33,6 +33,10 @@ Sources (fetched 2025-2026; the ``_npu_*`` ops are ATB operations bound by op-pl
   https://github.com/Ascend/op-plugin/blob/master/docs/context/torch_npu-npu_fused_infer_attention_score.md
   (also https://hiascend.com/document/detail/zh/Pytorch/60RC3/apiref/apilist/ptaoplist_000768.html),
   sparse modes: https://gitcode.com/cann/ops-transformer docs/zh/context/sparse_mode参数说明.md.
+* ``npu_scatter_pa_kv_cache``: https://github.com/Ascend/op-plugin/blob/master/docs/zh/custom_APIs/torch_npu/
+  torch_npu-npu_scatter_pa_kv_cache.md (op-plugin 517f2e7, 2026-08-21), called with ``cache_mode="Norm"`` (ND
+  ``[num_blocks, block_size, kv_heads, head_size]`` caches) as vllm-ascend's ``BaseDeviceAdaptor.reshape_and_cache``
+  (vllm_ascend/device/device_op.py at 182b75e, 2026-08-22) does on A2/A3.
 * Callers whose conventions are mirrored: vllm-ascend ``vllm_ascend/attention/attention_v1.py``
   and ``attention_mask.py``; SGLang ``python/sglang/srt/layers/attention/ascend_backend.py``.
 """
@@ -51,6 +55,7 @@ __all__ = [
     "torch_npu",
     "npu_fused_infer_attention_score",
     "_npu_reshape_and_cache",
+    "npu_scatter_pa_kv_cache",
     "_npu_paged_attention",
     "_npu_paged_attention_splitfuse",
     "FIA_MASK_SIZE",
@@ -282,6 +287,63 @@ def _npu_reshape_and_cache(
             raise _bad(op, "slot_indices", slot_indices.tolist(), "no repeated slot")
     key_cache.view(num_slots, *key_cache.shape[2:])[used] = key[keep]
     value_cache.view(num_slots, *value_cache.shape[2:])[used] = value[keep]
+
+
+def npu_scatter_pa_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    compress_lens: torch.Tensor | None = None,
+    compress_seq_offsets: torch.Tensor | None = None,
+    seq_lens: torch.Tensor | None = None,
+    cache_mode: str | None = "PA_NZ",
+) -> None:
+    """``key_cache[s // block_size, s % block_size] = key[i]`` for ``s = slot_mapping[i]`` (scenario 1, ND).
+
+    Contract (op-plugin doc, see the module docstring): ``key`` ``[num_tokens, kv_heads, head_size]`` and
+    ``value`` ``[num_tokens, kv_heads, v_head_size]`` (3-D: scenario 1; the 4-D compressing scenario 2 is not
+    emulated), caches 4-D, every tensor contiguous ("输入参数不支持非连续"), the four of one dtype; ``slot_mapping``
+    int32 or int64 ``[num_tokens]`` with values in ``[0, num_blocks * block_size - 1]`` (a negative slot is outside
+    the documented range: it raises here, there is no documented skip); repeated slots are allowed but "重复时不保证
+    正确性": the emulation writes one of them (unspecified which). ``cache_mode`` ``"Norm"`` (or None) is the ND
+    layout ``[num_blocks, block_size, kv_heads, head_size]``; the default ``"PA_NZ"`` (FRACTAL_NZ caches) is not
+    emulated. In place; returns None.
+    """
+    op = "npu_scatter_pa_kv_cache"
+    if cache_mode not in (None, "Norm"):
+        raise NotImplementedError(f"{op}: cache_mode = {cache_mode!r}: the emulation implements the ND 'Norm' layout")
+    if compress_lens is not None or compress_seq_offsets is not None or seq_lens is not None:
+        raise NotImplementedError(f"{op}: compress_lens / compress_seq_offsets / seq_lens: not emulated (scenario 2)")
+    for name, x in (("key", key), ("value", value), ("key_cache", key_cache), ("value_cache", value_cache)):
+        _tensor(op, name, x)
+        if not x.is_contiguous():
+            raise _bad(op, name, x, "a contiguous tensor (the op takes no non-contiguous input)")
+    _dims(op, "key", key, 3, "[num_tokens, kv_heads, head_size] (scenario 1)")
+    _dims(op, "value", value, 3, "[num_tokens, kv_heads, v_head_size] (scenario 1)")
+    _dims(op, "key_cache", key_cache, 4, "[num_blocks, block_size, kv_heads, head_size] (cache_mode 'Norm')")
+    _dims(op, "value_cache", value_cache, 4, "[num_blocks, block_size, kv_heads, v_head_size] (cache_mode 'Norm')")
+    for name, x in (("value", value), ("key_cache", key_cache), ("value_cache", value_cache)):
+        if x.dtype != key.dtype:
+            raise _bad(op, name, x, f"dtype {key.dtype} like key (the four tensors share one dtype)")
+    if key.shape[:2] != value.shape[:2]:
+        raise _bad(op, "value", value, f"the first two dims of key {list(key.shape[:2])}")
+    if key_cache.shape[:2] != value_cache.shape[:2]:
+        raise _bad(op, "value_cache", value_cache, f"[num_blocks, block_size] = {list(key_cache.shape[:2])}")
+    if key.shape[1:] != key_cache.shape[2:] or value.shape[1:] != value_cache.shape[2:]:
+        raise _bad(op, "key/value", key, f"[num_tokens, *cache.shape[2:]] = [n, {list(key_cache.shape[2:])}]")
+    slot_mapping = _tensor(op, "slot_mapping", slot_mapping)
+    _dtype(op, "slot_mapping", slot_mapping, (torch.int32, torch.int64))
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != key.shape[0]:
+        raise _bad(op, "slot_mapping", slot_mapping, f"shape [num_tokens] = [{key.shape[0]}]")
+    num_slots = key_cache.shape[0] * key_cache.shape[1]
+    slots = slot_mapping.long()
+    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= num_slots):
+        raise _bad(op, "slot_mapping", slots.tolist(), f"values in [0, num_blocks * block_size - 1 = {num_slots - 1}]")
+    key_cache.view(num_slots, *key_cache.shape[2:])[slots] = key
+    value_cache.view(num_slots, *value_cache.shape[2:])[slots] = value
 
 
 def _paged_checks(
@@ -748,6 +810,7 @@ torch_npu = types.SimpleNamespace(
     __doc__="CPU emulation of the torch_npu ops hal uses (see hal.kernels.npu.emulation).",
     is_emulation=True,
     _npu_reshape_and_cache=_npu_reshape_and_cache,
+    npu_scatter_pa_kv_cache=npu_scatter_pa_kv_cache,
     _npu_paged_attention=_npu_paged_attention,
     _npu_paged_attention_splitfuse=_npu_paged_attention_splitfuse,
     npu_fused_infer_attention_score=npu_fused_infer_attention_score,

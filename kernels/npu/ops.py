@@ -41,6 +41,9 @@ __all__ = [
     "OP_NAMES",
     "ATB_LOADER",
     "FIA_TND_HEAD_DIMS",
+    "GENERATIONS",
+    "generation_of_soc",
+    "generation_of_arch",
     "load_atb",
     "load_torch_npu",
     "resolve_ops",
@@ -59,6 +62,7 @@ __all__ = [
 
 OP_NAMES = (
     "_npu_reshape_and_cache",
+    "npu_scatter_pa_kv_cache",
     "_npu_paged_attention",
     "_npu_paged_attention_splitfuse",
     "npu_fused_infer_attention_score",
@@ -85,6 +89,33 @@ _ATB_PA_IO_DOC = (
 _ATB_RC_DOC = (
     "https://www.hiascend.com/document/detail/zh/canncommercial/80RC22/apiref/ascendtbapi/ascendtb_01_0073.html"
 )
+
+
+# Chip generations as vllm-ascend names them (AscendDeviceType, vllm_ascend/device/hardware.py at 182b75e,
+# 2026-08-22) -> the arch string hal's capability carries. vllm-ascend routes by generation: A2/A3 run FIA (TND)
+# and npu_scatter_pa_kv_cache, _npu_paged_attention only for full-decode graph shapes (``using_paged_attention``,
+# vllm_ascend/attention/utils.py, never on A5); 310P runs ATB PagedAttention / splitfuse and _npu_reshape_and_cache
+# (vllm_ascend/_310p/attention/attention_v1.py, device_op.py ``Ascend310PDeviceAdaptor``).
+GENERATIONS = {"A2": "Ascend910B", "A3": "Ascend910_93", "310P": "Ascend310P", "A5": "Ascend950"}
+
+
+def generation_of_soc(soc_version: int) -> str | None:
+    """The generation of ``torch_npu.npu.get_soc_version()``'s number (vllm-ascend's
+    ``device_type_from_runtime_soc``), None when vllm-ascend does not know it either."""
+    if 220 <= soc_version <= 225:
+        return "A2"
+    if 250 <= soc_version <= 255:
+        return "A3"
+    if 200 <= soc_version <= 205:
+        return "310P"
+    if soc_version == 260:
+        return "A5"
+    return None
+
+
+def generation_of_arch(arch: str) -> str | None:
+    """The generation of a capability's ``arch`` (one of :data:`GENERATIONS`' values), else None."""
+    return next((gen for gen, name in GENERATIONS.items() if name == arch), None)
 
 
 # ----------------------------------------------------------------------------- loading
@@ -356,27 +387,40 @@ def write_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slots: torch.Tensor,
+    *,
+    scatter: bool = False,
 ) -> None:
     """Store ``key``/``value`` ``[n, kv_heads, dim]`` at ``slots`` ``[n]`` of the paged caches, in place.
 
-    ``torch_npu._npu_reshape_and_cache(key, value, key_cache, value_cache, slot_indices)``
-    (schema: op-plugin ``op_plugin/ops/atb/ReshapeAndCachAtb.cpp``; ATB doc: {rc}; called as in
-    {vllm}). Slot ``s`` goes to block ``s // block_size``, offset ``s % block_size``; a negative
-    slot is skipped. The op takes one dtype for all four tensors and int32 slots: key/value
-    are cast to the cache dtype and slots to int32 here (device-side, no sync).
+    ``scatter=True`` (A2/A3/A5): ``torch_npu.npu_scatter_pa_kv_cache(key, value, key_cache, value_cache,
+    slot_mapping, cache_mode="Norm")`` as vllm-ascend's ``BaseDeviceAdaptor.reshape_and_cache`` (doc: {scatter});
+    every slot must lie in ``[0, num_blocks * block_size)``: the caller redirects padding to its padding slot.
+    ``scatter=False`` (310P): ``torch_npu._npu_reshape_and_cache(key, value, key_cache, value_cache,
+    slot_indices)`` (schema: op-plugin ``op_plugin/ops/atb/ReshapeAndCachAtb.cpp``; ATB doc: {rc}, whose
+    "取值为负数时不进行任何搬运操作" makes a negative slot a documented skip; called as in {vllm}).
+    Slot ``s`` goes to block ``s // block_size``, offset ``s % block_size``. Both ops take one dtype for the four
+    tensors: key/value are cast to the cache dtype and slots to int32 here (device-side, no sync).
     """
     if slots.dtype != torch.int32:
         slots = slots.to(torch.int32)
-    ops._npu_reshape_and_cache(
-        key=key.to(key_cache.dtype).contiguous(),
-        value=value.to(value_cache.dtype).contiguous(),
-        key_cache=key_cache,
-        value_cache=value_cache,
-        slot_indices=slots,
-    )
+    key, value = key.to(key_cache.dtype).contiguous(), value.to(value_cache.dtype).contiguous()
+    if scatter:
+        ops.npu_scatter_pa_kv_cache(
+            key=key,
+            value=value,
+            key_cache=key_cache,
+            value_cache=value_cache,
+            slot_mapping=slots.contiguous(),
+            cache_mode="Norm",
+        )
+        return
+    ops._npu_reshape_and_cache(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_indices=slots)
 
 
-_cite(write_kv, rc=_ATB_RC_DOC, vllm=_VLLM_ASCEND)
+_SCATTER_DOC = (
+    "https://github.com/Ascend/op-plugin/blob/master/docs/zh/custom_APIs/torch_npu/torch_npu-npu_scatter_pa_kv_cache.md"
+)
+_cite(write_kv, rc=_ATB_RC_DOC, vllm=_VLLM_ASCEND, scatter=_SCATTER_DOC)
 
 
 def paged_decode(
@@ -554,8 +598,9 @@ def unsupported_reasons(
     """Why the real Ascend ops cannot serve a config: ``[]`` when all of ``paths`` can.
 
     Paths: ``decode`` = ``_npu_paged_attention``, ``extend`` = ``npu_fused_infer_attention_score``
-    (TND, paged), ``mixed`` = ``_npu_paged_attention_splitfuse``. Each reason names the op and
-    the documented limit. float32 is reported (the real ops take float16/bfloat16) although
+    (TND, paged, query lengths > 1 allowed), ``fia_decode`` = the same op with one query token per request
+    (its page-size rule is the doc's Q_S = 1 column), ``mixed`` = ``_npu_paged_attention_splitfuse``.
+    Each reason names the op and the documented limit. float32 is reported (the real ops take float16/bfloat16) although
     the CPU emulation computes it.
     """
     reasons: list[str] = []
@@ -582,42 +627,54 @@ def unsupported_reasons(
             reasons.append(f"{name} (decode): no mask or window input (torch_npu fixes maskType=UNDEFINED)")
         if kv_heads and q_heads and q_heads % kv_heads:
             reasons.append(f"{name} ({path}): q_heads {q_heads} not a multiple of kv_heads {kv_heads}")
-    if "extend" in paths:
+        if path == "mixed" and head_dim == 192 and block_size % 128:
+            # Issue 17's read of vllm-ascend: splitfuse at head dim 192 may crash unless the page size is a
+            # multiple of 128; vllm-ascend never sends 192 there (A2/A3 take FIA), so hal does not either.
+            reasons.append(
+                f"{name} (mixed): head_dim 192 with page size {block_size} (not a multiple of 128) may crash "
+                "(vllm-ascend's warning); use a page size of 128/256/512 so FIA serves it"
+            )
+    for path in [p for p in paths if p in ("extend", "fia_decode")]:
         name = "npu_fused_infer_attention_score"
         # FIA constraints: _FIA_DOC ("约束说明": TND, page attention, Q_S > 1).
         if dtype not in half:
-            reasons.append(f"{name} (extend): dtype {dtype} unsupported (query takes float16/bfloat16)")
+            reasons.append(f"{name} ({path}): dtype {dtype} unsupported (query takes float16/bfloat16)")
         if v_head_dim != head_dim:
             reasons.append(
-                f"{name} (extend): v_head_dim {v_head_dim} != head_dim {head_dim} "
+                f"{name} ({path}): v_head_dim {v_head_dim} != head_dim {head_dim} "
                 "(paged key and value shapes must match)"
             )
         if head_dim not in FIA_TND_HEAD_DIMS:  # see FIA_TND_HEAD_DIMS for the doc and its version
             reasons.append(
-                f"{name} (extend): head_dim {head_dim}: input_layout TND takes head dim 128 or 192 without rope "
+                f"{name} ({path}): head_dim {head_dim}: input_layout TND takes head dim 128 or 192 without rope "
                 "(512 only with MLA's query_rope/key_rope; op-plugin doc, TND constraints)"
             )
-        if block_size % 128 or not 128 <= block_size <= 512:
+        if path == "extend" and (block_size % 128 or not 128 <= block_size <= 512):
             reasons.append(
-                f"{name} (extend): page size {block_size} must be a multiple of 128 in [128, 512] "
+                f"{name} ({path}): page size {block_size} must be a multiple of 128 in [128, 512] "
                 "(page attention, Q_S > 1)"
             )
+        if path == "fia_decode" and (block_size % 16 or not 0 < block_size <= 512):
+            reasons.append(
+                f"{name} ({path}): page size {block_size} must be a multiple of 16 (TND) in (0, 512] "
+                "(page attention, Q_S = 1)"
+            )
         if logit_cap > 0:
-            reasons.append(f"{name} (extend): no logit soft-cap input")
+            reasons.append(f"{name} ({path}): no logit soft-cap input")
         if sliding_window >= 0:
             reasons.append(
-                f"{name} (extend): sliding window needs sparse_mode 4 (band), not allowed with input_layout TND"
+                f"{name} ({path}): sliding window needs sparse_mode 4 (band), not allowed with input_layout TND"
             )
         if custom_mask:
             reasons.append(
-                f"{name} (extend): custom mask unsupported "
+                f"{name} ({path}): custom mask unsupported "
                 "(TND takes sparse_mode 0 without a mask or 3 with the causal mask)"
             )
         if kv_heads and q_heads and (q_heads % kv_heads or q_heads // kv_heads > 64):
-            reasons.append(f"{name} (extend): q_heads / kv_heads = {q_heads}/{kv_heads} must be an integer <= 64")
+            reasons.append(f"{name} ({path}): q_heads / kv_heads = {q_heads}/{kv_heads} must be an integer <= 64")
         if kv_heads and kv_heads * head_dim > 65535:
             reasons.append(
-                f"{name} (extend): kv_heads * head_dim = {kv_heads * head_dim} > 65535 "
+                f"{name} ({path}): kv_heads * head_dim = {kv_heads * head_dim} > 65535 "
                 "in the (blocks, block_size, H) layout"
             )
     # ``causal`` needs no reason: decode sees every key, FIA has sparse_mode 0, splitfuse a zero mask.

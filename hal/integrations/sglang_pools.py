@@ -1,0 +1,79 @@
+"""SGLang's KV pools whose per-layer buffers are not hal's ``[slots, heads, dim]``, served zero-copy.
+
+SGLang 0.5.21 hands out, per layer (python/sglang/srt/hardware_backend/npu/memory_pool_npu.py):
+
+* ``NPUMHATokenToKVPool``: ``[size // page_size + 1, page_size, head_num, head_dim]`` (values ``v_head_dim``),
+  one page more than the slots, page 0 taking padding writes, each layer a contiguous slice of one
+  ``[layer, page, token, head, dim]`` allocation; with ``ASCEND_USE_FIA=1`` the per-layer views are
+  ``[pages * page_size, 1, head_num, head_dim]`` of the same memory. Slot ``s`` is token ``s % page_size`` of
+  page ``s // page_size`` in both, so ``buffer.view(-1, head_num, dim)`` is hal's ``[slots, heads, dim]`` buffer
+  over the same storage (slot 0 the padding slot, as hal's pools).
+* ``MHATokenToKVPool`` (CUDA, CPU): ``[slots, head_num, head_dim]`` already: served as is.
+* ``NPUMLATokenToKVPool``: the latent ``[pages + 1, page_size, 1, kv_lora_rank]`` and the rope part
+  ``[pages + 1, page_size, 1, qk_rope_head_dim]`` in two separate buffers. hal's MLA pool keeps one
+  ``[slots, 1, kv_lora_rank + qk_rope_head_dim]`` buffer, which two separate allocations cannot be viewed as
+  without a copy: refused with that reason.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hal.errors import KVCacheError, UnsupportedError
+
+__all__ = ["PagedBufferPool", "serve_pool"]
+
+
+def _slots_view(buffer: torch.Tensor, what: str) -> torch.Tensor:
+    """A 4-D ``[pages, tokens_per_page, heads, dim]`` buffer as ``[slots, heads, dim]`` (the same memory)."""
+    if buffer.dim() == 3:
+        return buffer
+    if buffer.dim() != 4 or not buffer.is_contiguous():
+        raise KVCacheError(
+            f"{what}: {tuple(buffer.shape)} (contiguous={buffer.is_contiguous()}): expected a contiguous "
+            "[slots, heads, dim] or [pages, page_size, heads, dim] buffer"
+        )
+    return buffer.view(-1, buffer.shape[2], buffer.shape[3])
+
+
+class PagedBufferPool:
+    """An SGLang pool whose layer buffers are 4-D paged tensors, seen through hal's ``KVPool`` interface.
+
+    ``get_key_buffer(l)`` / ``get_value_buffer(l)`` return ``[slots, heads, dim]`` views of SGLang's buffers
+    (no copy: writes through them land in SGLang's cache); ``set_kv_buffer`` is SGLang's own; every other
+    attribute (``page_size``, ``dtype``, ``device``, ``head_num``, ``layer_num``...) is read from the pool.
+    """
+
+    def __init__(self, pool):
+        self.pool = pool
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        return _slots_view(self.pool.get_key_buffer(layer_id), f"{type(self.pool).__name__} key buffer {layer_id}")
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        return _slots_view(self.pool.get_value_buffer(layer_id), f"{type(self.pool).__name__} value buffer {layer_id}")
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
+
+    def set_kv_buffer(self, layer, loc, cache_k, cache_v, *args, **kwargs):
+        return self.pool.set_kv_buffer(layer, loc, cache_k, cache_v, *args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["pool"], name)
+
+
+def serve_pool(pool):
+    """``pool`` as hal reads it: itself when its buffers are ``[slots, heads, dim]``, a :class:`PagedBufferPool`
+    when they are 4-D paged buffers (SGLang's NPU pools); ``UnsupportedError`` for split MLA latent/rope buffers."""
+    layer = getattr(pool, "start_layer", 0) or 0
+    key = pool.get_key_buffer(layer)
+    if key.dim() == 3:
+        return pool
+    if getattr(pool, "kv_lora_rank", None) is not None:
+        raise UnsupportedError(
+            f"{type(pool).__name__}: the MLA latent {tuple(key.shape)} and rope parts sit in two separate buffers "
+            "(SGLang's NPU MLA pool); hal's MLA layout is one [slots, 1, kv_lora_rank + qk_rope_head_dim] buffer, "
+            "which they cannot be viewed as without a copy"
+        )
+    return PagedBufferPool(pool)
