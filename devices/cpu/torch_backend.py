@@ -83,6 +83,10 @@ class TorchBackend(AttentionBackend):
 
     def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
         self.check_batch(fb)
+        self.plan(fb, in_capture)
+
+    def plan(self, fb: ForwardBatch, in_capture: bool = False) -> None:
+        """The host half of ``out_graph`` once the batch is checked: the padded widths (no sync for a graph batch)."""
         if fb.forward_mode.is_idle():  # forward() returns without attention: nothing to prepare
             self.set_forward_metadata(None, fb)
             return
