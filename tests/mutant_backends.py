@@ -663,21 +663,17 @@ class Fp8ReadNotDequantised(Ported):
         return keys, values
 
 
-MODEL_MUTANTS: dict[str, type[Ported]] = {
-    cls.__name__: cls
-    for cls in (
-        LatentWithoutRope,
-        MlaValueFromKeyTail,
-        SinksAfterNormalisation,
-        SinksPerKvHead,
-        SinksDroppedInDecode,
-        Fp8ScaleAppliedTwice,
-        Fp8KScaleOnly,
-        Fp8VScaledWithK,
-        Fp8WriteNotScaled,
-        Fp8ReadNotDequantised,
-    )
-}
-for _name, _cls in MODEL_MUTANTS.items():
-    _cls.name = _name.lower()
-MUTANTS.update(MODEL_MUTANTS)
+for _cls in (
+    LatentWithoutRope,
+    MlaValueFromKeyTail,
+    SinksAfterNormalisation,
+    SinksPerKvHead,
+    SinksDroppedInDecode,
+    Fp8ScaleAppliedTwice,
+    Fp8KScaleOnly,
+    Fp8VScaledWithK,
+    Fp8WriteNotScaled,
+    Fp8ReadNotDequantised,
+):  # the features of issue 19
+    _cls.name = _cls.__name__.lower()
+    MUTANTS[_cls.__name__] = _cls
