@@ -34,7 +34,7 @@ from hal.layer import AttentionLayer
 from hal.registry import Device, get_registry, register_device
 from hal.selection import Selection, create_backend, detect, select
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "AttentionBackend",

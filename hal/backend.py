@@ -12,7 +12,7 @@ capture/replay (see ``hal.graph``):
 ``init_forward_metadata(fb)`` (eager) is the two in order.
 
 Beyond SGLang, a backend declares what it supports (``name``, ``dtypes``,
-``page_sizes``, ``supports_*``, ``requires_page_aligned_slots``) and :meth:`validate`
+``page_sizes``, ``supports_*``, ``requires_page_aligned_slots``) and :meth:`unsupported_reasons`
 turns that into the reasons it cannot serve a config; ``helper_ops`` is the one place
 ``support_triton()`` is read.
 
@@ -24,13 +24,16 @@ batch size, a step counter) catches metadata left from another step.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from hal.batch import validate_batch, validation_level
 from hal.capability import DTYPE_NAMES, DeviceCapability
+from hal.deprecation import warn_renamed
 from hal.errors import ConfigError, InvalidBatchError, UnsupportedError, expect
 from hal.kernels.reference import dequantize_kv, is_fp8, kv_scales, shares_storage, write_kv
 from hal.kv_cache import kv_cache_dtype_name
@@ -39,9 +42,46 @@ if TYPE_CHECKING:
     from hal.batch import ForwardBatch
     from hal.config import AttentionConfig
     from hal.layer import AttentionLayer
-    from hal.ops import HelperOps
 
-__all__ = ["AttentionBackend"]
+__all__ = ["AttentionBackend", "helper_ops_for"]
+
+_FORWARD_METHODS = ("forward_decode", "forward_extend", "forward_mixed")
+
+
+def _with_prologue(method):
+    """``method`` (a ``forward_*``) preceded by :meth:`AttentionBackend.prepare_forward` unless a caller
+    on this backend already ran it for this call."""
+
+    @functools.wraps(method)
+    def forward_with_prologue(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        if getattr(self, "_in_prologue_call", False):
+            return method(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        self.check_model_features(layer, forward_batch, kwargs.get("sinks"))  # sinks= / an fp8 pool: declared?
+        q, k, v = self.prepare_forward(q, k, v, layer, forward_batch, save_kv_cache)
+        self._in_prologue_call = True
+        try:
+            return method(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        finally:
+            self._in_prologue_call = False
+
+    forward_with_prologue._hal_prologue = True
+    return forward_with_prologue
+
+
+def _overrides_old_name(cls: type, name: str) -> bool:
+    """Whether ``cls`` (a plugin written for API 1) overrides the deprecated classmethod ``name``."""
+    return getattr(cls, name).__func__ is not getattr(AttentionBackend, name).__func__
+
+
+def helper_ops_for(backend: AttentionBackend) -> ModuleType:
+    """The kernel package whose ``write_kv`` / ``build_kv_indices`` / ``compute_positions`` serve ``backend``:
+    :mod:`hal.kernels.triton` when ``backend.support_triton()`` and its device has a Triton target,
+    else :mod:`hal.kernels.reference`. The one place ``support_triton()`` is read."""
+    if backend.support_triton() and backend.capability.triton_target:
+        from hal.kernels import triton as ops
+    else:
+        from hal.kernels import reference as ops
+    return ops
 
 
 class AttentionBackend:
@@ -54,7 +94,7 @@ class AttentionBackend:
     needs_cpu_seq_lens: bool = True
     use_captured_forward_metadata_for_breakable_cuda_graph: bool = False
 
-    # -- what the backend supports, read by validate() -----------------------------------
+    # -- what the backend supports, read by unsupported_reasons() -------------------------
     name: ClassVar[str] = ""
     dtypes: ClassVar[frozenset[str]] = frozenset({"fp32", "bf16", "fp16"})
     page_sizes: ClassVar[frozenset[int] | None] = None  # None: any power of two
@@ -96,9 +136,24 @@ class AttentionBackend:
 
     # -- selection ---------------------------------------------------------------------
     @classmethod
-    def available(cls, capability: DeviceCapability) -> list[str]:
-        """Reasons this backend cannot run on this device at all (missing library...)."""
+    def unavailable_reasons(cls, capability: DeviceCapability) -> list[str]:
+        """Reasons this backend cannot run on this device at all (missing library...); empty: it can.
+
+        (Plugin API 1 called this ``available``; a backend overriding only that old name is still
+        honoured, with a ``DeprecationWarning``.)
+        """
+        if _overrides_old_name(cls, "available"):
+            warn_renamed(f"{cls.__qualname__}.available (overridden)", "unavailable_reasons")
+            return list(cls.available(capability))
         return []
+
+    @classmethod
+    def available(cls, capability: DeviceCapability) -> list[str]:
+        """Deprecated (0.2.0) name of :meth:`unavailable_reasons`: it returns reasons, not a bool."""
+        warn_renamed(f"{cls.__qualname__}.available", "unavailable_reasons")
+        if _overrides_old_name(cls, "available"):  # reached through super() from an old override
+            return []
+        return cls.unavailable_reasons(capability)
 
     @classmethod
     def notes(cls, capability: DeviceCapability) -> list[str]:
@@ -106,9 +161,30 @@ class AttentionBackend:
         return ["emulated: correct, but its speed means nothing"] if capability.emulated else []
 
     @classmethod
+    def unsupported_reasons(cls, config: AttentionConfig, capability: DeviceCapability) -> list[str]:
+        """Every reason this backend cannot serve ``config`` on ``capability``; empty means it can.
+
+        Starts with :meth:`unavailable_reasons`, then checks the declared features. (Plugin API 1
+        called this ``validate``; a backend overriding only that old name is still honoured, with a
+        ``DeprecationWarning``.)
+        """
+        if _overrides_old_name(cls, "validate"):
+            warn_renamed(f"{cls.__qualname__}.validate (overridden)", "unsupported_reasons")
+            return list(cls.validate(config, capability))
+        return cls._declared_unsupported_reasons(config, capability)
+
+    @classmethod
     def validate(cls, config: AttentionConfig, capability: DeviceCapability) -> list[str]:
-        """Every reason this backend cannot serve ``config`` on ``capability``; empty means it can."""
-        reasons = list(cls.available(capability))
+        """Deprecated (0.2.0) name of :meth:`unsupported_reasons`."""
+        warn_renamed(f"{cls.__qualname__}.validate", "unsupported_reasons")
+        if _overrides_old_name(cls, "validate"):  # reached through super() from an old override
+            return cls._declared_unsupported_reasons(config, capability)
+        return cls.unsupported_reasons(config, capability)
+
+    @classmethod
+    def _declared_unsupported_reasons(cls, config: AttentionConfig, capability: DeviceCapability) -> list[str]:
+        """The reasons the class attributes (``dtypes``, ``page_sizes``, ``supports_*``) give."""
+        reasons = list(cls.unavailable_reasons(capability))
         dtype = config.dtype_name
         if dtype not in cls.dtypes:
             reasons.append(f"dtype {dtype} not supported (supports {sorted(cls.dtypes)})")
@@ -232,35 +308,39 @@ class AttentionBackend:
         save_kv_cache: bool = True,
         **kwargs,
     ) -> torch.Tensor:
-        """Attention of one layer: ``q`` ``[T, q_heads * head_dim]`` (or ``[T, q_heads, head_dim]``),
-        ``k``/``v`` the new tokens' keys and values likewise (None with ``save_kv_cache=False``:
-        then they are read from the cache, SGLang's contract); returns ``[T, q_heads * v_head_dim]``
-        in ``q.dtype``. ``sinks=`` (``[q_heads]`` float, gpt-oss) reaches ``forward_*`` as ``sinks=``;
-        an MLA layer's ``v`` may be None (the value is the key's latent).
+        """Attention of one layer: ``q`` ``[T, q_heads * head_dim]`` or ``[T, q_heads, head_dim]``,
+        ``k``/``v`` the new tokens' keys and values likewise (SGLang's ``RadixAttention`` hands
+        ``[T, H, D]`` views; None with ``save_kv_cache=False``: then they are read from the cache,
+        SGLang's contract); returns ``[T, q_heads * v_head_dim]`` in ``q.dtype``.
+        ``sinks=`` (``[q_heads]`` float, gpt-oss) reaches ``forward_*`` as ``sinks=``; an MLA
+        layer's ``v`` may be None (the value is the key's latent).
 
-        Routes on ``forward_mode`` alone: IDLE returns an empty output; DECODE goes to
-        ``forward_decode``; MIXED goes to ``forward_mixed`` when this backend's device has a
-        fused mixed kernel (``capability.fused_mixed``, set by the NPU); everything else goes
-        to ``forward_extend``. Each ``forward_*`` checks its inputs (:meth:`check_inputs`)
-        before anything is written, so direct calls are checked too.
+        Runs the prologue once (:meth:`prepare_forward`: layer and input checks, the metadata
+        lookup, the KV write or read-back), then routes on ``forward_mode``: IDLE returns an
+        empty output; DECODE goes to ``forward_decode``; MIXED goes to ``forward_mixed`` when
+        this backend's device has a fused mixed kernel (``capability.fused_mixed``, set by the
+        NPU); everything else goes to ``forward_extend``.
         """
-        self.check_model_features(layer, forward_batch, kwargs.get("sinks"))
         mode = forward_batch.forward_mode
         if mode.is_idle():
             expect(q.shape[0] == 0, InvalidBatchError, "q.shape", tuple(q.shape), "no tokens in an IDLE batch")
             return q.new_empty(0, layer.tp_q_head_num * layer.v_head_dim)
         if mode.is_decode():
-            return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
-        if mode.is_mixed() and self.capability.fused_mixed:
-            return self.forward_mixed(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
-        return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
+            run = self.forward_decode
+        elif mode.is_mixed() and self.capability.fused_mixed:
+            run = self.forward_mixed
+        else:
+            run = self.forward_extend
+        return run(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs) -> torch.Tensor:
         """DECODE: one query token per request. Returns ``[T, q_heads * v_head_dim]`` in ``q.dtype``.
 
-        ``q`` is ``[T, q_heads, head_dim]`` (``T = batch_size``), ``k``/``v`` the new tokens'
-        ``[T, kv_heads, dim]``: write them at ``out_cache_loc`` of ``layer.layer_id`` unless
-        ``save_kv_cache`` is False, then attend over each request's ``seq_lens`` keys.
+        Receives (after the prologue, :meth:`prepare_forward`) ``q`` ``[T, q_heads, head_dim]``
+        (``T = batch_size``) and ``k``/``v`` ``[T, kv_heads, dim]`` in ``q.dtype``, already written
+        at ``out_cache_loc`` of ``layer.layer_id`` (None only when ``save_kv_cache`` is False and
+        the backend declares ``reads_new_kv = False``); ``self.forward_metadata`` is this step's
+        metadata. Attends over each request's ``seq_lens`` keys.
         """
         raise NotImplementedError()
 
@@ -268,16 +348,54 @@ class AttentionBackend:
         """New tokens after a cached prefix (EXTEND, MIXED without ``fused_mixed``, TARGET_VERIFY,
         DRAFT_EXTEND). Returns ``[T, q_heads * v_head_dim]`` in ``q.dtype``, rows in ``q``'s order.
 
-        Shapes as ``forward_decode``, ``T`` = the batch's query tokens; TARGET_VERIFY applies
-        ``spec_info.custom_mask`` instead of the causal rule (docs/porting.md, "Masks").
+        Inputs as ``forward_decode`` (``[T, H, D]``, KV already written), ``T`` = the batch's query
+        tokens; TARGET_VERIFY applies ``spec_info.custom_mask`` instead of the causal rule
+        (docs/porting.md, "Masks").
         """
         raise NotImplementedError()
 
     def forward_mixed(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs) -> torch.Tensor:
         """A MIXED batch (chunked prefills and decodes) in one call, reached where ``capability.fused_mixed``
-        (the npu device). Returns ``[T, q_heads * v_head_dim]`` in ``q.dtype``, as ``forward_extend``.
+        (the npu device). Inputs and output as ``forward_extend``.
         """
         raise NotImplementedError()
+
+    # -- the forward prologue ----------------------------------------------------------
+    # Every forward_* a subclass defines is wrapped (__init_subclass__) so that a direct call runs
+    # prepare_forward first, exactly once per call: forward() -> forward_decode, forward_extend ->
+    # forward_mixed and super().forward_* calls inside it do not repeat it.
+    runs_prologue: ClassVar[bool] = True  # False: forward_* only delegate to backends that run their own
+    reads_new_kv: ClassVar[bool] = True  # False: forward_* read the new tokens from the cache, never from k/v
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if not cls.runs_prologue:
+            return
+        for name in _FORWARD_METHODS:
+            method = cls.__dict__.get(name)
+            if method is not None and not getattr(method, "_hal_prologue", False):
+                setattr(cls, name, _with_prologue(method))
+
+    def prepare_forward(
+        self, q, k, v, layer: AttentionLayer, forward_batch: ForwardBatch, save_kv_cache: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The forward prologue, in order: :meth:`check_layer`, :meth:`check_inputs` (nothing is
+        written before both pass), :meth:`metadata_for`, then :meth:`save_kv` (or, with
+        ``save_kv_cache=False`` and k/v None, the new tokens read back from the cache when the
+        backend ``reads_new_kv``). Returns ``q, k, v`` as ``[T, heads, dim]``, k/v in ``q.dtype``.
+        """
+        self.check_layer(layer)
+        q, k, v = self.check_inputs(q, k, v, layer, forward_batch, save_kv_cache)
+        self.metadata_for(forward_batch)
+        if save_kv_cache:
+            self.save_kv(layer, forward_batch, k, v)
+        elif k is None and self.reads_new_kv:
+            k, v = (t.to(q.dtype) for t in self.new_kv_from_cache(layer, forward_batch))
+        return q, k, v
+
+    def check_layer(self, layer: AttentionLayer) -> None:
+        """Raise ``UnsupportedError`` (or ``ConfigError``) for a layer feature this backend cannot run;
+        the first step of the prologue. Default: nothing (selection already checked the config)."""
 
     def support_triton(self) -> bool:
         """Whether the helper ops around attention may use Triton kernels with this backend."""
@@ -376,10 +494,8 @@ class AttentionBackend:
         return self.forward_metadata
 
     @property
-    def helper_ops(self) -> HelperOps:
-        """The positions / kv-indices / KV-write ops for this backend, Triton or torch (see ``hal.ops``)."""
-        from hal.ops import helper_ops_for
-
+    def helper_ops(self) -> ModuleType:
+        """The positions / kv-indices / KV-write ops for this backend: a kernel package (:func:`helper_ops_for`)."""
         return helper_ops_for(self)
 
     def save_kv(self, layer: AttentionLayer, forward_batch: ForwardBatch, k: torch.Tensor, v) -> None:

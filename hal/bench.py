@@ -220,7 +220,7 @@ def run_bench(
     page_sizes: list[int] | None = None,
 ) -> int:
     selection = select(device=device)
-    dev_name, cap = selection.device, selection.capability
+    dev_name, cap = selection.device_name, selection.capability
     dev = get_registry().get(dev_name)
     torch_device = cap.torch_device
     if cap.emulated:
@@ -264,7 +264,7 @@ def run_bench(
             "skipped": {},
         }
         for cls in classes:
-            reasons = cls.validate(case.config(), cap) + (
+            reasons = cls.unsupported_reasons(case.config(), cap) + (
                 ["Triton runs interpreted here"] if cap.triton_interpreted and cls.name == "triton" else []
             )
             if reasons:

@@ -15,17 +15,19 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from hal.deprecation import moved_names
 from hal.errors import ConfigError
-from hal.kernels.cpu import cpu_features
 
 __all__ = [
     "DeviceCapability",
     "triton_status",
+    "triton_interpreter_status",
     "library_version",
-    "cpu_capability",
     "interpreter_enabled",
     "resolve_device",
     "current_index",
+    "host_cpu_name",
+    "cpu_memory",
 ]
 
 
@@ -42,6 +44,7 @@ class DeviceCapability:
     ``cpu:interpreter``) or None. ``fused_mixed``: the device has one kernel for a batch
     mixing prefill chunks and decodes, so ``AttentionBackend.forward`` sends MIXED
     batches to ``forward_mixed`` (SGLang does so on NPUs) instead of ``forward_extend``.
+    ``compute_units``: the parallel units a kernel grid should fill (CUDA SMs...), None when unknown.
     """
 
     type: str
@@ -61,6 +64,7 @@ class DeviceCapability:
     fused_mixed: bool = False
     reasons: Mapping[str, str] = field(default_factory=dict)
     features: tuple[str, ...] = ()  # CPU: the vector features kernels choose paths by (avx2, avx512_bf16, amx_bf16...)
+    compute_units: int | None = None  # SMs / CUs / AI cores a kernel's grid should fill; None: unknown
 
     @property
     def torch_device(self) -> torch.device:
@@ -100,14 +104,28 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def triton_status(torch_type: str) -> tuple[str | None, str | None]:
-    """``(target, None)`` when Triton can compile for ``torch_type`` here, else ``(None, reason)``."""
+def triton_interpreter_status() -> tuple[str | None, str | None]:
+    """``("cpu:interpreter", None)`` when Triton's interpreter is on (``TRITON_INTERPRET=1``), else
+    ``(None, reason)``."""
     if importlib.util.find_spec("triton") is None:
         return None, "triton is not installed (pip install 'hal-attention[triton]')"
-    if torch_type == "cpu":
-        if interpreter_enabled():
-            return "cpu:interpreter", None
-        return None, "Triton has no CPU code generator; set TRITON_INTERPRET=1 to run its kernels interpreted"
+    if interpreter_enabled():
+        return "cpu:interpreter", None
+    return None, "Triton has no CPU code generator; set TRITON_INTERPRET=1 to run its kernels interpreted"
+
+
+def triton_status(
+    torch_type: str, backends: tuple[str, ...] | None = None, hint: str = ""
+) -> tuple[str | None, str | None]:
+    """``(target, None)`` when Triton compiles for ``torch_type`` here, else ``(None, reason)``.
+
+    ``backends``: the names of Triton's active-driver backends that serve this device (the
+    device declares them: ``("cuda", "hip")`` for CUDA and ROCm); default ``(torch_type,)``.
+    ``hint`` is added to the reason when the active backend is another one (how to get the right one).
+    The target is ``"<backend>:<arch>"``, e.g. ``cuda:90``, ``hip:gfx942``.
+    """
+    if importlib.util.find_spec("triton") is None:
+        return None, "triton is not installed (pip install 'hal-attention[triton]')"
     if interpreter_enabled():
         return None, f"TRITON_INTERPRET=1 runs Triton on the CPU only; unset it to compile for {torch_type}"
     try:
@@ -116,10 +134,7 @@ def triton_status(torch_type: str) -> tuple[str | None, str | None]:
         target = driver.active.get_current_target()
     except Exception as exc:  # no driver, no device, broken install: all are reasons
         return None, f"Triton has no active driver: {type(exc).__name__}: {exc}"
-    # ROCm's torch device type is "cuda" too; Ascend's Triton is the triton-ascend package
-    expected = {"cuda": ("cuda", "hip"), "npu": ("npu",)}.get(torch_type, (torch_type,))
-    if target.backend not in expected:
-        hint = " (install triton-ascend)" if torch_type == "npu" else ""
+    if target.backend not in (backends or (torch_type,)):
         return None, f"Triton's active target is {target.backend}, not {torch_type}{hint}"
     return f"{target.backend}:{target.arch}", None
 
@@ -158,7 +173,8 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
     return dev
 
 
-def _cpu_name() -> str:
+def host_cpu_name() -> str:
+    """The host CPU's model name (``/proc/cpuinfo``, else ``platform``): a host fact, for any device's report."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -170,34 +186,12 @@ def _cpu_name() -> str:
 
 
 def cpu_memory() -> int | None:
+    """The host's physical memory in bytes, None when unknown: a host fact (emulated devices use it)."""
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
 
 
-def cpu_capability() -> DeviceCapability:
-    reasons = {
-        "fp16": "fp16 matmul on CPUs is ~1000x slower than fp32; hal never runs fp16 on the CPU",
-        "fp8": "no fp8 attention kernels on the CPU",
-    }
-    target, why_not = triton_status("cpu")
-    if why_not:
-        reasons["triton"] = why_not
-    name = _cpu_name()
-    return DeviceCapability(
-        type="cpu",
-        available=True,
-        torch_type="cpu",
-        count=1,
-        name=name,
-        vendor=name.split()[0] if name else "",
-        arch=platform.machine(),
-        memory_bytes=cpu_memory(),
-        dtypes=("fp32", "bf16"),
-        graph="eager_guard",
-        triton_target=target,
-        libraries={"torch": torch.__version__, "triton": library_version("triton") or ""},
-        reasons=reasons,
-        features=tuple(cpu_features()["flags"]),
-    )
+# Moved out of the core in 0.2.0: the CPU's capability is the cpu device's.
+__getattr__ = moved_names(__name__, {"cpu_capability": "hal.devices.cpu.capability:cpu_capability"})

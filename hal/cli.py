@@ -22,7 +22,7 @@ def info(config: AttentionConfig | None = None) -> dict:
     reg = get_registry()
     try:
         chosen = select(config)
-        selection = {"device": chosen.device, "backend": chosen.backend, "trace": chosen.trace}
+        selection = {"device": chosen.device_name, "backend": chosen.backend, "trace": chosen.trace}
     except HalError as exc:
         chosen, selection = None, {"device": None, "backend": None, "error": str(exc)}
     devices = []

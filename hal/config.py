@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from hal.capability import DTYPE_NAMES
+from hal.deprecation import accept_renamed_kwargs
 from hal.errors import ConfigError, expect
 from hal.kv_cache import KV_CACHE_DTYPES, kv_cache_dtype_name
 from hal.layer import AttentionLayer, check_mla_shape
@@ -193,3 +194,11 @@ class AttentionConfig:
         data["dtype"] = self.dtype_name
         data["layers"] = [asdict(layer) for layer in self.layers]
         return data
+
+
+# Renamed in 0.2.0 to RadixAttention's names; the old keywords still work, with a warning.
+accept_renamed_kwargs(
+    AttentionConfig,
+    {"num_q_heads": "tp_q_head_num", "num_kv_heads": "tp_k_head_num", "sliding_window": "sliding_window_size"},
+    ConfigError,
+)

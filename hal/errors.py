@@ -13,6 +13,8 @@ __all__ = [
     "UnsupportedError",
     "GraphCaptureError",
     "MissingDependencyError",
+    "describe",
+    "ranges",
 ]
 
 
@@ -65,3 +67,24 @@ def expect(condition: bool, error: type[HalError], field: str, value: object, ex
 def _short(value: object, limit: int = 120) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def describe(value: object) -> str:
+    """A value for a message: a tensor as ``dtype[shape] on device`` (``int32[4] on cpu``), else its type name."""
+    dtype, shape, device = (getattr(value, a, None) for a in ("dtype", "shape", "device"))
+    if dtype is not None and shape is not None and device is not None:
+        return f"{str(dtype).removeprefix('torch.')}{list(shape)} on {device}"
+    return type(value).__name__
+
+
+def ranges(values, sep: str = "..") -> str:
+    """Integers as runs, for a message: ``[5, 1, 2, 3]`` -> ``"1..3, 5"`` (``sep`` joins a run's ends)."""
+    values = sorted(set(values))
+    parts, i = [], 0
+    while i < len(values):
+        j = i
+        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
+            j += 1
+        parts.append(str(values[i]) if i == j else f"{values[i]}{sep}{values[j]}")
+        i = j + 1
+    return ", ".join(parts)

@@ -17,14 +17,21 @@ memory pool. The protocol, per captured size:
 
 A ``Graph`` is the device's mechanism: ``torch.cuda.CUDAGraph``, ``torch.npu.NPUGraph``,
 or on the CPU :class:`EagerGraph`, which re-runs the captured function under a guard
-that fails on host syncs, data-dependent shapes, and any allocation whose shape differs
-from the capture's. So the contract is checked on machines with no accelerator too.
+that fails on host syncs, data-dependent shapes, host data written into device tensors,
+any allocation whose shape differs from the capture's, a replay that reads other tensors
+than the capture did, and a replay whose Python numbers differ from the capture's (a real
+graph replays the captured ones). So the contract is checked on machines with no
+accelerator too. The host-side work of each step (``out_graph``) runs inside
+``graph.outside()``, where the eager graph notes which tensors are host data.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Sequence
+import contextlib
+import math
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -38,7 +45,16 @@ from hal.kernels import opaque_kernel  # defined with the kernels it serves; exp
 from hal.kv_cache import KVPool, ReqToTokenTable
 from hal.layer import AttentionLayer
 
-__all__ = ["Graph", "EagerGraph", "TorchGraph", "GraphRunner", "HostSyncGuard", "HostReadCounter", "opaque_kernel"]
+__all__ = [
+    "Graph",
+    "EagerGraph",
+    "TorchGraph",
+    "GraphRunner",
+    "HostSyncGuard",
+    "HostTensors",
+    "HostReadCounter",
+    "opaque_kernel",
+]
 
 _aten = torch.ops.aten
 _DATA_DEPENDENT = {
@@ -51,17 +67,84 @@ _DATA_DEPENDENT = {
 }
 _LITERALS = {_aten.lift_fresh, _aten.lift, _aten.lift_fresh_copy}
 _HOST_METHODS = {torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.tolist, torch.Tensor.item}
+# builders of a tensor from Python data: on the host, then copied to ``device=`` when one is given
+_FROM_DATA = {torch.tensor, torch.as_tensor, torch.asarray}
+# Where a 0-dim host tensor is a kernel argument, not a copy. On CUDA, TensorIterator reads a CPU
+# scalar operand of a pointwise op on the host (no sync) and passes its value to the kernel, and
+# fill_ / masked_fill with a CPU 0-dim value call value.item() on the host and launch a fill kernel
+# (aten/src/ATen/native/Fill.cpp): graph-safe, the value frozen at capture like fill_(3.0)'s.
+# Everywhere else (copy_, index_put_, _to_copy, ...) a host tensor on a device is a host-to-device
+# copy with a stream sync, which torch refuses during CUDA graph capture.
+_SCALAR_ARGUMENT_OPS = {_aten.fill_, _aten.fill, _aten.masked_fill_, _aten.masked_fill}
+_STORAGES = (torch.UntypedStorage, torch.TypedStorage)
+
+
+class HostTensors:
+    """The host tensors a graph's step made or was given, weakly held by storage address.
+
+    On a CPU-only machine every tensor is a CPU tensor, so "host data" cannot be read off the
+    device: a tensor is host data when it was built from Python data (``torch.tensor(list)``,
+    ``from_numpy``, the 0-dim tensor ``t[i] = 0`` builds) without a ``device=``, is a batch's
+    ``*_cpu`` mirror, or was computed from host tensors only.
+    """
+
+    def __init__(self):
+        self._refs: dict[int, weakref.ref] = {}
+
+    def add(self, t: object) -> None:
+        ptr = _storage_ptr(t) if isinstance(t, torch.Tensor) else None
+        if ptr is not None:
+            self._refs[ptr] = weakref.ref(t)
+
+    def __contains__(self, t: object) -> bool:
+        ptr = _storage_ptr(t) if isinstance(t, torch.Tensor) else None
+        ref = self._refs.get(ptr) if ptr is not None else None
+        return ref is not None and ref() is not None
+
+    def mark_results(self, inputs: list, out: object) -> None:
+        """Mark ``out``'s tensors as host data when every tensor input is (host work makes host tensors)."""
+        tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+        if tensors and all(t in self for t in tensors):
+            for t in tree_flatten(out)[0]:
+                self.add(t)
+
+
+def _moves_to_device(args: tuple, kwargs: dict) -> bool:
+    """Whether a ``Tensor.to(...)`` call names a device (a device, a device string, or a tensor to match)."""
+    targets = [*args[1:], kwargs.get("device"), kwargs.get("other")]
+    return any(isinstance(a, (torch.device, str, torch.Tensor)) for a in targets if a is not None)
+
+
+def _constant(x: object) -> object:
+    """What a graph freezes of a non-tensor op argument: a value; a storage's address; else just its type."""
+    if x is None or isinstance(x, (bool, int, float, complex, str, torch.dtype, torch.device, torch.layout)):
+        return x
+    if isinstance(x, torch.memory_format):
+        return x
+    return type(x).__name__  # a storage (Triton's interpreter calls set_(storage, ...)): its address is a read
+
+
+def _same(a: object, b: object) -> bool:
+    return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
 
 
 class HostSyncGuard(TorchDispatchMode):
-    """Fails on what a real graph cannot record, and records the shape of every op's output."""
+    """Fails on what a real graph cannot record, and records what a replay must repeat.
 
-    def __init__(self):
+    Per op it records the shapes of its outputs (``shapes``), the addresses of the tensors it
+    reads that the run did not produce (``reads``), and its constants (``constants``): the
+    Python numbers and other non-tensor arguments, and the values of the 0-dim host tensors it
+    takes as kernel arguments. ``host``: the host tensors the step made outside the graph.
+    """
+
+    def __init__(self, host: HostTensors | None = None):
         super().__init__()
+        self.host = host if host is not None else HostTensors()
         self.shapes: list[tuple[str, tuple]] = []
-        # (op index, input index, data_ptr) of every input tensor the run did not produce itself
+        # (op index, argument index, data_ptr) of every input tensor (or storage) the run did not produce itself
         self.reads: list[tuple[int, int, int]] = []
-        self.inputs: list[torch.Tensor] = []  # those tensors, alive so that no later allocation takes their address
+        self.inputs: list = []  # those tensors, alive so that no later allocation takes their address
+        self.constants: list[tuple] = []
         self._produced: set[int] = set()  # storages the run allocated
         self._external: set[int] = set()
 
@@ -70,7 +153,7 @@ class HostSyncGuard(TorchDispatchMode):
         packet = func._overloadpacket
         if packet in _DATA_DEPENDENT:
             raise GraphCaptureError(f"{func} inside a graph: {_DATA_DEPENDENT[packet]}; move it to out_graph")
-        if packet is _aten.lift_fresh and args[0].dim() > 0:  # a 0-dim literal (x[0] = 0) is a constant: fine
+        if packet is _aten.lift_fresh and args[0].dim() > 0:
             raise GraphCaptureError(
                 "torch.tensor(<host data>) inside a graph: a real graph replays the values seen at capture; "
                 "build it in out_graph into a buffer the graph reads"
@@ -82,22 +165,58 @@ class HostSyncGuard(TorchDispatchMode):
         ):
             raise GraphCaptureError(f"{func} with a boolean mask inside a graph: a data-dependent shape (nonzero)")
         op = len(self.shapes)
-        # a literal (torch.tensor(3)) reaches the dispatcher only as lift_fresh's input: a graph records its value
-        flat_in, _ = tree_flatten((args, kwargs)) if packet not in _LITERALS else ([], None)
-        for i, t in enumerate(x for x in flat_in if isinstance(x, torch.Tensor)):
-            storage = _storage_ptr(t)
+        flat_in, _ = tree_flatten((args, kwargs))
+        literal = packet in _LITERALS  # a Python literal (torch.tensor(3), the value of t[i] = 3): host data
+        tensors = [x for x in flat_in if isinstance(x, torch.Tensor)]
+        host = [t for t in tensors if literal or t in self.host]
+        self._check_host_reads(func, host)
+        with torch._C.DisableTorchFunction():  # reading a host scalar is no graph work
+            values = tuple(t.item() for t in host if t.numel() == 1)
+        self.constants.append((*(_constant(x) for x in flat_in if not isinstance(x, torch.Tensor)), *values))
+        for i, x in enumerate(flat_in):
+            if isinstance(x, _STORAGES):
+                storage, address = x.data_ptr(), x.data_ptr()
+            elif isinstance(x, torch.Tensor) and not (literal or x in self.host):
+                storage, address = _storage_ptr(x), x.data_ptr()
+            else:
+                continue
             if storage is not None and storage not in self._produced:
                 self._external.add(storage)
-                self.reads.append((op, i, t.data_ptr()))
-                self.inputs.append(t)
+                self.reads.append((op, i, address))
+                self.inputs.append(x)
         out = func(*args, **kwargs)
         flat, _ = tree_flatten(out)
         for t in flat:
             storage = _storage_ptr(t) if isinstance(t, torch.Tensor) else None
             if storage is not None and storage not in self._external:
                 self._produced.add(storage)
+        if literal:
+            self.host.add(out)
+        elif not func._schema.is_mutable:  # an in-place op returns the tensor it wrote: not new host data
+            self.host.mark_results(tensors, out)
         self.shapes.append((str(func), tuple(tuple(t.shape) for t in flat if isinstance(t, torch.Tensor))))
         return out
+
+    @staticmethod
+    def _check_host_reads(func, host: list[torch.Tensor]) -> None:
+        """A host tensor inside a graph may only be a scalar kernel argument (see ``_SCALAR_ARGUMENT_OPS``)."""
+        packet = func._overloadpacket
+        if packet in _LITERALS:
+            return
+        for t in host:
+            if t.dim() > 0:
+                raise GraphCaptureError(
+                    f"{func} inside a graph reads a host tensor of shape {tuple(t.shape)} (a batch's *_cpu "
+                    "mirror, or one built from host data without device=): on a device that is a host-to-device "
+                    "copy, or host work a replay does not repeat. Copy it into a device buffer in out_graph"
+                )
+            if packet not in _SCALAR_ARGUMENT_OPS and torch.Tag.pointwise not in func.tags:
+                raise GraphCaptureError(
+                    f"{func} inside a graph takes a host value (a Python number written with t[i] = x, or a "
+                    "0-dim host tensor): on CUDA that is a host-to-device copy with a stream sync, which "
+                    "capture refuses. Write constants with fill_ / zero_ (or a slice: t[i:i+1].fill_(x)), "
+                    "or compute the value on the device"
+                )
 
 
 def _storage_ptr(t: torch.Tensor) -> int | None:
@@ -107,11 +226,48 @@ def _storage_ptr(t: torch.Tensor) -> int | None:
         return None
 
 
-class _HostMethodGuard(TorchFunctionMode):
+class _HostAwareMode(TorchFunctionMode):
+    def __init__(self, host: HostTensors):
+        super().__init__()
+        self.host = host
+
+
+class _HostMethodGuard(_HostAwareMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if func in _HOST_METHODS:
             raise GraphCaptureError(f"Tensor.{func.__name__}() inside a graph: a host sync; move it to out_graph")
-        return func(*args, **(kwargs or {}))
+        if func in _FROM_DATA and kwargs.get("device") is not None and not isinstance(args[0], torch.Tensor):
+            raise GraphCaptureError(
+                f"torch.{func.__name__}(<host data>, device=...) inside a graph: built on the host and copied to "
+                "the device (a host-to-device copy, refused during capture); allocate it once in "
+                "init_cuda_graph_state, or fill a device buffer in out_graph"
+            )
+        if func is torch.Tensor.to and args[0] in self.host and _moves_to_device(args, kwargs):
+            raise GraphCaptureError(
+                "Tensor.to(device) of a host tensor inside a graph: a host-to-device copy; copy it into a "
+                "device buffer in out_graph"
+            )
+        return func(*args, **kwargs)
+
+
+class _HostSide(_HostAwareMode):
+    """Notes the host tensors the host-side work of a step (``out_graph``) makes, for the eager graph's guard."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in _FROM_DATA or func is torch.from_numpy:
+            if kwargs.get("device") is None and not (args and isinstance(args[0], torch.Tensor)):
+                self.host.add(out)
+        elif func is torch.Tensor.to and args[0] in self.host and _moves_to_device(args, kwargs):
+            # on a device this is a new device tensor; the CPU returns the host tensor itself
+            return out.clone() if out is args[0] else out
+        elif func in (torch.Tensor.cpu, torch.Tensor.pin_memory) and _storage_ptr(out) != _storage_ptr(args[0]):
+            self.host.add(out)
+        elif not getattr(func, "__name__", "").endswith("_") and "out" not in kwargs:
+            self.host.mark_results(tree_flatten((args, kwargs))[0], out)
+        return out
 
 
 _READS = {
@@ -177,6 +333,10 @@ class Graph:
 
     pool: object = None
 
+    def outside(self, fb: object = None) -> contextlib.AbstractContextManager:
+        """The context of the host-side work around the graph (``out_graph`` of batch ``fb``); nothing on a device."""
+        return contextlib.nullcontext()
+
     def warmup(self, fn: Callable[[], torch.Tensor]) -> None:
         fn()
 
@@ -190,18 +350,37 @@ class Graph:
 class EagerGraph(Graph):
     """The CPU's graph: re-runs the function at replay, checked as a real graph would be.
 
-    A real graph replays the kernels it recorded on the addresses it recorded: a replay
-    must read the same tensors the capture read (a tensor made fresh outside the graph,
-    e.g. metadata allocated in ``out_graph`` and read by the captured forward, is a stale
-    address on a GPU). Each replay checks that every tensor the function reads but did
-    not produce is the one read at that place during capture (the captured ones are
-    kept alive, so no new tensor can reuse their addresses).
+    A real graph replays the kernels it recorded on the addresses it recorded, with the
+    arguments it recorded:
+
+    * a replay must read the same tensors the capture read (a tensor made fresh outside the
+      graph, e.g. metadata allocated in ``out_graph`` and read by the captured forward, is a
+      stale address on a GPU). Each replay checks that every tensor the function reads but did
+      not produce is the one read at that place during capture (the captured ones are kept
+      alive, so no new tensor can reuse their addresses);
+    * every Python number an op takes, and every host scalar it reads, is frozen at capture:
+      a replay that passes another value would compute something else on a GPU;
+    * host data must not reach a device tensor (``t[i] = 0``, ``t.copy_(host)``,
+      ``torch.tensor(data, device=...)``): a host-to-device copy that capture refuses. The host
+      tensors made in ``outside()`` (the step's ``out_graph``) and the batch's ``*_cpu`` mirrors
+      count as host data.
     """
+
+    def __init__(self):
+        self.host = HostTensors()
+
+    @contextlib.contextmanager
+    def outside(self, fb: object = None) -> Iterator[None]:
+        with _HostSide(self.host):
+            yield
+        for name in dir(fb) if fb is not None else ():
+            if name.endswith("_cpu"):
+                self.host.add(getattr(fb, name, None))
 
     def capture(self, fn):
         self.fn = fn
         self.output, guard = self._run()
-        self.shapes, self.reads, self.inputs = guard.shapes, guard.reads, guard.inputs
+        self.shapes, self.reads, self.inputs, self.constants = guard.shapes, guard.reads, guard.inputs, guard.constants
         self.captured_at = {(op, i): ptr for op, i, ptr in guard.reads}
         return self.output
 
@@ -222,16 +401,23 @@ class EagerGraph(Graph):
             captured = self.captured_at.get((op, i))
             if captured is not None and captured != ptr:
                 raise GraphCaptureError(
-                    f"op #{op} ({shapes[op][0]}) input {i} at replay reads a tensor at {ptr:#x}, at capture one at "
+                    f"op #{op} ({shapes[op][0]}) argument {i} at replay reads a tensor at {ptr:#x}, at capture one at "
                     f"{captured:#x}: a real graph replays the captured address, so it would read stale data. "
                     "Metadata read inside the graph must live in buffers allocated once (init_cuda_graph_state) and "
                     "refilled in place in out_graph, or be computed in in_graph"
                 )
+        for op, (now, then) in enumerate(zip(guard.constants, self.constants)):
+            if len(now) != len(then) or not all(_same(a, b) for a, b in zip(now, then)):
+                raise GraphCaptureError(
+                    f"op #{op} ({shapes[op][0]}) at replay takes the constants {now}, at capture {then}: a real "
+                    "graph replays the Python numbers and host scalars it captured. Keep them fixed for a captured "
+                    "size, or compute them on the device from the batch's tensors"
+                )
         self.output.copy_(output)
 
     def _run(self):
-        guard = HostSyncGuard()
-        with _HostMethodGuard(), guard:
+        guard = HostSyncGuard(self.host)
+        with _HostMethodGuard(self.host), guard:
             output = self.fn()
         return output, guard
 
@@ -349,10 +535,12 @@ class GraphRunner:
                 return self._forward(fb)
 
             graph = self.make_graph()
-            backend.init_forward_metadata_out_graph(fb, in_capture=True)
+            with graph.outside(fb):
+                backend.init_forward_metadata_out_graph(fb, in_capture=True)
             graph.warmup(step)
             backend.on_after_cuda_graph_warmup()
-            backend.init_forward_metadata_out_graph(fb, in_capture=True)
+            with graph.outside(fb):
+                backend.init_forward_metadata_out_graph(fb, in_capture=True)
             graph.pool = self.pool
             output = graph.capture(step)
             self.pool = graph.pool
@@ -411,6 +599,7 @@ class GraphRunner:
             static.set_decode_host_lens(lens.prefix + [fill] * (padded - bs))
         else:
             static.set_decode_host_lens(lens.kv + [fill] * (padded - bs))
-        self.backend.init_forward_metadata_out_graph(static)
+        with graph.outside(static):
+            self.backend.init_forward_metadata_out_graph(static)
         graph.replay()
         return output

@@ -21,7 +21,8 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from hal.capability import resolve_device
-from hal.errors import KVCacheError, expect
+from hal.deprecation import accept_renamed_kwargs
+from hal.errors import KVCacheError, describe, expect
 from hal.kernels.reference import kv_scales, quantize_kv, store
 
 __all__ = [
@@ -125,7 +126,7 @@ class ReqToTokenPool:
             and req_to_token.shape[0] >= 2,
             KVCacheError,
             "req_to_token",
-            _describe(req_to_token),
+            describe(req_to_token),
             "an int32 tensor [size + 1, max_context_len] (row 0 is the padding row)",
         )
         pool = cls.__new__(cls)
@@ -240,14 +241,14 @@ class PagedKVPool:
                     and buf.device == like.device,
                     KVCacheError,
                     f"{name}[{i}]",
-                    _describe(buf),
-                    f"a 3-D tensor like layer 0's {_describe(like)}",
+                    describe(buf),
+                    f"a 3-D tensor like layer 0's {describe(like)}",
                 )
         expect(
             v0.shape[:2] == k0.shape[:2] and v0.dtype == k0.dtype and v0.device == k0.device,
             KVCacheError,
             "v_buffers[0]",
-            _describe(v0),
+            describe(v0),
             f"[{k0.shape[0]}, {k0.shape[1]}, v_head_dim] {k0.dtype} on {k0.device}, like the K buffers",
         )
         expect(k0.dtype in KV_DTYPES, KVCacheError, "dtype", k0.dtype, f"one of {KV_DTYPES}")
@@ -405,7 +406,7 @@ class MLAKVPool(PagedKVPool):
             isinstance(first, torch.Tensor) and first.dim() == 3 and first.shape[1] == 1,
             KVCacheError,
             "kv_buffers[0]",
-            _describe(first),
+            describe(first),
             "a [num_slots, 1, kv_lora_rank + qk_rope_head_dim] tensor (one latent head)",
         )
         expect(
@@ -450,10 +451,14 @@ class MLAKVPool(PagedKVPool):
                 isinstance(t, torch.Tensor) and tuple(t.shape) == (n, 1, dim),
                 KVCacheError,
                 f"{name}.shape",
-                _describe(t),
+                describe(t),
                 f"({n}, 1, {dim}) for {n} slots",
             )
         self.set_kv_buffer(layer, loc, torch.cat([cache_k_nope, cache_k_rope.to(cache_k_nope.dtype)], dim=-1))
+
+
+# Renamed in 0.2.0 to SGLang's names; the old keywords still work, with a warning.
+accept_renamed_kwargs(PagedKVPool, {"num_layers": "layer_num", "kv_heads": "head_num"}, KVCacheError)
 
 
 def paged_view(pool: KVPool, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -469,7 +474,7 @@ def check_kv_inputs(loc, cache_k, cache_v, dims: tuple[int, int, int], device: t
         isinstance(loc, torch.Tensor) and loc.dim() == 1 and loc.dtype in INDEX_DTYPES,
         KVCacheError,
         "loc",
-        _describe(loc),
+        describe(loc),
         "a 1-D int32/int64 tensor",
     )
     n, (heads, head_dim, v_dim) = loc.numel(), dims
@@ -478,7 +483,7 @@ def check_kv_inputs(loc, cache_k, cache_v, dims: tuple[int, int, int], device: t
             isinstance(tensor, torch.Tensor) and tuple(tensor.shape) == (n, heads, dim),
             KVCacheError,
             f"{name}.shape",
-            _describe(tensor),
+            describe(tensor),
             f"({n}, {heads}, {dim}) for {n} slots",
         )
         expect(tensor.is_floating_point(), KVCacheError, f"{name}.dtype", tensor.dtype, "a float dtype")
@@ -494,12 +499,6 @@ def _check_page_size(page_size) -> None:
         page_size,
         "a power of two",
     )
-
-
-def _describe(value) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)} on {value.device}"
-    return type(value).__name__
 
 
 MHATokenToKVPool = PagedKVPool

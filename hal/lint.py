@@ -23,7 +23,10 @@ and every function of the same module they call (``self.f()``, ``f()``,
 * allocations sized from tensor data (``data-alloc``): ``torch.empty`` / ``zeros`` /
   ``ones`` / ``full`` / ``arange`` / ``new_*`` ... whose size involves a tensor value;
 * host data baked into the graph (``host-data``): ``torch.tensor(<not a literal>)`` or
-  ``torch.as_tensor`` (a graph replays the values seen at capture).
+  ``torch.as_tensor`` (a graph replays the values seen at capture); host data copied into a
+  device tensor: ``torch.tensor(..., device=...)``, ``t[i] = <number>`` (an integer or tensor
+  index: a host-to-device copy on CUDA; a slice ``t[a:b] = 3`` is a fill kernel and fine),
+  ``t.copy_(torch.tensor(...))`` / ``.copy_(x.cpu())``.
 
 What is a tensor is inferred, conservatively: the ``ForwardBatch`` tensor fields
 (``fb.seq_lens``...), ``q``/``k``/``v`` parameters, results of ``torch.*`` calls and of
@@ -388,8 +391,41 @@ class _FunctionLinter(ast.NodeVisitor):
             sizes += node.args[:1] if name in ("full", "new_full") else node.args
         if sizes and (fn in _ALLOCATORS or method in _NEW_ALLOCATORS) and any(self._data_in(a) for a in sizes):
             self.add(node, "data-alloc", f"{name}() sized from tensor data: a shape the graph cannot replay")
-        if fn in ("tensor", "as_tensor") and node.args and not isinstance(node.args[0], ast.Constant):
+        if fn in ("tensor", "as_tensor") and node.args and any(k.arg == "device" for k in node.keywords):
+            self.add(node, "host-data", f"torch.{fn}(..., device=): built on the host, a host-to-device copy")
+        elif fn in ("tensor", "as_tensor") and node.args and not isinstance(node.args[0], ast.Constant):
             self.add(node, "host-data", f"torch.{fn}(<host data>): a graph replays the values seen at capture")
+        if method == "copy_" and node.args and self._host_built(node.args[0]):
+            self.add(node, "host-data", ".copy_(<tensor built on the host>): a host-to-device copy")
+        self.generic_visit(node)
+
+    def _host_built(self, node: ast.AST) -> bool:
+        """A ``torch.tensor`` / ``as_tensor`` / ``from_numpy`` call, or ``.cpu()`` / ``.tolist()`` of something."""
+        if isinstance(node, ast.Call):
+            if self.is_torch_call(node) in ("tensor", "as_tensor", "from_numpy"):
+                return True
+            return isinstance(node.func, ast.Attribute) and node.func.attr in ("cpu", "tolist", "numpy")
+        return False
+
+    def visit_Assign(self, node: ast.Assign) -> None:
+        number = isinstance(node.value, ast.Constant) and isinstance(node.value.value, (int, float))
+        for target in node.targets:
+            if not isinstance(target, ast.Subscript):
+                continue
+            # a known tensor, or an attribute (self.kv_indptr) given a number in in-graph code
+            if not (self.is_tensor(target.value) or (number and isinstance(target.value, ast.Attribute))):
+                continue
+            index = target.slice
+            items = index.elts if isinstance(index, ast.Tuple) else [index]
+            if any(isinstance(i, ast.Slice) or (isinstance(i, ast.Constant) and i.value is Ellipsis) for i in items):
+                continue  # t[a:b] = 3: fill_ of a view, the number is a kernel argument
+            if not self.is_tensor(node.value) or self._host_built(node.value):
+                self.add(
+                    node,
+                    "host-data",
+                    "t[i] = <host value> copies a host scalar into a device tensor (a host-to-device copy with a "
+                    "stream sync on CUDA); use t[i:i + 1].fill_(x), or compute it on the device",
+                )
         self.generic_visit(node)
 
 
@@ -518,6 +554,53 @@ def lint_paths(paths: list[str]) -> list[Finding]:
     return findings
 
 
+def _package_root(path: Path) -> Path | None:
+    """The top package directory holding ``path`` (``__init__.py`` all the way up), or None."""
+    top = None
+    folder = path.parent
+    while (folder / "__init__.py").is_file():
+        top, folder = folder, folder.parent
+    return top
+
+
+def own_imports(path: Path) -> set[Path]:
+    """The modules of ``path``'s own package it imports (relative, or absolute under the same top package)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    top = _package_root(path)
+    found: set[Path] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = path.parent
+            for _ in range(node.level - 1):
+                base = base.parent
+            modules = [(base, (node.module or "").split(".") if node.module else [], node.names)]
+        elif isinstance(node, ast.ImportFrom) and top is not None and (node.module or "").split(".")[0] == top.name:
+            modules = [(top.parent, node.module.split("."), node.names)]
+        elif isinstance(node, ast.Import) and top is not None:
+            modules = [(top.parent, a.name.split("."), []) for a in node.names if a.name.split(".")[0] == top.name]
+        else:
+            continue
+        for base, parts, names in modules:
+            for sub in [parts, *([*parts, a.name] for a in names)]:
+                folder = base.joinpath(*sub) if sub else base
+                for candidate in (folder.with_suffix(".py") if sub else None, folder / "__init__.py"):
+                    if candidate is not None and candidate.is_file() and candidate.resolve() != path.resolve():
+                        found.add(candidate.resolve())
+    return found
+
+
+def unread_imports(paths: list[str]) -> list[Path]:
+    """The own-package modules the given files import that are not among the files linted."""
+    files = {f.resolve() for f in _files(paths)}
+    imported: set[Path] = set()
+    for f in files:
+        try:
+            imported |= own_imports(f)
+        except (OSError, UnicodeDecodeError, SyntaxError):
+            continue  # lint_paths reports these
+    return sorted(imported - files)
+
+
 def main(paths: list[str], as_json: bool = False) -> int:
     """Print the findings (``file:line: message``) and return 1 when there is any, else 0."""
     findings = lint_paths(paths)
@@ -529,6 +612,12 @@ def main(paths: list[str], as_json: bool = False) -> int:
         for finding in findings:
             print(finding)
         files = len(_files(paths))
+        unread = unread_imports(paths)
+        if unread:
+            print(
+                f"hal lint: not read: {len(unread)} module(s) of the same package that these files import "
+                "(lint them too: pass the package directory): " + ", ".join(map(str, unread))
+            )
         print(
             f"hal lint: {len(findings)} finding(s) in {files} file(s)"
             if findings

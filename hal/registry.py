@@ -17,6 +17,13 @@ Faults are contained: any exception a plugin raises at import, in ``probe()`` or
 limit (``HAL_PROBE_TIMEOUT`` seconds, default 20) and a probe that does not return is an
 unavailable device whose reason says so; a plugin whose entry point reuses a built-in
 device name (``cpu``, ``cuda``, ``npu``) is reported and the built-in is kept.
+
+Plugin API: a plugin declares the hal plugin API it was written for, as ``Device.plugin_api``
+or as ``HAL_PLUGIN_API`` in its entry point's module. This hal implements API
+:data:`PLUGIN_API` (2) and still runs API 1 plugins (hal 0.1, which had no declaration; an
+undeclared plugin is taken as API 1) through deprecated names, with warnings. Any other API, or
+a backend missing a required member, is a :class:`PluginError` reason (``hal info`` shows it,
+with a pointer to ``CHANGELOG.md``); the plugin is not loaded.
 """
 
 from __future__ import annotations
@@ -24,9 +31,11 @@ from __future__ import annotations
 import importlib.metadata
 import math
 import os
+import sys
 import threading
 import time
 import traceback
+import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -50,7 +59,14 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "BUILTIN_DEVICES",
     "probe_timeout",
+    "PLUGIN_API",
+    "SUPPORTED_PLUGIN_APIS",
 ]
+
+PLUGIN_API = 2
+"""The hal plugin API this release implements (hal 0.2). API 1 is hal 0.1's."""
+SUPPORTED_PLUGIN_APIS = (1, 2)
+_CHANGELOG = "see CHANGELOG.md (hal's 'For porters' notes) for what changed between plugin APIs"
 
 ENTRY_POINT_GROUP = "hal.devices"
 BUILTIN_DEVICES = {"cpu": "hal.devices.cpu", "cuda": "hal.devices.cuda", "npu": "hal.devices.npu"}
@@ -68,6 +84,7 @@ class Device(ABC):
 
     name: str = ""
     priority: int = 50
+    plugin_api: int | None = None  # the hal plugin API this plugin targets; None: undeclared (hal 0.1: API 1)
 
     @abstractmethod
     def probe(self, index: int | None = None) -> DeviceCapability:
@@ -210,10 +227,10 @@ def probe_device(device: Device, index: int | None = None) -> DeviceCapability:
         exc = PluginError(f"probe() returned {type(cap).__name__}, expected a DeviceCapability")
     if isinstance(exc, (ConfigError, KeyboardInterrupt)):
         raise exc
-    return _unavailable(device, f"plugin {device.name!r} probe() raised {_describe(exc)}")
+    return _unavailable(device, f"plugin {device.name!r} probe() raised {_describe_exception(exc)}")
 
 
-def _describe(exc: BaseException) -> str:
+def _describe_exception(exc: BaseException) -> str:
     if isinstance(exc, SystemExit):
         return f"SystemExit (code {exc.code!r})"
     return f"{type(exc).__name__}: {exc}"
@@ -222,22 +239,72 @@ def _describe(exc: BaseException) -> str:
 def device_backends(device: Device) -> tuple[list[type[AttentionBackend]], str | None]:
     """``device.backends()`` and None, or ``[]`` and the error a broken plugin raised (``SystemExit`` included)."""
     try:
-        return list(device.backends()), None
+        classes = list(device.backends())
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # a plugin's SystemExit must not end the caller
-        return [], f"plugin {device.name!r} backends() raised {_describe(exc)}"
+        return [], f"plugin {device.name!r} backends() raised {_describe_exception(exc)}"
+    for cls in classes:
+        problem = _backend_problem(cls)
+        if problem:
+            return [], f"PluginError: plugin {device.name!r}: {problem} ({_CHANGELOG})"
+    return classes, None
 
 
 def _is_builtin(module: str) -> bool:
     return any(module == m or module.startswith(m + ".") for m in BUILTIN_DEVICES.values())
 
 
-def _check_device(device: object) -> str | None:
+def _check_device(device: object, module: str | None = None) -> str | None:
     if not isinstance(device, Device):
         return f"is a {type(device).__name__}, expected an instance of hal.registry.Device"
     if not isinstance(device.name, str) or not device.name.isidentifier():
         return f"device name {device.name!r} must be a non-empty identifier"
+    return _plugin_api_problem(device, module)
+
+
+def declared_plugin_api(device: Device, module: str | None = None) -> object:
+    """The plugin API ``device`` declares (``Device.plugin_api``, else its module's ``HAL_PLUGIN_API``), or None."""
+    declared = getattr(device, "plugin_api", None)
+    if declared is None:
+        for name in (module, type(device).__module__):
+            declared = getattr(sys.modules.get(name or ""), "HAL_PLUGIN_API", None)
+            if declared is not None:
+                break
+    return declared
+
+
+def _plugin_api_problem(device: Device, module: str | None) -> str | None:
+    declared = declared_plugin_api(device, module)
+    if declared is None:
+        if not _is_builtin(type(device).__module__):
+            warnings.warn(
+                f"hal plugin {device.name!r} declares no plugin API, so it is taken as API 1 (hal 0.1) and runs "
+                f"through deprecated names; declare plugin_api = {PLUGIN_API} once it is ported ({_CHANGELOG})",
+                DeprecationWarning,
+                stacklevel=4,
+            )
+        return None
+    if isinstance(declared, bool) or declared not in SUPPORTED_PLUGIN_APIS:
+        return (
+            f"targets hal plugin API {declared!r}, which this hal does not implement (it implements API "
+            f"{PLUGIN_API} and still runs API 1 plugins); install a hal release for that API, or port the plugin: "
+            f"{_CHANGELOG}"
+        )
+    return None
+
+
+def _backend_problem(cls: object) -> str | None:
+    """What a backend class lacks of the members hal calls, or None."""
+    from hal.backend import AttentionBackend
+
+    if not (isinstance(cls, type) and issubclass(cls, AttentionBackend)):
+        return f"backend {cls!r} is not a subclass of hal.backend.AttentionBackend"
+    if not isinstance(cls.name, str) or not cls.name:
+        return f"backend {cls.__qualname__} has no name (a non-empty str class attribute)"
+    missing = [m for m in ("forward_decode", "forward_extend") if getattr(cls, m) is getattr(AttentionBackend, m)]
+    if missing:
+        return f"backend {cls.__qualname__} does not implement {', '.join(missing)}"
     return None
 
 
@@ -281,7 +348,7 @@ def load_registry() -> Registry:
         try:
             obj = ep.load()
             device = obj() if isinstance(obj, type) else obj
-            problem = _check_device(device)
+            problem = _check_device(device, ep.module)
             if problem is None and device.name != name:
                 problem = f"entry point {name!r} names a device called {device.name!r}"
             if problem:
@@ -291,7 +358,7 @@ def load_registry() -> Registry:
         except BaseException as exc:  # SystemExit at a plugin's import is contained too
             last = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
             where = f" (at {last[0].filename}:{last[0].lineno})" if last else ""
-            reg.errors[name] = f"{ep.value}: {_describe(exc)}{where}"
+            reg.errors[name] = f"{ep.value}: {_describe_exception(exc)}{where}"
             continue
         reg.devices[name] = device
     return reg

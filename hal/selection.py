@@ -10,6 +10,10 @@ picks that backend's best available device. The variables ``HAL_DEVICE``,
 arguments (an operator's word beats the code's). A forced backend that cannot serve the
 config is an error with its reasons, never a silent fallback. ``Selection.trace``
 records every step.
+
+It also holds :func:`backend_report` (``hal info``'s row per backend): the same reasons
+selection weighs, shown to a user, so both read them in one place. The hybrid backend a
+split selection builds is :mod:`hal.hybrid`.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ import torch
 from hal.backend import AttentionBackend
 from hal.capability import DeviceCapability
 from hal.config import AttentionConfig
+from hal.deprecation import warn_renamed
 from hal.errors import ConfigError, DeviceUnavailableError, NoBackendError
+from hal.hybrid import HybridBackend
 from hal.registry import Device, device_backends, get_registry, probe_device
 
 __all__ = ["Selection", "select", "detect", "create_backend", "HybridBackend", "backend_report"]
@@ -30,14 +36,24 @@ __all__ = ["Selection", "select", "detect", "create_backend", "HybridBackend", "
 
 @dataclass
 class Selection:
-    """The outcome of :func:`select`. ``trace`` lists each decision, in order, as text."""
+    """The outcome of :func:`select`. ``trace`` lists each decision, in order, as text.
 
-    device: str
+    ``device_name``: the chosen device's registry name (``cpu``, ``cuda``, a plugin's); its
+    ``capability`` says which one (index, torch device).
+    """
+
+    device_name: str
     capability: DeviceCapability
     prefill_backend: type[AttentionBackend]
     decode_backend: type[AttentionBackend]
     trace: list[str] = field(default_factory=list)
     config: AttentionConfig = field(default_factory=AttentionConfig)
+
+    @property
+    def device(self) -> str:
+        """Deprecated (0.2.0): :attr:`device_name` (elsewhere ``device`` is a ``Device`` or a torch device)."""
+        warn_renamed("Selection.device", "Selection.device_name")
+        return self.device_name
 
     @property
     def backend(self) -> str:
@@ -122,8 +138,8 @@ def _device_order(
         if wanted_backend is not None:
             classes, _ = device_backends(device)
             offered = [c for c in classes if c.name == wanted_backend]
-            if not offered or offered[0].available(cap):
-                why = "has no such backend" if not offered else "; ".join(offered[0].available(cap))
+            if not offered or offered[0].unavailable_reasons(cap):
+                why = "has no such backend" if not offered else "; ".join(offered[0].unavailable_reasons(cap))
                 trace.append(f"device {device.name}: skipped: backend {wanted_backend!r} {why}")
                 continue
         trace.append(f"device {device.name}: available (priority {device.priority})")
@@ -154,7 +170,7 @@ def _pick(
     for cls in classes:
         if forced is not None and cls.name != forced:
             continue
-        reasons = cls.validate(config, cap)
+        reasons = cls.unsupported_reasons(config, cap)
         if not reasons:
             how = f"forced by {forced_by}" if forced else "first in priority order with no reasons against it"
             trace.append(f"{device.name}/{cls.name}: selected for {phase} ({how})")
@@ -259,62 +275,21 @@ def backend_report(
         return [{"name": "?", "available": False, "selected": False, "reasons": [error]}]
     for cls in classes:
         if cap.available:
-            reasons = cls.validate(config, cap)
+            reasons = cls.unsupported_reasons(config, cap)
         else:  # config checks against an absent device would only add noise
-            reasons = [f"device unavailable: {cap.reasons.get('device', '?')}", *cls.available(cap)]
+            reasons = [f"device unavailable: {cap.reasons.get('device', '?')}", *cls.unavailable_reasons(cap)]
         is_selected = (
             chosen is not None
-            and chosen.device == device.name
+            and chosen.device_name == device.name
             and cls in (chosen.prefill_backend, chosen.decode_backend)
         )
         rows.append(
             {
                 "name": cls.name,
-                "available": not cls.available(cap) and cap.available,
+                "available": not cls.unavailable_reasons(cap) and cap.available,
                 "selected": is_selected,
                 "reasons": reasons,
                 "notes": cls.notes(cap) if cap.available else [],
             }
         )
     return rows
-
-
-class HybridBackend(AttentionBackend):
-    """One backend for prefill (extend, mixed, verify) and another for decode, as SGLang's ``HybridAttnBackend``."""
-
-    name = "hybrid"
-
-    def __init__(self, prefill: AttentionBackend, decode: AttentionBackend):
-        super().__init__(prefill.capability, prefill.config, validate=prefill.validation)
-        self.prefill, self.decode = prefill, decode
-        self.needs_cpu_seq_lens = prefill.needs_cpu_seq_lens or decode.needs_cpu_seq_lens
-
-    def _for(self, fb) -> AttentionBackend:
-        return self.decode if fb.forward_mode.is_decode_or_idle() else self.prefill
-
-    def init_forward_metadata_out_graph(self, fb, in_capture=False):
-        self._for(fb).init_forward_metadata_out_graph(fb, in_capture)
-
-    def init_forward_metadata_in_graph(self, fb):
-        self._for(fb).init_forward_metadata_in_graph(fb)
-
-    def init_cuda_graph_state(self, max_bs, max_num_tokens):
-        self.decode.init_cuda_graph_state(max_bs, max_num_tokens)
-
-    def get_cuda_graph_seq_len_fill_value(self):
-        return self.decode.get_cuda_graph_seq_len_fill_value()
-
-    def on_after_cuda_graph_warmup(self):
-        self.decode.on_after_cuda_graph_warmup()
-
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        return self.decode.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
-
-    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        return self.prefill.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
-
-    def forward_mixed(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        return self.prefill.forward_mixed(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
-
-    def support_triton(self) -> bool:
-        return self.prefill.support_triton() and self.decode.support_triton()

@@ -133,8 +133,11 @@ class Ported(AttentionBackend):
     def forward_mixed(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         return self.attend(q, k, v, layer, forward_batch, save_kv_cache, kwargs.get("sinks"))
 
+    def save_kv(self, layer, fb, k, v) -> None:  # the prologue's KV-write hook
+        self.write(layer, fb, k, v)
+
     def write(self, layer, fb, k, v) -> None:
-        self.save_kv(layer, fb, k, v)
+        AttentionBackend.save_kv(self, layer, fb, k, v)
 
     def buffers(self, layer, fb):
         return fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
@@ -192,11 +195,8 @@ class Ported(AttentionBackend):
         return keys * k_scale, values * v_scale
 
     def attend(self, q, k, v, layer, fb, save_kv_cache, sinks=None):
-        q, k, v = self.check_inputs(q, k, v, layer, fb, save_kv_cache)  # [T, heads, dim]; k/v None allowed
-        meta = self.metadata_for(fb)
+        meta = self.forward_metadata  # the prologue checked q/k/v ([T, heads, dim] now) and wrote the KV
         tokens = meta.num_tokens
-        if save_kv_cache:
-            self.write(layer, fb, k, v)
         kb, vb = self.buffers(layer, fb)
         dtype = self.compute_dtype(q)
         keys, values = self.keys_values(meta, layer, fb, k, v, kb, vb)
@@ -336,8 +336,8 @@ class MissedVWrite(Ported):
 
 
 class WritesWhenSaveFalse(Ported):
-    def attend(self, q, k, v, layer, fb, save_kv_cache, sinks=None):
-        return super().attend(q, k, v, layer, fb, True, sinks)
+    def prepare_forward(self, q, k, v, layer, fb, save_kv_cache=True):
+        return super().prepare_forward(q, k, v, layer, fb, True)
 
 
 class ReadsKvNotCache(Ported):
@@ -436,7 +436,7 @@ class LayerIdIgnored(Ported):
 
 class LayerIdIgnoredOnWrite(Ported):
     def write(self, layer, fb, k, v):
-        self.save_kv(replace(layer, layer_id=0), fb, k, v)
+        AttentionBackend.save_kv(self, replace(layer, layer_id=0), fb, k, v)
 
 
 class Bf16Accumulation(Ported):
@@ -498,7 +498,7 @@ class WriteLocFromSeqLens(Ported):
 
     def write(self, layer, fb, k, v):
         if not fb.forward_mode.is_decode():
-            return self.save_kv(layer, fb, k, v)
+            return AttentionBackend.save_kv(self, layer, fb, k, v)
         rt = fb.req_to_token_pool.req_to_token
         loc = rt[fb.req_pool_indices.long(), fb.seq_lens.long()].long()
         kb, vb = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)

@@ -13,7 +13,7 @@ import torch
 import hal
 from hal.capability import DeviceCapability
 from hal.cli import main
-from hal.devices.cpu import TorchBackend
+from hal.devices.cpu import CompiledBackend
 from hal.registry import Device, register_device
 
 DEVICE_KEYS = {"name", "available", "emulated", "reasons", "capability", "backends"}
@@ -94,7 +94,7 @@ class FakeDevice(Device):
         return self._backends
 
 
-class Renamed(TorchBackend):
+class Renamed(CompiledBackend):
     name = "renamed"
 
 

@@ -53,6 +53,9 @@ class Recorder(AttentionBackend):
         super().__init__(capability)
         self.calls: list[tuple[str, bool, dict]] = []
 
+    def init_forward_metadata_out_graph(self, fb, in_capture=False):
+        self.set_forward_metadata(None, fb)  # the forward prologue looks this step's metadata up
+
     def _record(self, method, q, layer, save_kv_cache, kwargs):
         self.calls.append((method, save_kv_cache, kwargs))
         return torch.full((q.shape[0], layer.tp_q_head_num * layer.v_head_dim), float(len(method)))
@@ -141,6 +144,7 @@ def test_forward_routes_as_sglang(mode, capability, expected):
     """DECODE -> forward_decode; MIXED on an NPU -> forward_mixed; every other mode -> forward_extend."""
     built = build(_case(mode))
     backend = Recorder(capability)
+    backend.init_forward_metadata(built.batch)
     out = backend.forward(built.q, built.k, built.v, built.layer, built.batch, save_kv_cache=False, tag=7)
     assert [c[0] for c in backend.calls] == [expected]
     assert backend.calls[0][1:] == (False, {"tag": 7}), "save_kv_cache and kwargs are passed through"
@@ -152,9 +156,11 @@ def test_mixed_routing_reads_the_backends_capability_flag_not_a_device_name():
     no_fused_npu = dataclasses.replace(NPU, fused_mixed=False)
     for cap, expected in ((CPU, "forward_extend"), (NPU, "forward_mixed"), (TOY, "forward_mixed")):
         backend = Recorder(cap)
+        backend.init_forward_metadata(built.batch)
         backend.forward(built.q, built.k, built.v, built.layer, built.batch)
         assert backend.calls[0][0] == expected
     backend = Recorder(no_fused_npu)
+    backend.init_forward_metadata(built.batch)
     backend.forward(built.q, built.k, built.v, built.layer, built.batch)
     assert backend.calls[0][0] == "forward_extend"
 
@@ -178,3 +184,61 @@ def test_idle_returns_an_empty_output_without_calling_a_kernel():
     with pytest.raises(hal.InvalidBatchError, match="IDLE"):  # tokens in an IDLE step: a caller's bug, not garbage
         backend.forward(torch.zeros(3, 4 * 32), q, q, layer, idle)
     assert backend.calls == []
+
+
+class Shapes(Recorder):
+    """Records the shapes forward_* receive and counts the prologue's KV writes."""
+
+    def __init__(self, capability):
+        super().__init__(capability)
+        self.seen, self.writes = [], 0
+
+    def save_kv(self, layer, fb, k, v):
+        self.writes += 1
+        super().save_kv(layer, fb, k, v)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        self.seen.append(tuple(None if t is None else tuple(t.shape) for t in (q, k, v)))
+        return self.forward_mixed(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)  # no second prologue
+
+
+@pytest.mark.parametrize("flat", [True, False], ids=["[T, H*D]", "[T, H, D]"])
+@pytest.mark.parametrize("direct", [False, True], ids=["forward", "forward_extend"])
+def test_the_prologue_runs_once_and_hands_over_one_layout(flat, direct):
+    built = build(_case(ForwardMode.EXTEND))
+    layer, tokens = built.layer, built.q.shape[0]
+    shaped = [
+        t.flatten(1) if flat else t.unflatten(1, (-1, d)) if t.dim() == 2 else t
+        for t, d in ((built.q, layer.head_dim), (built.k, layer.head_dim), (built.v, layer.v_head_dim))
+    ]
+    backend = Shapes(CPU)
+    backend.init_forward_metadata(built.batch)
+    call = backend.forward_extend if direct else backend.forward
+    call(*shaped, layer, built.batch)
+    q_heads, kv_heads = layer.tp_q_head_num, layer.tp_k_head_num
+    assert backend.seen == [
+        ((tokens, q_heads, layer.head_dim), (tokens, kv_heads, layer.head_dim), (tokens, kv_heads, layer.v_head_dim))
+    ]
+    assert backend.writes == 1 and [c[0] for c in backend.calls] == ["forward_mixed"]
+
+
+def test_the_prologue_reads_the_new_kv_back_when_the_caller_saved_it():
+    built = build(_case(ForwardMode.EXTEND))
+    backend = Shapes(CPU)
+    backend.init_forward_metadata(built.batch)
+    backend.save_kv(
+        built.layer,
+        built.batch,
+        built.k.unflatten(1, (built.layer.tp_k_head_num, -1)) if built.k.dim() == 2 else built.k,
+        built.v.unflatten(1, (built.layer.tp_v_head_num, -1)) if built.v.dim() == 2 else built.v,
+    )
+    backend.forward(built.q, None, None, built.layer, built.batch, save_kv_cache=False)
+    assert backend.writes == 1 and backend.seen[0][1] is not None, "k/v read back from the cache, not written"
+
+
+def test_metadata_never_prepared_is_refused_before_anything_is_written():
+    built = build(_case(ForwardMode.DECODE))
+    backend = Shapes(CPU)
+    with pytest.raises(hal.InvalidBatchError, match="init_forward_metadata"):
+        backend.forward(built.q, built.k, built.v, built.layer, built.batch)
+    assert backend.writes == 0 and backend.calls == []

@@ -12,16 +12,16 @@ import pytest
 import torch
 
 from hal.batch import host_lens
-from hal.capability import cpu_capability
 from hal.conformance.cases import CASES, build, tolerance
-from hal.devices.cpu import CompiledBackend, PlainTorchBackend, TorchBackend, device
+from hal.devices.cpu import CompiledBackend, PlainTorchBackend, device
+from hal.devices.cpu.capability import cpu_capability
 from hal.errors import KVCacheError
 from hal.kernels import cpu as cpu_kernels
 
 CAP = cpu_capability()
 BUILDABLE, WHY_NOT = cpu_kernels.status()
 needs_kernels = pytest.mark.skipif(not BUILDABLE, reason=f"no compiled CPU kernels here: {WHY_NOT}")
-CPU_CASES = [c for c in CASES if not TorchBackend.validate(c.config(), CAP)]
+CPU_CASES = [c for c in CASES if not CompiledBackend.unsupported_reasons(c.config(), CAP)]
 
 
 def _kernel_out(built, tile_rows):
@@ -77,9 +77,9 @@ def test_without_kernels_the_torch_backend_falls_back(monkeypatch):
     monkeypatch.setenv("HAL_CPU_KERNELS", "0")
     ok, why = cpu_kernels.status()
     assert not ok and "HAL_CPU_KERNELS=0" in why
-    backend = TorchBackend(CAP)
+    backend = CompiledBackend(CAP)
     assert backend.kernels is None
-    assert any("plain torch path" in note for note in TorchBackend.notes(CAP))
+    assert any("plain torch path" in note for note in CompiledBackend.notes(CAP))
     built = build(next(c for c in CPU_CASES if c.mode.is_decode()))
     backend.init_forward_metadata(built.batch)
     out = backend.forward(built.q, built.k, built.v, built.layer, built.batch)
@@ -98,12 +98,12 @@ def test_a_failed_build_is_a_hal_error_and_the_backend_warns(monkeypatch):
 
 
 def test_the_cpu_device_serves_torch_first_and_notes_its_features():
-    assert device.backends()[0] is TorchBackend and TorchBackend.name == "torch"
-    assert issubclass(TorchBackend, PlainTorchBackend)
+    assert device.backends()[0] is CompiledBackend and CompiledBackend.name == "torch"
+    assert issubclass(CompiledBackend, PlainTorchBackend)
     features = cpu_kernels.cpu_features()
     assert set(features) >= {"flags", "torch_capability", "bf16_dot", "model"}
     assert CAP.to_dict()["features"] == list(features["flags"])
-    assert any("CPU features" in note for note in TorchBackend.notes(CAP))
+    assert any("CPU features" in note for note in CompiledBackend.notes(CAP))
 
 
 @needs_kernels

@@ -70,7 +70,7 @@ def test_probe_and_disable(toy, monkeypatch):
 
 def _matches_reference(cls, cap, case) -> None:
     """``cls`` declares it serves ``case``; its output and the whole KV pool after one forward are the reference's."""
-    assert cls.validate(case.config(), cap) == []
+    assert cls.unsupported_reasons(case.config(), cap) == []
     backend = cls(cap, case.config())
     built = build(case)
     backend.init_forward_metadata(built.batch)
@@ -122,7 +122,7 @@ def _minimal_backend():
     ["decode", "extend_prefix_page16", "mixed", "draft_extend", "verify_sliding_window", "extend_v_head_dim"],
 )
 def test_the_guides_minimal_backend_matches_the_reference(name):
-    from hal.capability import cpu_capability
+    from hal.devices.cpu.capability import cpu_capability
 
     case = next(c for c in CASES if c.name == name)
     _matches_reference(_minimal_backend(), cpu_capability(), case)

@@ -82,9 +82,9 @@ def flashinfer_missing(monkeypatch):
 
 
 def test_missing_flashinfer_is_a_reason(flashinfer_missing):
-    reasons = FlashInferBackend.available(cuda_cap())
+    reasons = FlashInferBackend.unavailable_reasons(cuda_cap())
     assert len(reasons) == 1 and "flashinfer" in reasons[0] and "pip install" in reasons[0]
-    assert any("flashinfer" in r for r in FlashInferBackend.validate(AttentionConfig(), cuda_cap()))
+    assert any("flashinfer" in r for r in FlashInferBackend.unsupported_reasons(AttentionConfig(), cuda_cap()))
 
 
 def test_broken_flashinfer_spec_is_a_reason_not_a_crash(monkeypatch):
@@ -92,7 +92,7 @@ def test_broken_flashinfer_spec_is_a_reason_not_a_crash(monkeypatch):
         raise ValueError("flashinfer.__spec__ is None")
 
     monkeypatch.setattr(importlib.util, "find_spec", find_spec)
-    reasons = FlashInferBackend.available(cuda_cap())
+    reasons = FlashInferBackend.unavailable_reasons(cuda_cap())
     assert reasons and "flashinfer" in reasons[0]
 
 
@@ -107,13 +107,13 @@ def test_broken_flashinfer_spec_is_a_reason_not_a_crash(monkeypatch):
     ids=["sm70", "rocm", "cpu", "npu"],
 )
 def test_device_reasons(flashinfer_found, cap, needle):
-    reasons = FlashInferBackend.available(cap)
+    reasons = FlashInferBackend.unavailable_reasons(cap)
     assert len(reasons) == 1 and needle in reasons[0], reasons
 
 
 @pytest.mark.parametrize("arch", ["sm_75", "sm_80", "sm_90", "sm_100", "sm_120"])
 def test_supported_archs_have_no_reason(flashinfer_found, arch):
-    assert FlashInferBackend.available(cuda_cap(arch=arch)) == []
+    assert FlashInferBackend.unavailable_reasons(cuda_cap(arch=arch)) == []
 
 
 def test_full_featured_config_is_accepted(flashinfer_found):
@@ -129,31 +129,33 @@ def test_full_featured_config_is_accepted(flashinfer_found):
         custom_mask=True,
         graph=True,
     )
-    assert FlashInferBackend.validate(config, cuda_cap()) == []
+    assert FlashInferBackend.unsupported_reasons(config, cuda_cap()) == []
     for head_dim in (64, 256):
         assert (
-            FlashInferBackend.validate(dataclasses.replace(config, head_dim=head_dim, v_head_dim=head_dim), cuda_cap())
+            FlashInferBackend.unsupported_reasons(
+                dataclasses.replace(config, head_dim=head_dim, v_head_dim=head_dim), cuda_cap()
+            )
             == []
         )
     for page_size in (1, 16, 128):
-        assert FlashInferBackend.validate(dataclasses.replace(config, page_size=page_size), cuda_cap()) == []
+        assert FlashInferBackend.unsupported_reasons(dataclasses.replace(config, page_size=page_size), cuda_cap()) == []
 
 
 def test_fp32_is_rejected_with_why(flashinfer_found):
-    reasons = FlashInferBackend.validate(AttentionConfig(dtype=torch.float32), cuda_cap())
+    reasons = FlashInferBackend.unsupported_reasons(AttentionConfig(dtype=torch.float32), cuda_cap())
     assert len(reasons) == 1 and "fp32" in reasons[0] and "FlashInfer" in reasons[0], reasons
-    assert FlashInferBackend.validate(AttentionConfig(dtype=torch.float16), cuda_cap()) == []
+    assert FlashInferBackend.unsupported_reasons(AttentionConfig(dtype=torch.float16), cuda_cap()) == []
 
 
 def test_bf16_needs_sm80(flashinfer_found):
     config = AttentionConfig(dtype=torch.bfloat16)
     # the cuda probe leaves bf16 out below sm_80 ...
     cap = cuda_cap(arch="sm_75", dtypes=("fp32", "fp16"), reasons={"bf16": "sm_75 has no bf16"})
-    assert any("bf16" in r for r in FlashInferBackend.validate(config, cap))
+    assert any("bf16" in r for r in FlashInferBackend.unsupported_reasons(config, cap))
     # ... and the backend says so itself even if a capability lists it
-    reasons = FlashInferBackend.validate(config, cuda_cap(arch="sm_75"))
+    reasons = FlashInferBackend.unsupported_reasons(config, cuda_cap(arch="sm_75"))
     assert len(reasons) == 1 and "sm_80" in reasons[0], reasons
-    assert FlashInferBackend.validate(AttentionConfig(dtype=torch.float16), cuda_cap(arch="sm_75")) == []
+    assert FlashInferBackend.unsupported_reasons(AttentionConfig(dtype=torch.float16), cuda_cap(arch="sm_75")) == []
 
 
 @pytest.mark.parametrize(
@@ -161,7 +163,7 @@ def test_bf16_needs_sm80(flashinfer_found):
     [({"head_dim": 32}, "head_dim 32"), ({"head_dim": 80}, "head_dim 80"), ({"v_head_dim": 64}, "v_head_dim")],
 )
 def test_shape_reasons(flashinfer_found, change, needle):
-    reasons = FlashInferBackend.validate(AttentionConfig(**change), cuda_cap())
+    reasons = FlashInferBackend.unsupported_reasons(AttentionConfig(**change), cuda_cap())
     assert len(reasons) == 1 and needle in reasons[0], reasons
 
 
@@ -813,7 +815,7 @@ def _gpu_case(case: Case) -> Case:
 @pytest.mark.parametrize(("case", "strategy"), _with_strategies([_gpu_case(c) for c in CASES]))
 def test_gpu_conformance_cases(case, strategy):
     cap = _gpu_capability()
-    reasons = FlashInferBackend.validate(case.config(), cap)
+    reasons = FlashInferBackend.unsupported_reasons(case.config(), cap)
     if reasons:
         pytest.skip("; ".join(reasons))
     built = build(case, cap.torch_device)
@@ -847,7 +849,7 @@ def test_gpu_graph_replay(case, register):
     from hal.graph import TorchGraph
 
     cap = _gpu_capability()
-    reasons = FlashInferBackend.validate(case.config(graph=True), cap)
+    reasons = FlashInferBackend.unsupported_reasons(case.config(graph=True), cap)
     if reasons:
         pytest.skip("; ".join(reasons))
     built = build(case, cap.torch_device)

@@ -16,10 +16,10 @@ from hal.capability import DeviceCapability
 from hal.cli import main
 from hal.config import AttentionConfig
 from hal.conformance.cases import GRAPH_CASES, build
-from hal.devices.cpu import TorchBackend
+from hal.devices.cpu import CompiledBackend
 from hal.devices.cpu import device as cpu_device
 from hal.devices.cuda import cuda_capability
-from hal.devices.cuda import flashinfer_backend as fib
+from hal.devices.cuda import flashinfer_env as fib
 from hal.devices.cuda.flashinfer_backend import FlashInferBackend
 from hal.devices.npu import AscendBackend, npu_capability
 from hal.errors import ConfigError, DeviceUnavailableError
@@ -47,7 +47,7 @@ def test_npu_probe_loads_atb_and_reports_its_failure(monkeypatch):
     assert NNAL_OSERROR in cap.reasons["atb"] and "libatb.so" in cap.reasons["atb"]
     assert "set_env.sh" in cap.reasons["atb"]
     assert cap.libraries["atb"] == ""
-    reasons = AscendBackend.validate(AttentionConfig(dtype=torch.bfloat16, page_size=128), cap)
+    reasons = AscendBackend.unsupported_reasons(AttentionConfig(dtype=torch.bfloat16, page_size=128), cap)
     assert reasons and "libatb.so" in reasons[0], reasons
     with pytest.raises(DeviceUnavailableError, match="ATB"):
         AscendBackend(cap)
@@ -59,7 +59,7 @@ def test_npu_probe_with_atb_loaded_has_no_atb_reason(monkeypatch):
     cap = npu_capability()
     assert log["register"] == 1
     assert "atb" not in cap.reasons and cap.libraries["atb"] == "loaded"
-    assert not AscendBackend.available(cap)
+    assert not AscendBackend.unavailable_reasons(cap)
 
 
 def test_real_npu_declares_it_cannot_capture_verify_graphs(monkeypatch):
@@ -68,9 +68,9 @@ def test_real_npu_declares_it_cannot_capture_verify_graphs(monkeypatch):
     monkeypatch.delenv("HAL_NPU_EMULATION", raising=False)
     cap = npu_capability()
     config = AttentionConfig(tp_q_head_num=8, tp_k_head_num=2, head_dim=128, page_size=128, dtype=torch.bfloat16)
-    verify_graph = AscendBackend.validate(replace(config, graph=True, custom_mask=True), cap)
+    verify_graph = AscendBackend.unsupported_reasons(replace(config, graph=True, custom_mask=True), cap)
     assert any("TARGET_VERIFY" in r for r in verify_graph), verify_graph
-    assert not any("TARGET_VERIFY" in r for r in AscendBackend.validate(replace(config, graph=True), cap))
+    assert not any("TARGET_VERIFY" in r for r in AscendBackend.unsupported_reasons(replace(config, graph=True), cap))
 
 
 def test_load_atb_without_torch_npu_is_no_reason():
@@ -112,7 +112,7 @@ def test_flashinfer_kernels_tell_prebuilt_jit_and_neither_apart(
         assert why is None
     else:
         assert needle in why, why
-        assert FlashInferBackend.available(cuda_cap(reasons={"flashinfer": why})) == [why]
+        assert FlashInferBackend.unavailable_reasons(cuda_cap(reasons={"flashinfer": why})) == [why]
 
 
 @pytest.fixture
@@ -146,7 +146,7 @@ def test_cuda_capability_and_hal_info_show_where_flashinfer_kernels_come_from(
     monkeypatch.delenv("CUDA_HOME")  # neither: the capability says so, and the backend steps aside
     cap = cuda_capability()
     assert cap.libraries["flashinfer_kernels"] == "none" and "no JIT toolchain" in cap.reasons["flashinfer"]
-    assert "no JIT toolchain" in FlashInferBackend.available(cap)[0]
+    assert "no JIT toolchain" in FlashInferBackend.unavailable_reasons(cap)[0]
 
 
 def test_a_flashinfer_import_failure_is_a_hal_error_with_the_reason(monkeypatch, tmp_path):
@@ -230,7 +230,7 @@ def test_graphs_share_one_memory_pool_largest_first_and_warm_up_on_a_side_stream
     built = build(GRAPH_CASES[0])
     seen: list[tuple[int, object]] = []
 
-    class Watching(TorchBackend):
+    class Watching(CompiledBackend):
         def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
             seen.append((forward_batch.batch_size, fake.current))
             return super().forward(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)

@@ -146,6 +146,13 @@ def test_hal_own_backends_are_clean():
         ("return torch.allclose(q, q)", "host-sync"),
         ("return q if q.is_cuda or q.get_device() else q", None),
         ("parts = []\n        if not parts:\n            parts = torch.cat([q])\n        return parts", None),
+        ("fb.seq_lens[0] = 0\n        return q", "host-data"),
+        ("self.buf = fb.seq_lens.clone()\n        self.buf[fb.seq_lens] = 1.0\n        return q", "host-data"),
+        ("fb.positions[1:] = 0\n        fb.positions[...] = 1\n        return q", None),
+        ("fb.positions[0] = fb.seq_lens[1]\n        return q", None),
+        ("return torch.tensor(0, device=q.device)", "host-data"),
+        ("fb.positions.copy_(torch.tensor([1, 2]))\n        return q", "host-data"),
+        ("fb.positions.copy_(fb.seq_lens)\n        return q", None),
     ],
 )
 def test_single_rules(line, tag):
@@ -163,3 +170,21 @@ def test_json_output(tmp_path, capsys):
     findings = json.loads(capsys.readouterr().out)
     assert {f["tag"] for f in findings} == {"host-sync", "dynamic-shape", "data-alloc", "host-data"}
     assert all(f["path"] == str(path) and isinstance(f["line"], int) for f in findings)
+
+
+def test_lint_says_which_modules_of_the_package_it_did_not_read(tmp_path, capsys):
+    """A host sync in the kernel module next to a backend: linting the backend alone names that module."""
+    package = tmp_path / "mydev"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "kernels.py").write_text("def launch(q):\n    return q.sum().item()\n")
+    (package / "ops.py").write_text("")
+    (package / "backend.py").write_text(
+        "from . import kernels\nfrom mydev.ops import *\n\n\nclass B:\n"
+        "    def forward(self, q, k, v, layer, fb):\n        return kernels.launch(q)\n"
+    )
+    assert main(["lint", str(package / "backend.py")]) == 0
+    out = capsys.readouterr().out
+    assert "not read: 3 module(s)" in out and all(f"{n}.py" in out for n in ("kernels", "ops", "__init__"))
+    assert main(["lint", str(package)]) == 0
+    assert "not read" not in capsys.readouterr().out

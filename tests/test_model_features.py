@@ -11,9 +11,9 @@ import torch
 
 import hal
 from hal.batch import ForwardMode
-from hal.capability import cpu_capability
 from hal.conformance.cases import Case, build
 from hal.devices.cpu import CompiledBackend, PlainTorchBackend
+from hal.devices.cpu.capability import cpu_capability
 from hal.devices.cpu.torch_backend import TorchMetadata
 from hal.kernels import reference
 from hal.layer import AttentionLayer
@@ -142,10 +142,10 @@ class NoSinks(PlainTorchBackend):
 
 def test_declarations_give_reasons():
     config = hal.AttentionConfig(dtype="fp32", attention_sinks=True, kv_cache_dtype="fp8_e5m2")
-    reasons = NoSinks.validate(config, cpu_capability())
+    reasons = NoSinks.unsupported_reasons(config, cpu_capability())
     assert "attention sinks not supported" in reasons
     assert any("kv_cache_dtype fp8_e5m2 not supported" in r for r in reasons)
-    assert PlainTorchBackend.validate(config, cpu_capability()) == []
+    assert PlainTorchBackend.unsupported_reasons(config, cpu_capability()) == []
 
 
 def test_undeclared_sinks_or_fp8_pool_are_unsupported_and_write_nothing():

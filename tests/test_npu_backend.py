@@ -20,16 +20,17 @@ import pytest
 import torch
 
 from hal.batch import ForwardMode, static_decode_batch
-from hal.capability import cpu_capability
 from hal.config import AttentionConfig
 from hal.conformance.cases import Case, build, tolerance
-from hal.devices.cpu import TorchBackend
+from hal.devices.cpu import CompiledBackend
+from hal.devices.cpu.capability import cpu_capability
 from hal.devices.npu import EMULATED_NAME, AscendBackend, emulation_requested
 from hal.devices.npu import device as npu_device
 from hal.errors import ConfigError, DeviceUnavailableError, GraphCaptureError, InvalidBatchError, UnsupportedError
 from hal.graph import EagerGraph, GraphRunner
+from hal.kernels import reference as TORCH_OPS
+from hal.kernels import triton as TRITON_OPS
 from hal.kernels.npu import OP_NAMES, emulation, load_torch_npu
-from hal.ops import TORCH_OPS, TRITON_OPS
 from hal.registry import get_registry, probe_device
 from hal.selection import select
 
@@ -167,9 +168,9 @@ def test_importing_the_device_never_imports_torch_npu(tmp_path):
 
 def test_selection_picks_the_emulated_npu_for_what_it_serves(npu):
     chosen = select(AttentionConfig(page_size=128, dtype=torch.bfloat16))
-    assert (chosen.device, chosen.backend) == ("npu", "ascend")
+    assert (chosen.device_name, chosen.backend) == ("npu", "ascend")
     fallback = select(AttentionConfig(page_size=1, dtype=torch.bfloat16))  # the ATB ops need 16-token pages
-    assert fallback.device == "cpu"
+    assert fallback.device_name == "cpu"
     assert any("npu/ascend: rejected" in step and "page_size 1" in step for step in fallback.trace)
 
 
@@ -179,16 +180,16 @@ def test_selection_picks_the_emulated_npu_for_what_it_serves(npu):
 def test_validate_reasons_are_exactly_what_the_ops_cannot_do(npu):
     _, cap = npu
     ok = AttentionConfig(tp_q_head_num=32, tp_k_head_num=8, head_dim=128, page_size=128, dtype=torch.float32)
-    assert AscendBackend.validate(ok, cap) == []  # fp32 is fine on the emulation
+    assert AscendBackend.unsupported_reasons(ok, cap) == []  # fp32 is fine on the emulation
     for cfg in (
         dataclasses.replace(ok, sliding_window_size=64, non_causal=True, custom_mask=True, graph=True),
         dataclasses.replace(ok, page_size=16, dtype=torch.bfloat16),
         dataclasses.replace(ok, head_dim=64, v_head_dim=64, page_size=256),
     ):
-        assert AscendBackend.validate(cfg, cap) == [], cfg
+        assert AscendBackend.unsupported_reasons(cfg, cap) == [], cfg
 
     def reasons(**changes):
-        return " | ".join(AscendBackend.validate(dataclasses.replace(ok, **changes), cap))
+        return " | ".join(AscendBackend.unsupported_reasons(dataclasses.replace(ok, **changes), cap))
 
     assert "logit cap not supported" in reasons(logit_cap=30.0)
     assert "v_head_dim 64 != head_dim 128" in reasons(v_head_dim=64)
@@ -199,11 +200,11 @@ def test_validate_reasons_are_exactly_what_the_ops_cannot_do(npu):
     real = dataclasses.replace(
         cap, emulated=False, torch_type="npu", dtypes=("fp16", "bf16"), reasons={"fp32": "fp16/bf16 only"}
     )
-    fp32 = " | ".join(AscendBackend.validate(ok, real))
+    fp32 = " | ".join(AscendBackend.unsupported_reasons(ok, real))
     assert "device has no fp32" in fp32 and "dtype torch.float32 unsupported" in fp32
-    assert AscendBackend.validate(dataclasses.replace(ok, dtype=torch.bfloat16), real) == []
+    assert AscendBackend.unsupported_reasons(dataclasses.replace(ok, dtype=torch.bfloat16), real) == []
     windowed_graph = dataclasses.replace(ok, dtype=torch.bfloat16, graph=True, sliding_window_size=64)
-    assert "graph" in " | ".join(AscendBackend.validate(windowed_graph, real))
+    assert "graph" in " | ".join(AscendBackend.unsupported_reasons(windowed_graph, real))
     with pytest.raises(DeviceUnavailableError, match="torch_npu"):
         AscendBackend(real)  # a real NPU's backend needs the real module
 
@@ -240,7 +241,7 @@ def test_mixed_batch_is_one_splitfuse_call_on_the_npu_and_forward_extend_on_the_
 
     # The same batch on the CPU torch backend: forward_extend, never forward_mixed.
     cpu_built = build(case)
-    torch_backend = TorchBackend(cpu_capability())
+    torch_backend = CompiledBackend(cpu_capability())
     cpu_methods = _count_methods(monkeypatch, torch_backend)
     _close(_run(torch_backend, cpu_built), cpu_built)
     assert cpu_methods == {"forward_extend": 1, "forward_mixed": 0, "forward_decode": 0}

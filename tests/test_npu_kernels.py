@@ -16,6 +16,7 @@ from hal.errors import UnsupportedError
 from hal.kernels import reference
 from hal.kernels.npu import (
     OP_NAMES,
+    buffer_pages,
     emulation,
     fia_causal_mask,
     is_emulation,
@@ -24,7 +25,6 @@ from hal.kernels.npu import (
     paged_decode,
     paged_mixed,
     paged_prefill,
-    paged_view,
     resolve_ops,
     splitfuse_mask,
     unsupported_reasons,
@@ -57,7 +57,7 @@ class Case:
         shape = (num_blocks * block_size, kv_heads, head_dim)
         self.k_buf = torch.randn(shape, generator=g).to(dtype)
         self.v_buf = torch.randn(shape, generator=g).to(dtype)
-        self.k_cache, self.v_cache = paged_view(self.k_buf, block_size), paged_view(self.v_buf, block_size)
+        self.k_cache, self.v_cache = buffer_pages(self.k_buf, block_size), buffer_pages(self.v_buf, block_size)
         pairs = enumerate(zip(q_lens, kv_lens, strict=True))
         self.slots = torch.cat([self.req_to_token[r, n - s : n].long() for r, (s, n) in pairs])
         self.k_buf[self.slots] = float("nan")  # the new tokens must come from write_kv
@@ -145,9 +145,9 @@ def test_write_kv_matches_reference_and_skips_negative_slots():
     k_ref, v_ref = k_buf.clone(), v_buf.clone()
     keep = slots >= 0
     reference.write_kv(k_ref, v_ref, slots[keep], k[keep], v[keep])
-    write_kv(NPU, k, v, paged_view(k_buf, 16), paged_view(v_buf, 16), slots)
+    write_kv(NPU, k, v, buffer_pages(k_buf, 16), buffer_pages(v_buf, 16), slots)
     assert torch.equal(k_buf, k_ref) and torch.equal(v_buf, v_ref)
-    assert torch.equal(paged_view(k_buf, 16)[94 // 16, 94 % 16], k[3].to(torch.bfloat16))
+    assert torch.equal(buffer_pages(k_buf, 16)[94 // 16, 94 % 16], k[3].to(torch.bfloat16))
 
 
 # ----------------------------------------------------------------------------- attention

@@ -18,7 +18,7 @@ import torch
 from hal.capability import DeviceCapability
 from hal.cli import info
 from hal.conformance import CASES, available_targets, build, tolerance
-from hal.devices.cpu import TorchBackend
+from hal.devices.cpu import CompiledBackend
 from hal.errors import ConfigError, DeviceUnavailableError, HalError, PluginError
 from hal.registry import (
     ENTRY_POINT_GROUP,
@@ -75,7 +75,7 @@ def plugins(tmp_path, monkeypatch):
 
 GOOD_DEVICE = """
     from hal.capability import DeviceCapability
-    from hal.devices.cpu import TorchBackend
+    from hal.devices.cpu import CompiledBackend
     from hal.registry import Device
 
     class GoodDevice(Device):
@@ -86,7 +86,7 @@ GOOD_DEVICE = """
             return DeviceCapability(type="{name}", available=True, dtypes=("fp32", "bf16"), graph="eager_guard")
 
         def backends(self):
-            return [TorchBackend]
+            return [CompiledBackend]
 
     device = GoodDevice()
 """
@@ -158,7 +158,7 @@ def test_plugin_whose_import_raises_is_recorded_and_others_load(plugins):
         reg.get("broken")
 
     sel = select()
-    assert sel.device == "good"  # priority 5 > cpu's 0
+    assert sel.device_name == "good"  # priority 5 > cpu's 0
     assert any(step.startswith("plugin broken: failed to load:") for step in sel.trace)
 
 
@@ -265,13 +265,13 @@ def test_probe_returning_something_else_is_unavailable(monkeypatch):
             return {"available": True}
 
         def backends(self):
-            return [TorchBackend]
+            return [CompiledBackend]
 
     register_device(Sloppy())
     cap = probe_device(get_registry().devices["sloppy"])
     assert not cap.available
     assert "probe() returned dict, expected a DeviceCapability" in cap.reasons["device"]
-    assert select().device == "cpu"
+    assert select().device_name == "cpu"
 
 
 class NoKernels(Device):
@@ -295,7 +295,7 @@ def test_available_device_whose_backends_raise_is_skipped(monkeypatch):
     assert "backends() raised ModuleNotFoundError" in error and "hal_missing_kernels" in error
 
     sel = select()
-    assert sel.device == "cpu"
+    assert sel.device_name == "cpu"
     assert any("nokernels" in step and "hal_missing_kernels" in step for step in sel.trace)
     rows = {d["name"]: d["backends"] for d in info()["devices"]}
     assert rows["cpu"][0]["name"] == "torch"
@@ -334,7 +334,7 @@ def test_info_survives_every_installed_plugin_whatever_its_state():
 # -- an out-of-tree device ---------------------------------------------------------------
 
 
-class VendorTorch(TorchBackend):
+class VendorTorch(CompiledBackend):
     name = "vendortorch"
 
 
@@ -366,7 +366,7 @@ def test_out_of_tree_device_is_a_first_class_citizen(monkeypatch):
 
     monkeypatch.setenv("HAL_DEVICE", "vendor")
     sel = select()
-    assert (sel.device, sel.prefill_backend, sel.decode_backend) == ("vendor", VendorTorch, VendorTorch)
+    assert (sel.device_name, sel.prefill_backend, sel.decode_backend) == ("vendor", VendorTorch, VendorTorch)
     assert "device vendor: chosen by HAL_DEVICE" in sel.trace
 
     data = info()
@@ -439,7 +439,7 @@ def test_hanging_probe_is_unavailable_and_info_and_select_still_answer(monkeypat
         assert "HAL_PROBE_TIMEOUT" in cap.reasons["device"]
 
         sel = select()
-        assert sel.device == "cpu"
+        assert sel.device_name == "cpu"
         assert any(s.startswith("device hanging: unavailable:") and "did not return" in s for s in sel.trace)
         by_name = {d["name"]: d for d in info()["devices"]}
         assert not by_name["hanging"]["available"] and by_name["cpu"]["available"]
@@ -479,7 +479,7 @@ def test_plugin_calling_sys_exit_at_import_is_contained(plugins):
     assert "quitter" not in reg.devices
     assert "SystemExit (code 'no licence')" in reg.errors["quitter"]
     sel = select()
-    assert sel.device == "cpu"
+    assert sel.device_name == "cpu"
     assert any(s.startswith("plugin quitter: failed to load:") for s in sel.trace)
     assert {d["name"] for d in info()["devices"]} == {"cpu", "quitter"}
 
@@ -511,7 +511,7 @@ def test_probe_raising_any_base_exception_is_contained(monkeypatch, exc, said):
     assert not cap.available and said in cap.reasons["device"]
     classes, error = device_backends(device)
     assert classes == [] and f"plugin 'raiser' backends() raised {said}" in error
-    assert select().device == "cpu"
+    assert select().device_name == "cpu"
 
 
 def test_keyboard_interrupt_in_probe_propagates(monkeypatch):
@@ -539,7 +539,7 @@ def test_plugin_reusing_a_builtin_name_is_reported_and_the_builtin_kept(plugins)
     assert "reuses the name of the built-in device 'cpu'" in reg.errors[key]
     assert "the built-in is kept" in reg.errors[key]
     sel = select()
-    assert sel.device == "cpu" and sel.backend == "torch"
+    assert sel.device_name == "cpu" and sel.backend == "torch"
     names = [d["name"] for d in info()["devices"]]
     assert names.count("cpu") == 1 and key in names
 

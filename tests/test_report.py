@@ -8,7 +8,7 @@ import pytest
 
 from hal.capability import DeviceCapability
 from hal.cli import main
-from hal.devices.cpu import TorchBackend
+from hal.devices.cpu import CompiledBackend
 from hal.registry import Device, register_device
 from hal.report import TOTAL, load, merge, render_html, render_markdown
 
@@ -163,7 +163,7 @@ def test_missing_file(tmp_path, capsys):
     assert "cannot read" in capsys.readouterr().err
 
 
-class Fp8Only(TorchBackend):
+class Fp8Only(CompiledBackend):
     """Serves no conformance case (the suite has no fp8 case): every case is skipped, fast."""
 
     name = "fp8only"

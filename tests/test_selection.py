@@ -17,8 +17,8 @@ from hal.backend import AttentionBackend
 from hal.capability import DeviceCapability
 from hal.config import AttentionConfig
 from hal.conformance.cases import CASES, build, tolerance
-from hal.devices.cpu import TorchBackend
-from hal.devices.cuda.triton_backend import TritonBackend
+from hal.devices.cpu import CompiledBackend
+from hal.devices.triton_backend import TritonBackend
 from hal.errors import ConfigError, DeviceUnavailableError, HalError, NoBackendError
 from hal.registry import Device, Registry, register_device
 from hal.selection import HybridBackend, Selection, create_backend, detect, select
@@ -68,6 +68,7 @@ def recording_backends():
 
         def init_forward_metadata_out_graph(self, fb, in_capture=False):
             self._note("out_graph", fb)
+            self.set_forward_metadata(None, fb)  # the forward prologue looks this step's metadata up
 
         def init_forward_metadata_in_graph(self, fb):
             self._note("in_graph", fb)
@@ -113,9 +114,9 @@ def fake_pair():
 def test_default_config_selects_cpu_torch_and_the_trace_says_why():
     sel = select()
     assert isinstance(sel, Selection)
-    assert sel.device == "cpu"
+    assert sel.device_name == "cpu"
     assert sel.capability.type == "cpu" and sel.capability.available
-    assert sel.prefill_backend is TorchBackend and sel.decode_backend is TorchBackend
+    assert sel.prefill_backend is CompiledBackend and sel.decode_backend is CompiledBackend
     assert sel.backend == "torch"
     assert "device cpu: available (priority 0)" in sel.trace
     for phase in ("prefill", "decode"):
@@ -129,20 +130,20 @@ def test_default_config_selects_cpu_torch_and_the_trace_says_why():
 def test_torch_outranks_interpreted_triton_on_the_cpu(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     sel = select(AttentionConfig(dtype=torch.float32))
-    assert (sel.device, sel.backend) == ("cpu", "torch")
+    assert (sel.device_name, sel.backend) == ("cpu", "torch")
 
 
 def test_trace_records_the_rejected_backend_and_its_reason():
-    class NoWindow(TorchBackend):
+    class NoWindow(CompiledBackend):
         name = "nowindow"
         supports_sliding_window = False
 
-    class Fallback(TorchBackend):
+    class Fallback(CompiledBackend):
         name = "fallback"
 
     register_device(FakeDevice("fakedev", [NoWindow, Fallback], priority=10))
     sel = select(AttentionConfig(sliding_window_size=8))
-    assert (sel.device, sel.backend) == ("fakedev", "fallback")
+    assert (sel.device_name, sel.backend) == ("fakedev", "fallback")
     assert "fakedev/nowindow: rejected for prefill: sliding window not supported" in sel.trace
     assert "fakedev/fallback: selected for decode (first in priority order with no reasons against it)" in sel.trace
     # without a window the first one wins
@@ -150,10 +151,12 @@ def test_trace_records_the_rejected_backend_and_its_reason():
 
 
 def test_highest_priority_available_device_wins_and_unavailable_ones_are_traced():
-    register_device(FakeDevice("fast", [TorchBackend], priority=90))
-    register_device(FakeDevice("absent", [TorchBackend], available=False, priority=99, reasons={"device": "no card"}))
+    register_device(FakeDevice("fast", [CompiledBackend], priority=90))
+    register_device(
+        FakeDevice("absent", [CompiledBackend], available=False, priority=99, reasons={"device": "no card"})
+    )
     sel = select()
-    assert sel.device == "fast"
+    assert sel.device_name == "fast"
     assert "device absent: unavailable: no card" in sel.trace
     assert "device fast: available (priority 90)" in sel.trace
 
@@ -162,7 +165,7 @@ def test_highest_priority_available_device_wins_and_unavailable_ones_are_traced(
 
 
 def test_no_backend_error_lists_every_backend_of_every_available_device_with_reasons():
-    class Fp32Only(TorchBackend):
+    class Fp32Only(CompiledBackend):
         name = "fp32only"
         dtypes = frozenset({"fp32"})
 
@@ -182,7 +185,7 @@ def test_no_backend_error_lists_every_backend_of_every_available_device_with_rea
 
 
 def test_no_backend_error_gives_every_reason_of_a_backend():
-    class Strict(TorchBackend):
+    class Strict(CompiledBackend):
         name = "strict"
         supports_logit_cap = False
         supports_custom_mask = False
@@ -208,7 +211,7 @@ def test_no_backend_error_gives_every_reason_of_a_backend():
 
 
 def test_hal_device_unknown_is_a_config_error_listing_registered_devices(monkeypatch):
-    register_device(FakeDevice("fakedev", [TorchBackend]))
+    register_device(FakeDevice("fakedev", [CompiledBackend]))
     monkeypatch.setenv("HAL_DEVICE", "tpu")
     with pytest.raises(ConfigError) as info:
         select()
@@ -218,17 +221,17 @@ def test_hal_device_unknown_is_a_config_error_listing_registered_devices(monkeyp
 
 
 def test_hal_device_registered_but_unavailable_gives_its_reason(monkeypatch):
-    register_device(FakeDevice("absent", [TorchBackend], available=False, reasons={"device": "driver 535 missing"}))
+    register_device(FakeDevice("absent", [CompiledBackend], available=False, reasons={"device": "driver 535 missing"}))
     monkeypatch.setenv("HAL_DEVICE", "absent")
     with pytest.raises(DeviceUnavailableError, match="device 'absent' is not available: driver 535 missing"):
         select()
 
 
 def test_hal_device_forces_a_lower_priority_device(monkeypatch):
-    register_device(FakeDevice("fast", [TorchBackend], priority=90))
+    register_device(FakeDevice("fast", [CompiledBackend], priority=90))
     monkeypatch.setenv("HAL_DEVICE", "cpu")
     sel = select()
-    assert sel.device == "cpu"
+    assert sel.device_name == "cpu"
     assert "device cpu: chosen by HAL_DEVICE" in sel.trace
     assert not any(step.startswith("device fast") for step in sel.trace)
 
@@ -236,7 +239,7 @@ def test_hal_device_forces_a_lower_priority_device(monkeypatch):
 def test_hal_device_overrides_the_device_argument(monkeypatch):
     """An operator's variable beats the code's argument, as for the backend variables."""
     sel = select(device="cpu:0")
-    assert sel.device == "cpu" and "device cpu: chosen by device" in sel.trace
+    assert sel.device_name == "cpu" and "device cpu: chosen by device" in sel.trace
     with pytest.raises(ConfigError, match=r"^device = 'nope'"):
         select(device="nope")
     with pytest.raises(ConfigError, match=r"^device = 'cpu:x'"):
@@ -250,7 +253,7 @@ def test_blank_hal_variables_mean_unset(monkeypatch):
     for name in SELECTION_ENV:
         monkeypatch.setenv(name, "  ")
     sel = select()
-    assert (sel.device, sel.backend) == ("cpu", "torch")
+    assert (sel.device_name, sel.backend) == ("cpu", "torch")
 
 
 # -- HAL_ATTENTION_BACKEND -----------------------------------------------------------------
@@ -371,7 +374,7 @@ def test_decode_override_alone_keeps_automatic_prefill(monkeypatch, fake_pair):
     alpha, beta, _ = fake_pair
     monkeypatch.setenv("HAL_DECODE_BACKEND", "beta")
     sel = select()  # fakedev outranks cpu
-    assert sel.device == "fakedev"
+    assert sel.device_name == "fakedev"
     assert (sel.prefill_backend, sel.decode_backend) == (alpha, beta)
     assert "fakedev/alpha: selected for prefill (first in priority order with no reasons against it)" in sel.trace
 
@@ -427,7 +430,7 @@ def test_detect_returns_the_capability_of_the_chosen_device():
     assert cap.type == "cpu" and cap.available
     assert "bf16" in cap.dtypes and "fp16" not in cap.dtypes
     assert "fp16" in cap.reasons
-    register_device(FakeDevice("fast", [TorchBackend], priority=90))
+    register_device(FakeDevice("fast", [CompiledBackend], priority=90))
     assert detect().type == "fast"
     assert detect("cpu").type == "cpu"
 
@@ -448,7 +451,7 @@ def test_detect_with_no_available_device_raises_a_hal_error(monkeypatch):
 def test_create_backend_runs_a_conformance_case_on_the_cpu():
     c = case("decode_page16")
     backend = create_backend(c.config())
-    assert type(backend) is TorchBackend
+    assert type(backend) is CompiledBackend
     assert backend.capability.type == "cpu" and backend.device == torch.device("cpu")
     assert (backend.prefill_attention_backend_str, backend.decode_attention_backend_str) == ("torch", "torch")
     built = build(c)
@@ -458,7 +461,7 @@ def test_create_backend_runs_a_conformance_case_on_the_cpu():
 
 
 def test_create_backend_on_a_named_device():
-    class Renamed(TorchBackend):
+    class Renamed(CompiledBackend):
         name = "renamed"
 
     register_device(FakeDevice("fakedev", [Renamed]))

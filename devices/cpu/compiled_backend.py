@@ -5,7 +5,7 @@ compiled paged kernels, which read K/V straight from the pool through ``req_to_t
 task per (request, KV head) with the GQA group together for decode and verify, and
 matrix-sized ``at::mm`` tiles for extend; see ``hal.kernels.cpu``. The kernels are
 compiled at first use; where that cannot happen (no compiler or ninja,
-``HAL_CPU_KERNELS=0``, a failed build) the plain torch path (:class:`TorchBackend`, which
+``HAL_CPU_KERNELS=0``, a failed build) the plain torch path (:class:`PlainTorchBackend`, which
 this class extends) serves, with a warning when a build was tried and failed, and ``hal
 info`` says which path runs and why.
 
@@ -27,7 +27,7 @@ from hal.batch import device_lens
 from hal.kernels import cpu as cpu_kernels
 from hal.kernels.reference import is_fp8
 
-from .torch_backend import TorchBackend, _indptr
+from .torch_backend import PlainTorchBackend, _indptr
 
 __all__ = ["CompiledBackend"]
 
@@ -64,7 +64,7 @@ class CompiledMetadata:
         return None if self.q_lens is None else _indptr(self.q_lens)
 
 
-class CompiledBackend(TorchBackend):
+class CompiledBackend(PlainTorchBackend):
     """The ``torch`` backend with its attention compiled; the plain path where no kernels could be built."""
 
     name = "torch"
@@ -126,16 +126,13 @@ class CompiledBackend(TorchBackend):
 
     # -- forward -----------------------------------------------------------------------
     def _forward(self, q, k, v, layer, fb, save_kv_cache: bool, sinks=None) -> torch.Tensor:
-        meta = self.metadata_for(fb)
+        meta = self.forward_metadata
         if sinks is not None and isinstance(meta, CompiledMetadata):  # sinks the config did not announce
-            TorchBackend.plan(self, fb)  # fb was checked when the kernels' metadata was prepared
-            TorchBackend.init_forward_metadata_in_graph(self, fb)
+            PlainTorchBackend.plan(self, fb)  # fb was checked when the kernels' metadata was prepared
+            PlainTorchBackend.init_forward_metadata_in_graph(self, fb)
             meta = self.forward_metadata
         if not isinstance(meta, CompiledMetadata):
             return super()._forward(q, k, v, layer, fb, save_kv_cache, sinks)
-        q, k, v = self.check_inputs(q, k, v, layer, fb, save_kv_cache)
-        if save_kv_cache:
-            self.save_kv(layer, fb, k, v)
         pool = fb.token_to_kv_pool
         k_buffer, v_buffer = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         out = cpu_kernels.paged_attention(

@@ -17,9 +17,10 @@ import torch.nn.functional as F
 
 from hal.backend import AttentionBackend
 from hal.batch import ForwardBatch, device_lens, host_lens
+from hal.deprecation import moved_names
 from hal.kernels.reference import is_fp8, kv_scales
 
-__all__ = ["TorchBackend"]
+__all__ = ["PlainTorchBackend"]
 
 
 @dataclass
@@ -56,13 +57,16 @@ def _indptr(counts: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(torch.cumsum(counts, 0, dtype=torch.int32), (1, 0))
 
 
-class TorchBackend(AttentionBackend):
+class PlainTorchBackend(AttentionBackend):
+    """The plain torch path of the ``torch`` backend (no compiled kernels); see the module docstring."""
+
     name = "torch"
     dtypes = frozenset({"fp32", "bf16"})
     kv_cache_dtypes = frozenset({"fp32", "bf16", "fp8_e4m3", "fp8_e5m2"})
     supports_mla = True
     supports_sinks = True
     needs_cpu_seq_lens = True
+    reads_new_kv = False  # every key, the new tokens' included, is read from the cache
 
     def __init__(self, capability, config=None, **options):
         super().__init__(capability, config, **options)
@@ -138,17 +142,13 @@ class TorchBackend(AttentionBackend):
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache, kwargs.get("sinks"))
 
     def _forward(self, q, k, v, layer, fb: ForwardBatch, save_kv_cache: bool, sinks=None) -> torch.Tensor:
-        """q ``[T, Hq * D]`` or ``[T, Hq, D]``, k/v likewise (or None) -> ``[T, Hq * Dv]`` in q's dtype.
+        """q ``[T, Hq, D]`` (the prologue ran), ``sinks`` ``[Hq]`` or None -> ``[T, Hq * Dv]`` in q's dtype.
 
-        Every key, the new tokens' included, is read from the cache.
+        Every key, the new tokens' included, is read from the cache (``k``/``v`` are not used).
         """
-        q, k, v = self.check_inputs(q, k, v, layer, fb, save_kv_cache)
-        meta = self.metadata_for(fb)
-        if save_kv_cache:
-            self.save_kv(layer, fb, k, v)
         pool = fb.token_to_kv_pool
         k_buffer, v_buffer = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
-        out = attend_padded(q, k_buffer, v_buffer, meta, layer, self.scratch, sinks)
+        out = attend_padded(q, k_buffer, v_buffer, self.forward_metadata, layer, self.scratch, sinks)
         return out.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
 
@@ -256,3 +256,6 @@ class Scratch:
             return out
         wide = self._buffer(name, dtype, out.numel(), pool.device).view(out.shape).copy_(out)
         return wide.mul_(scale) if is_fp8(pool.dtype) and scale != 1.0 else wide
+
+
+__getattr__ = moved_names(__name__, {"TorchBackend": "hal.devices.cpu.torch_backend:PlainTorchBackend"})

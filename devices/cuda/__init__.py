@@ -14,7 +14,10 @@ from hal.capability import DeviceCapability, current_index, library_version, tri
 from hal.graph import Graph, TorchGraph
 from hal.registry import Device
 
-__all__ = ["CudaDevice", "device", "cuda_capability"]
+__all__ = ["CudaDevice", "device", "cuda_capability", "TRITON_BACKENDS"]
+
+TRITON_BACKENDS = ("cuda", "hip")
+"""Triton's driver backends for this device: ROCm's torch device type is ``cuda`` too."""
 
 
 def _unavailable(why: str) -> DeviceCapability:
@@ -53,7 +56,7 @@ def cuda_capability(index: int | None = None) -> DeviceCapability:
         dtypes.append("fp8")
     else:
         reasons["fp8"] = f"{arch} has no fp8 support hal uses (needs sm_89+)"
-    target, why_not = triton_status("cuda")
+    target, why_not = triton_status("cuda", TRITON_BACKENDS)
     if why_not:
         reasons["triton"] = why_not
     flashinfer = library_version("flashinfer-python")
@@ -63,7 +66,7 @@ def cuda_capability(index: int | None = None) -> DeviceCapability:
     elif flashinfer is None or importlib.util.find_spec("flashinfer") is None:
         reasons["flashinfer"] = "flashinfer-python is not installed (pip install 'hal-attention[cuda]')"
     else:  # installed is not usable: prebuilt kernels, or nvcc to JIT them, or neither
-        from .flashinfer_backend import flashinfer_kernels
+        from .flashinfer_env import flashinfer_kernels
 
         kernels, why_not = flashinfer_kernels()
         if why_not:
@@ -90,19 +93,22 @@ def cuda_capability(index: int | None = None) -> DeviceCapability:
             "flashinfer_kernels": kernels,
         },
         reasons=reasons,
+        compute_units=getattr(props, "multi_processor_count", None),
     )
 
 
 class CudaDevice(Device):
     name = "cuda"
     priority = 100
+    plugin_api = 2
 
     def probe(self, index: int | None = None) -> DeviceCapability:
         return cuda_capability(index)
 
     def backends(self):
+        from hal.devices.triton_backend import TritonBackend
+
         from .flashinfer_backend import FlashInferBackend
-        from .triton_backend import TritonBackend
 
         return [FlashInferBackend, TritonBackend]
 

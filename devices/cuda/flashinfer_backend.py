@@ -51,16 +51,16 @@ needs. Not supported: fp32 (FlashInfer compiles fp16/bf16, fp8 KV), ``v_head_dim
 head_dim`` (MLA has its own FlashInfer wrappers), head dims outside 64/128/256, graph
 capture of EXTEND / MIXED batches. Signatures followed: flashinfer-python 0.2.5 and 0.7.4
 (the keyword subset used here is common to both).
+
+The environment probe (is FlashInfer installed, where would its kernels come from) is
+:mod:`hal.devices.cuda.flashinfer_env`; the host-side page tables and the merge rule are
+:mod:`hal.devices.cuda.flashinfer_layout`. Both names stay importable from here.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import os
-import re
-import shutil
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,9 +68,12 @@ import torch
 
 from hal.backend import AttentionBackend
 from hal.batch import ForwardBatch, ForwardMode, host_lens
-from hal.capability import DeviceCapability, library_version
-from hal.errors import ConfigError, DeviceUnavailableError, GraphCaptureError, expect
+from hal.capability import DeviceCapability
+from hal.errors import ConfigError, GraphCaptureError, expect
 from hal.kv_cache import paged_view
+
+from .flashinfer_env import MIN_SM, _flashinfer_missing, _sm, flashinfer_kernels, import_flashinfer
+from .flashinfer_layout import PagedKV, build_paged_kv, indptr_from_lens, merge_states_base2, paged_kv_layout
 
 __all__ = [
     "FlashInferBackend",
@@ -85,7 +88,6 @@ __all__ = [
     "paged_kv_layout",
 ]
 
-MIN_SM = 75  # FlashInfer's JIT refuses GPUs below sm_75 (flashinfer/jit/core.py)
 MIN_SM_BF16 = 80  # bf16 tensor cores
 HEAD_DIMS = frozenset({64, 128, 256})  # FlashInfer's DISPATCH_HEAD_DIM set (utils.cuh); vLLM declares the same
 # The float workspace of every wrapper: SGLang's default, 384 MB (python/sglang/srt/environ.py,
@@ -93,99 +95,7 @@ HEAD_DIMS = frozenset({64, 128, 256})  # FlashInfer's DISPATCH_HEAD_DIM set (uti
 # architectures). FlashInfer's docs suggest 128 MB, which large split-KV prefills overflow at plan().
 WORKSPACE_MB = 384
 WORKSPACE_ENV = "HAL_FLASHINFER_WORKSPACE_MB"
-# flashinfer/jit/cpp_ext.py get_cuda_path(): CUDA_HOME, CUDA_PATH, the parent of `which nvcc`, then this.
-DEFAULT_CUDA_HOME = "/usr/local/cuda"
 _MERGE_STATE_MAX_THREADS = 1024  # merge_state's CUDA block is (head_dim / vec_size) x num_heads threads
-
-
-# ----------------------------------------------------------------------------- host-side plan inputs
-
-
-def indptr_from_lens(lens: Sequence[int]) -> torch.Tensor:
-    """int32 host ``[len(lens) + 1]``: ``0`` then the running sums of ``lens``."""
-    out = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    if len(lens):
-        out[1:] = torch.cumsum(torch.tensor(list(lens), dtype=torch.int64), 0)
-    return out
-
-
-def paged_kv_layout(
-    kv_lens: Sequence[int], page_size: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Host-side page table shape for ``kv_lens`` keys per request.
-
-    Returns ``(indptr, last_page_len, page_req, page_pos)``: ``indptr`` int32 ``[B + 1]``
-    (pages per request, summed), ``last_page_len`` int32 ``[B]`` (keys in each request's
-    last page, ``1..page_size``; 0 for a request without keys), and for each page of the
-    flat page list, its request ``page_req`` and the position of its first token
-    ``page_pos`` (int64 ``[num_pages]``).
-    """
-    kv = torch.tensor(list(kv_lens), dtype=torch.int64)
-    pages = (kv + page_size - 1) // page_size
-    indptr = indptr_from_lens(pages.tolist())
-    last = torch.where(kv > 0, (kv - 1) % page_size + 1, torch.zeros_like(kv)).to(torch.int32)
-    page_req = torch.repeat_interleave(torch.arange(len(kv), dtype=torch.int64), pages)
-    page_pos = (torch.arange(page_req.numel(), dtype=torch.int64) - indptr.long()[page_req]) * page_size
-    return indptr, last, page_req, page_pos
-
-
-@dataclass
-class PagedKV:
-    """FlashInfer's page table of a batch: ``indptr`` / ``last_page_len`` on the host, ``indices`` on
-    ``req_to_token``'s device (int32 page ids, ``slot // page_size``)."""
-
-    indptr: torch.Tensor
-    indices: torch.Tensor
-    last_page_len: torch.Tensor
-
-    @property
-    def num_pages(self) -> int:
-        return int(self.indptr[-1])
-
-
-def build_paged_kv(
-    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, kv_lens: Sequence[int], page_size: int
-) -> PagedKV:
-    """The page table of keys ``0 .. kv_lens[b] - 1`` of each request ``b``.
-
-    Page ``j`` of request ``b`` is ``req_to_token[req_pool_indices[b], j * page_size] // page_size``.
-    Positions come from the host lens; the row lookup and the gather run on
-    ``req_to_token``'s device, so ``req_pool_indices`` is never read back to the host.
-    """
-    indptr, last, page_req, page_pos = paged_kv_layout(kv_lens, page_size)
-    device = req_to_token.device
-    where = torch.stack([page_req, page_pos]).to(device)  # one host-to-device copy
-    rows = req_pool_indices.to(device=device, dtype=torch.int64)[where[0]]
-    slots = req_to_token[rows, where[1]]
-    return PagedKV(indptr, (slots // page_size).to(torch.int32), last)
-
-
-# ----------------------------------------------------------------------------- merge (documentation + fallback)
-
-
-def merge_states_base2(
-    v_a: torch.Tensor, lse_a: torch.Tensor, v_b: torch.Tensor, lse_b: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention over KV ``A ∪ B`` from the attention over each part: FlashInfer's ``merge_state``.
-
-    ``v_*``: ``[T, H, D]`` outputs, each normalised over its own keys; ``lse_*``: float
-    ``[T, H]`` log-sum-exp of the (scaled, soft-capped) scores in **base 2**, i.e.
-    ``log2(sum_j exp(s_j))``, as FlashInfer's kernels return it. With ``m = max(lse_a, lse_b)``,
-    ``w_x = 2 ** (lse_x - m)``: ``v = (w_a v_a + w_b v_b) / (w_a + w_b)``,
-    ``lse = m + log2(w_a + w_b)``. An empty part has ``lse = -inf`` and weighs nothing;
-    two empty parts give ``v = 0`` and ``lse = -inf`` (FlashInfer guards that case too).
-    Returns ``(v, lse)`` with ``v`` in ``v_a``'s dtype and ``lse`` float32.
-    """
-    a, b = lse_a.float(), lse_b.float()
-    m = torch.maximum(a, b)
-    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
-    w_a, w_b = torch.exp2(a - m), torch.exp2(b - m)
-    total = w_a + w_b
-    denom = torch.where(total > 0, total, torch.ones_like(total))
-    s_a = torch.where(total > 0, w_a / denom, torch.zeros_like(total))
-    s_b = torch.where(total > 0, w_b / denom, torch.zeros_like(total))
-    v = s_a[..., None] * v_a.float() + s_b[..., None] * v_b.float()
-    return v.to(v_a.dtype), torch.log2(total) + m
 
 
 # ----------------------------------------------------------------------------- metadata
@@ -301,112 +211,6 @@ class _GraphState:
     pages_per_row: int = 0
 
 
-def _sm(arch: str) -> int | None:
-    """``sm_90`` -> 90, ``sm_100`` -> 100; None when ``arch`` is not an NVIDIA SM name."""
-    found = re.fullmatch(r"sm_?(\d+)[a-z]?", (arch or "").strip().lower())
-    return int(found.group(1)) if found else None
-
-
-def _flashinfer_missing() -> str | None:
-    try:
-        spec = importlib.util.find_spec("flashinfer")
-    except (ImportError, ValueError) as exc:  # a broken or half-imported package
-        return f"flashinfer cannot be found: {type(exc).__name__}: {exc}"
-    if spec is None:
-        return "flashinfer is not installed (pip install flashinfer-python, or 'hal-attention[cuda]')"
-    return None
-
-
-def import_flashinfer():
-    """``import flashinfer``; a missing or broken install is a :class:`DeviceUnavailableError` saying why."""
-    missing = _flashinfer_missing()
-    if missing:
-        raise DeviceUnavailableError(missing)
-    try:
-        return importlib.import_module("flashinfer")
-    except Exception as exc:  # noqa: BLE001 - a version mismatch (RuntimeError), a missing .so (OSError)...
-        raise DeviceUnavailableError(
-            f"flashinfer failed to import: {type(exc).__name__}: {exc} "
-            f"(flashinfer-python {library_version('flashinfer-python') or '?'}; the flashinfer backend cannot run)"
-        ) from exc
-
-
-def _nvcc() -> str | None:
-    """The nvcc FlashInfer's JIT would run, if it exists (its lookup order, flashinfer/jit/cpp_ext.py)."""
-    if os.environ.get("FLASHINFER_NVCC"):
-        return shutil.which(os.environ["FLASHINFER_NVCC"])
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if not home:
-        found = shutil.which("nvcc")
-        if found:
-            return found
-        home = DEFAULT_CUDA_HOME
-    nvcc = os.path.join(home, "bin", "nvcc")
-    return nvcc if os.access(nvcc, os.X_OK) else None
-
-
-def _packaged_aot(version: str) -> bool:
-    """Whether the flashinfer package itself ships prebuilt kernels (the AOT wheels of 0.2.x: ``data/aot``
-    or ``_kernels*.so``), found without importing it."""
-    try:
-        spec = importlib.util.find_spec("flashinfer")
-    except (ImportError, ValueError):
-        return False
-    roots = list(spec.submodule_search_locations or []) if spec else []
-    for root in roots:
-        aot = os.path.join(root, "data", "aot")
-        if (os.path.isdir(aot) and os.listdir(aot)) or any(n.startswith("_kernels") for n in os.listdir(root)):
-            return True
-    return False
-
-
-def flashinfer_kernels() -> tuple[str, str | None]:
-    """Where FlashInfer's attention kernels would come from here: ``(state, None)`` or ``("none", reason)``.
-
-    flashinfer-python (0.3+) compiles each kernel with nvcc at its first ``plan``/``run`` unless a
-    prebuilt one is found: flashinfer-jit-cache (the JIT modules prebuilt, ``flashinfer/jit/env.py``
-    ``FLASHINFER_AOT_DIR``) or, for 0.2.x AOT wheels, kernels inside the package. flashinfer-cubin
-    holds downloaded cubins (TRT-LLM kernels), not the FA2 modules hal plans, so it does not count.
-    ``import flashinfer`` raises when flashinfer-jit-cache / flashinfer-cubin do not match its
-    version (unless ``FLASHINFER_DISABLE_VERSION_CHECK`` is set): reported here without importing it.
-    States: ``prebuilt: <what>``, ``jit: nvcc <path>``.
-    """
-    version = library_version("flashinfer-python")
-    if version is None or _flashinfer_missing():
-        return "none", _flashinfer_missing() or "flashinfer-python is not installed"
-    jit_cache, cubin = library_version("flashinfer-jit-cache"), library_version("flashinfer-cubin")
-    if not os.environ.get("FLASHINFER_DISABLE_VERSION_CHECK"):
-        for dist, found, ok in (
-            ("flashinfer-jit-cache", jit_cache, jit_cache is None or jit_cache.startswith(version)),
-            ("flashinfer-cubin", cubin, cubin is None or cubin == version),
-        ):
-            if not ok:
-                return "none", (
-                    f"{dist} {found} does not match flashinfer-python {version}: `import flashinfer` raises "
-                    f"(install the same version of both, or set FLASHINFER_DISABLE_VERSION_CHECK=1)"
-                )
-    if jit_cache:
-        return f"prebuilt: flashinfer-jit-cache {jit_cache}", None
-    if _packaged_aot(version):
-        return f"prebuilt: AOT kernels in flashinfer-python {version}", None
-    nvcc, ninja = _nvcc(), shutil.which("ninja")
-    if nvcc and ninja:
-        return f"jit: nvcc {nvcc}", None
-    missing = " and ".join(
-        what
-        for what, found in (
-            ("nvcc (set CUDA_HOME or CUDA_PATH, or put nvcc on PATH)", nvcc),
-            ("ninja (pip install ninja)", ninja),
-        )
-        if not found
-    )
-    return "none", (
-        f"flashinfer-python {version} has no prebuilt kernels (pip install flashinfer-jit-cache=={version} "
-        f"from flashinfer.ai's wheel index for this CUDA) and no JIT toolchain: no {missing}; "
-        "its first plan() would fail"
-    )
-
-
 def workspace_mb_option(workspace_mb: int | None) -> int:
     """The float workspace in MB: ``workspace_mb``, else ``HAL_FLASHINFER_WORKSPACE_MB``, else 384 (SGLang's)."""
     source, value = "workspace_mb", workspace_mb
@@ -494,7 +298,7 @@ class FlashInferBackend(AttentionBackend):
 
     # -- selection ---------------------------------------------------------------------
     @classmethod
-    def available(cls, capability: DeviceCapability) -> list[str]:
+    def unavailable_reasons(cls, capability: DeviceCapability) -> list[str]:
         reasons = []
         missing = _flashinfer_missing()
         if missing:
@@ -526,9 +330,9 @@ class FlashInferBackend(AttentionBackend):
         return notes
 
     @classmethod
-    def validate(cls, config, capability: DeviceCapability) -> list[str]:
+    def unsupported_reasons(cls, config, capability: DeviceCapability) -> list[str]:
         reasons = []
-        for reason in super().validate(config, capability):
+        for reason in super().unsupported_reasons(config, capability):
             if reason.startswith("dtype fp32"):
                 reason += ": FlashInfer compiles attention for fp16/bf16 (and fp8 KV) only, no fp32 kernels"
             elif reason.startswith("head_dim"):
@@ -547,7 +351,7 @@ class FlashInferBackend(AttentionBackend):
     def register_layers(self, layers: Iterable) -> None:
         """Make ``out_graph`` plan for these layers from the next step on."""
         for layer in layers:
-            self._check_layer(layer)
+            self.check_layer(layer)
             self.variants.setdefault(LayerVariant.of(layer), None)
 
     # -- FlashInfer objects ------------------------------------------------------------
@@ -804,7 +608,7 @@ class FlashInferBackend(AttentionBackend):
         """Nothing: FlashInfer's kernels read the buffers ``plan`` filled in ``out_graph``."""
 
     # -- forward -----------------------------------------------------------------------
-    def _check_layer(self, layer) -> None:
+    def check_layer(self, layer) -> None:
         expect(
             layer.v_head_dim == layer.head_dim,
             ConfigError,
@@ -813,26 +617,20 @@ class FlashInferBackend(AttentionBackend):
             f"== head_dim ({layer.head_dim}): the flashinfer backend has no MLA path",
         )
 
-    def _begin(self, q, k, v, layer, fb: ForwardBatch, save_kv_cache: bool):
-        """Checks (before anything is written), then the KV write, then the run inputs ``(meta, variant,
-        q, (k_cache, v_cache), k, v)``; ``k``/``v`` None (``save_kv_cache=False``) are read from the cache."""
-        self._check_layer(layer)
-        q, k, v = self.check_inputs(q, k, v, layer, fb, save_kv_cache)
-        meta = self.metadata_for(fb)
-        if save_kv_cache:
-            self.save_kv(layer, fb, k, v)  # the paged calls read the new tokens back
-        elif k is None:
-            k, v = self.new_kv_from_cache(layer, fb)
+    def _begin(self, q, layer, fb: ForwardBatch):
+        """The run inputs after the prologue (which wrote the KV: the paged calls read the new tokens
+        back): ``(meta, variant, q in the kernels' dtype, (k_cache, v_cache))``."""
+        meta = self.forward_metadata
         paged = paged_view(fb.token_to_kv_pool, layer.layer_id)
-        return meta, LayerVariant.of(layer), q.to(meta.dtype).contiguous(), paged, k, v
+        return meta, LayerVariant.of(layer), q.to(meta.dtype).contiguous(), paged
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        meta, variant, q_in, paged, _, _ = self._begin(q, k, v, layer, forward_batch, save_kv_cache)
+        meta, variant, q_in, paged = self._begin(q, layer, forward_batch)
         out = self._planned(meta, "decode", variant).run(q_in, paged)
         return out.reshape(q.shape[0], layer.tp_q_head_num * layer.v_head_dim).to(q.dtype)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        meta, variant, q_in, paged, k, v = self._begin(q, k, v, layer, forward_batch, save_kv_cache)
+        meta, variant, q_in, paged = self._begin(q, layer, forward_batch)
         kinds = self._kinds(meta, variant)
         if kinds == ["ragged", "prefix"]:
             k_in, v_in = (t.to(meta.dtype).contiguous() for t in (k, v))

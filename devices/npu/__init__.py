@@ -102,7 +102,7 @@ def _real_capability(module, index: int | None) -> DeviceCapability:
     if graph is None:
         version = getattr(module, "__version__", "?")
         reasons["graph"] = f"torch_npu {version} has no torch.npu.NPUGraph (graph capture needs torch_npu >= 2.1)"
-    target, why_not = triton_status("npu")
+    target, why_not = triton_status("npu", ("npu",), " (install triton-ascend)")
     if why_not:
         reasons["triton"] = why_not
     from hal.kernels.npu import load_atb
@@ -181,6 +181,7 @@ def npu_capability(index: int | None = None) -> DeviceCapability:
 class NpuDevice(Device):
     name = "npu"
     priority = 90
+    plugin_api = 2
 
     def probe(self, index: int | None = None) -> DeviceCapability:
         return npu_capability(index)

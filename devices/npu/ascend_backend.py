@@ -206,6 +206,7 @@ class AscendBackend(AttentionBackend):
     supports_logit_cap = False  # neither ATB PagedAttention nor FIA takes a soft cap
     supports_mla = False  # one head size for the K and V caches
     needs_cpu_seq_lens = True  # the ops take per-request lengths on the host
+    reads_new_kv = False  # every op reads the new tokens from the cache
     # The ops read token i at offset i % block_size of block i // block_size (block tables). An eager step
     # whose slots are laid out otherwise is re-laid out into a scratch cache (one host read, see _relayout);
     # a captured graph step trusts the layout, which SGLang's paged allocator and hal's guarantee.
@@ -227,7 +228,7 @@ class AscendBackend(AttentionBackend):
 
     # -- selection ---------------------------------------------------------------------
     @classmethod
-    def available(cls, capability: DeviceCapability) -> list[str]:
+    def unavailable_reasons(cls, capability: DeviceCapability) -> list[str]:
         if capability.type != "npu":
             return [f"the ascend backend runs on the npu device only, not {capability.type}"]
         if "atb" in capability.reasons:  # decode, splitfuse and the KV write are ATB ops
@@ -263,8 +264,8 @@ class AscendBackend(AttentionBackend):
         return ("_npu_paged_attention_splitfuse" if reasons else "npu_fused_infer_attention_score"), reasons
 
     @classmethod
-    def validate(cls, config: AttentionConfig, capability: DeviceCapability) -> list[str]:
-        reasons = super().validate(config, capability)
+    def unsupported_reasons(cls, config: AttentionConfig, capability: DeviceCapability) -> list[str]:
+        reasons = super().unsupported_reasons(config, capability)
         common = dict(
             head_dim=config.head_dim,
             v_head_dim=config.v_head_dim,
@@ -488,27 +489,32 @@ class AscendBackend(AttentionBackend):
                 task.event.record(stream)
 
     # -- forward -----------------------------------------------------------------------
-    def _prepare(self, q, k, v, layer: AttentionLayer, fb: ForwardBatch, save_kv_cache: bool):
-        """Checks, the KV write, and ``(meta, query [T, Hq, D] in the cache dtype, k_cache, v_cache)``.
-
-        Every op reads the new tokens from the cache, so ``k``/``v`` may be None without a write.
-        """
+    def check_layer(self, layer: AttentionLayer) -> None:
         if layer.logit_cap > 0:
             raise UnsupportedError(f"ascend: logit_cap = {layer.logit_cap}: the Ascend ops have no soft cap")
         if layer.v_head_dim != layer.head_dim:
             raise UnsupportedError(f"ascend: v_head_dim {layer.v_head_dim} != head_dim {layer.head_dim}")
-        q, k, v = self.check_inputs(q, k, v, layer, fb, save_kv_cache)
-        meta = self.metadata_for(fb)
+
+    def save_kv(self, layer: AttentionLayer, fb: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The NPU's cache write (``_npu_reshape_and_cache`` on the paged view); a captured graph's padding
+        requests all target the padding slot, so they are skipped (a negative slot)."""
+        k_cache, v_cache = paged_view(fb.token_to_kv_pool, layer.layer_id)
+        slots = fb.out_cache_loc
+        if self.forward_metadata.graph_static:
+            slots = torch.where(slots == 0, -1, slots)
+        npu_ops.write_kv(self.ops, k, v, k_cache, v_cache, slots)
+
+    def _prepare(self, q, layer: AttentionLayer, fb: ForwardBatch):
+        """After the prologue: ``(meta, query [T, Hq, D] in the cache dtype, k_cache, v_cache)``.
+
+        Every op reads the new tokens from the cache (``reads_new_kv = False``).
+        """
+        meta = self.forward_metadata
         pool = fb.token_to_kv_pool
         k_cache, v_cache = paged_view(pool, layer.layer_id)
-        if save_kv_cache:
-            slots = fb.out_cache_loc
-            if meta.graph_static:  # padding requests all target the padding slot: skip them (negative slot)
-                slots = torch.where(slots == 0, -1, slots)
-            npu_ops.write_kv(self.ops, k, v, k_cache, v_cache, slots)
         if meta.relayout is not None:  # read through a page-aligned copy of the batch's keys and values
-            k_cache = npu_ops.paged_view(pool.get_key_buffer(layer.layer_id)[meta.relayout], meta.page_size)
-            v_cache = npu_ops.paged_view(pool.get_value_buffer(layer.layer_id)[meta.relayout], meta.page_size)
+            k_cache = npu_ops.buffer_pages(pool.get_key_buffer(layer.layer_id)[meta.relayout], meta.page_size)
+            v_cache = npu_ops.buffer_pages(pool.get_value_buffer(layer.layer_id)[meta.relayout], meta.page_size)
         return meta, q.to(pool.dtype).contiguous(), k_cache, v_cache
 
     def _refuse_capture(self, op: str) -> None:
@@ -545,7 +551,7 @@ class AscendBackend(AttentionBackend):
         return out.reshape(out.shape[0], layer.tp_q_head_num * layer.v_head_dim).to(q.dtype)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        meta, query, k_cache, v_cache = self._prepare(q, k, v, layer, forward_batch, save_kv_cache)
+        meta, query, k_cache, v_cache = self._prepare(q, layer, forward_batch)
         if layer.sliding_window_size >= 0:  # _npu_paged_attention has no mask: splitfuse with a windowed one
             out = self._splitfuse(meta, query, k_cache, v_cache, layer, ("causal", layer.sliding_window_size))
         elif self._capturing():
@@ -571,7 +577,7 @@ class AscendBackend(AttentionBackend):
         mode = forward_batch.forward_mode
         if mode.is_mixed():  # reached when called directly (forward() sends MIXED to forward_mixed on an NPU)
             return self.forward_mixed(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
-        meta, query, k_cache, v_cache = self._prepare(q, k, v, layer, forward_batch, save_kv_cache)
+        meta, query, k_cache, v_cache = self._prepare(q, layer, forward_batch)
         window = layer.sliding_window_size
         if mode.is_target_verify():
             out = self._splitfuse(meta, query, k_cache, v_cache, layer, ("custom", window))
@@ -595,7 +601,7 @@ class AscendBackend(AttentionBackend):
 
     def forward_mixed(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         """Decodes and chunked prefills of a MIXED batch in one ``_npu_paged_attention_splitfuse`` call."""
-        meta, query, k_cache, v_cache = self._prepare(q, k, v, layer, forward_batch, save_kv_cache)
+        meta, query, k_cache, v_cache = self._prepare(q, layer, forward_batch)
         kind = "causal" if layer.causal else "full"
         out = self._splitfuse(meta, query, k_cache, v_cache, layer, (kind, layer.sliding_window_size))
         return self._output(out, q, layer)

@@ -23,6 +23,7 @@ import torch
 from hal.batch import ForwardBatch, ForwardMode, SpecInfo
 from hal.capability import DTYPE_NAMES, resolve_device
 from hal.config import AttentionConfig
+from hal.errors import ranges
 from hal.kernels import reference
 from hal.kernels.reference import tolerance
 from hal.kv_cache import MLAKVPool, PagedKVPool, ReqToTokenPool
@@ -436,18 +437,6 @@ def cases_for(backend_cls, cases) -> list[Case]:
 # ----------------------------------------------------------------------------- diagnostics
 
 
-def _ranges(values: list[int]) -> str:
-    values = sorted(set(values))
-    parts, i = [], 0
-    while i < len(values):
-        j = i
-        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
-            j += 1
-        parts.append(str(values[i]) if i == j else f"{values[i]}..{values[j]}")
-        i = j + 1
-    return ", ".join(parts)
-
-
 def _fmt(t: torch.Tensor, n: int = 4) -> str:
     vals = [f"{x:.4g}" for x in t.flatten()[:n].tolist()]
     return "[" + ", ".join(vals) + (", ...]" if t.numel() > n else "]")
@@ -508,7 +497,7 @@ def check_cache(
             if outside:
                 problems.append(
                     f"{name} cache of layer {lid}: {len(outside)} slot(s) outside out_cache_loc changed: "
-                    f"{_ranges(outside)[:200]} (only the batch's new tokens may be written; "
+                    f"{ranges(outside)[:200]} (only the batch's new tokens may be written; "
                     f"save_kv_cache=False writes nothing)"
                 )
     if not problems:
@@ -547,10 +536,10 @@ def check_output(built: Built, out: torch.Tensor, expected: torch.Tensor | None 
         f"(atol {tol['atol']}, rtol {tol['rtol']}); the KV cache was right",
         "  requests (prefix, new) -> query positions that differ: "
         + "; ".join(
-            f"request {r} {case.requests[r] if r < len(case.requests) else ''}: positions {_ranges(p)}"
+            f"request {r} {case.requests[r] if r < len(case.requests) else ''}: positions {ranges(p)}"
             for r, p in sorted(per_request.items())
         ),
-        f"  q heads that differ: {_ranges(bad_heads)} of {heads} (kv head of q head h: h // {layer.group_size})",
+        f"  q heads that differ: {ranges(bad_heads)} of {heads} (kv head of q head h: h // {layer.group_size})",
     ]
     for t, h in bad_th.nonzero().tolist()[:4]:
         r, pos = origin[t]

@@ -144,7 +144,7 @@ def run_fuzz(target, examples: int, seed: int = 0) -> int:
     )
     @given(case=cases(target.backend, target.capability))
     def property_(case):
-        reasons = target.backend.validate(case.config(), target.capability)
+        reasons = target.backend.unsupported_reasons(case.config(), target.capability)
         if reasons:
             from hypothesis import reject
 

@@ -19,9 +19,9 @@ CLAIMED_MODES = ("DECODE", "EXTEND", "MIXED", "DRAFT_EXTEND", "TARGET_VERIFY")
 
 
 def machine() -> dict:
-    from hal.capability import _cpu_name
+    from hal.capability import host_cpu_name
 
-    return {"hostname": socket.gethostname(), "platform": platform.platform(), "cpu": _cpu_name()}
+    return {"hostname": socket.gethostname(), "platform": platform.platform(), "cpu": host_cpu_name()}
 
 
 def versions() -> dict:

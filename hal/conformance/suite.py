@@ -37,7 +37,7 @@ from hal.kernels import reference
 
 
 def _backend_for(target, case: Case, graph: bool = False):
-    reasons = target.backend.validate(case.config(graph=graph), target.capability)
+    reasons = target.backend.unsupported_reasons(case.config(graph=graph), target.capability)
     if reasons:
         pytest.skip(f"{target.id} declares it cannot serve {case.id}: " + "; ".join(reasons))
     return target.create()
@@ -75,7 +75,7 @@ def _first_servable(target, mode: ForwardMode, prefix: bool = True) -> Case:
             continue
         if prefix and not all(p > 0 for p, _ in case.requests[:1]):
             continue
-        if not target.backend.validate(case.config(), target.capability):
+        if not target.backend.unsupported_reasons(case.config(), target.capability):
             return case
     pytest.skip(f"{target.id} declares it can serve no plain {mode.name} case")
 

@@ -59,4 +59,4 @@ def make_batch(validate: str | None, **fields) -> ForwardBatch:
 
 def make_graph(selection: Selection):
     """A fresh graph of the selected device (``torch.cuda.CUDAGraph``, ``NPUGraph``, the CPU's checked eager graph)."""
-    return get_registry().get(selection.device).make_graph(selection.capability)
+    return get_registry().get(selection.device_name).make_graph(selection.capability)

@@ -20,7 +20,7 @@ import torch
 
 from hal.allocator import PageAllocator
 from hal.batch import ForwardMode
-from hal.errors import KVCacheError
+from hal.errors import KVCacheError, ranges
 from hal.graph import GraphRunner
 
 from .core import make_batch, request_rows
@@ -273,21 +273,9 @@ class Engine:
             "steps": len(stats),
             "steps_by_mode": dict(Counter(s.mode for s in stats)),
             "graph_steps": sum(s.graph for s in stats),
-            "batch_sizes": _ranges(sorted({s.requests for s in stats})),
+            "batch_sizes": ranges({s.requests for s in stats}, sep="-"),
             "max_batch_size": max((s.requests for s in stats), default=0),
             "mean_batch_size": round(sum(s.requests for s in stats) / max(len(stats), 1), 2),
             "prefill_tokens_per_s": round(prefill_tokens / prefill_s, 1) if prefill_s else None,
             "decode_tokens_per_s": round(decode_only / decode_s, 1) if decode_s else None,
         }
-
-
-def _ranges(values: list[int]) -> str:
-    """``[1, 2, 3, 5]`` -> ``"1-3, 5"``."""
-    out, i = [], 0
-    while i < len(values):
-        j = i
-        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
-            j += 1
-        out.append(str(values[i]) if i == j else f"{values[i]}-{values[j]}")
-        i = j + 1
-    return ", ".join(out)

@@ -217,7 +217,7 @@ def _serve_rank(args, shape: ModelShape, rank: tp_mod.RankInfo) -> int:
     served = sorted(engine.finished, key=lambda r: r.rid)
     generated = sum(len(r.output) for r in served)
     report = {
-        "device": selection.device,
+        "device": selection.device_name,
         "torch_device": str(selection.capability.torch_device),
         "device_name": selection.capability.name,
         "emulated": selection.capability.emulated,

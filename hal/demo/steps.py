@@ -151,7 +151,7 @@ def run_steps(device: str | None = None, as_json: bool = False, decode_steps: in
             layers[:1],
             server.req_pool,
             server.kv_pool,
-            make_graph=lambda: get_registry().get(selection.device).make_graph(selection.capability),
+            make_graph=lambda: get_registry().get(selection.device_name).make_graph(selection.capability),
             capture_bs=(1, 2, 4),
             dtype=dtype,
         )
@@ -174,7 +174,7 @@ def run_steps(device: str | None = None, as_json: bool = False, decode_steps: in
 
     ok = all(s["ok"] for s in steps)
     result = {
-        "device": selection.device,
+        "device": selection.device_name,
         "backend": selection.backend,
         "emulated": selection.capability.emulated,
         "dtype": config.dtype_name,
@@ -188,7 +188,7 @@ def run_steps(device: str | None = None, as_json: bool = False, decode_steps: in
     else:
         emulated = " (emulated)" if selection.capability.emulated else ""
         print(
-            f"hal demo on {selection.device}{emulated}/{selection.backend}, {config.dtype_name}, "
+            f"hal demo on {selection.device_name}{emulated}/{selection.backend}, {config.dtype_name}, "
             f"{len(layers)} layers (16 q / 4 kv heads, dim 64, page 16, sliding window on odd layers)"
         )
         print(f"{'step':<20}{'mode':<15}{'reqs':>5}{'tokens':>8}{'ms':>10}{'max err':>11}")

@@ -272,8 +272,8 @@ class HalAttnBackend(_SGLangAttentionBackend):
         pool_device = self.token_to_kv_pool.device
         if not _same_device(cap.torch_device, pool_device):
             raise ConfigError(
-                f"hal chose device {self.selection.device!r} (tensors on {cap.torch_device}), but SGLang's KV pool "
-                f"is on {pool_device}: set HAL_DEVICE to the runner's device"
+                f"hal chose device {self.selection.device_name!r} (tensors on {cap.torch_device}), but SGLang's KV "
+                f"pool is on {pool_device}: set HAL_DEVICE to the runner's device"
             )
         self.hal_backend = self.selection.create(**options)
         self.device = cap.torch_device
@@ -285,7 +285,7 @@ class HalAttnBackend(_SGLangAttentionBackend):
         self._last: tuple[object, SGLangBatch] | None = None
 
     def __repr__(self) -> str:
-        return f"HalAttnBackend({self.selection.device}/{self.selection.backend})"
+        return f"HalAttnBackend({self.selection.device_name}/{self.selection.backend})"
 
     # -- what hal reads ----------------------------------------------------------------
     def hal_batch(self, forward_batch, graph_static: bool | None = None) -> SGLangBatch:

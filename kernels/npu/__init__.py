@@ -9,6 +9,7 @@ from .ops import (
     FIA_TND_HEAD_DIMS,
     OP_NAMES,
     block_tables,
+    buffer_pages,
     fia_causal_mask,
     is_emulation,
     load_atb,
@@ -16,7 +17,6 @@ from .ops import (
     paged_decode,
     paged_mixed,
     paged_prefill,
-    paged_view,
     resolve_ops,
     splitfuse_mask,
     splitfuse_mask_value,
@@ -36,10 +36,18 @@ __all__ = [
     "paged_decode",
     "paged_mixed",
     "paged_prefill",
-    "paged_view",
+    "buffer_pages",
     "resolve_ops",
     "splitfuse_mask",
     "splitfuse_mask_value",
     "unsupported_reasons",
     "write_kv",
 ]
+
+
+def __getattr__(name: str):
+    if name == "paged_view":  # deprecated (0.2.0): ops' __getattr__ warns and names buffer_pages
+        from . import ops
+
+        return ops.paged_view
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

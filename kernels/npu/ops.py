@@ -8,7 +8,7 @@ Host/device rules the wrappers enforce (they never move a device tensor to the h
 which would be a sync and break graph capture):
 
 * KV caches are ``[num_blocks, block_size, kv_heads, head_dim]`` (ND): hal's
-  ``[num_slots, kv_heads, head_dim]`` pool buffer viewed with :func:`paged_view`.
+  ``[num_slots, kv_heads, head_dim]`` pool buffer viewed with :func:`buffer_pages`.
 * ``block_table``: int32 ``[batch, max_blocks]`` on the device, passed through unchanged
   (hal's ``req_to_token`` is int32, so :func:`block_tables` keeps int32).
 * Per-request lengths: *host* values. The ATB ops (decode, mixed) take CPU int32 tensors;
@@ -45,7 +45,7 @@ __all__ = [
     "load_torch_npu",
     "resolve_ops",
     "is_emulation",
-    "paged_view",
+    "buffer_pages",
     "block_tables",
     "write_kv",
     "paged_decode",
@@ -195,11 +195,11 @@ def is_emulation(ops: object) -> bool:
 # ----------------------------------------------------------------------------- helpers
 
 
-def paged_view(buffer: torch.Tensor, page_size: int) -> torch.Tensor:
+def buffer_pages(buffer: torch.Tensor, page_size: int) -> torch.Tensor:
     """View a ``[num_slots, heads, dim]`` pool buffer as ``[num_pages, page_size, heads, dim]``."""
     if buffer.dim() != 3 or buffer.shape[0] % page_size or not buffer.is_contiguous():
         raise ValueError(
-            f"paged_view: buffer = {list(buffer.shape)} (contiguous={buffer.is_contiguous()}): expected a "
+            f"buffer_pages: buffer = {list(buffer.shape)} (contiguous={buffer.is_contiguous()}): expected a "
             f"contiguous [num_slots, heads, dim] buffer with num_slots a multiple of page_size = {page_size}"
         )
     return buffer.view(buffer.shape[0] // page_size, page_size, buffer.shape[1], buffer.shape[2])
@@ -623,3 +623,18 @@ def unsupported_reasons(
     # ``causal`` needs no reason: decode sees every key, FIA has sparse_mode 0, splitfuse a zero mask.
     del causal
     return reasons
+
+
+def __getattr__(name: str):
+    # ``paged_view`` (before 0.2.0) shared its name with hal.kv_cache.paged_view(pool, layer_id).
+    if name == "paged_view":
+        import warnings
+
+        warnings.warn(
+            "hal.kernels.npu.ops.paged_view is deprecated since hal 0.2.0 and goes in 0.3.0: use buffer_pages "
+            "(hal.kv_cache.paged_view(pool, layer_id) is the pool-level view; see CHANGELOG.md)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return buffer_pages
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -47,6 +47,8 @@ __all__ = [
     "paged_attention",
     "attention_mask",
     "write_kv",
+    "build_kv_indices",
+    "compute_positions",
     "batch_attention",
     "tolerance",
     "is_fp8",
@@ -224,6 +226,46 @@ def store(buffer: torch.Tensor, loc: torch.Tensor, values: torch.Tensor) -> None
         buffer.view(torch.uint8)[loc.long()] = values.view(torch.uint8)
     else:
         buffer[loc.long()] = values
+
+
+def build_kv_indices(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    kv_start: torch.Tensor | None,
+    kv_end: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+) -> None:
+    """``kv_indices[kv_indptr[b]:][: kv_end[b] - kv_start[b]] = req_to_token[req_pool_indices[b],
+    kv_start[b] : kv_end[b]]`` for each request ``b`` (``kv_start`` None means 0).
+
+    Graph-recordable (no host sync; every shape comes from the arguments); ``kv_indptr`` may be
+    longer than ``B + 1`` (a captured graph's buffer) and entries past the last request's stay.
+    """
+    width = req_to_token.shape[1]
+    pos = torch.arange(width, device=req_to_token.device)
+    start = torch.zeros_like(kv_end) if kv_start is None else kv_start
+    rows = req_to_token[req_pool_indices.long()]  # [B, width]
+    valid = (pos[None, :] >= start[:, None]) & (pos[None, :] < kv_end[:, None])
+    target = kv_indptr[: kv_end.numel(), None].long() + pos[None, :] - start[:, None]
+    dump = kv_indices.numel()  # invalid entries land in one extra element, dropped below
+    target = torch.where(valid, target, torch.full_like(target, dump))
+    out = torch.cat([kv_indices, kv_indices.new_zeros(1)])  # entries past kv_indptr[-1] stay as they were
+    out.scatter_(0, target.flatten(), rows.flatten().to(kv_indices.dtype))
+    kv_indices.copy_(out[:dump])
+
+
+def compute_positions(
+    extend_prefix_lens: torch.Tensor,
+    extend_seq_lens: torch.Tensor,
+    extend_start_loc: torch.Tensor,
+    positions: torch.Tensor,
+) -> None:
+    """``positions[extend_start_loc[b] + i] = extend_prefix_lens[b] + i`` for ``i < extend_seq_lens[b]``."""
+    tokens = torch.arange(positions.numel(), device=positions.device)
+    req = torch.searchsorted(extend_start_loc.long(), tokens, right=True) - 1
+    pos = extend_prefix_lens.long()[req] + tokens - extend_start_loc.long()[req]
+    positions.copy_(pos.to(positions.dtype))
 
 
 def batch_attention(

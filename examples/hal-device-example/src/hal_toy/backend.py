@@ -8,8 +8,9 @@ The metadata protocol (``docs/porting.md``, "The metadata protocol"):
 * ``init_forward_metadata_in_graph(fb)`` fills the device tensors of that metadata from the
   batch's device tensors only (recorded into a graph and replayed: no ``.item()``, no
   ``.tolist()``, no shape that depends on tensor values);
-* ``forward_*`` read ``self.metadata_for(fb)``, write the new tokens' K/V (unless
-  ``save_kv_cache=False``) and attend over the cache.
+* ``forward_*`` attend over the cache: the base class's prologue already checked the inputs,
+  looked the metadata up (``self.forward_metadata``) and wrote the new tokens' K/V (unless
+  ``save_kv_cache=False``), and it hands q, k, v over as ``[T, heads, dim]``.
 
 Every request is padded to ``W`` keys and ``Q`` queries; one mask carries padding,
 causality (or the verify mask), and the sliding window; outputs return to the ragged
@@ -40,12 +41,13 @@ class ToyMetadata:
 
 
 class ToyBackend(AttentionBackend):
-    # What it serves: validate() turns these into the reasons it cannot serve a config.
+    # What it serves: unsupported_reasons() turns these into the reasons it cannot serve a config.
     name = "toy"
     dtypes = frozenset({"fp32", "bf16"})  # strings: "fp32", "bf16", "fp16", "fp8"
     page_sizes = frozenset({16, 64})
     supports_mla = True  # v_head_dim != head_dim
     requires_page_aligned_slots = False  # slots are read one by one; pages need not be whole
+    reads_new_kv = False  # reads every key from the cache: k/v may stay None with save_kv_cache=False
     needs_cpu_seq_lens = True
 
     def __init__(self, capability, config=None, **options):
@@ -113,11 +115,8 @@ class ToyBackend(AttentionBackend):
         return self._attend(q, k, v, layer, forward_batch, save_kv_cache)
 
     def _attend(self, q, k, v, layer, fb, save_kv_cache: bool) -> torch.Tensor:
-        """q ``[T, Hq * D]`` or ``[T, Hq, D]``, k/v likewise (None with save_kv_cache=False) -> ``[T, Hq * Dv]``."""
-        q, k, v = self.check_inputs(q, k, v, layer, fb, save_kv_cache)  # shapes only, before anything is written
-        meta = self.metadata_for(fb)
-        if save_kv_cache:
-            self.save_kv(layer, fb, k, v)  # at out_cache_loc, before reading: the new tokens attend to themselves
+        """q ``[T, Hq, D]`` -> ``[T, Hq * Dv]``; the new tokens' K/V are in the cache already (the prologue)."""
+        meta = self.forward_metadata
         pool = fb.token_to_kv_pool
         k_buffer, v_buffer = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         group = layer.tp_q_head_num // layer.tp_k_head_num  # query head h reads KV head h // group

@@ -1,0 +1,219 @@
+"""``triton``: the attention backend over :mod:`hal.kernels.triton`, on any device with a Triton target.
+
+Shared by the devices that run Triton (it lives beside them, in no device's package, so no
+device package imports another): CUDA and ROCm compile the kernels; the CPU runs them under
+``TRITON_INTERPRET=1``, for correctness only. Metadata follows the contract: ``out_graph`` takes the host-side
+numbers (split count, longest extend) and allocates (or, under graph capture, slices
+the preallocated buffers); ``in_graph`` fills ``kv_indptr`` / ``kv_indices`` on the device
+with the helper ops, which are Triton kernels exactly when ``support_triton()`` and the
+device's Triton target allow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from hal.backend import AttentionBackend
+from hal.batch import ForwardBatch, device_lens, host_lens
+from hal.capability import DeviceCapability
+from hal.errors import GraphCaptureError
+from hal.kernels.triton.sizing import decode_splits
+
+__all__ = ["TritonBackend"]
+
+
+@dataclass
+class TritonMetadata:
+    """One step's metadata. ``B``: batch; every tensor on the device."""
+
+    num_kv_splits: int
+    max_extend_len: int
+    kv_indptr: torch.Tensor  # [B + 1]; decode: all keys, extend: the cached prefix
+    kv_indices: torch.Tensor  # pool slots, concatenated
+    kv_end: torch.Tensor | None = None  # int64 [B], keys per request in kv_indices
+    qo_indptr: torch.Tensor | None = None  # [B + 1], extend modes
+    custom_mask: torch.Tensor | None = None
+    windows: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # decode, per window
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+    dtypes = frozenset({"fp32", "bf16", "fp16"})
+    supports_mla = True
+    needs_cpu_seq_lens = True  # kv_indices is sized by seq_lens_sum outside graphs
+
+    def __init__(self, capability: DeviceCapability, config=None, **options):
+        super().__init__(capability, config, **options)
+        self.graph_max_bs: int | None = None
+        self.graph_buffers: dict[str, torch.Tensor] = {}
+        # decode's split count fills the device's compute units (None, e.g. the CPU interpreter: the legacy cap)
+        self.sm_count = capability.compute_units
+
+    @classmethod
+    def unavailable_reasons(cls, capability: DeviceCapability) -> list[str]:
+        if not capability.triton_target:
+            return [f"no Triton target: {capability.reasons.get('triton', 'unknown')}"]
+        return []
+
+    @classmethod
+    def notes(cls, capability: DeviceCapability) -> list[str]:
+        if capability.triton_interpreted:
+            return ["runs interpreted (TRITON_INTERPRET=1): for correctness only, orders of magnitude slow"]
+        return super().notes(capability)
+
+    def support_triton(self) -> bool:
+        return True
+
+    # -- metadata ----------------------------------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        self.graph_max_bs = max_bs
+        self.graph_buffers = {}  # sized on the first capture, when req_to_token's width is known
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1
+
+    def _buffer(self, graph: bool, name: str, size: int, dtype: torch.dtype, zeros: bool = False) -> torch.Tensor:
+        """For a graph's static batch, the first ``size`` elements of a fixed (zero-initialised) buffer;
+        otherwise a new tensor, zeroed when ``zeros``."""
+        if not graph:
+            return (torch.zeros if zeros else torch.empty)(size, dtype=dtype, device=self.device)
+        buf = self.graph_buffers.get(name)
+        if buf is None or buf.numel() < size:
+            raise GraphCaptureError(
+                f"graph buffer {name} holds {0 if buf is None else buf.numel()} < {size}: "
+                "call init_cuda_graph_state with the largest captured batch size first"
+            )
+        return buf[:size]
+
+    def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
+        self.check_batch(fb)
+        if fb.forward_mode.is_idle():  # forward() returns without attention: nothing to prepare
+            self.set_forward_metadata(None, fb)
+            return
+        bs, graph = fb.batch_size, self.is_graph_batch(fb, in_capture)
+        width = fb.req_to_token_pool.req_to_token.shape[1]
+        if graph and not self.graph_buffers and self.graph_max_bs is not None:
+            self.graph_buffers = {
+                "kv_indptr": torch.zeros(self.graph_max_bs + 1, dtype=torch.int32, device=self.device),
+                "kv_indices": torch.zeros(self.graph_max_bs * width, dtype=torch.int32, device=self.device),
+            }
+        kv_heads = self.config.tp_k_head_num if self.config is not None else 8
+        if graph:  # fixed at capture: every replay launches the same grid over buffers of the same size
+            splits = decode_splits(bs, kv_heads, width, self.sm_count) if fb.forward_mode.is_decode() else 1
+            keys = bs * width
+            max_extend = fb.out_cache_loc.shape[0] // bs
+        else:
+            lens = host_lens(fb)
+            if fb.forward_mode.is_decode():
+                keys = sum(lens.kv)
+                splits = decode_splits(bs, kv_heads, max(lens.kv, default=1), self.sm_count)
+            else:
+                keys, splits = sum(lens.prefix), 1
+            max_extend = max(lens.query, default=0)
+        meta = TritonMetadata(
+            num_kv_splits=splits,
+            max_extend_len=max_extend,
+            kv_indptr=self._buffer(graph, "kv_indptr", bs + 1, torch.int32, zeros=True),  # [0] stays 0
+            kv_indices=self._buffer(graph, "kv_indices", keys, torch.int32),
+        )
+        self.set_forward_metadata(meta, fb)
+
+    def init_forward_metadata_in_graph(self, fb: ForwardBatch) -> None:
+        mode = fb.forward_mode
+        if mode.is_idle():
+            return
+        meta = self.metadata_for(fb)
+        q_lens, kv_lens = device_lens(fb)
+        # decode reads every key from the cache; the extend kernel reads the new tokens from k/v
+        meta.kv_end = kv_lens if mode.is_decode() else kv_lens - q_lens
+        # kv_indptr[0] is 0 from its allocation: writing it here (kv_indptr[0] = 0) would be a host-to-device
+        # copy with a stream sync on CUDA, which graph capture refuses
+        torch.cumsum(meta.kv_end, 0, out=meta.kv_indptr[1:])
+        self.helper_ops.build_kv_indices(
+            fb.req_to_token_pool.req_to_token,
+            fb.req_pool_indices,
+            None,
+            meta.kv_end,
+            meta.kv_indptr,
+            meta.kv_indices,
+        )
+        if not mode.is_decode():
+            meta.qo_indptr = torch.zeros(fb.batch_size + 1, dtype=torch.int64, device=self.device)
+            torch.cumsum(q_lens, 0, out=meta.qo_indptr[1:])
+            meta.custom_mask = fb.spec_info.custom_mask if mode.is_target_verify() else None
+
+    def _window_indices(self, fb: ForwardBatch, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode ``(kv_indptr, kv_indices)`` keeping each request's last ``window + 1`` keys."""
+        meta = self.metadata_for(fb)
+        if window not in meta.windows:
+            start = (meta.kv_end - 1 - window).clamp(min=0)
+            indptr = torch.zeros_like(meta.kv_indptr)
+            torch.cumsum(meta.kv_end - start, 0, out=indptr[1:])
+            indices = torch.empty_like(meta.kv_indices)
+            self.helper_ops.build_kv_indices(
+                fb.req_to_token_pool.req_to_token, fb.req_pool_indices, start, meta.kv_end, indptr, indices
+            )
+            meta.windows[window] = (indptr, indices)
+        return meta.windows[window]
+
+    # -- forward -----------------------------------------------------------------------
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        from hal.kernels import triton as kernels
+
+        meta = self.forward_metadata
+        kv_indptr, kv_indices = meta.kv_indptr, meta.kv_indices
+        if layer.sliding_window_size >= 0:
+            kv_indptr, kv_indices = self._window_indices(forward_batch, layer.sliding_window_size)
+        bs, heads = q.shape[0], layer.tp_q_head_num
+        splits = meta.num_kv_splits
+        out = q.new_empty(bs, heads, layer.v_head_dim)
+        partial_out = torch.empty(bs, heads, splits, layer.v_head_dim, dtype=torch.float32, device=q.device)
+        partial_lse = torch.empty(bs, heads, splits, dtype=torch.float32, device=q.device)
+        pool = forward_batch.token_to_kv_pool
+        k_buffer, v_buffer = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+        kernels.decode_attention(
+            q,
+            k_buffer,
+            v_buffer,
+            out,
+            kv_indptr,
+            kv_indices,
+            scale=layer.scaling,
+            logit_cap=layer.logit_cap,
+            num_kv_splits=splits,
+            partial_out=partial_out,
+            partial_lse=partial_lse,
+        )
+        return out.view(bs, heads * layer.v_head_dim)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        from hal.kernels import triton as kernels
+
+        meta = self.forward_metadata  # the kernel reads the new tokens from k/v (read back by the prologue)
+        out = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
+        pool = forward_batch.token_to_kv_pool
+        k_buffer, v_buffer = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+        kernels.extend_attention(
+            q,
+            k,
+            v,
+            out,
+            k_buffer,
+            v_buffer,
+            meta.qo_indptr,
+            meta.kv_indptr,
+            meta.kv_indices,
+            scale=layer.scaling,
+            max_extend_len=meta.max_extend_len,
+            causal=layer.causal,
+            sliding_window=layer.sliding_window_size,
+            logit_cap=layer.logit_cap,
+            custom_mask=meta.custom_mask,
+            arch=self.capability.arch,
+        )
+        return out.view(q.shape[0], -1)
+
+    def forward_mixed(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)

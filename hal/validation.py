@@ -1,0 +1,271 @@
+"""Validation of a forward batch (any object with SGLang's field names) at a level.
+
+Validation is a level (:func:`validation_level`): ``off`` trusts the caller; ``cheap``
+(the default) checks what shapes, dtypes, devices and the host mirrors (``*_cpu``) tell,
+with no device-to-host read and nothing proportional to context length; ``full`` also
+reads the device tensors and checks every slot (conformance, ``hal check``, ``--check``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from hal.errors import ConfigError, InvalidBatchError, describe, expect
+from hal.kv_cache import INDEX_DTYPES, KVPool, ReqToTokenTable, pool_geometry
+from hal.modes import BatchLens, ForwardMode, _host
+
+__all__ = ["VALIDATION_LEVELS", "validation_level", "validate_batch"]
+
+VALIDATION_LEVELS = ("off", "cheap", "full")
+
+
+def validation_level(level: str | None = None) -> str:
+    """``level``, else ``HAL_VALIDATE``, else ``cheap``; ``ConfigError`` for anything but off/cheap/full."""
+    source = "validate"
+    if level is None:
+        level, source = os.environ.get("HAL_VALIDATE", "").strip() or "cheap", "HAL_VALIDATE"
+    expect(level in VALIDATION_LEVELS, ConfigError, source, level, f"one of {VALIDATION_LEVELS}")
+    return level
+
+
+def _index_tensor(fb, name: str, length: int | None, device: torch.device) -> torch.Tensor:
+    tensor = getattr(fb, name, None)
+    expect(
+        isinstance(tensor, torch.Tensor) and tensor.dim() == 1 and tensor.dtype in INDEX_DTYPES,
+        InvalidBatchError,
+        name,
+        describe(tensor),
+        "a 1-D int32/int64 tensor",
+    )
+    expect(tensor.device == device, InvalidBatchError, f"{name}.device", tensor.device, f"{device} (req_to_token's)")
+    if length is not None:
+        expect(tensor.numel() == length, InvalidBatchError, f"len({name})", tensor.numel(), str(length))
+    return tensor
+
+
+def validate_batch(fb, level: str | None = None, *, page_aligned: bool = False) -> BatchLens | None:
+    """Check any batch with SGLang's field names at ``level`` (see the module docstring).
+
+    ``page_aligned``: also require token ``i`` of a request at offset ``i % page_size`` of
+    its page (``full`` only: only some backends need it). Returns the host lengths when
+    the mirrors gave them (or ``full`` read them), else None. Raises ``InvalidBatchError``
+    naming the field, what it held and what was expected.
+    """
+    level = validation_level(level)
+    if level == "off":
+        return None
+    full = level == "full"
+    mode = fb.forward_mode
+    expect(
+        getattr(mode, "name", None) in ForwardMode.__members__ and hasattr(mode, "is_decode"),
+        InvalidBatchError,
+        "forward_mode",
+        mode,
+        f"one of {list(ForwardMode.__members__)} (hal's or SGLang's ForwardMode)",
+    )
+    rt_pool, kv_pool = fb.req_to_token_pool, fb.token_to_kv_pool
+    expect(
+        isinstance(rt_pool, ReqToTokenTable) and isinstance(rt_pool.req_to_token, torch.Tensor),
+        InvalidBatchError,
+        "req_to_token_pool",
+        type(rt_pool).__name__,
+        "a request table with a req_to_token tensor (hal.ReqToTokenPool, SGLang's ReqToTokenPool)",
+    )
+    expect(
+        isinstance(kv_pool, KVPool),
+        InvalidBatchError,
+        "token_to_kv_pool",
+        type(kv_pool).__name__,
+        "a KV pool with get_key_buffer / get_value_buffer / set_kv_buffer, page_size and dtype",
+    )
+    table = rt_pool.req_to_token
+    device, (rows, max_context) = table.device, table.shape
+    bs = fb.batch_size
+    expect(isinstance(bs, int) and bs >= 0, InvalidBatchError, "batch_size", bs, "an int >= 0")
+    expect(bs > 0 or mode.is_idle(), InvalidBatchError, "batch_size", bs, f"> 0 in {mode.name} mode")
+    req_idx = _index_tensor(fb, "req_pool_indices", bs, device)
+    seq_lens = _index_tensor(fb, "seq_lens", bs, device)
+    loc = _index_tensor(fb, "out_cache_loc", None, device)
+    seq = _host(getattr(fb, "seq_lens_cpu", None))
+    if full:
+        seq = _mirror(seq, seq_lens, "seq_lens_cpu")
+    if seq is not None:
+        expect(len(seq) == bs, InvalidBatchError, "len(seq_lens_cpu)", len(seq), str(bs))
+        seq_sum = getattr(fb, "seq_lens_sum", None)
+        if seq_sum is not None:
+            expect(seq_sum == sum(seq), InvalidBatchError, "seq_lens_sum", seq_sum, f"sum(seq_lens) = {sum(seq)}")
+        min_len = 0 if mode.is_target_verify() else 1
+        bad = [n for n in seq if n < min_len]
+        expect(not bad, InvalidBatchError, "seq_lens", bad, f"every length >= {min_len} in {mode.name} mode")
+
+    lens: BatchLens | None = None
+    if mode.is_idle():
+        expect(loc.numel() == 0, InvalidBatchError, "len(out_cache_loc)", loc.numel(), "0: an IDLE batch has no tokens")
+        lens = BatchLens([0] * bs, [0] * bs)
+    elif mode.is_decode():
+        expect(loc.numel() == bs, InvalidBatchError, "len(out_cache_loc)", loc.numel(), f"{bs}: one token a request")
+        lens = None if seq is None else BatchLens([n - 1 for n in seq], [1] * bs)
+    elif mode.is_target_verify():
+        lens = _validate_verify(fb, bs, seq, loc, device, full)
+    else:
+        lens = _validate_extend(fb, bs, seq, loc, device, full)
+    positions = getattr(fb, "positions", None)
+    if positions is not None:
+        _index_tensor(fb, "positions", loc.numel(), device)
+    if lens is not None:
+        too_long = [n for n in lens.kv if n > max_context]
+        expect(not too_long, InvalidBatchError, "sequence length", too_long, f"<= max_context_len ({max_context})")
+        expect(
+            loc.numel() == lens.num_tokens,
+            InvalidBatchError,
+            "len(out_cache_loc)",
+            loc.numel(),
+            f"{lens.num_tokens}: one slot per query token",
+        )
+    if full and bs:
+        bad = [i for i in req_idx.tolist() if not 0 <= i < rows]
+        expect(not bad, InvalidBatchError, "req_pool_indices", bad, f"rows in [0, {rows})")
+        _check_slots(fb, lens, req_idx, loc, kv_pool, page_aligned)
+    return lens
+
+
+def _mirror(given: list[int] | None, tensor: torch.Tensor, name: str) -> list[int]:
+    """``full`` mode: the device tensor's values, which a given host mirror must equal."""
+    values = tensor.tolist()
+    if given is not None:
+        expect(given == values, InvalidBatchError, name, given, f"{values} (the device tensor)")
+    return values
+
+
+def _validate_verify(fb, bs, seq, loc, device, full) -> BatchLens | None:
+    spec = getattr(fb, "spec_info", None)
+    draft = getattr(spec, "draft_token_num", None)
+    expect(isinstance(draft, int) and draft >= 1, InvalidBatchError, "spec_info.draft_token_num", draft, "an int >= 1")
+    expect(
+        loc.numel() == bs * draft,
+        InvalidBatchError,
+        "len(out_cache_loc)",
+        loc.numel(),
+        f"batch_size * draft_token_num = {bs * draft}",
+    )
+    mask = getattr(spec, "custom_mask", None)
+    expect(
+        isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 1,
+        InvalidBatchError,
+        "spec_info.custom_mask",
+        describe(mask),
+        "a flat bool tensor",
+    )
+    expect(mask.device == device, InvalidBatchError, "spec_info.custom_mask.device", mask.device, str(device))
+    if seq is None:
+        return None
+    needed = sum(draft * (n + draft) for n in seq)
+    expect(
+        mask.numel() >= needed,
+        InvalidBatchError,
+        "spec_info.custom_mask",
+        f"{mask.numel()} elements",
+        f"at least sum(draft * (seq_len + draft)) = {needed}",
+    )
+    return BatchLens(list(seq), [draft] * bs)
+
+
+def _validate_extend(fb, bs, seq, loc, device, full) -> BatchLens | None:
+    extend_t = _index_tensor(fb, "extend_seq_lens", bs, device)
+    prefix_t = _index_tensor(fb, "extend_prefix_lens", bs, device)
+    start = getattr(fb, "extend_start_loc", None)
+    if start is not None:
+        _index_tensor(fb, "extend_start_loc", bs, device)
+    extend = _host(getattr(fb, "extend_seq_lens_cpu", None))
+    prefix = _host(getattr(fb, "extend_prefix_lens_cpu", None))
+    if full:
+        extend = _mirror(extend, extend_t, "extend_seq_lens_cpu")
+        prefix = _mirror(prefix, prefix_t, "extend_prefix_lens_cpu")
+    num = getattr(fb, "extend_num_tokens", None)
+    if num is not None:
+        expect(num == loc.numel(), InvalidBatchError, "extend_num_tokens", num, f"len(out_cache_loc) = {loc.numel()}")
+    if extend is None or prefix is None:
+        return None
+    expect(
+        len(extend) == len(prefix) == bs,
+        InvalidBatchError,
+        "len(extend_seq_lens_cpu), len(extend_prefix_lens_cpu)",
+        (len(extend), len(prefix)),
+        f"{bs} each",
+    )
+    seq = seq if seq is not None else [p + e for p, e in zip(prefix, extend)]
+    bad = [i for i, (p, e, n) in enumerate(zip(prefix, extend, seq)) if p < 0 or e < 1 or p + e != n]
+    expect(
+        not bad,
+        InvalidBatchError,
+        "extend_prefix_lens + extend_seq_lens",
+        [(prefix[i], extend[i]) for i in bad],
+        f"prefix >= 0, extend >= 1, prefix + extend == seq_lens {[seq[i] for i in bad]}",
+    )
+    if full and start is not None:
+        starts = [sum(extend[:i]) for i in range(bs)]
+        _mirror(starts, start, "extend_start_loc")
+    return BatchLens(prefix, extend)
+
+
+def _check_slots(fb, lens, req_idx, loc, kv_pool, page_aligned) -> None:
+    """``full`` mode: every slot a request reads is in the pool past the padding page; the query
+    tokens' slots are ``out_cache_loc``, no two alike; with ``page_aligned``, token ``i`` of a
+    request sits at offset ``i % page_size`` of its page. Graph-padding requests (every query
+    token writing the padding slot 0) are skipped."""
+    page_size = kv_pool.page_size
+    num_slots = pool_geometry(kv_pool, getattr(kv_pool, "start_layer", 0))[0]
+    padding = getattr(kv_pool, "padding_slot", 0)
+    loc_list = loc.tolist()
+    starts = [sum(lens.query[:i]) for i in range(len(lens.query))]
+    real = [
+        r for r, (s, n) in enumerate(zip(starts, lens.query)) if n and any(x != padding for x in loc_list[s : s + n])
+    ]
+    if not real:
+        return
+    kv_lens = [lens.kv[r] for r in real]
+    width = max(kv_lens)
+    table = fb.req_to_token_pool.req_to_token
+    rows = table[req_idx.long()[real], :width].long()
+    pos = torch.arange(width, device=table.device)
+    used = pos[None, :] < torch.tensor(kv_lens, device=table.device)[:, None]
+    slots = rows[used]
+    if slots.numel():
+        lo, hi = int(slots.min()), int(slots.max())
+        expect(
+            lo >= page_size and hi < num_slots,
+            InvalidBatchError,
+            "req_to_token slots of the batch",
+            (lo, hi),
+            f"in [{page_size}, {num_slots}): page 0 takes graph padding writes and holds no request's tokens",
+        )
+    if page_aligned and page_size > 1:
+        page_start = rows[:, (pos - pos % page_size)]  # the slot of each token's page-mate at offset 0
+        misplaced = used & (rows != page_start + pos % page_size)
+        if bool(misplaced.any()):
+            r, i = (int(x) for x in misplaced.nonzero()[0])
+            expect(
+                False,
+                InvalidBatchError,
+                f"req_to_token[{int(req_idx[real[r]])}, {i}]",
+                int(rows[r, i]),
+                f"slot {int(page_start[r, i]) + i % page_size}: this backend reads whole pages, so token i of a "
+                f"request must sit at offset i % page_size ({page_size}) of its page",
+            )
+    for j, r in enumerate(real):
+        s, n, p = starts[r], lens.query[r], lens.prefix[r]
+        want = rows[j, p : p + n].tolist()
+        expect(
+            want == loc_list[s : s + n],
+            InvalidBatchError,
+            f"out_cache_loc of request {r}",
+            loc_list[s : s + n],
+            f"the slots req_to_token holds for its query tokens: {want}",
+        )
+    written = [x for x in loc_list if x != padding]
+    if len(set(written)) != len(written):
+        seen: set[int] = set()
+        dup = sorted({x for x in written if x in seen or seen.add(x)})
+        expect(False, InvalidBatchError, "out_cache_loc", f"slots {dup} written twice", "distinct slots")

@@ -1,0 +1,102 @@
+"""Every name renamed or moved in 0.2.0 still works for one minor release, and warns naming its replacement."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+import hal
+from hal.backend import AttentionBackend
+from hal.config import AttentionConfig
+from hal.devices.cpu import CompiledBackend, PlainTorchBackend, cpu_capability
+from hal.errors import ConfigError, KVCacheError
+from hal.kv_cache import PagedKVPool
+
+CAP = cpu_capability()
+
+
+@pytest.mark.parametrize(
+    ("module", "old", "new"),
+    [
+        ("hal.capability", "cpu_capability", "hal.devices.cpu.capability.cpu_capability"),
+        ("hal.devices.cpu", "TorchBackend", "hal.devices.cpu.compiled_backend.CompiledBackend"),
+        ("hal.devices.cpu.torch_backend", "TorchBackend", "PlainTorchBackend"),
+        ("hal.devices.cuda.triton_backend", "TritonBackend", "hal.devices.triton_backend.TritonBackend"),
+        ("hal.ops", "TORCH_OPS", "hal.kernels.reference"),
+        ("hal.ops", "TRITON_OPS", "hal.kernels.triton"),
+        ("hal.kernels.npu.ops", "paged_view", "buffer_pages"),
+        ("hal.kernels.npu", "paged_view", "buffer_pages"),
+    ],
+)
+def test_moved_names_resolve_with_a_warning_naming_the_new_home(module, old, new):
+    with pytest.warns(DeprecationWarning, match=new.replace(".", r"\.")):
+        value = getattr(importlib.import_module(module), old)
+    assert value is not None
+    with pytest.raises(AttributeError):
+        getattr(importlib.import_module(module), old + "_no_such_name")
+
+
+def test_cpu_torch_backend_names_say_which_path():
+    with pytest.warns(DeprecationWarning):
+        from hal.devices.cpu import TorchBackend
+    assert TorchBackend is CompiledBackend and issubclass(CompiledBackend, PlainTorchBackend)
+    assert CompiledBackend.name == PlainTorchBackend.name == "torch"
+
+
+def test_old_config_keywords_map_to_the_new_ones():
+    with pytest.warns(DeprecationWarning, match=r"tp_q_head_num"):
+        old = AttentionConfig(num_q_heads=16, num_kv_heads=4, sliding_window=7, head_dim=64)
+    assert old == AttentionConfig(tp_q_head_num=16, tp_k_head_num=4, sliding_window_size=7, head_dim=64)
+    with pytest.warns(DeprecationWarning, match=r"AttentionConfig\.tp_k_head_num"):
+        assert old.num_kv_heads == 4
+    with pytest.raises(ConfigError, match="only tp_q_head_num"):
+        AttentionConfig(num_q_heads=16, tp_q_head_num=16)
+
+
+def test_old_pool_keywords_map_to_the_new_ones():
+    with pytest.warns(DeprecationWarning, match=r"PagedKVPool\(layer_num=\.\.\.\)"):
+        pool = PagedKVPool(num_pages=4, page_size=2, num_layers=3, kv_heads=2, head_dim=8)
+    assert (pool.layer_num, pool.head_num) == (3, 2)
+    assert pool.get_key_buffer(2).shape == (10, 2, 8)
+    with pytest.warns(DeprecationWarning, match=r"PagedKVPool\.head_num"):
+        assert pool.kv_heads == 2
+    with pytest.raises(KVCacheError, match="only layer_num"):
+        PagedKVPool(num_pages=4, page_size=2, num_layers=3, layer_num=3, head_num=2, head_dim=8)
+
+
+def test_selection_device_is_device_name():
+    sel = hal.select(AttentionConfig(dtype=torch.float32), device="cpu")
+    with pytest.warns(DeprecationWarning, match="Selection.device_name"):
+        assert sel.device == sel.device_name == "cpu"
+
+
+def test_old_reason_names_on_a_new_backend_warn_and_agree():
+    config = AttentionConfig(dtype=torch.float16)
+    with pytest.warns(DeprecationWarning, match="unsupported_reasons"):
+        old = CompiledBackend.validate(config, CAP)
+    assert old == CompiledBackend.unsupported_reasons(config, CAP) != []
+    with pytest.warns(DeprecationWarning, match="unavailable_reasons"):
+        assert CompiledBackend.available(CAP) == CompiledBackend.unavailable_reasons(CAP) == []
+
+
+class OldNames(PlainTorchBackend):
+    """A plugin API 1 backend: overrides the old names only, and calls super() on them."""
+
+    @classmethod
+    def available(cls, capability):
+        return ["the card is asleep"] + super().available(capability)
+
+    @classmethod
+    def validate(cls, config, capability):
+        return super().validate(config, capability) + (["no windows"] if config.sliding_window_size >= 0 else [])
+
+
+def test_a_backend_overriding_only_the_old_names_is_honoured():
+    with pytest.warns(DeprecationWarning):
+        assert OldNames.unavailable_reasons(CAP) == ["the card is asleep"]
+    with pytest.warns(DeprecationWarning):
+        reasons = OldNames.unsupported_reasons(AttentionConfig(dtype=torch.float32, sliding_window_size=4), CAP)
+    assert reasons == ["the card is asleep", "no windows"]  # base checks pass; both overrides counted once
+    assert AttentionBackend.unsupported_reasons.__func__ is not OldNames.validate.__func__

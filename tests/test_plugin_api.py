@@ -1,0 +1,126 @@
+"""Plugin API versions: a plugin written for hal 0.1 (API 1) runs and passes ``hal check`` through the
+deprecated names; one declaring an API this hal does not implement is refused with the reason.
+
+The plugins are installed as a third party would: an entry point in a ``*.dist-info`` on the path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hal.errors import PluginError
+from hal.registry import PLUGIN_API, Device, get_registry, register_device, unregister_device
+
+PLUGINS = Path(__file__).parent / "legacy_plugins"
+
+
+def _install(tmp_path: Path, module: str, device: str) -> Path:
+    shutil.copy(PLUGINS / f"{module}.py", tmp_path / f"{module}.py")
+    dist = tmp_path / f"{module}-0.1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 0.1.0\n")
+    (dist / "entry_points.txt").write_text(f"[hal.devices]\n{device} = {module}:device\n")
+    return tmp_path
+
+
+def _hal(path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(path), "PYTHONWARNINGS": "always::DeprecationWarning"}
+    return subprocess.run(
+        [sys.executable, "-m", "hal.cli", *args], capture_output=True, text=True, env=env, timeout=1200
+    )
+
+
+def test_an_api_1_plugin_passes_hal_check_through_the_deprecated_names(tmp_path):
+    path = _install(tmp_path, "hal_legacy_toy", "legacytoy")
+    run = _hal(path, "check", "--device", "legacytoy", "-v")
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-4000:]
+    assert "legacy" in run.stdout and "passed" in run.stdout, run.stdout[-2000:]
+    # the suite's warnings summary (stdout) and the loader's warning (stderr) name every replacement
+    for replacement in ("unavailable_reasons", "unsupported_reasons", "tp_k_head_num", "declares no plugin API"):
+        assert replacement in out, f"no DeprecationWarning naming {replacement}:\n{out[-4000:]}"
+
+
+def test_an_api_1_backend_answers_through_its_old_overrides(monkeypatch):
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    import torch
+    from hal_legacy_toy import LegacyBackend, device
+
+    from hal.config import AttentionConfig
+
+    cap = device.probe()
+    with pytest.warns(DeprecationWarning, match="unsupported_reasons"):
+        assert LegacyBackend.unsupported_reasons(AttentionConfig(dtype=torch.float32), cap) == []
+    with pytest.warns(DeprecationWarning):
+        reasons = LegacyBackend.unsupported_reasons(
+            AttentionConfig(dtype=torch.float32, tp_k_head_num=128, tp_q_head_num=128), cap
+        )
+    assert reasons == ["128 kv heads: at most 64"]
+    absent = type(cap)(type="legacytoy", available=False)
+    with pytest.warns(DeprecationWarning, match="unavailable_reasons"):
+        assert LegacyBackend.unavailable_reasons(absent) == ["no legacy card"]
+
+
+def test_a_plugin_for_another_api_is_refused_by_hal_info_with_the_reason(tmp_path):
+    path = _install(tmp_path, "hal_future_toy", "futuretoy")
+    info = _hal(path, "info", "--json")
+    assert info.returncode == 0, info.stderr[-2000:]
+    entry = next(d for d in json.loads(info.stdout)["devices"] if d["name"] == "futuretoy")
+    reason = entry["reasons"]["plugin"]
+    assert "plugin API 3" in reason and "CHANGELOG.md" in reason and entry["available"] is False
+    check = _hal(path, "check", "--device", "futuretoy")
+    assert check.returncode != 0
+    assert "plugin API 3" in check.stdout + check.stderr and "Traceback" not in check.stderr
+
+
+class _Declares(Device):
+    name = "declares"
+
+    def probe(self, index=None):
+        raise AssertionError("not probed")
+
+    def backends(self):
+        return []
+
+
+@pytest.mark.parametrize("api", [0, 3, "2", True])
+def test_register_device_refuses_an_api_it_does_not_implement(api):
+    device = _Declares()
+    device.plugin_api = api
+    with pytest.raises(PluginError, match=r"plugin API .* CHANGELOG\.md"):
+        register_device(device)
+    assert "declares" not in get_registry().devices
+
+
+def test_the_current_api_registers_without_a_warning(recwarn):
+    device = _Declares()
+    device.plugin_api = PLUGIN_API
+    register_device(device)
+    try:
+        assert get_registry().devices["declares"] is device
+        assert not [w for w in recwarn if issubclass(w.category, DeprecationWarning)]
+    finally:
+        unregister_device("declares")
+
+
+def test_a_backend_missing_a_required_member_is_a_plugin_error_reason():
+    from hal.backend import AttentionBackend
+    from hal.registry import device_backends
+
+    class Half(AttentionBackend):
+        name = "half"
+
+        def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+            return q
+
+    device = _Declares()
+    device.backends = lambda: [Half]
+    classes, error = device_backends(device)
+    assert classes == [] and "does not implement forward_extend" in error and "CHANGELOG.md" in error
