@@ -221,8 +221,10 @@ class TritonBackend(AttentionBackend):
         pool = forward_batch.token_to_kv_pool
         k_buffer, v_buffer = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         k_scale, v_scale = kv_scales(layer)
-        # an fp8 pool: the new tokens as stored, read at their slots; MLA without v: the key's latent
-        new_kv_loc = forward_batch.out_cache_loc if is_fp8(k_buffer.dtype) else None
+        # the new tokens read at their slots, as stored, from an fp8 pool or when the engine wrote them
+        # (save_kv_cache=False: the cache, not k/v, is what they are); MLA without v: the key's latent
+        from_pool = is_fp8(k_buffer.dtype) or not save_kv_cache
+        new_kv_loc = forward_batch.out_cache_loc if from_pool else None
         if v is None and k is not None:
             v = k[..., : layer.v_head_dim]
         kernels.extend_attention(
