@@ -1,13 +1,14 @@
 """Paged decode attention with split-KV (flash-decoding), one query token per request.
 
-Stage 1 (grid ``(batch, kv_heads, num_kv_splits)``): one program takes all query heads
-that share one KV head (the GQA group, padded to a tile of at least 16 rows so that
+Stage 1 (grid ``(batch, kv_heads * head_blocks, num_kv_splits)``): one program takes a
+block of ``BLOCK_H`` query heads that share one KV head (the GQA group, cut into
+``head_blocks`` blocks of at most ``BLOCK_H`` rows, padded to at least 16 so that
 ``tl.dot`` maps onto tensor cores) and one contiguous share of the request's KV tokens.
-Each KV tile is therefore read once per group rather than once per query head. It
+Each KV tile is therefore read once per head block rather than once per query head. It
 writes the share's normalised partial output and its natural-log LSE.
 
-Stage 2 (grid ``(batch, q_heads)``): merges the splits of one (request, head) in one
-vectorised step, weighting each split by ``exp(lse_s - max lse)``.
+Stage 2 (grid ``(batch, q_heads)``): merges the splits of one (request, head), weighting
+each split by ``exp(lse_s - max lse)``, one split's row at a time.
 """
 
 from __future__ import annotations
@@ -16,13 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRETING, check_float, dot, dot_config, soft_cap
+from ._common import INTERPRETING, check_float, dot, dot_config, sizing_dtype, soft_cap
+from .sizing import decode_blocks
 
 __all__ = ["decode_attention"]
-
-# Tokens per stage-1 tile. 32 keeps the [16 x D] @ [D x 32] dots and the gathered K/V
-# tiles in registers for head dims up to 256 on current GPUs.
-_DEFAULT_BLOCK_N = 32
 
 
 @triton.jit
@@ -56,6 +54,7 @@ def _decode_split_kernel(
     stride_lh,
     stride_ls,
     GROUP: tl.constexpr,
+    HEAD_BLOCKS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -67,7 +66,8 @@ def _decode_split_kernel(
     PV_IEEE: tl.constexpr,
 ):
     b = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1) // HEAD_BLOCKS
+    head_block = tl.program_id(1) % HEAD_BLOCKS
     split = tl.program_id(2)
 
     kv_start = tl.load(kv_indptr_ptr + b).to(tl.int64)
@@ -76,7 +76,7 @@ def _decode_split_kernel(
     lo = split * split_len
     hi = tl.minimum(lo + split_len, kv_len)
 
-    offs_h = tl.arange(0, BLOCK_H)
+    offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < GROUP
     head = (kv_head * GROUP + offs_h).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
@@ -163,17 +163,18 @@ def _decode_merge_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_dv = offs_dv < v_head_dim
 
-    lse = tl.load(part_lse_ptr + b * stride_lb + h * stride_lh + offs_s * stride_ls, mask=mask_s, other=float("-inf"))
+    lse_row = part_lse_ptr + b * stride_lb + h * stride_lh
+    lse = tl.load(lse_row + offs_s * stride_ls, mask=mask_s, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # no token at all: every weight is exp(-inf) = 0
-    w = tl.exp(lse - m)
-    denom = tl.sum(w, 0)
-    part = tl.load(
-        part_out_ptr + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_dv[None, :] * stride_pd,
-        mask=mask_s[:, None] & mask_dv[None, :],
-        other=0.0,
-    )
-    out = tl.sum(w[:, None] * part, 0) / tl.where(denom > 0.0, denom, 1.0)
+    denom = tl.sum(tl.exp(lse - m), 0)
+    # one split's row at a time: a [splits, v_head_dim] tile would not fit in registers at MLA's 512
+    out = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    part_row = part_out_ptr + b * stride_pb + h * stride_ph + offs_dv * stride_pd
+    for s in range(0, num_kv_splits):
+        w = tl.exp(tl.load(lse_row + s * stride_ls) - m)
+        out += w * tl.load(part_row + s * stride_ps, mask=mask_dv, other=0.0)
+    out = out / tl.where(denom > 0.0, denom, 1.0)
     tl.store(
         out_ptr + b * stride_ob + h * stride_oh + offs_dv * stride_od,
         out.to(out_ptr.dtype.element_ty),
@@ -195,6 +196,7 @@ def decode_attention(
     partial_out: torch.Tensor,
     partial_lse: torch.Tensor,
     block_n: int | None = None,
+    arch: str | None = None,
 ) -> torch.Tensor:
     """Decode attention of one query token per request over a paged KV cache.
 
@@ -224,6 +226,7 @@ def decode_attention(
         partial_lse: fp32 ``[batch, q_heads, >= num_kv_splits]``, scratch: each share's
             natural-log sum of exp of its scores (``-inf`` for an empty share).
         block_n: tokens per stage-1 tile (power of two >= 16); ``None`` for the default.
+        arch: the GPU's architecture (``sm_90``...): picks the default tiles (``sizing.decode_blocks``).
 
     Returns:
         ``out``.
@@ -260,12 +263,17 @@ def decode_attention(
         return out
 
     group = q_heads // kv_heads
-    block_n = block_n or _DEFAULT_BLOCK_N
+    block_d = max(16, triton.next_power_of_2(head_dim))
     block_dv = max(16, triton.next_power_of_2(v_head_dim))
     qk_dtype, qk_ieee = dot_config(q.dtype, k_buffer.dtype)
     pv_dtype, pv_ieee = dot_config(v_buffer.dtype)
-    launch = {} if INTERPRETING else {"num_warps": 4, "num_stages": 2}
-    _decode_split_kernel[(batch, kv_heads, num_kv_splits)](
+    block_h, default_n, num_warps, num_stages = decode_blocks(
+        arch, max(block_d, block_dv), sizing_dtype(qk_dtype, pv_dtype), group
+    )
+    block_n = block_n or default_n
+    head_blocks = triton.cdiv(group, block_h)
+    launch = {} if INTERPRETING else {"num_warps": num_warps, "num_stages": num_stages}
+    _decode_split_kernel[(batch, kv_heads * head_blocks, num_kv_splits)](
         q,
         k_buffer,
         v_buffer,
@@ -284,9 +292,10 @@ def decode_attention(
         *partial_out.stride(),
         *partial_lse.stride(),
         GROUP=group,
-        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        HEAD_BLOCKS=head_blocks,
+        BLOCK_H=block_h,
         BLOCK_N=block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_D=block_d,
         BLOCK_DV=block_dv,
         USE_CAP=logit_cap > 0,
         QK_DTYPE=qk_dtype,
@@ -306,6 +315,6 @@ def decode_attention(
         *out.stride(),
         BLOCK_S=triton.next_power_of_2(num_kv_splits),
         BLOCK_DV=block_dv,
-        **launch,
+        **({} if INTERPRETING else {"num_warps": 4}),
     )
     return out

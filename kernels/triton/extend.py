@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRETING, check_float, dot, dot_config, soft_cap
+from ._common import INTERPRETING, check_float, dot, dot_config, sizing_dtype, soft_cap
 from .sizing import extend_blocks
 
 __all__ = ["extend_attention"]
@@ -301,11 +301,13 @@ def extend_attention(
 
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_dv = max(16, triton.next_power_of_2(v_head_dim))
-    default_m, default_n, num_warps, num_stages = extend_blocks(arch, max(block_d, block_dv))
-    block_m = block_m or default_m
-    block_n = block_n or default_n
     qk_dtype, qk_ieee = dot_config(q.dtype, k.dtype, k_buffer.dtype)
     pv_dtype, pv_ieee = dot_config(v.dtype, v_buffer.dtype)
+    default_m, default_n, num_warps, num_stages = extend_blocks(
+        arch, max(block_d, block_dv), sizing_dtype(qk_dtype, pv_dtype)
+    )
+    block_m = block_m or default_m
+    block_n = block_n or default_n
     launch = {} if INTERPRETING else {"num_warps": num_warps, "num_stages": num_stages}
     grid = (batch, q_heads, triton.cdiv(max_extend_len, block_m))
     _extend_kernel[grid](

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from ._common import check_float
+from .sizing import write_kv_heads
 
 __all__ = ["write_kv", "build_kv_indices", "compute_positions"]
 
@@ -45,7 +46,7 @@ def _write_kv_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(loc_ptr + t).to(tl.int64)
-    offs_h = tl.arange(0, BLOCK_H)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < kv_heads
 
     offs_d = tl.arange(0, BLOCK_D)
@@ -92,7 +93,8 @@ def write_kv(
         check_float(name, t)
     if n == 0:
         return
-    _write_kv_kernel[(n,)](
+    block_h = write_kv_heads(kv_heads, max(triton.next_power_of_2(head_dim), triton.next_power_of_2(v_head_dim)))
+    _write_kv_kernel[(n, triton.cdiv(kv_heads, block_h))](
         k_buffer,
         v_buffer,
         loc,
@@ -105,7 +107,7 @@ def write_kv(
         *v_buffer.stride(),
         *k.stride(),
         *v.stride(),
-        BLOCK_H=triton.next_power_of_2(kv_heads),
+        BLOCK_H=block_h,
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_DV=triton.next_power_of_2(v_head_dim),
     )
