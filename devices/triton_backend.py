@@ -27,10 +27,10 @@ import torch
 
 from hal.backend import AttentionBackend
 from hal.batch import ForwardBatch, device_lens, host_lens
-from hal.capability import DeviceCapability
+from hal.capability import DTYPE_NAMES, DeviceCapability
 from hal.errors import GraphCaptureError
 from hal.kernels.reference import is_fp8, kv_scales
-from hal.kernels.triton.sizing import decode_splits
+from hal.kernels.triton.sizing import decode_splits, extend_blocks
 
 __all__ = ["TritonBackend"]
 
@@ -47,6 +47,14 @@ class TritonMetadata:
     qo_indptr: torch.Tensor | None = None  # [B + 1], extend modes
     custom_mask: torch.Tensor | None = None
     windows: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # decode, per window
+
+
+def _extend_tiles(arch: str | None, head_dim: int, v_head_dim: int, dtype: str) -> str:
+    """The extend kernel's (BLOCK_M, BLOCK_N) for these head dims and the cache's dtype name, as
+    ``extend_attention`` picks it (dots run in 16-bit only when everything is one 16-bit dtype)."""
+    block = max(16, 1 << (max(head_dim, v_head_dim) - 1).bit_length())
+    block_m, block_n = extend_blocks(arch, block, dtype if dtype in ("bf16", "fp16") else "fp32")[:2]
+    return f"extend: {block_m}x{block_n} tiles"
 
 
 class TritonBackend(AttentionBackend):
@@ -75,6 +83,24 @@ class TritonBackend(AttentionBackend):
         if capability.triton_interpreted:
             return ["runs interpreted (TRITON_INTERPRET=1): for correctness only, orders of magnitude slow"]
         return super().notes(capability)
+
+    @classmethod
+    def routes(cls, config, capability: DeviceCapability) -> list[str]:
+        """Decode with one share of the keys or split-KV; the extend kernel's tile for this head dim."""
+        return [
+            "decode: one split",
+            "decode: split-KV",
+            _extend_tiles(capability.arch, config.head_dim, config.v_head_dim, config.dtype_name),
+        ]
+
+    def route_of(self, forward_batch: ForwardBatch, layer) -> list[str]:
+        mode = forward_batch.forward_mode
+        if mode.is_idle():
+            return []
+        if mode.is_decode():
+            return ["decode: split-KV" if self.metadata_for(forward_batch).num_kv_splits > 1 else "decode: one split"]
+        dtype = DTYPE_NAMES.get(forward_batch.token_to_kv_pool.dtype, "fp32")
+        return [_extend_tiles(self.capability.arch, layer.head_dim, layer.v_head_dim, dtype)]
 
     def support_triton(self) -> bool:
         return True
@@ -210,6 +236,7 @@ class TritonBackend(AttentionBackend):
             sinks=_contiguous(kwargs.get("sinks")),
             k_scale=k_scale,
             v_scale=v_scale,
+            arch=self.capability.arch,
         )
         return out.view(bs, heads * layer.v_head_dim)
 

@@ -212,6 +212,17 @@ class AttentionBackend:
         return reasons
 
     @classmethod
+    def routes(cls, config: AttentionConfig, capability: DeviceCapability) -> list[str]:
+        """The kernels and tile or task choices (routes) batches of ``config`` may take here; ``hal check``
+        reports each route no conformance case reached. Empty (the default): one route, nothing to report."""
+        return []
+
+    def route_of(self, forward_batch: ForwardBatch, layer: AttentionLayer) -> list[str]:
+        """The routes of :meth:`routes` the last forward of ``forward_batch`` on ``layer`` took (called by
+        the conformance suite after the forward, under the same host threads; may read host values)."""
+        return []
+
+    @classmethod
     def model_feature_reasons(cls, config: AttentionConfig) -> list[str]:
         """Why this backend cannot serve ``config``'s attention sinks or KV cache dtype (empty: it can)."""
         reasons = []

@@ -109,7 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p_info = sub.add_parser("info", help="devices, capabilities, backends and the selection trace")
     p_info.add_argument("--json", action="store_true")
-    p_info.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
+    p_info.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"], help="the model's dtype")
+    p_info.add_argument("--page-size", type=int, default=1, help="the KV pool's page size (default 1)")
+    p_info.add_argument("--head-dim", type=int, default=128)
+    p_info.add_argument("--q-heads", type=int, default=32, help="query heads per rank (tp_q_head_num)")
+    p_info.add_argument("--kv-heads", type=int, default=8, help="KV heads per rank (tp_k_head_num)")
+    p_info.add_argument(
+        "--arch", help="also the Triton kernels' launch plan for this GPU architecture (sm_80, sm_90...)"
+    )
     p_check = sub.add_parser("check", help="run the conformance suite on this machine")
     p_check.add_argument("--device", action="append", default=[])
     p_check.add_argument("--backend", action="append", default=[])
@@ -119,6 +126,20 @@ def main(argv: list[str] | None = None) -> int:
     p_check.add_argument("--seed", type=int, default=0, help="seed of the random batches (with --fuzz)")
     p_check.add_argument(
         "--family", action="append", default=[], help="only this feature family (repeatable), e.g. fuzz, graph"
+    )
+    from hal.conformance.features import FEATURES, PROFILES
+
+    p_check.add_argument(
+        "--require",
+        action="append",
+        default=[],
+        metavar="FEATURE,...",
+        help=f"fail a backend that declares any of these off (repeatable): {', '.join(FEATURES)}",
+    )
+    p_check.add_argument(
+        "--profile",
+        choices=sorted(PROFILES),
+        help="require what a deployment needs; serving: " + ", ".join(PROFILES["serving"]),
     )
     p_demo = sub.add_parser("demo", help="serve a Llama-architecture model with continuous batching through hal")
     from hal.demo import add_arguments
@@ -152,19 +173,39 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "info":
-            data = info(AttentionConfig(dtype=args.dtype))
+            from hal.capability import DTYPE_NAMES
+
+            dtype = next(d for d, name in DTYPE_NAMES.items() if name == args.dtype)
+            config = AttentionConfig(
+                tp_q_head_num=args.q_heads,
+                tp_k_head_num=args.kv_heads,
+                head_dim=args.head_dim,
+                dtype=dtype,
+                page_size=args.page_size,
+            )
+            data = info(config)
+            if args.arch:
+                from hal.kernels.triton.sizing import format_plan, plan_for_config
+
+                data["triton_plan"] = plan_for_config(args.arch, data["config"])
             print(json.dumps(data, indent=2)) if args.json else _print_info(data)
+            if args.arch and not args.json:
+                print("\n" + format_plan(data["triton_plan"]))
             return 0
         if args.command == "check":
+            from hal.conformance.features import required_features
             from hal.conformance.runner import run_check
 
+            required = required_features(args.require, args.profile)
             for name in args.device:  # an unknown or absent device is an error of its own, not an empty run
                 cap = probe_device(get_registry().get(name))
                 if not cap.available:
                     raise DeviceUnavailableError(f"device {name!r} is not available: {cap.reasons.get('device', '?')}")
             from hal.conformance.runner import format_report
 
-            report = run_check(args.device, args.backend, args.verbose, args.fuzz, args.seed, args.family)
+            report = run_check(
+                args.device, args.backend, args.verbose, args.fuzz, args.seed, args.family, require=required
+            )
             if args.json:
                 print(json.dumps({k: report[k] for k in ("results", "exit_code", "errors")}, indent=2))
             else:

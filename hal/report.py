@@ -4,7 +4,8 @@
     hal report results/*.json --format html -o matrix.html
 
 One row per (device, backend, machine), one column per case family, and in each cell
-how many cases passed, failed and were skipped, with every failure and skip reason listed
+how many cases passed, failed and were skipped; a last column names the features the
+backend declares off (and the cases each skipped), with every failure and skip reason listed
 under the table. This is the per-device CI matrix a fleet operator reads.
 
 The input: what ``hal check --json`` prints (the schema ``hal report`` reads)::
@@ -20,6 +21,8 @@ The input: what ``hal check --json`` prints (the schema ``hal report`` reads)::
           "device": str, "backend": str,
           "passed": int, "failed": int, "skipped": int,
           "failures": [str, ...],
+          "declared_off": {str: {"reason": str,   # optional: features the backend declares off
+                                 "skipped": int}},  # and how many cases each skipped
           "machine": {...}, "versions": {...},    # optional: override the top level's
           "cases": [                              # optional (older hal check: counts only)
             {"id": str,                           # unique within the result, e.g. a test id
@@ -70,6 +73,7 @@ class Row:
     totals: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
     failures: list[str] = field(default_factory=list)
     has_cases: bool = False
+    declared_off: dict[str, dict] = field(default_factory=dict)  # feature -> {reason, skipped}
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -143,6 +147,10 @@ def merge(documents: Iterable[tuple[str, dict]]) -> Matrix:
             for outcome in OUTCOMES:
                 row.totals[outcome] += int(result.get(outcome) or 0)
             row.failures += [str(f) for f in result.get("failures") or []]
+            for feature, entry in (result.get("declared_off") or {}).items():
+                entry = entry if isinstance(entry, dict) else {"reason": str(entry)}
+                seen = row.declared_off.setdefault(str(feature), {"reason": entry.get("reason", ""), "skipped": 0})
+                seen["skipped"] = max(seen["skipped"], int(entry.get("skipped") or 0))  # the same check twice
             cases = result.get("cases")
             if cases is None:
                 notes.append(f"{source}: {result['device']}/{result['backend']}: no per-case results, totals only")
@@ -175,6 +183,11 @@ def _symbol(cell: dict) -> tuple[str, str]:
 
 def _row_name(row: Row) -> str:
     return f"{row.device} / {row.backend}"
+
+
+def _off_text(row: Row) -> str:
+    """The features a row's backend declares off, with the cases each skipped ("-": none)."""
+    return ", ".join(f"{f} ({v['skipped']} skipped)" for f, v in sorted(row.declared_off.items())) or "-"
 
 
 def _machine_text(row: Row) -> str:
@@ -210,15 +223,16 @@ def render_markdown(matrix: Matrix) -> str:
     if not matrix.rows:
         lines.append("No results.")
     else:
-        lines.append("| device / backend | machine | " + " | ".join(map(_md_escape, columns)) + " |")
-        lines.append("|---|---|" + "---|" * len(columns))
+        lines.append("| device / backend | machine | " + " | ".join(map(_md_escape, columns)) + " | declared off |")
+        lines.append("|---|---|" + "---|" * (len(columns) + 1))
         for row in matrix.rows:
             cells = []
             for family in columns:
                 status, text = _symbol(row.cell(family) if (row.has_cases or family == TOTAL) else _EMPTY)
                 cells.append(f"**{text}**" if status == "fail" else text)
             host = _md_escape(row.machine.get("hostname", "?"))
-            lines.append(f"| {_md_escape(_row_name(row))} | {host} | " + " | ".join(cells) + " |")
+            off = _md_escape(_off_text(row))
+            lines.append(f"| {_md_escape(_row_name(row))} | {host} | " + " | ".join(cells) + f" | {off} |")
         lines += ["", "### Machines", ""]
         seen = set()
         for row in matrix.rows:
@@ -227,6 +241,12 @@ def render_markdown(matrix: Matrix) -> str:
             if entry not in seen:
                 seen.add(entry)
                 lines.append(entry)
+    off = [(row, f, v) for row in matrix.rows for f, v in sorted(row.declared_off.items())]
+    if off:
+        lines += ["", "### Declared off", ""]
+        lines += [
+            f"- {_md_escape(_row_name(r))}: {f}: {_md_escape(v['reason'])} ({v['skipped']} skipped)" for r, f, v in off
+        ]
     details = _details(matrix)
     if details:
         lines += ["", "### Failures and skips", ""]
@@ -258,7 +278,7 @@ def render_html(matrix: Matrix) -> str:
     else:
         out.append("<table><tr><th>device / backend</th><th>machine</th>")
         out += [f"<th>{esc(c)}</th>" for c in columns]
-        out.append("</tr>")
+        out.append("<th>declared off</th></tr>")
         for row in matrix.rows:
             out.append(
                 f"<tr><td class='name'>{esc(_row_name(row))}</td><td>{esc(row.machine.get('hostname', '?'))}</td>"
@@ -270,7 +290,8 @@ def render_html(matrix: Matrix) -> str:
                 out.append(
                     f"<td class='{status}' style='background:{_COLOURS[status]}' title='{esc(tip)}'>{esc(text)}</td>"
                 )
-            out.append("</tr>")
+            tip = "\n".join(f"{f}: {v['reason']}" for f, v in sorted(row.declared_off.items()))
+            out.append(f"<td class='name' title='{esc(tip)}'>{esc(_off_text(row))}</td></tr>")
         out.append("</table><h2>Machines</h2><ul>")
         seen = set()
         for row in matrix.rows:

@@ -128,6 +128,7 @@ def validate_batch(fb, level: str | None = None, *, page_aligned: bool = False) 
         bad = [i for i in req_idx.tolist() if not 0 <= i < rows]
         expect(not bad, InvalidBatchError, "req_pool_indices", bad, f"rows in [0, {rows})")
         _check_slots(fb, lens, req_idx, loc, kv_pool, page_aligned)
+        _check_writes_spare_padding_and_context(table, lens, req_idx, loc.tolist(), kv_pool.page_size)
     return lens
 
 
@@ -269,3 +270,39 @@ def _check_slots(fb, lens, req_idx, loc, kv_pool, page_aligned) -> None:
         seen: set[int] = set()
         dup = sorted({x for x in written if x in seen or seen.add(x)})
         expect(False, InvalidBatchError, "out_cache_loc", f"slots {dup} written twice", "distinct slots")
+
+
+def _check_writes_spare_padding_and_context(table, lens, req_idx, loc_list, page_size) -> None:
+    """``full`` mode: a request that reads real slots (not graph padding) writes nothing into the padding
+    page, and no query token writes a slot that a request of the batch reads as cached context (that KV
+    would be overwritten before it is read)."""
+    rows = req_idx.tolist()
+    context: dict[int, tuple[int, int]] = {}  # slot -> (request, position) of the cached prefixes
+    start = 0
+    for r, (prefix, n, kv) in enumerate(zip(lens.prefix, lens.query, lens.kv)):
+        writes = loc_list[start : start + n]
+        start += n
+        reads = table[rows[r], :kv].tolist() if 0 <= rows[r] < table.shape[0] else []
+        in_padding = [w for w in writes if 0 <= w < page_size]
+        if in_padding and any(x >= page_size for x in reads):
+            expect(
+                False,
+                InvalidBatchError,
+                f"out_cache_loc of request {r}",
+                in_padding,
+                f"slots >= {page_size}: page 0 is the padding page graph padding requests write; a request "
+                "with real context may not keep its tokens there",
+            )
+        context.update({slot: (r, i) for i, slot in enumerate(reads[:prefix]) if slot >= page_size})
+    clobbered = [(t, x) for t, x in enumerate(loc_list) if x in context]
+    if clobbered:
+        t, x = clobbered[0]
+        r, i = context[x]
+        expect(
+            False,
+            InvalidBatchError,
+            f"out_cache_loc[{t}]",
+            x,
+            f"a slot no request of the batch reads as cached context: slot {x} holds position {i} of request "
+            f"{r}'s prefix ({len(clobbered)} such write(s))",
+        )

@@ -31,3 +31,18 @@ def cpu_only(clean_hal_env, monkeypatch):
     """Only the cpu plugin loads."""
     monkeypatch.setenv("HAL_PLUGINS", "cpu")
     assert sorted(get_registry(reload=True).devices) == ["cpu"]
+
+
+# Lines a test wants printed at the end of the run (tests/test_mutants.py: the mutation score).
+SUMMARY_LINES = pytest.StashKey[list]()
+
+
+@pytest.fixture
+def summary_lines(request) -> list[str]:
+    """Append a line here to have it printed in the run's terminal summary."""
+    return request.config.stash.setdefault(SUMMARY_LINES, [])
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    for line in config.stash.get(SUMMARY_LINES, []):
+        terminalreporter.write_line(line)

@@ -86,8 +86,7 @@ class Ported(AttentionBackend):
         q_off = torch.arange(meta.max_q, device=device)
         rows = self.rows(fb)
         page_of = k_pos // ps
-        block_table = fb.req_to_token_pool.req_to_token[rows][:, (page_of * ps)].long() // ps  # [B, W] page ids
-        meta.slots = block_table * ps + k_pos % ps
+        meta.slots = self.slots(fb, rows, k_pos, ps)  # [B, W]
         num_pages, last_len = self.pages(kv_lens, ps)
         meta.valid = (page_of[None, :] < num_pages[:, None] - 1) | (
             (page_of[None, :] == num_pages[:, None] - 1) & (k_pos % ps < last_len[:, None])
@@ -102,6 +101,10 @@ class Ported(AttentionBackend):
 
     def rows(self, fb):
         return fb.req_pool_indices.long()
+
+    def slots(self, fb, rows, k_pos, ps):
+        """The slot of every key: ``req_to_token`` itself (no page alignment assumed)."""
+        return fb.req_to_token_pool.req_to_token[rows][:, k_pos].long()
 
     def pages(self, kv_lens, ps):
         num_pages = (kv_lens + ps - 1) // ps
@@ -162,6 +165,9 @@ class Ported(AttentionBackend):
     def scale(self, layer) -> float:
         return layer.scaling
 
+    def scores(self, q_pad, keys, layer, fb):
+        return torch.einsum("bqhd,bwhd->bhqw", q_pad, keys) * self.scale(layer)  # [B, Hq, Q, W]
+
     def cap(self, scores, layer, fb):
         if layer.logit_cap > 0:
             return layer.logit_cap * torch.tanh(scores / layer.logit_cap)
@@ -204,17 +210,20 @@ class Ported(AttentionBackend):
         keys, values = keys[:, :, heads].to(dtype), values[:, :, heads].to(dtype)  # [B, W, Hq, D]
         keys, values = self.dequantize(keys, values, layer, kb.dtype)
         q_pad = torch.cat([q, q.new_zeros(1, *q.shape[1:])])[meta.q_index].to(dtype)  # [B, Q, Hq, D]
-        scores = torch.einsum("bqhd,bwhd->bhqw", q_pad, keys) * self.scale(layer)
+        scores = self.scores(q_pad, keys, layer, fb)
         scores = self.cap(scores, layer, fb)
         vis = self.visible(meta, layer, fb)[:, None]  # [B, 1, Q, W]
         scores = scores.masked_fill(~vis, float("-inf"))
         probs = self.softmax(scores, q.dtype) if sinks is None else self.sink_softmax(scores, sinks, layer, fb)
         probs = torch.where(vis.any(-1, keepdim=True), probs, 0.0)  # no visible key: zeros (NaN elsewhere stays)
         probs = self.finish(probs)
-        out = torch.einsum("bhqw,bwhd->bqhd", probs, values)  # [B, Q, Hq, Dv]
+        out = self.combine(probs, values, meta, fb)  # [B, Q, Hq, Dv]
         result = q.new_zeros(tokens + 1, layer.tp_q_head_num, layer.v_head_dim)
         result.index_copy_(0, meta.q_index.flatten(), out.reshape(-1, *out.shape[2:]).to(result.dtype))
         return self.output(result[:tokens], layer, fb)
+
+    def combine(self, probs, values, meta, fb):
+        return torch.einsum("bhqw,bwhd->bqhd", probs, values)
 
     def output(self, out, layer, fb):
         return out.reshape(out.shape[0], -1)
@@ -505,6 +514,116 @@ class WriteLocFromSeqLens(Ported):
         kb[loc], vb[loc] = k.to(kb.dtype), v.to(vb.dtype)
 
 
+class SoftmaxWithoutMax(Ported):
+    """``exp(s) / sum(exp(s))`` without subtracting the row maximum: large logits overflow to inf / inf."""
+
+    def softmax(self, scores, dtype):
+        e = torch.exp(scores)
+        return e / e.sum(-1, keepdim=True)
+
+
+class CappedPathInCacheDtype(Ported):
+    """With a logit cap, the scores and the cap are computed in the cache dtype (bf16), not float32."""
+
+    def scores(self, q_pad, keys, layer, fb):
+        if layer.logit_cap <= 0:
+            return super().scores(q_pad, keys, layer, fb)
+        low = fb.token_to_kv_pool.dtype
+        return super().scores(q_pad.to(low), keys.to(low), layer, fb)
+
+    def cap(self, scores, layer, fb):
+        if layer.logit_cap <= 0:
+            return scores
+        return (layer.logit_cap * torch.tanh(scores / layer.logit_cap)).to(scores.dtype).float()
+
+
+class SlotOffsetIgnored(Ported):
+    """Reads whole pages: the slot of key ``j`` is ``page_of(j) * page_size + j % page_size`` (aligned only)."""
+
+    def slots(self, fb, rows, k_pos, ps):
+        page_ids = fb.req_to_token_pool.req_to_token[rows][:, (k_pos // ps) * ps].long() // ps
+        return page_ids * ps + k_pos % ps
+
+
+class StartLayerSubtractedTwice(Ported):
+    """Indexes the pool with ``layer_id - start_layer`` through an accessor that already subtracts it."""
+
+    def buffers(self, layer, fb):
+        pool = fb.token_to_kv_pool
+        return pool.get_kv_buffer(layer.layer_id - pool.start_layer)
+
+
+class WindowIgnoredWhenNonCausal(Ported):
+    """The window is applied only together with the causal mask."""
+
+    def window(self, layer, fb):
+        return layer.sliding_window_size if self.causal(layer, fb) else -1
+
+
+class VerifyOutputHeadDim(Ported):
+    """TARGET_VERIFY's output buffer sized with head_dim instead of v_head_dim."""
+
+    def output(self, out, layer, fb):
+        if fb.forward_mode.is_target_verify() and layer.v_head_dim != layer.head_dim:
+            wide = out.new_zeros(out.shape[0], out.shape[1], layer.head_dim)
+            wide[..., : min(layer.head_dim, layer.v_head_dim)] = out[..., : layer.head_dim]
+            out = wide
+        return super().output(out, layer, fb)
+
+
+class NanZeroedInSpeculativeModes(Ported):
+    """``nan_to_num`` in the TARGET_VERIFY / DRAFT_EXTEND path only."""
+
+    def finish(self, probs):
+        return probs.nan_to_num(0.0) if self._mode.is_target_verify() or self._mode.is_draft_extend() else probs
+
+    def attend(self, q, k, v, layer, fb, save_kv_cache):
+        self._mode = fb.forward_mode
+        return super().attend(q, k, v, layer, fb, save_kv_cache)
+
+
+class HeadDimTruncatedAt128(Ported):
+    """A tile table whose largest head-dim tile is 128: dims past 128 are dropped from the scores."""
+
+    def scores(self, q_pad, keys, layer, fb):
+        return super().scores(q_pad[..., :128], keys[..., :128], layer, fb)
+
+
+class ManyRequestsGqaModulo(Ported):
+    """The all-heads task path (taken from 4 requests per thread on) maps query head h to KV head h % kv_heads."""
+
+    def head_map(self, layer, device):
+        if self._bs >= 4 * torch.get_num_threads():
+            return torch.arange(layer.tp_q_head_num, device=device) % layer.tp_k_head_num
+        return super().head_map(layer, device)
+
+    def attend(self, q, k, v, layer, fb, save_kv_cache):
+        self._bs = fb.batch_size
+        return super().attend(q, k, v, layer, fb, save_kv_cache)
+
+
+class LastQueryTileDropped(Ported):
+    """Query tiles of 64 rows: the partial last tile of a request with more than 64 query tokens is not run."""
+
+    def combine(self, probs, values, meta, fb):
+        out = super().combine(probs, values, meta, fb)
+        q_lens = (meta.q_index < meta.num_tokens).sum(1)  # [B]
+        q_off = torch.arange(out.shape[1], device=out.device)
+        dropped = (q_lens[:, None] > 64) & (q_off[None, :] >= (q_lens[:, None] // 64) * 64)
+        return out.masked_fill(dropped[..., None, None], 0.0)
+
+
+class SplitRemainderDropped(Ported):
+    """Split-KV in chunks of 32 keys: the partial last chunk of a request longer than 32 keys is not read."""
+
+    def visible(self, meta, layer, fb):
+        vis = super().visible(meta, layer, fb)
+        kv_lens = meta.valid.sum(1)  # [B]
+        k_pos = torch.arange(meta.width, device=vis.device)
+        read = (kv_lens[:, None] <= 32) | (k_pos[None, :] < (kv_lens[:, None] // 32) * 32)
+        return vis & read[:, None, :]
+
+
 MUTANTS: dict[str, type[Ported]] = {
     cls.__name__: cls
     for cls in (
@@ -544,6 +663,17 @@ MUTANTS: dict[str, type[Ported]] = {
         DecodePositionOffByOne,
         OutputFloat32,
         WriteLocFromSeqLens,
+        SoftmaxWithoutMax,
+        CappedPathInCacheDtype,
+        SlotOffsetIgnored,
+        StartLayerSubtractedTwice,
+        WindowIgnoredWhenNonCausal,
+        VerifyOutputHeadDim,
+        NanZeroedInSpeculativeModes,
+        HeadDimTruncatedAt128,
+        ManyRequestsGqaModulo,
+        LastQueryTileDropped,
+        SplitRemainderDropped,
     )
 }
 for _name, _cls in MUTANTS.items():

@@ -109,3 +109,62 @@ def test_fuzz_passes_the_native_backends(backend):
     [result] = report["results"]
     assert result["failed"] == 0, "\n".join(result["failures"])
     assert result["cases"][0]["examples"] == 25
+
+
+class UnderDeclared(Ported):
+    """A port that declares graphs and the verify mask off: it passes what it runs, but cannot serve SGLang."""
+
+    name = "underdeclared"
+    supports_graph = False
+    supports_custom_mask = False
+
+
+def test_declared_off_features_are_stated_with_the_cases_they_skipped(restore_registry):
+    register_device(MutantDevice([UnderDeclared]))
+    report = run_check(["mutants"], [], families=["graph"])
+    [result] = report["results"]
+    off = result["declared_off"]
+    assert {"graph", "graph_verify", "custom_mask"} <= set(off), off
+    assert "graph capture not supported" in off["graph"]["reason"]
+    verify = sum(c["mode"] == "TARGET_VERIFY" for c in result["cases"])
+    assert off["graph"]["skipped"] == result["skipped"] - verify > 0  # DECODE graphs
+    assert off["graph_verify"]["skipped"] == off["custom_mask"]["skipped"] == verify > 0
+    assert "fp32" not in off and "bf16" not in off
+    text = format_report(report)
+    assert "declared off:" in text and f"graph: {off['graph']['skipped']} case(s) skipped" in text
+
+
+def test_require_and_the_serving_profile_fail_a_backend_that_declares_them_off(restore_registry):
+    from hal.conformance.features import required_features
+    from hal.errors import ConfigError
+
+    assert required_features([], "serving") == ["graph", "graph_verify", "custom_mask", "bf16"]
+    assert required_features(["mla,bf16", "fp32"]) == ["mla", "bf16", "fp32"]
+    with pytest.raises(ConfigError, match="nosuch"):
+        required_features(["nosuch"])
+    with pytest.raises(ConfigError, match="--profile"):
+        required_features([], "gaming")
+    register_device(MutantDevice([Ported, UnderDeclared]))
+    report = run_check(["mutants"], [], families=["idle"], require=required_features([], "serving"))
+    by_name = {r["backend"]: r for r in report["results"]}
+    assert by_name["ported"]["failed"] == 0, by_name["ported"]["failures"]
+    failed = {c["id"] for c in by_name["underdeclared"]["cases"] if c["outcome"] == "failed"}
+    assert failed == {"require:graph", "require:graph_verify", "require:custom_mask"}
+    assert all("declared off" in f for f in by_name["underdeclared"]["failures"])
+
+
+def test_case_ids_state_the_page_size_they_run_at():
+    import re
+
+    from hal.conformance.cases import CASES, GRAPH_CASES, cases_for
+
+    for pages in ({32}, {16, 128, 512}, None):
+        backend = type("Paged", (), {"page_sizes": pages})
+        for cases in (CASES, GRAPH_CASES):
+            ran = cases_for(backend, cases)
+            ids = [c.id for c in ran]
+            assert len(ids) == len(set(ids)), "case ids must be unique"
+            for case in ran:
+                assert "@" not in case.id
+                named = re.findall(r"_page(\d+)", case.id)
+                assert not named or int(named[0]) == case.page_size, (case.id, case.page_size)

@@ -50,7 +50,7 @@ def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         env={**environ, **(env or {})},
-        timeout=300,
+        timeout=1800,  # a hang guard only
     )
 
 

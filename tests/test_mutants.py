@@ -75,7 +75,18 @@ def test_the_control_port_passes_everything(mutant_results):
 
 
 def test_there_are_enough_mutants():
-    assert len(MUTANTS) >= 30
+    assert len(MUTANTS) >= 45
+
+
+def test_mutation_score_is_every_mutant(mutant_results, summary_lines):
+    """The suite's strength, printed at the end of the run (``mutation score: killed/total``): every mutant dies."""
+    survivors = sorted(name for name in MUTANTS if mutant_results[name.lower()]["failed"] == 0)
+    killed = len(MUTANTS) - len(survivors)
+    summary_lines.append(
+        f"mutation score: {killed}/{len(MUTANTS)} mutant backends failed hal check"
+        + (f" (survivors: {', '.join(survivors)})" if survivors else "")
+    )
+    assert not survivors, f"mutants that passed hal check: {survivors}"
 
 
 @pytest.mark.parametrize("name", sorted(MUTANTS))

@@ -103,13 +103,13 @@ def test_markdown_matrix_and_reasons(files):
     text = render_markdown(merge((p, load(p)) for p in files))
     lines = text.splitlines()
     header = next(line for line in lines if line.startswith("| device / backend"))
-    assert header == "| device / backend | machine | decode | verify | graph | (all) |"
+    assert header == "| device / backend | machine | decode | verify | graph | (all) | declared off |"
     cuda = next(line for line in lines if line.startswith("| cuda / flashinfer"))
     assert "**FAIL 1/1**" in cuda and "gpu-runner-1" in cuda
     cpu = next(line for line in lines if line.startswith("| cpu / torch"))
     assert "pass 1 (skip 1)" in cpu
     npu = next(line for line in lines if line.startswith("| npu / ascend"))
-    assert npu.endswith("| pass 40 (skip 3) |")
+    assert npu.endswith("| pass 40 (skip 3) | - |")
     assert "failed: Mismatch at request 1, head 3" in text
     assert "skipped: device has no fp16: fp16 matmul is slow on CPUs" in text
     assert "flashinfer 0.2.14" in text and "AMD EPYC 9654" in text
@@ -224,3 +224,18 @@ def test_workflow_uploads_every_check_and_renders_the_matrix():
     assert "actions/download-artifact@v4" in text and "pattern: hal-check-*" in text
     assert 'hal report "${files[@]}" --format md >> "$GITHUB_STEP_SUMMARY"' in text
     assert "env: example" in text and 'check: "--device toy"' in text
+
+
+def test_declared_off_features_show_in_the_matrix(tmp_path):
+    off = {
+        "graph": {"reason": "graph capture not supported", "skipped": 11},
+        "fp16": {"reason": "no fp16", "skipped": 2},
+    }
+    doc = {"results": [_result("toy", "port", [_case("a", "decode", "passed")], declared_off=off)]}
+    path = _write(tmp_path, "toy.json", doc)
+    text = render_markdown(merge([(path, load(path))]))
+    row = next(line for line in text.splitlines() if line.startswith("| toy / port"))
+    assert row.endswith("| fp16 (2 skipped), graph (11 skipped) |")
+    assert "graph: graph capture not supported (11 skipped)" in text
+    page = render_html(merge([(path, load(path))]))
+    assert "graph (11 skipped)" in page and "graph capture not supported" in page

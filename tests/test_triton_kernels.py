@@ -199,6 +199,17 @@ def test_decode_matches_reference(name):
             assert torch.isfinite(partial_lse[b, :, s]).all() == (not empty), (b, s)
 
 
+@pytest.mark.parametrize("q_heads", [32, 40])
+def test_decode_in_head_blocks_matches_reference(q_heads):
+    """On a GPU arch the tables cut a GQA group of 32 (or a ragged 40) into 16-head blocks, one program each."""
+    from hal.kernels.triton.sizing import decode_blocks
+
+    assert decode_blocks("sm_90", 16, "fp32", q_heads)[0] == 16
+    case = Case([19, 4], [1, 1], q_heads=q_heads, kv_heads=1, head_dim=16)
+    out, _, _ = run_decode(case, num_kv_splits=2, logit_cap=2.0, arch="sm_90")
+    assert_close(out, case.reference(scale=16**-0.5, logit_cap=2.0), torch.float32)
+
+
 def test_decode_partial_buffers_and_strides():
     """int64 indices, oversized scratch (only the first num_kv_splits used), strided q and out."""
     case = Case([18, 4], [1, 1], q_heads=4, kv_heads=2, head_dim=32)
@@ -624,6 +635,20 @@ def test_write_kv(loc_dtype, src_dtype, pool_dtype):
     tk.write_kv(k_buffer, v_buffer, loc, k, v)
     # Exact (fp32 -> fp16 rounds to nearest in the interpreter as in torch).
     assert torch.equal(k_buffer, expected_k) and torch.equal(v_buffer, expected_v)
+
+
+def test_write_kv_in_head_blocks():
+    """48 KV heads of 256: 32 heads per program (sizing.write_kv_heads), the second block ragged."""
+    from hal.kernels.triton.sizing import write_kv_heads
+
+    assert write_kv_heads(48, 256) == 32
+    gen = torch.Generator().manual_seed(1)
+    k_buffer, v_buffer = torch.zeros(6, 48, 256), torch.zeros(6, 48, 200)
+    k, v = torch.randn(2, 48, 256, generator=gen), torch.randn(2, 48, 200, generator=gen)
+    loc = torch.tensor([4, 1])
+    tk.write_kv(k_buffer, v_buffer, loc, k, v)
+    assert torch.equal(k_buffer[loc], k) and torch.equal(v_buffer[loc], v)
+    assert (k_buffer[[0, 2, 3, 5]] == 0).all() and (v_buffer[[0, 2, 3, 5]] == 0).all()
 
 
 def test_write_kv_empty_and_strided():

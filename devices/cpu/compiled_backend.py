@@ -18,12 +18,13 @@ prepared; ``sinks=`` arriving at a step prepared for the kernels switches that s
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 
 import torch
 
-from hal.batch import device_lens
+from hal.batch import device_lens, host_lens
 from hal.kernels import cpu as cpu_kernels
 from hal.kernels.reference import is_fp8
 
@@ -94,6 +95,36 @@ class CompiledBackend(PlainTorchBackend):
             "attention sinks and fp8 KV caches run the plain torch path (the compiled kernels have neither); "
             "MLA runs in the compiled kernels",
         ]
+
+    # -- routes (hal check's coverage) -----------------------------------------------------
+    @classmethod
+    def routes(cls, config, capability) -> list[str]:
+        """The kernel's task shapes: query tiles, row tasks of one KV head, row tasks of every KV head; and the
+        plain torch path where the config has attention sinks or an fp8 cache."""
+        if not cpu_kernels.status()[0]:
+            return []
+        plain = ["plain_torch"] if config.attention_sinks or config.kv_cache_dtype_name.startswith("fp8") else []
+        return ["tiles", "rows/one_head"] + (["rows/all_heads"] if config.tp_k_head_num > 1 else []) + plain
+
+    def route_of(self, fb, layer) -> list[str]:
+        """The task shapes the kernel chose (attention.cpp, ``paged_attention``): a request whose query rows
+        (tokens x GQA group) reach ``TILE_ROWS`` goes through tiles; the others are row tasks, taking every KV
+        head at once when there are at least 4 per thread (``HAL_HEADS_PER_TASK`` overrides)."""
+        if self.kernels is None or fb.forward_mode.is_idle():
+            return []
+        if not isinstance(self.forward_metadata, CompiledMetadata):  # sinks or an fp8 cache: the plain path
+            return ["plain_torch"]
+        group = layer.tp_q_head_num // layer.tp_k_head_num
+        query = host_lens(fb).query
+        tiled = [n * group >= cpu_kernels.TILE_ROWS for n in query]
+        row_requests = sum(n > 0 and not t for n, t in zip(query, tiled))
+        env = os.environ.get("HAL_HEADS_PER_TASK", "")
+        heads = layer.tp_k_head_num if row_requests >= 4 * torch.get_num_threads() else 1
+        heads = max(1, int(env)) if env.isdigit() else heads
+        taken = ["tiles"] if any(tiled) else []
+        if row_requests:
+            taken.append("rows/all_heads" if min(heads, layer.tp_k_head_num) > 1 else "rows/one_head")
+        return taken
 
     # -- metadata ----------------------------------------------------------------------
     def plain_path(self, fb) -> bool:

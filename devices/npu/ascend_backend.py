@@ -264,6 +264,30 @@ class AscendBackend(AttentionBackend):
         return ("_npu_paged_attention_splitfuse" if reasons else "npu_fused_infer_attention_score"), reasons
 
     @classmethod
+    def routes(cls, config: AttentionConfig, capability: DeviceCapability) -> list[str]:
+        """The ops batches of ``config`` may run, and the scratch re-layout of slots that are not page-aligned."""
+        ops = ["_npu_paged_attention_splitfuse", "relayout"]
+        if config.sliding_window_size < 0:
+            ops.append("_npu_paged_attention")
+        if cls.extend_route(config, capability)[0] == "npu_fused_infer_attention_score":
+            ops.append("npu_fused_infer_attention_score")
+        return ops
+
+    def route_of(self, forward_batch: ForwardBatch, layer: AttentionLayer) -> list[str]:
+        mode = forward_batch.forward_mode
+        if mode.is_idle():
+            return []
+        meta = self.metadata_for(forward_batch)
+        if mode.is_decode() and layer.sliding_window_size < 0:
+            op = "_npu_paged_attention"
+        elif mode.is_extend() and not mode.is_mixed() and not mode.is_target_verify():
+            fia = self._fia_serves(layer, meta.page_size, meta.dtype)
+            op = "npu_fused_infer_attention_score" if fia else "_npu_paged_attention_splitfuse"
+        else:
+            op = "_npu_paged_attention_splitfuse"
+        return [op] + (["relayout"] if meta.relayout is not None else [])
+
+    @classmethod
     def unsupported_reasons(cls, config: AttentionConfig, capability: DeviceCapability) -> list[str]:
         reasons = super().unsupported_reasons(config, capability)
         common = dict(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -47,9 +48,15 @@ __all__ = [
 class Case:
     """One conformance batch. ``requests``: ``(cached prefix, new tokens)`` per request.
 
-    ``layer_num`` layers of pool, each with its own noise; the forward runs on layer
-    ``layer_id``. ``sweep``: run at every page size the backend declares (the other
-    cases run at their own page size, or the declared one nearest to it).
+    ``layer_num`` layers of pool, each with its own noise, for the model's layers
+    ``start_layer ..`` (a pipeline stage); the forward runs on layer ``layer_id`` (a model
+    layer id, so ``>= start_layer``). ``sweep``: run at every page size the backend declares
+    (the other cases run at their own page size, or the declared one nearest to it).
+    ``slots``: ``"aligned"`` puts token ``i`` of a request at offset ``i % page_size`` of its
+    (shuffled) pages; ``"scattered"`` puts every token at a random slot past page 0, as a
+    page-size-1 allocator would (a backend that ``requires_page_aligned_slots`` must refuse
+    it). ``threads``: host threads the forward runs with (pins the thread-count-dependent
+    choices of CPU kernels, so every task shape runs on any machine).
     """
 
     name: str
@@ -71,6 +78,9 @@ class Case:
     layer_num: int = 1
     layer_id: int = 0
     sweep: bool = False
+    slots: str = "aligned"
+    start_layer: int = 0
+    threads: int | None = None
     # the models beyond Llama's shape (hal.conformance.cases_models)
     kv_lora_rank: int = 0  # MLA: one KV head, head_dim = kv_lora_rank + qk_rope_head_dim, an MLAKVPool
     qk_rope_head_dim: int = 0
@@ -92,18 +102,30 @@ class Case:
             return "sinks"
         if self.kv_cache_dtype is not None:
             return "fp8_kv"
+        if self.slots != "aligned":
+            return "misaligned_slots"
+        if self.start_layer:
+            return "start_layer"
+        if self.attn_type != "decoder" and self.sliding_window_size >= 0:
+            return "non_causal_window"
         if self.attn_type != "decoder":
             return "non_causal"
         if self.sliding_window_size >= 0:
             return "window"
         if self.logit_cap > 0:
             return "logit_cap"
+        if self.q_scale >= LARGE_LOGITS_Q_SCALE:
+            return "large_logits"
         if self.layer_num > 1:
             return "multi_layer"
         if self.scaling is not None:
             return "scaling"
         if self.v_head_dim not in (None, self.head_dim):
             return "v_head_dim"
+        if self.head_dim != 64:
+            return "head_dim"
+        if self.threads is not None:
+            return "task_shape"
         if (self.tp_q_head_num, self.tp_k_head_num) != (4, 2):
             return "gqa"
         if self.blind_row:
@@ -119,10 +141,13 @@ class Case:
         return DTYPE_NAMES[self.dtype]
 
     def at_page(self, page_size: int) -> Case:
-        """This case at another page size (named ``name@pageN``)."""
+        """This case at another page size, named for the size it runs at (``decode_page16`` at 32:
+        ``decode_page32``; a name without a page size gains ``_pageN``)."""
         if page_size == self.page_size:
             return self
-        return replace(self, page_size=page_size, name=f"{self.name.split('@')[0]}@page{page_size}")
+        base = self.name.split("@")[0]
+        named = re.sub(r"_page\d+", f"_page{page_size}", base) if re.search(r"_page\d+", base) else None
+        return replace(self, page_size=page_size, name=named or f"{base}_page{page_size}")
 
     def layer(self, layer_id: int | None = None) -> AttentionLayer:
         return AttentionLayer(
@@ -208,6 +233,9 @@ def _verify_mask(prefix: int, draft: int, gen: torch.Generator, blind_row: bool)
     return mask.flatten()
 
 
+LARGE_LOGITS_Q_SCALE = 40.0  # scaled logits of ~40 std: exp() overflows float32 without the max subtracted
+
+
 def build(case: Case, device: torch.device | str = "cpu", layer_num: int = 1) -> Built:
     """Lay out ``case`` on ``device``: pools full of noise, shuffled pages, the batch and its expectation."""
     gen = torch.Generator().manual_seed(case.seed)
@@ -220,19 +248,34 @@ def build(case: Case, device: torch.device | str = "cpu", layer_num: int = 1) ->
     num_pages = sum(pages_per_req) + 2
     kv_dtype = case.kv_cache_dtype or case.dtype
     if case.kv_lora_rank:
-        kv_pool = MLAKVPool(num_pages, ps, layer_num, case.kv_lora_rank, case.qk_rope_head_dim, kv_dtype)
+        kv_pool = MLAKVPool(
+            num_pages, ps, layer_num, case.kv_lora_rank, case.qk_rope_head_dim, kv_dtype, start_layer=case.start_layer
+        )
     else:
-        kv_pool = PagedKVPool(num_pages, ps, layer_num, case.tp_k_head_num, case.head_dim, case.v_head_dim, kv_dtype)
+        kv_pool = PagedKVPool(
+            num_pages,
+            ps,
+            layer_num,
+            case.tp_k_head_num,
+            case.head_dim,
+            case.v_head_dim,
+            kv_dtype,
+            start_layer=case.start_layer,
+        )
     for buf in kv_pool.k_buffer + kv_pool.v_buffer:
         buf.copy_(torch.randn(buf.shape, generator=gen))  # noise everywhere: reading a wrong slot or layer shows
     bs = len(case.requests)
     req_pool = ReqToTokenPool(bs + 3, max(totals) + 5)
     rows = torch.randperm(bs + 3, generator=gen)[:bs] + 1  # row 0 is the padding row
     pages = (torch.randperm(num_pages, generator=gen) + 1)[: sum(pages_per_req)].tolist()
+    free = (torch.randperm(num_pages * ps, generator=gen) + ps).tolist()  # "scattered": any slot past page 0
     loc, masks, origin = [], [], []
     for r, ((prefix, new), total) in enumerate(zip(case.requests, totals)):
-        own, pages = pages[: pages_per_req[r]], pages[pages_per_req[r] :]
-        slots = torch.tensor([own[i // ps] * ps + i % ps for i in range(total)])
+        if case.slots == "scattered":
+            slots, free = torch.tensor(free[:total]), free[total:]
+        else:
+            own, pages = pages[: pages_per_req[r]], pages[pages_per_req[r] :]
+            slots = torch.tensor([own[i // ps] * ps + i % ps for i in range(total)])
         req_pool.write(int(rows[r]), 0, slots)
         loc.append(slots[prefix:])
         origin += [(r, prefix + i) for i in range(new)]
@@ -280,7 +323,7 @@ def build(case: Case, device: torch.device | str = "cpu", layer_num: int = 1) ->
     initial_v = [b.clone() for b in kv_pool.v_buffer]
     expected_pool_k = [b.clone() for b in initial_k]
     expected_pool_v = [b.clone() for b in initial_v]
-    lid = layer.layer_id
+    lid = layer.layer_id - case.start_layer  # the pool's own index of the layer
     reference.write_kv(
         expected_pool_k[lid],
         expected_pool_v[lid],
@@ -418,6 +461,7 @@ def cases_for(backend_cls, cases) -> list[Case]:
     """
     declared = getattr(backend_cls, "page_sizes", None)
     out, seen = [], set()
+    names = {case.name for case in cases}
     for case in cases:
         if declared is None:
             sizes = [case.page_size]
@@ -427,9 +471,12 @@ def cases_for(backend_cls, cases) -> list[Case]:
             sizes = [case.page_size if case.page_size in declared else _nearest(case.page_size, declared)]
         for ps in sizes:
             moved = case.at_page(ps)
+            if moved is not case and moved.name in names:  # another case's name: say where this one came from
+                moved = replace(moved, name=f"{moved.name}_from{case.page_size}")
             key = replace(moved, name="")
             if key not in seen:
                 seen.add(key)
+                names.add(moved.name)
                 out.append(moved)
     return out
 
@@ -465,7 +512,8 @@ def check_cache(
         ("K", pool.k_buffer, built.expected_pool_k, built.initial_pool_k),
         ("V", pool.v_buffer, built.expected_pool_v, built.initial_pool_v),
     ):
-        for lid, (got, want, init) in enumerate(zip(got_list, want_list, init_list)):
+        for index, (got, want, init) in enumerate(zip(got_list, want_list, init_list)):
+            lid = index + built.case.start_layer  # the model's layer id
             if layers is not None and lid not in layers:
                 continue
             bad = _differs(got[first:].cpu(), want[first:].cpu()).nonzero().flatten().add(first).tolist()
@@ -555,6 +603,12 @@ def describe(case: Case) -> str:
     window = f" window {case.sliding_window_size}" if case.sliding_window_size >= 0 else ""
     cap = f" cap {case.logit_cap}" if case.logit_cap else ""
     layers = f" layer {case.layer_id} of {case.layer_num}" if case.layer_num > 1 else ""
+    if case.start_layer:
+        layers = (
+            f" layer {case.layer_id} of a pool of layers {case.start_layer}..{case.start_layer + case.layer_num - 1}"
+        )
+    slots = " slots scattered (not at i % page_size)" if case.slots != "aligned" else ""
+    threads = f" at {case.threads} thread(s)" if case.threads is not None else ""
     layers += f" MLA latent {case.kv_lora_rank} + rope {case.qk_rope_head_dim}" if case.kv_lora_rank else ""
     layers += " sinks" if case.sinks else ""
     if case.kv_cache_dtype is not None:
@@ -564,7 +618,8 @@ def describe(case: Case) -> str:
     return (
         f"{case.id}: {case.mode.name} {case.dtype_name} page {case.page_size}, heads {case.tp_q_head_num}/"
         f"{case.tp_k_head_num}, head_dim {case.head_dim}/{case.v_head_dim or case.head_dim}{window}{cap}"
-        f"{' non-causal' if case.attn_type != 'decoder' else ''}{layers}, requests (prefix, new) {case.requests}"
+        f"{' non-causal' if case.attn_type != 'decoder' else ''}{layers}{slots}{threads}, requests (prefix, new) "
+        f"{case.requests}"
     )
 
 
@@ -682,6 +737,159 @@ CASES: tuple[Case, ...] = (
     Case("mixed_pages", M, ((31, 1), (0, 16), (64, 64), (127, 1)), sweep=True),
     Case("verify_pages", V, ((12, 4), (60, 4)), sweep=True),
     Case("draft_extend_pages", X, ((13, 3), (125, 3)), sweep=True),
+)
+
+_SMALL_DECODE = ((0, 1), (9, 1), (40, 1))
+_SMALL_EXTEND = ((7, 5), (0, 9))
+_SMALL_VERIFY = ((6, 3), (21, 3))
+_SMALL_DRAFT = ((6, 3), (21, 3))
+# what the issue-16 review found passing: every case below has a mutant (tests/mutant_backends.py) it kills
+CASES += (
+    # large scaled logits without a cap: exp() overflows unless the row maximum is subtracted first
+    Case("decode_large_logits", D, _DECODE, q_scale=LARGE_LOGITS_Q_SCALE),
+    Case("extend_large_logits", E, _EXTEND, q_scale=LARGE_LOGITS_Q_SCALE),
+    Case("mixed_large_logits", M, _MIXED, q_scale=LARGE_LOGITS_Q_SCALE),
+    Case("verify_large_logits", V, _VERIFY, q_scale=LARGE_LOGITS_Q_SCALE),
+    Case("draft_extend_large_logits", X, _SMALL_DRAFT, q_scale=LARGE_LOGITS_Q_SCALE),
+    Case(
+        "decode_large_logits_page16_bf16", D, _DECODE, q_scale=LARGE_LOGITS_Q_SCALE, page_size=16, dtype=torch.bfloat16
+    ),
+    Case(
+        "extend_large_logits_page16_bf16", E, _EXTEND, q_scale=LARGE_LOGITS_Q_SCALE, page_size=16, dtype=torch.bfloat16
+    ),
+    # bf16 with a logit cap, in every mode: a capped path that computes in the cache dtype shows
+    Case("decode_logit_cap_bf16", D, _DECODE, logit_cap=5.0, q_scale=8.0, dtype=torch.bfloat16),
+    Case("extend_logit_cap_bf16", E, _EXTEND, logit_cap=5.0, q_scale=8.0, dtype=torch.bfloat16),
+    Case("mixed_logit_cap_bf16", M, _MIXED, logit_cap=5.0, q_scale=8.0, dtype=torch.bfloat16),
+    Case("verify_logit_cap_bf16", V, _VERIFY, logit_cap=5.0, q_scale=8.0, dtype=torch.bfloat16),
+    Case("draft_extend_logit_cap_bf16", X, _SMALL_DRAFT, logit_cap=5.0, q_scale=8.0, dtype=torch.bfloat16),
+    Case(
+        "decode_logit_cap_page16_bf16",
+        D,
+        _EXACT_DECODE,
+        logit_cap=30.0,
+        q_scale=16.0,
+        page_size=16,
+        dtype=torch.bfloat16,
+    ),
+    # slots not at offset i % page_size (a page-size-1 allocator on a paged pool), in every mode
+    Case("decode_scattered_page16", D, _DECODE, page_size=16, slots="scattered"),
+    Case("decode_scattered_page16_bf16", D, _DECODE, page_size=16, slots="scattered", dtype=torch.bfloat16),
+    Case("extend_scattered_page16_bf16", E, _EXTEND, page_size=16, slots="scattered", dtype=torch.bfloat16),
+    Case("extend_scattered_page4", E, _EXTEND, page_size=4, slots="scattered"),
+    Case("mixed_scattered_page16_bf16", M, _MIXED, page_size=16, slots="scattered", dtype=torch.bfloat16),
+    Case("verify_scattered_page16_bf16", V, _VERIFY, page_size=16, slots="scattered", dtype=torch.bfloat16),
+    Case("draft_extend_scattered_page16_bf16", X, _SMALL_DRAFT, page_size=16, slots="scattered", dtype=torch.bfloat16),
+    Case(
+        "decode_window_scattered_page16_bf16",
+        D,
+        _DECODE,
+        page_size=16,
+        slots="scattered",
+        sliding_window_size=8,
+        dtype=torch.bfloat16,
+    ),
+    Case(
+        "extend_scattered_head_dim_128_page128_bf16",
+        E,
+        ((130, 5), (0, 20)),
+        head_dim=128,
+        page_size=128,
+        slots="scattered",
+        dtype=torch.bfloat16,
+    ),
+    # head dims of every tile table (64 and 80 above), at page 1 and at the paged-only kernels' sizes
+    Case("decode_head_dim_96", D, _SMALL_DECODE, head_dim=96),
+    Case("decode_head_dim_128", D, _SMALL_DECODE, head_dim=128),
+    Case("decode_head_dim_192", D, _SMALL_DECODE, head_dim=192),
+    Case("decode_head_dim_256", D, _SMALL_DECODE, head_dim=256),
+    Case("extend_head_dim_96", E, _SMALL_EXTEND, head_dim=96),
+    Case("extend_head_dim_128", E, _SMALL_EXTEND, head_dim=128),
+    Case("extend_head_dim_192", E, _SMALL_EXTEND, head_dim=192),
+    Case("extend_head_dim_256", E, _SMALL_EXTEND, head_dim=256),
+    Case("verify_head_dim_128_bf16", V, _SMALL_VERIFY, head_dim=128, dtype=torch.bfloat16),
+    Case("mixed_head_dim_256_bf16", M, ((12, 1), (0, 9)), head_dim=256, dtype=torch.bfloat16),
+    Case("decode_head_dim_128_page16_bf16", D, _SMALL_DECODE, head_dim=128, page_size=16, dtype=torch.bfloat16),
+    Case("decode_head_dim_192_page16_bf16", D, _SMALL_DECODE, head_dim=192, page_size=16, dtype=torch.bfloat16),
+    Case("decode_head_dim_256_page16_bf16", D, _SMALL_DECODE, head_dim=256, page_size=16, dtype=torch.bfloat16),
+    Case("extend_head_dim_96_page16_bf16", E, _SMALL_EXTEND, head_dim=96, page_size=16, dtype=torch.bfloat16),
+    # Ascend's FIA route: EXTEND / DRAFT_EXTEND, head dim 128 or 192, pages of 128..512, bf16 / fp16
+    Case(
+        "extend_head_dim_128_page128_bf16",
+        E,
+        ((130, 5), (0, 20), (3, 7)),
+        head_dim=128,
+        page_size=128,
+        dtype=torch.bfloat16,
+    ),
+    Case("extend_head_dim_192_page128_fp16", E, ((130, 5), (0, 20)), head_dim=192, page_size=128, dtype=torch.float16),
+    Case(
+        "draft_extend_head_dim_128_page128_bf16",
+        X,
+        ((130, 3), (11, 3)),
+        head_dim=128,
+        page_size=128,
+        dtype=torch.bfloat16,
+    ),
+    Case("extend_head_dim_128_page256_bf16", E, ((260, 4), (0, 9)), head_dim=128, page_size=256, dtype=torch.bfloat16),
+    Case("decode_page256_bf16", D, ((0, 1), (300, 1)), page_size=256, dtype=torch.bfloat16),
+    # the compiled CPU kernel's task shapes at one thread, whatever the machine: (request, every KV head)
+    # row tasks from 4 requests on, one task per (request, KV head) below, query tiles from 128 rows
+    # (query tokens x GQA group), with partial last tiles and key blocks
+    Case("decode_all_heads_per_task", D, _DECODE, tp_q_head_num=8, tp_k_head_num=4, threads=1),
+    Case(
+        "decode_all_heads_per_task_bf16",
+        D,
+        ((0, 1), (31, 1), (33, 1), (64, 1), (100, 1)),
+        threads=1,
+        dtype=torch.bfloat16,
+    ),
+    Case("decode_one_head_per_task", D, ((5, 1), (70, 1), (33, 1)), tp_q_head_num=8, tp_k_head_num=4, threads=1),
+    Case(
+        "verify_all_heads_per_task", V, ((10, 3), (3, 3), (25, 3), (40, 3)), tp_q_head_num=6, tp_k_head_num=2, threads=1
+    ),
+    Case("mixed_all_heads_per_task", M, ((12, 1), (0, 3), (7, 6), (30, 1), (2, 2)), threads=1),
+    Case("decode_all_heads_window", D, _DECODE, sliding_window_size=7, threads=1),
+    Case("decode_all_heads_logit_cap", D, _DECODE, logit_cap=5.0, q_scale=8.0, threads=1),
+    Case("extend_tiles", E, ((0, 70), (20, 100)), threads=1),
+    Case("extend_tiles_gqa3", E, ((5, 50), (0, 43)), tp_q_head_num=6, tp_k_head_num=2, threads=1),
+    Case("extend_tiles_gqa4_bf16", E, ((33, 33), (0, 65)), tp_q_head_num=8, dtype=torch.bfloat16, threads=1),
+    Case("mixed_tiles", M, ((12, 1), (0, 70), (40, 66)), threads=1),
+    Case("extend_tiles_window", E, ((10, 80),), sliding_window_size=20, threads=1),
+    Case("draft_extend_tiles_gqa8", X, ((20, 17), (3, 16)), tp_q_head_num=16, tp_k_head_num=2, threads=1),
+    # pools of a pipeline stage: the model's layers start_layer.. (layer_id - start_layer indexes the pool)
+    Case("decode_start_layer", D, _DECODE, layer_num=2, start_layer=3, layer_id=4),
+    Case("extend_start_layer", E, _EXTEND, layer_num=2, start_layer=2, layer_id=2),
+    Case("mixed_start_layer_page16", M, _MIXED, layer_num=3, start_layer=5, layer_id=6, page_size=16),
+    Case("verify_start_layer", V, _VERIFY, layer_num=2, start_layer=1, layer_id=2),
+    Case(
+        "draft_extend_start_layer_page16_bf16",
+        X,
+        _SMALL_DRAFT,
+        layer_num=2,
+        start_layer=4,
+        layer_id=5,
+        page_size=16,
+        dtype=torch.bfloat16,
+    ),
+    # v_head_dim != head_dim in every mode
+    Case("mixed_v_head_dim", M, _MIXED, v_head_dim=32),
+    Case("verify_v_head_dim", V, _VERIFY, v_head_dim=32),
+    Case("draft_extend_v_head_dim", X, _SMALL_DRAFT, v_head_dim=48),
+    Case("verify_v_head_dim_page16_bf16", V, _VERIFY, v_head_dim=128, page_size=16, dtype=torch.bfloat16),
+    # a window on a non-causal layer: keys j >= p - W, none ruled out after the query (SGLang's triton and
+    # FlashInfer backends: the window bounds the past only, also without causality)
+    Case("extend_non_causal_window", E, ((0, 12), (0, 20)), attn_type="encoder_only", sliding_window_size=5),
+    Case("mixed_non_causal_window", M, _MIXED, attn_type="encoder_only", sliding_window_size=4),
+    Case(
+        "extend_non_causal_window_page16_bf16",
+        E,
+        ((0, 30), (0, 9)),
+        attn_type="encoder_only",
+        sliding_window_size=7,
+        page_size=16,
+        dtype=torch.bfloat16,
+    ),
 )
 
 # Graph cases: DECODE or TARGET_VERIFY batches; the graph test replays several

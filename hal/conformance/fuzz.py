@@ -3,11 +3,13 @@
 :func:`cases` is a hypothesis strategy of :class:`~hal.conformance.cases.Case` for one
 backend: any mode it claims, request lengths including an empty prefix, one token and
 page boundaries, head layouts, the page sizes and dtypes it declares, windows, logit
-caps, non-causal layers, random verify trees, shuffled (scattered) pages, several
-layers, and what the backend declares of MLA, attention sinks and fp8 KV caches. Each
-batch is compared with the float64 reference and the whole pool with its canaries
-(only ``out_cache_loc`` of the forwarded layer may change). A failing batch is
-shrunk by hypothesis and reported as Python that rebuilds it.
+caps, non-causal layers, random verify trees, shuffled pages or slots scattered off
+their page offsets (where the backend does not require aligned slots), several layers
+of pools that start at layer 0 or later, and what the backend declares of MLA, attention
+sinks and fp8 KV caches. Each batch is compared with the float64
+reference and the whole pool with its canaries (only ``out_cache_loc`` of the forwarded
+layer may change). A failing batch is shrunk by hypothesis and reported as Python that
+rebuilds it.
 """
 
 from __future__ import annotations
@@ -77,7 +79,9 @@ def cases(draw, backend_cls, capability) -> Case:
         attn_type = "encoder_only"
     scaling = draw(st.one_of(st.none(), st.sampled_from([0.05, 0.3, 1.0])))
     layer_num = draw(st.integers(1, 3))
-    layer_id = draw(st.integers(0, layer_num - 1))
+    start_layer = draw(st.sampled_from([0, 0, 1, 5]))  # a pipeline stage's pool now and then
+    layer_id = start_layer + draw(st.integers(0, layer_num - 1))
+    scatter = page > 1 and not backend_cls.requires_page_aligned_slots and draw(st.booleans())
     case = Case(
         "fuzz",
         mode,
@@ -97,6 +101,8 @@ def cases(draw, backend_cls, capability) -> Case:
         scaling=scaling,
         layer_num=layer_num,
         layer_id=layer_id,
+        start_layer=start_layer,
+        slots="scattered" if scatter else "aligned",
     )
     return _model_features(draw, backend_cls, case)
 

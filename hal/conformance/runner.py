@@ -15,6 +15,8 @@ from contextlib import redirect_stdout
 
 import pytest
 
+from hal.conformance.features import case_features, declared_off
+
 CLAIMED_MODES = ("DECODE", "EXTEND", "MIXED", "DRAFT_EXTEND", "TARGET_VERIFY")
 
 
@@ -60,6 +62,7 @@ class _Collector:
         self.records: dict[str, dict] = {}
         self.targets: dict[str, tuple[str, str]] = {}
         self.target_objs: dict[tuple[str, str], object] = {}
+        self.needs: dict[str, set[str]] = {}
         self.errors: list[str] = []
 
     def pytest_collection_modifyitems(self, items):
@@ -69,6 +72,10 @@ class _Collector:
                 key = (target.device.name, target.backend.name)
                 self.targets[item.nodeid] = key
                 self.target_objs[key] = target
+                case = item.callspec.params.get("hal_case")
+                if case is not None:
+                    marker = item.get_closest_marker("hal_cases")
+                    self.needs[item.nodeid] = case_features(case, marker.args[0] if marker else "forward")
 
     def pytest_runtest_logreport(self, report):
         key = self.targets.get(report.nodeid)
@@ -79,8 +86,10 @@ class _Collector:
         if record is None:
             base = props.get("hal_case") or {"id": report.nodeid, "family": "?", "mode": "?"}
             record = {k: base.get(k) for k in ("id", "family", "mode", "page_size", "dtype")}
-            record.update(outcome=None, reason="", key=key)
+            record.update(outcome=None, reason="", key=key, needs=sorted(self.needs.get(report.nodeid, ())))
             self.records[report.nodeid] = record
+        if "hal_routes" in props:
+            record["routes"] = props["hal_routes"]
         detail = props.get("hal_case_detail")
         if detail:  # the case a test chose at run time: the id stays the same on every machine
             record["page_size"], record["dtype"] = detail["page_size"], detail["dtype"]
@@ -125,6 +134,53 @@ def _coverage_failures(target, cases: list[dict]) -> list[dict]:
     ]
 
 
+def route_coverage(cases: list[dict]) -> dict:
+    """``{declared, reached, unreached}``: the routes the backend declared for the cases that ran, and took."""
+    ran = [c["routes"] for c in cases if c.get("routes") and c["outcome"] in ("passed", "failed")]
+    declared = sorted({r for routes in ran for r in routes["declared"]})
+    reached = sorted({r for routes in ran for r in routes["taken"]})
+    return {"declared": declared, "reached": reached, "unreached": [r for r in declared if r not in reached]}
+
+
+def _route_failures(routes: dict) -> list[dict]:
+    return [
+        {"id": f"coverage:route:{route}", "family": "coverage", "mode": "ANY", "page_size": None, "dtype": None}
+        | {
+            "outcome": "failed",
+            "reason": f"route {route!r} (declared by routes()) was reached by no case: the suite does not test it "
+            f"here; reached: {', '.join(routes['reached']) or 'none'}",
+        }
+        for route in routes["unreached"]
+    ]
+
+
+def feature_summary(target, cases: list[dict]) -> dict:
+    """``{feature: {reason, skipped}}``: each feature the backend declares off and how many cases that skipped."""
+    off = declared_off(target.backend, target.capability)
+    return {
+        feature: {
+            "reason": why,
+            "skipped": sum(
+                c["outcome"] == "skipped" and (feature == "any" or feature in c.get("needs", ())) for c in cases
+            ),
+        }
+        for feature, why in off.items()
+    }
+
+
+def requirement_failures(off: dict, required: list[str] | tuple) -> list[dict]:
+    """A failed record for each required feature the backend declares off (``off``: :func:`feature_summary`)."""
+    failures = []
+    for feature in required:
+        entry = off.get(feature) or off.get("any")
+        if entry is not None:
+            failures.append(
+                {"id": f"require:{feature}", "family": "require", "mode": "ANY", "page_size": None, "dtype": None}
+                | {"outcome": "failed", "reason": f"required feature {feature!r} is declared off: {entry['reason']}"}
+            )
+    return failures
+
+
 def summarize(cases: list[dict]) -> dict:
     """``{mode: {family: {passed, failed, skipped}}}``."""
     table: dict = defaultdict(lambda: defaultdict(lambda: {"passed": 0, "failed": 0, "skipped": 0}))
@@ -142,8 +198,11 @@ def run_check(
     families: list[str] | tuple = (),
     extra_args: list[str] | tuple = (),
     plugins: list | tuple = (),
+    require: list[str] | tuple = (),
 ) -> dict:
-    """Run ``hal.conformance.suite``; returns ``{results: [...], exit_code, errors, log}``."""
+    """Run ``hal.conformance.suite``; returns ``{results: [...], exit_code, errors, log}``.
+
+    ``require``: features (of :data:`FEATURES`) every backend must serve; one it declares off fails it."""
     args = ["--pyargs", "hal.conformance.suite", "-p", "no:cacheprovider", "-q" if not verbose else "-v"]
     args += ["-W", "ignore::pytest.PytestUnknownMarkWarning"]
     for d in devices:
@@ -169,8 +228,12 @@ def run_check(
     results = []
     for key in sorted(set(by_target) | set(collector.target_objs)):
         cases = by_target.get(key, [])
+        target = collector.target_objs[key]
+        routes = route_coverage(cases)
+        features = feature_summary(target, cases)
         if not filtered:
-            cases += _coverage_failures(collector.target_objs[key], cases)
+            cases += _coverage_failures(target, cases) + _route_failures(routes)
+        cases += requirement_failures(features, require)
         counts = {o: sum(c["outcome"] == o for c in cases) for o in ("passed", "failed", "skipped")}
         results.append(
             {
@@ -181,6 +244,8 @@ def run_check(
                 "machine": machine(),
                 "versions": versions(),
                 "summary": summarize(cases),
+                "declared_off": features,
+                "routes": routes,
                 "cases": cases,
             }
         )
@@ -197,6 +262,13 @@ def format_report(report: dict, verbose: bool = False) -> str:
             for family, n in sorted(r["summary"][mode].items()):
                 out.append(f"  {mode:<14}{family:<18}{n['passed']:>7}{n['failed']:>7}{n['skipped']:>8}")
         out += [f"  fuzz: {c['reason']}" for c in r["cases"] if "examples" in c and c["outcome"] == "passed"]
+        off = r.get("declared_off") or {}
+        out.append("  declared off:" + ("" if off else " none"))
+        out += [f"    {f}: {v['skipped']} case(s) skipped ({v['reason']})" for f, v in off.items()]
+        routes = r.get("routes") or {}
+        if routes.get("declared"):
+            unreached = ", ".join(routes["unreached"]) or "none"
+            out.append(f"  routes reached: {', '.join(routes['reached']) or 'none'}; unreached: {unreached}")
         reasons: dict[str, int] = defaultdict(int)
         for c in r["cases"]:
             if c["outcome"] == "skipped":

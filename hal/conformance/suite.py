@@ -13,6 +13,7 @@ what passed, failed and was skipped, and why.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import replace
 
 import pytest
@@ -58,13 +59,53 @@ def assert_result(built: Built, out: torch.Tensor | None, expected=None, rows=No
     assert problem is None, f"{describe(built.case)}\n{problem}"
 
 
+@contextmanager
+def host_threads(threads: int | None):
+    """Run with ``threads`` host threads (None: as configured), restored after."""
+    if threads is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _record_routes(request, target, backend, case: Case, built: Built) -> None:
+    """Tell ``hal check`` the routes the backend declares for this case's config and the ones this forward took."""
+    declared = list(target.backend.routes(case.config(), target.capability))
+    taken = list(backend.route_of(built.batch, built.layer)) if declared else []
+    request.node.user_properties.append(("hal_routes", {"declared": declared, "taken": taken}))
+
+
+def _assert_misaligned_refused(target, case: Case) -> None:
+    """A backend that requires page-aligned slots refuses a scattered layout, naming why, and writes nothing."""
+    _backend_for(target, case)  # skips with the reasons when the config itself is declared off
+    backend = target.backend(target.capability, validate="full")
+    built = build(case, target.capability.torch_device)
+    with pytest.raises(InvalidBatchError, match="page_size") as info:
+        backend.init_forward_metadata(built.batch)
+        backend.forward(built.q, built.k, built.v, built.layer, built.batch)
+    assert "offset" in str(info.value), f"the refusal does not say what is wrong with the layout: {info.value}"
+    assert_result(replace(built, expected_pool_k=built.initial_pool_k, expected_pool_v=built.initial_pool_v), None)
+
+
 @pytest.mark.hal_cases("forward")
-def test_forward_matches_reference(hal_target, hal_case):
-    """Output equals the reference, the new K/V land at out_cache_loc, and no other slot of any layer changes."""
+def test_forward_matches_reference(hal_target, hal_case, request):
+    """Output equals the reference, the new K/V land at out_cache_loc, and no other slot of any layer changes.
+
+    Scattered slots on a backend that declares ``requires_page_aligned_slots``: refused (full validation)."""
+    if hal_case.slots != "aligned" and hal_target.backend.requires_page_aligned_slots and hal_case.page_size > 1:
+        _assert_misaligned_refused(hal_target, hal_case)
+        return
     backend = _backend_for(hal_target, hal_case)
     built = build(hal_case, hal_target.capability.torch_device)
-    backend.init_forward_metadata(built.batch)
-    out = backend.forward(built.q, built.k, built.v, built.layer, built.batch, **built.forward_kwargs)
+    with host_threads(hal_case.threads):
+        backend.init_forward_metadata(built.batch)
+        out = backend.forward(built.q, built.k, built.v, built.layer, built.batch, **built.forward_kwargs)
+        _record_routes(request, hal_target, backend, hal_case, built)
     assert_result(built, out)
 
 
@@ -132,7 +173,7 @@ def test_graph_replay_matches_reference(hal_target, hal_case):
     built = build(case, hal_target.capability.torch_device)
     fb = built.batch
     pool = fb.token_to_kv_pool
-    layers = [case.layer(i) for i in range(case.layer_num)]
+    layers = [case.layer(i) for i in range(case.start_layer, case.start_layer + case.layer_num)]
     runner = GraphRunner(
         backend,
         layers,
@@ -151,7 +192,7 @@ def test_graph_replay_matches_reference(hal_target, hal_case):
     exp_v = [b.clone() for b in built.initial_pool_v]
     expected = []
     for layer in layers:
-        kb, vb = exp_k[layer.layer_id], exp_v[layer.layer_id]
+        kb, vb = exp_k[layer.layer_id - case.start_layer], exp_v[layer.layer_id - case.start_layer]
         new_k, new_v = (t.view(tokens, case.tp_k_head_num, -1) for t in (built.k, built.v))
         reference.write_kv(kb, vb, fb.out_cache_loc, new_k, new_v, *reference.kv_scales(layer))
         expected.append(
@@ -281,9 +322,35 @@ def test_duplicate_out_cache_loc_is_rejected(hal_target, request):
         )
 
 
+@pytest.mark.hal_family("validation")
+@pytest.mark.parametrize("onto", ["padding_page", "cached_context"])
+def test_write_over_padding_or_context_is_rejected(hal_target, onto, request):
+    """Full validation refuses a new token of a real request in the padding page, or on a slot a request of
+    the batch reads as cached context, even when req_to_token agrees (that KV would be overwritten)."""
+    _first_servable(hal_target, ForwardMode.DECODE, prefix=False)  # a target that serves nothing runs nothing
+    case = Case(f"write_onto_{onto}", ForwardMode.DECODE, ((4, 1), (6, 1)), page_size=4)
+    _record(request, case)
+    fb = build(case).batch
+    rt = fb.req_to_token_pool.req_to_token
+    rows = fb.req_pool_indices.tolist()
+    rt[rows[1], 6] = 0 if onto == "padding_page" else rt[rows[0], 2]  # req_to_token agrees with out_cache_loc
+    loc = torch.stack([rt[rows[0], 4], rt[rows[1], 6]]).long()
+    with pytest.raises(InvalidBatchError, match="out_cache_loc"):
+        ForwardBatch(
+            forward_mode=fb.forward_mode,
+            batch_size=2,
+            req_pool_indices=fb.req_pool_indices,
+            seq_lens=fb.seq_lens,
+            out_cache_loc=loc,
+            req_to_token_pool=fb.req_to_token_pool,
+            token_to_kv_pool=fb.token_to_kv_pool,
+            validate="full",
+        )
+
+
 @pytest.mark.hal_family("nan")
 @pytest.mark.parametrize("where", ["q", "cache"])
-@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED], ids=lambda m: m.name)
+@pytest.mark.parametrize("mode", _MODES, ids=lambda m: m.name)
 def test_nan_propagates(hal_target, mode, where, request):
     """NaN in a query, or in a cached key every query of its request sees, gives NaN there and only there."""
     case = _first_servable(hal_target, mode)
@@ -301,7 +368,7 @@ def test_nan_propagates(hal_target, mode, where, request):
         fb = built.batch
         slot = int(fb.req_to_token_pool.req_to_token[int(fb.req_pool_indices[r]), 0])
         for bufs in (fb.token_to_kv_pool.k_buffer, built.expected_pool_k, built.initial_pool_k):
-            bufs[built.layer.layer_id][slot, 0] = float("nan")
+            bufs[built.layer.layer_id - case.start_layer][slot, 0] = float("nan")
         for t, (req, _) in enumerate(built.token_origin):
             if req == r:
                 view[t, :group] = float("nan")

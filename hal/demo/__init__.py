@@ -74,7 +74,7 @@ def run_demo(args: argparse.Namespace, argv: list[str]) -> int:
     if args.check_steps:
         from .steps import run_steps
 
-        return run_steps(args.device, as_json=args.json)
+        return run_steps(args.device, as_json=args.json, page_size=args.page_size)
     from .serve import serve
 
     return serve(args, argv)

@@ -95,7 +95,8 @@ class Server:
         )
 
 
-def run_steps(device: str | None = None, as_json: bool = False, decode_steps: int = 6) -> int:
+def run_steps(device: str | None = None, as_json: bool = False, decode_steps: int = 6, page_size: int = 16) -> int:
+    """A few scheduler steps at ``page_size`` on ``device``, each compared with the reference; 0 when all match."""
     probe_cfg = AttentionConfig(tp_q_head_num=16, tp_k_head_num=4, head_dim=64, dtype=torch.float32)
     cap = select(probe_cfg, device).capability
     dtype = torch.bfloat16 if cap.supports_dtype(torch.bfloat16) else torch.float32
@@ -104,7 +105,7 @@ def run_steps(device: str | None = None, as_json: bool = False, decode_steps: in
         tp_k_head_num=4,
         head_dim=64,
         dtype=dtype,
-        page_size=16,
+        page_size=page_size,
         sliding_window_size=32,
         custom_mask=True,
         graph=True,
@@ -178,6 +179,7 @@ def run_steps(device: str | None = None, as_json: bool = False, decode_steps: in
         "backend": selection.backend,
         "emulated": selection.capability.emulated,
         "dtype": config.dtype_name,
+        "page_size": config.page_size,
         "layers": len(layers),
         "trace": selection.trace,
         "steps": steps,
@@ -189,7 +191,7 @@ def run_steps(device: str | None = None, as_json: bool = False, decode_steps: in
         emulated = " (emulated)" if selection.capability.emulated else ""
         print(
             f"hal demo on {selection.device_name}{emulated}/{selection.backend}, {config.dtype_name}, "
-            f"{len(layers)} layers (16 q / 4 kv heads, dim 64, page 16, sliding window on odd layers)"
+            f"{len(layers)} layers (16 q / 4 kv heads, dim 64, page {config.page_size}, sliding window on odd layers)"
         )
         print(f"{'step':<20}{'mode':<15}{'reqs':>5}{'tokens':>8}{'ms':>10}{'max err':>11}")
         for s in steps:

@@ -16,6 +16,8 @@ Semantics shared by every backend (SGLang's conventions):
   cross attention): every key of the request is visible.
 * Sliding window ``W >= 0``: additionally ``j >= p - W`` (``W + 1`` keys at most;
   SGLang's ``sliding_window_size`` and FlashInfer's ``window_left``). ``-1`` is off.
+  Non-causal layers too: the window bounds the past only, keys after the query stay
+  visible (as SGLang's triton and FlashInfer backends compute it).
 * Custom mask (TARGET_VERIFY): a flat bool tensor, for each request row-major
   ``[extend_len, seq_len]`` (True = visible), concatenated over requests; it replaces
   the causal rule. The window still applies on top of it.

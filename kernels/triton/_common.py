@@ -33,6 +33,12 @@ def dot_config(*dtypes: torch.dtype) -> tuple[tl.dtype, bool]:
     return tl.float32, True
 
 
+def sizing_dtype(*dot_dtypes: tl.dtype) -> str:
+    """The dtype name the sizing tables take for dots in ``dot_dtypes``: ``"fp32"`` unless all are one 16-bit type."""
+    names = {str(d) for d in dot_dtypes}
+    return names.pop() if len(names) == 1 and names <= {"bf16", "fp16"} else "fp32"
+
+
 def check_float(name: str, t: torch.Tensor) -> None:
     if t.dtype not in _TL_DTYPES:
         raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")

@@ -1,19 +1,19 @@
 """Paged decode attention with split-KV (flash-decoding), one query token per request.
 
-Stage 1 (grid ``(batch, kv_heads, num_kv_splits)``): one program takes all query heads
-that share one KV head (the GQA group, padded to a tile of at least 16 rows so that
+Stage 1 (grid ``(batch, kv_heads * head_blocks, num_kv_splits)``): one program takes a
+block of ``BLOCK_H`` query heads that share one KV head (the GQA group, cut into
+``head_blocks`` blocks of at most ``BLOCK_H`` rows, padded to at least 16 so that
 ``tl.dot`` maps onto tensor cores) and one contiguous share of the request's KV tokens.
-Each KV tile is therefore read once per group rather than once per query head. It
+Each KV tile is therefore read once per head block rather than once per query head. It
 writes the share's normalised partial output and its natural-log LSE.
 
-Stage 2 (grid ``(batch, q_heads)``): merges the splits of one (request, head) in one
-vectorised step, weighting each split by ``exp(lse_s - max lse)``; an attention sink joins
-the denominator here, once per row (``exp(sink - m)``, ``m`` the max over the splits' LSEs
-and the sink).
+Stage 2 (grid ``(batch, q_heads)``): merges the splits of one (request, head), weighting
+each split by ``exp(lse_s - max lse)``, one split's row at a time.
 
-A head dim that is not a power of two is tiled as a main part and a rest (576, MLA's
-latent 512 + rope 64: 512 + 64 lanes). An fp8 pool is read as bytes, decoded and scaled
-(``_common.load_kv``).
+An attention sink joins the denominator in stage 2, once per row (``exp(sink - m)``, ``m``
+the max over the splits' LSEs and the sink). A head dim that is not a power of two is tiled
+as a main part and a rest (576, MLA's latent 512 + rope 64: 512 + 64 lanes). An fp8 pool is
+read as bytes, decoded and scaled (``_common.load_kv``).
 """
 
 from __future__ import annotations
@@ -33,16 +33,13 @@ from ._common import (
     kv_storage,
     load_kv,
     score_tile,
+    sizing_dtype,
     soft_cap,
     split_head_dim,
 )
+from .sizing import decode_blocks
 
 __all__ = ["decode_attention"]
-
-# Tokens per stage-1 tile. 32 keeps the [16 x D] @ [D x 32] dots and the gathered K/V
-# tiles in registers for head dims up to 256 on current GPUs; wider heads (MLA's 576 / 512) take 16.
-_DEFAULT_BLOCK_N = 32
-_WIDE_BLOCK_N = 16
 
 
 @triton.jit
@@ -78,6 +75,7 @@ def _decode_split_kernel(
     stride_lh,
     stride_ls,
     GROUP: tl.constexpr,
+    HEAD_BLOCKS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -91,7 +89,8 @@ def _decode_split_kernel(
     PV_IEEE: tl.constexpr,
 ):
     b = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1) // HEAD_BLOCKS
+    head_block = tl.program_id(1) % HEAD_BLOCKS
     split = tl.program_id(2)
 
     kv_start = tl.load(kv_indptr_ptr + b).to(tl.int64)
@@ -100,7 +99,7 @@ def _decode_split_kernel(
     lo = split * split_len
     hi = tl.minimum(lo + split_len, kv_len)
 
-    offs_h = tl.arange(0, BLOCK_H)
+    offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < GROUP
     head = (kv_head * GROUP + offs_h).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
@@ -200,22 +199,23 @@ def _decode_merge_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_dv = offs_dv < v_head_dim
 
-    lse = tl.load(part_lse_ptr + b * stride_lb + h * stride_lh + offs_s * stride_ls, mask=mask_s, other=float("-inf"))
+    lse_row = part_lse_ptr + b * stride_lb + h * stride_lh
+    lse = tl.load(lse_row + offs_s * stride_ls, mask=mask_s, other=float("-inf"))
     m = tl.max(lse, 0)
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + h).to(tl.float32)
         m = tl.maximum(m, sink)
     m = tl.where(m == float("-inf"), 0.0, m)  # no token at all: every weight is exp(-inf) = 0
-    w = tl.exp(lse - m)
-    denom = tl.sum(w, 0)
+    denom = tl.sum(tl.exp(lse - m), 0)
     if HAS_SINKS:  # the sink's column of the softmax, dropped from the output: only the denominator
         denom += tl.exp(sink - m)
-    part = tl.load(
-        part_out_ptr + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_dv[None, :] * stride_pd,
-        mask=mask_s[:, None] & mask_dv[None, :],
-        other=0.0,
-    )
-    out = tl.sum(w[:, None] * part, 0) / tl.where(denom > 0.0, denom, 1.0)
+    # one split's row at a time: a [splits, v_head_dim] tile would not fit in registers at MLA's 512
+    out = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    part_row = part_out_ptr + b * stride_pb + h * stride_ph + offs_dv * stride_pd
+    for s in range(0, num_kv_splits):
+        w = tl.exp(tl.load(lse_row + s * stride_ls) - m)
+        out += w * tl.load(part_row + s * stride_ps, mask=mask_dv, other=0.0)
+    out = out / tl.where(denom > 0.0, denom, 1.0)
     tl.store(
         out_ptr + b * stride_ob + h * stride_oh + offs_dv * stride_od,
         out.to(out_ptr.dtype.element_ty),
@@ -240,6 +240,7 @@ def decode_attention(
     sinks: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    arch: str | None = None,
 ) -> torch.Tensor:
     """Decode attention of one query token per request over a paged KV cache.
 
@@ -274,6 +275,7 @@ def decode_attention(
         block_n: tokens per stage-1 tile (power of two >= 16); ``None`` for the default.
         sinks: ``[q_heads]`` float sink logits (gpt-oss), or None.
         k_scale, v_scale: dequantisation scales of an fp8 pool (ignored for other dtypes).
+        arch: the GPU's architecture (``sm_90``...): picks the default tiles (``sizing.decode_blocks``).
 
     Returns:
         ``out``.
@@ -316,14 +318,18 @@ def decode_attention(
 
     group = q_heads // kv_heads
     block_d, block_dpe = split_head_dim(head_dim)
-    block_n = block_n or (_DEFAULT_BLOCK_N if head_dim <= 256 else _WIDE_BLOCK_N)
     block_dv = max(16, triton.next_power_of_2(v_head_dim))
     fp8 = kv_format(k_buffer)
     # an fp8 pool is dequantised into the query's dtype for the dots (fp8 values are exact there)
     qk_dtype, qk_ieee = dot_config(q.dtype) if fp8 else dot_config(q.dtype, k_buffer.dtype)
     pv_dtype, pv_ieee = dot_config(q.dtype if fp8 else v_buffer.dtype)
-    launch = {} if INTERPRETING else {"num_warps": 4, "num_stages": 2}
-    _decode_split_kernel[(batch, kv_heads, num_kv_splits)](
+    block_h, default_n, num_warps, num_stages = decode_blocks(
+        arch, max(block_d, block_dv), sizing_dtype(qk_dtype, pv_dtype), group
+    )
+    block_n = block_n or default_n
+    head_blocks = triton.cdiv(group, block_h)
+    launch = {} if INTERPRETING else {"num_warps": num_warps, "num_stages": num_stages}
+    _decode_split_kernel[(batch, kv_heads * head_blocks, num_kv_splits)](
         q,
         kv_storage(k_buffer),
         kv_storage(v_buffer),
@@ -344,7 +350,8 @@ def decode_attention(
         *partial_out.stride(),
         *partial_lse.stride(),
         GROUP=group,
-        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        HEAD_BLOCKS=head_blocks,
+        BLOCK_H=block_h,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         BLOCK_DPE=block_dpe,
@@ -370,6 +377,6 @@ def decode_attention(
         BLOCK_S=triton.next_power_of_2(num_kv_splits),
         BLOCK_DV=block_dv,
         HAS_SINKS=sinks is not None,
-        **launch,
+        **({} if INTERPRETING else {"num_warps": 4}),
     )
     return out

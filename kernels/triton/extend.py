@@ -29,6 +29,7 @@ from ._common import (
     kv_storage,
     load_kv,
     score_tile,
+    sizing_dtype,
     soft_cap,
     split_head_dim,
 )
@@ -375,12 +376,14 @@ def extend_attention(
 
     block_d, block_dpe = split_head_dim(head_dim)
     block_dv = max(16, triton.next_power_of_2(v_head_dim))
-    default_m, default_n, num_warps, num_stages = extend_blocks(arch, max(head_dim, v_head_dim))
-    block_m = block_m or default_m
-    block_n = block_n or default_n
     # an fp8 pool is dequantised into the query's dtype for the dots (fp8 values are exact there)
     qk_dtype, qk_ieee = dot_config(q.dtype) if fp8 else dot_config(q.dtype, k.dtype, k_buffer.dtype)
     pv_dtype, pv_ieee = dot_config(q.dtype) if fp8 else dot_config(v.dtype, v_buffer.dtype)
+    default_m, default_n, num_warps, num_stages = extend_blocks(
+        arch, max(block_d, block_dv), sizing_dtype(qk_dtype, pv_dtype)
+    )
+    block_m = block_m or default_m
+    block_n = block_n or default_n
     launch = {} if INTERPRETING else {"num_warps": num_warps, "num_stages": num_stages}
     grid = (batch, q_heads, triton.cdiv(max_extend_len, block_m))
     _extend_kernel[grid](

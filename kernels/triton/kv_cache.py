@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from ._common import check_float, check_kv, f32_to_fp8, kv_format, kv_storage
+from .sizing import write_kv_heads
 
 __all__ = ["write_kv", "build_kv_indices", "compute_positions"]
 
@@ -49,7 +50,7 @@ def _write_kv_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(loc_ptr + t).to(tl.int64)
-    offs_h = tl.arange(0, BLOCK_H)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < kv_heads
 
     offs_d = tl.arange(0, BLOCK_D)
@@ -120,7 +121,8 @@ def write_kv(
     if n == 0:
         return
     v = v if write_v else k  # never read
-    _write_kv_kernel[(n,)](
+    block_h = write_kv_heads(kv_heads, max(triton.next_power_of_2(head_dim), triton.next_power_of_2(v_head_dim)))
+    _write_kv_kernel[(n, triton.cdiv(kv_heads, block_h))](
         kv_storage(k_buffer),
         kv_storage(v_buffer),
         loc,
@@ -135,7 +137,7 @@ def write_kv(
         *v_buffer.stride(),
         *k.stride(),
         *v.stride(),
-        BLOCK_H=triton.next_power_of_2(kv_heads),
+        BLOCK_H=block_h,
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_DV=triton.next_power_of_2(v_head_dim),
         KV_FP8=kv_format(k_buffer),

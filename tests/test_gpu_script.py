@@ -1,0 +1,114 @@
+"""bench/gpu.sh, the one-shot GPU run, on this CPU machine: its plan, its early and clear refusals, its summary."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "bench" / "gpu.sh"
+sys.path.insert(0, str(ROOT / "bench"))
+import gpu_preflight  # noqa: E402
+import gpu_summary  # noqa: E402
+import run_table  # noqa: E402
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="bench/gpu.sh is a bash script")
+
+
+def run_script(*args: str, python: str = sys.executable, wheelhouse: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": python}
+    if wheelhouse is not None:
+        env["WHEELHOUSE"] = str(wheelhouse)
+    return subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=300)
+
+
+def fake_wheelhouse(path: Path) -> Path:
+    """Empty files with wheel names: the preflight only reads names and versions."""
+    path.mkdir()
+    for name in ("pytest-9.2.0", "hypothesis-6.170.17", "setuptools-84.2.1", "numpy-2.5.5", "ninja-1.13.2"):
+        (path / f"{name}-py3-none-any.whl").touch()
+    return path
+
+
+def test_dry_run_prints_the_plan_and_runs_nothing(tmp_path):
+    proc = run_script("--dry-run", str(tmp_path / "out"), wheelhouse=fake_wheelhouse(tmp_path / "wh"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for step in ("tests (limit 180s)", "check-triton", "check-flashinfer", "graph (limit 45s)", "bench (limit 120s)"):
+        assert step in proc.stdout
+    assert "--family graph" in proc.stdout and "hal.cli bench --device cuda --json" in proc.stdout
+    assert "dry run: GPU: none" in proc.stdout and "nothing was run" in proc.stdout
+    assert not (tmp_path / "out").exists()
+
+
+def test_without_a_gpu_it_stops_before_anything_runs(tmp_path):
+    proc = run_script(str(tmp_path / "out"), wheelhouse=fake_wheelhouse(tmp_path / "wh"))
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "NO GPU" in proc.stderr and "sees no CUDA GPU" in proc.stderr
+    assert not (tmp_path / "out").exists()  # nothing installed, nothing written
+
+
+def test_a_bare_venv_is_told_exactly_what_is_missing(tmp_path):
+    """Only the standard library: torch and Triton must come with the machine; the rest from the wheelhouse."""
+    venv.create(tmp_path / "bare", with_pip=False)
+    proc = run_script(str(tmp_path / "out"), python=str(tmp_path / "bare" / "bin" / "python"), wheelhouse=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    for package in ("torch >=2.11", "triton >=3.6", "pytest >=8", "hypothesis >=6.100", "setuptools >=77"):
+        assert f"MISSING {package} (not installed" in proc.stderr
+    assert "it must come with the machine" in proc.stderr and "has no wheel of it" in proc.stderr
+    assert "stopping before anything ran" in proc.stderr
+
+
+def test_preflight_installs_from_the_wheelhouse_what_is_missing_or_too_old(tmp_path, monkeypatch):
+    found = {"torch": "2.11.0+cu130", "triton": "3.6.0", "pytest": None, "setuptools": "68.1.2"}
+    monkeypatch.setattr(gpu_preflight, "installed", lambda dist: found.get(dist, "99"))
+    report = gpu_preflight.check(str(fake_wheelhouse(tmp_path / "wh")))
+    assert {e["package"] for e in report["install"]} == {"pytest", "setuptools"}
+    assert not report["missing"]
+    setuptools = next(e for e in report["install"] if e["package"] == "setuptools")
+    assert setuptools["found"] == "68.1.2" and setuptools["wheel"].startswith("setuptools-84")
+    found["triton"] = "3.5.1"
+    report = gpu_preflight.check(str(tmp_path / "wh"))
+    assert [e["package"] for e in report["missing"]] == ["triton"]
+
+
+def test_the_wheelhouse_requirements_are_the_preflights():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gpu_preflight.py"), "--requirements"], capture_output=True, text=True
+    )
+    assert proc.stdout.split() == [f"{d}>={v}" for d, v, _ in gpu_preflight.WHEELHOUSE]
+    assert "gpu_preflight.py --requirements" in (ROOT / "bench" / "wheelhouse.sh").read_text()
+
+
+def test_summary_of_a_run(tmp_path):
+    (tmp_path / "env.json").write_text(json.dumps({"torch": "2.11.0", "triton": "3.6.0", "gpu": {"name": "H200"}}))
+    (tmp_path / "tests.xml").write_text(
+        '<testsuites><testsuite tests="10" failures="1" errors="0" skipped="2"/></testsuites>'
+    )
+    check = {"results": [{"device": "cuda", "backend": "triton", "passed": 40, "failed": 0, "skipped": 3}]}
+    (tmp_path / "check-triton.out").write_text(json.dumps(check))
+    (tmp_path / "steps.tsv").write_text(
+        "tests\t1\t100\t180\tpytest\ncheck-triton\t0\t50\t120\thal check\n"
+        "check-flashinfer\tskipped\t0\t0\tflashinfer does not import\nbench\t124\t120\t120\thal bench\n"
+    )
+    summary = gpu_summary.summarize(tmp_path)
+    steps = {s["name"]: s for s in summary["steps"]}
+    assert steps["tests"]["counts"] == {"tests": 10, "failures": 1, "errors": 0, "skipped": 2, "passed": 7}
+    assert steps["check-triton"]["outcome"] == "passed" and steps["check-triton"]["counts"]["passed"] == 40
+    assert steps["check-flashinfer"]["outcome"] == "skipped"
+    assert steps["bench"]["outcome"] == "timed out" and summary["ok"] is False
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "gpu-run-h200.json").write_text(json.dumps(summary))
+    table = run_table.build(results)
+    assert "| `gpu-run-h200.json` |" in table and "failed 7/10 (100 s)" in table and "timed out" in table
+
+
+def test_the_what_has_run_where_table_is_current():
+    assert run_table.main(["--check"]) == 0, "docs/what-has-run-where.md is stale: python bench/run_table.py"
