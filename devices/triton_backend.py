@@ -7,6 +7,16 @@ numbers (split count, longest extend) and allocates (or, under graph capture, sl
 the preallocated buffers); ``in_graph`` fills ``kv_indptr`` / ``kv_indices`` on the device
 with the helper ops, which are Triton kernels exactly when ``support_triton()`` and the
 device's Triton target allow.
+
+Issue 19's models: MLA (one latent KV head, ``head_dim`` 576 / ``v_head_dim`` 512, the value a
+view of the key's latent columns) runs in the same kernels, which tile a head dim that is not a
+power of two as a main part plus a rest (512 + 64); attention sinks join the softmax denominator
+(decode: once, in the split merge); an fp8 pool (e4m3fn, e5m2) is written quantised by
+``write_kv`` (saturating, the layer's ``k_scale`` / ``v_scale``) and read as bytes, decoded by
+bit manipulation and scaled, so it needs no hardware fp8 conversion (Triton has it only on
+sm_89+) and runs under the interpreter exactly (whose own fp32 -> fp8 cast flushes
+subnormals). Over an fp8 pool the extend kernel reads the new tokens from the pool too, as
+stored, like every other key.
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ from hal.backend import AttentionBackend
 from hal.batch import ForwardBatch, device_lens, host_lens
 from hal.capability import DTYPE_NAMES, DeviceCapability
 from hal.errors import GraphCaptureError
+from hal.kernels.reference import is_fp8, kv_scales
 from hal.kernels.triton.sizing import decode_splits, extend_blocks
 
 __all__ = ["TritonBackend"]
@@ -49,7 +60,9 @@ def _extend_tiles(arch: str | None, head_dim: int, v_head_dim: int, dtype: str) 
 class TritonBackend(AttentionBackend):
     name = "triton"
     dtypes = frozenset({"fp32", "bf16", "fp16"})
+    kv_cache_dtypes = frozenset({"fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2"})  # fp8: decoded in software
     supports_mla = True
+    supports_sinks = True
     needs_cpu_seq_lens = True  # kv_indices is sized by seq_lens_sum outside graphs
 
     def __init__(self, capability: DeviceCapability, config=None, **options):
@@ -185,6 +198,14 @@ class TritonBackend(AttentionBackend):
         return meta.windows[window]
 
     # -- forward -----------------------------------------------------------------------
+    def save_kv(self, layer, forward_batch: ForwardBatch, k: torch.Tensor, v) -> None:
+        """The Triton ``write_kv`` for every pool: fp8 quantised with the layer's scales, MLA's key only."""
+        from hal.kernels import triton as kernels
+
+        pool = forward_batch.token_to_kv_pool
+        k_buffer, v_buffer = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+        kernels.write_kv(k_buffer, v_buffer, forward_batch.out_cache_loc, k, v, *kv_scales(layer))
+
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         from hal.kernels import triton as kernels
 
@@ -199,6 +220,7 @@ class TritonBackend(AttentionBackend):
         partial_lse = torch.empty(bs, heads, splits, dtype=torch.float32, device=q.device)
         pool = forward_batch.token_to_kv_pool
         k_buffer, v_buffer = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+        k_scale, v_scale = kv_scales(layer)
         kernels.decode_attention(
             q,
             k_buffer,
@@ -211,6 +233,9 @@ class TritonBackend(AttentionBackend):
             num_kv_splits=splits,
             partial_out=partial_out,
             partial_lse=partial_lse,
+            sinks=_contiguous(kwargs.get("sinks")),
+            k_scale=k_scale,
+            v_scale=v_scale,
             arch=self.capability.arch,
         )
         return out.view(bs, heads * layer.v_head_dim)
@@ -222,6 +247,13 @@ class TritonBackend(AttentionBackend):
         out = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
         pool = forward_batch.token_to_kv_pool
         k_buffer, v_buffer = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+        k_scale, v_scale = kv_scales(layer)
+        # the new tokens read at their slots, as stored, from an fp8 pool or when the engine wrote them
+        # (save_kv_cache=False: the cache, not k/v, is what they are); MLA without v: the key's latent
+        from_pool = is_fp8(k_buffer.dtype) or not save_kv_cache
+        new_kv_loc = forward_batch.out_cache_loc if from_pool else None
+        if v is None and k is not None:
+            v = k[..., : layer.v_head_dim]
         kernels.extend_attention(
             q,
             k,
@@ -239,8 +271,17 @@ class TritonBackend(AttentionBackend):
             logit_cap=layer.logit_cap,
             custom_mask=meta.custom_mask,
             arch=self.capability.arch,
+            sinks=_contiguous(kwargs.get("sinks")),
+            k_scale=k_scale,
+            v_scale=v_scale,
+            new_kv_loc=new_kv_loc,
         )
         return out.view(q.shape[0], -1)
 
     def forward_mixed(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+
+def _contiguous(sinks: torch.Tensor | None) -> torch.Tensor | None:
+    """The sinks as the kernels read them (a no-op for the usual contiguous ``[Hq]`` parameter)."""
+    return None if sinks is None else sinks.contiguous()

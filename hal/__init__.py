@@ -21,7 +21,15 @@ from hal.errors import (
     PluginError,
     UnsupportedError,
 )
-from hal.kv_cache import KVPool, MHATokenToKVPool, PagedKVPool, ReqToTokenPool, ReqToTokenTable
+from hal.kv_cache import (
+    KVPool,
+    MHATokenToKVPool,
+    MLAKVPool,
+    MLATokenToKVPool,
+    PagedKVPool,
+    ReqToTokenPool,
+    ReqToTokenTable,
+)
 from hal.layer import AttentionLayer
 from hal.registry import Device, get_registry, register_device
 from hal.selection import Selection, create_backend, detect, select
@@ -49,6 +57,8 @@ __all__ = [
     "InvalidBatchError",
     "KVCacheError",
     "MHATokenToKVPool",
+    "MLAKVPool",
+    "MLATokenToKVPool",
     "NoBackendError",
     "PageAllocator",
     "PagedKVPool",

@@ -34,7 +34,9 @@ import torch
 from hal.batch import validate_batch, validation_level
 from hal.capability import DTYPE_NAMES, DeviceCapability
 from hal.deprecation import warn_renamed
-from hal.errors import ConfigError, InvalidBatchError, expect
+from hal.errors import ConfigError, InvalidBatchError, UnsupportedError, expect
+from hal.kernels.reference import dequantize_kv, is_fp8, kv_scales, shares_storage, write_kv
+from hal.kv_cache import kv_cache_dtype_name
 
 if TYPE_CHECKING:
     from hal.batch import ForwardBatch
@@ -54,6 +56,7 @@ def _with_prologue(method):
     def forward_with_prologue(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         if getattr(self, "_in_prologue_call", False):
             return method(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        self.check_model_features(layer, forward_batch, kwargs.get("sinks"))  # sinks= / an fp8 pool: declared?
         q, k, v = self.prepare_forward(q, k, v, layer, forward_batch, save_kv_cache)
         self._in_prologue_call = True
         try:
@@ -101,7 +104,9 @@ class AttentionBackend:
     supports_non_causal: ClassVar[bool] = True
     supports_custom_mask: ClassVar[bool] = True
     supports_graph: ClassVar[bool] = True
-    supports_mla: ClassVar[bool] = False  # v_head_dim != head_dim
+    supports_mla: ClassVar[bool] = False  # v_head_dim != head_dim (MLA's latent layout is that case)
+    supports_sinks: ClassVar[bool] = False  # forward(..., sinks=) (gpt-oss attention sinks)
+    kv_cache_dtypes: ClassVar[frozenset[str] | None] = None  # KV cache dtype names; None: the same as ``dtypes``
     # Token i of a request must sit at offset i % page_size of its page (kernels that read whole pages).
     requires_page_aligned_slots: ClassVar[bool] = False
     # Backend-specific constructor options and their defaults (``Selection.create(**options)``).
@@ -199,6 +204,7 @@ class AttentionBackend:
         ):
             if wanted and not supported:
                 reasons.append(f"{what} not supported")
+        reasons += cls.model_feature_reasons(config)
         if config.graph and not cls.supports_graph:
             reasons.append("graph capture not supported")
         elif config.graph and not capability.graph:
@@ -215,6 +221,18 @@ class AttentionBackend:
         """The routes of :meth:`routes` the last forward of ``forward_batch`` on ``layer`` took (called by
         the conformance suite after the forward, under the same host threads; may read host values)."""
         return []
+
+    @classmethod
+    def model_feature_reasons(cls, config: AttentionConfig) -> list[str]:
+        """Why this backend cannot serve ``config``'s attention sinks or KV cache dtype (empty: it can)."""
+        reasons = []
+        if getattr(config, "attention_sinks", False) and not cls.supports_sinks:
+            reasons.append("attention sinks not supported")
+        declared = cls.kv_cache_dtypes if cls.kv_cache_dtypes is not None else cls.dtypes
+        kv_dtype = getattr(config, "kv_cache_dtype_name", config.dtype_name)
+        if kv_dtype != config.dtype_name and kv_dtype not in declared:
+            reasons.append(f"kv_cache_dtype {kv_dtype} not supported (supports {sorted(declared)})")
+        return reasons
 
     # -- SGLang's metadata contract ----------------------------------------------------
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
@@ -305,6 +323,8 @@ class AttentionBackend:
         ``k``/``v`` the new tokens' keys and values likewise (SGLang's ``RadixAttention`` hands
         ``[T, H, D]`` views; None with ``save_kv_cache=False``: then they are read from the cache,
         SGLang's contract); returns ``[T, q_heads * v_head_dim]`` in ``q.dtype``.
+        ``sinks=`` (``[q_heads]`` float, gpt-oss) reaches ``forward_*`` as ``sinks=``; an MLA
+        layer's ``v`` may be None (the value is the key's latent).
 
         Runs the prologue once (:meth:`prepare_forward`: layer and input checks, the metadata
         lookup, the KV write or read-back), then routes on ``forward_mode``: IDLE returns an
@@ -393,10 +413,43 @@ class AttentionBackend:
         return True
 
     def get_indexer_metadata(self, layer_id: int, forward_batch: ForwardBatch):
-        """Sparse-attention indexer metadata; None means this backend has no indexer."""
+        """Sparse-attention indexer metadata (DeepSeek-V3.2's native sparse attention); None: no indexer.
+
+        A backend with an indexer would return what its indexer kernels read for this step:
+        per request the KV slots of its tokens (block table), sequence and query lengths with
+        their cumulative offsets, the page size and the top-k index buffers attention gathers
+        from. No hal backend has one (docs/porting.md, section 12): None, so the engine runs
+        dense attention.
+        """
         return None
 
     # -- shared by the backends --------------------------------------------------------
+    def check_model_features(self, layer: AttentionLayer, forward_batch: ForwardBatch, sinks) -> None:
+        """``UnsupportedError`` for ``sinks`` or an fp8 KV pool this backend does not declare; ``InvalidBatchError``
+        for sinks that are not a float ``[q_heads]`` tensor on the pool's device."""
+        if sinks is not None:
+            expect(
+                self.supports_sinks, UnsupportedError, "sinks", "a tensor", f"None: {self.name} has no attention sinks"
+            )
+            heads, device = layer.tp_q_head_num, forward_batch.out_cache_loc.device
+            expect(
+                isinstance(sinks, torch.Tensor)
+                and sinks.is_floating_point()
+                and tuple(sinks.shape) == (heads,)
+                and sinks.device == device,
+                InvalidBatchError,
+                "sinks",
+                f"{sinks.dtype}{list(sinks.shape)} on {sinks.device}" if isinstance(sinks, torch.Tensor) else sinks,
+                f"a float tensor [{heads}] (one logit per q head) on {device}",
+            )
+        dtype = forward_batch.token_to_kv_pool.dtype
+        if is_fp8(dtype):
+            declared = self.kv_cache_dtypes if self.kv_cache_dtypes is not None else self.dtypes
+            name = kv_cache_dtype_name(dtype)
+            expect(
+                name in declared, UnsupportedError, "KV cache dtype", name, f"one of {self.name}'s {sorted(declared)}"
+            )
+
     def check_batch(self, forward_batch: ForwardBatch) -> None:
         """Validate ``forward_batch`` at this backend's level, with what this backend needs (page-aligned
         slots). Call it first in ``init_forward_metadata_out_graph``; hal's own batches already passed
@@ -456,25 +509,38 @@ class AttentionBackend:
         """The positions / kv-indices / KV-write ops for this backend: a kernel package (:func:`helper_ops_for`)."""
         return helper_ops_for(self)
 
-    def save_kv(self, layer: AttentionLayer, forward_batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write the new tokens' ``k``/``v`` (``[T, kv_heads, dim]``) at ``out_cache_loc``."""
+    def save_kv(self, layer: AttentionLayer, forward_batch: ForwardBatch, k: torch.Tensor, v) -> None:
+        """Write the new tokens' ``k``/``v`` (``[T, kv_heads, dim]``) at ``out_cache_loc``.
+
+        An fp8 pool stores them quantised with the layer's scales, an MLA pool the key only
+        (``v`` may be None), both as ``hal.kernels.reference.write_kv``.
+        """
         pool = forward_batch.token_to_kv_pool
         k_buffer, v_buffer = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+        if is_fp8(k_buffer.dtype) or shares_storage(k_buffer, v_buffer):
+            write_kv(k_buffer, v_buffer, forward_batch.out_cache_loc, k, v, *kv_scales(layer))
+            return
         self.helper_ops.write_kv(k_buffer, v_buffer, forward_batch.out_cache_loc, k, v)
 
     def new_kv_from_cache(
         self, layer: AttentionLayer, forward_batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The query tokens' keys and values read back from the cache (``k``/``v`` were None), in the cache dtype."""
+        """The query tokens' keys and values read back from the cache (``k``/``v`` were None), in the cache
+        dtype (an fp8 cache: dequantised to float32)."""
         pool, loc = forward_batch.token_to_kv_pool, forward_batch.out_cache_loc.long()
-        return pool.get_key_buffer(layer.layer_id)[loc], pool.get_value_buffer(layer.layer_id)[loc]
+        k, v = pool.get_key_buffer(layer.layer_id)[loc], pool.get_value_buffer(layer.layer_id)[loc]
+        if not is_fp8(k.dtype):
+            return k, v
+        k_scale, v_scale = kv_scales(layer)
+        return dequantize_kv(k, k_scale), dequantize_kv(v, v_scale)
 
     def check_inputs(self, q, k, v, layer: AttentionLayer, forward_batch: ForwardBatch, save_kv_cache: bool = True):
         """Check ``q``/``k``/``v`` against the layer, batch and pool; return them as ``[T, heads, dim]``.
 
         Each must be exactly ``[T, heads * dim]`` or ``[T, heads, dim]`` of the layer, one
         float dtype, on the pool's device; ``k``/``v`` may be None only with
-        ``save_kv_cache=False``. Shapes only: no device read. Runs once per layer call, so
+        ``save_kv_cache=False``, ``v`` alone with an MLA pool (the value is the key's latent).
+        Shapes only: no device read. Runs once per layer call, so
         the passing path builds no message.
         """
         tokens = forward_batch.out_cache_loc.shape[0]
@@ -484,7 +550,8 @@ class AttentionBackend:
         kv_heads, head_dim, v_dim = layer.tp_k_head_num, layer.head_dim, layer.v_head_dim
         specs = ((q, layer.tp_q_head_num, head_dim), (k, kv_heads, head_dim), (v, layer.tp_v_head_num, v_dim))
         ok = (k_buffer.shape[1], k_buffer.shape[2], v_buffer.shape[2]) == (kv_heads, head_dim, v_dim)
-        ok = ok and (k is not None and v is not None or k is None and v is None and not save_kv_cache)
+        latent_v = v is None and k is not None and shares_storage(k_buffer, v_buffer)  # MLA: v is k's latent
+        ok = ok and (k is not None and v is not None or k is None and v is None and not save_kv_cache or latent_v)
         device, dtype = k_buffer.device, getattr(q, "dtype", None)
         shaped = []
         for t, heads, dim in specs:
@@ -518,7 +585,7 @@ class AttentionBackend:
         )
         if k is None or v is None:
             expect(
-                k is None and v is None and not save_kv_cache,
+                k is None and v is None and not save_kv_cache or k is not None and shares_storage(k_buffer, v_buffer),
                 InvalidBatchError,
                 "k, v",
                 "None",

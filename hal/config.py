@@ -10,7 +10,8 @@ import torch
 from hal.capability import DTYPE_NAMES
 from hal.deprecation import accept_renamed_kwargs
 from hal.errors import ConfigError, expect
-from hal.layer import AttentionLayer
+from hal.kv_cache import KV_CACHE_DTYPES, kv_cache_dtype_name
+from hal.layer import AttentionLayer, check_mla_shape
 
 __all__ = ["AttentionConfig"]
 
@@ -29,6 +30,13 @@ class AttentionConfig:
     For planning: ``layer_num`` layers, ``layers`` their descriptors when they differ
     (per-layer window / cap / causality; :meth:`from_layers` derives the rest from them),
     ``max_context_len`` and ``max_batch_size`` (None: unknown).
+
+    The models beyond Llama's shape: ``kv_lora_rank`` / ``qk_rope_head_dim`` (MLA, as
+    :class:`AttentionLayer`: one KV head, ``head_dim = kv_lora_rank + qk_rope_head_dim``,
+    ``v_head_dim = kv_lora_rank``); ``attention_sinks``: forward gets a ``sinks=`` tensor
+    (gpt-oss); ``kv_cache_dtype``: the KV cache's dtype when it is not the model dtype
+    (None or SGLang's ``"auto"``), by name (``"fp8_e4m3"``, ``"fp8_e5m2"``, ``"bf16"`` ...) or
+    torch dtype; stored as its name.
     """
 
     tp_q_head_num: int = 32
@@ -46,6 +54,10 @@ class AttentionConfig:
     max_context_len: int | None = None
     max_batch_size: int | None = None
     layers: tuple[AttentionLayer, ...] = ()
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    attention_sinks: bool = False
+    kv_cache_dtype: str | None = None
 
     @classmethod
     def from_layers(cls, layers: Sequence[AttentionLayer], **kwargs) -> AttentionConfig:
@@ -68,6 +80,8 @@ class AttentionConfig:
             sliding_window_size=max(x.sliding_window_size for x in layers),
             logit_cap=max(x.logit_cap for x in layers),
             non_causal=any(not x.causal for x in layers),
+            kv_lora_rank=first.kv_lora_rank,
+            qk_rope_head_dim=first.qk_rope_head_dim,
             layer_num=len(layers),
             layers=layers,
             **kwargs,
@@ -101,8 +115,9 @@ class AttentionConfig:
             "a power of two",
         )
         expect(self.dtype in DTYPE_NAMES, ConfigError, "dtype", self.dtype, "float32, bfloat16 or float16")
-        if self.v_head_dim is None:
-            object.__setattr__(self, "v_head_dim", self.head_dim)
+        if self.v_head_dim is None:  # MLA's value is the latent
+            mla = isinstance(self.kv_lora_rank, int) and self.kv_lora_rank > 0
+            object.__setattr__(self, "v_head_dim", self.kv_lora_rank if mla else self.head_dim)
         expect(
             isinstance(self.v_head_dim, int) and self.v_head_dim > 0,
             ConfigError,
@@ -120,17 +135,55 @@ class AttentionConfig:
                 value,
                 "a positive int" + ("" if name == "layer_num" else " or None"),
             )
+        check_mla_shape(self)
+        expect(
+            isinstance(self.attention_sinks, bool),
+            ConfigError,
+            "attention_sinks",
+            self.attention_sinks,
+            "a bool (forward gets sinks=)",
+        )
+        self._normalise_kv_cache_dtype()
         object.__setattr__(self, "layers", tuple(self.layers))
-        shape = (self.tp_q_head_num, self.tp_k_head_num, self.head_dim, self.v_head_dim)
+        shape = (self.tp_q_head_num, self.tp_k_head_num, self.head_dim, self.v_head_dim, self.kv_lora_rank)
         for layer in self.layers:
-            own = (layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim, layer.v_head_dim)
+            own = (layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim, layer.v_head_dim, layer.kv_lora_rank)
             expect(
                 own == shape,
                 ConfigError,
-                f"layers[{layer.layer_id}] (q heads, kv heads, head_dim, v_head_dim)",
+                f"layers[{layer.layer_id}] (q heads, kv heads, head_dim, v_head_dim, kv_lora_rank)",
                 own,
                 f"the config's {shape}",
             )
+
+    def _normalise_kv_cache_dtype(self) -> None:
+        value = self.kv_cache_dtype
+        if isinstance(value, torch.dtype) and value in KV_CACHE_DTYPES.values():
+            value = kv_cache_dtype_name(value)
+        if isinstance(value, str):
+            value = {"auto": None, "fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3"}.get(value, value)
+        expect(
+            value is None or isinstance(value, str) and value in KV_CACHE_DTYPES,
+            ConfigError,
+            "kv_cache_dtype",
+            self.kv_cache_dtype,
+            f"None / 'auto' (the model dtype) or one of {list(KV_CACHE_DTYPES)} (or their torch dtypes)",
+        )
+        object.__setattr__(self, "kv_cache_dtype", value)
+
+    @property
+    def kv_cache_dtype_name(self) -> str:
+        """The KV cache's dtype name: ``kv_cache_dtype``, or the model dtype's."""
+        return self.kv_cache_dtype or self.dtype_name
+
+    @property
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        """The KV pool's torch dtype."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype_name]
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
 
     @property
     def dtype_name(self) -> str:

@@ -456,7 +456,8 @@ class TorchGraph(Graph):
 class GraphRunner:
     """Capture ``backend``'s DECODE forward over ``layers`` at ``capture_bs`` and replay it; with
     ``draft_token_num``, its TARGET_VERIFY forward of that many draft tokens per request instead
-    (SGLang's graph runner under speculative decoding).
+    (SGLang's graph runner under speculative decoding). ``sinks``: each layer's attention-sink
+    tensor (``[q_heads]``, read at its captured address), or None.
 
     ``run(fb, q, k, v)`` returns ``[num_layers, tokens, q_heads * v_head_dim]``, the same
     values eager forwards would, for any batch of the captured mode (and draft count) of at
@@ -474,6 +475,7 @@ class GraphRunner:
         capture_bs: Sequence[int] = (1, 2, 4, 8),
         dtype: torch.dtype = torch.float32,
         draft_token_num: int | None = None,
+        sinks: Sequence[torch.Tensor] | None = None,
     ):
         expect(
             len(capture_bs) > 0 and all(b > 0 for b in capture_bs),
@@ -490,6 +492,14 @@ class GraphRunner:
             "None (capture DECODE) or an int >= 1 (capture TARGET_VERIFY)",
         )
         self.backend, self.layers = backend, list(layers)
+        expect(
+            sinks is None or len(sinks) == len(self.layers),
+            InvalidBatchError,
+            "sinks",
+            f"{len(sinks)} tensors" if sinks is not None else None,
+            f"None or one [q_heads] tensor per layer ({len(self.layers)})",
+        )
+        self.forward_kwargs = [{} if t is None else {"sinks": t} for t in (sinks or [None] * len(self.layers))]
         self.req_to_token_pool, self.token_to_kv_pool = req_to_token_pool, token_to_kv_pool
         self.make_graph = make_graph
         self.capture_bs = sorted(set(capture_bs))
@@ -509,7 +519,9 @@ class GraphRunner:
     def _forward(self, fb: ForwardBatch) -> torch.Tensor:
         rows = fb.batch_size * self.tokens_per_req
         q, k, v = self.q[:rows], self.k[:rows], self.v[:rows]
-        return torch.stack([self.backend.forward(q, k, v, layer, fb) for layer in self.layers])
+        return torch.stack(
+            [self.backend.forward(q, k, v, layer, fb, **kw) for layer, kw in zip(self.layers, self.forward_kwargs)]
+        )
 
     def capture(self) -> None:
         backend = self.backend

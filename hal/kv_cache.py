@@ -23,6 +23,7 @@ import torch
 from hal.capability import resolve_device
 from hal.deprecation import accept_renamed_kwargs
 from hal.errors import KVCacheError, describe, expect
+from hal.kernels.reference import kv_scales, quantize_kv, store
 
 __all__ = [
     "ReqToTokenTable",
@@ -30,12 +31,32 @@ __all__ = [
     "ReqToTokenPool",
     "PagedKVPool",
     "MHATokenToKVPool",
+    "MLAKVPool",
+    "MLATokenToKVPool",
+    "KV_CACHE_DTYPES",
+    "kv_cache_dtype_name",
     "pool_geometry",
     "paged_view",
 ]
 
 INDEX_DTYPES = (torch.int32, torch.int64)
-KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Cache dtypes by name (SGLang's --kv-cache-dtype spells fp8 fp8_e4m3 / fp8_e5m2); fp8 is scaled: hal.kernels.reference.
+KV_CACHE_DTYPES = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+KV_DTYPES = tuple(KV_CACHE_DTYPES.values())
+
+
+def kv_cache_dtype_name(dtype: torch.dtype) -> str:
+    """The name of a KV cache dtype (``"bf16"``, ``"fp8_e4m3"`` ...); ``KVCacheError`` for any other dtype."""
+    for name, known in KV_CACHE_DTYPES.items():
+        if dtype == known:
+            return name
+    expect(False, KVCacheError, "KV cache dtype", dtype, f"one of {list(KV_CACHE_DTYPES)}")
 
 
 @runtime_checkable
@@ -146,7 +167,8 @@ class PagedKVPool:
     """Per-layer K and V buffers of ``num_slots = (num_pages + 1) * page_size`` token slots.
 
     ``k_buffer[i]``: ``[num_slots, head_num, head_dim]``; ``v_buffer[i]``:
-    ``[num_slots, head_num, v_head_dim]``; both in ``dtype`` (the model dtype), for the
+    ``[num_slots, head_num, v_head_dim]``; both in ``dtype`` (the model dtype, or
+    ``float8_e4m3fn`` / ``float8_e5m2``: writes quantise with the layer's scales), for the
     model's layers ``start_layer .. start_layer + layer_num - 1`` (a pipeline stage holds
     a slice of the model). Usable slots are ``page_size .. num_slots - 1``; page 0 takes
     padding writes.
@@ -298,24 +320,141 @@ class PagedKVPool:
                 f"slots in [0, {self.num_slots})",
             )
 
-    def set_kv_buffer(self, layer, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, *args, **kwargs):
+    def set_kv_buffer(
+        self,
+        layer,
+        loc: torch.Tensor,
+        cache_k: torch.Tensor,
+        cache_v: torch.Tensor,
+        k_scale=None,
+        v_scale=None,
+        layer_id_override: int | None = None,
+    ) -> None:
         """Store ``cache_k``/``cache_v`` (``[n, head_num, dim]``) at slots ``loc`` (``[n]``) of ``layer``.
 
-        ``layer`` is an ``AttentionLayer`` or a layer id. Values are cast to the pool
-        dtype. Nothing is written unless every check passes. (SGLang's extra arguments,
-        fp8 scales, are accepted and must be None.)
+        ``layer`` is an ``AttentionLayer`` (or SGLang's ``RadixAttention``) or a layer id;
+        ``layer_id_override`` replaces its id (SGLang's argument). Values are cast to the pool
+        dtype; an fp8 pool quantises them with ``k_scale`` / ``v_scale`` (floats or 1-element
+        tensors; None: the layer's scales, 1.0 for a bare id), as ``hal.kernels.reference.quantize_kv``.
+        Nothing is written unless every check passes.
         """
-        expect(
-            all(a is None for a in (*args, *kwargs.values())),
-            KVCacheError,
-            "set_kv_buffer extra arguments",
-            (args, kwargs),
-            "None (hal's pool stores the model dtype; no fp8 scales)",
-        )
-        index = self._layer(getattr(layer, "layer_id", layer))
+        index, ks, vs = self._write_target(layer, k_scale, v_scale, layer_id_override)
         self.check_kv(loc, cache_k, cache_v)
-        self.k_buffer[index][loc] = cache_k.to(self.dtype)
-        self.v_buffer[index][loc] = cache_v.to(self.dtype)
+        store(self.k_buffer[index], loc, quantize_kv(cache_k, self.dtype, ks))
+        store(self.v_buffer[index], loc, quantize_kv(cache_v, self.dtype, vs))
+
+    def _write_target(self, layer, k_scale, v_scale, layer_id_override) -> tuple[int, float, float]:
+        """The buffer index and the ``(k_scale, v_scale)`` floats of a write."""
+        layer_id = layer_id_override if layer_id_override is not None else getattr(layer, "layer_id", layer)
+        own_k, own_v = kv_scales(layer) if not isinstance(layer, int) else (1.0, 1.0)
+        scales = []
+        for name, given, own in (("k_scale", k_scale, own_k), ("v_scale", v_scale, own_v)):
+            value = own if given is None else float(given)
+            expect(value > 0 and value != float("inf"), KVCacheError, name, value, "a finite float > 0")
+            scales.append(value)
+        return self._layer(layer_id), scales[0], scales[1]
+
+
+class MLAKVPool(PagedKVPool):
+    """SGLang's ``MLATokenToKVPool``: one buffer per layer, the compressed latent and the rope part of each token.
+
+    ``kv_buffer[i]`` (also ``k_buffer[i]``): ``[num_slots, 1, kv_lora_rank + qk_rope_head_dim]``;
+    ``v_buffer[i]`` is its view ``[..., :kv_lora_rank]`` (the latent is the value: no copy,
+    no second write). ``dtype`` is the model dtype or fp8 (scaled with the layer's
+    ``k_scale``, which for MLA is also its ``v_scale``). Slots and pages as :class:`PagedKVPool`.
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        layer_num: int,
+        kv_lora_rank: int,
+        qk_rope_head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        start_layer: int = 0,
+    ):
+        for name, value in (("num_pages", num_pages), ("layer_num", layer_num), ("kv_lora_rank", kv_lora_rank)):
+            expect(isinstance(value, int) and value > 0, KVCacheError, name, value, "a positive int")
+        expect(
+            isinstance(qk_rope_head_dim, int) and qk_rope_head_dim >= 0,
+            KVCacheError,
+            "qk_rope_head_dim",
+            qk_rope_head_dim,
+            "an int >= 0",
+        )
+        _check_page_size(page_size)
+        expect(dtype in KV_DTYPES, KVCacheError, "dtype", dtype, f"one of {KV_DTYPES}")
+        slots, dim, device = (num_pages + 1) * page_size, kv_lora_rank + qk_rope_head_dim, resolve_device(device)
+        buffers = [torch.zeros(slots, 1, dim, dtype=dtype, device=device) for _ in range(layer_num)]
+        self._attach_latent(buffers, kv_lora_rank, page_size, start_layer)
+
+    @classmethod
+    def from_buffers(
+        cls, kv_buffers: Sequence[torch.Tensor], kv_lora_rank: int, page_size: int, start_layer: int = 0
+    ) -> MLAKVPool:
+        """Wrap an engine's per-layer ``[num_slots, 1, kv_lora_rank + qk_rope_head_dim]`` buffers without a copy."""
+        _check_page_size(page_size)
+        pool = cls.__new__(cls)
+        pool._attach_latent(list(kv_buffers), kv_lora_rank, page_size, start_layer)
+        return pool
+
+    def _attach_latent(self, kv_buffers: list, kv_lora_rank: int, page_size: int, start_layer: int) -> None:
+        first = kv_buffers[0] if kv_buffers else None
+        expect(
+            isinstance(first, torch.Tensor) and first.dim() == 3 and first.shape[1] == 1,
+            KVCacheError,
+            "kv_buffers[0]",
+            describe(first),
+            "a [num_slots, 1, kv_lora_rank + qk_rope_head_dim] tensor (one latent head)",
+        )
+        expect(
+            isinstance(kv_lora_rank, int) and 0 < kv_lora_rank <= first.shape[2],
+            KVCacheError,
+            "kv_lora_rank",
+            kv_lora_rank,
+            f"a positive int <= the buffers' last dim ({first.shape[2]})",
+        )
+        self._attach(kv_buffers, [buf[..., :kv_lora_rank] for buf in kv_buffers], page_size, start_layer)
+        self.kv_buffer = self.k_buffer
+        self.kv_lora_rank, self.qk_rope_head_dim = kv_lora_rank, self.head_dim - kv_lora_rank
+
+    def check_kv(self, loc: torch.Tensor, cache_k: torch.Tensor, cache_v=None, check_range: bool = True) -> None:
+        """As :meth:`PagedKVPool.check_kv`; ``cache_v`` (the latent again) may be None."""
+        super().check_kv(loc, cache_k, cache_k[..., : self.kv_lora_rank] if cache_v is None else cache_v, check_range)
+
+    def set_kv_buffer(
+        self,
+        layer,
+        loc: torch.Tensor,
+        cache_k: torch.Tensor,
+        cache_v: torch.Tensor | None = None,
+        k_scale=None,
+        v_scale=None,
+        layer_id_override: int | None = None,
+    ) -> None:
+        """Store the full key ``cache_k`` ``[n, 1, kv_lora_rank + qk_rope_head_dim]`` (latent and rope part)
+        at ``loc``; ``cache_v`` (its latent, for the MHA signature) is checked, not written."""
+        index, ks, _ = self._write_target(layer, k_scale, v_scale, layer_id_override)
+        self.check_kv(loc, cache_k, cache_v)
+        store(self.k_buffer[index], loc, quantize_kv(cache_k, self.dtype, ks))
+
+    def set_mla_kv_buffer(self, layer, loc: torch.Tensor, cache_k_nope: torch.Tensor, cache_k_rope: torch.Tensor):
+        """SGLang's split write: the latent ``[n, 1, kv_lora_rank]`` and the rope part ``[n, 1, qk_rope_head_dim]``."""
+        n = loc.numel() if isinstance(loc, torch.Tensor) else -1
+        for name, t, dim in (
+            ("cache_k_nope", cache_k_nope, self.kv_lora_rank),
+            ("cache_k_rope", cache_k_rope, self.qk_rope_head_dim),
+        ):
+            expect(
+                isinstance(t, torch.Tensor) and tuple(t.shape) == (n, 1, dim),
+                KVCacheError,
+                f"{name}.shape",
+                describe(t),
+                f"({n}, 1, {dim}) for {n} slots",
+            )
+        self.set_kv_buffer(layer, loc, torch.cat([cache_k_nope, cache_k_rope.to(cache_k_nope.dtype)], dim=-1))
 
 
 # Renamed in 0.2.0 to SGLang's names; the old keywords still work, with a warning.
@@ -364,3 +503,6 @@ def _check_page_size(page_size) -> None:
 
 MHATokenToKVPool = PagedKVPool
 """SGLang's name for the same pool."""
+
+MLATokenToKVPool = MLAKVPool
+"""SGLang's name for the latent pool."""

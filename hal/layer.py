@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from hal.errors import ConfigError, expect
@@ -30,6 +31,10 @@ class AttentionLayer:
     sliding_window_size: int = -1
     is_cross_attention: bool = False
     attn_type: str = "decoder"
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    k_scale: float | None = None
+    v_scale: float | None = None
 
     def __post_init__(self) -> None:
         for field in ("tp_q_head_num", "tp_k_head_num", "head_dim"):
@@ -51,8 +56,9 @@ class AttentionLayer:
         )
         if self.tp_v_head_num is None:
             object.__setattr__(self, "tp_v_head_num", self.tp_k_head_num)
-        if self.v_head_dim is None:
-            object.__setattr__(self, "v_head_dim", self.head_dim)
+        if self.v_head_dim is None:  # MLA's value is the latent
+            mla = isinstance(self.kv_lora_rank, int) and self.kv_lora_rank > 0
+            object.__setattr__(self, "v_head_dim", self.kv_lora_rank if mla else self.head_dim)
         if self.scaling is None:
             object.__setattr__(self, "scaling", self.head_dim**-0.5)
         expect(
@@ -77,6 +83,30 @@ class AttentionLayer:
             "an int >= -1 (-1 disables it)",
         )
         expect(self.attn_type in ATTN_TYPES, ConfigError, "attn_type", self.attn_type, f"one of {ATTN_TYPES}")
+        check_mla_shape(self)
+        if self.is_mla and self.v_scale is None:  # the value is the key's latent: one scale
+            object.__setattr__(self, "v_scale", self.k_scale)
+        expect(
+            not self.is_mla or self.v_scale == self.k_scale,
+            ConfigError,
+            "v_scale",
+            self.v_scale,
+            f"k_scale ({self.k_scale}) for MLA: the value is the key's latent, stored once",
+        )
+        for name in ("k_scale", "v_scale"):
+            value = getattr(self, name)
+            expect(
+                value is None or isinstance(value, (int, float)) and math.isfinite(value) and value > 0,
+                ConfigError,
+                name,
+                value,
+                "a finite float > 0 (or None: 1.0)",
+            )
+
+    @property
+    def is_mla(self) -> bool:
+        """Latent attention (``kv_lora_rank > 0``): one KV head, the value a view of the key's latent."""
+        return self.kv_lora_rank > 0
 
     @property
     def causal(self) -> bool:
@@ -86,3 +116,32 @@ class AttentionLayer:
     def group_size(self) -> int:
         """Query heads per KV head (1: MHA, ``tp_q_head_num``: MQA)."""
         return self.tp_q_head_num // self.tp_k_head_num
+
+
+def check_mla_shape(obj) -> None:
+    """``ConfigError`` unless ``obj``'s (a layer's or config's) MLA fields fit its heads and dims.
+
+    With ``kv_lora_rank > 0``: ``tp_k_head_num == 1``, ``head_dim == kv_lora_rank +
+    qk_rope_head_dim``, ``v_head_dim == kv_lora_rank``; with 0, ``qk_rope_head_dim`` is 0 too.
+    """
+    rank, rope = obj.kv_lora_rank, obj.qk_rope_head_dim
+    for name, value in (("kv_lora_rank", rank), ("qk_rope_head_dim", rope)):
+        expect(isinstance(value, int) and value >= 0, ConfigError, name, value, "an int >= 0 (0: not MLA)")
+    if rank == 0:
+        expect(rope == 0, ConfigError, "qk_rope_head_dim", rope, "0 unless kv_lora_rank > 0 (MLA)")
+        return
+    expect(obj.tp_k_head_num == 1, ConfigError, "tp_k_head_num", obj.tp_k_head_num, "1 for MLA (one latent KV head)")
+    expect(
+        obj.head_dim == rank + rope,
+        ConfigError,
+        "head_dim",
+        obj.head_dim,
+        f"kv_lora_rank + qk_rope_head_dim = {rank + rope} for MLA",
+    )
+    expect(
+        obj.v_head_dim == rank,
+        ConfigError,
+        "v_head_dim",
+        obj.v_head_dim,
+        f"kv_lora_rank = {rank} for MLA (the value is the latent)",
+    )

@@ -26,6 +26,7 @@ from hal.batch import ForwardMode, static_decode_batch
 from hal.capability import DeviceCapability
 from hal.config import AttentionConfig
 from hal.conformance.cases import CASES, GRAPH_CASES, Case, build, tolerance
+from hal.conformance.cases_models import MODEL_CASES
 from hal.devices.cuda import flashinfer_backend as fib
 from hal.devices.cuda.flashinfer_backend import (
     FlashInferBackend,
@@ -34,7 +35,7 @@ from hal.devices.cuda.flashinfer_backend import (
     merge_states_base2,
     paged_kv_layout,
 )
-from hal.errors import ConfigError, GraphCaptureError
+from hal.errors import ConfigError, GraphCaptureError, UnsupportedError
 from hal.graph import Graph, GraphRunner
 from hal.kernels import reference
 
@@ -334,6 +335,13 @@ def _fake_attention(q, keys, values, qo_indptr, *, causal, window, cap, scale, m
     return out.to(q.dtype), lse
 
 
+def _scaled(out, lse, v_scale, return_lse):
+    """FlashInfer's ``run(v_scale=)``: the output times ``v_scale`` (the LSE is the scores')."""
+    if v_scale is not None:
+        out = (out.float() * v_scale).to(out.dtype)
+    return (out, lse) if return_lse else out
+
+
 def _kv_lens(indptr, last, page_size) -> list[int]:
     """FlashInfer's paged ``get_length`` (page.cuh): 0 for a request without pages."""
     pages = (indptr[1:] - indptr[:-1]).tolist()
@@ -412,7 +420,7 @@ class _FakeFlashInfer:
                 self.p = dict(locals(), page_size=page_size, batch=len(last_page_len))
                 fake.plans.append(("decode", self.p))
 
-            def run(self, q, paged_kv_cache, *, return_lse=False):
+            def run(self, q, paged_kv_cache, *, k_scale=None, v_scale=None, return_lse=False):
                 p = self.p
                 check_dtypes(p, q, paged_kv_cache)
                 assert q.shape == (p["batch"], p["num_qo_heads"], p["head_dim"])
@@ -426,9 +434,9 @@ class _FakeFlashInfer:
                     causal=True,
                     window=p["window_left"],
                     cap=p["logits_soft_cap"] or 0.0,
-                    scale=p["sm_scale"],
+                    scale=p["sm_scale"] * (k_scale or 1.0),  # FlashInfer folds k_scale into sm_scale
                 )
-                return (out, lse) if return_lse else out
+                return _scaled(out, lse, v_scale, return_lse)
 
         class PagedPrefill:
             def __init__(
@@ -509,7 +517,7 @@ class _FakeFlashInfer:
                     mib.copy_(indptr_from_lens(sizes))
                 fake.plans.append(("paged", self.p))
 
-            def run(self, q, paged_kv_cache, *, return_lse=False):
+            def run(self, q, paged_kv_cache, *, k_scale=None, v_scale=None, return_lse=False):
                 p = dict(self.p)
                 if self.graph:  # what the fixed buffers hold now
                     qb, ib, xb, lb, mb, mib = self.bufs
@@ -535,10 +543,10 @@ class _FakeFlashInfer:
                     causal=p["causal"],
                     window=p["window_left"],
                     cap=p["logits_soft_cap"] or 0.0,
-                    scale=p["sm_scale"],
+                    scale=p["sm_scale"] * (k_scale or 1.0),
                     masks=p.get("masks"),
                 )
-                return (out, lse) if return_lse else out
+                return _scaled(out, lse, v_scale, return_lse)
 
         class RaggedPrefill:
             def __init__(
@@ -601,6 +609,94 @@ class _FakeFlashInfer:
             fake.plans.append(("merge_state", {}))
             return merge_states_base2(v_a, s_a, v_b, s_b)
 
+        class MLAPaged:
+            """``flashinfer.mla.BatchMLAPagedAttentionWrapper`` (0.2.1+): the documented plan/run contract."""
+
+            def __init__(
+                self,
+                float_workspace_buffer,
+                use_cuda_graph=False,
+                qo_indptr=None,
+                kv_indptr=None,
+                kv_indices=None,
+                kv_len_arr=None,
+                backend="auto",
+            ):
+                assert float_workspace_buffer.dtype == torch.uint8 and backend in ("auto", "fa2", "fa3")
+                self.graph = use_cuda_graph
+                self.bufs = (qo_indptr, kv_indptr, kv_indices, kv_len_arr)
+                if use_cuda_graph:
+                    assert len(qo_indptr) == len(kv_indptr) == len(kv_len_arr) + 1
+
+            def plan(
+                self,
+                qo_indptr,
+                kv_indptr,
+                kv_indices,
+                kv_len_arr,
+                num_heads,
+                head_dim_ckv,
+                head_dim_kpe,
+                page_size,
+                causal,
+                sm_scale,
+                q_data_type,
+                kv_data_type,
+                use_profiler=False,
+            ):
+                for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices)):
+                    _check_index(name, t)
+                _check_index("kv_len_arr", kv_len_arr)
+                assert len(kv_len_arr) == len(qo_indptr) - 1 == len(kv_indptr) - 1
+                assert len(kv_indices) == int(kv_indptr[-1])
+                assert q_data_type in (torch.float16, torch.bfloat16), q_data_type
+                # 0.2.x-0.5: fp16/bf16 caches; fp8 e4m3 only on SM90 at 0.6+ (hal declares fp8 MLA off)
+                assert kv_data_type in (torch.float16, torch.bfloat16), kv_data_type
+                pages = (kv_indptr[1:] - kv_indptr[:-1]).tolist()
+                assert all(-(-int(n) // page_size) == np for n, np in zip(kv_len_arr, pages))
+                if self.graph:
+                    qb, ib, xb, lb = self.bufs
+                    assert len(qo_indptr) == len(qb), "batch size is fixed in cudagraph mode"
+                    qb.copy_(qo_indptr)
+                    ib.copy_(kv_indptr)
+                    xb[: len(kv_indices)].copy_(kv_indices)
+                    lb.copy_(kv_len_arr)
+                else:
+                    self.bufs = (qo_indptr.clone(), kv_indptr.clone(), kv_indices, kv_len_arr.clone())
+                self.p = dict(locals())
+                fake.plans.append(("mla", self.p))
+
+            def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, return_lse=False):
+                p = self.p
+                qb, ib, xb, lb = self.bufs  # graph mode: what the fixed buffers hold now
+                tokens, heads = int(qb[-1]), p["num_heads"]
+                assert q_nope.shape == (tokens, heads, p["head_dim_ckv"]), q_nope.shape
+                assert q_pe.shape == (tokens, heads, p["head_dim_kpe"]), q_pe.shape
+                assert q_nope.dtype == q_pe.dtype == p["q_data_type"]  # run() checks these (0.6+)
+                assert ckv_cache.dtype == kpe_cache.dtype == p["kv_data_type"]
+                ps = p["page_size"]
+                assert ckv_cache.shape[1:] == (ps, p["head_dim_ckv"]) and kpe_cache.shape[1:] == (ps, p["head_dim_kpe"])
+                keys, values = [], []
+                for b in range(len(lb)):
+                    pages = xb[int(ib[b]) : int(ib[b + 1])].long()
+                    n = int(lb[b])
+                    latent = ckv_cache[pages].reshape(-1, p["head_dim_ckv"])[:n]
+                    rope = kpe_cache[pages].reshape(-1, p["head_dim_kpe"])[:n]
+                    keys.append(torch.cat([latent, rope], -1)[:, None])
+                    values.append(latent[:, None])
+                result, lse = _fake_attention(
+                    torch.cat([q_nope, q_pe], -1),
+                    keys,
+                    values,
+                    qb,
+                    causal=p["causal"],
+                    window=-1,
+                    cap=0.0,
+                    scale=p["sm_scale"],
+                )
+                return (result, lse) if return_lse else result
+
+        self.module.mla = types.SimpleNamespace(BatchMLAPagedAttentionWrapper=MLAPaged)
         self.module.BatchDecodeWithPagedKVCacheWrapper = Decode
         self.module.BatchPrefillWithPagedKVCacheWrapper = PagedPrefill
         self.module.BatchPrefillWithRaggedKVCacheWrapper = RaggedPrefill
@@ -635,7 +731,7 @@ def _with_strategies(cases) -> list:
     return [
         pytest.param(c, s, id=f"{c.name}-{s}")
         for c in cases
-        if c.v_head_dim in (None, c.head_dim)
+        if c.v_head_dim in (None, c.head_dim) and c.slots == "aligned"  # FlashInfer reads whole pages
         for s in (["auto"] if c.mode.is_decode() else ["auto", "paged"])
     ]
 
@@ -652,7 +748,8 @@ def test_call_plan_against_fake_flashinfer(fake_fi, case, strategy):
     torch.testing.assert_close(out.float(), built.expected.float(), **tolerance(case.dtype))
     pool = built.batch.token_to_kv_pool
     lid = built.layer.layer_id
-    assert torch.equal(pool.k_buffer[lid], built.expected_k) and torch.equal(pool.v_buffer[lid], built.expected_v)
+    assert torch.equal(pool.get_key_buffer(lid), built.expected_k)
+    assert torch.equal(pool.get_value_buffer(lid), built.expected_v)
     kinds = fake_fi.kinds()
     mode, has_prefix = case.mode, any(p for p, _ in case.requests)
     if mode.is_decode():
@@ -707,14 +804,99 @@ def test_new_variant_inside_capture_is_an_error(fake_fi, monkeypatch):
         backend.forward(built.q, built.k, built.v, built.layer, built.batch)
 
 
-def test_mla_layer_is_refused(fake_fi):
+def test_latent_shapes_other_than_512_64_are_refused(fake_fi):
     built = build(_as_bf16(Case("mla", ForwardMode.EXTEND, ((3, 2),), v_head_dim=16)))
     backend = _cpu_backend()
     backend.init_forward_metadata(built.batch)
-    with pytest.raises(ConfigError, match="v_head_dim"):
+    with pytest.raises(ConfigError, match="kv_lora_rank 512 \\+ qk_rope_head_dim 64"):
         backend.forward(built.q, built.k, built.v, built.layer, built.batch)
-    with pytest.raises(ConfigError, match="v_head_dim"):
+    with pytest.raises(ConfigError, match="kv_lora_rank 512"):
         _cpu_backend(layers=[built.layer])
+    assert not fake_fi.kinds()
+
+
+def _model_case_expectation(case: Case) -> str | None:
+    """The word the flashinfer backend's reason for ``case`` must hold; None: it must serve it."""
+    if case.sinks:
+        return "AttentionWithSink"
+    if case.kv_lora_rank and (case.kv_lora_rank, case.head_dim - case.kv_lora_rank) != fib.MLA_SHAPE:
+        return "qk_rope_head_dim 64"
+    if case.kv_lora_rank and case.mode.is_target_verify():
+        return "custom mask"
+    if case.kv_lora_rank and case.kv_cache_dtype is not None:
+        return "fp8"
+    if case.kv_lora_rank and case.sliding_window_size >= 0:
+        return "sliding window"
+    return None
+
+
+@pytest.mark.parametrize("case", MODEL_CASES, ids=lambda c: c.name)
+def test_model_cases_against_fake_flashinfer(fake_fi, case):
+    """Issue 19's cases (bf16): MLA 512 + 64 through flashinfer.mla's wrapper, fp8 caches through the
+    paged wrappers with kv_data_type and run(k_scale, v_scale); what FlashInfer cannot serve is declared
+    off with its reason."""
+    case = _as_bf16(case)
+    config = case.config()
+    reasons = FlashInferBackend.unsupported_reasons(config, cuda_cap())
+    needle = _model_case_expectation(case)
+    if needle is not None:
+        assert any(needle in r for r in reasons), reasons
+        return
+    assert reasons == []
+    built = build(case)
+    backend = _cpu_backend(config=config)
+    backend.init_forward_metadata(built.batch)
+    out = backend.forward(built.q, built.k, built.v, built.layer, built.batch, **built.forward_kwargs)
+    assert out.shape == built.expected.shape and out.dtype == built.q.dtype
+    torch.testing.assert_close(out.float(), built.expected.float(), **tolerance(case.dtype))
+    pool, lid = built.batch.token_to_kv_pool, built.layer.layer_id
+    assert torch.equal(pool.get_key_buffer(lid).view(torch.uint8), built.expected_k.view(torch.uint8))
+    kinds = [k for k in fake_fi.kinds() if k != "merge_state"]
+    if case.kv_lora_rank:
+        assert kinds == ["mla"]
+        plan = fake_fi.plans[0][1]
+        assert (plan["head_dim_ckv"], plan["head_dim_kpe"], plan["num_heads"]) == (512, 64, case.tp_q_head_num)
+        assert plan["causal"] is (not case.mode.is_decode())
+    else:  # fp8: the new tokens as stored, never the ragged k/v
+        assert kinds == (["decode"] if case.mode.is_decode() else ["paged"])
+        plan = fake_fi.plans[0][1]
+        assert plan["kv_data_type"] == case.kv_cache_dtype and plan["q_data_type"] == torch.bfloat16
+
+
+def test_mla_verify_is_refused_before_any_write(fake_fi):
+    case = next(c for c in MODEL_CASES if c.name == "mla_deepseek_verify_fp8")
+    case = dataclasses.replace(case, kv_cache_dtype=None, k_scale=None)
+    built = build(case)
+    backend = _cpu_backend()
+    backend.init_forward_metadata(built.batch)
+    pool = built.batch.token_to_kv_pool
+    before = pool.k_buffer[0].clone()
+    with pytest.raises(UnsupportedError, match="custom mask"):
+        backend.forward(built.q, built.k, built.v, built.layer, built.batch)
+    assert torch.equal(pool.k_buffer[0], before)
+
+
+def test_model_feature_declarations(flashinfer_found):
+    assert {"fp8_e4m3", "fp8_e5m2"} <= FlashInferBackend.kv_cache_dtypes
+    deepseek = AttentionConfig(
+        tp_q_head_num=16, tp_k_head_num=1, head_dim=576, kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.bfloat16
+    )
+    assert FlashInferBackend.unsupported_reasons(deepseek, cuda_cap()) == []
+    assert FlashInferBackend.unsupported_reasons(dataclasses.replace(deepseek, graph=True), cuda_cap()) == []
+    for change, needle in (
+        ({"sliding_window_size": 128}, "sliding window"),
+        ({"logit_cap": 30.0}, "logit cap"),
+        ({"custom_mask": True}, "custom mask"),
+        ({"kv_cache_dtype": "fp8_e4m3"}, "ckv_scale"),
+    ):
+        reasons = FlashInferBackend.unsupported_reasons(dataclasses.replace(deepseek, **change), cuda_cap())
+        assert len(reasons) == 1 and needle in reasons[0], reasons
+    fp8 = AttentionConfig(dtype=torch.bfloat16, head_dim=128, kv_cache_dtype="fp8_e5m2")
+    assert FlashInferBackend.unsupported_reasons(fp8, cuda_cap()) == []
+    sinks = FlashInferBackend.unsupported_reasons(
+        AttentionConfig(dtype=torch.bfloat16, attention_sinks=True), cuda_cap()
+    )
+    assert any("sinks" in r and "trtllm-gen" in r for r in sinks), sinks
 
 
 def test_save_kv_cache_false_against_fake(fake_fi):

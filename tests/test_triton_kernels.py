@@ -22,6 +22,9 @@ from hal.kernels import reference  # noqa: E402
 from hal.kernels import triton as tk  # noqa: E402
 from hal.kernels.triton import _common  # noqa: E402
 
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+
 if not _common.INTERPRETING:
     pytest.skip(
         "hal.kernels.triton was imported before TRITON_INTERPRET=1 was set (set it in conftest.py)",
@@ -132,7 +135,7 @@ def assert_close(actual, expected, dtype):
 # ----------------------------------------------------------------------------- decode
 
 
-def run_decode(case: Case, *, num_kv_splits, logit_cap=0.0, index_dtype=torch.int32, extra_splits=0, arch=None):
+def run_decode(case: Case, *, num_kv_splits, logit_cap=0.0, index_dtype=torch.int32, extra_splits=0, **kw):
     batch = len(case.seq_lens)
     kv_indptr, kv_indices = case.indices(case.seq_lens, index_dtype)
     out = torch.full((batch, case.q_heads, case.v_head_dim), float("nan"), dtype=case.dtype)
@@ -152,7 +155,7 @@ def run_decode(case: Case, *, num_kv_splits, logit_cap=0.0, index_dtype=torch.in
         partial_out=partial_out,
         partial_lse=partial_lse,
         block_n=BLOCK,
-        arch=arch,
+        **kw,
     )
     assert result is out
     return out, partial_out, partial_lse
@@ -427,6 +430,184 @@ def test_default_block_sizes():
         sliding_window=40,
     )
     assert_close(out, case.reference(scale=0.2, sliding_window=40), torch.float32)
+
+
+# ----------------------------------------------------------------------------- MLA, sinks, fp8 KV (issue 19)
+
+F8, F5 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def model_case(seq_lens, extend_lens, *, mla=None, kv_dtype=None, k_scale=1.0, v_scale=1.0, **kw) -> Case:
+    """A :class:`Case` whose pool is MLA's (``mla=(latent, rope)``: one KV head, the value a view of the
+    key's latent columns) and/or fp8 (``kv_dtype``: the pool holds ``quantize_kv(x, kv_dtype, scale)``)."""
+    if mla is not None:
+        kw.update(kv_heads=1, head_dim=sum(mla), v_head_dim=mla[0])
+    case = Case(seq_lens, extend_lens, **kw)
+    if kv_dtype is not None:
+        case.k_buffer = reference.quantize_kv(case.k_buffer, kv_dtype, k_scale)
+        case.v_buffer = reference.quantize_kv(case.v_buffer, kv_dtype, v_scale)
+    if mla is not None:
+        case.v_buffer = case.k_buffer[..., : mla[0]]
+        case.v_new = case.k_new[..., : mla[0]]
+    return case
+
+
+def sinks_for(case: Case, seed: int = 0) -> torch.Tensor:
+    """Sink logits in the range of the scores, so that they shift the outputs visibly."""
+    return torch.randn(case.q_heads, generator=torch.Generator().manual_seed(seed)) * 2.0
+
+
+MODEL_DECODE = {
+    # name: (model_case kwargs, decode kwargs)
+    "sinks-gqa-splits": (dict(q_heads=4, kv_heads=2, head_dim=32), dict(num_kv_splits=3, sinks=True)),
+    "sinks-cap-bf16": (
+        dict(q_heads=4, kv_heads=1, head_dim=32, dtype=torch.bfloat16),
+        dict(num_kv_splits=2, sinks=True, logit_cap=3.0),
+    ),
+    "fp8-e4m3-scaled": (
+        dict(q_heads=4, kv_heads=2, head_dim=32, kv_dtype=F8, k_scale=0.37, v_scale=1.9),
+        dict(num_kv_splits=2),
+    ),
+    "fp8-e5m2-bf16": (
+        dict(q_heads=4, kv_heads=2, head_dim=32, dtype=torch.bfloat16, kv_dtype=F5, k_scale=0.5, v_scale=3.0),
+        dict(num_kv_splits=2),
+    ),
+    "mla-64+16": (dict(q_heads=8, mla=(64, 16)), dict(num_kv_splits=2)),
+    "mla-512+64-fp8-sinks": (
+        dict(q_heads=4, mla=(512, 64), dtype=torch.bfloat16, kv_dtype=F8, k_scale=0.45, v_scale=0.45),
+        dict(num_kv_splits=2, sinks=True),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(MODEL_DECODE))
+def test_decode_mla_sinks_fp8(name):
+    case_kw, run_kw = MODEL_DECODE[name]
+    case = model_case([37, 1, 20], [1, 1, 1], layout="page16", **case_kw)
+    sinks = sinks_for(case) if run_kw.pop("sinks", False) else None
+    scales = dict(k_scale=case_kw.get("k_scale", 1.0), v_scale=case_kw.get("v_scale", 1.0))
+    out, _, _ = run_decode(case, sinks=sinks, **scales, **run_kw)
+    cap = run_kw.get("logit_cap", 0.0)
+    expected = case.reference(scale=case.head_dim**-0.5, logit_cap=cap, sinks=sinks, **scales)
+    assert_close(out, expected, case.dtype)
+    if sinks is not None:  # the sink moved the output: without it the kernel would not match
+        plain = case.reference(scale=case.head_dim**-0.5, logit_cap=cap, **scales)
+        assert (plain - expected).abs().max() > 0.05
+
+
+MODEL_EXTEND = {
+    # name: (model_case kwargs, extend kwargs)
+    "sinks-window": (dict(q_heads=4, kv_heads=2, head_dim=32), dict(sinks=True, sliding_window=6)),
+    "sinks-mask-blind-row": (dict(q_heads=4, kv_heads=2, head_dim=32), dict(sinks=True, custom_mask=True)),
+    "fp8-e4m3-scaled": (dict(q_heads=4, kv_heads=2, head_dim=32, kv_dtype=F8, k_scale=0.37, v_scale=1.9), {}),
+    "fp8-e5m2-bf16-window": (
+        dict(q_heads=4, kv_heads=1, head_dim=32, dtype=torch.bfloat16, kv_dtype=F5, k_scale=2.0, v_scale=0.3),
+        dict(sliding_window=5),
+    ),
+    "mla-64+16": (dict(q_heads=8, mla=(64, 16)), {}),
+    "mla-64+16-fp8-sinks": (dict(q_heads=8, mla=(64, 16), kv_dtype=F8, k_scale=0.45, v_scale=0.45), dict(sinks=True)),
+}
+
+
+@pytest.mark.parametrize("name", list(MODEL_EXTEND))
+def test_extend_mla_sinks_fp8(name):
+    case_kw, run_kw = dict(MODEL_EXTEND[name][0]), dict(MODEL_EXTEND[name][1])
+    case = model_case([30, 9], [17, 9], **case_kw)
+    sinks = sinks_for(case, 1) if run_kw.pop("sinks", False) else None
+    if run_kw.pop("custom_mask", False):
+        run_kw["custom_mask"] = random_custom_mask(case, torch.Generator().manual_seed(3), empty_row=(0, 16))
+    scales = dict(k_scale=case_kw.get("k_scale", 1.0), v_scale=case_kw.get("v_scale", 1.0))
+    fp8 = "kv_dtype" in case_kw
+    # an fp8 pool: the new tokens are read where they are stored; otherwise from k/v (the pool's copies poisoned)
+    new = dict(new_kv_loc=case.new_slots) if fp8 else {}
+    out = run_extend(case, poison_new_slots=not fp8 and "mla" not in case_kw, sinks=sinks, **scales, **new, **run_kw)
+    expected = case.reference(scale=case.head_dim**-0.5, sinks=sinks, **scales, **run_kw)
+    assert_close(out, expected, case.dtype)
+    if "custom_mask" in run_kw:  # a row that sees no key puts all its mass on the sink: zeros
+        assert (out[16] == 0).all()
+
+
+def test_extend_fp8_pool_needs_the_new_slots():
+    case = model_case([9], [4], q_heads=2, kv_heads=1, head_dim=16, kv_dtype=F8)
+    with pytest.raises(ValueError, match="new_kv_loc"):
+        run_extend(case, poison_new_slots=False)
+
+
+@triton.jit
+def _decode_bytes(b_ptr, out_ptr, N: tl.constexpr, KV_FP8: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, _common.fp8_to_f32(tl.load(b_ptr + offs), KV_FP8))
+
+
+@triton.jit
+def _encode_floats(x_ptr, out_ptr, N: tl.constexpr, KV_FP8: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, _common.f32_to_fp8(tl.load(x_ptr + offs), KV_FP8))
+
+
+@pytest.mark.parametrize("dtype", [F8, F5], ids=["e4m3fn", "e5m2"])
+def test_fp8_codec_is_torchs_cast_bit_for_bit(dtype):
+    """Every byte decodes to torch's value; encoding saturates and rounds to nearest even as torch's
+    ``clamp(-max, max).to(fp8)``: random magnitudes over 15 decades, every tie between neighbours,
+    subnormals, signed zeros, huge values."""
+    fmt = _common.kv_format(torch.empty(0, dtype=dtype))
+    every = torch.arange(256, dtype=torch.uint8)
+    decoded = torch.empty(256)
+    _decode_bytes[(1,)](every, decoded, N=256, KV_FP8=fmt)
+    want = every.view(dtype).float()
+    assert torch.equal(decoded.nan_to_num(7.0), want.nan_to_num(7.0))
+    assert torch.equal(torch.signbit(decoded)[~want.isnan()], torch.signbit(want)[~want.isnan()])
+
+    gen = torch.Generator().manual_seed(0)
+    values = want[want.isfinite()].unique()
+    ties = (values[1:] + values[:-1]) / 2
+    limit = torch.finfo(dtype).max
+    x = torch.cat([torch.randn(4000, generator=gen) * torch.logspace(-9, 6, 4000), ties, -ties])
+    x = torch.cat([x, torch.tensor([0.0, -0.0, 1e30, -1e30, limit, -limit, limit * 1.01])])
+    x = torch.nn.functional.pad(x, (0, triton.next_power_of_2(x.numel()) - x.numel()))
+    encoded = torch.empty(x.numel(), dtype=torch.uint8)
+    _encode_floats[(1,)](x, encoded, N=x.numel(), KV_FP8=fmt)
+    assert torch.equal(encoded, x.clamp(-limit, limit).to(dtype).view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [F8, F5], ids=["e4m3fn", "e5m2"])
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_fp8_quantises_as_the_reference(dtype, src_dtype):
+    gen = torch.Generator().manual_seed(1)
+    k_buffer, v_buffer = torch.zeros(20, 2, 24, dtype=dtype), torch.zeros(20, 2, 40, dtype=dtype)
+    loc = torch.randperm(20, generator=gen)[:7]
+    k = (torch.randn(7, 2, 24, generator=gen) * 300).to(src_dtype)  # saturates at k_scale 0.37 for e4m3
+    v = torch.randn(7, 2, 40, generator=gen).to(src_dtype)
+    expected_k, expected_v = k_buffer.clone(), v_buffer.clone()
+    reference.write_kv(expected_k, expected_v, loc, k, v, 0.37, 1.9)
+    tk.write_kv(k_buffer, v_buffer, loc, k, v, 0.37, 1.9)
+    assert torch.equal(k_buffer.view(torch.uint8), expected_k.view(torch.uint8))
+    assert torch.equal(v_buffer.view(torch.uint8), expected_v.view(torch.uint8))
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, F8])
+def test_write_kv_mla_stores_the_key_only(kv_dtype):
+    """MLA's pool: the value buffer is a view of the key's latent; the write stores latent + rope once
+    (v None, or v given: either way the key's bytes are what the pool holds)."""
+    gen = torch.Generator().manual_seed(2)
+    for v_given in (False, True):
+        k_buffer = torch.zeros(12, 1, 80, dtype=kv_dtype)
+        v_buffer = k_buffer[..., :64]
+        loc = torch.tensor([7, 2, 9])
+        k = torch.randn(3, 1, 80, generator=gen)
+        v = torch.randn(3, 1, 64, generator=gen) if v_given else None  # a different v must not be stored
+        tk.write_kv(k_buffer, v_buffer, loc, k, v, 0.5, 0.5)
+        expected = reference.quantize_kv(k, kv_dtype, 0.5)
+        assert torch.equal(k_buffer[loc].view(torch.uint8), expected.view(torch.uint8))
+        assert not k_buffer[[0, 1, 3, 4, 5, 6, 8, 10, 11]].float().any()
+
+
+def test_split_head_dim():
+    assert _common.split_head_dim(576) == (512, 64)
+    assert _common.split_head_dim(80) == (64, 16)
+    assert _common.split_head_dim(128) == (128, 0)
+    assert _common.split_head_dim(72) == (64, 16)
+    assert _common.split_head_dim(8) == (16, 0)
 
 
 # ----------------------------------------------------------------------------- small kernels

@@ -8,6 +8,12 @@ compiled at first use; where that cannot happen (no compiler or ninja,
 ``HAL_CPU_KERNELS=0``, a failed build) the plain torch path (:class:`PlainTorchBackend`, which
 this class extends) serves, with a warning when a build was tried and failed, and ``hal
 info`` says which path runs and why.
+
+MLA runs in the kernels (one latent KV head, ``head_dim`` 576 / ``v_head_dim`` 512 or any
+other: they read the value through the pool's strided latent view). The kernels have no
+attention sinks and read no fp8: a step over an fp8 pool, or of a backend created for a
+config with ``attention_sinks``, runs the plain torch path, chosen when its metadata is
+prepared; ``sinks=`` arriving at a step prepared for the kernels switches that step to it.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import torch
 
 from hal.batch import device_lens, host_lens
 from hal.kernels import cpu as cpu_kernels
+from hal.kernels.reference import is_fp8
 
 from .torch_backend import PlainTorchBackend, _indptr
 
@@ -83,15 +90,21 @@ class CompiledBackend(PlainTorchBackend):
         else:
             path = "compiled kernels, built with -march=native at first use (a minute or two once per CPU kind)"
         bf16 = "bf16 dot products" if features["bf16_dot"] else "bf16 widened to fp32 (no avx512_bf16 / amx_bf16)"
-        return super().notes(capability) + [f"{path}; CPU features {' '.join(features['flags']) or 'none'}; {bf16}"]
+        return super().notes(capability) + [
+            f"{path}; CPU features {' '.join(features['flags']) or 'none'}; {bf16}",
+            "attention sinks and fp8 KV caches run the plain torch path (the compiled kernels have neither); "
+            "MLA runs in the compiled kernels",
+        ]
 
     # -- routes (hal check's coverage) -----------------------------------------------------
     @classmethod
     def routes(cls, config, capability) -> list[str]:
-        """The kernel's task shapes: query tiles, row tasks of one KV head, row tasks of every KV head."""
+        """The kernel's task shapes: query tiles, row tasks of one KV head, row tasks of every KV head; and the
+        plain torch path where the config has attention sinks or an fp8 cache."""
         if not cpu_kernels.status()[0]:
             return []
-        return ["tiles", "rows/one_head"] + (["rows/all_heads"] if config.tp_k_head_num > 1 else [])
+        plain = ["plain_torch"] if config.attention_sinks or config.kv_cache_dtype_name.startswith("fp8") else []
+        return ["tiles", "rows/one_head"] + (["rows/all_heads"] if config.tp_k_head_num > 1 else []) + plain
 
     def route_of(self, fb, layer) -> list[str]:
         """The task shapes the kernel chose (attention.cpp, ``paged_attention``): a request whose query rows
@@ -99,6 +112,8 @@ class CompiledBackend(PlainTorchBackend):
         head at once when there are at least 4 per thread (``HAL_HEADS_PER_TASK`` overrides)."""
         if self.kernels is None or fb.forward_mode.is_idle():
             return []
+        if not isinstance(self.forward_metadata, CompiledMetadata):  # sinks or an fp8 cache: the plain path
+            return ["plain_torch"]
         group = layer.tp_q_head_num // layer.tp_k_head_num
         query = host_lens(fb).query
         tiled = [n * group >= cpu_kernels.TILE_ROWS for n in query]
@@ -112,14 +127,19 @@ class CompiledBackend(PlainTorchBackend):
         return taken
 
     # -- metadata ----------------------------------------------------------------------
+    def plain_path(self, fb) -> bool:
+        """Whether ``fb``'s step runs the plain torch path: no kernels, an fp8 pool, or a model with sinks."""
+        sinks = self.config is not None and self.config.attention_sinks
+        return self.kernels is None or sinks or is_fp8(fb.token_to_kv_pool.dtype)
+
     def init_forward_metadata_out_graph(self, fb, in_capture: bool = False) -> None:
-        if self.kernels is None:
+        if self.plain_path(fb):
             return super().init_forward_metadata_out_graph(fb, in_capture)
         self.check_batch(fb)
         self.set_forward_metadata(None if fb.forward_mode.is_idle() else CompiledMetadata(), fb)
 
     def init_forward_metadata_in_graph(self, fb) -> None:
-        if self.kernels is None:
+        if not isinstance(self.forward_metadata, CompiledMetadata):  # the plain path's (or an IDLE step's)
             return super().init_forward_metadata_in_graph(fb)
         if fb.forward_mode.is_idle():
             return
@@ -136,10 +156,14 @@ class CompiledBackend(PlainTorchBackend):
             meta.mask_start = meta.custom_mask = None
 
     # -- forward -----------------------------------------------------------------------
-    def _forward(self, q, k, v, layer, fb, save_kv_cache: bool) -> torch.Tensor:
-        if self.kernels is None:
-            return super()._forward(q, k, v, layer, fb, save_kv_cache)
+    def _forward(self, q, k, v, layer, fb, save_kv_cache: bool, sinks=None) -> torch.Tensor:
         meta = self.forward_metadata
+        if sinks is not None and isinstance(meta, CompiledMetadata):  # sinks the config did not announce
+            PlainTorchBackend.plan(self, fb)  # fb was checked when the kernels' metadata was prepared
+            PlainTorchBackend.init_forward_metadata_in_graph(self, fb)
+            meta = self.forward_metadata
+        if not isinstance(meta, CompiledMetadata):
+            return super()._forward(q, k, v, layer, fb, save_kv_cache, sinks)
         pool = fb.token_to_kv_pool
         k_buffer, v_buffer = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         out = cpu_kernels.paged_attention(

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from hal.backend import AttentionBackend
 from hal.batch import ForwardBatch, device_lens, host_lens
 from hal.deprecation import moved_names
+from hal.kernels.reference import is_fp8, kv_scales
 
 __all__ = ["PlainTorchBackend"]
 
@@ -61,7 +62,9 @@ class PlainTorchBackend(AttentionBackend):
 
     name = "torch"
     dtypes = frozenset({"fp32", "bf16"})
+    kv_cache_dtypes = frozenset({"fp32", "bf16", "fp8_e4m3", "fp8_e5m2"})
     supports_mla = True
+    supports_sinks = True
     needs_cpu_seq_lens = True
     reads_new_kv = False  # every key, the new tokens' included, is read from the cache
 
@@ -84,6 +87,10 @@ class PlainTorchBackend(AttentionBackend):
 
     def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
         self.check_batch(fb)
+        self.plan(fb, in_capture)
+
+    def plan(self, fb: ForwardBatch, in_capture: bool = False) -> None:
+        """The host half of ``out_graph`` once the batch is checked: the padded widths (no sync for a graph batch)."""
         if fb.forward_mode.is_idle():  # forward() returns without attention: nothing to prepare
             self.set_forward_metadata(None, fb)
             return
@@ -126,26 +133,26 @@ class PlainTorchBackend(AttentionBackend):
 
     # -- forward -----------------------------------------------------------------------
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        return self._forward(q, k, v, layer, forward_batch, save_kv_cache)
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, kwargs.get("sinks"))
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        return self._forward(q, k, v, layer, forward_batch, save_kv_cache)
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, kwargs.get("sinks"))
 
     def forward_mixed(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        return self._forward(q, k, v, layer, forward_batch, save_kv_cache)
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, kwargs.get("sinks"))
 
-    def _forward(self, q, k, v, layer, fb: ForwardBatch, save_kv_cache: bool) -> torch.Tensor:
-        """q ``[T, Hq, D]`` (the prologue ran) -> ``[T, Hq * Dv]`` in q's dtype.
+    def _forward(self, q, k, v, layer, fb: ForwardBatch, save_kv_cache: bool, sinks=None) -> torch.Tensor:
+        """q ``[T, Hq, D]`` (the prologue ran), ``sinks`` ``[Hq]`` or None -> ``[T, Hq * Dv]`` in q's dtype.
 
         Every key, the new tokens' included, is read from the cache (``k``/``v`` are not used).
         """
         pool = fb.token_to_kv_pool
         k_buffer, v_buffer = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
-        out = attend_padded(q, k_buffer, v_buffer, self.forward_metadata, layer, self.scratch)
+        out = attend_padded(q, k_buffer, v_buffer, self.forward_metadata, layer, self.scratch, sinks)
         return out.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
 
-def attend_padded(q, k_buffer, v_buffer, meta: TorchMetadata, layer, scratch: Scratch) -> torch.Tensor:
+def attend_padded(q, k_buffer, v_buffer, meta: TorchMetadata, layer, scratch: Scratch, sinks=None) -> torch.Tensor:
     """Ragged queries ``[T, Hq, D]`` over padded gathered keys; returns ``[T, Hq, Dv]`` in q's dtype.
 
     Keys and values are gathered KV-head-major (``[Hkv, B * W, D]``, one ``index_select``
@@ -153,7 +160,10 @@ def attend_padded(q, k_buffer, v_buffer, meta: TorchMetadata, layer, scratch: Sc
     into a fresh tensor here), so each (KV head, request) block is one contiguous matrix.
     Without a logit cap, torch's fused SDPA attends over them with one mask carrying
     padding, causality, window and verify mask; with one, explicit float32 matmuls and a
-    softmax do (SDPA has no soft cap).
+    softmax do (SDPA has no soft cap), and so with attention ``sinks`` (``[Hq]``: one more
+    logit per head in each softmax denominator). An fp8 cache is dequantised (times the
+    layer's ``k_scale`` / ``v_scale``) into float32 blocks as it is gathered; an MLA value
+    buffer (a strided view of the key buffer's latent) is gathered like any other.
     """
     batch, width = meta.slots.shape
     max_q, tokens = meta.max_q, meta.num_tokens
@@ -170,12 +180,14 @@ def attend_padded(q, k_buffer, v_buffer, meta: TorchMetadata, layer, scratch: Sc
         visible = visible & (k_pos[None, None, :] >= meta.q_pos[:, :, None] - layer.sliding_window_size)
     flat = meta.slots.flatten()
     # SDPA takes the cache dtype (it accumulates in float32; on these head-major blocks its bf16
-    # decode measured faster than fp32); the explicit logit-cap path computes in float32.
-    dtype = torch.float32 if layer.logit_cap > 0 else k_buffer.dtype
-    keys = scratch.gather("k", k_buffer, flat, dtype).view(kv_heads, batch, width, head_dim)
-    values = scratch.gather("v", v_buffer, flat, dtype).view(kv_heads, batch, width, v_dim)
-    if layer.logit_cap > 0:
-        out = _attend_capped(q_pad.float(), keys, values, visible, layer)
+    # decode measured faster than fp32); the explicit path (cap, sinks) and fp8 caches compute in float32.
+    explicit = layer.logit_cap > 0 or sinks is not None
+    dtype = torch.float32 if explicit or is_fp8(k_buffer.dtype) else k_buffer.dtype
+    k_scale, v_scale = kv_scales(layer)
+    keys = scratch.gather("k", k_buffer, flat, dtype, k_scale).view(kv_heads, batch, width, head_dim)
+    values = scratch.gather("v", v_buffer, flat, dtype, v_scale).view(kv_heads, batch, width, v_dim)
+    if explicit:
+        out = _attend_explicit(q_pad.float(), keys, values, visible, layer, sinks)
     else:
         out = F.scaled_dot_product_attention(
             q_pad.to(dtype).transpose(1, 2),  # [B, Hq, Q, D]
@@ -193,8 +205,9 @@ def attend_padded(q, k_buffer, v_buffer, meta: TorchMetadata, layer, scratch: Sc
     return result[:tokens]
 
 
-def _attend_capped(q_pad, keys, values, visible, layer) -> torch.Tensor:
-    """float32 ``[B, Q, Hq, D]`` queries over ``[Hkv, B, W, D]`` keys with a tanh logit cap -> ``[B, Q, Hq, Dv]``."""
+def _attend_explicit(q_pad, keys, values, visible, layer, sinks=None) -> torch.Tensor:
+    """float32 ``[B, Q, Hq, D]`` queries over ``[Hkv, B, W, D]`` keys -> ``[B, Q, Hq, Dv]``, with the layer's
+    tanh logit cap (if any) and ``sinks`` ``[Hq]`` (if given) in the softmax denominator."""
     batch, max_q = q_pad.shape[:2]
     kv_heads, _, width, head_dim = keys.shape
     group, v_dim = layer.group_size, values.shape[-1]
@@ -203,9 +216,16 @@ def _attend_capped(q_pad, keys, values, visible, layer) -> torch.Tensor:
     q_rows = q_rows.reshape(kv_heads * batch, rows, head_dim)
     keys = keys.reshape(kv_heads * batch, width, head_dim)
     scores = torch.bmm(q_rows, keys.transpose(1, 2)).mul_(layer.scaling)  # [Hkv * B, G * Q, W]
-    scores = layer.logit_cap * torch.tanh(scores / layer.logit_cap)
+    if layer.logit_cap > 0:
+        scores = layer.logit_cap * torch.tanh(scores / layer.logit_cap)
     scores = scores.view(kv_heads, batch, group, max_q, width).masked_fill_(~visible[None, :, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)  # rows with no visible key are NaN: attend_padded zeroes them
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)  # rows with no visible key are NaN: attend_padded zeroes them
+    else:  # softmax over [scores..., sink], the sink column dropped
+        sink = sinks.float().view(kv_heads, 1, group, 1, 1)
+        top = torch.maximum(scores.amax(-1, keepdim=True), sink)
+        probs = torch.exp(scores - top)
+        probs = probs / (probs.sum(-1, keepdim=True) + torch.exp(sink - top))
     out = torch.bmm(probs.view(kv_heads * batch, rows, width), values.reshape(kv_heads * batch, width, v_dim))
     return out.view(kv_heads, batch, group, max_q, v_dim).permute(1, 3, 0, 2, 4).reshape(batch, max_q, -1, v_dim)
 
@@ -222,8 +242,11 @@ class Scratch:
             buf = self.buffers[(name, dtype)] = torch.empty(numel, dtype=dtype, device=device)
         return buf[:numel]
 
-    def gather(self, name: str, pool: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``pool[slots]`` KV-head-major, as ``dtype``: ``[kv_heads, len(slots), dim]``."""
+    def gather(
+        self, name: str, pool: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype, scale: float = 1.0
+    ) -> torch.Tensor:
+        """``pool[slots]`` KV-head-major, as ``dtype``: ``[kv_heads, len(slots), dim]``; an fp8 ``pool`` is
+        dequantised (times ``scale``, as ``hal.kernels.reference.dequantize_kv``)."""
         kv_heads, dim = pool.shape[1:]
         n = slots.numel()
         out = self._buffer(name, pool.dtype, kv_heads * n * dim, pool.device).view(kv_heads, n, dim)
@@ -231,7 +254,8 @@ class Scratch:
             torch.index_select(pool[:, h], 0, slots, out=out[h])
         if pool.dtype == dtype:
             return out
-        return self._buffer(name, dtype, out.numel(), pool.device).view(out.shape).copy_(out)
+        wide = self._buffer(name, dtype, out.numel(), pool.device).view(out.shape).copy_(out)
+        return wide.mul_(scale) if is_fp8(pool.dtype) and scale != 1.0 else wide
 
 
 __getattr__ = moved_names(__name__, {"TorchBackend": "hal.devices.cpu.torch_backend:PlainTorchBackend"})

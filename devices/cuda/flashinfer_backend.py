@@ -45,12 +45,34 @@ host-built positions, no device-to-host sync) and every ``plan``;
 ``init_forward_metadata_in_graph`` has nothing to do: the replayed kernels read the
 wrappers' fixed buffers, which ``plan`` refills.
 
+Issue 19's models:
+
+* MLA (latent 512 + rope 64, DeepSeek-V2/V3, absorbed queries): every mode but
+  TARGET_VERIFY through ``flashinfer.mla.BatchMLAPagedAttentionWrapper`` (flashinfer>=0.2.1):
+  ``plan(qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv,
+  head_dim_kpe, page_size, causal, sm_scale, q_data_type, kv_data_type)`` over the page
+  table of prefix + new keys (causal is bottom-right aligned, as hal's positions),
+  ``run(q_nope, q_pe, ckv_cache, kpe_cache)`` with the caches as strided views of the pool's
+  one latent buffer (SGLang's flashinfer MLA backend passes the same views). Decode graphs
+  use ``use_cuda_graph=True`` wrappers on fixed buffers. The wrapper has no custom mask, no
+  sliding window and no soft cap, and fp8 MLA only on SM90 for e4m3 at flashinfer>=0.6
+  (``ckv_scale`` / ``kpe_scale``): those MLA configs are declared off with that reason, as
+  is any other latent shape (its kernels are built and checked for 512 + 64).
+* fp8 KV cache (e4m3fn, e5m2; flashinfer>=0.2.0 on sm_75+): ``kv_data_type`` = the pool's
+  fp8 dtype at ``plan``, ``run(..., k_scale=, v_scale=)`` (FlashInfer folds ``k_scale`` into
+  the softmax scale and multiplies the output by ``v_scale``: the read ``stored * scale``).
+  Extend modes then take one paged call over prefix + new tokens, so the new tokens are read
+  as stored (quantised), never from ``k``/``v``.
+* Attention sinks: not served. FlashInfer's FA2 wrappers (the ones planned here) take no
+  sink; ``run(sinks=)`` (flashinfer>=0.2.10) is read only by the trtllm-gen backend
+  (Blackwell), and FA2 needs a JIT-compiled custom variant (``AttentionWithSink``).
+
 Assumes page-aligned ``req_to_token`` rows (token ``i`` of a request at offset
 ``i % page_size`` of its page), as SGLang's paged allocator guarantees and FlashInfer
 needs. Not supported: fp32 (FlashInfer compiles fp16/bf16, fp8 KV), ``v_head_dim !=
-head_dim`` (MLA has its own FlashInfer wrappers), head dims outside 64/128/256, graph
-capture of EXTEND / MIXED batches. Signatures followed: flashinfer-python 0.2.5 and 0.7.4
-(the keyword subset used here is common to both).
+head_dim`` other than MLA's 512 + 64, head dims outside 64/128/256, graph capture of EXTEND /
+MIXED batches. Signatures followed: flashinfer-python 0.2.5 and 0.7.4 (the keyword subset
+used here is common to both).
 
 The environment probe (is FlashInfer installed, where would its kernels come from) is
 :mod:`hal.devices.cuda.flashinfer_env`; the host-side page tables and the merge rule are
@@ -69,7 +91,8 @@ import torch
 from hal.backend import AttentionBackend
 from hal.batch import ForwardBatch, ForwardMode, host_lens
 from hal.capability import DeviceCapability
-from hal.errors import ConfigError, GraphCaptureError, expect
+from hal.errors import ConfigError, GraphCaptureError, UnsupportedError, expect
+from hal.kernels.reference import is_fp8, kv_scales
 from hal.kv_cache import paged_view
 
 from .flashinfer_env import MIN_SM, _flashinfer_missing, _sm, flashinfer_kernels, import_flashinfer
@@ -96,6 +119,48 @@ HEAD_DIMS = frozenset({64, 128, 256})  # FlashInfer's DISPATCH_HEAD_DIM set (uti
 WORKSPACE_MB = 384
 WORKSPACE_ENV = "HAL_FLASHINFER_WORKSPACE_MB"
 _MERGE_STATE_MAX_THREADS = 1024  # merge_state's CUDA block is (head_dim / vec_size) x num_heads threads
+MLA_SHAPE = (512, 64)  # (kv_lora_rank, qk_rope_head_dim): the latent shape FlashInfer's MLA kernels serve
+SINKS_REASON = (
+    "FlashInfer's FA2 wrappers take no sink logits (run(sinks=), flashinfer>=0.2.10, is read by the "
+    "trtllm-gen backend only; FA2 needs a JIT AttentionWithSink variant)"
+)
+
+
+# ----------------------------------------------------------------------------- MLA
+
+
+def mla_rank(layer) -> int:
+    """The latent width of an MLA layer (its ``kv_lora_rank``; a layer without the field but with
+    ``v_head_dim != head_dim`` is taken as MLA with the value the latent, as SGLang's); 0: not MLA."""
+    rank = getattr(layer, "kv_lora_rank", 0) or 0
+    return rank or (layer.v_head_dim if layer.v_head_dim != layer.head_dim else 0)
+
+
+def mla_reasons(
+    rank: int, head_dim: int, kv_heads: int, *, window: int, logit_cap: float, custom_mask: bool, fp8: bool
+) -> list[str]:
+    """Why ``BatchMLAPagedAttentionWrapper`` cannot serve this MLA layer (empty: it can)."""
+    reasons = []
+    if (rank, head_dim - rank) != MLA_SHAPE or kv_heads != 1:
+        reasons.append(
+            f"MLA latent {rank} + rope {head_dim - rank} (v_head_dim {rank}, head_dim {head_dim}) over {kv_heads} "
+            "KV heads not supported: FlashInfer's MLA "
+            f"kernels serve kv_lora_rank {MLA_SHAPE[0]} + qk_rope_head_dim {MLA_SHAPE[1]} over one latent head "
+            "(DeepSeek-V2/V3)"
+        )
+    for wanted, what in (
+        (window >= 0, "a sliding window"),
+        (logit_cap > 0, "a logit cap"),
+        (custom_mask, "a custom mask (TARGET_VERIFY)"),
+    ):
+        if wanted:
+            reasons.append(f"MLA with {what} not supported: flashinfer.mla.BatchMLAPagedAttentionWrapper has none")
+    if fp8:
+        reasons.append(
+            "MLA over an fp8 KV cache not supported: FlashInfer's MLA wrapper reads fp8 only at flashinfer>=0.6 "
+            "on SM90, e4m3 with bf16 queries (run(ckv_scale=, kpe_scale=)), which hal does not plan"
+        )
+    return reasons
 
 
 # ----------------------------------------------------------------------------- metadata
@@ -112,6 +177,7 @@ class LayerVariant:
     logit_cap: float
     window: int  # -1: none
     causal: bool
+    kv_lora_rank: int = 0  # MLA's latent width (the value); 0: not MLA
 
     @classmethod
     def of(cls, layer) -> LayerVariant:
@@ -123,7 +189,12 @@ class LayerVariant:
             logit_cap=float(layer.logit_cap),
             window=int(layer.sliding_window_size),
             causal=bool(layer.causal),
+            kv_lora_rank=mla_rank(layer),
         )
+
+    @property
+    def rope_dim(self) -> int:
+        return self.head_dim - self.kv_lora_rank
 
     @property
     def use_tensor_cores(self) -> bool:
@@ -146,7 +217,7 @@ class FlashInferMetadata:
     mode: ForwardMode
     batch_size: int
     num_tokens: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the KV cache's
     page_size: int
     graph_static: bool
     qo_indptr: torch.Tensor  # int32 host [B + 1]
@@ -155,6 +226,7 @@ class FlashInferMetadata:
     req_to_token: torch.Tensor
     req_pool_indices: torch.Tensor
     custom_mask: torch.Tensor | None = None
+    q_dtype: torch.dtype | None = None  # the queries' (None: the cache's)
     wrappers: dict[tuple[str, LayerVariant], Any] = field(default_factory=dict)
     _kv: PagedKV | None = None
     _prefix: PagedKV | None = None
@@ -162,6 +234,10 @@ class FlashInferMetadata:
     @property
     def has_prefix(self) -> bool:
         return any(self.prefix_lens)
+
+    @property
+    def fp8(self) -> bool:
+        return is_fp8(self.dtype)
 
     # SGLang's names (its attention kit and tools inspect them), over keys rather than pages, built when read.
     @property
@@ -204,6 +280,7 @@ class _GraphState:
     max_tokens: int
     indptr: torch.Tensor  # int32 [max_bs + 1]
     last_page_len: torch.Tensor  # int32 [max_bs]
+    kv_lens: torch.Tensor  # int32 [max_bs], MLA decode's kv_len_arr
     qo_indptr: torch.Tensor  # int32 [max_bs + 1]
     mask_indptr: torch.Tensor  # int32 [max_bs + 1]
     indices: torch.Tensor | None = None  # int32 [max_bs * pages per req_to_token row], sized lazily
@@ -248,6 +325,7 @@ class FlashInferBackend(AttentionBackend):
 
     name = "flashinfer"
     dtypes = frozenset({"fp16", "bf16"})
+    kv_cache_dtypes = frozenset({"fp16", "bf16", "fp8_e4m3", "fp8_e5m2"})  # kv_data_type, run(k_scale, v_scale)
     page_sizes = None  # any power of two: FlashInfer takes page_size at plan time
     head_dims = HEAD_DIMS
     supports_sliding_window = True  # window_left
@@ -255,7 +333,8 @@ class FlashInferBackend(AttentionBackend):
     supports_non_causal = True  # causal=False
     supports_custom_mask = True  # custom_mask (prefill wrappers)
     supports_graph = True  # DECODE and TARGET_VERIFY
-    supports_mla = False
+    supports_mla = True  # latent 512 + rope 64 only, through flashinfer.mla (see mla_reasons)
+    supports_sinks = False  # SINKS_REASON
     needs_cpu_seq_lens = True
 
     requires_page_aligned_slots = True  # paged kernels read whole pages through page ids
@@ -332,12 +411,27 @@ class FlashInferBackend(AttentionBackend):
     @classmethod
     def unsupported_reasons(cls, config, capability: DeviceCapability) -> list[str]:
         reasons = []
+        mla = getattr(config, "kv_lora_rank", 0) > 0 or config.v_head_dim != config.head_dim
         for reason in super().unsupported_reasons(config, capability):
             if reason.startswith("dtype fp32"):
                 reason += ": FlashInfer compiles attention for fp16/bf16 (and fp8 KV) only, no fp32 kernels"
             elif reason.startswith("head_dim"):
+                if mla:
+                    continue  # MLA's head dims are checked by mla_reasons
                 reason += ": FlashInfer's dispatched head dims"
+            elif reason.startswith("attention sinks"):
+                reason += f": {SINKS_REASON}"
             reasons.append(reason)
+        if mla:
+            reasons += mla_reasons(
+                getattr(config, "kv_lora_rank", 0) or config.v_head_dim,
+                config.head_dim,
+                config.tp_k_head_num,
+                window=config.sliding_window_size,
+                logit_cap=config.logit_cap,
+                custom_mask=config.custom_mask,
+                fp8=getattr(config, "kv_cache_dtype_name", "").startswith("fp8"),
+            )
         sm = _sm(capability.arch)
         if config.dtype_name == "bf16" and sm is not None and sm < MIN_SM_BF16 and capability.type == "cuda":
             why = f"FlashInfer's bf16 kernels need sm_{MIN_SM_BF16}+; this GPU is {capability.arch}"
@@ -371,7 +465,19 @@ class FlashInferBackend(AttentionBackend):
         if wrapper is not None:
             return wrapper
         fi, ws = self._fi(), self._workspace_buffer()
-        if kind == "decode":
+        if kind == "mla":
+            kw = {}
+            if graph_bs is not None:  # decode graphs: plan() copies into these, replays read them
+                g = self._graph
+                kw = dict(
+                    use_cuda_graph=True,
+                    qo_indptr=g.qo_indptr[: graph_bs + 1],
+                    kv_indptr=g.indptr[: graph_bs + 1],
+                    kv_indices=g.indices,
+                    kv_len_arr=g.kv_lens[:graph_bs],
+                )
+            wrapper = fi.mla.BatchMLAPagedAttentionWrapper(ws, **kw)
+        elif kind == "decode":
             kw: dict[str, Any] = {"use_tensor_cores": variant.use_tensor_cores}
             if graph_bs is not None:
                 g = self._graph
@@ -407,26 +513,44 @@ class FlashInferBackend(AttentionBackend):
         return wrapper
 
     def _kinds(self, meta: FlashInferMetadata, variant: LayerVariant) -> list[str]:
+        if variant.kv_lora_rank:  # no custom mask: an MLA layer's TARGET_VERIFY is refused (check_inputs)
+            return [] if meta.mode.is_target_verify() else ["mla"]
         if meta.mode.is_decode():
             return ["decode"]
         if meta.mode.is_target_verify():
             return ["verify"]
-        if variant.window >= 0 or self.extend_strategy == "paged":
+        if variant.window >= 0 or self.extend_strategy == "paged" or meta.fp8:  # fp8: new tokens as stored
             return ["paged"]
         return ["ragged", "prefix"] if meta.has_prefix else ["ragged"]
 
     def _plan(self, meta: FlashInferMetadata, kind: str, variant: LayerVariant):
         """``plan`` one wrapper for this step (host work: outside any graph)."""
-        graph_bs = meta.batch_size if (meta.graph_static and kind in ("decode", "verify")) else None
+        graph_bs = meta.batch_size if (meta.graph_static and kind in ("decode", "verify", "mla")) else None
         wrapper = self._wrapper(kind, variant, graph_bs, meta.page_size)
         hq, hkv, dim, ps = variant.q_heads, variant.kv_heads, variant.head_dim, meta.page_size
         common = dict(
             sm_scale=variant.scale,
             logits_soft_cap=variant.logit_cap,
-            q_data_type=meta.dtype,
+            q_data_type=meta.q_dtype or meta.dtype,
             kv_data_type=meta.dtype,
         )
-        if kind == "decode":
+        if kind == "mla":  # prefix + new keys, causal bottom-right aligned (decode: one query sees all)
+            kv = meta.kv()
+            wrapper.plan(
+                meta.qo_indptr,
+                kv.indptr,
+                kv.indices,
+                torch.tensor(meta.kv_lens, dtype=torch.int32),
+                hq,
+                variant.kv_lora_rank,
+                variant.rope_dim,
+                ps,
+                variant.causal and not meta.mode.is_decode(),
+                variant.scale,
+                common["q_data_type"],
+                meta.dtype,
+            )
+        elif kind == "decode":
             kv = meta.kv()
             wrapper.plan(
                 kv.indptr,
@@ -533,6 +657,7 @@ class FlashInferBackend(AttentionBackend):
             max_tokens=max(max_bs, max_num_tokens),
             indptr=torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device),
             last_page_len=torch.ones(max_bs, dtype=torch.int32, device=self.device),
+            kv_lens=torch.ones(max_bs, dtype=torch.int32, device=self.device),
             qo_indptr=torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device),
             mask_indptr=torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device),
         )
@@ -585,6 +710,8 @@ class FlashInferBackend(AttentionBackend):
             batch_size=fb.batch_size,
             num_tokens=fb.out_cache_loc.shape[0],
             dtype=pool.dtype,
+            # an fp8 cache: the queries stay in the model dtype (the config's; bf16 without one)
+            q_dtype=(self.config.dtype if self.config is not None else torch.bfloat16) if is_fp8(pool.dtype) else None,
             page_size=pool.page_size,
             graph_static=graph_static,
             qo_indptr=indptr_from_lens(lens.query),
@@ -609,30 +736,74 @@ class FlashInferBackend(AttentionBackend):
 
     # -- forward -----------------------------------------------------------------------
     def check_layer(self, layer) -> None:
-        expect(
-            layer.v_head_dim == layer.head_dim,
-            ConfigError,
-            "layer.v_head_dim",
-            layer.v_head_dim,
-            f"== head_dim ({layer.head_dim}): the flashinfer backend has no MLA path",
+        rank = mla_rank(layer)
+        if not rank:
+            return
+        why = mla_reasons(
+            rank,
+            layer.head_dim,
+            layer.tp_k_head_num,
+            window=layer.sliding_window_size,
+            logit_cap=layer.logit_cap,
+            custom_mask=False,
+            fp8=False,
         )
+        expect(
+            not why,
+            ConfigError,
+            "MLA layer (kv_lora_rank, head_dim, kv heads, window, logit cap)",
+            (rank, layer.head_dim, layer.tp_k_head_num, layer.sliding_window_size, layer.logit_cap),
+            "; ".join(why),
+        )
+
+    def check_inputs(self, q, k, v, layer, forward_batch: ForwardBatch, save_kv_cache: bool = True):
+        """The base checks, and (before the prologue writes anything) no TARGET_VERIFY for an MLA layer."""
+        out = super().check_inputs(q, k, v, layer, forward_batch, save_kv_cache)
+        expect(
+            not (mla_rank(layer) and forward_batch.forward_mode.is_target_verify()),
+            UnsupportedError,
+            "forward_mode of an MLA layer",
+            forward_batch.forward_mode.name,
+            "not TARGET_VERIFY: flashinfer.mla.BatchMLAPagedAttentionWrapper has no custom mask",
+        )
+        return out
 
     def _begin(self, q, layer, fb: ForwardBatch):
         """The run inputs after the prologue (which wrote the KV: the paged calls read the new tokens
         back): ``(meta, variant, q in the kernels' dtype, (k_cache, v_cache))``."""
         meta = self.forward_metadata
         paged = paged_view(fb.token_to_kv_pool, layer.layer_id)
-        return meta, LayerVariant.of(layer), q.to(meta.dtype).contiguous(), paged
+        return meta, LayerVariant.of(layer), q.to(meta.q_dtype or meta.dtype).contiguous(), paged
+
+    def _run_paged(self, meta: FlashInferMetadata, kind: str, variant: LayerVariant, q_in, paged, layer):
+        """One paged wrapper's ``run``; an fp8 cache with the layer's scales (``k_scale`` folds into the
+        softmax scale, ``v_scale`` multiplies the output: the read is ``stored * scale``)."""
+        wrapper = self._planned(meta, kind, variant)
+        if not meta.fp8:
+            return wrapper.run(q_in, paged)
+        k_scale, v_scale = kv_scales(layer)
+        return wrapper.run(q_in, paged, k_scale=k_scale, v_scale=v_scale)
+
+    def _run_mla(self, meta: FlashInferMetadata, variant: LayerVariant, q_in, paged):
+        """MLA: ``q`` split into its latent and rope parts, the caches as views of the one latent buffer."""
+        rank, (k_cache, _) = variant.kv_lora_rank, paged  # [pages, page_size, 1, rank + rope]
+        ckv, kpe = k_cache[:, :, 0, :rank], k_cache[:, :, 0, rank:]
+        return self._planned(meta, "mla", variant).run(q_in[..., :rank], q_in[..., rank:], ckv, kpe)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         meta, variant, q_in, paged = self._begin(q, layer, forward_batch)
-        out = self._planned(meta, "decode", variant).run(q_in, paged)
+        if variant.kv_lora_rank:
+            out = self._run_mla(meta, variant, q_in, paged)
+        else:
+            out = self._run_paged(meta, "decode", variant, q_in, paged, layer)
         return out.reshape(q.shape[0], layer.tp_q_head_num * layer.v_head_dim).to(q.dtype)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         meta, variant, q_in, paged = self._begin(q, layer, forward_batch)
         kinds = self._kinds(meta, variant)
-        if kinds == ["ragged", "prefix"]:
+        if kinds == ["mla"]:
+            out = self._run_mla(meta, variant, q_in, paged)
+        elif kinds == ["ragged", "prefix"]:
             k_in, v_in = (t.to(meta.dtype).contiguous() for t in (k, v))
             o_new, lse_new = self._planned(meta, "ragged", variant).run(q_in, k_in, v_in, return_lse=True)
             o_pre, lse_pre = self._planned(meta, "prefix", variant).run(q_in, paged, return_lse=True)
@@ -641,7 +812,7 @@ class FlashInferBackend(AttentionBackend):
             k_in, v_in = (t.to(meta.dtype).contiguous() for t in (k, v))
             out = self._planned(meta, "ragged", variant).run(q_in, k_in, v_in)
         else:
-            out = self._planned(meta, kinds[0], variant).run(q_in, paged)
+            out = self._run_paged(meta, kinds[0], variant, q_in, paged, layer)
         return out.reshape(q.shape[0], layer.tp_q_head_num * layer.v_head_dim).to(q.dtype)
 
     def forward_mixed(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):

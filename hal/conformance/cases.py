@@ -27,7 +27,7 @@ from hal.config import AttentionConfig
 from hal.errors import ranges
 from hal.kernels import reference
 from hal.kernels.reference import tolerance
-from hal.kv_cache import PagedKVPool, ReqToTokenPool
+from hal.kv_cache import MLAKVPool, PagedKVPool, ReqToTokenPool
 from hal.layer import AttentionLayer
 
 __all__ = [
@@ -81,6 +81,13 @@ class Case:
     slots: str = "aligned"
     start_layer: int = 0
     threads: int | None = None
+    # the models beyond Llama's shape (hal.conformance.cases_models)
+    kv_lora_rank: int = 0  # MLA: one KV head, head_dim = kv_lora_rank + qk_rope_head_dim, an MLAKVPool
+    qk_rope_head_dim: int = 0
+    sinks: bool = False  # forward gets sinks= (one logit per q head)
+    kv_cache_dtype: torch.dtype | None = None  # the pool's dtype when not the model dtype (fp8)
+    k_scale: float | None = None
+    v_scale: float | None = None
 
     @property
     def id(self) -> str:
@@ -89,6 +96,12 @@ class Case:
     @property
     def family(self) -> str:
         """The feature this case is about, for coverage reports (the first that applies)."""
+        if self.kv_lora_rank:
+            return "mla"
+        if self.sinks:
+            return "sinks"
+        if self.kv_cache_dtype is not None:
+            return "fp8_kv"
         if self.slots != "aligned":
             return "misaligned_slots"
         if self.start_layer:
@@ -147,6 +160,10 @@ class Case:
             logit_cap=self.logit_cap,
             sliding_window_size=self.sliding_window_size,
             attn_type=self.attn_type,
+            kv_lora_rank=self.kv_lora_rank,
+            qk_rope_head_dim=self.qk_rope_head_dim,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )
 
     def config(self, graph: bool = False) -> AttentionConfig:
@@ -162,6 +179,10 @@ class Case:
             non_causal=self.attn_type != "decoder",
             custom_mask=self.mode.is_target_verify(),
             graph=graph,
+            kv_lora_rank=self.kv_lora_rank,
+            qk_rope_head_dim=self.qk_rope_head_dim,
+            attention_sinks=self.sinks,
+            kv_cache_dtype=self.kv_cache_dtype,
         )
 
     def source(self) -> str:
@@ -194,6 +215,12 @@ class Built:
     initial_pool_k: list[torch.Tensor] = field(default_factory=list)  # every layer, before it
     initial_pool_v: list[torch.Tensor] = field(default_factory=list)
     token_origin: list[tuple[int, int]] = field(default_factory=list)  # per query token: (request, position)
+    sinks: torch.Tensor | None = None  # float32 [q_heads] when the case has attention sinks
+
+    @property
+    def forward_kwargs(self) -> dict:
+        """The keyword arguments of ``forward`` beyond q/k/v/layer/batch (``sinks=``)."""
+        return {} if self.sinks is None else {"sinks": self.sinks}
 
 
 def _verify_mask(prefix: int, draft: int, gen: torch.Generator, blind_row: bool) -> torch.Tensor:
@@ -219,16 +246,22 @@ def build(case: Case, device: torch.device | str = "cpu", layer_num: int = 1) ->
     totals = [p + n for p, n in case.requests]
     pages_per_req = [-(-t // ps) for t in totals]
     num_pages = sum(pages_per_req) + 2
-    kv_pool = PagedKVPool(
-        num_pages,
-        ps,
-        layer_num,
-        case.tp_k_head_num,
-        case.head_dim,
-        case.v_head_dim,
-        case.dtype,
-        start_layer=case.start_layer,
-    )
+    kv_dtype = case.kv_cache_dtype or case.dtype
+    if case.kv_lora_rank:
+        kv_pool = MLAKVPool(
+            num_pages, ps, layer_num, case.kv_lora_rank, case.qk_rope_head_dim, kv_dtype, start_layer=case.start_layer
+        )
+    else:
+        kv_pool = PagedKVPool(
+            num_pages,
+            ps,
+            layer_num,
+            case.tp_k_head_num,
+            case.head_dim,
+            case.v_head_dim,
+            kv_dtype,
+            start_layer=case.start_layer,
+        )
     for buf in kv_pool.k_buffer + kv_pool.v_buffer:
         buf.copy_(torch.randn(buf.shape, generator=gen))  # noise everywhere: reading a wrong slot or layer shows
     bs = len(case.requests)
@@ -282,6 +315,9 @@ def build(case: Case, device: torch.device | str = "cpu", layer_num: int = 1) ->
     q = (torch.randn(tokens, case.tp_q_head_num * case.head_dim, generator=gen) * case.q_scale).to(case.dtype)
     k = torch.randn(tokens, case.tp_k_head_num * case.head_dim, generator=gen).to(case.dtype)
     v = torch.randn(tokens, case.tp_k_head_num * layer.v_head_dim, generator=gen).to(case.dtype)
+    if case.kv_lora_rank:  # MLA: the value is the key's latent
+        v = k[:, : case.kv_lora_rank].clone()
+    sinks = torch.randn(case.tp_q_head_num, generator=gen) + 1.0 if case.sinks else None
 
     initial_k = [b.clone() for b in kv_pool.k_buffer]
     initial_v = [b.clone() for b in kv_pool.v_buffer]
@@ -294,9 +330,10 @@ def build(case: Case, device: torch.device | str = "cpu", layer_num: int = 1) ->
         fb.out_cache_loc,
         k.view(tokens, case.tp_k_head_num, -1),
         v.view(tokens, case.tp_k_head_num, -1),
+        *reference.kv_scales(layer),
     )
     expected = reference.batch_attention(
-        q, expected_pool_k[lid], expected_pool_v[lid], layer, fb, acc_dtype=torch.float64
+        q, expected_pool_k[lid], expected_pool_v[lid], layer, fb, sinks=sinks, acc_dtype=torch.float64
     )
     built = Built(
         case,
@@ -313,6 +350,7 @@ def build(case: Case, device: torch.device | str = "cpu", layer_num: int = 1) ->
         initial_pool_k=initial_k,
         initial_pool_v=initial_v,
         token_origin=origin,
+        sinks=sinks,
     )
     return to_device(built, torch.device(device)) if torch.device(device).type != "cpu" else built
 
@@ -323,7 +361,10 @@ def to_device(built: Built, device: torch.device) -> Built:
     kv, rt = fb.token_to_kv_pool, fb.req_to_token_pool
     kv.device = rt.device = resolve_device(device)
     kv.k_buffer = [b.to(device) for b in kv.k_buffer]
-    kv.v_buffer = [b.to(device) for b in kv.v_buffer]
+    if isinstance(kv, MLAKVPool):  # the value stays a view of the key's latent
+        kv.kv_buffer, kv.v_buffer = kv.k_buffer, [b[..., : kv.kv_lora_rank] for b in kv.k_buffer]
+    else:
+        kv.v_buffer = [b.to(device) for b in kv.v_buffer]
     rt.req_to_token = rt.req_to_token.to(device)
     moved = {
         name: getattr(fb, name).to(device)
@@ -367,6 +408,7 @@ def to_device(built: Built, device: torch.device) -> Built:
         expected_pool_v=move(built.expected_pool_v),
         initial_pool_k=move(built.initial_pool_k),
         initial_pool_v=move(built.initial_pool_v),
+        sinks=None if built.sinks is None else built.sinks.to(device),
     )
 
 
@@ -522,7 +564,7 @@ def check_output(built: Built, out: torch.Tensor, expected: torch.Tensor | None 
         return f"output shape {tuple(out.shape)} != expected {tuple(expected.shape)} ([tokens, q_heads * v_head_dim])"
     if out.dtype != built.q.dtype:
         return f"output dtype {out.dtype} != q dtype {built.q.dtype}"
-    tol = tolerance(case.dtype)
+    tol = tolerance(case.dtype, case.kv_cache_dtype)
     got, want = out.detach().double().cpu(), expected.double().cpu()
     close = torch.isclose(got, want, equal_nan=True, **tol)
     if bool(close.all()):
@@ -567,6 +609,12 @@ def describe(case: Case) -> str:
         )
     slots = " slots scattered (not at i % page_size)" if case.slots != "aligned" else ""
     threads = f" at {case.threads} thread(s)" if case.threads is not None else ""
+    layers += f" MLA latent {case.kv_lora_rank} + rope {case.qk_rope_head_dim}" if case.kv_lora_rank else ""
+    layers += " sinks" if case.sinks else ""
+    if case.kv_cache_dtype is not None:
+        layers += (
+            f" {str(case.kv_cache_dtype).removeprefix('torch.')} cache (k_scale {case.k_scale}, v_scale {case.v_scale})"
+        )
     return (
         f"{case.id}: {case.mode.name} {case.dtype_name} page {case.page_size}, heads {case.tp_q_head_num}/"
         f"{case.tp_k_head_num}, head_dim {case.head_dim}/{case.v_head_dim or case.head_dim}{window}{cap}"

@@ -17,6 +17,8 @@ FEATURES = {
     "logit_cap": {"logit_cap": 30.0},
     "non_causal": {"non_causal": True},
     "mla": {"v_head_dim": 64},
+    "sinks": {"attention_sinks": True},
+    "fp8_kv": {"kv_cache_dtype": "fp8_e4m3"},
     "fp32": {"dtype": "fp32"},
     "bf16": {"dtype": "bf16"},
     "fp16": {"dtype": "fp16"},
@@ -78,7 +80,9 @@ def case_features(case, kind: str) -> set[str]:
     needs |= {"sliding_window"} if case.sliding_window_size >= 0 else set()
     needs |= {"logit_cap"} if case.logit_cap > 0 else set()
     needs |= {"non_causal"} if case.attn_type != "decoder" else set()
-    needs |= {"mla"} if case.v_head_dim not in (None, case.head_dim) else set()
+    needs |= {"mla"} if case.v_head_dim not in (None, case.head_dim) or case.kv_lora_rank else set()
+    needs |= {"sinks"} if case.sinks else set()
+    needs |= {"fp8_kv"} if case.kv_cache_dtype is not None else set()
     return needs
 
 

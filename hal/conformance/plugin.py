@@ -48,8 +48,9 @@ def available_targets(devices: list[str] | None = None, backends: list[str] | No
 
 def _case_lists():
     from hal.conformance.cases import CASES, GRAPH_CASES
+    from hal.conformance.cases_models import MODEL_CASES, MODEL_GRAPH_CASES
 
-    return {"forward": CASES, "graph": GRAPH_CASES}
+    return {"forward": CASES + MODEL_CASES, "graph": GRAPH_CASES + MODEL_GRAPH_CASES}
 
 
 def pytest_addoption(parser):

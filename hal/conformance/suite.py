@@ -104,7 +104,7 @@ def test_forward_matches_reference(hal_target, hal_case, request):
     built = build(hal_case, hal_target.capability.torch_device)
     with host_threads(hal_case.threads):
         backend.init_forward_metadata(built.batch)
-        out = backend.forward(built.q, built.k, built.v, built.layer, built.batch)
+        out = backend.forward(built.q, built.k, built.v, built.layer, built.batch, **built.forward_kwargs)
         _record_routes(request, hal_target, backend, hal_case, built)
     assert_result(built, out)
 
@@ -183,6 +183,7 @@ def test_graph_replay_matches_reference(hal_target, hal_case):
         capture_bs=(1, 2, 4, 8),
         dtype=case.dtype,
         draft_token_num=case.requests[0][1] if case.mode.is_target_verify() else None,
+        sinks=None if built.sinks is None else [built.sinks] * len(layers),
     )
     runner.capture()
     # the runner writes the new tokens to every layer: that is the expectation
@@ -192,9 +193,11 @@ def test_graph_replay_matches_reference(hal_target, hal_case):
     expected = []
     for layer in layers:
         kb, vb = exp_k[layer.layer_id - case.start_layer], exp_v[layer.layer_id - case.start_layer]
-        kb[fb.out_cache_loc] = built.k.view(tokens, case.tp_k_head_num, -1).to(kb.dtype)
-        vb[fb.out_cache_loc] = built.v.view(tokens, case.tp_k_head_num, -1).to(vb.dtype)
-        expected.append(reference.batch_attention(built.q, kb, vb, layer, fb, acc_dtype=torch.float64))
+        new_k, new_v = (t.view(tokens, case.tp_k_head_num, -1) for t in (built.k, built.v))
+        reference.write_kv(kb, vb, fb.out_cache_loc, new_k, new_v, *reference.kv_scales(layer))
+        expected.append(
+            reference.batch_attention(built.q, kb, vb, layer, fb, sinks=built.sinks, acc_dtype=torch.float64)
+        )
     built = replace(built, expected_pool_k=exp_k, expected_pool_v=exp_v)
     for step, rows in enumerate(graph_replays(len(case.requests))):
         sub, q, k, v, tokens = sub_batch(built, rows)

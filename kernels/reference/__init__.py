@@ -25,6 +25,20 @@ Semantics shared by every backend (SGLang's conventions):
   ``logit_cap * tanh(score / logit_cap)`` before the softmax.
 * GQA/MQA: query head ``h`` reads KV head ``h // (q_heads // kv_heads)``.
 * A query with no visible key (possible only with a custom mask) outputs zeros.
+* Attention sinks (gpt-oss): ``sinks`` ``[q_heads]`` is a learned logit per query head.
+  Each query row's softmax runs over its (capped, masked) scores plus one more column
+  holding ``sinks[h]``, which is then dropped: the denominator gains ``exp(sinks[h] - m)``
+  with ``m = max(max_j score_j, sinks[h])`` and the weights no longer sum to 1. A row
+  with no visible key outputs zeros (all its mass is on the sink).
+* fp8 KV cache (``float8_e4m3fn`` / ``float8_e5m2``): a write stores
+  ``clamp(x.float() / scale, -finfo.max, finfo.max).to(fp8)`` (saturating, as vLLM's
+  ``scaled_fp8_quant``), a read gives ``stored.float() * scale``, with the layer's
+  ``k_scale`` for keys and ``v_scale`` for values (None: 1.0). A cache in a model dtype
+  ignores the scales. Queries stay in the model dtype.
+* MLA (latent attention): the value buffer is a view of the key buffer's first
+  ``kv_lora_rank`` columns (the latent); a write stores the key only (latent and rope
+  part) and the value is read through the view. Nothing else about it is special: it is
+  MQA with ``v_head_dim != head_dim``.
 """
 
 from __future__ import annotations
@@ -39,7 +53,53 @@ __all__ = [
     "compute_positions",
     "batch_attention",
     "tolerance",
+    "is_fp8",
+    "kv_scales",
+    "quantize_kv",
+    "dequantize_kv",
+    "shares_storage",
+    "store",
 ]
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` is an fp8 KV-cache dtype (``float8_e4m3fn``, ``float8_e5m2``): scaled on write and read."""
+    return dtype.is_floating_point and dtype.itemsize == 1
+
+
+def kv_scales(layer) -> tuple[float, float]:
+    """``(k_scale, v_scale)`` of ``layer`` as floats (None: 1.0).
+
+    Reads SGLang's ``k_scale_float`` / ``v_scale_float`` where the layer has them (a
+    ``RadixAttention``), else ``k_scale`` / ``v_scale`` (hal's ``AttentionLayer``: floats).
+    """
+
+    def one(kind: str) -> float:
+        value = getattr(layer, f"{kind}_scale_float", None)
+        if value is None:
+            value = getattr(layer, f"{kind}_scale", None)
+        return 1.0 if value is None else float(value)
+
+    return one("k"), one("v")
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """``x`` as stored in a cache of ``dtype``: fp8 saturates ``x.float() / scale``; other dtypes cast ``x``."""
+    if not is_fp8(dtype):
+        return x.to(dtype)
+    limit = torch.finfo(dtype).max
+    return (x.float() / scale).clamp(-limit, limit).to(dtype)
+
+
+def dequantize_kv(stored: torch.Tensor, scale: float = 1.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """What a cache entry means, in ``dtype``: ``stored * scale`` for fp8, ``stored`` as is otherwise."""
+    out = stored.to(dtype)
+    return out * scale if is_fp8(stored.dtype) and scale != 1.0 else out
+
+
+def shares_storage(k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> bool:
+    """Whether ``v_buffer`` is a view of ``k_buffer`` (an MLA pool: the value is the key's latent)."""
+    return v_buffer.data_ptr() == k_buffer.data_ptr() and v_buffer.shape[-1] <= k_buffer.shape[-1]
 
 
 def attention_mask(
@@ -80,6 +140,9 @@ def paged_attention(
     sliding_window: int = -1,
     causal: bool = True,
     custom_mask: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     acc_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Attention of ragged query tokens over a paged KV cache.
@@ -94,6 +157,8 @@ def paged_attention(
         seq_lens: ``[batch]``, total tokens per request (prefix + new).
         extend_lens: ``[batch]``, query tokens per request.
         custom_mask: flat bool, see the module docstring.
+        sinks: ``[q_heads]`` sink logits (any float dtype), or None.
+        k_scale, v_scale: dequantisation scales of an fp8 cache (ignored for other dtypes).
         acc_dtype: float32, or float64 for an independent high-precision check.
 
     Returns:
@@ -110,8 +175,8 @@ def paged_attention(
         if extend_len == 0:
             continue
         slots = req_to_token[int(req_pool_indices[r]), :seq_len].long()
-        k = k_buffer[slots].to(acc_dtype).repeat_interleave(group, dim=1)  # [S, Hq, D]
-        v = v_buffer[slots].to(acc_dtype).repeat_interleave(group, dim=1)
+        k = dequantize_kv(k_buffer[slots], k_scale, acc_dtype).repeat_interleave(group, dim=1)  # [S, Hq, D]
+        v = dequantize_kv(v_buffer[slots], v_scale, acc_dtype).repeat_interleave(group, dim=1)
         qr = q[q_start : q_start + extend_len].to(acc_dtype)  # [E, Hq, D]
         scores = torch.einsum("ehd,shd->hes", qr, k) * scale
         if logit_cap > 0:
@@ -129,7 +194,11 @@ def paged_attention(
             device=q.device,
         )
         scores = scores.masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked rows -> 0
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked rows -> 0
+        else:  # one more column per row, the head's sink logit, dropped after the softmax
+            sink = sinks.to(acc_dtype)[:, None, None].expand(q_heads, extend_len, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
         out[q_start : q_start + extend_len] = torch.einsum("hes,shd->ehd", probs, v)
         q_start += extend_len
     return out.to(q.dtype)
@@ -140,11 +209,25 @@ def write_kv(
     v_buffer: torch.Tensor,
     loc: torch.Tensor,
     k: torch.Tensor,
-    v: torch.Tensor,
+    v: torch.Tensor | None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Store ``k``/``v`` (``[n, kv_heads, dim]``) at slots ``loc`` (``[n]``), cast to the pool dtype."""
-    k_buffer[loc.long()] = k.to(k_buffer.dtype)
-    v_buffer[loc.long()] = v.to(v_buffer.dtype)
+    """Store ``k``/``v`` (``[n, kv_heads, dim]``) at slots ``loc`` (``[n]``) as the pool stores them
+    (:func:`quantize_kv`). An MLA pool (``v_buffer`` a view of ``k_buffer``) stores the key only:
+    ``v`` (its latent) may be None and is not written."""
+    store(k_buffer, loc, quantize_kv(k, k_buffer.dtype, k_scale))
+    if not shares_storage(k_buffer, v_buffer):
+        store(v_buffer, loc, quantize_kv(v, v_buffer.dtype, v_scale))
+
+
+def store(buffer: torch.Tensor, loc: torch.Tensor, values: torch.Tensor) -> None:
+    """``buffer[loc] = values`` (already in ``buffer.dtype``); fp8 as bytes, as SGLang's pools do: some devices and
+    torch versions have no fp8 index_put."""
+    if is_fp8(buffer.dtype):
+        buffer.view(torch.uint8)[loc.long()] = values.view(torch.uint8)
+    else:
+        buffer[loc.long()] = values
 
 
 def build_kv_indices(
@@ -194,6 +277,7 @@ def batch_attention(
     layer,
     batch,
     *,
+    sinks: torch.Tensor | None = None,
     acc_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """What ``layer`` outputs for ``batch``: ``[T, q_heads * v_head_dim]`` in ``q.dtype``.
@@ -202,7 +286,8 @@ def batch_attention(
     ``req_pool_indices``, ``seq_lens``, ``extend_seq_lens``, ``spec_info``,
     ``req_to_token_pool``); ``layer`` any object with RadixAttention's fields. ``q`` is
     ``[T, q_heads * head_dim]`` or ``[T, q_heads, head_dim]``; ``k_buffer``/``v_buffer`` are
-    the layer's pool buffers with the batch's new tokens already written. Lengths are read
+    the layer's pool buffers with the batch's new tokens already written (an fp8 cache is
+    read with the layer's ``k_scale`` / ``v_scale``); ``sinks``: ``[q_heads]``. Lengths are read
     from the device tensors: this is the oracle, not a hot path.
     """
     mode, seq_lens = batch.forward_mode, batch.seq_lens.long().cpu()
@@ -216,6 +301,7 @@ def batch_attention(
     else:
         kv_lens, q_lens = seq_lens, batch.extend_seq_lens.long().cpu()
     tokens = int(q_lens.sum())
+    k_scale, v_scale = kv_scales(layer)
     out = paged_attention(
         q.reshape(tokens, layer.tp_q_head_num, layer.head_dim),
         k_buffer,
@@ -229,13 +315,24 @@ def batch_attention(
         sliding_window=layer.sliding_window_size,
         causal=not layer.is_cross_attention and getattr(layer, "attn_type", "decoder") == "decoder",
         custom_mask=custom_mask,
+        sinks=sinks,
+        k_scale=k_scale,
+        v_scale=v_scale,
         acc_dtype=acc_dtype,
     )
     return out.reshape(tokens, -1)
 
 
-def tolerance(dtype: torch.dtype) -> dict:
-    """``torch.testing.assert_close`` tolerances for a backend's output in ``dtype`` against this oracle."""
+def tolerance(dtype: torch.dtype, kv_cache_dtype: torch.dtype | None = None) -> dict:
+    """``torch.testing.assert_close`` tolerances for a backend's output in ``dtype`` against this oracle.
+
+    With an fp8 cache (``kv_cache_dtype``) the oracle reads the very fp8 entries the backend
+    reads, so the quantisation error is not in the comparison: the tolerance is the query
+    dtype's, loosened for fp32 queries to allow a kernel that dequantises into bf16 / fp16
+    (an fp8 value is exact there, its product with the scale rounds to 8 / 11 bits).
+    """
+    if kv_cache_dtype is not None and is_fp8(kv_cache_dtype) and dtype == torch.float32:
+        return {"atol": 1e-2, "rtol": 1e-2}
     return {
         torch.float32: {"atol": 2e-4, "rtol": 1e-3},
         torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2},

@@ -213,6 +213,7 @@ def variants(
 
 
 _INDEX_ARGS = {
+    "new_loc_ptr",
     "qo_indptr_ptr",
     "kv_indptr_ptr",
     "kv_indices_ptr",
@@ -227,8 +228,11 @@ _INDEX_ARGS = {
     "positions_ptr",
     "req_to_token_ptr",
 }
-_FP32_ARGS = {"part_out_ptr", "part_lse_ptr"}  # decode's scratch is fp32 whatever the dtype
-_SCALARS = {"scale": "fp32", "logit_cap": "fp32"}
+_FP32_ARGS = {"part_out_ptr", "part_lse_ptr", "sinks_ptr"}  # decode's scratch is fp32 whatever the dtype
+_SCALARS = {"scale": "fp32", "logit_cap": "fp32", "k_scale": "fp32", "v_scale": "fp32"}
+# issue 19's constexprs, off unless a variant sets them: no rope tile, a plain pool, no sinks
+_FEATURE_DEFAULTS = {"BLOCK_DPE": 0, "KV_FP8": 0, "NEW_FROM_POOL": False, "HAS_SINKS": False, "WRITE_V": True}
+_POOL_ARGS = {"k_buf_ptr", "v_buf_ptr"}  # an fp8 pool reaches the kernels as bytes
 
 
 def _kernel(name: str):
@@ -251,12 +255,13 @@ def _source(v: Variant):
     fn = _kernel(v.kernel)
     tl_dtypes = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}
     consts = {k: tl_dtypes.get(c, c) if k.endswith("_DTYPE") else c for k, c in v.constexprs}
+    consts = {**{k: c for k, c in _FEATURE_DEFAULTS.items() if k in fn.arg_names}, **consts}
     ptr = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16", "int32": "*i32"}[v.dtype]
     signature = {}
     for arg in fn.arg_names:
         if arg in consts:
             signature[arg] = "constexpr"
-        elif arg == "mask_ptr":
+        elif arg == "mask_ptr" or arg in _POOL_ARGS and consts.get("KV_FP8"):
             signature[arg] = "*u8"
         elif arg in _INDEX_ARGS:
             signature[arg] = "*i32"

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_float
+from ._common import check_float, check_kv, f32_to_fp8, kv_format, kv_storage
 from .sizing import write_kv_heads
 
 __all__ = ["write_kv", "build_kv_indices", "compute_positions"]
@@ -25,6 +25,8 @@ def _write_kv_kernel(
     loc_ptr,
     k_ptr,
     v_ptr,
+    k_scale,
+    v_scale,
     kv_heads,
     head_dim,
     v_head_dim,
@@ -43,6 +45,8 @@ def _write_kv_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    WRITE_V: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(loc_ptr + t).to(tl.int64)
@@ -53,13 +57,23 @@ def _write_kv_kernel(
     mask = mask_h[:, None] & (offs_d < head_dim)[None, :]
     k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd, mask=mask)
     dst = k_buf_ptr + slot * stride_kbs + offs_h[:, None] * stride_kbh + offs_d[None, :] * stride_kbd
-    tl.store(dst, k.to(tl.float32).to(k_buf_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst, _stored(k, k_buf_ptr, KV_FP8, k_scale), mask=mask)
 
-    offs_dv = tl.arange(0, BLOCK_DV)
-    mask = mask_h[:, None] & (offs_dv < v_head_dim)[None, :]
-    v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_dv[None, :] * stride_vd, mask=mask)
-    dst = v_buf_ptr + slot * stride_vbs + offs_h[:, None] * stride_vbh + offs_dv[None, :] * stride_vbd
-    tl.store(dst, v.to(tl.float32).to(v_buf_ptr.dtype.element_ty), mask=mask)
+    if WRITE_V:
+        offs_dv = tl.arange(0, BLOCK_DV)
+        mask = mask_h[:, None] & (offs_dv < v_head_dim)[None, :]
+        v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_dv[None, :] * stride_vd, mask=mask)
+        dst = v_buf_ptr + slot * stride_vbs + offs_h[:, None] * stride_vbh + offs_dv[None, :] * stride_vbd
+        tl.store(dst, _stored(v, v_buf_ptr, KV_FP8, v_scale), mask=mask)
+
+
+@triton.jit
+def _stored(x, buf_ptr, KV_FP8: tl.constexpr, scale):
+    """``x`` as the pool stores it: fp8 bytes of ``x / scale`` (saturating), else ``x`` in the pool's dtype."""
+    if KV_FP8 == 0:
+        return x.to(tl.float32).to(buf_ptr.dtype.element_ty)
+    else:
+        return f32_to_fp8(x.to(tl.float32) / scale, KV_FP8)
 
 
 def write_kv(
@@ -67,39 +81,55 @@ def write_kv(
     v_buffer: torch.Tensor,
     loc: torch.Tensor,
     k: torch.Tensor,
-    v: torch.Tensor,
+    v: torch.Tensor | None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Store new keys and values in the pool: ``k_buffer[loc[i]] = k[i]``, same for ``v``.
+    """Store new keys and values in the pool: ``k_buffer[loc[i]] = k[i]``, same for ``v``
+    (``hal.kernels.reference.write_kv``'s semantics and signature).
 
-    Values are cast to the pool's dtype (through fp32). Slots in ``loc`` must be
-    distinct (a repeated slot gets one of the writes, unspecified which).
+    A float pool stores the values cast to its dtype (through fp32). An fp8 pool
+    (``float8_e4m3fn`` / ``float8_e5m2``) stores ``clamp(k / k_scale, -max, max)`` rounded
+    to nearest even (``v`` with ``v_scale``), exactly as torch's cast. An MLA pool
+    (``v_buffer`` a view of ``k_buffer``'s first columns) stores the key only; ``v`` may then
+    be None. Slots in ``loc`` must be distinct (a repeated slot gets one of the writes,
+    unspecified which).
 
     Args:
-        k_buffer: ``[num_slots, kv_heads, head_dim]``, fp32/fp16/bf16, written in place.
-        v_buffer: ``[num_slots, kv_heads, v_head_dim]``, written in place.
+        k_buffer: ``[num_slots, kv_heads, head_dim]``, fp32/fp16/bf16 or fp8, written in place.
+        v_buffer: ``[num_slots, kv_heads, v_head_dim]``, same dtype, written in place.
         loc: int32/int64 ``[n]``, destination slots.
-        k: ``[n, kv_heads, head_dim]``, any of the float dtypes above.
-        v: ``[n, kv_heads, v_head_dim]``.
+        k: ``[n, kv_heads, head_dim]``, fp32/fp16/bf16.
+        v: ``[n, kv_heads, v_head_dim]`` (None for an MLA pool).
+        k_scale, v_scale: quantisation scales of an fp8 pool (ignored for other dtypes).
     """
     n = loc.shape[0]
     _, kv_heads, head_dim = k_buffer.shape
     v_head_dim = v_buffer.shape[-1]
-    if k.shape != (n, kv_heads, head_dim) or v.shape != (n, kv_heads, v_head_dim):
+    write_v = not (v_buffer.data_ptr() == k_buffer.data_ptr() and v_head_dim <= head_dim)  # MLA: v is k's latent
+    bad_v = v.shape != (n, kv_heads, v_head_dim) if v is not None else write_v
+    if k.shape != (n, kv_heads, head_dim) or bad_v:
         raise ValueError(
-            f"k {tuple(k.shape)} / v {tuple(v.shape)} must be [{n}, {kv_heads}, {head_dim}] / "
+            f"k {tuple(k.shape)} / v {None if v is None else tuple(v.shape)} must be [{n}, {kv_heads}, {head_dim}] / "
             f"[{n}, {kv_heads}, {v_head_dim}]"
         )
-    for name, t in (("k_buffer", k_buffer), ("v_buffer", v_buffer), ("k", k), ("v", v)):
-        check_float(name, t)
+    for name, t in (("k_buffer", k_buffer), ("v_buffer", v_buffer)):
+        check_kv(name, t)
+    check_float("k", k)
+    if write_v:
+        check_float("v", v)
     if n == 0:
         return
+    v = v if write_v else k  # never read
     block_h = write_kv_heads(kv_heads, max(triton.next_power_of_2(head_dim), triton.next_power_of_2(v_head_dim)))
     _write_kv_kernel[(n, triton.cdiv(kv_heads, block_h))](
-        k_buffer,
-        v_buffer,
+        kv_storage(k_buffer),
+        kv_storage(v_buffer),
         loc,
         k,
         v,
+        float(k_scale),
+        float(v_scale),
         kv_heads,
         head_dim,
         v_head_dim,
@@ -110,6 +140,8 @@ def write_kv(
         BLOCK_H=block_h,
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_DV=triton.next_power_of_2(v_head_dim),
+        KV_FP8=kv_format(k_buffer),
+        WRITE_V=write_v,
     )
 
 
