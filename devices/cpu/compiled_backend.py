@@ -73,16 +73,7 @@ class CompiledBackend(TorchBackend):
 
     @classmethod
     def notes(cls, capability) -> list[str]:
-        features = cpu_kernels.cpu_features()
-        ok, why = cpu_kernels.status()
-        if not ok:
-            path = f"plain torch path: {why}"
-        elif (record := cpu_kernels.build_record()) is not None:
-            path = f"compiled kernels ({record['build_info']}, loaded in {record['seconds']:.1f} s)"
-        else:
-            path = "compiled kernels, built with -march=native at first use (a minute or two once per CPU kind)"
-        bf16 = "bf16 dot products" if features["bf16_dot"] else "bf16 widened to fp32 (no avx512_bf16 / amx_bf16)"
-        return super().notes(capability) + [f"{path}; CPU features {' '.join(features['flags']) or 'none'}; {bf16}"]
+        return super().notes(capability) + [cpu_kernels.describe()]
 
     # -- metadata ----------------------------------------------------------------------
     def init_forward_metadata_out_graph(self, fb, in_capture: bool = False) -> None:
