@@ -50,15 +50,21 @@ def _kernel_out(built, tile_rows):
     return out.reshape(lens.num_tokens, -1)
 
 
+# Every ISA path this CPU can run (the best first; amx_emulated runs the AMX tile code over scalar tile stand-ins).
+RUNNABLE = cpu_kernels.runnable_isas()
+
+
 @needs_kernels
+@pytest.mark.parametrize("isa", RUNNABLE)
 @pytest.mark.parametrize(
     "tile_rows, heads_per_task", [(0, "1"), (0, "64"), (2, "1")], ids=["rows", "rows-all-heads", "tiles"]
 )
 @pytest.mark.parametrize("case", CPU_CASES, ids=[c.name for c in CPU_CASES])
-def test_kernel_matches_reference_on_every_path(case, tile_rows, heads_per_task, monkeypatch):
+def test_kernel_matches_reference_on_every_path(case, tile_rows, heads_per_task, isa, monkeypatch):
     """tile_rows=0: every request on the row path, one task per (request, KV head) or per request
-    (all its KV heads); 2: every request through at::mm tiles."""
+    (all its KV heads); 2: every request through the extend tiles (at::mm, or AMX tiles for bf16)."""
     monkeypatch.setenv("HAL_HEADS_PER_TASK", heads_per_task)
+    monkeypatch.setenv("HAL_CPU_ISA", isa)
     built = build(case)
     out = _kernel_out(built, tile_rows)
     assert out.dtype == built.q.dtype
@@ -130,19 +136,23 @@ def test_bad_input_is_a_kv_cache_error(rows, seq, ext, slot, match):
 
 
 @needs_kernels
-def test_scattered_long_decode_and_extend_match_the_reference():
-    """Context lengths past several key blocks, scattered slots, bf16 and fp32, GQA 4."""
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("head_dim, tile_rows", [(64, 128), (128, 16), (96, 4)])
+def test_scattered_long_decode_and_extend_match_the_reference(isa, head_dim, tile_rows, monkeypatch):
+    """Context lengths past several key blocks (partial last blocks), scattered slots, bf16 and fp32, GQA 4,
+    on every path this CPU runs; query tiles whose rows are no multiple of 16."""
     from hal.kernels import reference
 
+    monkeypatch.setenv("HAL_CPU_ISA", isa)
     gen = torch.Generator().manual_seed(1)
     for dtype in (torch.float32, torch.bfloat16):
-        k_buffer = torch.randn(3000, 2, 64, generator=gen).to(dtype)
-        v_buffer = torch.randn(3000, 2, 64, generator=gen).to(dtype)
+        k_buffer = torch.randn(3000, 2, head_dim, generator=gen).to(dtype)
+        v_buffer = torch.randn(3000, 2, head_dim, generator=gen).to(dtype)
         req_to_token = torch.randperm(3000, generator=gen)[:2400].view(3, 800).to(torch.int32)
         rows, seq, ext = torch.tensor([2, 0, 1]), torch.tensor([700, 300, 513]), torch.tensor([1, 300, 40])
-        q = torch.randn(int(ext.sum()), 8, 64, generator=gen).to(dtype)
+        q = torch.randn(int(ext.sum()), 8, head_dim, generator=gen).to(dtype)
         args = (q, k_buffer, v_buffer, req_to_token, rows, seq, ext)
-        out = cpu_kernels.paged_attention(*args, scale=0.125, sliding_window=400)
+        out = cpu_kernels.paged_attention(*args, scale=0.125, sliding_window=400, tile_rows=tile_rows)
         expected = reference.paged_attention(*args, scale=0.125, sliding_window=400)
         torch.testing.assert_close(out.float(), expected.float(), **tolerance(dtype))
 
@@ -299,3 +309,19 @@ def test_metadata_rebuilt_out_of_graph_fails_the_eager_graph_through_the_kernel(
     bad.capture()
     with pytest.raises(GraphCaptureError, match=f"hal.paged_attention_{cpu_kernels.isa()}.*stale"):
         bad.run(fb, built.q, built.k, built.v)
+
+
+@pytest.mark.parametrize("peer", ["sdpa_gathered", "flex_attention"])
+def test_the_bench_peers_compute_the_reference(peer):
+    """hal bench's in-process peers are timed only if right: a mixed batch (extends with prefixes, decodes), paged."""
+    from hal.batch import ForwardMode
+    from hal.bench_peers import peer_step
+    from hal.conformance import Case
+
+    requests = ((32, 32), (63, 1), (40, 1))
+    for dtype in (torch.float32, torch.bfloat16):
+        case = Case("peer", ForwardMode.MIXED, requests, dtype=dtype, page_size=16, tp_q_head_num=4, tp_k_head_num=2)
+        built = build(case)
+        step, facts = peer_step(peer, built)
+        assert ("compile_s" in facts) == (peer == "flex_attention")
+        torch.testing.assert_close(step().float(), built.expected.float(), **tolerance(dtype))

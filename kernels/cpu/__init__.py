@@ -127,9 +127,16 @@ _AVX512 = (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
 _AVX2_FLAGS = ("avx2", "fma", "f16c")
 _AVX512_FLAGS = (*_AVX2_FLAGS, "avx512f", "avx512bw", "avx512vl", "avx512dq")
 ISAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "amx": (
+        (*_AVX512_FLAGS, "avx512_bf16", "amx_tile", "amx_bf16"),
+        (*_AVX512, "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
+    ),
     "avx512_bf16": ((*_AVX512_FLAGS, "avx512_bf16"), (*_AVX512, "-mavx512bf16")),
     "avx512": (_AVX512_FLAGS, _AVX512),
     "avx2": (_AVX2_FLAGS, _AVX2),
+    # the amx path's tile code over scalar stand-ins of the tile instructions: never chosen, only by
+    # HAL_CPU_ISA=amx_emulated, so that an AVX2 machine tests the tile path it can only compile
+    "amx_emulated": (_AVX2_FLAGS, (*_AVX2, "-DHAL_AMX_EMULATE")),
     "generic": ((), ()),
 }
 _COMMON_FLAGS = ("-O3", "-fopenmp", "-DNDEBUG")

@@ -46,6 +46,13 @@
 #if defined(__AVX512BF16__)
 #define HAL_BF16DOT 1  // bf16 K rows are dotted with _mm512_dpbf16_ps, no widening
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HAL_AMX 1  // bf16 extend / verify tiles through AMX tile matmuls
+#include <sys/syscall.h>
+#include <unistd.h>
+#elif defined(HAL_AMX_EMULATE)
+#define HAL_AMX 1  // the same tile path over scalar stand-ins of the three tile instructions (tests it without AMX)
+#endif
 
 namespace {
 
@@ -590,9 +597,169 @@ void run_rows(const Problem& P, const Task& task) {
   }
 }
 
+#ifdef HAL_AMX
+// ---- AMX tile path (bf16 pools) ------------------------------------------------------------
+// One 16 x 16 float32 tile C (tmm0) += A (tmm1: 16 rows x 32 bf16) . B (tmm2: 16 rows of 16 bf16 pairs, the
+// "VNNI" layout: B[k / 2][n][k % 2]), over `chunks` consecutive 16 x 32 B blocks. A is given twice, as the
+// bf16 hi and lo halves of float32 rows, so products keep (nearly) float32 accuracy, as split_bf16 does.
+#if defined(HAL_AMX_EMULATE)
+inline bool amx_ready() { return true; }
+inline void amx_begin() {}
+inline void amx_end() {}
+inline void amx_gemm(const uint16_t* a_hi, const uint16_t* a_lo, int64_t a_stride, const uint16_t* b, int64_t chunks,
+                     float* c, int64_t c_stride, bool accumulate) {
+  auto f = [](uint16_t x) {
+    const uint32_t u = uint32_t(x) << 16;
+    float y;
+    std::memcpy(&y, &u, 4);
+    return y;
+  };
+  for (int i = 0; i < 16; ++i) {
+    float* row = reinterpret_cast<float*>(reinterpret_cast<char*>(c) + i * c_stride);
+    for (int n = 0; n < 16; ++n) {
+      float x = accumulate ? row[n] : 0.f;
+      for (int64_t k = 0; k < chunks; ++k) {
+        for (const uint16_t* a : {a_hi, a_lo}) {
+          const uint16_t* ar = reinterpret_cast<const uint16_t*>(reinterpret_cast<const char*>(a) + i * a_stride);
+          for (int kk = 0; kk < 16; ++kk)
+            for (int p = 0; p < 2; ++p) x += f(ar[k * 32 + 2 * kk + p]) * f(b[k * 512 + kk * 32 + 2 * n + p]);
+        }
+      }
+      row[n] = x;
+    }
+  }
+}
+#else
+// Linux hands out the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
+inline bool amx_ready() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+inline void amx_begin() {  // three tiles of 16 rows x 64 bytes, per thread
+  TileConfig config{};
+  config.palette = 1;
+  for (int t = 0; t < 3; ++t) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+inline void amx_end() { _tile_release(); }
+inline void amx_gemm(const uint16_t* a_hi, const uint16_t* a_lo, int64_t a_stride, const uint16_t* b, int64_t chunks,
+                     float* c, int64_t c_stride, bool accumulate) {
+  if (accumulate) {
+    _tile_loadd(0, c, c_stride);
+  } else {
+    _tile_zero(0);
+  }
+  for (int64_t k = 0; k < chunks; ++k) {
+    _tile_loadd(2, b + k * 512, 64);
+    _tile_loadd(1, a_hi + k * 32, a_stride);
+    _tile_dpbf16ps(0, 1, 2);
+    _tile_loadd(1, a_lo + k * 32, a_stride);
+    _tile_dpbf16ps(0, 1, 2);
+  }
+  _tile_stored(0, c, c_stride);
+}
+#endif
+
+inline uint16_t bf16_bits(const at::BFloat16& x) { return x.x; }
+
+// The extend tile of run_tile for bf16 pools with D % 32 == 0 and Dv % 16 == 0: rows padded to 16, keys
+// of a block padded to 32 (zeros), K and V of each block packed once into the VNNI layout.
+void run_tile_amx(const Problem& P, const Task& task) {
+  const int64_t b = task.b, h = task.h, i0 = task.i0, nq = task.i1 - task.i0;
+  const int64_t R = nq * P.G, Rp = (R + 15) / 16 * 16, D = P.D, Dv = P.Dv, BK = kGemmBlock;
+  float* base = scratch(R * D + Rp * Dv + Rp * BK + 2 * R);
+  float* qs = base;
+  float* acc = qs + R * D;
+  float* s = acc + Rp * Dv;
+  float* m = s + Rp * BK;
+  float* l = m + R;
+  thread_local std::vector<uint16_t> t_bf16;
+  const int64_t need = 2 * Rp * D + BK * D + 2 * Rp * BK + BK * Dv;
+  if (int64_t(t_bf16.size()) < need) t_bf16.resize(need);
+  uint16_t* qhi = t_bf16.data();
+  uint16_t* qlo = qhi + Rp * D;
+  uint16_t* kpack = qlo + Rp * D;  // [key group of 16][D / 32] blocks of 16 x 32
+  uint16_t* phi = kpack + BK * D;
+  uint16_t* plo = phi + Rp * BK;
+  uint16_t* vpack = plo + Rp * BK;  // [Dv / 16][key chunk of 32] blocks of 16 x 32
+  std::vector<int64_t> lo(nq), hi(nq);
+  int64_t LO, HI;
+  start_task(P, task, R, lo.data(), hi.data(), LO, HI, qs, acc, m, l);
+  std::fill(acc + R * Dv, acc + Rp * Dv, 0.f);
+  for (int64_t r = 0; r < Rp; ++r) {
+    for (int64_t d = 0; d < D; ++d) {
+      const float x = r < R ? qs[r * D + d] : 0.f;
+      const at::BFloat16 top(x);
+      qhi[r * D + d] = bf16_bits(top);
+      qlo[r * D + d] = bf16_bits(at::BFloat16(x - to_float(top)));
+    }
+  }
+  if (int64_t(t_ptrs.size()) < 2 * BK) t_ptrs.resize(2 * BK);
+  const at::BFloat16** kp = reinterpret_cast<const at::BFloat16**>(t_ptrs.data());
+  const at::BFloat16** vp = kp + BK;
+  const int32_t* r2t_row = P.r2t + P.rows[b] * P.r2t_s0;
+  const int64_t dchunks = D / 32, vgroups = Dv / 16;
+  amx_begin();
+  for (int64_t j0 = LO; j0 < HI; j0 += BK) {
+    const int64_t nk = std::min(BK, HI - j0), nk32 = (nk + 31) / 32 * 32;
+    if (!slot_ptrs<at::BFloat16>(P, r2t_row, j0, nk, h, kp, vp)) break;
+    for (int64_t j = 0; j < nk32; ++j) {  // K block -> VNNI: block (j / 16, c), row kk, column j % 16, pair p
+      const uint16_t* krow = j < nk ? reinterpret_cast<const uint16_t*>(kp[j]) : nullptr;
+      for (int64_t c = 0; c < dchunks; ++c) {
+        uint16_t* blk = kpack + ((j / 16) * dchunks + c) * 512 + 2 * (j % 16);
+        for (int64_t kk = 0; kk < 16; ++kk) {
+          blk[kk * 32] = krow ? krow[c * 32 + 2 * kk] : 0;
+          blk[kk * 32 + 1] = krow ? krow[c * 32 + 2 * kk + 1] : 0;
+        }
+      }
+    }
+    for (int64_t rg = 0; rg < Rp; rg += 16)
+      for (int64_t g = 0; g < nk32 / 16; ++g)
+        amx_gemm(qhi + rg * D, qlo + rg * D, D * 2, kpack + g * dchunks * 512, dchunks, s + rg * BK + g * 16, BK * 4,
+                 false);
+    if (!fold_block(P, b, i0, R, j0, nk, s, BK, m, l, acc, Dv, lo.data(), hi.data())) continue;
+    for (int64_t r = 0; r < Rp; ++r) {
+      for (int64_t j = 0; j < nk32; ++j) {
+        const float x = r < R && j < nk ? s[r * BK + j] : 0.f;
+        const at::BFloat16 top(x);
+        phi[r * BK + j] = bf16_bits(top);
+        plo[r * BK + j] = bf16_bits(at::BFloat16(x - to_float(top)));
+      }
+    }
+    const int64_t kchunks = nk32 / 32;
+    for (int64_t j = 0; j < nk32; ++j) {  // V block -> VNNI: block (e, j / 32), row (j % 32) / 2, column n, pair j % 2
+      const uint16_t* vrow = j < nk ? reinterpret_cast<const uint16_t*>(vp[j]) : nullptr;
+      for (int64_t e = 0; e < vgroups; ++e) {
+        uint16_t* blk = vpack + (e * kchunks + j / 32) * 512 + ((j % 32) / 2) * 32 + j % 2;
+        for (int64_t n = 0; n < 16; ++n) blk[2 * n] = vrow ? vrow[e * 16 + n] : 0;
+      }
+    }
+    for (int64_t rg = 0; rg < Rp; rg += 16)
+      for (int64_t e = 0; e < vgroups; ++e)
+        amx_gemm(phi + rg * BK, plo + rg * BK, BK * 2, vpack + e * kchunks * 512, kchunks, acc + rg * Dv + e * 16,
+                 Dv * 4, true);
+  }
+  amx_end();
+  write_rows(P, b, h, i0, R, acc, l);
+}
+#endif
+
 // Extend tiles: scores and values through at::mm over blocks of kGemmBlock keys, widened to float32.
 template <typename T>
 void run_tile(const Problem& P, const Task& task) {
+#ifdef HAL_AMX
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (P.D % 32 == 0 && P.Dv % 16 == 0 && amx_ready()) return run_tile_amx(P, task);
+  }
+#endif
   const int64_t b = task.b, h = task.h, i0 = task.i0, nq = task.i1 - task.i0;
   const int64_t R = nq * P.G, D = P.D, Dv = P.Dv, BK = kGemmBlock;
   float* base = scratch(R * D + R * Dv + R * BK + BK * D + BK * Dv + 2 * R);
@@ -764,6 +931,11 @@ std::string build_info() {
   s += ", bf16 keys dotted by avx512_bf16";
 #else
   s += ", bf16 widened to fp32";
+#endif
+#if defined(HAL_AMX_EMULATE)
+  s += ", bf16 extend tiles through emulated AMX tiles (a test build)";
+#elif defined(HAL_AMX)
+  s += ", bf16 extend tiles through AMX";
 #endif
   return s;
 }
