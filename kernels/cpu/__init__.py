@@ -241,7 +241,7 @@ class Kernels:
     build_info: str
 
 
-_STATE: dict = {"loaded": {}, "error": None, "record": None}
+_STATE: dict = {"loaded": {}, "error": None, "records": {}}  # per ISA path: its Kernels, how they were loaded
 _LOCK = threading.Lock()
 
 
@@ -283,8 +283,9 @@ def cache_state(name: str | None = None) -> dict:
 
 
 def build_record() -> dict | None:
-    """How this process got its kernels: ``{"isa", "seconds", "compiled", "cache", "path", "build_info"}``, or None."""
-    return _STATE["record"]
+    """How this process got the kernels of :func:`isa`: ``{"isa", "seconds", "compiled", "cache", "path",
+    "build_info"}``, or None if it has not loaded them."""
+    return _STATE["records"].get(isa())
 
 
 def describe() -> str:
@@ -355,7 +356,7 @@ def load() -> Kernels:
                 f"the torch path serves instead (build dir {build_dir})"
             )
             raise KernelBuildError(_STATE["error"]) from exc
-        _STATE["record"] = {
+        _STATE["records"][name] = {
             "isa": name,
             "seconds": round(time.perf_counter() - start, 3),
             "compiled": not state["hit"],
