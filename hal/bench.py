@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -35,7 +36,9 @@ from pathlib import Path
 import torch
 
 from hal.batch import ForwardMode
+from hal.bench_peers import PEERS, peer_step
 from hal.conformance import Case, build  # the suite's public batch builder: realistic scattered layouts
+from hal.errors import ConfigError
 from hal.kernels.reference import batch_attention, tolerance
 from hal.registry import device_backends, get_registry
 from hal.selection import select
@@ -165,14 +168,23 @@ def _work(case: Case) -> tuple[int, int]:
     return kv_tokens * case.tp_k_head_num * case.head_dim * 2 * elem, 4 * case.tp_q_head_num * case.head_dim * pairs
 
 
-def _measure(backend, built, device, repeats: int, warmup: int) -> dict:
-    fb = built.batch
-
+def _backend_step(backend, built) -> Callable[[], torch.Tensor]:
     def step():
-        backend.init_forward_metadata(fb)
-        return backend.forward(built.q, built.k, built.v, built.layer, fb)
+        backend.init_forward_metadata(built.batch)
+        return backend.forward(built.q, built.k, built.v, built.layer, built.batch)
 
+    return step
+
+
+# A call slower than this (a peer whose layout defeats it) is timed once more, not `repeats` times.
+SLOW_CALL_S = 3.0
+
+
+def _measure(step, built, device, repeats: int, warmup: int) -> dict:
+    start = time.perf_counter()
     out = step()
+    if time.perf_counter() - start > SLOW_CALL_S:
+        repeats, warmup = 1, 0
     timing = time_ms(step, device, repeats, warmup)
     err = (out.float() - built.expected.float()).abs().max().item()
     correct = torch.allclose(out.float(), built.expected.float(), **tolerance(built.case.dtype))
@@ -198,7 +210,14 @@ def _cpu_meta() -> dict:
     from hal.kernels import cpu as cpu_kernels
 
     ok, why = cpu_kernels.status()
-    meta = {"cpu_features": cpu_kernels.cpu_features(), "kernels": {"available": ok, "reason": why}}
+    features = cpu_kernels.cpu_features()
+    kind = re.sub(r"[^a-z0-9]+", "-", features["model"].lower()).strip("-") or "unknown"
+    meta = {
+        "cpu_features": features,
+        # bench/results/ keeps one file per CPU kind, named by its model and vector features
+        "result_name": f"cpu-{kind}-{'-'.join(f.replace('_', '') for f in features['flags']) or 'scalar'}.json",
+        "kernels": {"available": ok, "reason": why, "isa": cpu_kernels.isa(), "runnable": cpu_kernels.runnable_isas()},
+    }
     if ok:
         try:
             cpu_kernels.load()  # first-use build cost, reported and kept out of the timings
@@ -218,7 +237,16 @@ def run_bench(
     workload_names: list[str] | None = None,
     dtypes: list[str] | None = None,
     page_sizes: list[int] | None = None,
+    threads: list[int] | None = None,
+    peers: list[str] | None = None,
 ) -> int:
+    """Time every workload per backend (and, on the CPU, per in-process peer) at each thread count.
+
+    ``threads``: the torch thread counts to run at, in order (default: the current one);
+    each run measures its own limits, so its ratios are per that many cores, and with
+    more than one count the report's ``scaling`` gives each workload's speed-up over the
+    first count. ``peers``: names of :data:`hal.bench_peers.PEERS` (default all, CPU only).
+    """
     selection = select(device=device)
     dev_name, cap = selection.device_name, selection.capability
     dev = get_registry().get(dev_name)
@@ -226,29 +254,66 @@ def run_bench(
     if cap.emulated:
         print(f"hal bench: {dev_name} is emulated here; an emulation never reports performance", file=sys.stderr)
         return 2
-    threads = torch.get_num_threads()
+    initial_threads = torch.get_num_threads()
+    counts = threads or [initial_threads]
+    if any(n < 1 for n in counts):
+        raise ConfigError(f"--threads {counts}: expected thread counts of at least 1")
+    unknown = sorted(set(peers or []) - set(PEERS))
+    if unknown:
+        raise ConfigError(f"--peer {unknown}: expected some of {', '.join(PEERS)}")
+    peers = [] if torch_device.type != "cpu" else list(PEERS) if peers is None else peers
     meta = {
         "device": dev_name,
         "name": cap.name,
         "arch": cap.arch,
         "torch": torch.__version__,
-        "threads": threads,
+        "threads": counts if threads else initial_threads,
         "quick": quick,
         "repeats": repeats,
+        "peers": peers,
         "loadavg_at_start": os.getloadavg(),
     }
     if torch_device.type == "cpu":
         _progress("CPU kernels: loading (compiled at first use)")
         meta.update(_cpu_meta())
-    report = {"meta": meta, "machine": {}, "workloads": []}
     classes = [c for c in device_backends(dev)[0] if not backends or c.name in backends]
     cases = workloads(quick, workload_names, dtypes, page_sizes)
+    runs = []
+    try:
+        for count in counts:
+            torch.set_num_threads(count)
+            _progress(f"{count} threads")
+            runs.append(_run_at(count, cap, classes, cases, peers, quick, repeats, peer_python, dtypes))
+    finally:
+        torch.set_num_threads(initial_threads)
+    report = {"meta": meta, "machine": runs[-1]["machine"], "workloads": runs[-1]["workloads"]}
+    if runs[-1].get("peer_error"):
+        report["peer_error"] = runs[-1]["peer_error"]
+    if len(runs) > 1:
+        report["by_threads"] = runs
+        report["scaling"] = _scaling(runs)
+    meta["loadavg_at_end"] = os.getloadavg()
+    if as_json:
+        print(json.dumps(report, indent=2))
+    else:
+        for run in runs:
+            _print(run, report["meta"], dev_name, cap.name, run["threads"])
+        if "scaling" in report:
+            _print_scaling(report["scaling"])
+    everything = [r for run in runs for w in run["workloads"] for r in (*w["results"].values(), *w["peers"].values())]
+    return 0 if all(r.get("correct", True) for r in everything) else 1
+
+
+def _run_at(threads: int, cap, classes, cases, peers, quick, repeats, peer_python, dtypes) -> dict:
+    """One pass over ``cases`` at ``threads`` torch threads: ``{"threads", "machine", "workloads"}``."""
+    torch_device = cap.torch_device
     modes = sorted({c.name.split("_")[0] for c in cases} & {"decode", "extend"})
     peer = _peer(peer_python, quick, threads, dtypes, modes) if peer_python and modes else None
     _progress("machine limits")
     limits = Limits(torch_device, quick)
     limits.sample()
     parts: dict[str, float] = {}
+    rows = []
     for index, case in enumerate(cases):
         _progress(f"[{index + 1}/{len(cases)}] {case.name}: building")
         built = build(case, torch_device)
@@ -262,6 +327,7 @@ def run_bench(
             "flops": flops,
             "results": {},
             "skipped": {},
+            "peers": {},
         }
         for cls in classes:
             reasons = cls.unsupported_reasons(case.config(), cap) + (
@@ -271,7 +337,14 @@ def run_bench(
                 row["skipped"][cls.name] = reasons
                 continue
             _progress(f"[{index + 1}/{len(cases)}] {case.name}: {cls.name}")
-            row["results"][cls.name] = _measure(cls(cap), built, torch_device, repeats, 2)
+            row["results"][cls.name] = _measure(_backend_step(cls(cap), built), built, torch_device, repeats, 2)
+        for name in peers:
+            _progress(f"[{index + 1}/{len(cases)}] {case.name}: peer {name}")
+            try:
+                step, facts = peer_step(name, built)
+                row["peers"][name] = {**facts, **_measure(step, built, torch_device, repeats, 2)}
+            except Exception as exc:  # a peer that cannot run here is reported, not fatal
+                row["peers"][name] = {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"}
         if case.mode.is_decode() and torch_device.type == "cpu" and "part" not in case.name:
             _progress(f"[{index + 1}/{len(cases)}] {case.name}: reference")
             buffers = built.batch.token_to_kv_pool.get_kv_buffer(0)
@@ -281,26 +354,43 @@ def run_bench(
                 3,
                 1,
             )
-        report["workloads"].append(row)
+        rows.append(row)
         del built
         limits.sample()  # interleaved: a busy moment during one sample cannot lower the ceiling
-    report["machine"] = machine = limits.report()
-    for row in report["workloads"]:
+    machine = limits.report()
+    for row in rows:
         _derive(row, machine, peer, parts)
+    run = {"threads": threads, "machine": machine, "workloads": rows}
     if peer and "error" in peer:
-        report["peer_error"] = peer["error"]
-    meta["loadavg_at_end"] = os.getloadavg()
-    if as_json:
-        print(json.dumps(report, indent=2))
-    else:
-        _print(report, dev_name, cap.name, threads)
-    return 0 if all(r["correct"] for w in report["workloads"] for r in w["results"].values()) else 1
+        run["peer_error"] = peer["error"]
+    return run
+
+
+def _scaling(runs: list[dict]) -> dict:
+    """Per workload and backend/peer: speed-up of each thread count over the first, and per-thread efficiency."""
+    first = runs[0]
+    out: dict = {}
+    for run in runs:
+        for row, base in zip(run["workloads"], first["workloads"]):
+            for kind in ("results", "peers"):
+                for name, r in row[kind].items():
+                    b = base[kind].get(name, {})
+                    if "median_ms" not in r or "median_ms" not in b:
+                        continue
+                    speedup = b["median_ms"] / r["median_ms"]
+                    out.setdefault(row["name"], {}).setdefault(name, {})[str(run["threads"])] = {
+                        "median_ms": r["median_ms"],
+                        "speedup": speedup,
+                        "efficiency": speedup * first["threads"] / run["threads"],
+                    }
+    return out
 
 
 def _derive(row: dict, machine: dict, peer: dict | None, parts: dict) -> None:
-    """Ratios of one workload's results to the limits, the reference, SGLang and (mixed) its parts."""
+    """Ratios of one workload's results (and peers') to the limits, the reference, the peers and (mixed) its parts."""
     matmul = machine["matmul_TFLOPs"].get(row["dtype"])
-    for name, result in row["results"].items():
+    timed = {**row["results"], **{n: r for n, r in row["peers"].items() if "median_ms" in r}}
+    for name, result in timed.items():
         seconds = result["median_ms"] / 1e3
         result["kv_GBps"] = row["kv_bytes"] / seconds / 1e9
         result["fraction_of_read_bw"] = result["kv_GBps"] / machine["read_GBps"]
@@ -315,6 +405,10 @@ def _derive(row: dict, machine: dict, peer: dict | None, parts: dict) -> None:
         elif row["name"].startswith("mixed") and f"{row['dtype']}/{name}" in parts:
             result["parts_ms"] = parts[f"{row['dtype']}/{name}"]
             result["ratio_to_parts"] = result["median_ms"] / result["parts_ms"]
+    for result in row["results"].values():
+        for name, peer_result in row["peers"].items():
+            if "median_ms" in peer_result:
+                result[f"speedup_vs_{name}"] = peer_result["median_ms"] / result["median_ms"]
     if peer and "error" not in peer and row["page_size"] == 1:
         mode = row["name"].split("_")[0]
         peer_row = peer.get(mode, {}).get(row["dtype"], {}).get("torch_native_backend")
@@ -324,30 +418,43 @@ def _derive(row: dict, machine: dict, peer: dict | None, parts: dict) -> None:
                 result["speedup_vs_sglang"] = peer_row["median_ms"] / result["median_ms"]
 
 
-def _print(report: dict, dev_name: str, cap_name: str, threads: int) -> None:
-    limits = report["machine"]
+def _print(run: dict, meta: dict, dev_name: str, cap_name: str, threads: int) -> None:
+    limits = run["machine"]
     print(
         f"hal bench on {dev_name} ({cap_name}), {threads} threads; read {limits['read_GBps']:.1f} GB/s, "
         f"matmul fp32 {limits['matmul_TFLOPs']['fp32']:.3f} / bf16 {limits['matmul_TFLOPs']['bf16']:.3f} TFLOP/s "
         f"(best of {limits['samples']} samples)"
     )
-    kernels = report["meta"].get("kernels")
+    kernels = meta.get("kernels")
     if kernels:
         first = kernels.get("first_use") or {}
         print(
-            f"CPU features: {' '.join(report['meta']['cpu_features']['flags'])}; compiled kernels: "
+            f"CPU features: {' '.join(meta['cpu_features']['flags'])}; compiled kernels: "
             + (f"{first.get('build_info')}, first use {first.get('seconds')} s" if kernels["available"] else "")
             + ("" if kernels["available"] else f"off ({kernels['reason']})")
         )
-    for row in report["workloads"]:
-        for name, r in row["results"].items():
+    for row in run["workloads"]:
+        for name, r in {**row["results"], **row["peers"]}.items():
+            if "error" in r:
+                print(f"{row['name']:<24}{name:<15}failed: {r['error']}")
+                continue
             extra = f"  x{r['speedup_vs_reference']:.1f} vs reference" if "speedup_vs_reference" in r else ""
             extra += f"  x{r['speedup_vs_sglang']:.2f} vs sglang" if "speedup_vs_sglang" in r else ""
+            extra += "".join(f"  x{r[f'speedup_vs_{p}']:.2f} vs {p}" for p in row["peers"] if f"speedup_vs_{p}" in r)
             extra += f"  {r['ratio_to_parts']:.2f}x its parts" if "ratio_to_parts" in r else ""
+            extra += f"  (compile {r['compile_s']:.1f} s apart)" if "compile_s" in r else ""
             print(
-                f"{row['name']:<24}{name:<10}{r['median_ms']:>9.2f} ms  {r['kv_GBps']:>7.2f} GB/s "
+                f"{row['name']:<24}{name:<15}{r['median_ms']:>9.2f} ms  {r['kv_GBps']:>7.2f} GB/s "
                 f"({100 * r['fraction_of_read_bw']:.0f}% of read bw)  {r['GFLOPs']:>8.1f} GFLOP/s "
                 f"({100 * r['fraction_of_matmul']:.0f}% of matmul){extra}" + ("" if r["correct"] else "  WRONG")
             )
         for name, reasons in row["skipped"].items():
-            print(f"{row['name']:<24}{name:<10}skipped: {'; '.join(reasons)}")
+            print(f"{row['name']:<24}{name:<15}skipped: {'; '.join(reasons)}")
+
+
+def _print_scaling(scaling: dict) -> None:
+    print("scaling (speed-up over the first thread count; efficiency per thread):")
+    for workload, by_name in scaling.items():
+        for name, by_threads in by_name.items():
+            cells = "  ".join(f"{t}: x{v['speedup']:.2f} ({100 * v['efficiency']:.0f}%)" for t, v in by_threads.items())
+            print(f"  {workload:<24}{name:<15}{cells}")

@@ -104,6 +104,14 @@ def _format_step(data: dict) -> str:
     return "\n".join(lines)
 
 
+def _int_list(text: str) -> list[int]:
+    """``"1,2"`` -> ``[1, 2]`` (argparse type)."""
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, e.g. 1,2") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hal", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -161,6 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p_bench.add_argument("--dtype", action="append", default=[], choices=["fp32", "bf16"], help="repeatable")
     p_bench.add_argument("--page-size", action="append", default=[], type=int, help="repeatable (default 1 and 16)")
+    p_bench.add_argument(
+        "--threads", type=_int_list, help="torch thread counts to run at, e.g. 1,2 (per-core ratios and scaling)"
+    )
+    p_bench.add_argument(
+        "--peer", action="append", help="in-process CPU peer to time beside hal (repeatable; default all; 'none')"
+    )
     p_bench.add_argument("--json", action="store_true")
     p_lint = sub.add_parser("lint", help="static check of backend sources for what breaks graph capture")
     p_lint.add_argument("paths", nargs="+", metavar="PATH", help="backend .py files or directories")
@@ -247,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
                 args.workload or None,
                 args.dtype or None,
                 args.page_size or None,
+                args.threads,
+                None if args.peer is None else [p for p in args.peer if p != "none"],
             )
     except HalError as exc:
         print(f"hal: error: {exc}", file=sys.stderr)

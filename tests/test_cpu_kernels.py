@@ -8,6 +8,8 @@ kernels can be built. Nothing here is timed: speed is ``hal bench``'s business.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -15,7 +17,7 @@ from hal.batch import host_lens
 from hal.conformance.cases import CASES, build, tolerance
 from hal.devices.cpu import CompiledBackend, PlainTorchBackend, device
 from hal.devices.cpu.capability import cpu_capability
-from hal.errors import KVCacheError
+from hal.errors import ConfigError, KVCacheError
 from hal.kernels import cpu as cpu_kernels
 
 CAP = cpu_capability()
@@ -48,15 +50,21 @@ def _kernel_out(built, tile_rows):
     return out.reshape(lens.num_tokens, -1)
 
 
+# Every ISA path this CPU can run (the best first; amx_emulated runs the AMX tile code over scalar tile stand-ins).
+RUNNABLE = cpu_kernels.runnable_isas()
+
+
 @needs_kernels
+@pytest.mark.parametrize("isa", RUNNABLE)
 @pytest.mark.parametrize(
     "tile_rows, heads_per_task", [(0, "1"), (0, "64"), (2, "1")], ids=["rows", "rows-all-heads", "tiles"]
 )
 @pytest.mark.parametrize("case", CPU_CASES, ids=[c.name for c in CPU_CASES])
-def test_kernel_matches_reference_on_every_path(case, tile_rows, heads_per_task, monkeypatch):
+def test_kernel_matches_reference_on_every_path(case, tile_rows, heads_per_task, isa, monkeypatch):
     """tile_rows=0: every request on the row path, one task per (request, KV head) or per request
-    (all its KV heads); 2: every request through at::mm tiles."""
+    (all its KV heads); 2: every request through the extend tiles (at::mm, or AMX tiles for bf16)."""
     monkeypatch.setenv("HAL_HEADS_PER_TASK", heads_per_task)
+    monkeypatch.setenv("HAL_CPU_ISA", isa)
     built = build(case)
     out = _kernel_out(built, tile_rows)
     assert out.dtype == built.q.dtype
@@ -128,19 +136,23 @@ def test_bad_input_is_a_kv_cache_error(rows, seq, ext, slot, match):
 
 
 @needs_kernels
-def test_scattered_long_decode_and_extend_match_the_reference():
-    """Context lengths past several key blocks, scattered slots, bf16 and fp32, GQA 4."""
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("head_dim, tile_rows", [(64, 128), (128, 16), (96, 4)])
+def test_scattered_long_decode_and_extend_match_the_reference(isa, head_dim, tile_rows, monkeypatch):
+    """Context lengths past several key blocks (partial last blocks), scattered slots, bf16 and fp32, GQA 4,
+    on every path this CPU runs; query tiles whose rows are no multiple of 16."""
     from hal.kernels import reference
 
+    monkeypatch.setenv("HAL_CPU_ISA", isa)
     gen = torch.Generator().manual_seed(1)
     for dtype in (torch.float32, torch.bfloat16):
-        k_buffer = torch.randn(3000, 2, 64, generator=gen).to(dtype)
-        v_buffer = torch.randn(3000, 2, 64, generator=gen).to(dtype)
+        k_buffer = torch.randn(3000, 2, head_dim, generator=gen).to(dtype)
+        v_buffer = torch.randn(3000, 2, head_dim, generator=gen).to(dtype)
         req_to_token = torch.randperm(3000, generator=gen)[:2400].view(3, 800).to(torch.int32)
         rows, seq, ext = torch.tensor([2, 0, 1]), torch.tensor([700, 300, 513]), torch.tensor([1, 300, 40])
-        q = torch.randn(int(ext.sum()), 8, 64, generator=gen).to(dtype)
+        q = torch.randn(int(ext.sum()), 8, head_dim, generator=gen).to(dtype)
         args = (q, k_buffer, v_buffer, req_to_token, rows, seq, ext)
-        out = cpu_kernels.paged_attention(*args, scale=0.125, sliding_window=400)
+        out = cpu_kernels.paged_attention(*args, scale=0.125, sliding_window=400, tile_rows=tile_rows)
         expected = reference.paged_attention(*args, scale=0.125, sliding_window=400)
         torch.testing.assert_close(out.float(), expected.float(), **tolerance(dtype))
 
@@ -159,3 +171,157 @@ def test_a_build_killed_midway_does_not_block_the_next_one():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0 and "loaded" in proc.stdout, proc.stderr
     assert not stale.exists()
+
+
+def test_the_cache_key_covers_everything_that_changes_the_binary(monkeypatch):
+    """Two environments sharing ~/.cache/hal get one build per binary: same inputs, same name; any change, another."""
+    name = cpu_kernels.isa()
+    base = cpu_kernels.cache_state(name)["module"]
+    assert cpu_kernels.cache_state(name)["module"] == base
+    key = cpu_kernels.build_key(name)
+    assert {"isa", "source_sha256", "torch", "torch_git", "cxx11_abi", "python", "compiler", "flags"} <= set(key)
+    assert any(flag.startswith("-DHAL_ISA=") for flag in key["flags"])
+    changes = [  # (object, attribute, value) each of which changes the binary
+        (torch, "__version__", torch.__version__ + "+other"),
+        (torch.version, "git_version", "0" * 40),
+        (torch._C, "_GLIBCXX_USE_CXX11_ABI", not torch._C._GLIBCXX_USE_CXX11_ABI),
+        (cpu_kernels, "_compiler_version", lambda cxx: "g++ (other) 99.1"),
+        (cpu_kernels, "_compiler", lambda: "/opt/other/bin/clang++"),
+        (cpu_kernels, "_COMMON_FLAGS", ("-O2",)),
+        (cpu_kernels, "SOURCE", Path(__file__)),
+    ]
+    seen = {base}
+    for obj, attr, value in changes:
+        with monkeypatch.context() as patch:
+            patch.setattr(obj, attr, value)
+            seen.add(cpu_kernels.cache_state(name)["module"])
+    assert len(seen) == len(changes) + 1, "a change of torch, ABI, compiler, flags or source kept the same build"
+    assert len({cpu_kernels.cache_state(isa)["module"] for isa in cpu_kernels.ISAS}) == len(cpu_kernels.ISAS)
+
+
+@needs_kernels
+def test_a_cache_hit_or_miss_shows_in_hal_info(tmp_path):
+    """``hal info`` says, before anything is built, whether the first use compiles; after, how the kernels loaded."""
+    import os
+    import subprocess
+    import sys
+
+    cpu_kernels.load()
+    record = cpu_kernels.build_record()
+    assert record["isa"] == cpu_kernels.isa() and record["cache"] in ("hit", "miss (compiled)")
+    assert f"kernel cache {record['cache']}" in cpu_kernels.describe()
+    assert cpu_kernels.cache_state()["hit"]
+    code = "from hal.devices.cpu import CompiledBackend; from hal.devices.cpu.capability import cpu_capability; "
+    code += "print(CompiledBackend.notes(cpu_capability())[-1])"
+    shared = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert f"{cpu_kernels.isa()} path" in shared.stdout and "kernel cache hit" in shared.stdout, shared.stdout
+    env = {**os.environ, "HAL_CACHE_DIR": str(tmp_path)}
+    fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert "kernel cache miss" in fresh.stdout and str(tmp_path) in fresh.stdout, fresh.stdout + fresh.stderr
+    assert not any(tmp_path.rglob("*.so")), "hal info must never compile"
+
+
+def test_a_path_this_cpu_cannot_run_is_refused(monkeypatch):
+    runnable = cpu_kernels.runnable_isas()
+    assert runnable[-1] == "generic" and cpu_kernels.isa() == runnable[0]
+    monkeypatch.setenv("HAL_CPU_ISA", "sse9")
+    with pytest.raises(ConfigError, match="expected one of"):
+        cpu_kernels.isa()
+    lacking = [name for name in cpu_kernels.ISAS if name not in runnable]
+    if lacking:  # on this CPU: the paths it has no instructions for are never built or run
+        monkeypatch.setenv("HAL_CPU_ISA", lacking[0])
+        with pytest.raises(ConfigError, match="this CPU lacks"):
+            cpu_kernels.load()
+    monkeypatch.setenv("HAL_CPU_ISA", runnable[-1])
+    assert cpu_kernels.isa() == "generic"
+
+
+@pytest.mark.skipif(
+    not BUILDABLE or not set(cpu_kernels.ISAS) - set(cpu_kernels.runnable_isas()) - {"generic"},
+    reason="every x86 path runs here (or no compiler): the conformance tests run them",
+)
+def test_the_paths_this_cpu_cannot_run_still_compile():
+    """The AVX-512 (and AVX512-BF16) paths, compiled with their -m flags, never loaded or run here."""
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("the x86 paths compile with an x86 compiler")
+    for name in set(cpu_kernels.ISAS) - set(cpu_kernels.runnable_isas()):
+        built = cpu_kernels.compile_only(name)
+        assert Path(built["object"]).stat().st_size > 0
+
+
+@needs_kernels
+def test_the_kernel_is_a_dispatcher_op_that_sees_every_tensor():
+    """A torch mode (the eager graph guard, a profiler) sees the kernel call and every tensor it reads."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls.append((str(func), [a for a in args if isinstance(a, torch.Tensor)]))
+            return func(*args, **(kwargs or {}))
+
+    built = build(next(c for c in CPU_CASES if c.mode.is_decode()))
+    req_to_token = built.batch.req_to_token_pool.req_to_token
+    with Calls() as mode:
+        _kernel_out(built, 0)
+    kernel = [tensors for name, tensors in mode.calls if name.startswith(f"hal.paged_attention_{cpu_kernels.isa()}")]
+    assert len(kernel) == 1 and len(kernel[0]) == 11
+    assert any(t.data_ptr() == req_to_token.data_ptr() for t in kernel[0])
+
+
+class _MetadataRebuiltOutOfGraph(CompiledBackend):
+    """Builds its metadata in out_graph (fresh tensors every step) and reads them in the captured forward:
+    a real graph would replay the captured addresses and read stale lengths."""
+
+    def init_forward_metadata_out_graph(self, fb, in_capture=False):
+        super().init_forward_metadata_out_graph(fb, in_capture)
+        CompiledBackend.init_forward_metadata_in_graph(self, fb)
+
+    def init_forward_metadata_in_graph(self, fb):
+        pass
+
+
+@needs_kernels
+def test_metadata_rebuilt_out_of_graph_fails_the_eager_graph_through_the_kernel():
+    from hal.conformance.cases import GRAPH_CASES
+    from hal.errors import GraphCaptureError
+    from hal.graph import EagerGraph, GraphRunner
+
+    built = build(next(c for c in GRAPH_CASES if c.mode.is_decode()))
+    fb = built.batch
+
+    def runner(backend):
+        return GraphRunner(
+            backend, [built.layer], fb.req_to_token_pool, fb.token_to_kv_pool, EagerGraph, (4,), built.case.dtype
+        )
+
+    good = runner(CompiledBackend(CAP))
+    good.capture()
+    assert good.backend.kernels is not None
+    for _ in range(2):
+        torch.testing.assert_close(good.run(fb, built.q, built.k, built.v)[0], built.expected)
+    bad = runner(_MetadataRebuiltOutOfGraph(CAP))
+    bad.capture()
+    with pytest.raises(GraphCaptureError, match=f"hal.paged_attention_{cpu_kernels.isa()}.*stale"):
+        bad.run(fb, built.q, built.k, built.v)
+
+
+@pytest.mark.parametrize("peer", ["sdpa_gathered", "flex_attention"])
+def test_the_bench_peers_compute_the_reference(peer):
+    """hal bench's in-process peers are timed only if right: a mixed batch (extends with prefixes, decodes), paged."""
+    from hal.batch import ForwardMode
+    from hal.bench_peers import peer_step
+    from hal.conformance import Case
+
+    requests = ((32, 32), (63, 1), (40, 1))
+    for dtype in (torch.float32, torch.bfloat16):
+        case = Case("peer", ForwardMode.MIXED, requests, dtype=dtype, page_size=16, tp_q_head_num=4, tp_k_head_num=2)
+        built = build(case)
+        step, facts = peer_step(peer, built)
+        assert ("compile_s" in facts) == (peer == "flex_attention")
+        torch.testing.assert_close(step().float(), built.expected.float(), **tolerance(dtype))

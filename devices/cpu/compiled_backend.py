@@ -81,19 +81,10 @@ class CompiledBackend(PlainTorchBackend):
 
     @classmethod
     def notes(cls, capability) -> list[str]:
-        features = cpu_kernels.cpu_features()
-        ok, why = cpu_kernels.status()
-        if not ok:
-            path = f"plain torch path: {why}"
-        elif (record := cpu_kernels.build_record()) is not None:
-            path = f"compiled kernels ({record['build_info']}, loaded in {record['seconds']:.1f} s)"
-        else:
-            path = "compiled kernels, built with -march=native at first use (a minute or two once per CPU kind)"
-        bf16 = "bf16 dot products" if features["bf16_dot"] else "bf16 widened to fp32 (no avx512_bf16 / amx_bf16)"
         return super().notes(capability) + [
-            f"{path}; CPU features {' '.join(features['flags']) or 'none'}; {bf16}",
             "attention sinks and fp8 KV caches run the plain torch path (the compiled kernels have neither); "
             "MLA runs in the compiled kernels",
+            cpu_kernels.describe(),
         ]
 
     # -- routes (hal check's coverage) -----------------------------------------------------

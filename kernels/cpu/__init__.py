@@ -7,11 +7,19 @@ matrix-sized ``at::mm`` tiles (extend). Its semantics are the reference's
 (``hal.kernels.reference.paged_attention``), float32 accumulation throughout.
 
 The C++ source (``attention.cpp``) is compiled by ``torch.utils.cpp_extension`` the
-first time a kernel is asked for, with ``-O3 -march=native`` and OpenMP, into a per-user
-cache keyed by the source, the torch build and this CPU's features, so it is built once
-per machine kind (and Python and torch build). Nothing here runs at import: ``pip install`` and ``hal info`` never
-need a compiler. Where the build cannot run (no compiler, no ninja,
-``HAL_CPU_KERNELS=0``), :func:`status` says why and callers keep their torch path.
+first time a kernel is asked for, for the best x86 generation this CPU has (:data:`ISAS`:
+AVX-512 with AVX512-BF16 dot products, AVX-512, AVX2+FMA, or plain loops), chosen from
+its features at run time (``HAL_CPU_ISA`` picks a lower one); a path whose instructions
+the CPU lacks is never built or run. Each build is cached per user under a key of
+everything that changes the binary (:func:`build_key`: source, torch version, git hash
+and C++ ABI, Python, compiler and its version, flags, ISA), so environments sharing
+``~/.cache/hal`` never rebuild each other's kernels; :func:`cache_state` says, without
+building, whether the first use here is a cache hit. The entry points are
+``torch.library`` ops (``torch.ops.hal.paged_attention_<isa>``): the dispatcher, and so
+hal's eager graph guard, sees every tensor they read. Nothing here runs at import: ``pip
+install`` and ``hal info`` never need a compiler. Where the build cannot run (no
+compiler, no ninja, ``HAL_CPU_KERNELS=0``), :func:`status` says why and callers keep
+their torch path.
 
 A leaf module: it imports nothing of hal but its errors.
 """
@@ -21,24 +29,37 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import json
 import os
 import platform
 import shutil
+import subprocess
 import sys
+import sysconfig
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from hal.errors import HalError, KVCacheError
+from hal.errors import ConfigError, HalError, KVCacheError
 
 __all__ = [
     "KernelBuildError",
     "cpu_features",
+    "ISAS",
+    "isa",
+    "build_key",
+    "cache_state",
+    "compile_only",
     "status",
     "load",
     "build_record",
+    "describe",
+    "Kernels",
+    "runnable_isas",
     "paged_attention",
     "TILE_ROWS",
 ]
@@ -55,6 +76,7 @@ _INTERESTING = (
     "avx512f",
     "avx512bw",
     "avx512vl",
+    "avx512dq",
     "avx512_vnni",
     "avx512_bf16",
     "avx512_fp16",
@@ -99,8 +121,87 @@ def cpu_features() -> dict:
     }
 
 
+# x86 generations, best first: the CPU flags a path needs and the compiler flags that build it.
+_AVX2 = ("-mavx2", "-mfma", "-mf16c")
+_AVX512 = (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
+_AVX2_FLAGS = ("avx2", "fma", "f16c")
+_AVX512_FLAGS = (*_AVX2_FLAGS, "avx512f", "avx512bw", "avx512vl", "avx512dq")
+ISAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "amx": (
+        (*_AVX512_FLAGS, "avx512_bf16", "amx_tile", "amx_bf16"),
+        (*_AVX512, "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
+    ),
+    "avx512_bf16": ((*_AVX512_FLAGS, "avx512_bf16"), (*_AVX512, "-mavx512bf16")),
+    "avx512": (_AVX512_FLAGS, _AVX512),
+    "avx2": (_AVX2_FLAGS, _AVX2),
+    # the amx path's tile code over scalar stand-ins of the tile instructions: never chosen, only by
+    # HAL_CPU_ISA=amx_emulated, so that an AVX2 machine tests the tile path it can only compile
+    "amx_emulated": (_AVX2_FLAGS, (*_AVX2, "-DHAL_AMX_EMULATE")),
+    "generic": ((), ()),
+}
+_COMMON_FLAGS = ("-O3", "-fopenmp", "-DNDEBUG")
+
+
+def runnable_isas() -> list[str]:
+    """The paths of :data:`ISAS` whose instructions this CPU has, best first (``generic`` always)."""
+    x86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+    have = set(cpu_features()["flags"])
+    return [name for name, (needs, _) in ISAS.items() if not needs or (x86 and set(needs) <= have)]
+
+
+def isa() -> str:
+    """The path this process runs: the best this CPU has, or ``HAL_CPU_ISA`` (one it has). Raises ConfigError."""
+    return _isa(os.environ.get("HAL_CPU_ISA", ""))
+
+
+@functools.cache
+def _isa(forced: str) -> str:
+    runnable = runnable_isas()
+    if not forced:
+        return runnable[0]
+    if forced not in ISAS:
+        raise ConfigError(f"HAL_CPU_ISA={forced!r}: expected one of {', '.join(ISAS)}")
+    if forced not in runnable:
+        missing = sorted(set(ISAS[forced][0]) - set(cpu_features()["flags"]))
+        raise ConfigError(
+            f"HAL_CPU_ISA={forced}: this CPU lacks {' '.join(missing)}, so that path is never built or run here; "
+            f"it can run {', '.join(runnable)}"
+        )
+    return forced
+
+
 def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+
+
+@functools.cache
+def _compiler_version(cxx: str) -> str:
+    try:
+        done = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"unknown ({type(exc).__name__})"
+    return (done.stdout.strip().splitlines() or ["unknown"])[0]
+
+
+def build_key(name: str | None = None) -> dict:
+    """Everything that changes the binary of path ``name`` (default: :func:`isa`): its cache key, as a dict."""
+    name = name or isa()
+    cxx = _compiler() or "none"
+    return {
+        "isa": name,
+        "source_sha256": hashlib.sha256(SOURCE.read_bytes()).hexdigest(),
+        "torch": torch.__version__,
+        "torch_git": getattr(torch.version, "git_version", "unknown"),
+        "cxx11_abi": bool(torch._C._GLIBCXX_USE_CXX11_ABI),
+        "python": f"{sys.implementation.cache_tag}-{platform.machine()}",
+        "compiler": f"{cxx}: {_compiler_version(cxx)}",
+        "flags": [*_COMMON_FLAGS, *ISAS[name][1], f"-DHAL_ISA={name}"],
+    }
+
+
+def _module_name(key: dict) -> str:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return f"hal_cpu_attention_{key['isa']}_{digest}"
 
 
 def _ninja() -> bool:
@@ -114,10 +215,12 @@ def _ninja() -> bool:
 
 
 def status() -> tuple[bool, str | None]:
-    """``(True, None)`` when the kernels are loaded or can be built here, else ``(False, reason)``. Never compiles."""
+    """``(True, None)`` when the kernels are loaded or can be built here, else ``(False, reason)``. Never compiles.
+
+    Raises :class:`~hal.errors.ConfigError` for a ``HAL_CPU_ISA`` this CPU cannot run."""
     if os.environ.get("HAL_CPU_KERNELS", "1") in ("0", "", "off"):
         return False, "HAL_CPU_KERNELS=0 turns the compiled CPU kernels off"
-    if _STATE["module"] is not None:
+    if isa() in _STATE["loaded"]:
         return True, None
     if _STATE["error"] is not None:
         return False, _STATE["error"]
@@ -128,7 +231,17 @@ def status() -> tuple[bool, str | None]:
     return True, None
 
 
-_STATE: dict = {"module": None, "error": None, "record": None}
+@dataclass(frozen=True)
+class Kernels:
+    """One loaded build: its ISA path, its ops (``torch.ops.hal.<op>_<isa>``) and what it was compiled with."""
+
+    isa: str
+    paged_attention: Callable  # the op overload; arguments as attention.cpp's paged_attention
+    direct: Callable  # the same function called without the dispatcher (only where no torch mode is active)
+    build_info: str
+
+
+_STATE: dict = {"loaded": {}, "error": None, "records": {}}  # per ISA path: its Kernels, how they were loaded
 _LOCK = threading.Lock()
 
 
@@ -151,68 +264,137 @@ def _build_lock(build_dir: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _build_dir(name: str) -> Path:
+def _cache_root() -> Path:
     root = os.environ.get("HAL_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hal"
     )
-    path = Path(root) / "cpu_kernels" / name
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return Path(root) / "cpu_kernels"
+
+
+def cache_state(name: str | None = None) -> dict:
+    """Whether path ``name``'s build (default :func:`isa`) is in the cache, without building anything.
+
+    ``{"isa", "module", "path", "hit"}``: ``hit`` is True when loading it needs no compiler run.
+    """
+    key = build_key(name)
+    module = _module_name(key)
+    path = _cache_root() / module
+    return {"isa": key["isa"], "module": module, "path": str(path), "hit": (path / f"{module}.so").is_file()}
 
 
 def build_record() -> dict | None:
-    """How the kernels were obtained: ``{"seconds", "compiled", "path", "build_info"}``, or None if never loaded."""
-    return _STATE["record"]
+    """How this process got the kernels of :func:`isa`: ``{"isa", "seconds", "compiled", "cache", "path",
+    "build_info"}``, or None if it has not loaded them."""
+    return _STATE["records"].get(isa())
 
 
-def load():
-    """The compiled module, built on first use (cached per user and CPU kind). Raises :class:`KernelBuildError`."""
-    if _STATE["module"] is not None:
-        return _STATE["module"]
+def describe() -> str:
+    """One line for ``hal info``: the path that serves, whether its build is a kernel cache hit, the CPU's features."""
+    flags = " ".join(cpu_features()["flags"]) or "none"
+    try:
+        ok, why = status()
+    except ConfigError as exc:
+        return f"plain torch path: {exc}; CPU features {flags}"
+    if not ok:
+        return f"plain torch path: {why}; CPU features {flags}"
+    record = build_record()
+    if record is not None:
+        how = f"kernel cache {record['cache']}, loaded in {record['seconds']:.1f} s"
+        return f"compiled kernels, {record['isa']} path ({record['build_info']}); {how}; CPU features {flags}"
+    cache = cache_state()
+    how = (
+        "hit: loads without compiling"
+        if cache["hit"]
+        else "miss: the first use compiles it (a minute or two, once per CPU kind, torch build and compiler)"
+    )
+    return (
+        f"compiled kernels, {cache['isa']} path (this CPU runs {', '.join(runnable_isas())}); "
+        f"kernel cache {how} ({cache['path']}); CPU features {flags}"
+    )
+
+
+def _first_error(text: str) -> str:
+    return next((line for line in text.splitlines() if "error" in line.lower()), text.strip()[-400:]).strip()[:400]
+
+
+def load() -> Kernels:
+    """This CPU's kernels (:func:`isa`), built on first use into the cache. Raises :class:`KernelBuildError`."""
+    name = isa()
+    if name in _STATE["loaded"]:
+        return _STATE["loaded"][name]
     with _LOCK:
-        if _STATE["module"] is not None:
-            return _STATE["module"]
+        if name in _STATE["loaded"]:
+            return _STATE["loaded"][name]
         ok, why = status()
         if not ok:
             raise KernelBuildError(why)
-        source = SOURCE.read_text()
-        flags = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG"]
-        # the build depends on the source, the torch and Python it links against, the flags and this CPU
-        python = f"{sys.implementation.cache_tag}-{platform.machine()}"
-        key = "|".join([source, torch.__version__, python, " ".join(flags), " ".join(cpu_features()["flags"])])
-        name = "hal_cpu_attention_" + hashlib.sha256(key.encode()).hexdigest()[:16]
-        build_dir = _build_dir(name)
-        cached = any(build_dir.glob(f"{name}*.so"))
+        key = build_key(name)
+        state = cache_state(name)
+        build_dir = Path(state["path"])
         start = time.perf_counter()
         try:
-            from torch.utils.cpp_extension import load_inline
+            from torch.utils.cpp_extension import load as build
 
             with _build_lock(build_dir):
-                module = load_inline(
-                    name=name,
-                    cpp_sources=[source],
-                    functions=["paged_attention", "build_info"],
-                    extra_cflags=flags,
+                module = build(
+                    name=state["module"],
+                    sources=[str(SOURCE)],
+                    extra_cflags=key["flags"],
                     extra_ldflags=["-fopenmp"],
                     build_directory=str(build_dir),
                     verbose=False,
                 )
+            kernels = Kernels(
+                isa=name,
+                paged_attention=getattr(torch.ops.hal, f"paged_attention_{name}").default,
+                direct=module.paged_attention,
+                build_info=getattr(torch.ops.hal, f"build_info_{name}")(),
+            )
         except Exception as exc:
-            text = str(exc)
-            first = next((line for line in text.splitlines() if "error" in line.lower()), text.strip()[-400:])
             _STATE["error"] = (
-                f"building the CPU kernels failed ({type(exc).__name__}: {first.strip()[:400]}); "
+                f"building the CPU kernels failed ({type(exc).__name__}: {_first_error(str(exc))}); "
                 f"the torch path serves instead (build dir {build_dir})"
             )
             raise KernelBuildError(_STATE["error"]) from exc
-        _STATE["record"] = {
+        _STATE["records"][name] = {
+            "isa": name,
             "seconds": round(time.perf_counter() - start, 3),
-            "compiled": not cached,
+            "compiled": not state["hit"],
+            "cache": "hit" if state["hit"] else "miss (compiled)",
             "path": str(build_dir),
-            "build_info": module.build_info(),
+            "build_info": kernels.build_info,
         }
-        _STATE["module"] = module
-        return module
+        _STATE["loaded"][name] = kernels
+        return kernels
+
+
+def compile_only(name: str) -> dict:
+    """Compile path ``name`` to an object file in the cache, never loading or running it.
+
+    For the paths this CPU cannot run: proves they build (with the flags and compiler of
+    :func:`build_key`). Returns ``{"isa", "object", "seconds", "cached"}``; raises
+    :class:`KernelBuildError` with the compiler's first error.
+    """
+    from torch.utils.cpp_extension import include_paths
+
+    key = build_key(name)
+    directory = _cache_root() / (_module_name(key) + "_object")
+    target = directory / "attention.o"
+    if target.is_file():
+        return {"isa": name, "object": str(target), "seconds": 0.0, "cached": True}
+    directory.mkdir(parents=True, exist_ok=True)
+    partial = directory / f"attention.{os.getpid()}.o"
+    command = [_compiler() or "c++", "-c", str(SOURCE), "-o", str(partial), "-std=c++17", "-fPIC"]
+    command += [f"-D_GLIBCXX_USE_CXX11_ABI={int(key['cxx11_abi'])}", *key["flags"]]
+    command += [f"-DTORCH_EXTENSION_NAME={_module_name(key)}", f"-I{sysconfig.get_paths()['include']}"]
+    command += [f"-I{path}" for path in include_paths()]
+    start = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        partial.unlink(missing_ok=True)
+        raise KernelBuildError(f"compiling the {name} path failed: {_first_error(done.stderr)}")
+    partial.replace(target)
+    return {"isa": name, "object": str(target), "seconds": round(time.perf_counter() - start, 3), "cached": False}
 
 
 def _index(t) -> torch.Tensor:
@@ -247,7 +429,7 @@ def paged_attention(
     :class:`~hal.errors.KVCacheError` from the kernel's own checks, before or instead of
     any out-of-bounds read.
     """
-    module = load()
+    kernels = load()
     if q.dim() != 3 or k_buffer.dim() != 3 or v_buffer.dim() != 3 or req_to_token.dim() != 2:
         raise KVCacheError(
             f"q {list(q.shape)}, k/v buffers {list(k_buffer.shape)} / {list(v_buffer.shape)}, req_to_token "
@@ -275,8 +457,12 @@ def paged_attention(
     mask_start = _index(mask_start) if mask_start is not None else torch.empty(0, dtype=torch.int64)
     qf = q if q.dtype == torch.float32 and q.stride(2) == 1 else q.float().contiguous()
     out = torch.empty(tokens, q_heads, v_buffer.shape[2], dtype=torch.float32)
+    # Through the dispatcher (torch.ops.hal) whenever a torch mode watches (hal's eager graph guard, a
+    # profiler's mode, FakeTensor): it sees every tensor the kernel reads. Otherwise straight in, which
+    # saves the dispatcher's argument parsing (about 15 us a call on a 2-core Zen 2).
+    watched = torch._C._len_torch_dispatch_stack() > 0 or torch._C._is_torch_function_mode_enabled()
     try:
-        bad, slot = module.paged_attention(
+        (kernels.paged_attention if watched else kernels.direct)(
             qf,
             k_buffer,
             v_buffer,
@@ -299,6 +485,4 @@ def paged_attention(
         if "hal: " in message:
             raise KVCacheError(message.split("hal: ", 1)[1]) from None
         raise
-    if bad:
-        raise KVCacheError(f"req_to_token holds slot {slot}: expected a slot in [0, {k_buffer.shape[0]})")
     return out if q.dtype == torch.float32 else out.to(q.dtype)
