@@ -48,6 +48,8 @@ __all__ = [
     "SGLangBatch",
     "register",
     "sglang_plugin",
+    "install_hooks",
+    "backend_supports_triton",
     "attention_config",
     "hal_layer",
     "runner_device",
@@ -351,7 +353,11 @@ class HalAttnBackend(_SGLangAttentionBackend):
         self.hal_backend.on_after_cuda_graph_warmup()
 
     def support_triton(self) -> bool:
-        return self.hal_backend.support_triton()
+        """Whether SGLang may run its own Triton helper kernels (positions, ``req_to_token`` writes, the
+        last KV slot of each request) on this backend's tensors: hal's backend allows Triton and hal's
+        device has a compiled Triton target (not the CPU interpreter: SGLang's helpers pass raw pointers)."""
+        cap = self.selection.capability
+        return bool(self.hal_backend.support_triton() and cap.triton_target and not cap.triton_interpreted)
 
     def get_indexer_metadata(self, layer_id: int, forward_batch):
         return None
@@ -393,7 +399,9 @@ def register(name: str = "hal", *, backend: str | None = None, device: str | Non
         raise ConfigError(f"name = {name!r}: expected a non-empty string")
 
     def factory(model_runner):
-        return HalAttnBackend(model_runner, backend=backend, device=device)
+        built = HalAttnBackend(model_runner, backend=backend, device=device)
+        _BUILT[name] = built
+        return built
 
     factory.__name__ = factory.__qualname__ = f"create_{name}_backend"
     factory.swa_decode_rule = HalAttnBackend.swa_decode_rule
@@ -409,11 +417,71 @@ def register(name: str = "hal", *, backend: str | None = None, device: str | Non
     return factory
 
 
+# ----------------------------------------------------------------------------- SGLang's name-based decisions
+#
+# SGLang decides some things by the attention backend's *name* rather than by asking the backend.
+# For hal's names these hooks (SGLang's own HookRegistry, applied by its plugin loader in every
+# process) answer from the hal backend built under that name. docs/sglang.md lists the rest.
+
+_BUILT: dict[str, HalAttnBackend] = {}  # name -> the backend SGLang built under it in this process
+
+
+def backend_supports_triton(name: str) -> bool:
+    """SGLang's ``support_triton(name)`` for a name registered with :func:`register`.
+
+    The answer of the ``HalAttnBackend`` built under ``name`` in this process
+    (:meth:`HalAttnBackend.support_triton`: hal's backend and device). Before one is built, False:
+    SGLang's torch helper paths run on every device.
+    """
+    built = _BUILT.get(name)
+    return built is not None and built.support_triton()
+
+
+def _support_triton_hook(original, backend, *args, **kwargs) -> bool:
+    """Around ``sglang.srt.utils.common.support_triton``: hal's names answer from hal."""
+    if backend in _REGISTERED:
+        return backend_supports_triton(backend)
+    return original(backend, *args, **kwargs)
+
+
+def _get_last_loc_hook(original, req_to_token, req_pool_indices_tensor, prefix_lens_tensor):
+    """Around ``sglang.srt.mem_cache.allocation.get_last_loc``, which picks its Triton kernel unless a
+    half is named ``ascend`` or ``torch_native``: with a hal half it is Triton only where both halves
+    support Triton."""
+    from sglang.srt.mem_cache import allocation
+    from sglang.srt.runtime_context import attention_backends
+    from sglang.srt.utils import common
+
+    names = attention_backends()
+    if any(name in _REGISTERED for name in names) and not all(common.support_triton(name) for name in names):
+        return allocation.get_last_loc_torch(req_to_token, req_pool_indices_tensor, prefix_lens_tensor)
+    return original(req_to_token, req_pool_indices_tensor, prefix_lens_tensor)
+
+
+# SGLang's dotted target -> hal's AROUND hook
+NAME_DECISION_HOOKS = {
+    "sglang.srt.utils.common.support_triton": _support_triton_hook,
+    "sglang.srt.mem_cache.allocation.get_last_loc": _get_last_loc_hook,
+}
+
+
+def install_hooks() -> None:
+    """Register :data:`NAME_DECISION_HOOKS` with SGLang's ``HookRegistry`` (its plugin loader applies
+    them, and propagates each to every module that imported the original by name). Idempotent."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for target, hook in NAME_DECISION_HOOKS.items():
+        if not any(registered is hook for _, registered, _ in HookRegistry._hooks.get(target, ())):
+            HookRegistry.register(target, hook, HookType.AROUND)
+
+
 def sglang_plugin() -> None:
     """SGLang's plugin hook (entry point group ``sglang.srt.plugins``): registers ``hal`` and
-    ``hal_<backend>`` for every backend of every hal device."""
+    ``hal_<backend>`` for every backend of every hal device, and hal's answers to SGLang's
+    name-based decisions (:func:`install_hooks`)."""
     from hal.registry import device_backends, get_registry
 
+    install_hooks()
     register("hal")
     for device in get_registry().devices.values():
         classes, _ = device_backends(device)
