@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hal.errors import ConfigError, InvalidBatchError, expect
+from hal.errors import ConfigError, InvalidBatchError, UnsupportedError, expect
 from hal.kv_cache import INDEX_DTYPES, KVPool, ReqToTokenTable, pool_geometry
 
 __all__ = [
@@ -48,6 +48,8 @@ __all__ = [
     "validation_level",
     "static_decode_batch",
     "VALIDATION_LEVELS",
+    "SharedReadEnds",
+    "REFUSED_MODES",
 ]
 
 VALIDATION_LEVELS = ("off", "cheap", "full")
@@ -69,6 +71,17 @@ class ForwardMode(enum.IntEnum):
     IDLE = enum.auto()
     TARGET_VERIFY = enum.auto()
     DRAFT_EXTEND = enum.auto()
+    # SGLang 0.5.21's other modes. DRAFT_EXTEND_V2 is SGLang's name for DRAFT_EXTEND (an alias);
+    # SPLIT_PREFILL (PD multiplexing: one prefill run in layer slices) is served as an extend;
+    # PREBUILT and DLLM_EXTEND are refused (REFUSED_MODES says why).
+    DRAFT_EXTEND_V2 = DRAFT_EXTEND
+    PREBUILT = enum.auto()
+    SPLIT_PREFILL = enum.auto()
+    DLLM_EXTEND = enum.auto()
+
+    def refusal(self) -> str | None:
+        """Why hal's backends do not serve this mode, None when they do."""
+        return REFUSED_MODES.get(self.name)
 
     def is_idle(self) -> bool:
         return self == ForwardMode.IDLE
@@ -92,6 +105,7 @@ class ForwardMode(enum.IntEnum):
             ForwardMode.MIXED,
             ForwardMode.DRAFT_EXTEND,
             ForwardMode.TARGET_VERIFY,
+            ForwardMode.SPLIT_PREFILL,
         )
 
     def is_decode_or_idle(self) -> bool:
@@ -100,6 +114,24 @@ class ForwardMode(enum.IntEnum):
     def is_cuda_graph(self) -> bool:
         """Modes a graph runner captures."""
         return self in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.IDLE)
+
+
+REFUSED_MODES = {
+    "PREBUILT": "PREBUILT (SGLang's disaggregated decode: the KV cache arrived prebuilt) never runs a model "
+    "forward, so no attention backend is asked for it",
+    "DLLM_EXTEND": "DLLM_EXTEND (diffusion LLMs) attends bidirectionally within each block of new tokens; "
+    "hal's extend is causal (or non-causal for a whole encoder_only model)",
+}
+
+
+class SharedReadEnds(enum.Enum):
+    """Where a backend's reads of scheduler-shared buffers (request table, ``seq_lens``) end in a step
+    (SGLang's ``SharedReadEnds``: the scheduler may overwrite them after that point)."""
+
+    PRE_REPLAY = 1  # after init_forward_metadata_out_graph
+    IN_REPLAY = 2  # after init_forward_metadata_in_graph
+    POST_REPLAY = 3  # only after forward
+    UNKNOWN = 4  # not audited: the engine fences the whole forward
 
 
 @dataclass(frozen=True)
@@ -212,6 +244,8 @@ def validate_batch(fb, level: str | None = None, *, page_aligned: bool = False) 
         mode,
         f"one of {list(ForwardMode.__members__)} (hal's or SGLang's ForwardMode)",
     )
+    if mode.name in REFUSED_MODES:
+        raise UnsupportedError(f"forward_mode {mode.name}: {REFUSED_MODES[mode.name]}")
     rt_pool, kv_pool = fb.req_to_token_pool, fb.token_to_kv_pool
     expect(
         isinstance(rt_pool, ReqToTokenTable) and isinstance(rt_pool.req_to_token, torch.Tensor),

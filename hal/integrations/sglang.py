@@ -37,9 +37,15 @@ except ImportError as _exc:  # not installed, or installed without what its impo
         "`pip install --no-deps sglang==0.5.21` plus hal's `sglang` extra (see docs/sglang.md)."
     ) from _exc
 
+try:
+    from sglang.srt.layers.attention.base_attn_backend import SharedReadEnds
+except ImportError:  # SGLang before 0.5.21: nobody asks shared_read_ends
+    SharedReadEnds = None
+
 import torch  # noqa: E402  (after the SGLang guard: its error is the one to see)
 
 import hal  # noqa: E402
+from hal.batch import REFUSED_MODES  # noqa: E402
 from hal.errors import ConfigError, UnsupportedError  # noqa: E402
 from hal.selection import HybridBackend  # noqa: E402
 
@@ -63,7 +69,19 @@ _MODES = {
     "IDLE": hal.ForwardMode.IDLE,
     "TARGET_VERIFY": hal.ForwardMode.TARGET_VERIFY,
     "DRAFT_EXTEND_V2": hal.ForwardMode.DRAFT_EXTEND,
+    "SPLIT_PREFILL": hal.ForwardMode.SPLIT_PREFILL,
 }
+# The backend attributes of SGLang 0.5.21's base class that answer a runner's question: HalAttnBackend
+# gives hal's backend's answer.
+_DECLARED = (
+    "supports_draft_extend_metadata_staging",
+    "extend_dummy_seqs_capped_by_req_pool",
+    "prefer_eager_mixed_prefill_under_dp_attention",
+    "supports_prefill_cuda_graph_max_context_size",
+    "supports_full_cuda_graph_chunked_prefix",
+    "supports_ragged_verify_graph",
+    "use_captured_forward_metadata_for_breakable_cuda_graph",
+)
 
 # name -> (hal backend, hal device) for names registered with register(); None: hal chooses.
 _REGISTERED: dict[str, tuple[str | None, str | None]] = {}
@@ -201,9 +219,11 @@ class SGLangBatch:
 
     def __init__(self, batch, req_to_token_pool, token_to_kv_pool, graph_static: bool):
         mode = batch.forward_mode
-        hal_mode = _MODES.get(getattr(mode, "name", None))
+        name = getattr(mode, "name", None)
+        hal_mode = _MODES.get(name)
         if hal_mode is None:
-            raise UnsupportedError(f"forward_mode {mode!r}: hal serves {sorted(_MODES)}")
+            reason = REFUSED_MODES.get(name) or f"hal serves {sorted(_MODES)}"
+            raise UnsupportedError(f"forward_mode {name or mode!r}: {reason}")
         self.batch = batch
         self.forward_mode = hal_mode
         self.req_to_token_pool = req_to_token_pool
@@ -280,6 +300,8 @@ class HalAttnBackend(_SGLangAttentionBackend):
         self.hal_backend = self.selection.create(**options)
         self.device = cap.torch_device
         self.needs_cpu_seq_lens = self.hal_backend.needs_cpu_seq_lens
+        for name in _DECLARED:
+            setattr(self, name, getattr(self.hal_backend, name, False))
         self.data_type = getattr(model_runner, "dtype", self.config.dtype)
         self.kv_cache_dtype = self.config.dtype
         self._layers: dict[int, tuple[object, hal.AttentionLayer]] = {}
@@ -361,6 +383,32 @@ class HalAttnBackend(_SGLangAttentionBackend):
 
     def get_indexer_metadata(self, layer_id: int, forward_batch):
         return None
+
+    # -- SGLang 0.5.21's additions: hal's backend answers ----------------------------------
+    def shared_read_ends(self, fm) -> SharedReadEnds:
+        """SGLang's ``SharedReadEnds`` member of the same name as hal's backend's answer."""
+        ends = self.hal_backend.shared_read_ends(fm)
+        return ends if SharedReadEnds is None else SharedReadEnds[ends.name]
+
+    def prepare_prefill_shared_read_snapshot(self, forward_batch, *, num_qo_tokens: int) -> None:
+        view = self.hal_batch(forward_batch)
+        self.hal_backend.prepare_prefill_shared_read_snapshot(view, num_qo_tokens=num_qo_tokens)
+
+    def draft_extend_metadata_captured_in_graph(self) -> bool:
+        return self.hal_backend.draft_extend_metadata_captured_in_graph()
+
+    def prepare_full_cuda_graph_chunked_prefix(self, forward_batch, *, in_capture: bool) -> None:
+        self.hal_backend.prepare_full_cuda_graph_chunked_prefix(self.hal_batch(forward_batch), in_capture=in_capture)
+
+    def validate_elastic_cuda_graph_recapture(self) -> None:
+        self.hal_backend.validate_elastic_cuda_graph_recapture()
+
+    @property
+    def verify_mask(self):
+        return self.hal_backend.verify_mask
+
+    def get_verify_buffers_to_fill_after_draft(self) -> list:  # SGLang before 0.5.21 asks this instead
+        return self.hal_backend.get_verify_buffers_to_fill_after_draft()
 
     # -- forward -----------------------------------------------------------------------
     def _call(self, method: str, q, k, v, layer, forward_batch, save_kv_cache: bool, kwargs: dict):
