@@ -37,7 +37,6 @@ import sglang_model  # noqa: E402
 SEED = 1234
 VOCAB = 512
 CHUNK = 64  # chunked_prefill_size: the long prompts prefill in several chunks
-PAGE = 16  # hal's engine's page size
 KEEP = {"skip_special_tokens": False}  # a random model may generate <unk> or </s>: keep them in the text
 SERVER_CHAT = [{"role": "system", "content": "w3 w1 w4"}, {"role": "user", "content": "w1 w5 w9 w2 w6"}]
 
@@ -88,10 +87,11 @@ def workload(tokenizer):
 def engines(model, workload, tmp_path_factory):
     work = tmp_path_factory.mktemp("engine")
     extra = {"chunked_prefill_size": CHUNK, "max_total_tokens": 8192}
-    # hal at page size 16 (SGLang's paged allocator then asks get_last_loc, by name), torch_native at 1
+    # Page size 1: SGLang 0.5.21's paged KV allocator (mem_cache/allocator/paged.py) launches Triton kernels
+    # whatever the backend, so its CPU engine runs at page size 1 (hal's pages > 1 are covered by the kit).
     return {
-        backend: sglang_engine.run_in_subprocess(model, backend, workload, str(work), {**extra, **more})
-        for backend, more in (("torch_native", {}), ("hal", {"page_size": PAGE}))
+        backend: sglang_engine.run_in_subprocess(model, backend, workload, str(work), extra)
+        for backend in ("torch_native", "hal")
     }
 
 
@@ -124,7 +124,7 @@ def test_engine_load_exercised_what_it_claims(engines, workload):
     results = run["results"]
     # prefix-cache hits: the shared prefix's later requests found it cached
     cached = [r["cached_tokens"] for r in results]
-    assert sum(c >= 150 // PAGE * PAGE for c in cached[6:9]) >= 2, cached  # whole pages of the prefix
+    assert sum(c >= 150 for c in cached[6:9]) >= 2, cached
     # continuous batching: a later request was sent while an earlier one was still decoding
     spans = [(r["sent_s"], r["sent_s"] + r["latency_s"]) for r in results]
     assert any(a[0] < b[0] < a[1] for a in spans for b in spans if a is not b), spans

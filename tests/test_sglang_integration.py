@@ -373,5 +373,18 @@ def test_sglangs_support_triton_follows_the_hal_backend_built_under_the_name(kit
         "hal_gating_test", torch.tensor([0, 5]), torch.tensor([3, 2]), 5
     )
     assert positions.tolist() == [0, 1, 2, 5, 6] and start.tolist() == [0, 3]
+    # SGLang's paged allocation asks get_last_loc, which chooses Triton unless a half is *named* ascend or
+    # torch_native: with a hal half it follows hal's answer
+    from sglang.srt import runtime_context
+    from sglang.srt.mem_cache import allocation
+
+    table = torch.arange(40, dtype=torch.int32).view(4, 10)
+    original = runtime_context.attention_backends
+    runtime_context.attention_backends = lambda: ("hal_gating_test", "hal_gating_test")
+    try:
+        last = allocation.get_last_loc(table, torch.tensor([2, 0, 3]), torch.tensor([3, 0, 10]))
+    finally:
+        runtime_context.attention_backends = original
+    assert last.tolist() == [22, -1, 39]
     built.support_triton = lambda: True  # a hal backend that allows Triton (e.g. on CUDA) is believed
     assert common.support_triton("hal_gating_test") is True
