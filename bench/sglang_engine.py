@@ -3,7 +3,8 @@
     python bench/sglang_engine.py --json bench/results/sglang-engine-cpu.json     # a few minutes on 2 cores
 
 A benchmark, not a test. Builds a random-weight Llama-architecture model big enough that attention
-matters at these lengths (``--layers`` 8, hidden 512, 8 query / 2 KV heads of 64, fp32;
+matters at these lengths (``--layers`` 4, hidden 256, 4 query / 2 KV heads of 64, fp32: at 1000 to
+2000 tokens of context attention is about as many flops per token as the rest of the model;
 ``ci/sglang_model.py``), then for each backend in the same run starts ``sglang.Engine(device="cpu",
 attention_backend=BACKEND, dtype=float32)`` (``ci/sglang_engine.py``) and serves one load: ``--requests``
 distinct random prompts of ``--min-prompt`` .. ``--max-prompt`` tokens (no shared prefixes, so every
@@ -102,16 +103,16 @@ def main(argv=None) -> None:
     parser.add_argument("--json", help="write the results here (e.g. bench/results/sglang-engine-cpu.json)")
     parser.add_argument("--backends", default="hal,torch_native")
     parser.add_argument("--rounds", type=int, default=1, help="runs per backend, order alternating")
-    parser.add_argument("--requests", type=int, default=16)
-    parser.add_argument("--min-prompt", type=int, default=1500)
-    parser.add_argument("--max-prompt", type=int, default=3000)
-    parser.add_argument("--output", type=int, default=32)
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--min-prompt", type=int, default=1000)
+    parser.add_argument("--max-prompt", type=int, default=2000)
+    parser.add_argument("--output", type=int, default=16)
     parser.add_argument("--interval", type=float, default=0.0, help="seconds between arrivals")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--chunked-prefill-size", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
