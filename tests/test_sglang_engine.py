@@ -37,6 +37,8 @@ import sglang_model  # noqa: E402
 SEED = 1234
 VOCAB = 512
 CHUNK = 64  # chunked_prefill_size: the long prompts prefill in several chunks
+# A bounded KV pool: on the CPU SGLang otherwise sizes it from the machine's memory (13 GB on a 23 GB box).
+ENGINE_ARGS = {"chunked_prefill_size": CHUNK, "max_total_tokens": 8192}
 KEEP = {"skip_special_tokens": False}  # a random model may generate <unk> or </s>: keep them in the text
 SERVER_CHAT = [{"role": "system", "content": "w3 w1 w4"}, {"role": "user", "content": "w1 w5 w9 w2 w6"}]
 
@@ -86,7 +88,7 @@ def workload(tokenizer):
 @pytest.fixture(scope="module")
 def engines(model, workload, tmp_path_factory):
     work = tmp_path_factory.mktemp("engine")
-    extra = {"chunked_prefill_size": CHUNK, "max_total_tokens": 8192}
+    extra = ENGINE_ARGS
     # Page size 1: SGLang 0.5.21's paged KV allocator (mem_cache/allocator/paged.py) launches Triton kernels
     # whatever the backend, so its CPU engine runs at page size 1 (hal's pages > 1 are covered by the kit).
     return {
@@ -140,9 +142,7 @@ def _words_to_ids(tokenizer, text: str) -> list[int]:
 
 def test_server_over_http(model, workload, engines, tokenizer, tmp_path):
     expected = {tuple(r["input_ids"]): out for r, out in zip(workload, _outputs(engines["torch_native"]))}
-    process, url = sglang_engine.start_server(
-        model, "hal", str(tmp_path / "server.log"), {"chunked_prefill_size": CHUNK}
-    )
+    process, url = sglang_engine.start_server(model, "hal", str(tmp_path / "server.log"), ENGINE_ARGS)
     try:
         jobs = []
         for r in workload[:6]:  # /generate: text in, ids out
