@@ -45,9 +45,9 @@ runner, so that is selection time). ``--refuse "page_size=1:REGEX"`` declares th
 refusals expected: every case with that page size must be refused with a message
 matching REGEX, every other case must pass. Exit status 0 when all did as expected.
 
-SGLang is imported from the installed package. Packages it imports at module level but
-never calls on this path (torchvision, fastapi, uvicorn) come from ``ci/sglang_stubs``
-(import-only stand-ins) when they are not installed.
+SGLang is imported from the installed package. torchvision (imported at module level, never
+called here) and sgl_kernel's CPU ops come from ``ci/sglang_stubs`` (stand-ins) when they are not
+installed; fastapi and uvicorn are real (hal's ``sglang`` extra).
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def set_environment(args) -> None:
         os.environ["TRITON_INTERPRET"] = "1"
     if args.npu_emulation:
         os.environ["HAL_NPU_EMULATION"] = "1"
-    if any(importlib.util.find_spec(name) is None for name in ("torchvision", "fastapi", "uvicorn")):
+    if any(importlib.util.find_spec(name) is None for name in ("torchvision", "sgl_kernel")):
         sys.path.append(STUBS)  # appended: a real package earlier on the path still wins
 
 

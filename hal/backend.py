@@ -39,7 +39,7 @@ from hal.kernels.reference import dequantize_kv, is_fp8, kv_scales, shares_stora
 from hal.kv_cache import kv_cache_dtype_name
 
 if TYPE_CHECKING:
-    from hal.batch import ForwardBatch
+    from hal.batch import ForwardBatch, SharedReadEnds
     from hal.config import AttentionConfig
     from hal.layer import AttentionLayer
 
@@ -620,3 +620,66 @@ class AttentionBackend:
             (q.dtype, getattr(k, "dtype", None), getattr(v, "dtype", None)),
             "one dtype",
         )
+
+    # -- SGLang 0.5.21's additions to the contract ----------------------------------------
+    # Declared attributes (SGLang reads them off any backend without getattr). hal's backends opt
+    # into none of SGLang's optional runner paths; each is a question SGLang asks the backend.
+    data_type: torch.dtype | None = None  # compute dtype (SGLang's fp8 fuse-rope checks); the model's
+    kv_cache_dtype: torch.dtype | None = None  # KV cache dtype, likewise
+    attn_backend_list: list | None = None  # a wrapper's children, for metadata snapshot/restore
+    forward_metadata: Any = None  # declared on the class too (set per step by set_forward_metadata)
+    kv_index_translator = None  # SGLang's unified-pool translator: None, hal reads physical slots
+    supports_draft_extend_metadata_staging: bool = False  # no staged DRAFT_EXTEND metadata
+    extend_dummy_seqs_capped_by_req_pool: bool = False  # no per-request buffers sized at the request pool
+    prefer_eager_mixed_prefill_under_dp_attention: bool = False
+    supports_prefill_cuda_graph_max_context_size: bool = False  # no prefill graphs (max_seq_len_override)
+    supports_full_cuda_graph_chunked_prefix: bool = False  # no chunked-prefix full-graph topology
+
+    def draft_extend_metadata_captured_in_graph(self) -> bool:
+        """Whether ``init_forward_metadata_in_graph`` alone rebuilds a replayed DRAFT_EXTEND step's metadata
+        (a replaying runner could then skip ``out_graph``). False: hal prepares DRAFT_EXTEND outside graphs."""
+        return False
+
+    def shared_read_ends(self, forward_mode) -> SharedReadEnds:
+        """Where this backend's reads of scheduler-shared buffers end for ``forward_mode`` (hal's or
+        SGLang's ForwardMode): UNKNOWN for every mode, so the engine fences the whole forward.
+
+        hal's ``forward_*`` may read the request table and ``seq_lens`` again (the torch and NPU
+        paths gather keys through ``req_to_token``), so no earlier end is declared; a backend
+        audited for one overrides this.
+        """
+        from hal.batch import SharedReadEnds
+
+        return SharedReadEnds.UNKNOWN
+
+    def prepare_prefill_shared_read_snapshot(self, forward_batch: ForwardBatch, *, num_qo_tokens: int) -> None:
+        """Copy late prefill reads before the engine publishes a PRE_REPLAY read-done; returns None.
+
+        A no-op: it matters only to a backend that declares ``PRE_REPLAY`` (hal's do not).
+        """
+
+    def prepare_full_cuda_graph_chunked_prefix(self, forward_batch: ForwardBatch, *, in_capture: bool) -> None:
+        """Chunked-prefix full-graph metadata; only for backends with ``supports_full_cuda_graph_chunked_prefix``."""
+        from hal.errors import UnsupportedError
+
+        raise UnsupportedError(
+            f"{self.name or type(self).__name__}: chunked-prefix full CUDA graphs "
+            "(supports_full_cuda_graph_chunked_prefix is False): run those prefills eagerly"
+        )
+
+    def validate_elastic_cuda_graph_recapture(self) -> None:
+        """Check this backend can recapture its graphs at a new width (SGLang's elastic EP); returns None.
+
+        A recapture reuses the buffers of ``init_cuda_graph_state``; a backend without graph support
+        raises ``UnsupportedError``.
+        """
+        from hal.errors import UnsupportedError
+
+        if not self.supports_graph:
+            raise UnsupportedError(f"{self.name or type(self).__name__} does not capture graphs, so cannot recapture")
+
+    @property
+    def verify_mask(self):
+        """The mask buffer a draft stage fills in place for TARGET_VERIFY, if the backend owns one: None,
+        hal's backends read ``spec_info.custom_mask`` as the engine built it."""
+        return None

@@ -32,7 +32,7 @@ from typing import ClassVar
 import torch
 
 from hal.kv_cache import KVPool, ReqToTokenTable
-from hal.modes import BatchLens, ForwardMode, device_lens, host_lens
+from hal.modes import REFUSED_MODES, BatchLens, ForwardMode, SharedReadEnds, device_lens, host_lens
 from hal.validation import VALIDATION_LEVELS, validate_batch, validation_level
 
 __all__ = [
@@ -46,6 +46,8 @@ __all__ = [
     "validation_level",
     "static_decode_batch",
     "VALIDATION_LEVELS",
+    "SharedReadEnds",
+    "REFUSED_MODES",
 ]
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ForwardMode", "BatchLens", "host_lens", "device_lens"]
+__all__ = ["ForwardMode", "BatchLens", "host_lens", "device_lens", "REFUSED_MODES", "SharedReadEnds"]
 
 
 class ForwardMode(enum.IntEnum):
@@ -22,6 +22,17 @@ class ForwardMode(enum.IntEnum):
     IDLE = enum.auto()
     TARGET_VERIFY = enum.auto()
     DRAFT_EXTEND = enum.auto()
+    # SGLang 0.5.21's other modes. DRAFT_EXTEND_V2 is SGLang's name for DRAFT_EXTEND (an alias);
+    # SPLIT_PREFILL (PD multiplexing: one prefill run in layer slices) is served as an extend;
+    # PREBUILT and DLLM_EXTEND are refused (REFUSED_MODES says why).
+    DRAFT_EXTEND_V2 = DRAFT_EXTEND
+    PREBUILT = enum.auto()
+    SPLIT_PREFILL = enum.auto()
+    DLLM_EXTEND = enum.auto()
+
+    def refusal(self) -> str | None:
+        """Why hal's backends do not serve this mode, None when they do."""
+        return REFUSED_MODES.get(self.name)
 
     def is_idle(self) -> bool:
         return self == ForwardMode.IDLE
@@ -45,6 +56,7 @@ class ForwardMode(enum.IntEnum):
             ForwardMode.MIXED,
             ForwardMode.DRAFT_EXTEND,
             ForwardMode.TARGET_VERIFY,
+            ForwardMode.SPLIT_PREFILL,
         )
 
     def is_decode_or_idle(self) -> bool:
@@ -53,6 +65,24 @@ class ForwardMode(enum.IntEnum):
     def is_cuda_graph(self) -> bool:
         """Modes a graph runner captures."""
         return self in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.IDLE)
+
+
+REFUSED_MODES = {
+    "PREBUILT": "PREBUILT (SGLang's disaggregated decode: the KV cache arrived prebuilt) never runs a model "
+    "forward, so no attention backend is asked for it",
+    "DLLM_EXTEND": "DLLM_EXTEND (diffusion LLMs) attends bidirectionally within each block of new tokens; "
+    "hal's extend is causal (or non-causal for a whole encoder_only model)",
+}
+
+
+class SharedReadEnds(enum.Enum):
+    """Where a backend's reads of scheduler-shared buffers (request table, ``seq_lens``) end in a step
+    (SGLang's ``SharedReadEnds``: the scheduler may overwrite them after that point)."""
+
+    PRE_REPLAY = 1  # after init_forward_metadata_out_graph
+    IN_REPLAY = 2  # after init_forward_metadata_in_graph
+    POST_REPLAY = 3  # only after forward
+    UNKNOWN = 4  # not audited: the engine fences the whole forward
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,9 @@ import os
 
 import torch
 
-from hal.errors import ConfigError, InvalidBatchError, describe, expect
+from hal.errors import ConfigError, InvalidBatchError, UnsupportedError, describe, expect
 from hal.kv_cache import INDEX_DTYPES, KVPool, ReqToTokenTable, pool_geometry
-from hal.modes import BatchLens, ForwardMode, _host
+from hal.modes import REFUSED_MODES, BatchLens, ForwardMode, _host
 
 __all__ = ["VALIDATION_LEVELS", "validation_level", "validate_batch"]
 
@@ -65,6 +65,8 @@ def validate_batch(fb, level: str | None = None, *, page_aligned: bool = False) 
         mode,
         f"one of {list(ForwardMode.__members__)} (hal's or SGLang's ForwardMode)",
     )
+    if mode.name in REFUSED_MODES:
+        raise UnsupportedError(f"forward_mode {mode.name}: {REFUSED_MODES[mode.name]}")
     rt_pool, kv_pool = fb.req_to_token_pool, fb.token_to_kv_pool
     expect(
         isinstance(rt_pool, ReqToTokenTable) and isinstance(rt_pool.req_to_token, torch.Tensor),

@@ -229,9 +229,10 @@ def test_what_hal_does_not_compute_is_refused_with_a_hal_error(kit):
     backend.init_forward_metadata(fb)
     with pytest.raises(hal.UnsupportedError, match="sinks"):
         backend.forward(q, k, v, fx.actual_module.attn, fb, sinks=torch.zeros(4))
-    split = types.SimpleNamespace(forward_mode=kit.ForwardMode.SPLIT_PREFILL, batch_size=3)
-    with pytest.raises(hal.UnsupportedError, match="SPLIT_PREFILL"):
-        backend.init_forward_metadata(split)
+    for refused, why in (("PREBUILT", "never runs a model forward"), ("DLLM_EXTEND", "bidirectionally")):
+        batch = types.SimpleNamespace(forward_mode=getattr(kit.ForwardMode, refused), batch_size=3)
+        with pytest.raises(hal.UnsupportedError, match=f"{refused}.*{why}"):
+            backend.init_forward_metadata(batch)
     runner = fx.runner
     pool = runner.token_to_kv_pool
     fp8 = types.SimpleNamespace(**{**vars(runner), "token_to_kv_pool": types.SimpleNamespace(**vars(pool))})
@@ -244,14 +245,15 @@ def test_what_hal_does_not_compute_is_refused_with_a_hal_error(kit):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("mode_name", ["MIXED", "DRAFT_EXTEND_V2"])
+@pytest.mark.parametrize("mode_name", ["MIXED", "DRAFT_EXTEND_V2", "SPLIT_PREFILL"])
 def test_sglangs_other_extend_modes_route_as_hal_defines_them(kit, mode_name):
-    """MIXED (chunked prefills with decodes) and SGLang's DRAFT_EXTEND_V2 (hal's DRAFT_EXTEND)."""
+    """MIXED (chunked prefills with decodes), SGLang's DRAFT_EXTEND_V2 (hal's DRAFT_EXTEND) and
+    SPLIT_PREFILL (PD multiplexing's layer-sliced prefill: an extend per layer)."""
     fx = _fixture(kit, mode_name, prefix=(0, 15, 33), extend=(20, 1, 3))
     out = kit.dense.run_dense_fixture_eager(fx)
     torch.testing.assert_close(out, kit.dense.expected_dense_fixture_output(fx), atol=1e-5, rtol=1e-5)
     assert fx.backend.hal_batch(fx.forward_batch).forward_mode.name == (
-        "MIXED" if mode_name == "MIXED" else "DRAFT_EXTEND"
+        "DRAFT_EXTEND" if mode_name == "DRAFT_EXTEND_V2" else mode_name
     )
 
 
@@ -282,3 +284,107 @@ def test_the_config_takes_each_layers_window_and_cap_from_the_models_radix_atten
     config = hal_sglang.attention_config(types.SimpleNamespace(**{**vars(runner), "model": model}))
     assert [x.sliding_window_size for x in config.layers] == [8, -1]
     assert (config.sliding_window_size, config.logit_cap, config.layer_num) == (8, 30.0, 2)
+
+
+# ----------------------------------------------------------------------------- SGLang 0.5.21's base class
+
+
+def test_hal_follows_sglangs_base_class_member_for_member(kit):
+    """Every public member of the installed SGLang's ``AttentionBackend`` is on hal's base class and on
+    ``HalAttnBackend`` with the same kind (method / property / attribute), and the older members stay."""
+    import inspect
+
+    from sglang.srt.layers.attention.base_attn_backend import AttentionBackend as SGLangBackend
+
+    import hal.integrations.sglang as hal_sglang
+
+    def kind(cls, name):
+        raw = inspect.getattr_static(cls, name)
+        return "method" if callable(raw) and not isinstance(raw, type) else "data"  # a property reads as data
+
+    members = [n for n in vars(SGLangBackend) if not n.startswith("_")]
+    assert {"verify_mask", "shared_read_ends", "validate_elastic_cuda_graph_recapture"} <= set(members)
+    for cls in (hal.AttentionBackend, hal_sglang.HalAttnBackend):
+        missing = [n for n in members if not hasattr(cls, n)]
+        assert not missing, (cls, missing)
+        wrong = [(n, kind(SGLangBackend, n), kind(cls, n)) for n in members if kind(SGLangBackend, n) != kind(cls, n)]
+        assert not wrong, (cls, wrong)
+        for older in (
+            "get_verify_buffers_to_fill_after_draft",
+            "init_forward_metadata_for_breakable_cuda_graph_capture",
+        ):
+            assert hasattr(cls, older), (cls, older)
+
+
+def test_the_0521_questions_are_answered_by_hals_backend(kit):
+    from sglang.srt.layers.attention.base_attn_backend import SharedReadEnds
+
+    fx = _fixture(kit)
+    backend, fb = fx.backend, fx.forward_batch
+    for mode in (kit.ForwardMode.DECODE, kit.ForwardMode.EXTEND, kit.ForwardMode.TARGET_VERIFY):
+        assert backend.shared_read_ends(mode) is SharedReadEnds.UNKNOWN  # hal's forward reads req_to_token again
+    assert backend.verify_mask is None and backend.get_verify_buffers_to_fill_after_draft() == [None, None]
+    assert backend.draft_extend_metadata_captured_in_graph() is False
+    for name in (
+        "supports_draft_extend_metadata_staging",
+        "supports_full_cuda_graph_chunked_prefix",
+        "supports_prefill_cuda_graph_max_context_size",
+        "extend_dummy_seqs_capped_by_req_pool",
+    ):
+        assert getattr(backend, name) is False, name
+    backend.init_forward_metadata(fb)
+    backend.prepare_prefill_shared_read_snapshot(fb, num_qo_tokens=3)  # a no-op: nothing declared PRE_REPLAY
+    backend.validate_elastic_cuda_graph_recapture()  # the torch backend captures graphs
+    with pytest.raises(hal.UnsupportedError, match="chunked-prefix"):
+        backend.prepare_full_cuda_graph_chunked_prefix(fb, in_capture=True)
+    assert backend.data_type == torch.float32 and backend.kv_cache_dtype == torch.float32
+
+
+def test_hal_refuses_sglangs_unserved_modes_on_its_own_batches_too():
+    assert hal.ForwardMode.DRAFT_EXTEND_V2 is hal.ForwardMode.DRAFT_EXTEND
+    assert hal.ForwardMode.SPLIT_PREFILL.is_extend() and hal.ForwardMode.SPLIT_PREFILL.refusal() is None
+    for name in ("PREBUILT", "DLLM_EXTEND"):
+        assert not getattr(hal.ForwardMode, name).is_extend() and getattr(hal.ForwardMode, name).refusal()
+
+
+# ----------------------------------------------------------------------------- SGLang's name-based decisions
+
+
+def test_sglangs_support_triton_follows_the_hal_backend_built_under_the_name(kit):
+    """SGLang's ``support_triton(name)`` (read by name in forward_batch_info, allocation and mrope) is
+    hal's answer for hal's names once the plugin's hooks are applied, as SGLang's plugin loader does."""
+    from sglang.srt.model_executor import forward_batch_info
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    from sglang.srt.utils import common
+
+    import hal.integrations.sglang as hal_sglang
+
+    hal_sglang.sglang_plugin()
+    HookRegistry.apply_hooks()
+    for module in (common, forward_batch_info):
+        assert module.support_triton("triton") and not module.support_triton("torch_native")  # SGLang's own
+    factory = hal_sglang.register("hal_gating_test")
+    assert common.support_triton("hal_gating_test") is False  # nothing built under the name yet
+    built = factory(_fixture(kit).runner)
+    assert built.support_triton() is False  # hal's torch backend on the CPU: no compiled Triton target
+    assert forward_batch_info.support_triton("hal_gating_test") is False
+    # SGLang's position helper takes its torch path for hal, where its Triton kernel has no CPU driver
+    positions, start = forward_batch_info.compute_position(
+        "hal_gating_test", torch.tensor([0, 5]), torch.tensor([3, 2]), 5
+    )
+    assert positions.tolist() == [0, 1, 2, 5, 6] and start.tolist() == [0, 3]
+    # SGLang's paged allocation asks get_last_loc, which chooses Triton unless a half is *named* ascend or
+    # torch_native: with a hal half it follows hal's answer
+    from sglang.srt import runtime_context
+    from sglang.srt.mem_cache import allocation
+
+    table = torch.arange(40, dtype=torch.int32).view(4, 10)
+    original = runtime_context.attention_backends
+    runtime_context.attention_backends = lambda: ("hal_gating_test", "hal_gating_test")
+    try:
+        last = allocation.get_last_loc(table, torch.tensor([2, 0, 3]), torch.tensor([3, 0, 10]))
+    finally:
+        runtime_context.attention_backends = original
+    assert last.tolist() == [22, -1, 39]
+    built.support_triton = lambda: True  # a hal backend that allows Triton (e.g. on CUDA) is believed
+    assert common.support_triton("hal_gating_test") is True

@@ -37,9 +37,15 @@ except ImportError as _exc:  # not installed, or installed without what its impo
         "`pip install --no-deps sglang==0.5.21` plus hal's `sglang` extra (see docs/sglang.md)."
     ) from _exc
 
+try:
+    from sglang.srt.layers.attention.base_attn_backend import SharedReadEnds
+except ImportError:  # SGLang before 0.5.21: nobody asks shared_read_ends
+    SharedReadEnds = None
+
 import torch  # noqa: E402  (after the SGLang guard: its error is the one to see)
 
 import hal  # noqa: E402
+from hal.batch import REFUSED_MODES  # noqa: E402
 from hal.errors import ConfigError, UnsupportedError  # noqa: E402
 from hal.integrations.sglang_pools import serve_pool  # noqa: E402
 from hal.selection import HybridBackend  # noqa: E402
@@ -49,6 +55,8 @@ __all__ = [
     "SGLangBatch",
     "register",
     "sglang_plugin",
+    "install_hooks",
+    "backend_supports_triton",
     "attention_config",
     "hal_layer",
     "runner_device",
@@ -62,7 +70,19 @@ _MODES = {
     "IDLE": hal.ForwardMode.IDLE,
     "TARGET_VERIFY": hal.ForwardMode.TARGET_VERIFY,
     "DRAFT_EXTEND_V2": hal.ForwardMode.DRAFT_EXTEND,
+    "SPLIT_PREFILL": hal.ForwardMode.SPLIT_PREFILL,
 }
+# The backend attributes of SGLang 0.5.21's base class that answer a runner's question: HalAttnBackend
+# gives hal's backend's answer.
+_DECLARED = (
+    "supports_draft_extend_metadata_staging",
+    "extend_dummy_seqs_capped_by_req_pool",
+    "prefer_eager_mixed_prefill_under_dp_attention",
+    "supports_prefill_cuda_graph_max_context_size",
+    "supports_full_cuda_graph_chunked_prefix",
+    "supports_ragged_verify_graph",
+    "use_captured_forward_metadata_for_breakable_cuda_graph",
+)
 
 # name -> (hal backend, hal device) for names registered with register(); None: hal chooses.
 _REGISTERED: dict[str, tuple[str | None, str | None]] = {}
@@ -200,9 +220,11 @@ class SGLangBatch:
 
     def __init__(self, batch, req_to_token_pool, token_to_kv_pool, graph_static: bool):
         mode = batch.forward_mode
-        hal_mode = _MODES.get(getattr(mode, "name", None))
+        name = getattr(mode, "name", None)
+        hal_mode = _MODES.get(name)
         if hal_mode is None:
-            raise UnsupportedError(f"forward_mode {mode!r}: hal serves {sorted(_MODES)}")
+            reason = REFUSED_MODES.get(name) or f"hal serves {sorted(_MODES)}"
+            raise UnsupportedError(f"forward_mode {name or mode!r}: {reason}")
         self.batch = batch
         self.forward_mode = hal_mode
         self.req_to_token_pool = req_to_token_pool
@@ -279,6 +301,8 @@ class HalAttnBackend(_SGLangAttentionBackend):
         self.hal_backend = self.selection.create(**options)
         self.device = cap.torch_device
         self.needs_cpu_seq_lens = self.hal_backend.needs_cpu_seq_lens
+        for name in _DECLARED:
+            setattr(self, name, getattr(self.hal_backend, name, False))
         self.data_type = getattr(model_runner, "dtype", self.config.dtype)
         self.kv_cache_dtype = self.config.dtype
         self._layers: dict[int, tuple[object, hal.AttentionLayer]] = {}
@@ -352,10 +376,40 @@ class HalAttnBackend(_SGLangAttentionBackend):
         self.hal_backend.on_after_cuda_graph_warmup()
 
     def support_triton(self) -> bool:
-        return self.hal_backend.support_triton()
+        """Whether SGLang may run its own Triton helper kernels (positions, ``req_to_token`` writes, the
+        last KV slot of each request) on this backend's tensors: hal's backend allows Triton and hal's
+        device has a compiled Triton target (not the CPU interpreter: SGLang's helpers pass raw pointers)."""
+        cap = self.selection.capability
+        return bool(self.hal_backend.support_triton() and cap.triton_target and not cap.triton_interpreted)
 
     def get_indexer_metadata(self, layer_id: int, forward_batch):
         return None
+
+    # -- SGLang 0.5.21's additions: hal's backend answers ----------------------------------
+    def shared_read_ends(self, fm) -> SharedReadEnds:
+        """SGLang's ``SharedReadEnds`` member of the same name as hal's backend's answer."""
+        ends = self.hal_backend.shared_read_ends(fm)
+        return ends if SharedReadEnds is None else SharedReadEnds[ends.name]
+
+    def prepare_prefill_shared_read_snapshot(self, forward_batch, *, num_qo_tokens: int) -> None:
+        view = self.hal_batch(forward_batch)
+        self.hal_backend.prepare_prefill_shared_read_snapshot(view, num_qo_tokens=num_qo_tokens)
+
+    def draft_extend_metadata_captured_in_graph(self) -> bool:
+        return self.hal_backend.draft_extend_metadata_captured_in_graph()
+
+    def prepare_full_cuda_graph_chunked_prefix(self, forward_batch, *, in_capture: bool) -> None:
+        self.hal_backend.prepare_full_cuda_graph_chunked_prefix(self.hal_batch(forward_batch), in_capture=in_capture)
+
+    def validate_elastic_cuda_graph_recapture(self) -> None:
+        self.hal_backend.validate_elastic_cuda_graph_recapture()
+
+    @property
+    def verify_mask(self):
+        return self.hal_backend.verify_mask
+
+    def get_verify_buffers_to_fill_after_draft(self) -> list:  # SGLang before 0.5.21 asks this instead
+        return self.hal_backend.get_verify_buffers_to_fill_after_draft()
 
     # -- forward -----------------------------------------------------------------------
     def _call(self, method: str, q, k, v, layer, forward_batch, save_kv_cache: bool, kwargs: dict):
@@ -394,7 +448,9 @@ def register(name: str = "hal", *, backend: str | None = None, device: str | Non
         raise ConfigError(f"name = {name!r}: expected a non-empty string")
 
     def factory(model_runner):
-        return HalAttnBackend(model_runner, backend=backend, device=device)
+        built = HalAttnBackend(model_runner, backend=backend, device=device)
+        _BUILT[name] = built
+        return built
 
     factory.__name__ = factory.__qualname__ = f"create_{name}_backend"
     factory.swa_decode_rule = HalAttnBackend.swa_decode_rule
@@ -410,11 +466,71 @@ def register(name: str = "hal", *, backend: str | None = None, device: str | Non
     return factory
 
 
+# ----------------------------------------------------------------------------- SGLang's name-based decisions
+#
+# SGLang decides some things by the attention backend's *name* rather than by asking the backend.
+# For hal's names these hooks (SGLang's own HookRegistry, applied by its plugin loader in every
+# process) answer from the hal backend built under that name. docs/sglang.md lists the rest.
+
+_BUILT: dict[str, HalAttnBackend] = {}  # name -> the backend SGLang built under it in this process
+
+
+def backend_supports_triton(name: str) -> bool:
+    """SGLang's ``support_triton(name)`` for a name registered with :func:`register`.
+
+    The answer of the ``HalAttnBackend`` built under ``name`` in this process
+    (:meth:`HalAttnBackend.support_triton`: hal's backend and device). Before one is built, False:
+    SGLang's torch helper paths run on every device.
+    """
+    built = _BUILT.get(name)
+    return built is not None and built.support_triton()
+
+
+def _support_triton_hook(original, backend, *args, **kwargs) -> bool:
+    """Around ``sglang.srt.utils.common.support_triton``: hal's names answer from hal."""
+    if backend in _REGISTERED:
+        return backend_supports_triton(backend)
+    return original(backend, *args, **kwargs)
+
+
+def _get_last_loc_hook(original, req_to_token, req_pool_indices_tensor, prefix_lens_tensor):
+    """Around ``sglang.srt.mem_cache.allocation.get_last_loc``, which picks its Triton kernel unless a
+    half is named ``ascend`` or ``torch_native``: with a hal half it is Triton only where both halves
+    support Triton."""
+    from sglang.srt.mem_cache import allocation
+    from sglang.srt.runtime_context import attention_backends
+    from sglang.srt.utils import common
+
+    names = attention_backends()
+    if any(name in _REGISTERED for name in names) and not all(common.support_triton(name) for name in names):
+        return allocation.get_last_loc_torch(req_to_token, req_pool_indices_tensor, prefix_lens_tensor)
+    return original(req_to_token, req_pool_indices_tensor, prefix_lens_tensor)
+
+
+# SGLang's dotted target -> hal's AROUND hook
+NAME_DECISION_HOOKS = {
+    "sglang.srt.utils.common.support_triton": _support_triton_hook,
+    "sglang.srt.mem_cache.allocation.get_last_loc": _get_last_loc_hook,
+}
+
+
+def install_hooks() -> None:
+    """Register :data:`NAME_DECISION_HOOKS` with SGLang's ``HookRegistry`` (its plugin loader applies
+    them, and propagates each to every module that imported the original by name). Idempotent."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for target, hook in NAME_DECISION_HOOKS.items():
+        if not any(registered is hook for _, registered, _ in HookRegistry._hooks.get(target, ())):
+            HookRegistry.register(target, hook, HookType.AROUND)
+
+
 def sglang_plugin() -> None:
     """SGLang's plugin hook (entry point group ``sglang.srt.plugins``): registers ``hal`` and
-    ``hal_<backend>`` for every backend of every hal device."""
+    ``hal_<backend>`` for every backend of every hal device, and hal's answers to SGLang's
+    name-based decisions (:func:`install_hooks`)."""
     from hal.registry import device_backends, get_registry
 
+    install_hooks()
     register("hal")
     for device in get_registry().devices.values():
         classes, _ = device_backends(device)

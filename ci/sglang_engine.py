@@ -1,0 +1,223 @@
+"""Drive SGLang's real engine (``sglang.Engine``) and server on the CPU, for hal's engine test and benchmark.
+
+    python ci/sglang_engine.py run --model DIR --backend hal --requests REQ.json --json OUT.json [--engine-arg k=v ...]
+
+``run`` starts ``sglang.Engine(model_path=DIR, device="cpu", attention_backend=BACKEND, dtype=float32,
+disable_cuda_graph=True, grammar_backend="none", ...)`` in this process, submits the requests of
+``REQ.json`` (a list of ``{"input_ids": [...], "max_new_tokens": n, "delay_s": t}``; each is sent
+``delay_s`` after the start, so later requests arrive while earlier ones decode: SGLang's continuous
+batching), greedy with ``ignore_eos``, streaming, and writes per request its ``output_ids``, time to
+first token and end-to-end latency, plus SGLang's ``cached_tokens`` (prefix-cache hits), to ``OUT.json``.
+
+:func:`cpu_env` is the environment SGLang's CPU engine needs: ``SGLANG_USE_CPU_ENGINE=1`` (SGLang's
+``is_cpu()``) and ``ci/sglang_stubs`` on ``PYTHONPATH`` (the torchvision and sgl_kernel stand-ins).
+:func:`start_server` / :func:`stop_server` run ``python -m sglang.launch_server`` on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+STUBS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_stubs")
+# What every engine here runs with: SGLang's CPU path, fp32, no graphs, no grammar library.
+ENGINE_DEFAULTS = {
+    "device": "cpu",
+    "dtype": "float32",
+    "disable_cuda_graph": True,
+    "grammar_backend": "none",
+    "log_level": "warning",
+}
+
+
+def cpu_env(base: dict | None = None) -> dict:
+    """``base`` (default ``os.environ``) plus what SGLang's CPU engine needs; the stand-ins come after any
+    ``PYTHONPATH`` already set."""
+    env = dict(os.environ if base is None else base)
+    env["SGLANG_USE_CPU_ENGINE"] = "1"
+    path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if STUBS not in path:
+        env["PYTHONPATH"] = os.pathsep.join([*path, STUBS])
+    return env
+
+
+def engine_kwargs(backend: str, extra: dict | None = None) -> dict:
+    """``sglang.Engine`` / server arguments: :data:`ENGINE_DEFAULTS`, the backend, then ``extra``."""
+    return {**ENGINE_DEFAULTS, "attention_backend": backend, **(extra or {})}
+
+
+async def _one(engine, request: dict, t0: float) -> dict:
+    await asyncio.sleep(max(0.0, t0 + request.get("delay_s", 0.0) - time.perf_counter()))
+    sent = time.perf_counter()
+    params = {"max_new_tokens": request["max_new_tokens"], "temperature": 0.0, "ignore_eos": True}
+    stream = await engine.async_generate(input_ids=request["input_ids"], sampling_params=params, stream=True)
+    first = None
+    final = None
+    output_ids: list[int] = []
+    async for chunk in stream:
+        ids = chunk.get("output_ids") or []
+        if first is None and ids:
+            first = time.perf_counter()
+        # SGLang streams the ids generated since the last chunk (cumulative where incremental output is off).
+        output_ids = ids if len(ids) >= len(output_ids) and ids[: len(output_ids)] == output_ids else output_ids + ids
+        final = chunk
+    done = time.perf_counter()
+    meta = final["meta_info"] if final else {}
+    output_ids = output_ids[: request["max_new_tokens"]]
+    return {
+        "output_ids": output_ids,
+        "prompt_tokens": meta.get("prompt_tokens", len(request["input_ids"])),
+        "completion_tokens": meta.get("completion_tokens", len(output_ids)),
+        "cached_tokens": meta.get("cached_tokens", 0),
+        "sent_s": sent - t0,
+        "ttft_s": (first or done) - sent,
+        "latency_s": done - sent,
+    }
+
+
+def run(model: str, backend: str, requests: list[dict], extra: dict | None = None) -> dict:
+    """Start an engine, serve ``requests`` as they arrive, shut it down. Returns the results and timings."""
+    import sglang
+
+    started = time.perf_counter()
+    engine = sglang.Engine(model_path=model, **engine_kwargs(backend, extra))
+    ready = time.perf_counter()
+    try:
+
+        async def serve():
+            t0 = time.perf_counter()
+            out = await asyncio.gather(*(_one(engine, r, t0) for r in requests))
+            return out, time.perf_counter() - t0
+
+        results, wall = asyncio.run(serve())
+    finally:
+        engine.shutdown()
+    return {
+        "backend": backend,
+        "engine_args": engine_kwargs(backend, extra),
+        "startup_s": ready - started,
+        "wall_s": wall,
+        "results": results,
+    }
+
+
+def run_in_subprocess(model: str, backend: str, requests: list[dict], workdir: str, extra: dict | None = None) -> dict:
+    """:func:`run` in a fresh Python with :func:`cpu_env` (SGLang reads its CPU switch at import)."""
+    req_path = os.path.join(workdir, f"requests-{backend}.json")
+    out_path = os.path.join(workdir, f"results-{backend}.json")
+    with open(req_path, "w") as f:
+        json.dump(requests, f)
+    cmd = [sys.executable, os.path.abspath(__file__), "run", "--model", model, "--backend", backend]
+    cmd += ["--requests", req_path, "--json", out_path]
+    for key, value in (extra or {}).items():
+        cmd += ["--engine-arg", f"{key}={json.dumps(value)}"]
+    done = subprocess.run(cmd, env=cpu_env(), capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"engine run ({backend}) failed with {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
+        )
+    with open(out_path) as f:
+        return json.load(f)
+
+
+# ----------------------------------------------------------------------------- the server
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: str, backend: str, log_path: str, extra: dict | None = None, timeout_s: float = 600):
+    """``python -m sglang.launch_server`` on 127.0.0.1 and a free port; returns ``(process, base_url)`` once
+    ``/health`` answers 200. The process leads its own session, so :func:`stop_server` reaches its children."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", "127.0.0.1"]
+    cmd += ["--port", str(port)]
+    for key, value in engine_kwargs(backend, extra).items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            cmd.append(flag)
+        elif value is not False:
+            cmd += [flag, str(value)]
+    log = open(log_path, "w")
+    process = subprocess.Popen(cmd, env=cpu_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            log.close()
+            with open(log_path) as f:
+                raise RuntimeError(f"server exited with {process.returncode}:\n{f.read()[-8000:]}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as response:
+                if response.status == 200:
+                    return process, url
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(1.0)
+    stop_server(process)
+    raise TimeoutError(f"server not healthy after {timeout_s} s (log: {log_path})")
+
+
+def stop_server(process, timeout_s: float = 30) -> None:
+    """Terminate the server process and every process under it (by their ids), then wait for them."""
+    import psutil
+
+    try:
+        root = psutil.Process(process.pid)
+        tree = [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        tree = []
+    for proc in tree:
+        try:
+            proc.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(tree, timeout=timeout_s)
+    for proc in alive:
+        proc.kill()
+    process.wait(timeout=timeout_s)
+
+
+def post(url: str, body: dict, timeout_s: float = 300) -> dict:
+    """POST ``body`` as JSON; the JSON answer."""
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        return json.loads(response.read())
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("run", help="serve a request file on one engine, write the results as JSON")
+    p.add_argument("--model", required=True)
+    p.add_argument("--backend", required=True)
+    p.add_argument("--requests", required=True)
+    p.add_argument("--json", required=True)
+    p.add_argument("--engine-arg", action="append", default=[], help="KEY=JSON_VALUE, an sglang.Engine argument")
+    args = parser.parse_args(argv)
+    extra = {}
+    for item in args.engine_arg:
+        key, _, value = item.partition("=")
+        extra[key] = json.loads(value)
+    with open(args.requests) as f:
+        requests = json.load(f)
+    out = run(args.model, args.backend, requests, extra)
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

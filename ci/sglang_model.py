@@ -1,0 +1,117 @@
+"""A small random-weight Llama-architecture model on disk, with a tokenizer made offline.
+
+    python ci/sglang_model.py OUT_DIR [--layers 2] [--hidden 64] [--heads 4] [--kv-heads 2] [--seed 0]
+
+What SGLang's engine loads as any Hugging Face model (``config.json``, ``model.safetensors``,
+``tokenizer.json`` with a chat template), for hal's engine tests and benchmark
+(``tests/test_sglang_engine.py``, ``bench/sglang_engine.py``). No download: the weights are
+``torch.manual_seed(seed)`` draws, the tokenizer a ``tokenizers`` WordLevel model over the words
+``w0 .. w{vocab-N}`` plus a few specials, split on whitespace. Every word is one token and
+decoding joins tokens with spaces, so a generated text names its token ids exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+SPECIALS = ("<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>")
+# Jinja chat template: one special token per role, then the content.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def words(vocab_size: int) -> list[str]:
+    """The ordinary (non-special) words of the vocabulary, in token-id order."""
+    return [f"w{i}" for i in range(vocab_size - len(SPECIALS))]
+
+
+def build_tokenizer(vocab_size: int):
+    """A ``PreTrainedTokenizerFast`` over ``SPECIALS`` + ``words(vocab_size)``; ids in that order."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate((*SPECIALS, *words(vocab_size)))}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with single spaces
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="</s>"
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIALS[3:])})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_model(
+    out_dir: str,
+    *,
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int | None = None,
+    vocab_size: int = 512,
+    max_positions: int = 4096,
+    seed: int = 0,
+) -> str:
+    """Write a random fp32 ``LlamaForCausalLM`` and its tokenizer to ``out_dir``; returns ``out_dir``.
+
+    ``initializer_range`` is large (0.5) so that greedy decoding's top logit stands clear of the
+    next one: two correct attention backends then agree token for token in fp32.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tokenizer(vocab_size)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=intermediate or 2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        initializer_range=0.5,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--max-positions", type=int, default=4096)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    build_model(
+        args.out_dir,
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        vocab_size=args.vocab,
+        max_positions=args.max_positions,
+        seed=args.seed,
+    )
+    print(args.out_dir)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""hal inside SGLang's real engine and server, end to end, on the CPU (``tox -e sglang-engine``).
+
+A small random-weight Llama (``ci/sglang_model.py``: fp32, GQA, a WordLevel tokenizer with a chat
+template, made offline) is served by ``sglang.Engine(device="cpu", attention_backend=...)`` with
+SGLang's ``torch_native`` and with ``hal`` (found through hal's plugin entry point alone), on one
+request load: prompts of 1 to ~330 tokens, some sharing a long prefix (SGLang's radix cache serves
+it), arriving while others decode (continuous batching), prefilled in chunks of 64 tokens. Greedy
+tokens must be identical, and equal to transformers' ``generate``. Then ``python -m
+sglang.launch_server --attention-backend hal`` answers SGLang's ``/generate`` and the OpenAI
+``/v1/completions`` and ``/v1/chat/completions`` over HTTP with the engine's tokens, and is stopped
+by its process id.
+
+Each engine runs in its own Python (``ci/sglang_engine.py``), with ``SGLANG_USE_CPU_ENGINE=1`` and
+the stand-ins of ``ci/sglang_stubs``. A minute or two per engine start on a loaded 2-core machine.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib.util
+import pathlib
+import random
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "ci"))
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("sglang") is None, reason="SGLang is not installed (tox -e sglang-engine)"
+)
+
+import sglang_engine  # noqa: E402
+import sglang_model  # noqa: E402
+
+SEED = 1234
+VOCAB = 512
+CHUNK = 64  # chunked_prefill_size: the long prompts prefill in several chunks
+# A bounded KV pool: on the CPU SGLang otherwise sizes it from the machine's memory (13 GB on a 23 GB box).
+ENGINE_ARGS = {"chunked_prefill_size": CHUNK, "max_total_tokens": 8192}
+KEEP = {"skip_special_tokens": False}  # a random model may generate <unk> or </s>: keep them in the text
+SERVER_CHAT = [{"role": "system", "content": "w3 w1 w4"}, {"role": "user", "content": "w1 w5 w9 w2 w6"}]
+
+
+def _requests(chat_ids: list[int]) -> list[dict]:
+    """Varied lengths, a shared 150-token prefix (first alone, then with suffixes once it is cached), a
+    repeated prompt, the chat prompt the server test sends; staggered so requests join running batches."""
+    rng = random.Random(SEED)
+    low = len(sglang_model.SPECIALS)
+
+    def ids(n):
+        return [rng.randrange(low, VOCAB) for _ in range(n)]
+
+    prefix = ids(150)
+    prompts = [ids(1), ids(7), ids(33), prefix, ids(200), ids(330)]
+    prompts += [prefix + ids(n) for n in (1, 17, 70)]
+    prompts += [prompts[2], chat_ids]
+    requests = []
+    for i, prompt in enumerate(prompts):
+        delay = 0.0 if i < 4 else 1.5 + 0.4 * (i - 4)  # the prefix's first request is done before its sharers
+        requests.append({"input_ids": prompt, "max_new_tokens": 8 + 3 * (i % 5), "delay_s": delay})
+    return requests
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    return str(
+        sglang_model.build_model(str(path), layers=3, hidden=96, heads=6, kv_heads=2, vocab_size=VOCAB, seed=SEED)
+    )
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
+
+
+@pytest.fixture(scope="module")
+def workload(tokenizer):
+    chat_ids = tokenizer.apply_chat_template(SERVER_CHAT, add_generation_prompt=True, tokenize=True)
+    chat_ids = list(chat_ids if isinstance(chat_ids, list) else chat_ids["input_ids"])  # a BatchEncoding in 5.x
+    return _requests(chat_ids)
+
+
+@pytest.fixture(scope="module")
+def engines(model, workload, tmp_path_factory):
+    work = tmp_path_factory.mktemp("engine")
+    extra = ENGINE_ARGS
+    # Page size 1: SGLang 0.5.21's paged KV allocator (mem_cache/allocator/paged.py) launches Triton kernels
+    # whatever the backend, so its CPU engine runs at page size 1 (hal's pages > 1 are covered by the kit).
+    return {
+        backend: sglang_engine.run_in_subprocess(model, backend, workload, str(work), extra)
+        for backend in ("torch_native", "hal")
+    }
+
+
+def _outputs(run: dict) -> list[list[int]]:
+    return [r["output_ids"] for r in run["results"]]
+
+
+def test_hal_engine_tokens_equal_torch_native(engines, workload):
+    hal_out, ref_out = _outputs(engines["hal"]), _outputs(engines["torch_native"])
+    assert [len(o) for o in hal_out] == [r["max_new_tokens"] for r in workload]
+    for i, (got, want) in enumerate(zip(hal_out, ref_out)):
+        assert got == want, f"request {i} ({len(workload[i]['input_ids'])} prompt tokens): hal {got} != {want}"
+
+
+def test_engine_tokens_equal_transformers(engines, workload, model):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+    for i, (request, got) in enumerate(zip(workload, _outputs(engines["hal"]))):
+        n = request["max_new_tokens"]
+        ids = torch.tensor([request["input_ids"]])
+        with torch.no_grad():
+            out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None)
+        assert got == out[0, ids.shape[1] :].tolist(), f"request {i}"
+
+
+def test_engine_load_exercised_what_it_claims(engines, workload):
+    run = engines["hal"]
+    results = run["results"]
+    # prefix-cache hits: the shared prefix's later requests found it cached
+    cached = [r["cached_tokens"] for r in results]
+    assert sum(c >= 150 for c in cached[6:9]) >= 2, cached
+    # continuous batching: a later request was sent while an earlier one was still decoding
+    spans = [(r["sent_s"], r["sent_s"] + r["latency_s"]) for r in results]
+    assert any(a[0] < b[0] < a[1] for a in spans for b in spans if a is not b), spans
+    # chunked prefill: prompts longer than the chunk were served
+    assert max(len(r["input_ids"]) for r in workload) > 4 * CHUNK
+    assert run["engine_args"]["attention_backend"] == "hal" and run["engine_args"]["chunked_prefill_size"] == CHUNK
+
+
+def _words_to_ids(tokenizer, text: str) -> list[int]:
+    """The tokenizer is one word per token, special tokens included (the server is asked to keep them)."""
+    return tokenizer.convert_tokens_to_ids(text.split())
+
+
+def test_server_over_http(model, workload, engines, tokenizer, tmp_path):
+    # by request: the load repeats a prompt with another max_new_tokens
+    expected = {id(r): out for r, out in zip(workload, _outputs(engines["torch_native"]))}
+    process, url = sglang_engine.start_server(model, "hal", str(tmp_path / "server.log"), ENGINE_ARGS)
+    try:
+        jobs = []
+        for r in workload[:6]:  # /generate: text in, ids out
+            text = tokenizer.decode(r["input_ids"])
+            body = {
+                "text": text,
+                "sampling_params": {
+                    "max_new_tokens": r["max_new_tokens"],
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    **KEEP,
+                },
+            }
+            jobs.append(("generate", r, body))
+        for r in workload[6:9]:  # /v1/completions: token ids in, text out
+            body = {
+                "model": model,
+                "prompt": r["input_ids"],
+                "max_tokens": r["max_new_tokens"],
+                "temperature": 0,
+                "ignore_eos": True,
+                **KEEP,
+            }
+            jobs.append(("completions", r, body))
+        chat = workload[-1]
+        body = {
+            "model": model,
+            "messages": SERVER_CHAT,
+            "max_tokens": chat["max_new_tokens"],
+            "temperature": 0,
+            "ignore_eos": True,
+            **KEEP,
+        }
+        jobs.append(("chat", chat, body))
+        paths = {"generate": "/generate", "completions": "/v1/completions", "chat": "/v1/chat/completions"}
+        with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:  # concurrent clients
+            answers = list(pool.map(lambda job: sglang_engine.post(url + paths[job[0]], job[2]), jobs))
+        for (kind, request, _), answer in zip(jobs, answers):
+            want = expected[id(request)]
+            if kind == "generate":
+                got = answer["output_ids"]
+                assert _words_to_ids(tokenizer, answer["text"]) == got
+            elif kind == "completions":
+                got = _words_to_ids(tokenizer, answer["choices"][0]["text"])
+            else:
+                got = _words_to_ids(tokenizer, answer["choices"][0]["message"]["content"])
+                assert answer["usage"]["prompt_tokens"] == len(request["input_ids"])
+            assert got == want, f"{kind}: {got} != {want}"
+    finally:
+        sglang_engine.stop_server(process)
+    assert process.returncode is not None
