@@ -1,4 +1,5 @@
-"""``hal demo --check``: the same weights in ``transformers.LlamaForCausalLM``, the same requests.
+"""``hal demo --check``: the same weights in the family's transformers model (``LlamaForCausalLM``,
+``DeepseekV3ForCausalLM``, ``GptOssForCausalLM``), the same requests.
 
 HF's greedy ``generate`` runs every request on its own (its reference speed). Every
 token hal generated must be the token ``generate`` gave. Where they part, the step is a
@@ -17,7 +18,7 @@ import time
 
 import torch
 
-from .model import ModelShape, llama_config
+from .model import ModelShape
 
 __all__ = ["LOGIT_TOLERANCE", "check_against_hf"]
 
@@ -25,26 +26,29 @@ __all__ = ["LOGIT_TOLERANCE", "check_against_hf"]
 LOGIT_TOLERANCE = {torch.float32: 2e-3, torch.bfloat16: 0.5}
 
 
-def hf_model(shape: ModelShape, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device):
+def hf_model(family, shape: ModelShape, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device):
+    """``family``'s transformers model of ``shape`` with ``weights`` (all of its state dict, strictly)."""
     import transformers
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)  # HF initialises weights before they are replaced: keep the global RNG out of it
-    model = transformers.LlamaForCausalLM(llama_config(shape))
+    model = getattr(transformers, family.hf_class)(family.hf_config(shape))
     model.load_state_dict(weights, strict=True)
     model.generation_config.do_sample = False
     return model.to(device=device, dtype=dtype).eval()
 
 
 def check_against_hf(
+    family,
     shape: ModelShape,
     weights: dict[str, torch.Tensor],
     requests: list,
     dtype: torch.dtype,
     device: torch.device,
 ) -> dict:
-    """Compare the finished ``requests`` (with recorded logits) with HF; returns the report's fields."""
-    model = hf_model(shape, weights, dtype, device)
+    """Compare the finished ``requests`` (with recorded logits) with ``family``'s HF model; returns the report's
+    fields."""
+    model = hf_model(family, shape, weights, dtype, device)
 
     def generate(prompt: list[int], new: int) -> list[int]:
         ids = torch.tensor([prompt], device=device)
