@@ -284,7 +284,14 @@ class AttentionBackend:
         return True
 
     def get_indexer_metadata(self, layer_id: int, forward_batch: ForwardBatch):
-        """Sparse-attention indexer metadata; None means this backend has no indexer."""
+        """Sparse-attention indexer metadata (DeepSeek-V3.2's native sparse attention); None: no indexer.
+
+        A backend with an indexer would return what its indexer kernels read for this step:
+        per request the KV slots of its tokens (block table), sequence and query lengths with
+        their cumulative offsets, the page size and the top-k index buffers attention gathers
+        from. No hal backend has one (docs/porting.md, section 12): None, so the engine runs
+        dense attention.
+        """
         return None
 
     # -- shared by the backends --------------------------------------------------------

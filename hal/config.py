@@ -162,7 +162,7 @@ class AttentionConfig:
         if isinstance(value, str):
             value = {"auto": None, "fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3"}.get(value, value)
         expect(
-            value is None or value in KV_CACHE_DTYPES,
+            value is None or isinstance(value, str) and value in KV_CACHE_DTYPES,
             ConfigError,
             "kv_cache_dtype",
             self.kv_cache_dtype,

@@ -22,7 +22,7 @@ import torch
 
 from hal.capability import resolve_device
 from hal.errors import KVCacheError, expect
-from hal.kernels.reference import kv_scales, quantize_kv
+from hal.kernels.reference import kv_scales, quantize_kv, store
 
 __all__ = [
     "ReqToTokenTable",
@@ -339,8 +339,8 @@ class PagedKVPool:
         """
         index, ks, vs = self._write_target(layer, k_scale, v_scale, layer_id_override)
         self.check_kv(loc, cache_k, cache_v)
-        self.k_buffer[index][loc] = quantize_kv(cache_k, self.dtype, ks)
-        self.v_buffer[index][loc] = quantize_kv(cache_v, self.dtype, vs)
+        store(self.k_buffer[index], loc, quantize_kv(cache_k, self.dtype, ks))
+        store(self.v_buffer[index], loc, quantize_kv(cache_v, self.dtype, vs))
 
     def _write_target(self, layer, k_scale, v_scale, layer_id_override) -> tuple[int, float, float]:
         """The buffer index and the ``(k_scale, v_scale)`` floats of a write."""
@@ -437,7 +437,7 @@ class MLAKVPool(PagedKVPool):
         at ``loc``; ``cache_v`` (its latent, for the MHA signature) is checked, not written."""
         index, ks, _ = self._write_target(layer, k_scale, v_scale, layer_id_override)
         self.check_kv(loc, cache_k, cache_v)
-        self.k_buffer[index][loc] = quantize_kv(cache_k, self.dtype, ks)
+        store(self.k_buffer[index], loc, quantize_kv(cache_k, self.dtype, ks))
 
     def set_mla_kv_buffer(self, layer, loc: torch.Tensor, cache_k_nope: torch.Tensor, cache_k_rope: torch.Tensor):
         """SGLang's split write: the latent ``[n, 1, kv_lora_rank]`` and the rope part ``[n, 1, qk_rope_head_dim]``."""

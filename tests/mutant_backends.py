@@ -15,6 +15,7 @@ import torch
 from hal.backend import AttentionBackend
 from hal.batch import host_lens
 from hal.capability import DeviceCapability
+from hal.kernels.reference import is_fp8, kv_scales, quantize_kv, shares_storage
 from hal.registry import Device
 
 
@@ -46,7 +47,9 @@ class Ported(AttentionBackend):
 
     name = "ported"
     dtypes = frozenset({"fp32", "bf16"})
+    kv_cache_dtypes = frozenset({"fp32", "bf16", "fp8_e4m3", "fp8_e5m2"})
     supports_mla = True
+    supports_sinks = True
 
     # -- metadata ----------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
@@ -122,13 +125,13 @@ class Ported(AttentionBackend):
 
     # -- forward -----------------------------------------------------------------------
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        return self.attend(q, k, v, layer, forward_batch, save_kv_cache)
+        return self.attend(q, k, v, layer, forward_batch, save_kv_cache, kwargs.get("sinks"))
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        return self.attend(q, k, v, layer, forward_batch, save_kv_cache)
+        return self.attend(q, k, v, layer, forward_batch, save_kv_cache, kwargs.get("sinks"))
 
     def forward_mixed(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        return self.attend(q, k, v, layer, forward_batch, save_kv_cache)
+        return self.attend(q, k, v, layer, forward_batch, save_kv_cache, kwargs.get("sinks"))
 
     def write(self, layer, fb, k, v) -> None:
         self.save_kv(layer, fb, k, v)
@@ -176,7 +179,19 @@ class Ported(AttentionBackend):
     def softmax(self, scores, dtype):
         return torch.softmax(scores, dim=-1)
 
-    def attend(self, q, k, v, layer, fb, save_kv_cache):
+    def sink_softmax(self, scores, sinks, layer, fb):
+        """Softmax of ``[B, Hq, Q, W]`` scores over one more column per head, ``sinks[h]``, then dropped."""
+        column = sinks.float()[None, :, None, None].expand(*scores.shape[:3], 1)
+        return torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+
+    def dequantize(self, keys, values, layer, cache_dtype):
+        """float32 keys/values as gathered -> what they mean (an fp8 cache: times the layer's scales)."""
+        if not is_fp8(cache_dtype):
+            return keys, values
+        k_scale, v_scale = kv_scales(layer)
+        return keys * k_scale, values * v_scale
+
+    def attend(self, q, k, v, layer, fb, save_kv_cache, sinks=None):
         q, k, v = self.check_inputs(q, k, v, layer, fb, save_kv_cache)  # [T, heads, dim]; k/v None allowed
         meta = self.metadata_for(fb)
         tokens = meta.num_tokens
@@ -187,11 +202,13 @@ class Ported(AttentionBackend):
         keys, values = self.keys_values(meta, layer, fb, k, v, kb, vb)
         heads = self.head_map(layer, q.device)
         keys, values = keys[:, :, heads].to(dtype), values[:, :, heads].to(dtype)  # [B, W, Hq, D]
+        keys, values = self.dequantize(keys, values, layer, kb.dtype)
         q_pad = torch.cat([q, q.new_zeros(1, *q.shape[1:])])[meta.q_index].to(dtype)  # [B, Q, Hq, D]
         scores = torch.einsum("bqhd,bwhd->bhqw", q_pad, keys) * self.scale(layer)
         scores = self.cap(scores, layer, fb)
         vis = self.visible(meta, layer, fb)[:, None]  # [B, 1, Q, W]
-        probs = self.softmax(scores.masked_fill(~vis, float("-inf")), q.dtype)
+        scores = scores.masked_fill(~vis, float("-inf"))
+        probs = self.softmax(scores, q.dtype) if sinks is None else self.sink_softmax(scores, sinks, layer, fb)
         probs = torch.where(vis.any(-1, keepdim=True), probs, 0.0)  # no visible key: zeros (NaN elsewhere stays)
         probs = self.finish(probs)
         out = torch.einsum("bhqw,bwhd->bqhd", probs, values)  # [B, Q, Hq, Dv]
@@ -319,8 +336,8 @@ class MissedVWrite(Ported):
 
 
 class WritesWhenSaveFalse(Ported):
-    def attend(self, q, k, v, layer, fb, save_kv_cache):
-        return super().attend(q, k, v, layer, fb, True)
+    def attend(self, q, k, v, layer, fb, save_kv_cache, sinks=None):
+        return super().attend(q, k, v, layer, fb, True, sinks)
 
 
 class ReadsKvNotCache(Ported):
@@ -556,3 +573,107 @@ class MutantDevice(Device):
 
     def backends(self):
         return list(self._backends)
+
+
+# ----------------------------------------------------------------------------- MLA, attention sinks, fp8 KV caches
+
+
+class LatentWithoutRope(Ported):
+    """MLA: writes the latent (the value) but not the rope part of the key."""
+
+    def write(self, layer, fb, k, v):
+        kb, vb = self.buffers(layer, fb)
+        if not shares_storage(kb, vb):
+            return super().write(layer, fb, k, v)
+        rank = vb.shape[-1]
+        kb[fb.out_cache_loc, :, :rank] = quantize_kv(k[..., :rank], kb.dtype, kv_scales(layer)[0])
+
+
+class MlaValueFromKeyTail(Ported):
+    """MLA: reads the value as the key's last ``v_head_dim`` columns instead of its first (the latent)."""
+
+    def keys_values(self, meta, layer, fb, k, v, kb, vb):
+        if not shares_storage(kb, vb):
+            return super().keys_values(meta, layer, fb, k, v, kb, vb)
+        keys = kb[meta.slots]
+        return keys, keys[..., -vb.shape[-1] :]
+
+
+class SinksAfterNormalisation(Ported):
+    """Divides the normalised weights by ``1 + exp(sink)``: the sink never meets the row's own max / sum."""
+
+    def sink_softmax(self, scores, sinks, layer, fb):
+        return torch.softmax(scores, dim=-1) / (1 + torch.exp(sinks.float()))[None, :, None, None]
+
+
+class SinksPerKvHead(Ported):
+    """Reads query head h's sink at its KV head's index (``sinks[h // group]``)."""
+
+    def sink_softmax(self, scores, sinks, layer, fb):
+        return super().sink_softmax(scores, sinks[self.head_map(layer, sinks.device)], layer, fb)
+
+
+class SinksDroppedInDecode(Ported):
+    """A decode kernel without sinks: DECODE steps ignore them."""
+
+    def sink_softmax(self, scores, sinks, layer, fb):
+        if fb.forward_mode.is_decode():
+            return torch.softmax(scores, dim=-1)
+        return super().sink_softmax(scores, sinks, layer, fb)
+
+
+class Fp8ScaleAppliedTwice(Ported):
+    """Dequantises an fp8 cache twice (the kernel and its caller both multiply by the scales)."""
+
+    def dequantize(self, keys, values, layer, cache_dtype):
+        keys, values = super().dequantize(keys, values, layer, cache_dtype)
+        return super().dequantize(keys, values, layer, cache_dtype)
+
+
+class Fp8KScaleOnly(Ported):
+    """Dequantises the keys of an fp8 cache but not the values."""
+
+    def dequantize(self, keys, values, layer, cache_dtype):
+        return super().dequantize(keys, values, layer, cache_dtype)[0], values
+
+
+class Fp8VScaledWithK(Ported):
+    """Dequantises the values of an fp8 cache with ``k_scale``."""
+
+    def dequantize(self, keys, values, layer, cache_dtype):
+        return super().dequantize(keys, values, replace(layer, v_scale=layer.k_scale), cache_dtype)
+
+
+class Fp8WriteNotScaled(Ported):
+    """Casts new K/V straight to fp8 (no division by the scales) though reads multiply by them."""
+
+    def write(self, layer, fb, k, v):
+        kb, vb = self.buffers(layer, fb)
+        if not is_fp8(kb.dtype):
+            return super().write(layer, fb, k, v)
+        kb[fb.out_cache_loc] = quantize_kv(k, kb.dtype)
+        if not shares_storage(kb, vb):
+            vb[fb.out_cache_loc] = quantize_kv(v, vb.dtype)
+
+
+class Fp8ReadNotDequantised(Ported):
+    """Reads the fp8 entries as they are stored: no multiplication by the scales."""
+
+    def dequantize(self, keys, values, layer, cache_dtype):
+        return keys, values
+
+
+for _cls in (
+    LatentWithoutRope,
+    MlaValueFromKeyTail,
+    SinksAfterNormalisation,
+    SinksPerKvHead,
+    SinksDroppedInDecode,
+    Fp8ScaleAppliedTwice,
+    Fp8KScaleOnly,
+    Fp8VScaledWithK,
+    Fp8WriteNotScaled,
+    Fp8ReadNotDequantised,
+):  # the features of issue 19
+    _cls.name = _cls.__name__.lower()
+    MUTANTS[_cls.__name__] = _cls

@@ -4,12 +4,15 @@
 backend: any mode it claims, request lengths including an empty prefix, one token and
 page boundaries, head layouts, the page sizes and dtypes it declares, windows, logit
 caps, non-causal layers, random verify trees, shuffled (scattered) pages, several
-layers. Each batch is compared with the float64 reference and the whole pool with its
-canaries (only ``out_cache_loc`` of the forwarded layer may change). A failing batch is
+layers, and what the backend declares of MLA, attention sinks and fp8 KV caches. Each
+batch is compared with the float64 reference and the whole pool with its canaries
+(only ``out_cache_loc`` of the forwarded layer may change). A failing batch is
 shrunk by hypothesis and reported as Python that rebuilds it.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -95,14 +98,33 @@ def cases(draw, backend_cls, capability) -> Case:
         layer_num=layer_num,
         layer_id=layer_id,
     )
-    return case
+    return _model_features(draw, backend_cls, case)
+
+
+def _model_features(draw, backend_cls, case: Case) -> Case:
+    """``case`` with, where ``backend_cls`` declares them, attention sinks, an fp8 cache and MLA's latent layout."""
+    changes: dict = {}
+    if backend_cls.supports_sinks and draw(st.booleans()):
+        changes["sinks"] = True
+    declared = backend_cls.kv_cache_dtypes or frozenset()
+    fp8 = [d for name, d in (("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)) if name in declared]
+    if fp8 and draw(st.booleans()):
+        k_scale, v_scale = (draw(st.sampled_from([0.004, 0.37, 1.0, 1.9])) for _ in range(2))
+        changes.update(kv_cache_dtype=draw(st.sampled_from(fp8)), k_scale=k_scale, v_scale=v_scale)
+    if backend_cls.supports_mla and draw(st.booleans()):
+        rank, rope = draw(st.sampled_from([16, 32, 64])), draw(st.sampled_from([0, 8, 16]))
+        if not backend_cls.head_dims or rank + rope in backend_cls.head_dims:
+            changes.update(kv_lora_rank=rank, qk_rope_head_dim=rope, head_dim=rank + rope, v_head_dim=rank)
+            changes.update(tp_k_head_num=1, tp_q_head_num=case.tp_q_head_num // case.tp_k_head_num)
+            changes["v_scale"] = changes.get("k_scale")  # the value is the key's latent: one scale
+    return dataclasses.replace(case, **changes)
 
 
 def check_case(target, backend, case: Case) -> str | None:
     """Run ``case`` on ``backend``; None when the output and the whole pool are right, else what is wrong."""
     built = build(case, target.capability.torch_device)
     backend.init_forward_metadata(built.batch)
-    out = backend.forward(built.q, built.k, built.v, built.layer, built.batch)
+    out = backend.forward(built.q, built.k, built.v, built.layer, built.batch, **built.forward_kwargs)
     return check_cache(built) or check_output(built, out)
 
 
@@ -137,7 +159,7 @@ def run_fuzz(target, examples: int, seed: int = 0) -> int:
             f"  from hal.conformance.cases import Case, build\n  import torch\n  case = {case.source()}\n"
             f"  built = build(case)  # then, with your backend:\n"
             "  backend.init_forward_metadata(built.batch)\n"
-            "  out = backend.forward(built.q, built.k, built.v, built.layer, built.batch)\n"
+            "  out = backend.forward(built.q, built.k, built.v, built.layer, built.batch, **built.forward_kwargs)\n"
             "  # compare: hal.conformance.cases.check_cache(built), check_output(built, out)"
         )
 

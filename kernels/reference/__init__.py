@@ -54,6 +54,7 @@ __all__ = [
     "quantize_kv",
     "dequantize_kv",
     "shares_storage",
+    "store",
 ]
 
 
@@ -211,9 +212,18 @@ def write_kv(
     """Store ``k``/``v`` (``[n, kv_heads, dim]``) at slots ``loc`` (``[n]``) as the pool stores them
     (:func:`quantize_kv`). An MLA pool (``v_buffer`` a view of ``k_buffer``) stores the key only:
     ``v`` (its latent) may be None and is not written."""
-    k_buffer[loc.long()] = quantize_kv(k, k_buffer.dtype, k_scale)
+    store(k_buffer, loc, quantize_kv(k, k_buffer.dtype, k_scale))
     if not shares_storage(k_buffer, v_buffer):
-        v_buffer[loc.long()] = quantize_kv(v, v_buffer.dtype, v_scale)
+        store(v_buffer, loc, quantize_kv(v, v_buffer.dtype, v_scale))
+
+
+def store(buffer: torch.Tensor, loc: torch.Tensor, values: torch.Tensor) -> None:
+    """``buffer[loc] = values`` (already in ``buffer.dtype``); fp8 as bytes, as SGLang's pools do: some devices and
+    torch versions have no fp8 index_put."""
+    if is_fp8(buffer.dtype):
+        buffer.view(torch.uint8)[loc.long()] = values.view(torch.uint8)
+    else:
+        buffer[loc.long()] = values
 
 
 def batch_attention(
