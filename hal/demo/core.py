@@ -6,8 +6,6 @@ change of the core's signatures is adapted here and nowhere else.
 
 from __future__ import annotations
 
-import torch
-
 from hal.batch import ForwardBatch
 from hal.config import AttentionConfig
 from hal.kv_cache import MLAKVPool, PagedKVPool, ReqToTokenPool
@@ -48,7 +46,13 @@ def make_pools(
         )
     else:
         kv_pool = PagedKVPool(
-            num_pages, config.page_size, config.layer_num, config.tp_k_head_num, config.head_dim, dtype=dtype, device=device
+            num_pages,
+            config.page_size,
+            config.layer_num,
+            config.tp_k_head_num,
+            config.head_dim,
+            dtype=dtype,
+            device=device,
         )
     return ReqToTokenPool(max_requests, config.max_context_len, device), kv_pool
 

@@ -26,7 +26,7 @@ from hal.layer import AttentionLayer
 
 from .model import DecoderModel, ModelShape, WeightInit, rope_tables, rotate
 
-__all__ = ["MLA", "MoE", "deepseek_config", "random_weights", "DeepseekModel"]
+__all__ = ["MLA", "MoE", "deepseek_config", "random_weights", "route_choice", "DeepseekModel"]
 
 # The latent attention's widths and the MoE's size: small, with every piece DeepSeek-V3 has.
 MLA = {"kv_lora_rank": 64, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32}
@@ -121,7 +121,7 @@ class DeepseekModel(DecoderModel):
         for i, attn in enumerate(self.layer_descriptors(shape, 1, kv_scales)):
             p = f"model.layers.{i}."
 
-            def get(name: str) -> torch.Tensor:
+            def get(name: str, p: str = p) -> torch.Tensor:
                 return self.load(weights, p + name)
 
             kv_b = get("self_attn.kv_b_proj.weight").view(shape.heads, nope + v_dim, MLA["kv_lora_rank"])
@@ -195,19 +195,24 @@ class DeepseekModel(DecoderModel):
             routed = routed + (y * weights[:, e, None]).to(x.dtype)
         return routed + shared
 
-    @staticmethod
-    def _route(logits: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """DeepSeek-V3's routing as a dense ``[T, experts]`` weight matrix: sigmoid scores, the best ``topk_group``
-        groups by the sum of their top-2 biased scores, the top-k biased experts within them, weighted by their
-        unbiased scores normalised to sum 1, times ``routed_scaling_factor``."""
-        experts, groups = MoE["n_routed_experts"], MoE["n_group"]
+    def _route(self, logits: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """DeepSeek-V3's routing as a dense ``[T, experts]`` weight matrix: the experts :func:`route_choice`
+        picks, weighted by their sigmoid scores normalised to sum 1, times ``routed_scaling_factor``."""
         scores = logits.sigmoid()
         biased = scores + bias
-        group_scores = biased.view(-1, groups, experts // groups).topk(2, dim=-1).values.sum(-1)
-        best_groups = group_scores.topk(MoE["topk_group"], dim=-1, sorted=False).indices
-        group_mask = torch.zeros_like(group_scores).scatter_(1, best_groups, 1).bool()
-        expert_mask = group_mask[:, :, None].expand(-1, groups, experts // groups).reshape(-1, experts)
-        chosen = biased.masked_fill(~expert_mask, float("-inf")).topk(MoE["num_experts_per_tok"], dim=-1).indices
+        chosen = route_choice(biased)
+        self.log_route(biased, chosen)
         top = scores.gather(1, chosen)
         top = top / (top.sum(-1, keepdim=True) + 1e-20) * 2.5  # norm_topk_prob, routed_scaling_factor
         return torch.zeros_like(scores).scatter_(1, chosen, top)
+
+
+def route_choice(biased: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3's expert choice ``[T, k]`` from the biased sigmoid scores ``[T, experts]``: the top-k among
+    the best ``topk_group`` groups (ranked by the sum of their top-2 scores)."""
+    experts, groups = MoE["n_routed_experts"], MoE["n_group"]
+    group_scores = biased.view(-1, groups, experts // groups).topk(2, dim=-1).values.sum(-1)
+    best_groups = group_scores.topk(MoE["topk_group"], dim=-1, sorted=False).indices
+    group_mask = torch.zeros_like(group_scores).scatter_(1, best_groups, 1).bool()
+    expert_mask = group_mask[:, :, None].expand(-1, groups, experts // groups).reshape(-1, experts)
+    return biased.masked_fill(~expert_mask, float("-inf")).topk(MoE["num_experts_per_tok"], dim=-1).indices

@@ -30,6 +30,7 @@ class Family:
     hf_config: Callable[[ModelShape], object]
     random_weights: Callable[[ModelShape, int], dict[str, torch.Tensor]]
     model: type[DecoderModel]
+    route: Callable[[torch.Tensor], torch.Tensor] | None = None  # MoE: the experts [T, k] chosen by scores [T, E]
     sinks: bool = False  # forward passes sinks= (AttentionConfig.attention_sinks)
     tp: bool = False  # --tp > 1 splits it over ranks
 
@@ -42,7 +43,9 @@ class Family:
                 f"absorbed), MoE {deepseek.MoE['n_routed_experts']} experts top-{deepseek.MoE['num_experts_per_tok']}"
                 f" + shared (layer 0 dense), vocab {shape.vocab}"
             )
-        head = f"{self.title}, {shape.layers} layers, hidden {shape.hidden}, {shape.heads} q / {shape.kv_heads} kv heads"
+        head = (
+            f"{self.title}, {shape.layers} layers, hidden {shape.hidden}, {shape.heads} q / {shape.kv_heads} kv heads"
+        )
         if self.name == "gpt-oss":
             return (
                 f"{head}, sinks, window {gpt_oss.SLIDING_WINDOW} on even layers, MoE {gpt_oss.EXPERTS} experts "
@@ -62,6 +65,7 @@ FAMILIES = {
         deepseek.deepseek_config,
         deepseek.random_weights,
         deepseek.DeepseekModel,
+        route=deepseek.route_choice,
     ),
     "gpt-oss": Family(
         "gpt-oss",
@@ -70,6 +74,7 @@ FAMILIES = {
         gpt_oss.gpt_oss_config,
         gpt_oss.random_weights,
         gpt_oss.GptOssModel,
+        route=gpt_oss.route_choice,
         sinks=True,
     ),
 }

@@ -17,7 +17,7 @@ from hal.layer import AttentionLayer
 
 from .model import DecoderModel, ModelShape, WeightInit, rope_tables, rotate
 
-__all__ = ["SLIDING_WINDOW", "EXPERTS", "TOP_K", "gpt_oss_config", "random_weights", "GptOssModel"]
+__all__ = ["SLIDING_WINDOW", "EXPERTS", "TOP_K", "gpt_oss_config", "random_weights", "route_choice", "GptOssModel"]
 
 SLIDING_WINDOW, EXPERTS, TOP_K = 16, 4, 2
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # GptOssExperts' constants
@@ -57,6 +57,11 @@ def gpt_oss_config(shape: ModelShape):
         attn_implementation="eager",
         experts_implementation="eager",
     )
+
+
+def route_choice(logits: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's expert choice ``[T, k]``: the top-k router logits."""
+    return logits.topk(TOP_K, dim=-1).indices
 
 
 def layer_is_sliding(i: int) -> bool:
@@ -113,7 +118,7 @@ class GptOssModel(DecoderModel):
         for i, attn in enumerate(self.layer_descriptors(shape, 1, kv_scales)):
             p = f"model.layers.{i}."
 
-            def get(name: str) -> torch.Tensor:
+            def get(name: str, p: str = p) -> torch.Tensor:
                 return self.load(weights, p + name)
 
             self.layers.append(
@@ -135,7 +140,9 @@ class GptOssModel(DecoderModel):
                 }
             )
         config = gpt_oss_config(shape)
-        self.cos, self.sin = rope_tables(config.rope_parameters, shape.head_dim, shape.max_position, dtype, device, config)
+        self.cos, self.sin = rope_tables(
+            config.rope_parameters, shape.head_dim, shape.max_position, dtype, device, config
+        )
 
     @classmethod
     def layer_descriptor(cls, shape: ModelShape, i: int, tp_size: int, k_scale, v_scale) -> AttentionLayer:
@@ -162,6 +169,7 @@ class GptOssModel(DecoderModel):
     def mlp(self, layer: dict, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x, layer["router"], layer["router_bias"])
         top, chosen = logits.topk(TOP_K, dim=-1)
+        self.log_route(logits, chosen)
         weights = torch.zeros_like(logits).scatter_(1, chosen, torch.softmax(top, dim=1, dtype=top.dtype))
         out = torch.zeros_like(x)
         for e in range(EXPERTS):  # HF adds the experts' outputs in expert order, in the model dtype

@@ -53,7 +53,9 @@ def agreement(baseline: list, quantised: list) -> dict:
         split = same.index(False) if False in same else None
         identical += split is None
         if split is not None:
-            first_divergence.append({"request": a.rid, "step": split, "baseline": a.output[split], "fp8": b.output[split]})
+            first_divergence.append(
+                {"request": a.rid, "step": split, "baseline": a.output[split], "fp8": b.output[split]}
+            )
         last = len(same) if split is None else split + 1  # the same context up to and including the split
         for la, lb in zip(a.logits[:last], b.logits[:last]):
             err = (la - lb).abs()

@@ -171,6 +171,14 @@ class DecoderModel:
         self.eps, self.tp_size = eps, tp_size
         self.layers: list[dict] = []
         self.kv_amax: dict[int, list[float]] | None = None  # set to {} to record each layer's max |k|, |v|
+        self.route_log: list | None = None  # set to [] to record each MoE layer's routing (log_route)
+
+    def log_route(self, scores: torch.Tensor, chosen: torch.Tensor) -> None:
+        """While ``route_log`` is a list, append one MoE layer's routing of the step's tokens: the float32 scores
+        its top-k chose by ``[T, experts]`` and the chosen experts ``[T, k]`` (``--check`` tells routing near-ties
+        from errors with them)."""
+        if self.route_log is not None:
+            self.route_log.append((scores.float(), chosen))
 
     def observe_kv(self, layer: AttentionLayer, k: torch.Tensor, v: torch.Tensor) -> None:
         """Record the largest ``|k|`` / ``|v|`` this layer stores while ``kv_amax`` is a dict (fp8 calibration;

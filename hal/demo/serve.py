@@ -76,9 +76,7 @@ def build(
     backend = selection.create(validate=validate)
     device = selection.capability.torch_device
     tp = {"tp_rank": rank.rank, "tp_size": rank.world} if rank.world > 1 else {}
-    model = fam.model(
-        shape, fam.random_weights(shape, args.seed), backend, dtype, device, kv_scales=kv_scales, **tp
-    )
+    model = fam.model(shape, fam.random_weights(shape, args.seed), backend, dtype, device, kv_scales=kv_scales, **tp)
     pages_per_req = -(-args.context_len // args.page_size)
     req_pool, kv_pool = make_pools(
         selection, config, num_pages=args.kv_pages or args.max_running * pages_per_req, max_requests=args.max_running
@@ -163,7 +161,7 @@ def serve(args, argv: list[str]) -> int:
     kv_dtype = kv_cache_dtype(args.kv_dtype)
     shape = _shape(args)
     shape.check_tp(args.tp)
-    expect(fam.tp or args.tp == 1, ConfigError, "--tp", args.tp, f"1: tensor parallelism is implemented for llama only")
+    expect(fam.tp or args.tp == 1, ConfigError, "--tp", args.tp, "1: tensor parallelism is implemented for llama only")
     expect(
         not (args.check and kv_dtype),
         ConfigError,
@@ -319,7 +317,6 @@ def _serve_rank(args, shape: ModelShape, rank: tp_mod.RankInfo, fam: Family, kv_
 
 
 def print_table(r: dict) -> None:
-    m = r["model"]
     emulated = " (emulated)" if r["emulated"] else ""
     rows = [
         (
