@@ -120,7 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     p_check.add_argument(
         "--family", action="append", default=[], help="only this feature family (repeatable), e.g. fuzz, graph"
     )
-    p_demo = sub.add_parser("demo", help="serve a Llama-architecture model with continuous batching through hal")
+    p_demo = sub.add_parser(
+        "demo", help="serve a Llama, DeepSeek (MLA) or gpt-oss (sinks) model with continuous batching through hal"
+    )
     from hal.demo import add_arguments
 
     add_arguments(p_demo)
