@@ -149,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         choices=sorted(PROFILES),
         help="require what a deployment needs; serving: " + ", ".join(PROFILES["serving"]),
     )
-    p_demo = sub.add_parser("demo", help="serve a Llama-architecture model with continuous batching through hal")
+    p_demo = sub.add_parser(
+        "demo", help="serve a Llama, DeepSeek (MLA) or gpt-oss (sinks) model with continuous batching through hal"
+    )
     from hal.demo import add_arguments
 
     add_arguments(p_demo)

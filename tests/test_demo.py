@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -151,13 +152,14 @@ def test_graph_replayed_decode_gives_the_same_tokens():
 
 def test_a_logit_error_past_the_tolerance_fails_the_check():
     pytest.importorskip("transformers")
-    from hal.demo.model import random_weights
+    from hal.demo.families import family
     from hal.demo.reference import check_against_hf
 
     args, engine, requests = serve("--requests", "1", "--max-new-tokens", "3", "--check", record_logits=True)
     requests[0].logits[0] = requests[0].logits[0] + 1.0
-    shape = _shape(args)
-    report = check_against_hf(shape, random_weights(shape, args.seed), requests, torch.float32, torch.device("cpu"))
+    shape, llama = _shape(args), family("llama")
+    weights = llama.random_weights(shape, args.seed)
+    report = check_against_hf(llama, shape, weights, requests, torch.float32, torch.device("cpu"))
     assert not report["matches_reference"] and report["max_logit_diff"] >= 1.0
 
 
@@ -195,6 +197,10 @@ def test_cli_bad_requests_get_a_message_no_traceback(capsys):
         (["--device", "nosuch"], "nosuch"),
         (["--backend", "nosuch"], "nosuch"),
         (["--dtype", "fp16"], "never fp16"),
+        (["--model", "mixtral"], "--model = 'mixtral': expected one of ['deepseek', 'gpt-oss', 'llama']"),
+        (["--kv-dtype", "int4"], "--kv-dtype = 'int4': expected one of ['auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2']"),
+        (["--check", "--kv-dtype", "fp8"], "an fp8 run reports its agreement with the unquantised run instead"),
+        (["--model", "deepseek", "--tp", "2"], "tensor parallelism is implemented for llama only"),
     ],
 )
 def test_cli_bad_arguments_are_one_clear_error(capsys, args, message):
@@ -244,3 +250,136 @@ def test_check_json_reports_the_match_and_both_speeds():
     report = json.loads(proc.stdout)
     assert report["matches_reference"] is True
     assert report["tokens_per_s"] > 0 and report["reference_tokens_per_s"] > 0
+
+
+# -- DeepSeek (MLA), gpt-oss (sinks, windows), an fp8 KV cache -----------------------------
+
+MODEL_RUN = ("--requests", "3", "--max-new-tokens", "6", "--prompt-range", "5:40", "--max-running", "2", "--json")
+
+
+def demo_json(capsys, *args: str) -> tuple[int, dict]:
+    code = main(["demo", *TINY, *MODEL_RUN, *args])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err, err
+    return code, json.loads(out)
+
+
+@pytest.mark.parametrize("model", ["deepseek", "gpt-oss"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_new_models_match_transformers_generate(capsys, model, dtype):
+    pytest.importorskip("transformers")
+    code, report = demo_json(capsys, "--model", model, "--check", "--dtype", dtype)
+    assert code == 0 and report["matches_reference"] is True, report
+    assert report["model_family"] == model and report["backend"] == "torch"
+    assert report["max_logit_diff"] <= report["logit_tolerance"]
+    assert report["steps_by_mode"].get("DECODE", 0) > 0
+
+
+def test_deepseek_serves_absorbed_mla_over_a_latent_pool():
+    args = demo_args("--model", "deepseek", "--requests", "2", "--max-new-tokens", "3")
+    _, engine = build(args, _shape(args), RankInfo(), False)
+    pool, layer = engine.kv_pool, engine.model.attention_layers[0]
+    assert isinstance(pool, hal.MLAKVPool) and pool.kv_lora_rank == 64 and pool.qk_rope_head_dim == 16
+    assert layer.is_mla and (layer.tp_k_head_num, layer.head_dim, layer.v_head_dim) == (1, 80, 64)
+    assert layer.scaling == pytest.approx((32 + 16) ** -0.5)  # HF's qk_head_dim, not the latent's width
+    for r in make_requests(args):
+        engine.submit(r)
+    with torch.inference_mode():
+        engine.run()
+    assert pool.get_key_buffer(0)[16:].abs().sum() > 0  # the latent and rope part were written
+
+
+def test_gpt_oss_layers_alternate_windows_and_pass_sinks():
+    args = demo_args("--model", "gpt-oss")
+    _, engine = build(args, _shape(args), RankInfo(), False)
+    windows = [layer.sliding_window_size for layer in engine.model.attention_layers]
+    assert windows == [15, -1]  # HF's window of 16 keys is hal's (and SGLang's) 15
+    assert all(layer["sinks"].shape == (4,) for layer in engine.model.layers)
+
+
+def _mutated_check(monkeypatch, capsys, model: str, target, name: str, value) -> dict:
+    pytest.importorskip("transformers")
+    monkeypatch.setattr(target, name, value)
+    code, report = demo_json(capsys, "--model", model, "--check")
+    assert code == 1
+    return report
+
+
+def test_check_catches_sinks_left_out(monkeypatch, capsys):
+    from hal.demo import gpt_oss
+
+    forward = gpt_oss.GptOssModel.attention
+
+    def without_sinks(self, layer, x, cos, sin, fb):
+        return forward(self, {**layer, "sinks": torch.full_like(layer["sinks"], -1e4)}, x, cos, sin, fb)
+
+    report = _mutated_check(monkeypatch, capsys, "gpt-oss", gpt_oss.GptOssModel, "attention", without_sinks)
+    assert report["matches_reference"] is False
+
+
+def test_check_catches_mla_scaled_by_the_latent_width(monkeypatch, capsys):
+    from hal.demo import deepseek
+
+    descriptor = deepseek.DeepseekModel.layer_descriptor.__func__
+
+    def latent_scaled(cls, shape, i, tp_size, k_scale, v_scale):
+        layer = descriptor(cls, shape, i, tp_size, k_scale, v_scale)
+        return dataclasses.replace(layer, scaling=layer.head_dim**-0.5)
+
+    report = _mutated_check(
+        monkeypatch, capsys, "deepseek", deepseek.DeepseekModel, "layer_descriptor", classmethod(latent_scaled)
+    )
+    assert report["max_logit_diff"] > report["logit_tolerance"]
+
+
+@pytest.mark.parametrize("model", ["llama", "deepseek", "gpt-oss"])
+def test_fp8_cache_reports_its_agreement_with_the_unquantised_run(capsys, model):
+    code, report = demo_json(capsys, "--model", model, "--kv-dtype", "fp8", "--dtype", "bf16")
+    assert code == 0 and report["kv_cache_dtype"] == "fp8_e4m3"
+    agreement, scales = report["kv_agreement"], report["kv_scales"]
+    assert 0.0 <= agreement["token_match_rate"] <= 1.0
+    assert agreement["generated_tokens"] == report["generated_tokens"]
+    assert agreement["logit_compared_steps"] >= report["requests"]  # every request's first step at least
+    assert 0 < agreement["mean_logit_err"] <= agreement["max_logit_err"] < 10  # quantised, and not garbage
+    assert len(scales["k_scale"]) == 2 and all(0 < s < 1 for s in scales["k_scale"] + scales["v_scale"])
+    assert "calibrated" in scales["method"]
+
+
+def test_fp8_pool_holds_fp8_with_the_calibrated_scales():
+    args = demo_args("--model", "deepseek")
+    _, engine = build(args, _shape(args), RankInfo(), False, "fp8_e5m2", [(0.01, 0.01), (0.02, 0.02)])
+    assert engine.kv_pool.dtype == torch.float8_e5m2
+    assert [(x.k_scale, x.v_scale) for x in engine.model.attention_layers] == [(0.01, 0.01), (0.02, 0.02)]
+
+
+def test_routing_near_ties_excuse_only_flips_on_a_boundary():
+    from hal.demo.gpt_oss import route_choice
+    from hal.demo.reference import routing_near_ties
+
+    def req(rid, scores, chosen):
+        return Request(rid, [1], 1, output=[5], routes=[[(torch.tensor(scores), torch.tensor(chosen))]])
+
+    def hf(scores, chosen):
+        return [(torch.tensor([scores]), torch.tensor([chosen]))]  # one MoE layer, one step
+
+    agreeing = req(0, [0.51, 0.2, 0.48, 0.1], [0, 2])  # routed as HF, scores off by 0.01
+    hf_agreeing = hf([0.50, 0.2, 0.49, 0.1], [0, 2])
+
+    def ties(hal_scores, hal_chosen, hf_scores, hf_chosen, logit_diff=2.0):
+        report = routing_near_ties(
+            route_choice,
+            [agreeing, req(1, hal_scores, hal_chosen)],
+            [hf_agreeing, hf(hf_scores, hf_chosen)],
+            [[0.1], [logit_diff]],
+            0.5,
+        )
+        return [(t["request"], t["hal_experts"], t["hf_experts"]) for t in report["routing_near_ties"]]
+
+    # experts 1 and 2 within 0.005 in HF, hal's scores within twice the 0.01 seen elsewhere: a tie
+    assert ties([0.5, 0.495, 0.49, 0.1], [0, 1], [0.5, 0.485, 0.49, 0.1], [0, 2]) == [(1, [0, 1], [0, 2])]
+    assert ties([0.5, 0.9, 0.49, 0.1], [0, 1], [0.5, 0.485, 0.49, 0.1], [0, 2]) == []  # scores far apart
+    assert ties([0.5, 0.495, 0.49, 0.1], [0, 1], [0.5, 0.485, 0.49, 0.1], [0, 1]) == []  # no flip at all
+    assert ties([0.5, 0.495, 0.49, 0.1], [0, 3], [0.5, 0.485, 0.49, 0.1], [0, 2]) == []  # hal broke the rule
+    assert (
+        ties([0.5, 0.495, 0.49, 0.1], [0, 1], [0.5, 0.485, 0.49, 0.1], [0, 2], logit_diff=0.2) == []
+    )  # no excuse needed

@@ -1,4 +1,4 @@
-"""``hal demo``: a Llama-architecture model served with continuous batching through hal.
+"""``hal demo``: a Llama, DeepSeek (MLA) or gpt-oss (sinks) model served with continuous batching through hal.
 
 ``serve`` (the default) runs the serving loop of :mod:`hal.demo.engine` over
 :mod:`hal.demo.model`, optionally checked against HF transformers
@@ -33,6 +33,17 @@ def _range(text: str) -> tuple[int, int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default="llama",
+        help="llama (default), deepseek (MLA over a latent KV cache, MoE) or gpt-oss (sinks, alternating windows, MoE)",
+    )
+    p.add_argument(
+        "--kv-dtype",
+        default="auto",
+        help="KV cache dtype: auto (the model dtype), fp8 / fp8_e4m3 or fp8_e5m2 (scaled per layer; the report "
+        "gives its agreement with the unquantised run)",
+    )
     p.add_argument("--device", help="cpu, cuda, cuda:1, npu... (default: the best available)")
     p.add_argument("--backend", help="force an attention backend (default: the device's first that fits)")
     p.add_argument("--requests", type=int, default=32, help="requests in the queue (default 32)")

@@ -6,11 +6,9 @@ change of the core's signatures is adapted here and nowhere else.
 
 from __future__ import annotations
 
-import torch
-
 from hal.batch import ForwardBatch
 from hal.config import AttentionConfig
-from hal.kv_cache import PagedKVPool, ReqToTokenPool
+from hal.kv_cache import MLAKVPool, PagedKVPool, ReqToTokenPool
 from hal.registry import get_registry
 from hal.selection import Selection, select
 
@@ -30,21 +28,33 @@ def select_backend(
 
 
 def make_pools(
-    selection: Selection,
-    *,
-    num_pages: int,
-    page_size: int,
-    layer_num: int,
-    head_num: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    max_requests: int,
-    max_context_len: int,
+    selection: Selection, config: AttentionConfig, *, num_pages: int, max_requests: int
 ) -> tuple[ReqToTokenPool, PagedKVPool]:
-    """The request table (rows ``1 .. max_requests``; row 0 is the padding row) and the paged KV pool."""
-    device = selection.capability.torch_device
-    kv_pool = PagedKVPool(num_pages, page_size, layer_num, head_num, head_dim, dtype=dtype, device=device)
-    return ReqToTokenPool(max_requests, max_context_len, device), kv_pool
+    """The request table (rows ``1 .. max_requests``; row 0 is the padding row) and the paged KV pool of
+    ``config`` (its layers, heads, page size, context and KV cache dtype): a ``hal.MLAKVPool`` of the latent
+    and rope part for MLA, else K and V buffers."""
+    device, dtype = selection.capability.torch_device, config.kv_cache_torch_dtype
+    if config.is_mla:
+        kv_pool = MLAKVPool(
+            num_pages,
+            config.page_size,
+            config.layer_num,
+            config.kv_lora_rank,
+            config.qk_rope_head_dim,
+            dtype=dtype,
+            device=device,
+        )
+    else:
+        kv_pool = PagedKVPool(
+            num_pages,
+            config.page_size,
+            config.layer_num,
+            config.tp_k_head_num,
+            config.head_dim,
+            dtype=dtype,
+            device=device,
+        )
+    return ReqToTokenPool(max_requests, config.max_context_len, device), kv_pool
 
 
 def request_rows(req_pool: ReqToTokenPool) -> list[int]:

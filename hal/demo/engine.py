@@ -41,6 +41,9 @@ class Request:
     reserved: int = 0  # pages promised by the allocator, not taken yet
     cached: int = 0  # tokens whose K/V are in the pool
     logits: list[torch.Tensor] = field(default_factory=list)  # kept with record_logits (for --check)
+    # with record_logits, per sampled step: each MoE layer's (scores [experts], chosen [k]) of the sampled
+    # token, on the CPU (None: a graph-replayed step, or a model without MoE)
+    routes: list = field(default_factory=list)
 
     @property
     def tokens(self) -> list[int]:
@@ -242,7 +245,13 @@ class Engine:
             logits = runner.run_model(fb, input_ids)
         else:
             self.model.backend.init_forward_metadata(fb)
+            self.model.route_log = [] if self.record_logits else None
             logits = self.model.forward(input_ids, pos, fb, torch.tensor(sample, dtype=torch.int64, device=dev))
+        routes = [None] * len(sample)
+        if not use_graph and self.model.route_log:
+            log = [(scores[sample].cpu(), chosen[sample].cpu()) for scores, chosen in self.model.route_log]
+            routes = [[(scores[i], chosen[i]) for scores, chosen in log] for i in range(len(sample))]
+        self.model.route_log = None
         next_tokens = logits.argmax(-1).tolist()
         for r, n in items:
             r.cached += n
@@ -250,6 +259,7 @@ class Engine:
             r.output.append(token)
             if self.record_logits:
                 r.logits.append(logits[i].to("cpu", copy=True))
+                r.routes.append(routes[i])
             if len(r.output) >= r.max_new_tokens:
                 self._finish(r)
         seconds = time.perf_counter() - start

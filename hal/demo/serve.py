@@ -1,4 +1,4 @@
-"""``hal demo``: serve a Llama-architecture model with continuous batching through hal."""
+"""``hal demo``: serve a Llama, DeepSeek or gpt-oss model with continuous batching through hal."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ from hal.errors import ConfigError, expect
 from . import tp as tp_mod
 from .core import make_graph, make_pools, select_backend
 from .engine import Engine, ModelGraphRunner, Request
-from .model import LlamaModel, ModelShape, random_weights
+from .families import Family, family
+from .kv_quant import FP8_DTYPES, agreement, calibrated_scales, kv_cache_dtype
+from .model import ModelShape
 
 __all__ = ["serve", "make_requests", "build"]
 
@@ -56,26 +58,28 @@ def _shape(args) -> ModelShape:
     )
 
 
-def build(args, shape: ModelShape, rank: tp_mod.RankInfo, record_logits: bool):
-    """Select the backend, build the model on this rank's slice, the pools, the graph runner and the engine."""
+def build(
+    args,
+    shape: ModelShape,
+    rank: tp_mod.RankInfo,
+    record_logits: bool,
+    kv_dtype: str | None = None,
+    kv_scales: list[tuple[float, float]] | None = None,
+):
+    """Select the backend, build the model on this rank's slice, the pools, the graph runner and the engine
+    (``kv_dtype``: the KV cache's dtype name, None: the model dtype; ``kv_scales``: each layer's fp8 scales)."""
+    fam = family(args.model)
     dtype = DTYPES[args.dtype]
-    config = _attention_config(args, shape)
+    config = _attention_config(args, shape, kv_dtype, kv_scales)
     selection = select_backend(config, args.device, args.backend, rank.local_rank if rank.world > 1 else None)
     validate = "full" if args.check else None
     backend = selection.create(validate=validate)
     device = selection.capability.torch_device
-    model = LlamaModel(shape, random_weights(shape, args.seed), backend, dtype, device, rank.rank, rank.world)
+    tp = {"tp_rank": rank.rank, "tp_size": rank.world} if rank.world > 1 else {}
+    model = fam.model(shape, fam.random_weights(shape, args.seed), backend, dtype, device, kv_scales=kv_scales, **tp)
     pages_per_req = -(-args.context_len // args.page_size)
     req_pool, kv_pool = make_pools(
-        selection,
-        num_pages=args.kv_pages or args.max_running * pages_per_req,
-        page_size=args.page_size,
-        layer_num=shape.layers,
-        head_num=model.kv_heads,
-        head_dim=shape.head_dim,
-        dtype=dtype,
-        max_requests=args.max_running,
-        max_context_len=args.context_len,
+        selection, config, num_pages=args.kv_pages or args.max_running * pages_per_req, max_requests=args.max_running
     )
     runner = None
     graph = selection.capability.graph
@@ -153,8 +157,18 @@ def choose_threads(requested: int | None, world: int = 1) -> tuple[int, str]:
 
 
 def serve(args, argv: list[str]) -> int:
+    fam = family(args.model)
+    kv_dtype = kv_cache_dtype(args.kv_dtype)
     shape = _shape(args)
     shape.check_tp(args.tp)
+    expect(fam.tp or args.tp == 1, ConfigError, "--tp", args.tp, "1: tensor parallelism is implemented for llama only")
+    expect(
+        not (args.check and kv_dtype),
+        ConfigError,
+        "--check",
+        f"with --kv-dtype {args.kv_dtype}",
+        "an unquantised cache (--kv-dtype auto): an fp8 run reports its agreement with the unquantised run instead",
+    )
     expect(args.page_size >= 1, ConfigError, "--page-size", args.page_size, "a positive power of two")
     for name in ("requests", "max_new_tokens", "max_running", "chunk", "context_len"):
         value = getattr(args, name)
@@ -166,57 +180,86 @@ def serve(args, argv: list[str]) -> int:
     if rank is None:
         if args.tp > 1:
             # Selection errors (unknown device or backend) are reported once, here, before any rank starts.
-            select_backend(_attention_config(args, shape), args.device, args.backend)
+            select_backend(_attention_config(args, shape, kv_dtype), args.device, args.backend)
             return tp_mod.launch(args.tp, argv)
         rank = tp_mod.RankInfo()
     else:
-        name = args.device or select_backend(_attention_config(args, shape), None, args.backend).capability.torch_type
+        config = _attention_config(args, shape, kv_dtype)
+        name = args.device or select_backend(config, None, args.backend).capability.torch_type
         tp_mod.init_group(rank, name.partition(":")[0])
     try:
-        return _serve_rank(args, shape, rank)
+        return _serve_rank(args, shape, rank, fam, kv_dtype)
     finally:
         if rank.world > 1 and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
 
-def _attention_config(args, shape: ModelShape) -> AttentionConfig:
-    """What one rank's attention asks of a backend: its slice of the heads, the pool's page size, the model's
-    layers, and the context and batch the engine plans for."""
-    return AttentionConfig(
-        tp_q_head_num=shape.heads // args.tp,
-        tp_k_head_num=shape.kv_heads // args.tp,
-        head_dim=shape.head_dim,
+def _attention_config(args, shape: ModelShape, kv_dtype: str | None = None, kv_scales=None) -> AttentionConfig:
+    """What one rank's attention asks of a backend: its layers (heads, MLA, windows, fp8 scales), sinks, the
+    KV cache dtype, the pool's page size, and the context and batch the engine plans for."""
+    fam = family(args.model)
+    return AttentionConfig.from_layers(
+        fam.model.layer_descriptors(shape, args.tp, kv_scales),
         dtype=DTYPES[args.dtype],
         page_size=args.page_size,
         graph=args.graph == "on",
-        layer_num=shape.layers,
         max_context_len=args.context_len,
         max_batch_size=args.max_running,
+        attention_sinks=fam.sinks,
+        kv_cache_dtype=kv_dtype,
     )
 
 
-def _serve_rank(args, shape: ModelShape, rank: tp_mod.RankInfo) -> int:
-    selection, engine = build(args, shape, rank, record_logits=args.check and rank.is_main)
-    threads, threads_why = choose_threads(args.threads, rank.world)
+def _run(args, shape: ModelShape, rank: tp_mod.RankInfo, record_logits: bool, kv_dtype=None, kv_scales=None):
+    """Build an engine and serve the demo's requests through it: ``(selection, engine, seconds, threads)``.
+    With ``kv_scales == {}`` the model records each layer's max ``|k|`` / ``|v|`` over the first step into it."""
+    selection, engine = build(args, shape, rank, record_logits, kv_dtype, kv_scales or None)
+    threads = choose_threads(args.threads, rank.world)
     if selection.capability.torch_device.type == "cpu":
-        torch.set_num_threads(threads)
+        torch.set_num_threads(threads[0])
     else:
-        threads, threads_why = torch.get_num_threads(), "host threads (the model runs on the device)"
-    requests = make_requests(args)
-    for req in requests:
-        if not engine.submit(req) and rank.is_main:
+        threads = torch.get_num_threads(), "host threads (the model runs on the device)"
+    for req in make_requests(args):
+        if not engine.submit(req) and rank.is_main and not kv_dtype:
             print(f"hal demo: request {req.rid} rejected: {req.error}", file=sys.stderr)
     progress = Progress(len(engine.waiting), rank.is_main)
     start = time.perf_counter()
     with torch.inference_mode():
+        if kv_scales == {}:
+            engine.model.kv_amax = kv_scales
+            engine.step()
+            engine.model.kv_amax = None
         engine.run(progress)
     seconds = time.perf_counter() - start
     progress.close()
+    return selection, engine, seconds, threads
+
+
+def _calibrate(args, shape: ModelShape, rank: tp_mod.RankInfo, kv_dtype: str):
+    """The unquantised run (its logits recorded) and the fp8 scales calibrated on its first step."""
+    amax: dict[int, list[float]] = {}
+    _, engine, seconds, _ = _run(args, shape, rank, True, None, amax)
+    if rank.world > 1:  # every rank's slice of the heads: one scale per layer over all of them
+        table = torch.tensor([amax[i] for i in range(shape.layers)], dtype=torch.float64)
+        torch.distributed.all_reduce(table, op=torch.distributed.ReduceOp.MAX)
+        amax = {i: row for i, row in enumerate(table.tolist())}
+    first = engine.stats[0]
+    return engine, calibrated_scales(amax, shape.layers, kv_dtype), first.prefill_tokens, seconds
+
+
+def _serve_rank(args, shape: ModelShape, rank: tp_mod.RankInfo, fam: Family, kv_dtype: str | None) -> int:
+    scales = None
+    if kv_dtype:
+        baseline, scales, calibration_tokens, baseline_seconds = _calibrate(args, shape, rank, kv_dtype)
+    record = bool(args.check or kv_dtype) and rank.is_main
+    selection, engine, seconds, (threads, threads_why) = _run(args, shape, rank, record, kv_dtype, scales)
     if not rank.is_main:
         return 0
     served = sorted(engine.finished, key=lambda r: r.rid)
     generated = sum(len(r.output) for r in served)
     report = {
+        "model_family": fam.name,
+        "model_description": fam.describe(shape),
         "device": selection.device_name,
         "torch_device": str(selection.capability.torch_device),
         "device_name": selection.capability.name,
@@ -224,6 +267,7 @@ def _serve_rank(args, shape: ModelShape, rank: tp_mod.RankInfo) -> int:
         "backend": selection.backend,
         "selection_trace": selection.trace,
         "dtype": args.dtype,
+        "kv_cache_dtype": kv_dtype or args.dtype,
         "tp": rank.world,
         "threads": threads,
         "threads_why": threads_why,
@@ -240,11 +284,27 @@ def _serve_rank(args, shape: ModelShape, rank: tp_mod.RankInfo) -> int:
         "matches_reference": None,
     }
     code = 2 if engine.rejected else 0
+    if kv_dtype:
+        report["kv_scales"] = {
+            "method": f"calibrated: max |k|, |v| per layer over the unquantised run's first step "
+            f"({calibration_tokens} prompt tokens) / {torch.finfo(FP8_DTYPES[kv_dtype]).max:g}",
+            "k_scale": [k for k, _ in scales],
+            "v_scale": [v for _, v in scales],
+        }
+        base = sorted(baseline.finished, key=lambda r: r.rid)
+        base_generated = sum(len(r.output) for r in base)
+        report["kv_agreement"] = {
+            "baseline": f"the same requests with a {args.dtype} KV cache",
+            "baseline_tokens_per_s": round(base_generated / baseline_seconds, 1) if baseline_seconds else None,
+            **agreement(base, served),
+        }
     if args.check and served:
         from .reference import check_against_hf
 
-        weights = random_weights(shape, args.seed)
-        report.update(check_against_hf(shape, weights, served, DTYPES[args.dtype], selection.capability.torch_device))
+        weights = fam.random_weights(shape, args.seed)
+        report.update(
+            check_against_hf(fam, shape, weights, served, DTYPES[args.dtype], selection.capability.torch_device)
+        )
         ref = report["reference_tokens_per_s"]
         report["speedup"] = round(report["tokens_per_s"] / ref, 2) if ref else None
         if not report["matches_reference"]:
@@ -257,13 +317,11 @@ def _serve_rank(args, shape: ModelShape, rank: tp_mod.RankInfo) -> int:
 
 
 def print_table(r: dict) -> None:
-    m = r["model"]
     emulated = " (emulated)" if r["emulated"] else ""
     rows = [
         (
             "model",
-            f"Llama, {m['layers']} layers, hidden {m['hidden']}, {m['heads']} q / {m['kv_heads']} kv heads, "
-            f"vocab {m['vocab']}, {r['dtype']}, seeded random weights",
+            f"{r['model_description']}, {r['dtype']} (KV cache {r['kv_cache_dtype']}), seeded random weights",
         ),
         (
             "device",
@@ -288,6 +346,24 @@ def print_table(r: dict) -> None:
     ]
     for rej in r["rejected"]:
         rows.append(("rejected", f"request {rej['request']}: {rej['error']}"))
+    if "kv_agreement" in r:
+        a, s = r["kv_agreement"], r["kv_scales"]
+        rows += [
+            ("kv scales", s["method"]),
+            ("  k_scale", ", ".join(f"{x:.3g}" for x in s["k_scale"])),
+            ("  v_scale", ", ".join(f"{x:.3g}" for x in s["v_scale"])),
+            (
+                "agreement",
+                f"{r['kv_cache_dtype']} vs {a['baseline']}: {a['matched_tokens']}/{a['generated_tokens']} generated "
+                f"tokens match ({a['token_match_rate']:.1%}), {a['identical_requests']}/{a['compared_requests']} "
+                "requests identical",
+            ),
+            (
+                "  logits",
+                f"max |fp8 - baseline| {a['max_logit_err']:.3g}, mean {a['mean_logit_err']:.3g} over the "
+                f"{a['logit_compared_steps']} steps with the same context in both runs",
+            ),
+        ]
     if r["matches_reference"] is not None:
         verdict = "PASS" if r["matches_reference"] else "FAIL"
         rows += [
