@@ -321,8 +321,8 @@ class AttentionBackend:
     ) -> torch.Tensor:
         """Attention of one layer: ``q`` ``[T, q_heads * head_dim]`` or ``[T, q_heads, head_dim]``,
         ``k``/``v`` the new tokens' keys and values likewise (SGLang's ``RadixAttention`` hands
-        ``[T, H, D]`` views; None with ``save_kv_cache=False``: then they are read from the cache,
-        SGLang's contract); returns ``[T, q_heads * v_head_dim]`` in ``q.dtype``.
+        ``[T, H, D]`` views; with ``save_kv_cache=False`` the cache holds the truth: the new tokens are
+        read from it and k/v, which may then be None as SGLang allows, are not used); returns ``[T, q_heads * v_head_dim]`` in ``q.dtype``.
         ``sinks=`` (``[q_heads]`` float, gpt-oss) reaches ``forward_*`` as ``sinks=``; an MLA
         layer's ``v`` may be None (the value is the key's latent).
 
@@ -392,15 +392,15 @@ class AttentionBackend:
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The forward prologue, in order: :meth:`check_layer`, :meth:`check_inputs` (nothing is
         written before both pass), :meth:`metadata_for`, then :meth:`save_kv` (or, with
-        ``save_kv_cache=False`` and k/v None, the new tokens read back from the cache when the
-        backend ``reads_new_kv``). Returns ``q, k, v`` as ``[T, heads, dim]``, k/v in ``q.dtype``.
+        ``save_kv_cache=False``, the new tokens read back from the cache in place of k/v when the
+        backend ``reads_new_kv``: the caller wrote the cache, and k/v may be None or stale). Returns ``q, k, v`` as ``[T, heads, dim]``, k/v in ``q.dtype``.
         """
         self.check_layer(layer)
         q, k, v = self.check_inputs(q, k, v, layer, forward_batch, save_kv_cache)
         self.metadata_for(forward_batch)
         if save_kv_cache:
             self.save_kv(layer, forward_batch, k, v)
-        elif k is None and self.reads_new_kv:
+        elif self.reads_new_kv:
             k, v = (t.to(q.dtype) for t in self.new_kv_from_cache(layer, forward_batch))
         return q, k, v
 
@@ -525,7 +525,7 @@ class AttentionBackend:
     def new_kv_from_cache(
         self, layer: AttentionLayer, forward_batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The query tokens' keys and values read back from the cache (``k``/``v`` were None), in the cache
+        """The query tokens' keys and values read back from the cache (``save_kv_cache=False``), in the cache
         dtype (an fp8 cache: dequantised to float32)."""
         pool, loc = forward_batch.token_to_kv_pool, forward_batch.out_cache_loc.long()
         k, v = pool.get_key_buffer(layer.layer_id)[loc], pool.get_value_buffer(layer.layer_id)[loc]
