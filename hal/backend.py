@@ -322,7 +322,8 @@ class AttentionBackend:
         """Attention of one layer: ``q`` ``[T, q_heads * head_dim]`` or ``[T, q_heads, head_dim]``,
         ``k``/``v`` the new tokens' keys and values likewise (SGLang's ``RadixAttention`` hands
         ``[T, H, D]`` views; with ``save_kv_cache=False`` the cache holds the truth: the new tokens are
-        read from it and k/v, which may then be None as SGLang allows, are not used); returns ``[T, q_heads * v_head_dim]`` in ``q.dtype``.
+        read from it and k/v, which may then be None as SGLang allows, are not used); returns
+        ``[T, q_heads * v_head_dim]`` in ``q.dtype``.
         ``sinks=`` (``[q_heads]`` float, gpt-oss) reaches ``forward_*`` as ``sinks=``; an MLA
         layer's ``v`` may be None (the value is the key's latent).
 
@@ -393,7 +394,8 @@ class AttentionBackend:
         """The forward prologue, in order: :meth:`check_layer`, :meth:`check_inputs` (nothing is
         written before both pass), :meth:`metadata_for`, then :meth:`save_kv` (or, with
         ``save_kv_cache=False``, the new tokens read back from the cache in place of k/v when the
-        backend ``reads_new_kv``: the caller wrote the cache, and k/v may be None or stale). Returns ``q, k, v`` as ``[T, heads, dim]``, k/v in ``q.dtype``.
+        backend ``reads_new_kv``: the caller wrote the cache, and k/v may be None or stale).
+        Returns ``q, k, v`` as ``[T, heads, dim]``, k/v in ``q.dtype``.
         """
         self.check_layer(layer)
         q, k, v = self.check_inputs(q, k, v, layer, forward_batch, save_kv_cache)

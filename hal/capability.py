@@ -65,6 +65,7 @@ class DeviceCapability:
     reasons: Mapping[str, str] = field(default_factory=dict)
     features: tuple[str, ...] = ()  # CPU: the vector features kernels choose paths by (avx2, avx512_bf16, amx_bf16...)
     compute_units: int | None = None  # SMs / CUs / AI cores a kernel's grid should fill; None: unknown
+    collective_backend: str = "gloo"  # torch.distributed backend of a tensor-parallel group (nccl, hccl...)
 
     @property
     def torch_device(self) -> torch.device:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import pytest
@@ -70,6 +71,16 @@ def test_selection_device_is_device_name():
     sel = hal.select(AttentionConfig(dtype=torch.float32), device="cpu")
     with pytest.warns(DeprecationWarning, match="Selection.device_name"):
         assert sel.device == sel.device_name == "cpu"
+
+
+def test_the_tp_group_backend_comes_from_the_capability():
+    from hal.demo.tp import group_backend
+
+    cap = hal.select(AttentionConfig(dtype=torch.float32), device="cpu").capability
+    assert group_backend(cap) == cap.collective_backend == "gloo"
+    assert group_backend(dataclasses.replace(cap, collective_backend="xccl")) == "xccl"  # a plugin's own
+    with pytest.warns(DeprecationWarning, match="group_backend\\(capability\\)"):
+        assert group_backend("cuda") == "nccl"
 
 
 def test_old_reason_names_on_a_new_backend_warn_and_agree():

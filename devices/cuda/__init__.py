@@ -74,6 +74,7 @@ def cuda_capability(index: int | None = None) -> DeviceCapability:
     return DeviceCapability(
         type="cuda",
         available=True,
+        collective_backend="nccl",  # RCCL answers to the same name on ROCm
         torch_type="cuda",
         index=index,
         count=count,

@@ -141,6 +141,7 @@ def _real_capability(module, index: int | None) -> DeviceCapability:
         type="npu",
         available=True,
         torch_type="npu",
+        collective_backend="hccl",
         index=index,
         count=count,
         name=name,

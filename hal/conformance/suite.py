@@ -297,17 +297,16 @@ def test_idle_batch_with_tokens_is_rejected(hal_target, request):
         backend.forward(built.q, built.k, built.v, built.layer, idle)
 
 
-@pytest.mark.hal_family("validation")
-def test_duplicate_out_cache_loc_is_rejected(hal_target, request):
-    """Two query tokens writing one slot (two requests sharing a page) is rejected by full validation."""
+def _refused_decode_write(hal_target, request, name: str, page_size: int, onto) -> None:
+    """A two-request DECODE batch whose second new token is moved onto ``onto(req_to_token, rows)`` (in
+    req_to_token and out_cache_loc alike): full validation must refuse the batch, naming out_cache_loc."""
     _first_servable(hal_target, ForwardMode.DECODE, prefix=False)  # a target that serves nothing runs nothing
-    case = Case("duplicate_slots", ForwardMode.DECODE, ((4, 1), (6, 1)), page_size=1)
+    case = Case(name, ForwardMode.DECODE, ((4, 1), (6, 1)), page_size=page_size)
     _record(request, case)
-    built = build(case)
-    fb = built.batch
+    fb = build(case).batch
     rt = fb.req_to_token_pool.req_to_token
     rows = fb.req_pool_indices.tolist()
-    rt[rows[1], 6] = rt[rows[0], 4]  # request 1's new token lands on request 0's
+    rt[rows[1], 6] = onto(rt, rows)
     loc = torch.stack([rt[rows[0], 4], rt[rows[1], 6]]).long()
     with pytest.raises(InvalidBatchError, match="out_cache_loc"):
         ForwardBatch(
@@ -320,6 +319,12 @@ def test_duplicate_out_cache_loc_is_rejected(hal_target, request):
             token_to_kv_pool=fb.token_to_kv_pool,
             validate="full",
         )
+
+
+@pytest.mark.hal_family("validation")
+def test_duplicate_out_cache_loc_is_rejected(hal_target, request):
+    """Two query tokens writing one slot (two requests sharing a page) is rejected by full validation."""
+    _refused_decode_write(hal_target, request, "duplicate_slots", 1, lambda rt, rows: rt[rows[0], 4])
 
 
 @pytest.mark.hal_family("validation")
@@ -327,25 +332,8 @@ def test_duplicate_out_cache_loc_is_rejected(hal_target, request):
 def test_write_over_padding_or_context_is_rejected(hal_target, onto, request):
     """Full validation refuses a new token of a real request in the padding page, or on a slot a request of
     the batch reads as cached context, even when req_to_token agrees (that KV would be overwritten)."""
-    _first_servable(hal_target, ForwardMode.DECODE, prefix=False)  # a target that serves nothing runs nothing
-    case = Case(f"write_onto_{onto}", ForwardMode.DECODE, ((4, 1), (6, 1)), page_size=4)
-    _record(request, case)
-    fb = build(case).batch
-    rt = fb.req_to_token_pool.req_to_token
-    rows = fb.req_pool_indices.tolist()
-    rt[rows[1], 6] = 0 if onto == "padding_page" else rt[rows[0], 2]  # req_to_token agrees with out_cache_loc
-    loc = torch.stack([rt[rows[0], 4], rt[rows[1], 6]]).long()
-    with pytest.raises(InvalidBatchError, match="out_cache_loc"):
-        ForwardBatch(
-            forward_mode=fb.forward_mode,
-            batch_size=2,
-            req_pool_indices=fb.req_pool_indices,
-            seq_lens=fb.seq_lens,
-            out_cache_loc=loc,
-            req_to_token_pool=fb.req_to_token_pool,
-            token_to_kv_pool=fb.token_to_kv_pool,
-            validate="full",
-        )
+    target = (lambda rt, rows: 0) if onto == "padding_page" else (lambda rt, rows: rt[rows[0], 2])
+    _refused_decode_write(hal_target, request, f"write_onto_{onto}", 4, target)
 
 
 @pytest.mark.hal_family("nan")

@@ -185,8 +185,7 @@ def serve(args, argv: list[str]) -> int:
         rank = tp_mod.RankInfo()
     else:
         config = _attention_config(args, shape, kv_dtype)
-        name = args.device or select_backend(config, None, args.backend).capability.torch_type
-        tp_mod.init_group(rank, name.partition(":")[0])
+        tp_mod.init_group(rank, select_backend(config, args.device, args.backend, rank.local_rank).capability)
     try:
         return _serve_rank(args, shape, rank, fam, kv_dtype)
     finally:

@@ -3,7 +3,8 @@
 Under ``torchrun`` (``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` set) the demo joins the
 group it was started in; otherwise ``--tp N`` starts ``N`` copies of itself as ranks
 with the same variables (rank 0 keeps the terminal, the others run quietly). The
-process-group backend follows the device: gloo on the CPU, nccl on CUDA, hccl on an NPU.
+process-group backend is the device capability's ``collective_backend`` (gloo on the CPU and under
+emulation, nccl on CUDA, hccl on an NPU, whatever a plugin device declares).
 Each rank serves the same requests in lockstep: the scheduler is deterministic and the
 logits after ``all_reduce`` are the same on every rank, so every rank samples the same
 tokens.
@@ -21,6 +22,8 @@ import time
 
 import torch
 
+from hal.capability import DeviceCapability
+from hal.deprecation import warn_renamed
 from hal.errors import ConfigError
 
 __all__ = ["RankInfo", "rank_info", "launch", "init_group", "group_backend"]
@@ -48,17 +51,22 @@ def rank_info(tp: int) -> RankInfo | None:
     return RankInfo(rank, int(os.environ.get("LOCAL_RANK", rank)), world)
 
 
-def group_backend(torch_type: str) -> str:
-    return {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}.get(torch_type, "gloo")
+def group_backend(device: DeviceCapability | str) -> str:
+    """The ``torch.distributed`` backend of ``device``'s tensor-parallel group: its ``collective_backend``.
+    A torch device type (hal 0.1's argument) still works, with a DeprecationWarning."""
+    if isinstance(device, DeviceCapability):
+        return device.collective_backend
+    warn_renamed("hal.demo.tp.group_backend(torch_type)", "group_backend(capability)")
+    return {"cuda": "nccl", "npu": "hccl"}.get(device, "gloo")
 
 
-def init_group(info: RankInfo, torch_type: str) -> None:
-    if torch_type == "cuda":
-        torch.cuda.set_device(info.local_rank)
-    elif torch_type == "npu":
-        torch.npu.set_device(info.local_rank)
+def init_group(info: RankInfo, capability: DeviceCapability) -> None:
+    """Join the process group of ``info`` on ``capability``'s device (the rank's local device index)."""
+    module = getattr(torch, capability.torch_type, None)
+    if hasattr(module, "set_device"):
+        module.set_device(info.local_rank)
     torch.distributed.init_process_group(
-        group_backend(torch_type),
+        group_backend(capability),
         rank=info.rank,
         world_size=info.world,
         timeout=datetime.timedelta(seconds=120),
