@@ -8,8 +8,10 @@ not size allocations from tensor data. ``hal lint`` reads a backend's Python sou
 
     init_forward_metadata_in_graph, forward, forward_decode, forward_extend, forward_mixed
 
-and every function of the same module they call (``self.f()``, ``f()``,
-``self.attr.f()`` for a method ``f`` of a class of the module):
+and every function they call, in the same module (``self.f()``, ``f()``, ``self.attr.f()``
+for a method ``f`` of a class of the module) or in another module of the same package
+(``f()`` after ``from .kernels import f``, ``kernels.f()`` after ``from . import kernels``; the
+file is read from disk, never imported):
 
 * host syncs (``host-sync``): ``.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()``,
   ``.to("cpu")``, Python ``int()`` / ``float()`` / ``bool()`` of a tensor, a tensor
@@ -439,58 +441,120 @@ def _torch_names(tree: ast.Module) -> set[str]:
     return names
 
 
-def _reachable(tree: ast.Module) -> list[tuple[str, ast.FunctionDef]]:
-    """The in-graph methods and every function of the module they call, as ``(qualified name, def)``."""
-    functions: dict[str, ast.FunctionDef] = {}
-    methods: dict[str, dict[str, ast.FunctionDef]] = {}  # class -> name -> def
-    bases: dict[str, list[str]] = {}
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            functions[node.name] = node
-        elif isinstance(node, ast.ClassDef):
-            methods[node.name] = {
-                n.name: n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
-            }
-            bases[node.name] = [b.id for b in node.bases if isinstance(b, ast.Name)]
+@dataclass
+class _Module:
+    """One parsed source file and the names it binds: its functions and classes, and the functions and
+    modules of its own package it imports (``imported``: local name -> (file, function); ``aliases``:
+    local name -> module file)."""
 
-    def method_of(cls: str, name: str) -> tuple[str, ast.FunctionDef] | None:
+    path: str
+    tree: ast.Module
+    lines: list[str]
+    torch_names: set[str]
+    functions: dict[str, ast.FunctionDef]
+    methods: dict[str, dict[str, ast.FunctionDef]]
+    bases: dict[str, list[str]]
+    imported: dict[str, tuple[Path, str]]
+    aliases: dict[str, Path]
+
+    @classmethod
+    def parse(cls, source: str, path: str) -> _Module:
+        tree = ast.parse(source, filename=path)
+        functions, methods, bases = {}, {}, {}
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                functions[node.name] = node
+            elif isinstance(node, ast.ClassDef):
+                methods[node.name] = {
+                    n.name: n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                }
+                bases[node.name] = [b.id for b in node.bases if isinstance(b, ast.Name)]
+        imported, aliases = {}, {}
+        if Path(path).is_file():
+            for local, module_file, name in _own_bindings(tree, Path(path)):
+                if not local:
+                    continue
+                if name is None:
+                    aliases[local] = module_file
+                else:
+                    imported[local] = (module_file, name)
+        return cls(path, tree, source.splitlines(), _torch_names(tree), functions, methods, bases, imported, aliases)
+
+    def method_of(self, cls: str, name: str) -> tuple[str, ast.FunctionDef] | None:
         seen = set()
-        while cls in methods and cls not in seen:
+        while cls in self.methods and cls not in seen:
             seen.add(cls)
-            if name in methods[cls]:
-                return cls, methods[cls][name]
-            cls = next((b for b in bases.get(cls, []) if b in methods), "")
+            if name in self.methods[cls]:
+                return cls, self.methods[cls][name]
+            cls = next((b for b in self.bases.get(cls, []) if b in self.methods), "")
         return None
 
-    todo: list[tuple[str | None, str, ast.FunctionDef]] = []
-    for cls, members in methods.items():
-        todo += [(cls, name, fn) for name, fn in members.items() if name in IN_GRAPH_METHODS]
-    todo += [(None, name, fn) for name, fn in functions.items() if name in IN_GRAPH_METHODS]
-    seen: dict[int, tuple[str, ast.FunctionDef]] = {}
+
+class _Modules:
+    """The modules a lint reads, each parsed once: the files given, and the package modules calls lead to."""
+
+    def __init__(self):
+        self.parsed: dict[Path, _Module | None] = {}
+
+    def add(self, source: str, path: str) -> _Module:
+        module = _Module.parse(source, path)
+        self.parsed[Path(path).resolve()] = module
+        return module
+
+    def load(self, path: Path) -> _Module | None:
+        """The module at ``path``; None when it cannot be read or parsed (linting it directly reports why)."""
+        key = path.resolve()
+        if key not in self.parsed:
+            try:
+                self.parsed[key] = _Module.parse(path.read_text(encoding="utf-8"), str(path))
+            except (OSError, UnicodeDecodeError, SyntaxError):
+                self.parsed[key] = None
+        return self.parsed[key]
+
+
+def _reachable(module: _Module, modules: _Modules) -> list[tuple[_Module, str, ast.FunctionDef]]:
+    """The in-graph methods of ``module`` and every function they call, in it or in another module of its
+    package, as ``(module, qualified name, def)``."""
+    todo: list[tuple[_Module, str | None, str, ast.FunctionDef]] = []
+    for cls, members in module.methods.items():
+        todo += [(module, cls, name, fn) for name, fn in members.items() if name in IN_GRAPH_METHODS]
+    todo += [(module, None, name, fn) for name, fn in module.functions.items() if name in IN_GRAPH_METHODS]
+
+    def elsewhere(module_file: Path, name: str) -> None:
+        other = modules.load(module_file)
+        if other is not None and name in other.functions:
+            todo.append((other, None, name, other.functions[name]))
+
+    seen: dict[int, tuple[_Module, str, ast.FunctionDef]] = {}
     while todo:
-        cls, name, fn = todo.pop()
+        mod, cls, name, fn = todo.pop()
         if id(fn) in seen:
             continue
-        seen[id(fn)] = (f"{cls}.{name}" if cls else name, fn)
+        where = "" if mod is module else f"{Path(mod.path).stem}."
+        seen[id(fn)] = (mod, where + (f"{cls}.{name}" if cls else name), fn)
         for call in (n for n in ast.walk(fn) if isinstance(n, ast.Call)):
             target = call.func
-            if isinstance(target, ast.Name) and target.id in functions:
-                todo.append((None, target.id, functions[target.id]))
+            if isinstance(target, ast.Name) and target.id in mod.functions:
+                todo.append((mod, None, target.id, mod.functions[target.id]))
+            elif isinstance(target, ast.Name) and target.id in mod.imported:
+                elsewhere(*mod.imported[target.id])
             elif isinstance(target, ast.Attribute):
                 owner = target.value
                 if isinstance(owner, ast.Name) and owner.id in ("self", "cls") and cls is not None:
-                    found = method_of(cls, target.attr)
+                    found = mod.method_of(cls, target.attr)
                     if found:
-                        todo.append((found[0], target.attr, found[1]))
+                        todo.append((mod, found[0], target.attr, found[1]))
                 elif (
                     isinstance(owner, ast.Attribute) and isinstance(owner.value, ast.Name) and owner.value.id == "self"
                 ):
-                    todo += [(c, target.attr, m[target.attr]) for c, m in methods.items() if target.attr in m]
-                elif isinstance(owner, ast.Name) and owner.id in methods:
-                    found = method_of(owner.id, target.attr)
+                    todo += [(mod, c, target.attr, m[target.attr]) for c, m in mod.methods.items() if target.attr in m]
+                elif isinstance(owner, ast.Name) and owner.id in mod.methods:
+                    found = mod.method_of(owner.id, target.attr)
                     if found:
-                        todo.append((found[0], target.attr, found[1]))
-    return sorted(seen.values(), key=lambda item: item[1].lineno)
+                        todo.append((mod, found[0], target.attr, found[1]))
+                elif isinstance(owner, ast.Name) and owner.id in mod.aliases:
+                    elsewhere(mod.aliases[owner.id], target.attr)
+    return sorted(seen.values(), key=lambda item: (item[0].path, item[2].lineno))
 
 
 def _allowed(lines: list[str], line: int, tag: str) -> tuple[bool, str | None]:
@@ -506,24 +570,27 @@ def _allowed(lines: list[str], line: int, tag: str) -> tuple[bool, str | None]:
     return False, None
 
 
-def lint_source(source: str, path: str = "<source>") -> list[Finding]:
-    """Findings for one module's source (raises ``SyntaxError`` when it does not parse)."""
-    tree = ast.parse(source, filename=path)
-    lines = source.splitlines()
-    torch_names = _torch_names(tree)
-    findings: dict[tuple[int, str, str], Finding] = {}
-    for qualname, fn in _reachable(tree):
-        linter = _FunctionLinter(fn, torch_names)
+def _lint_module(module: _Module, modules: _Modules) -> list[Finding]:
+    findings: dict[tuple[str, int, str, str], Finding] = {}
+    for mod, qualname, fn in _reachable(module, modules):
+        linter = _FunctionLinter(fn, mod.torch_names)
         for stmt in fn.body:
             linter.visit(stmt)
         for line, tag, message in linter.findings:
-            ok, problem = _allowed(lines, line, tag)
+            ok, problem = _allowed(mod.lines, line, tag)
             if ok:
                 continue
             if problem:
                 message = f"{message}; {problem}"
-            findings.setdefault((line, tag, message), Finding(path, line, tag, message, qualname))
-    return sorted(findings.values(), key=lambda f: (f.line, f.tag))
+            findings.setdefault((mod.path, line, tag, message), Finding(mod.path, line, tag, message, qualname))
+    return sorted(findings.values(), key=lambda f: (f.path, f.line, f.tag))
+
+
+def lint_source(source: str, path: str = "<source>") -> list[Finding]:
+    """Findings for one module's source (raises ``SyntaxError`` when it does not parse); when ``path`` is a
+    file of a package, the functions it calls in the package's other modules are read from disk too."""
+    modules = _Modules()
+    return _lint_module(modules.add(source, path), modules)
 
 
 def _files(paths: list[str]) -> list[Path]:
@@ -540,18 +607,26 @@ def _files(paths: list[str]) -> list[Path]:
 
 
 def lint_paths(paths: list[str]) -> list[Finding]:
-    """Findings over files and directories (every ``*.py`` below a directory)."""
-    findings: list[Finding] = []
+    """Findings over files and directories (every ``*.py`` below a directory), each once."""
+    return _lint(paths)[0]
+
+
+def _lint(paths: list[str]) -> tuple[list[Finding], set[Path]]:
+    """The findings, and every file read: those given and the package modules their calls lead to."""
+    modules = _Modules()
+    findings: dict[tuple[str, int, str, str], Finding] = {}
     for path in _files(paths):
         try:
             source = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"hal lint: {path}: cannot read: {exc}") from exc
         try:
-            findings += lint_source(source, str(path))
+            module = modules.add(source, str(path))
         except SyntaxError as exc:
             raise ConfigError(f"hal lint: {path}:{exc.lineno}: does not parse: {exc.msg}") from exc
-    return findings
+        for f in _lint_module(module, modules):
+            findings.setdefault((str(Path(f.path).resolve()), f.line, f.tag, f.message), f)
+    return list(findings.values()), {path for path, module in modules.parsed.items() if module is not None}
 
 
 def _package_root(path: Path) -> Path | None:
@@ -563,35 +638,57 @@ def _package_root(path: Path) -> Path | None:
     return top
 
 
-def own_imports(path: Path) -> set[Path]:
-    """The modules of ``path``'s own package it imports (relative, or absolute under the same top package)."""
-    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+def _module_file(base: Path, parts: list[str]) -> Path | None:
+    """The file of module ``parts`` under ``base`` (``a/b.py`` or ``a/b/__init__.py``), or None."""
+    folder = base.joinpath(*parts) if parts else base
+    for candidate in (folder.with_suffix(".py") if parts else None, folder / "__init__.py"):
+        if candidate is not None and candidate.is_file():
+            return candidate.resolve()
+    return None
+
+
+def _own_bindings(tree: ast.Module, path: Path):
+    """``(local name, module file, function name or None)`` for each import of ``path``'s own package
+    (relative, or absolute under the same top package), anywhere in the module; None: the name is a module."""
     top = _package_root(path)
-    found: set[Path] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.level:
             base = path.parent
             for _ in range(node.level - 1):
                 base = base.parent
-            modules = [(base, (node.module or "").split(".") if node.module else [], node.names)]
+            parts = (node.module or "").split(".") if node.module else []
         elif isinstance(node, ast.ImportFrom) and top is not None and (node.module or "").split(".")[0] == top.name:
-            modules = [(top.parent, node.module.split("."), node.names)]
+            base, parts = top.parent, node.module.split(".")
         elif isinstance(node, ast.Import) and top is not None:
-            modules = [(top.parent, a.name.split("."), []) for a in node.names if a.name.split(".")[0] == top.name]
+            for a in node.names:
+                if a.name.split(".")[0] == top.name:
+                    module_file = _module_file(top.parent, a.name.split("."))
+                    if module_file is not None:  # `import top.x` binds `top`, not `x`: followed with `as` only
+                        yield (a.asname or ("" if "." in a.name else a.name)), module_file, None
+            continue
         else:
             continue
-        for base, parts, names in modules:
-            for sub in [parts, *([*parts, a.name] for a in names)]:
-                folder = base.joinpath(*sub) if sub else base
-                for candidate in (folder.with_suffix(".py") if sub else None, folder / "__init__.py"):
-                    if candidate is not None and candidate.is_file() and candidate.resolve() != path.resolve():
-                        found.add(candidate.resolve())
-    return found
+        package = _module_file(base, parts)
+        if package is not None:
+            yield "", package, None  # the package itself is imported (its __init__ runs)
+        for a in node.names:
+            submodule = _module_file(base, [*parts, a.name])
+            if submodule is not None:
+                yield (a.asname or a.name), submodule, None
+            elif package is not None and a.name != "*":
+                yield (a.asname or a.name), package, a.name
 
 
-def unread_imports(paths: list[str]) -> list[Path]:
-    """The own-package modules the given files import that are not among the files linted."""
-    files = {f.resolve() for f in _files(paths)}
+def own_imports(path: Path) -> set[Path]:
+    """The modules of ``path``'s own package it imports (relative, or absolute under the same top package)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    return {module_file for _, module_file, _ in _own_bindings(tree, path) if module_file != path.resolve()}
+
+
+def unread_imports(paths: list[str], read: set[Path] = frozenset()) -> list[Path]:
+    """The own-package modules the given files import that are neither among the files linted nor in
+    ``read`` (the modules calls were followed into)."""
+    files = {f.resolve() for f in _files(paths)} | set(read)
     imported: set[Path] = set()
     for f in files:
         try:
@@ -603,7 +700,7 @@ def unread_imports(paths: list[str]) -> list[Path]:
 
 def main(paths: list[str], as_json: bool = False) -> int:
     """Print the findings (``file:line: message``) and return 1 when there is any, else 0."""
-    findings = lint_paths(paths)
+    findings, read = _lint(paths)
     if as_json:
         import json
 
@@ -612,7 +709,7 @@ def main(paths: list[str], as_json: bool = False) -> int:
         for finding in findings:
             print(finding)
         files = len(_files(paths))
-        unread = unread_imports(paths)
+        unread = unread_imports(paths, read)
         if unread:
             print(
                 f"hal lint: not read: {len(unread)} module(s) of the same package that these files import "

@@ -172,19 +172,29 @@ def test_json_output(tmp_path, capsys):
     assert all(f["path"] == str(path) and isinstance(f["line"], int) for f in findings)
 
 
-def test_lint_says_which_modules_of_the_package_it_did_not_read(tmp_path, capsys):
-    """A host sync in the kernel module next to a backend: linting the backend alone names that module."""
+def test_lint_follows_calls_into_the_package_and_names_what_it_did_not_read(tmp_path, capsys):
+    """A host sync in the kernel module next to a backend, reached from forward through ``kernels.launch`` and
+    through ``from .kernels import pull``: linting the backend alone finds both in kernels.py, and names the
+    modules it imports but never called into."""
     package = tmp_path / "mydev"
     package.mkdir()
     (package / "__init__.py").write_text("")
-    (package / "kernels.py").write_text("def launch(q):\n    return q.sum().item()\n")
+    (package / "kernels.py").write_text(
+        "def launch(q):\n    return q.sum().item()\n\n\ndef pull(q):\n    return q.tolist()\n\n\n"
+        "def unused(q):\n    return q.cpu()\n"
+    )
     (package / "ops.py").write_text("")
     (package / "backend.py").write_text(
-        "from . import kernels\nfrom mydev.ops import *\n\n\nclass B:\n"
-        "    def forward(self, q, k, v, layer, fb):\n        return kernels.launch(q)\n"
+        "from . import kernels\nfrom mydev.ops import *\nfrom .kernels import pull as fetch\n\n\nclass B:\n"
+        "    def forward(self, q, k, v, layer, fb):\n        return kernels.launch(q)\n\n"
+        "    def forward_decode(self, q, k, v, layer, fb):\n        return fetch(q)\n"
     )
-    assert main(["lint", str(package / "backend.py")]) == 0
+    assert main(["lint", str(package / "backend.py")]) == 1
     out = capsys.readouterr().out
-    assert "not read: 3 module(s)" in out and all(f"{n}.py" in out for n in ("kernels", "ops", "__init__"))
-    assert main(["lint", str(package)]) == 0
-    assert "not read" not in capsys.readouterr().out
+    assert "kernels.py:2: .item()" in out and "(in kernels.launch)" in out
+    assert "kernels.py:6: .tolist()" in out and "(in kernels.pull)" in out
+    assert ".cpu()" not in out, "a function no in-graph method calls is not linted"
+    assert "not read: 2 module(s)" in out and all(f"{n}.py" in out for n in ("ops", "__init__"))
+    assert main(["lint", str(package)]) == 1
+    out = capsys.readouterr().out
+    assert "not read" not in out and out.count(".item()") == 1, "a finding reached twice is reported once"

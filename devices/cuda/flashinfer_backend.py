@@ -540,6 +540,7 @@ class FlashInferBackend(AttentionBackend):
                 meta.qo_indptr,
                 kv.indptr,
                 kv.indices,
+                # hal: allow-host-data plan() runs outside capture only (_wrapper refuses it in one)
                 torch.tensor(meta.kv_lens, dtype=torch.int32),
                 hq,
                 variant.kv_lora_rank,
