@@ -49,6 +49,7 @@ def fake_torch_npu(monkeypatch, *, atb_loads: bool) -> dict:
         device_count=lambda: 1,
         current_device=lambda: 0,
         get_device_name=lambda index=0: "Ascend910B3",
+        get_soc_version=lambda: 223,  # an A2 (vllm-ascend's 220-225 range)
         get_device_properties=lambda index=0: types.SimpleNamespace(total_memory=64 << 30),
         NPUGraph=object,
     )
