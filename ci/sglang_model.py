@@ -114,6 +114,7 @@ def _config(arch: str, *, layers, hidden, heads, kv_heads, intermediate, vocab_s
             num_local_experts=4,
             num_experts_per_tok=2,
             sliding_window=GPT_OSS_WINDOW,
+            swiglu_limit=7.0,  # in gpt-oss's own config.json (transformers keeps it as a constant); SGLang reads it
             **common,
         )
     raise ValueError(f"arch {arch!r}: expected one of {ARCHES}")
