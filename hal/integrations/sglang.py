@@ -220,7 +220,8 @@ def attention_config(model_runner) -> hal.AttentionConfig:
     layers = tuple(hal_layer(m, mla) for m in _radix_layers(model))
     if mla is not None:
         # DeepSeek's models also hold an MHA companion of each latent layer (attn_mha, for the prefill paths
-        # of backends SGLang names); it writes nothing to the pool, and hal is never routed to it (install_hooks)
+        # of backends SGLang names); it writes nothing to the pool, and hal is never routed to it
+        # (route_deepseek_to_latent_attention)
         layers = tuple(x for x in layers if x.is_mla)
     window = getattr(model_runner, "sliding_window_size", None)
     if window is None:
