@@ -8,9 +8,10 @@
     python ci/sglang_kit.py --list                            # the cases, by family
 
 The kit is a library of case builders and runners (SGLang's per-backend test files pick
-cases from it); this script picks 80 dense-attention cases in eight families and runs
+cases from it); this script picks 80 dense-attention cases in eight families, 28 (38 with
+``mla_rope``) of DeepSeek's latent attention (MLA) and 18 with gpt-oss's attention sinks, and runs
 them through SGLang's real ``MockModelRunner`` / ``ForwardBatch`` / ``RadixAttention`` /
-``ReqToTokenPool`` / ``MHATokenToKVPool`` and its graph runners:
+``ReqToTokenPool`` / ``MHATokenToKVPool`` / ``MLATokenToKVPool`` and its graph runners:
 
 =============  ====  ======================================================================
 family         n     what
@@ -33,6 +34,20 @@ graph_decode   7     ``run_dense_cuda_graph_decode_case`` (capture at batch 4, r
 graph_verify   5     ``run_dense_spec_verify_cuda_graph_case``; the last case pads the
                      replayed batch as SGLang's production runner does (``prod_fill``:
                      request 0, slot 0, ``seq_lens = get_cuda_graph_seq_len_fill_value()``)
+mla            10    ``make_mla_cases`` / ``run_mla_attention_case``: DeepSeek's absorbed latent
+                     attention over SGLang's ``MLATokenToKVPool`` (one ``[slots, 1, 32]`` latent
+                     buffer per layer, the value its view), extend with prefixes and decode,
+                     page 1/16/32
+mla_rope       10    the same with a rope part (``qk_rope_head_dim = 16``: rows of 32 + 16). The
+                     kit writes the cache with SGLang's ``set_mla_kv_buffer``, a Triton kernel:
+                     on the CPU only under ``--triton-interpret`` (not in the default families there)
+mla_verify     3     ``run_mla_eagle_verify_case``: EAGLE chain and tree, NGRAM, over the MLA pool
+mla_graph      5     ``run_mla_cuda_graph_decode_case`` (3) and
+                     ``run_mla_eagle_verify_cuda_graph_case`` (2)
+sinks          18    hal's addition (the kit has no sinks method): the dense, swa_extend and
+                     swa_decode cases with gpt-oss's per-head sinks passed to SGLang's
+                     ``RadixAttention`` as ``sinks=``, against a float64 reference with the
+                     sink logit in each softmax denominator
 =============  ====  ======================================================================
 
 The backend is ``--backend`` (an ``ATTENTION_BACKENDS`` name or ``module:Class``, default
@@ -41,9 +56,12 @@ sliding-window decode rules and needs each backend classified: a class attribute
 ``swa_decode_rule`` (``"extend_window"`` or ``"min_seq_len_window"``) says which.
 
 A backend may refuse a case when it is built (SGLang calls the factory with the model
-runner, so that is selection time). ``--refuse "page_size=1:REGEX"`` declares the
-refusals expected: every case with that page size must be refused with a message
-matching REGEX, every other case must pass. Exit status 0 when all did as expected.
+runner, so that is selection time: hal's ``NoBackendError``), or refuse a feature when it is
+called (hal's ``UnsupportedError``: ``sinks=`` on a backend without sinks).
+``--refuse "page_size=1:REGEX"`` / ``--refuse "family=sinks:REGEX"`` declare the refusals
+expected: every case with that page size (of that family) must be refused with a message
+matching REGEX (one of the rules that apply to it), every other case must pass. Exit status 0
+when all did as expected.
 
 SGLang is imported from the installed package. torchvision (imported at module level, never
 called here) and sgl_kernel's CPU ops come from ``ci/sglang_stubs`` (stand-ins) when they are not
@@ -74,7 +92,15 @@ FAMILIES = (
     "target_verify",
     "graph_decode",
     "graph_verify",
+    "mla",
+    "mla_rope",
+    "mla_verify",
+    "mla_graph",
+    "sinks",
 )
+# Families whose cases call SGLang's own Triton helper kernels (not the backend's): on the CPU only interpreted.
+NEEDS_SGLANG_TRITON = {"mla_rope": "the kit writes latent + rope rows with SGLang's set_mla_kv_buffer (Triton)"}
+MLA_ROPE = 16
 LAYOUTS = ("contiguous", "interleaved_pages", "non_monotonic_extend")
 
 
@@ -90,9 +116,12 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu")
     p.add_argument("--atol", type=float, help="default: 1e-5 for fp32, the kit's DENSE_ATOL otherwise")
     p.add_argument("--rtol", type=float, help="default: as --atol")
-    p.add_argument("--families", default=",".join(FAMILIES))
+    p.add_argument(
+        "--families",
+        help=f"default: {','.join(FAMILIES)} (on a CPU without --triton-interpret: not {sorted(NEEDS_SGLANG_TRITON)})",
+    )
     p.add_argument("--cases", help="regex on 'family/case' names")
-    p.add_argument("--refuse", action="append", default=[], help="'page_size=N:REGEX' (repeatable)")
+    p.add_argument("--refuse", action="append", default=[], help="'page_size=N:REGEX' or 'family=F:REGEX' (repeatable)")
     p.add_argument("--list", action="store_true")
     p.add_argument("--json", help="write the results here")
     p.add_argument("-v", "--verbose", action="store_true", help="tracebacks of failures")
@@ -222,7 +251,111 @@ def build_cases(kit, name: str, dtype, device: str) -> list[KitCase]:
     ]
     prod = case("graph_verify_prod_fill_padding", verify, (9, 4), (4, 4))
     cases.append(KitCase("graph_verify", prod, lambda t: run_prod_fill_verify_case(kit, t, prod, **common)))
+    cases += build_mla_cases(kit, name, common)
+    sinks = [*dense, *swa, *swa_decode]
+    cases += [KitCase("sinks", c, lambda t, c=c: run_sinks_case(kit, t, c, **common)) for c in sinks]
     return cases
+
+
+def build_mla_cases(kit, name: str, common: dict) -> list[KitCase]:
+    """DeepSeek's latent attention through the kit's MLA method (SGLang's ``MLATokenToKVPool``)."""
+    m, ForwardMode = kit.mla, kit.ForwardMode
+    rope = dict(qk_rope_head_dim=MLA_ROPE)
+    base = m.make_mla_cases(name)
+    cases = [KitCase("mla", c, lambda t, c=c: m.run_mla_attention_case(t, c, **common, **kit.tol)) for c in base]
+    cases += [
+        KitCase("mla_rope", c, lambda t, c=c: m.run_mla_attention_case(t, c, **common, **kit.tol, **rope)) for c in base
+    ]
+
+    def case(case_name, mode, prefix_lens, extend_lens=(), page_size=16):
+        return m.MLAAttentionCase(
+            name=case_name,
+            backend=name,
+            forward_mode=mode,
+            num_heads=4,
+            page_size=page_size,
+            prefix_lens=prefix_lens,
+            extend_lens=extend_lens,
+        )
+
+    decode, verify = ForwardMode.DECODE, ForwardMode.TARGET_VERIFY
+    tv = kit.target_verify
+    mla_verify = (
+        (case("mla_eagle_chain_page_edges", verify, (5, 16, 17), (4, 4, 4)), dict(topk=1)),
+        (case("mla_eagle_tree_topk2", verify, (7, 15), (3, 3)), dict(topk=2)),
+        (case("mla_ngram_chain_page_size_1", verify, (9, 2), (3, 3), page_size=1), dict(topk=1, spec_kind="ngram")),
+    )
+    cases += [
+        KitCase("mla_verify", c, lambda t, c=c, kw=kw: tv.run_mla_eagle_verify_case(t, c, **kw, **common))
+        for c, kw in mla_verify
+    ]
+    graph_decode = (
+        case("mla_graph_decode_page_boundary_padded", decode, (14, 15, 16)),
+        case("mla_graph_decode_bsz1", decode, (7,)),
+        case("mla_graph_decode_page_size_1", decode, (2, 9, 10), page_size=1),
+    )
+    cases += [
+        KitCase("mla_graph", c, lambda t, c=c: kit.graph_decode.run_mla_cuda_graph_decode_case(t, c, **common))
+        for c in graph_decode
+    ]
+    graph_verify = (
+        (case("mla_graph_verify_chain_padded", verify, (5, 16), (4, 4)), dict(topk=1)),
+        (case("mla_graph_verify_tree", verify, (3, 7, 15), (3, 3, 3)), dict(topk=2)),
+    )
+    cases += [
+        KitCase("mla_graph", c, lambda t, c=c, kw=kw: tv.run_mla_eagle_verify_cuda_graph_case(t, c, **kw, **common))
+        for c, kw in graph_verify
+    ]
+    return cases
+
+
+def sinks_reference(kit, fixture, sinks):
+    """float64 attention of a dense fixture's queries with per-head sinks: softmax over [scores..., sink_h] per
+    query row, the sink column dropped (gpt-oss). Windows as the kit's rule for the backend. ``[T, heads * dim]``."""
+    import torch
+
+    d, case, module = kit.dense, fixture.case, fixture.reference_module
+    heads, kv_heads, dim = case.num_heads, case.num_kv_heads, module.head_dim
+    q, k, v = (x.double() for x in module.project_qkv(fixture.input_hidden))
+    q_parts = d._split_by_lens(q.view(-1, heads, dim), case.input_lens)
+    k_parts = d._split_by_lens(k.view(-1, kv_heads, dim), case.input_lens)
+    v_parts = d._split_by_lens(v.view(-1, kv_heads, dim), case.input_lens)
+    sink = sinks.double()[:, None]
+    outputs = []
+    for i, prefix in enumerate(fixture.prefix_hidden):
+        _, pk, pv = (x.double() for x in module.project_qkv(prefix))
+        req_k = torch.cat([pk.view(-1, kv_heads, dim), k_parts[i]])
+        req_v = torch.cat([pv.view(-1, kv_heads, dim), v_parts[i]])
+        for offset, query in enumerate(q_parts[i]):
+            pos = case.prefix_lens[i] + offset
+            start = 0
+            if case.sliding_window_size is not None:
+                min_rule = case.forward_mode.is_decode() and d._swa_decode_uses_min_seq_len_rule(case)
+                start = max(0, pos + 1 - case.sliding_window_size if min_rule else pos - case.sliding_window_size)
+            keys = d._expand_gqa(req_k[start : pos + 1].movedim(0, 1), heads)
+            values = d._expand_gqa(req_v[start : pos + 1].movedim(0, 1), heads)
+            scores = torch.einsum("hd,hkd->hk", query, keys) * module.scaling
+            probs = torch.softmax(torch.cat([scores, sink], dim=1), dim=1)[:, :-1]
+            outputs.append(torch.einsum("hk,hkd->hd", probs, values).reshape(-1))
+    return torch.stack(outputs)
+
+
+def run_sinks_case(kit, testcase, case, *, dtype, device) -> None:
+    """A dense case with attention sinks: SGLang's ``RadixAttention`` called as gpt-oss calls it (``sinks=``)."""
+    import torch
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    d = kit.dense
+    fixture = d.build_dense_attention_fixture(testcase, case, dtype=dtype, device=device)
+    generator = torch.Generator().manual_seed(len(case.name))
+    sinks = (2 * torch.randn(case.num_heads, generator=generator)).to(device)  # float32, as gpt-oss's trtllm path
+    module = fixture.actual_module
+    with torch.no_grad(), forward_context(ForwardContext(attn_backend=fixture.backend)):
+        fixture.backend.init_forward_metadata(fixture.forward_batch)
+        q, k, v = module.project_qkv(fixture.input_hidden)
+        actual = module.attn(q, k, v, fixture.forward_batch, sinks=sinks)
+    expected = sinks_reference(kit, fixture, sinks).to(actual.dtype)
+    torch.testing.assert_close(actual.reshape(expected.shape), expected, atol=d.DENSE_ATOL, rtol=d.DENSE_RTOL)
 
 
 def run_invariants_case(kit, testcase, case, *, dtype, device) -> None:
@@ -303,7 +436,7 @@ class Kit:
 
     def __init__(self):
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
-        from sglang.test.kits.attention_unittest.attention_methods import dense_attention
+        from sglang.test.kits.attention_unittest.attention_methods import dense_attention, mla_attention
         from sglang.test.kits.attention_unittest.runner_modes import (
             cuda_graph_decode_runner,
             metadata_invariants,
@@ -313,14 +446,21 @@ class Kit:
 
         self.ForwardMode = ForwardMode
         self.dense = dense_attention
+        self.mla = mla_attention
+        self.tol = {}  # atol / rtol for the runners that take them as arguments
         self.graph_decode = cuda_graph_decode_runner
         self.target_verify = speculative_target_verify_runner
         self.spec_graph = speculative_cuda_graph_runner
         self.invariants = metadata_invariants
 
     def set_tolerance(self, atol: float, rtol: float) -> None:
-        for module in (self.dense, self.graph_decode, self.target_verify):
-            module.DENSE_ATOL, module.DENSE_RTOL = atol, rtol
+        """The tolerance of every runner: module constants where the kit reads them, arguments elsewhere."""
+        for module in (self.dense, self.mla, self.graph_decode, self.target_verify):
+            for kind in ("DENSE", "MLA"):
+                if hasattr(module, f"{kind}_ATOL"):
+                    setattr(module, f"{kind}_ATOL", atol)
+                    setattr(module, f"{kind}_RTOL", rtol)
+        self.tol = dict(atol=atol, rtol=rtol)
 
 
 def register_backend(kit: Kit, spec: str, name: str):
@@ -346,27 +486,30 @@ def register_backend(kit: Kit, spec: str, name: str):
     return factory
 
 
-def parse_refusals(items: list[str]) -> dict[int, re.Pattern]:
+def parse_refusals(items: list[str]) -> dict[tuple[str, object], re.Pattern]:
+    """``--refuse`` items as ``{("page_size", N) or ("family", F): REGEX}``."""
     out = {}
     for item in items:
         key, _, pattern = item.partition(":")
-        m = re.fullmatch(r"page_size=(\d+)", key.strip())
-        if not m:
-            raise SystemExit(f"--refuse {item!r}: expected 'page_size=N:REGEX'")
-        out[int(m.group(1))] = re.compile(pattern)
+        m = re.fullmatch(r"(page_size)=(\d+)|(family)=(\w+)", key.strip())
+        if not m or m.group(3) and m.group(4) not in FAMILIES:
+            raise SystemExit(f"--refuse {item!r}: expected 'page_size=N:REGEX' or 'family=F:REGEX', F in {FAMILIES}")
+        rule = ("page_size", int(m.group(2))) if m.group(1) else ("family", m.group(4))
+        out[rule] = re.compile(pattern)
     return out
 
 
 def is_refusal(exc: BaseException) -> bool:
-    """A backend saying, when it is built, that it cannot serve the config (hal: NoBackendError)."""
+    """A backend saying it cannot serve the config (hal: NoBackendError, when SGLang builds it) or a feature it
+    was called with (hal: UnsupportedError)."""
     try:
-        from hal.errors import NoBackendError
+        from hal.errors import NoBackendError, UnsupportedError
     except ImportError:
         return False
-    return isinstance(exc, NoBackendError)
+    return isinstance(exc, (NoBackendError, UnsupportedError))
 
 
-def run_case(kc: KitCase, refusals: dict[int, re.Pattern], verbose: bool) -> Result:
+def run_case(kc: KitCase, refusals: dict[tuple[str, object], re.Pattern], verbose: bool) -> Result:
     t = _TestCase()
     page = kc.case.page_size
     start = time.perf_counter()
@@ -381,11 +524,11 @@ def run_case(kc: KitCase, refusals: dict[int, re.Pattern], verbose: bool) -> Res
         if verbose and status == "failed":
             message += "\n" + traceback.format_exc()
     seconds = time.perf_counter() - start
-    want = refusals.get(page)
-    if want is None:
+    wants = [refusals[rule] for rule in (("page_size", page), ("family", kc.family)) if rule in refusals]
+    if not wants:
         expected = status == "passed"
     else:
-        expected = status == "refused" and bool(want.search(message))
+        expected = status == "refused" and any(want.search(message) for want in wants)
     return Result(kc.name, page, status, seconds, message, expected)
 
 
@@ -402,10 +545,17 @@ def main(argv=None) -> int:
     atol = args.atol if args.atol is not None else (1e-5 if args.dtype == "fp32" else kit.dense.DENSE_ATOL)
     rtol = args.rtol if args.rtol is not None else atol
     kit.set_tolerance(atol, rtol)
-    families = [f.strip() for f in args.families.split(",") if f.strip()]
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1" or args.device != "cpu"
+    if args.families is None:
+        families = [f for f in FAMILIES if interpreted or f not in NEEDS_SGLANG_TRITON]
+    else:
+        families = [f.strip() for f in args.families.split(",") if f.strip()]
     unknown = sorted(set(families) - set(FAMILIES))
     if unknown:
         raise SystemExit(f"--families: unknown {unknown}; expected some of {list(FAMILIES)}")
+    for family in families:
+        if family in NEEDS_SGLANG_TRITON and not interpreted:
+            raise SystemExit(f"--families {family}: {NEEDS_SGLANG_TRITON[family]}; on the CPU add --triton-interpret")
     cases = [c for c in build_cases(kit, args.name, dtype, args.device) if c.family in families]
     if args.cases:
         cases = [c for c in cases if re.search(args.cases, c.name)]

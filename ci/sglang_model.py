@@ -1,6 +1,7 @@
-"""A small random-weight Llama-architecture model on disk, with a tokenizer made offline.
+"""A small random-weight model on disk (Llama, DeepSeek-V3 or gpt-oss architecture), with a tokenizer made offline.
 
-    python ci/sglang_model.py OUT_DIR [--layers 2] [--hidden 64] [--heads 4] [--kv-heads 2] [--seed 0]
+    python ci/sglang_model.py OUT_DIR [--arch llama|deepseek|gpt-oss] [--layers 2] [--hidden 64] [--heads 4]
+        [--kv-heads 2] [--seed 0]
 
 What SGLang's engine loads as any Hugging Face model (``config.json``, ``model.safetensors``,
 ``tokenizer.json`` with a chat template), for hal's engine tests and benchmark
@@ -8,6 +9,11 @@ What SGLang's engine loads as any Hugging Face model (``config.json``, ``model.s
 ``torch.manual_seed(seed)`` draws, the tokenizer a ``tokenizers`` WordLevel model over the words
 ``w0 .. w{vocab-N}`` plus a few specials, split on whitespace. Every word is one token and
 decoding joins tokens with spaces, so a generated text names its token ids exactly.
+
+``deepseek``: ``DeepseekV3ForCausalLM`` with latent attention (MLA: :data:`MLA`, queries through
+``q_lora_rank``) and dense MLPs in every layer (``first_k_dense_replace`` = layers: the attention is
+what is tested). ``gpt-oss``: ``GptOssForCausalLM`` with attention sinks, alternating sliding-window and
+full layers and a tiny MoE, its sinks drawn as bf16-exact values (SGLang keeps them in bf16).
 """
 
 from __future__ import annotations
@@ -45,9 +51,79 @@ def build_tokenizer(vocab_size: int):
     return tokenizer
 
 
+ARCHES = ("llama", "deepseek", "gpt-oss")
+# DeepSeek's latent attention, small: the cache row is kv_lora_rank + qk_rope_head_dim = 80 values
+MLA = {"kv_lora_rank": 64, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32}
+GPT_OSS_WINDOW = 16
+
+
+def _config(arch: str, *, layers, hidden, heads, kv_heads, intermediate, vocab_size, max_positions, tokenizer):
+    """The transformers config of ``arch`` (``initializer_range`` 0.5: see :func:`build_model`)."""
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        max_position_embeddings=max_positions,
+        initializer_range=0.5,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    if arch == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(intermediate_size=intermediate, num_key_value_heads=kv_heads, **common)
+    if arch == "deepseek":
+        from transformers import DeepseekV3Config
+
+        return DeepseekV3Config(
+            intermediate_size=intermediate,
+            moe_intermediate_size=intermediate // 2,
+            num_key_value_heads=heads,
+            q_lora_rank=hidden // 2,
+            first_k_dense_replace=layers,  # every layer dense: no MoE
+            moe_layer_freq=1,  # in DeepSeek-V3's own config.json; SGLang reads it
+            # DeepSeek-V3's yarn (SGLang's CPU rotary embedding takes only DeepSeek's yarn, not plain rope)
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": max_positions // 4,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            **MLA,
+            **common,
+        )
+    if arch == "gpt-oss":
+        from transformers import GptOssConfig
+
+        return GptOssConfig(
+            intermediate_size=intermediate // 2,
+            num_key_value_heads=kv_heads,
+            head_dim=hidden // heads,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=GPT_OSS_WINDOW,
+            swiglu_limit=7.0,  # in gpt-oss's own config.json (transformers keeps it as a constant); SGLang reads it
+            **common,
+        )
+    raise ValueError(f"arch {arch!r}: expected one of {ARCHES}")
+
+
 def build_model(
     out_dir: str,
     *,
+    arch: str = "llama",
     layers: int = 2,
     hidden: int = 64,
     heads: int = 4,
@@ -57,32 +133,32 @@ def build_model(
     max_positions: int = 4096,
     seed: int = 0,
 ) -> str:
-    """Write a random fp32 ``LlamaForCausalLM`` and its tokenizer to ``out_dir``; returns ``out_dir``.
+    """Write a random fp32 model of ``arch`` (:data:`ARCHES`) and its tokenizer to ``out_dir``; returns ``out_dir``.
 
     ``initializer_range`` is large (0.5) so that greedy decoding's top logit stands clear of the
     next one: two correct attention backends then agree token for token in fp32.
     """
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     tokenizer = build_tokenizer(vocab_size)
-    config = LlamaConfig(
+    config = _config(
+        arch,
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        intermediate=intermediate or 2 * hidden,
         vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=intermediate or 2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=max_positions,
-        initializer_range=0.5,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
+        max_positions=max_positions,
+        tokenizer=tokenizer,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".sinks"):  # learned logits of order one, exact in bf16 (SGLang's sinks dtype)
+                param.copy_(torch.randn_like(param).to(torch.bfloat16).float())
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
@@ -92,6 +168,7 @@ def build_model(
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir")
+    parser.add_argument("--arch", default="llama", choices=ARCHES)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--heads", type=int, default=4)
@@ -102,6 +179,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     build_model(
         args.out_dir,
+        arch=args.arch,
         layers=args.layers,
         hidden=args.hidden,
         heads=args.heads,

@@ -8,7 +8,10 @@ it), arriving while others decode (continuous batching), prefilled in chunks of 
 tokens must be identical, and equal to transformers' ``generate``. Then ``python -m
 sglang.launch_server --attention-backend hal`` answers SGLang's ``/generate`` and the OpenAI
 ``/v1/completions`` and ``/v1/chat/completions`` over HTTP with the engine's tokens, and is stopped
-by its process id.
+by its process id. A DeepSeek-V3 model (latent attention over SGLang's ``MLATokenToKVPool``) serves
+the same load on hal and must equal transformers (SGLang's ``torch_native`` cannot run it on the CPU).
+gpt-oss is not served here: SGLang refuses any attention backend outside its list for it
+(docs/sglang.md).
 
 Each engine runs in its own Python (``ci/sglang_engine.py``), with ``SGLANG_USE_CPU_ENGINE=1`` and
 the stand-ins of ``ci/sglang_stubs``. A minute or two per engine start on a loaded 2-core machine.
@@ -108,25 +111,48 @@ def test_hal_engine_tokens_equal_torch_native(engines, workload):
         assert got == want, f"request {i} ({len(workload[i]['input_ids'])} prompt tokens): hal {got} != {want}"
 
 
-def test_engine_tokens_equal_transformers(engines, workload, model):
+def _assert_equals_transformers(model: str, workload: list[dict], outputs: list[list[int]]) -> None:
+    """Each request's greedy tokens equal transformers' ``generate`` on the same checkpoint, in fp32."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
-    for i, (request, got) in enumerate(zip(workload, _outputs(engines["hal"]))):
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    for i, (request, got) in enumerate(zip(workload, outputs)):
         n = request["max_new_tokens"]
         ids = torch.tensor([request["input_ids"]])
         with torch.no_grad():
             out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None)
-        assert got == out[0, ids.shape[1] :].tolist(), f"request {i}"
+        assert got == out[0, ids.shape[1] :].tolist(), f"request {i} ({ids.shape[1]} prompt tokens)"
+
+
+def test_engine_tokens_equal_transformers(engines, workload, model):
+    _assert_equals_transformers(model, workload, _outputs(engines["hal"]))
+
+
+def _assert_prefix_cache_hits(run: dict) -> None:
+    """The shared prefix's later requests (6..8) found its 150 tokens in SGLang's radix cache."""
+    cached = [r["cached_tokens"] for r in run["results"]]
+    assert sum(c >= 150 for c in cached[6:9]) >= 2, cached
+
+
+def test_deepseek_mla_on_hal_equals_transformers(workload, tmp_path):
+    """DeepSeek-V3's latent attention (MLA, yarn rope) in SGLang's engine on hal, over SGLang's
+    ``MLATokenToKVPool`` in place, on the same load (chunked prefill, prefix-cache hits, continuous
+    batching): tokens equal transformers'. SGLang's ``torch_native`` cannot run this model on the CPU
+    (docs/sglang.md: its MHA prefill path over the latent pool), so transformers is the reference."""
+    path = sglang_model.build_model(
+        str(tmp_path / "deepseek"), arch="deepseek", layers=2, hidden=64, heads=4, vocab_size=VOCAB, seed=SEED + 1
+    )
+    run = sglang_engine.run_in_subprocess(path, "hal", workload, str(tmp_path), ENGINE_ARGS)
+    assert [len(o) for o in _outputs(run)] == [r["max_new_tokens"] for r in workload]
+    _assert_prefix_cache_hits(run)
+    _assert_equals_transformers(path, workload, _outputs(run))
 
 
 def test_engine_load_exercised_what_it_claims(engines, workload):
     run = engines["hal"]
     results = run["results"]
-    # prefix-cache hits: the shared prefix's later requests found it cached
-    cached = [r["cached_tokens"] for r in results]
-    assert sum(c >= 150 for c in cached[6:9]) >= 2, cached
+    _assert_prefix_cache_hits(run)
     # continuous batching: a later request was sent while an earlier one was still decoding
     spans = [(r["sent_s"], r["sent_s"] + r["latency_s"]) for r in results]
     assert any(a[0] < b[0] < a[1] for a in spans for b in spans if a is not b), spans

@@ -128,19 +128,17 @@ def kit():
     return k
 
 
+def _kit_case(cls, kit, mode_name, prefix, extend, page_size=16, **fields):
+    """A case of one of the kit's attention methods (``cls``: its case class), 4 query heads, named for hal."""
+    mode = getattr(kit.ForwardMode, mode_name)
+    common = dict(name="t", backend="hal", forward_mode=mode, num_heads=4, page_size=page_size)
+    return cls(prefix_lens=prefix, extend_lens=extend, **common, **fields)
+
+
 def _fixture(kit, mode_name="DECODE", prefix=(14, 15, 16), extend=(), page_size=16, window=None, **kw):
     d = kit.dense
-    case = d.DenseAttentionCase(
-        name="t",
-        backend="hal",
-        forward_mode=getattr(kit.ForwardMode, mode_name),
-        num_heads=4,
-        num_kv_heads=2,
-        page_size=page_size,
-        prefix_lens=prefix,
-        extend_lens=extend,
-        sliding_window_size=window,
-    )
+    fields = dict(num_kv_heads=2, sliding_window_size=window)
+    case = _kit_case(d.DenseAttentionCase, kit, mode_name, prefix, extend, page_size, **fields)
     return d.build_dense_attention_fixture(kit.module._TestCase(), case, dtype=torch.float32, device="cpu", **kw)
 
 
@@ -227,21 +225,105 @@ def test_what_hal_does_not_compute_is_refused_with_a_hal_error(kit):
     backend, fb = fx.backend, fx.forward_batch
     q, k, v = fx.actual_module.project_qkv(fx.input_hidden)
     backend.init_forward_metadata(fb)
-    with pytest.raises(hal.UnsupportedError, match="sinks"):
-        backend.forward(q, k, v, fx.actual_module.attn, fb, sinks=torch.zeros(4))
     for refused, why in (("PREBUILT", "never runs a model forward"), ("DLLM_EXTEND", "bidirectionally")):
         batch = types.SimpleNamespace(forward_mode=getattr(kit.ForwardMode, refused), batch_size=3)
         with pytest.raises(hal.UnsupportedError, match=f"{refused}.*{why}"):
             backend.init_forward_metadata(batch)
     runner = fx.runner
     pool = runner.token_to_kv_pool
-    fp8 = types.SimpleNamespace(**{**vars(runner), "token_to_kv_pool": types.SimpleNamespace(**vars(pool))})
+    fp8_pool = types.SimpleNamespace(**vars(pool), get_key_buffer=pool.get_key_buffer)
+    fp8 = types.SimpleNamespace(**{**vars(runner), "token_to_kv_pool": fp8_pool})
     fp8.token_to_kv_pool.dtype = torch.float8_e4m3fn
     fp8.token_to_kv_pool.store_dtype = torch.uint8
     import hal.integrations.sglang as hal_sglang
 
     with pytest.raises(hal.UnsupportedError, match="KV cache dtype"):
         hal_sglang.HalAttnBackend(fp8)
+
+
+def _mla_fixture(kit, prefix=(0, 0), extend=(5, 3), rope=0):
+    m = kit.mla
+    case = _kit_case(m.MLAAttentionCase, kit, "EXTEND", prefix, extend)
+    test = kit.module._TestCase()
+    return m.build_mla_attention_fixture(test, case, dtype=torch.float32, device="cpu", qk_rope_head_dim=rope)
+
+
+@torch.no_grad()
+def test_sglangs_mla_pool_is_served_in_place(kit):
+    """SGLang's ``MLATokenToKVPool`` (one latent buffer per layer, the value its view) is hal's MLA cache."""
+    fx = _mla_fixture(kit, prefix=(5, 17), extend=(3, 2))
+    backend, pool, m = fx.backend, fx.runner.token_to_kv_pool, kit.mla
+    assert type(pool).__name__ == "MLATokenToKVPool" and backend.token_to_kv_pool is pool
+    config = backend.config
+    assert config.is_mla and (config.tp_k_head_num, config.head_dim, config.v_head_dim) == (1, 32, 32)
+    assert backend.hal_layer(fx.actual_module.attn_mqa).is_mla
+    # SGLang's DeepSeek models pick their attention method by backend name: hal's names take the latent path
+    from sglang.srt.models.deepseek_common.attention_backend_handler import AttentionBackendRegistry
+    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod
+
+    assert AttentionBackendRegistry.get_handler("hal")(None, fx.forward_batch) == AttnForwardMethod.MLA
+    pointer = pool.kv_buffer[0].data_ptr()
+    out = m.run_mla_fixture_eager(fx)  # the kit writes the latent; hal reads it with save_kv_cache=False
+    torch.testing.assert_close(out, m.expected_mla_fixture_output(fx), atol=1e-5, rtol=1e-5)
+    assert pool.kv_buffer[0].data_ptr() == pointer
+
+
+@torch.no_grad()
+def test_hal_writes_the_latent_and_rope_rows_of_sglangs_mla_pool(kit):
+    """As DeepSeek's absorbed path calls it (``attn_mqa(q, k, k_nope)``, hal saving the KV): the row written
+    is latent ++ rope, in SGLang's buffer; the output matches the kit's reference. No prefix: the kit would
+    write one with SGLang's Triton ``set_mla_kv_buffer``."""
+    fx = _mla_fixture(kit, rope=16)
+    backend, pool, module, fb = fx.backend, fx.runner.token_to_kv_pool, fx.actual_module, fx.forward_batch
+    assert (backend.config.head_dim, backend.config.v_head_dim, backend.config.qk_rope_head_dim) == (48, 32, 16)
+    q_nope, k_nope, q_rope, k_rope = module.forward_absorb_prepare(fx.input_hidden)
+    q, k = torch.cat([q_nope, q_rope], dim=-1), torch.cat([k_nope, k_rope], dim=-1)
+    backend.init_forward_metadata(fb)
+    out = backend.forward(q.flatten(1, 2), k, k_nope, module.attn_mqa, fb)
+    torch.testing.assert_close(pool.kv_buffer[0][fb.out_cache_loc], k)
+    latent = torch.bmm(out.view(-1, 4, 32).transpose(0, 1), module.w_vc).transpose(0, 1)
+    expected = kit.mla.expected_mla_fixture_output(fx)
+    torch.testing.assert_close(module.o_proj(latent.flatten(1, 2)), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_mla_pools_hal_does_not_describe_are_refused(kit):
+    import types
+
+    import hal.integrations.sglang as hal_sglang
+
+    rows = types.SimpleNamespace(kv_lora_rank=32, qk_rope_head_dim=16, get_key_buffer=lambda i: torch.zeros(4, 1, 48))
+    assert hal_sglang.mla_dims(rows) == (32, 16)
+    assert hal_sglang.mla_dims(types.SimpleNamespace()) is None
+    with pytest.raises(hal.UnsupportedError, match="DSA"):
+        hal_sglang.mla_dims(types.SimpleNamespace(**{**vars(rows), "use_dsa": True}))
+    packed = types.SimpleNamespace(**{**vars(rows), "get_key_buffer": lambda i: torch.zeros(4, 1, 29)})
+    with pytest.raises(hal.UnsupportedError, match="rows of 29"):
+        hal_sglang.mla_dims(packed)
+
+
+@torch.no_grad()
+def test_sinks_reach_hals_backend_and_are_refused_where_it_has_none(kit, monkeypatch):
+    """gpt-oss's ``sinks=`` (RadixAttention passes it through) is computed by hal's torch backend and refused,
+    with a hal error, by one that declares no sinks (ascend)."""
+    fx = _fixture(kit, window=4)
+    q, k, v = fx.actual_module.project_qkv(fx.input_hidden)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    fx.backend.init_forward_metadata(fx.forward_batch)
+    with forward_context(ForwardContext(attn_backend=fx.backend)):
+        out = fx.actual_module.attn(q, k, v, fx.forward_batch, sinks=sinks)
+    expected = kit.module.sinks_reference(kit, fx, sinks).float()
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    monkeypatch.setenv("HAL_NPU_EMULATION", "1")
+    monkeypatch.setenv("HAL_DEVICE", "npu")
+    monkeypatch.setenv("HAL_ATTENTION_BACKEND", "ascend")
+    fx = _fixture(kit)
+    assert fx.backend.selection.backend == "ascend" and not fx.backend.config.attention_sinks
+    q, k, v = fx.actual_module.project_qkv(fx.input_hidden)
+    fx.backend.init_forward_metadata(fx.forward_batch)
+    with pytest.raises(hal.UnsupportedError, match="sinks"):
+        fx.backend.forward(q, k, v, fx.actual_module.attn, fx.forward_batch, sinks=sinks)
 
 
 @torch.no_grad()

@@ -57,6 +57,8 @@ __all__ = [
     "sglang_plugin",
     "install_hooks",
     "backend_supports_triton",
+    "route_deepseek_to_latent_attention",
+    "mla_dims",
     "attention_config",
     "hal_layer",
     "runner_device",
@@ -100,8 +102,32 @@ def runner_device(model_runner) -> str:
     return device
 
 
-def hal_layer(layer) -> hal.AttentionLayer:
-    """hal's descriptor of a ``RadixAttention`` (same field names; refused: what hal does not compute)."""
+def mla_dims(pool) -> tuple[int, int] | None:
+    """``(kv_lora_rank, qk_rope_head_dim)`` of SGLang's latent-attention pool (``MLATokenToKVPool``: one
+    ``[slots, 1, kv_lora_rank + qk_rope_head_dim]`` buffer per layer, the value its first ``kv_lora_rank``
+    columns), None for any other pool. Refused (``UnsupportedError``): the DSA variants and rows of another
+    width (the FP4 pool, DSA's fp8 rows with their scales), which hal's latent layout does not describe."""
+    rank = getattr(pool, "kv_lora_rank", None)
+    if rank is None:
+        return None
+    rope = int(getattr(pool, "qk_rope_head_dim", 0) or 0)
+    if getattr(pool, "use_dsa", False):
+        raise UnsupportedError(f"{type(pool).__name__} with use_dsa: DeepSeek sparse attention (DSA) is not in hal")
+    width = pool.get_key_buffer(getattr(pool, "start_layer", 0) or 0).shape[-1]
+    if width != rank + rope:
+        raise UnsupportedError(
+            f"{type(pool).__name__}: rows of {width} elements; hal's MLA cache rows are kv_lora_rank + "
+            f"qk_rope_head_dim = {rank + rope} values of the cache dtype"
+        )
+    return int(rank), rope
+
+
+def hal_layer(layer, mla: tuple[int, int] | None = None) -> hal.AttentionLayer:
+    """hal's descriptor of a ``RadixAttention`` (same field names; refused: what hal does not compute).
+
+    ``mla``: the pool's ``(kv_lora_rank, qk_rope_head_dim)`` (:func:`mla_dims`); a layer of that latent shape
+    (one KV head, ``head_dim = kv_lora_rank + qk_rope_head_dim``, ``v_head_dim = kv_lora_rank``) is described as
+    MLA. SGLang's ``RadixAttention`` does not carry the split itself."""
     attn_type = getattr(layer.attn_type, "value", layer.attn_type) if hasattr(layer, "attn_type") else "decoder"
     if attn_type not in ("decoder", "encoder_only"):
         raise UnsupportedError(f"layer {layer.layer_id}: attn_type {attn_type!r}: hal computes decoder, encoder_only")
@@ -114,6 +140,7 @@ def hal_layer(layer) -> hal.AttentionLayer:
     if (layer.logit_cap or 0) > 0 and method != "tanh":
         raise UnsupportedError(f"layer {layer.layer_id}: logit_capping_method {method!r}: hal caps with tanh")
     window = layer.sliding_window_size
+    latent = mla is not None and (layer.tp_k_head_num, layer.head_dim, layer.v_head_dim) == (1, sum(mla), mla[0])
     return hal.AttentionLayer(
         layer_id=layer.layer_id,
         tp_q_head_num=layer.tp_q_head_num,
@@ -125,6 +152,8 @@ def hal_layer(layer) -> hal.AttentionLayer:
         logit_cap=float(layer.logit_cap or 0.0),
         sliding_window_size=-1 if window is None else int(window),
         attn_type=attn_type,
+        kv_lora_rank=mla[0] if latent else 0,
+        qk_rope_head_dim=mla[1] if latent else 0,
     )
 
 
@@ -162,13 +191,23 @@ def _speculative(model_runner) -> bool:
     return bool(getattr(args, "speculative_num_draft_tokens", 0)) or (callable(is_none) and not is_none())
 
 
+def _has_sinks(model) -> bool:
+    """Whether a model's attention modules hold learned sinks (gpt-oss: ``self_attn.sinks``, passed to
+    ``RadixAttention`` as ``sinks=``)."""
+    if not isinstance(model, torch.nn.Module):
+        return False
+    return any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules())
+
+
 def attention_config(model_runner) -> hal.AttentionConfig:
-    """The ``AttentionConfig`` of the model a runner serves: shape from its KV pool and model config,
-    per-layer window / cap / causality from its ``RadixAttention`` layers (when the model has them),
-    limits from its request table, and whether speculative verify and graphs will come."""
+    """The ``AttentionConfig`` of the model a runner serves: shape from its KV pool and model config
+    (SGLang's ``MLATokenToKVPool``: latent MLA, :func:`mla_dims`), per-layer window / cap / causality from
+    its ``RadixAttention`` layers (when the model has them), attention sinks from its modules, limits
+    from its request table, and whether speculative verify and graphs will come."""
     pool = model_runner.token_to_kv_pool
     table = model_runner.req_to_token_pool
     model_config = model_runner.model_config
+    model = getattr(model_runner, "model", None)
     layout = getattr(pool, "kv_cache_layout", "nhd")
     if layout != "nhd":
         raise UnsupportedError(f"KV cache layout {layout!r}: hal reads [slots, kv_heads, head_dim] (nhd) buffers")
@@ -177,7 +216,13 @@ def attention_config(model_runner) -> hal.AttentionConfig:
         raise UnsupportedError(
             f"KV cache dtype {pool.dtype} (stored as {store}): hal serves fp32 / bf16 / fp16 caches in the model dtype"
         )
-    layers = tuple(hal_layer(m) for m in _radix_layers(getattr(model_runner, "model", None)))
+    mla = mla_dims(pool)
+    layers = tuple(hal_layer(m, mla) for m in _radix_layers(model))
+    if mla is not None:
+        # DeepSeek's models also hold an MHA companion of each latent layer (attn_mha, for the prefill paths
+        # of backends SGLang names); it writes nothing to the pool, and hal is never routed to it
+        # (route_deepseek_to_latent_attention)
+        layers = tuple(x for x in layers if x.is_mla)
     window = getattr(model_runner, "sliding_window_size", None)
     if window is None:
         window = getattr(model_config, "sliding_window_size", None)
@@ -188,17 +233,24 @@ def attention_config(model_runner) -> hal.AttentionConfig:
         graph=_uses_graphs(model_runner),
         max_context_len=int(table.req_to_token.shape[1]),
         max_batch_size=int(table.size),
+        attention_sinks=_has_sinks(model),
     )
     if layers:
         return hal.AttentionConfig.from_layers(layers, **common)
+    if mla is not None:
+        shape = dict(tp_k_head_num=1, head_dim=sum(mla), kv_lora_rank=mla[0], qk_rope_head_dim=mla[1])
+    else:
+        shape = dict(
+            tp_k_head_num=pool.head_num,
+            head_dim=pool.head_dim,
+            v_head_dim=getattr(pool, "v_head_dim", None) or pool.head_dim,
+        )
     return hal.AttentionConfig(
         layer_num=pool.layer_num,
         tp_q_head_num=model_config.get_num_attention_heads(_attention_tp_size(model_runner)),
-        tp_k_head_num=pool.head_num,
-        head_dim=pool.head_dim,
-        v_head_dim=getattr(pool, "v_head_dim", None) or pool.head_dim,
         sliding_window_size=-1 if window is None else int(window),
         non_causal=bool(getattr(model_config, "is_encoder_decoder", False)),
+        **shape,
         **common,
     )
 
@@ -247,7 +299,8 @@ class SGLangBatch:
 # ----------------------------------------------------------------------------- the backend
 
 # kwargs SGLang's models may pass to forward that hal does not compute; None is accepted as absent.
-_KWARGS_REFUSED = ("sinks", "attn_sink", "k_rope", "q_rope", "cos_sin_cache", "topk_indices", "score_mod", "rel_bias")
+# sinks= (gpt-oss) reaches hal's backend, which refuses it where it declares no sinks.
+_KWARGS_REFUSED = ("attn_sink", "k_rope", "q_rope", "cos_sin_cache", "topk_indices", "score_mod", "rel_bias")
 
 
 def _same_device(a, b) -> bool:
@@ -263,7 +316,7 @@ class HalAttnBackend(_SGLangAttentionBackend):
     everywhere in hal); ``device`` replaces the runner's; ``options`` go to the backend's
     constructor. Raises ``hal.NoBackendError`` (every backend with its reasons) when hal cannot
     serve the model here, ``UnsupportedError`` for what hal does not compute at all (an fp8 or
-    HND KV cache, SGLang's unified memory pool, attention sinks...).
+    HND KV cache, SGLang's unified memory pool, DeepSeek's sparse attention...).
 
     ``hal_backend`` is the hal backend, ``selection`` how it was chosen (``selection.trace``),
     ``config`` the ``AttentionConfig`` derived from the runner (:func:`attention_config`).
@@ -285,6 +338,7 @@ class HalAttnBackend(_SGLangAttentionBackend):
             )
         self.kv_index_translator = translator
         self.config = attention_config(model_runner)
+        self._mla = (self.config.kv_lora_rank, self.config.qk_rope_head_dim) if self.config.is_mla else None
         self.selection = hal.select(
             self.config,
             device=device or runner_device(model_runner),
@@ -327,7 +381,7 @@ class HalAttnBackend(_SGLangAttentionBackend):
         """hal's descriptor of a ``RadixAttention``, built once per layer object."""
         entry = self._layers.get(id(layer))
         if entry is None or entry[0] is not layer:
-            entry = (layer, layer if isinstance(layer, hal.AttentionLayer) else hal_layer(layer))
+            entry = (layer, layer if isinstance(layer, hal.AttentionLayer) else hal_layer(layer, self._mla))
             self._layers[id(layer)] = entry
         return entry[1]
 
@@ -417,7 +471,10 @@ class HalAttnBackend(_SGLangAttentionBackend):
         if given:
             raise UnsupportedError(f"hal's attention takes no {given} (layer {getattr(layer, 'layer_id', '?')})")
         batch = self.hal_batch(forward_batch)
-        return getattr(self.hal_backend, method)(q, k, v, self.hal_layer(layer), batch, save_kv_cache=save_kv_cache)
+        sinks = {} if kwargs.get("sinks") is None else {"sinks": kwargs["sinks"]}
+        return getattr(self.hal_backend, method)(
+            q, k, v, self.hal_layer(layer), batch, save_kv_cache=save_kv_cache, **sinks
+        )
 
     def forward(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
         """SGLang's ``forward``, routed by hal (MIXED goes to ``forward_mixed`` where the device fuses it)."""
@@ -450,6 +507,8 @@ def register(name: str = "hal", *, backend: str | None = None, device: str | Non
     def factory(model_runner):
         built = HalAttnBackend(model_runner, backend=backend, device=device)
         _BUILT[name] = built
+        if built.config.is_mla:
+            route_deepseek_to_latent_attention(name)
         return built
 
     factory.__name__ = factory.__qualname__ = f"create_{name}_backend"
@@ -505,6 +564,27 @@ def _get_last_loc_hook(original, req_to_token, req_pool_indices_tensor, prefix_l
     if any(name in _REGISTERED for name in names) and not all(common.support_triton(name) for name in names):
         return allocation.get_last_loc_torch(req_to_token, req_pool_indices_tensor, prefix_lens_tensor)
     return original(req_to_token, req_pool_indices_tensor, prefix_lens_tensor)
+
+
+def _latent_attention_method(attn, forward_batch):
+    """SGLang's DeepSeek attention-method handler for a hal name: the absorbed MLA path in every mode (hal's
+    backend computes latent attention over the ``MLATokenToKVPool``; it never sees the MHA companion layer)."""
+    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod
+
+    return AttnForwardMethod.MLA
+
+
+def route_deepseek_to_latent_attention(name: str) -> None:
+    """SGLang's DeepSeek models (``deepseek_common/attention_backend_handler.py``) choose their attention method
+    by the backend's *name*, an unknown name getting Triton's choice: plain MHA over the MLA pool's
+    ``attn_mha`` companion for prefills, which no latent cache describes. For ``name`` they take the absorbed
+    latent path instead (:func:`_latent_attention_method`). Called when hal's backend is built for an MLA
+    pool, so other models never import SGLang's DeepSeek code."""
+    try:
+        from sglang.srt.models.deepseek_common.attention_backend_handler import AttentionBackendRegistry
+    except ImportError:  # an SGLang without the registry: its DeepSeek code asks nobody
+        return
+    AttentionBackendRegistry.register(name, _latent_attention_method)
 
 
 # SGLang's dotted target -> hal's AROUND hook
