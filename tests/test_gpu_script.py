@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata as md
 import json
 import os
 import shutil
@@ -22,11 +23,29 @@ import run_table  # noqa: E402
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="bench/gpu.sh is a bash script")
 
 
-def run_script(*args: str, python: str = sys.executable, wheelhouse: Path | None = None) -> subprocess.CompletedProcess:
+def run_script(
+    *args: str, python: str = sys.executable, wheelhouse: Path | None = None, site: Path | None = None
+) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHON": python}
     if wheelhouse is not None:
         env["WHEELHOUSE"] = str(wheelhouse)
+    if site is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
     return subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=300)
+
+
+def machine_stack(path: Path) -> Path | None:
+    """A GPU machine comes with torch and Triton; where this test env has no Triton (the cpu env), a site dir
+    whose metadata says Triton 3.6.0 is installed (the preflight reads versions; no step imports it before
+    the GPU check stops the run)."""
+    try:
+        md.version("triton")
+        return None
+    except md.PackageNotFoundError:
+        info = path / "triton-3.6.0.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: triton\nVersion: 3.6.0\n")
+        return path
 
 
 def fake_wheelhouse(path: Path) -> Path:
@@ -38,7 +57,12 @@ def fake_wheelhouse(path: Path) -> Path:
 
 
 def test_dry_run_prints_the_plan_and_runs_nothing(tmp_path):
-    proc = run_script("--dry-run", str(tmp_path / "out"), wheelhouse=fake_wheelhouse(tmp_path / "wh"))
+    proc = run_script(
+        "--dry-run",
+        str(tmp_path / "out"),
+        wheelhouse=fake_wheelhouse(tmp_path / "wh"),
+        site=machine_stack(tmp_path / "site"),
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for step in ("tests (limit 180s)", "check-triton", "check-flashinfer", "graph (limit 45s)", "bench (limit 120s)"):
         assert step in proc.stdout
@@ -48,7 +72,9 @@ def test_dry_run_prints_the_plan_and_runs_nothing(tmp_path):
 
 
 def test_without_a_gpu_it_stops_before_anything_runs(tmp_path):
-    proc = run_script(str(tmp_path / "out"), wheelhouse=fake_wheelhouse(tmp_path / "wh"))
+    proc = run_script(
+        str(tmp_path / "out"), wheelhouse=fake_wheelhouse(tmp_path / "wh"), site=machine_stack(tmp_path / "site")
+    )
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert "NO GPU" in proc.stderr and "sees no CUDA GPU" in proc.stderr
     assert not (tmp_path / "out").exists()  # nothing installed, nothing written
