@@ -75,7 +75,32 @@ GRAPH_UPDATE_API = (
     "graph_task_update_end",
 )
 
-MaskKey = tuple[str, int]  # (kind: "causal" | "full" | "custom", sliding window or -1)
+MaskKey = tuple[str, int]  # (kind: "causal" | "full" | "custom" | "tree", sliding window or -1)
+
+# Latent MLA per generation. hal's MLA pool is one [slots, 1, kv_lora_rank + rope] cache; the ops that read or write
+# that layout (_npu_paged_attention_mla, _npu_reshape_and_cache_siso) are ATB ops (A2/A3).
+MLA_GENERATIONS = ("A2", "A3")
+MLA_OFF = {
+    "A5": "no ATB ops (vllm-ascend runs none there), so nothing writes or reads hal's one latent ++ rope cache; "
+    "FIA v2 alone would need the latent and rope parts in two caches",
+    "310P": "no MLA op (vllm-ascend's 310P attention has no MLA path; FIA v2 is not run there)",
+    None: "unknown generation",
+}
+
+
+def _fp8_reason(generation: str | None) -> str:
+    """Why an fp8 KV cache is off on ``generation`` (A2/A3/310P: no fp8 dtype; upstream quantises to int8)."""
+    if generation == "A5":
+        return (
+            "fp8 KV cache on A5: vllm-ascend's fp8 (float8_e4m3fn) cache runs FIA with the query quantised too "
+            "(query_quant_mode 3, dequant_scale_query/key/value, vllm_ascend/attention/mla_v1.py at 182b75e), not "
+            "hal's bf16 queries over a per-layer scaled cache; not implemented in hal's Ascend backend"
+        )
+    return (
+        f"fp8 KV cache on {generation}: the chip has no fp8 dtype; upstream's quantised KV cache there is int8 "
+        "(vllm-ascend's fa_quant 'C8' path: int8 caches with FIA dequant scales, vllm_ascend/attention/mla_v1.py "
+        "at 182b75e), which hal's kv_cache_dtype (fp8_e4m3 / fp8_e5m2) does not name"
+    )
 
 
 # ----------------------------------------------------------------------------- the ops
@@ -204,7 +229,8 @@ class AscendBackend(AttentionBackend):
     dtypes = frozenset({"fp16", "bf16", "fp32"})  # fp32: the emulation only (validate says why)
     page_sizes = frozenset({16, 32, 64, 128, 256, 512})  # multiples of 16 (ATB), <= 512 (FIA)
     supports_logit_cap = False  # neither ATB PagedAttention nor FIA takes a soft cap
-    supports_mla = False  # one head size for the K and V caches
+    supports_mla = True  # latent MLA (A2/A3): _npu_paged_attention_mla, FIA v2 with query_rope/key_rope
+    kv_cache_dtypes = frozenset({"fp16", "bf16", "fp32"})  # no fp8: see _fp8_reason
     needs_cpu_seq_lens = True  # the ops take per-request lengths on the host
     reads_new_kv = False  # every op reads the new tokens from the cache
     # The ops read token i at offset i % block_size of block i // block_size (block tables). An eager step
@@ -225,6 +251,7 @@ class AscendBackend(AttentionBackend):
         self._graph_tasks: dict[int, list[_CapturedTask]] = {}
         self._update_stream = None
         self._fia_ok: dict[tuple, bool] = {}
+        self._mla_why: dict[tuple, list[str]] = {}
         self.generation = npu_ops.generation_of_arch(capability.arch)
         self._taken: list[str] = []  # step:op routes of the current batch (route_of)
         self._route_step = ""
@@ -285,7 +312,8 @@ class AscendBackend(AttentionBackend):
         if capability.emulated:
             steps.pop("graph_decode", None)
         relayout = ["relayout"] if config.page_size > 1 else []  # the scratch copy of slots off their page offsets
-        return [f"{step}:{op}" for step, op in steps.items() if op] + relayout
+        split = ["mla_split"] if "npu_fused_infer_attention_score_v2" in steps.values() else []
+        return [f"{step}:{op}" for step, op in steps.items() if op] + relayout + split
 
     def route_of(self, forward_batch: ForwardBatch, layer: AttentionLayer) -> list[str]:
         relayout = (
@@ -299,6 +327,8 @@ class AscendBackend(AttentionBackend):
     @classmethod
     def step_routes(cls, config: AttentionConfig, capability: DeviceCapability) -> dict[str, str]:
         """The op each kind of step of ``config`` runs on this generation (``""``: none can)."""
+        if config.kv_lora_rank:
+            return cls._mla_step_routes(config, capability)
         generation = npu_ops.generation_of_arch(capability.arch)
         window = config.sliding_window_size
         fia = generation in ("A2", "A3", "A5")
@@ -324,6 +354,45 @@ class AscendBackend(AttentionBackend):
         return routes
 
     @classmethod
+    def _mla_reasons(cls, config: AttentionConfig, capability: DeviceCapability, path: str) -> list[str]:
+        """Why the op of MLA ``path`` (``mla_decode`` / ``mla_fia`` / ``mla_tree``) cannot serve ``config`` here."""
+        generation = npu_ops.generation_of_arch(capability.arch)
+        if generation not in MLA_GENERATIONS:
+            return [f"MLA on {generation}: {MLA_OFF[generation]}"]
+        return npu_ops.mla_unsupported_reasons(
+            config.kv_lora_rank,
+            config.qk_rope_head_dim,
+            config.page_size,
+            _op_dtype(config.dtype, capability),
+            q_heads=config.tp_q_head_num,
+            kv_heads=config.tp_k_head_num,
+            logit_cap=config.logit_cap,
+            sliding_window=config.sliding_window_size,
+            paths=(path,),
+        )
+
+    @classmethod
+    def _mla_step_routes(cls, config: AttentionConfig, capability: DeviceCapability) -> dict[str, str]:
+        """MLA over hal's one latent ++ rope cache: the KV write and decode take the ATB ops that read that layout;
+        the other steps take FIA v2, which needs the latent and rope parts apart (``mla_split`` copies them)."""
+        fia = "npu_fused_infer_attention_score_v2"
+
+        def pick(path: str, op: str) -> str:
+            return "" if cls._mla_reasons(config, capability, path) else op
+
+        decode = pick("mla_decode", "_npu_paged_attention_mla") or pick("mla_fia", fia)
+        routes = {
+            "kv_write": pick("mla_decode", "_npu_reshape_and_cache_siso")
+            or pick("mla_fia", "_npu_reshape_and_cache_siso"),
+            "decode": decode,
+            "extend": pick("mla_fia", fia),
+            "mixed": pick("mla_fia", fia),
+        }
+        if config.custom_mask:
+            routes["target_verify"] = pick("mla_tree", fia)
+        return routes
+
+    @classmethod
     def extend_route(cls, config: AttentionConfig, capability: DeviceCapability) -> tuple[str, list[str]]:
         """``(op, reasons)``: the op EXTEND batches of ``config`` run, and why FIA does not serve them."""
         reasons = cls._reasons(config, capability, "extend", config.sliding_window_size)
@@ -334,8 +403,15 @@ class AscendBackend(AttentionBackend):
         reasons = super().unsupported_reasons(config, capability)
         generation = npu_ops.generation_of_arch(capability.arch)
         window = config.sliding_window_size
+        if config.kv_cache_dtype_name != config.dtype_name and config.kv_cache_dtype_name.startswith("fp8"):
+            reasons.append(_fp8_reason(generation))
         for step, op in cls.step_routes(config, capability).items():
             if op:
+                continue
+            if config.kv_lora_rank:
+                both = ("mla_decode", "mla_fia")
+                paths = {"decode": both, "kv_write": both, "target_verify": ("mla_tree",)}.get(step, ("mla_fia",))
+                reasons += [f"{step}: {why}" for path in paths for why in cls._mla_reasons(config, capability, path)]
                 continue
             why = []
             if generation in ("A2", "A3", "A5") and step != "target_verify" and step != "graph_decode":
@@ -348,6 +424,8 @@ class AscendBackend(AttentionBackend):
             else:
                 why.append(f"{step}: A5 has no ATB ops (vllm-ascend never runs _npu_paged_attention/splitfuse there)")
             reasons += why or [f"{step}: no Ascend op serves it on {generation}"]
+        if config.kv_lora_rank:
+            reasons += cls._mla_graph_reasons(config, capability)
         if config.graph and capability.available and not capability.emulated:
             npu = getattr(torch, "npu", None)
             missing = [name for name in GRAPH_UPDATE_API if not hasattr(npu, name)]
@@ -367,6 +445,26 @@ class AscendBackend(AttentionBackend):
                     "real NPU: no documented in-graph update of its host lengths; capture decode only there"
                 )
         return list(dict.fromkeys(reasons))
+
+    @staticmethod
+    def _mla_graph_reasons(config: AttentionConfig, capability: DeviceCapability) -> list[str]:
+        reasons = []
+        if not capability.emulated and capability.available:
+            module, _ = npu_ops.load_torch_npu()
+            missing = [name for name in npu_ops.MLA_OP_NAMES if module is not None and not hasattr(module, name)]
+            if missing:
+                reasons.append(f"MLA: torch_npu lacks {', '.join(missing)}")
+            if config.graph:
+                reasons.append(
+                    "graph capture of MLA on a real NPU: _npu_paged_attention_mla cannot be captured (SGLang asserts "
+                    "it) and hal has no in-graph update of FIA v2's host lengths"
+                )
+        if config.graph and config.custom_mask:
+            reasons.append(
+                "graph capture of MLA TARGET_VERIFY: its FIA tree mask is gathered from the verify mask per step "
+                "with host-built indices; hal captures MLA decode only"
+            )
+        return reasons
 
     def support_triton(self) -> bool:
         """Triton helper ops only with a Triton NPU target (triton-ascend); the KV write is the NPU op."""
@@ -560,8 +658,10 @@ class AscendBackend(AttentionBackend):
     def check_layer(self, layer: AttentionLayer) -> None:
         if layer.logit_cap > 0:
             raise UnsupportedError(f"ascend: logit_cap = {layer.logit_cap}: the Ascend ops have no soft cap")
-        if layer.v_head_dim != layer.head_dim:
-            raise UnsupportedError(f"ascend: v_head_dim {layer.v_head_dim} != head_dim {layer.head_dim}")
+        if layer.v_head_dim != layer.head_dim and not layer.is_mla:
+            raise UnsupportedError(
+                f"ascend: v_head_dim {layer.v_head_dim} != head_dim {layer.head_dim} (not latent MLA)"
+            )
 
     def save_kv(self, layer: AttentionLayer, fb: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
         """The NPU's cache write on the paged view, padding handled by each op's documented contract.
@@ -573,6 +673,11 @@ class AscendBackend(AttentionBackend):
         graph's padding requests, which all target the padding slot) is passed as -1.
         """
         pool = fb.token_to_kv_pool
+        if layer.is_mla:  # one cache: ATB's key-only write (a negative slot is a documented skip)
+            cache = pool.get_key_buffer(layer.layer_id)
+            npu_ops.write_latent(self.ops, k, cache.view(-1, pool.page_size, *cache.shape[1:]), fb.out_cache_loc)
+            self._took("_npu_reshape_and_cache_siso", "kv_write")
+            return
         k_cache, v_cache = paged_view(pool, layer.layer_id)
         slots, padding = fb.out_cache_loc, getattr(pool, "padding_slot", 0)  # SGLang pools: slot 0 too
         scatter = self.generation != "310P"
@@ -603,7 +708,8 @@ class AscendBackend(AttentionBackend):
         k_cache, v_cache = paged_view(pool, layer.layer_id)
         if meta.relayout is not None:  # read through a page-aligned copy of the batch's keys and values
             k_cache = npu_ops.buffer_pages(pool.get_key_buffer(layer.layer_id)[meta.relayout], meta.page_size)
-            v_cache = npu_ops.buffer_pages(pool.get_value_buffer(layer.layer_id)[meta.relayout], meta.page_size)
+            if not layer.is_mla:  # MLA's value is the key's latent
+                v_cache = npu_ops.buffer_pages(pool.get_value_buffer(layer.layer_id)[meta.relayout], meta.page_size)
         return meta, q.to(pool.dtype).contiguous(), k_cache, v_cache
 
     def _refuse_capture(self, op: str) -> None:
@@ -645,6 +751,8 @@ class AscendBackend(AttentionBackend):
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         meta, query, k_cache, v_cache = self._prepare(q, layer, forward_batch)
+        if layer.is_mla:
+            return self._output(self._mla(meta, query, k_cache, layer, forward_batch.forward_mode), q, layer)
         if layer.sliding_window_size >= 0:  # _npu_paged_attention has no mask: splitfuse with a windowed one
             out = self._splitfuse(meta, query, k_cache, v_cache, layer, ("causal", layer.sliding_window_size))
         elif self._fia_serves(layer, k_cache.shape[1], meta.dtype, "fia_decode") and not self._capturing():
@@ -677,6 +785,8 @@ class AscendBackend(AttentionBackend):
         if mode.is_mixed():  # reached when called directly (forward() sends MIXED to forward_mixed on an NPU)
             return self.forward_mixed(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
         meta, query, k_cache, v_cache = self._prepare(q, layer, forward_batch)
+        if layer.is_mla:
+            return self._output(self._mla(meta, query, k_cache, layer, mode), q, layer)
         window = layer.sliding_window_size
         if mode.is_target_verify():
             out = self._splitfuse(meta, query, k_cache, v_cache, layer, ("custom", window))
@@ -704,6 +814,8 @@ class AscendBackend(AttentionBackend):
         """Decodes and chunked prefills of a MIXED batch in one call: FIA (TND) where it serves the layer (A2/A3/A5,
         as vllm-ascend's chunked prefill), else ``_npu_paged_attention_splitfuse``."""
         meta, query, k_cache, v_cache = self._prepare(q, layer, forward_batch)
+        if layer.is_mla:
+            return self._output(self._mla(meta, query, k_cache, layer, forward_batch.forward_mode), q, layer)
         if self._fia_serves(layer, k_cache.shape[1], meta.dtype, "extend"):
             return self._output(self._fia(meta, query, k_cache, v_cache, layer), q, layer)
         kind = "causal" if layer.causal else "full"
@@ -733,3 +845,76 @@ class AscendBackend(AttentionBackend):
                 paths=(path,),
             )
         return ok
+
+    # -- MLA ---------------------------------------------------------------------------
+    def _mla_refusal(self, layer: AttentionLayer, page_size: int, dtype: torch.dtype, path: str) -> list[str]:
+        """Why the op of MLA ``path`` cannot run ``layer`` (cached per layer shape)."""
+        key = (layer.kv_lora_rank, layer.qk_rope_head_dim, layer.tp_q_head_num, layer.tp_k_head_num)
+        key += (layer.sliding_window_size, layer.logit_cap, page_size, dtype, path)
+        reasons = self._mla_why.get(key)
+        if reasons is None:
+            config = AttentionConfig.from_layers([layer], dtype=dtype, page_size=page_size)
+            reasons = self._mla_why[key] = self._mla_reasons(config, self.capability, path)
+        return reasons
+
+    def _mla(self, meta: AscendMetadata, query, cache, layer: AttentionLayer, mode) -> torch.Tensor:
+        """Latent attention over the one ``[blocks, page, 1, kv_lora_rank + rope]`` cache -> ``[T, Hq, kv_lora_rank]``.
+
+        Decode without a window: ``_npu_paged_attention_mla`` reads that cache as it is. Every other step: FIA v2
+        with ``query_rope`` / ``key_rope``, which takes the latent and rope parts as two contiguous caches: the
+        batch's pages are copied apart first (``mla_split``), a read of the batch's context per layer."""
+        rank, page = layer.kv_lora_rank, cache.shape[1]
+        if mode.is_decode() and not self._mla_refusal(layer, page, meta.dtype, "mla_decode"):
+            self._refuse_capture("_npu_paged_attention_mla")
+            self._took("_npu_paged_attention_mla")
+            return npu_ops.mla_decode(
+                self.ops, query, cache, meta.block_table, meta.kv_lens, kv_lora_rank=rank, scale=layer.scaling
+            )
+        path = "mla_tree" if mode.is_target_verify() else "mla_fia"
+        why = self._mla_refusal(layer, page, meta.dtype, path)
+        if why:
+            raise UnsupportedError(f"ascend: MLA layer {layer.layer_id}, {self._route_step}: " + "; ".join(why))
+        self._refuse_capture("npu_fused_infer_attention_score_v2")
+        if meta.relayout is None:  # the relayout copy is already laid out request after request
+            cache = cache.index_select(0, meta.block_table.reshape(-1).long())
+        table = torch.arange(cache.shape[0], dtype=torch.int32, device=cache.device).view(meta.batch_size, -1)
+        self._taken.append("mla_split")
+        self._took("npu_fused_infer_attention_score_v2")
+        return npu_ops.mla_attention(
+            self.ops,
+            query,
+            cache[..., :rank].contiguous(),
+            cache[..., rank:].contiguous(),
+            table,
+            [1] * meta.batch_size if mode.is_decode() else meta.query_lens,
+            meta.kv_lens,
+            scale=layer.scaling,
+            causal=layer.causal,
+            sliding_window=layer.sliding_window_size,
+            tree_mask=self._tree_mask(meta) if mode.is_target_verify() else None,
+        )
+
+    def _tree_mask(self, meta: AscendMetadata) -> torch.Tensor:
+        """FIA's flat treeMask (``sparse_mode`` 9, True = hidden) of this verify batch: each request's
+        ``[draft, draft]`` block of hal's custom mask. FIA shows every draft token the whole prefix, so an eager
+        step first checks, with one host read, that the custom mask does too (else ``UnsupportedError``)."""
+        mask = meta.masks.get(("tree", -1))
+        if mask is not None:
+            return mask
+        tree, prefix, offset = [], [], 0
+        for q, n in zip(meta.query_lens, meta.kv_lens):
+            rows = torch.arange(q) * n + offset
+            tree.append((rows[:, None] + (n - q) + torch.arange(q)).reshape(-1))
+            prefix.append((rows[:, None] + torch.arange(n - q)).reshape(-1))
+            offset += q * n
+        custom = meta.custom_mask
+        # hal: allow-host-data the step's gather indices, built from host lengths; MLA verify is never captured
+        tree_idx, prefix_idx = (torch.cat(x).to(custom.device) for x in (tree, prefix))
+        # hal: allow-host-sync eager verify steps only (a captured step trusts the mask, as SGLang's EAGLE builds it)
+        if not meta.graph_static and not bool(custom[prefix_idx].all()):
+            raise UnsupportedError(
+                "ascend: an MLA verify mask hides prefix keys from a draft token; FIA's tree mask (sparse_mode 9) "
+                "shows every draft token the whole prefix"
+            )
+        mask = meta.masks[("tree", -1)] = ~custom[tree_idx]
+        return mask

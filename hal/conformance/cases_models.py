@@ -42,6 +42,8 @@ _DEEPSEEK = {
     "qk_rope_head_dim": 64,
     "scaling": 192**-0.5,
 }
+# a latent of 128 + rope 64 (FIA's other MLA head size)
+_LATENT128 = {"tp_q_head_num": 8, "tp_k_head_num": 1, "head_dim": 192, "kv_lora_rank": 128, "qk_rope_head_dim": 64}
 _FP8 = {"kv_cache_dtype": F8, "k_scale": 0.37, "v_scale": 1.9}
 
 
@@ -73,6 +75,19 @@ MODEL_CASES: tuple[Case, ...] = (
     Case("mla_deepseek_decode_bf16", D, ((40, 1), (3, 1), (17, 1)), dtype=BF16, **_DEEPSEEK),
     Case("mla_deepseek_extend_prefix_bf16", E, ((12, 4), (0, 5)), dtype=BF16, page_size=16, **_DEEPSEEK),
     Case("mla_deepseek_verify_fp8", V, ((20, 3), (7, 3)), dtype=BF16, kv_cache_dtype=F8, k_scale=0.45, **_DEEPSEEK),
+    # paged bf16 at DeepSeek's dims reach every route of the Ascend MLA path (its ops take only these dims)
+    Case("mla_deepseek_mixed_bf16", M, ((12, 1), (0, 5), (7, 3)), dtype=BF16, page_size=16, **_DEEPSEEK),
+    Case("mla_deepseek_verify_bf16", V, ((20, 3), (7, 3)), dtype=BF16, page_size=16, **_DEEPSEEK),
+    Case(
+        "mla_deepseek_decode_window_bf16",
+        D,
+        ((40, 1), (3, 1)),
+        dtype=BF16,
+        page_size=16,
+        sliding_window_size=8,
+        **_DEEPSEEK,
+    ),
+    Case("mla_latent128_decode_bf16", D, ((30, 1), (5, 1)), dtype=BF16, page_size=16, **_LATENT128),
     # attention sinks: one more logit per head in every softmax denominator, with and without windows
     _sinks("decode", D, _DECODE),
     _sinks("decode_window", D, _DECODE, sliding_window_size=8),

@@ -8,6 +8,7 @@ from . import emulation
 from .ops import (
     FIA_TND_HEAD_DIMS,
     GENERATIONS,
+    MLA_OP_NAMES,
     OP_NAMES,
     block_tables,
     buffer_pages,
@@ -17,6 +18,9 @@ from .ops import (
     is_emulation,
     load_atb,
     load_torch_npu,
+    mla_attention,
+    mla_decode,
+    mla_unsupported_reasons,
     paged_decode,
     paged_mixed,
     paged_prefill,
@@ -25,6 +29,7 @@ from .ops import (
     splitfuse_mask_value,
     unsupported_reasons,
     write_kv,
+    write_latent,
 )
 
 __all__ = [
@@ -34,6 +39,11 @@ __all__ = [
     "generation_of_arch",
     "generation_of_soc",
     "OP_NAMES",
+    "MLA_OP_NAMES",
+    "mla_attention",
+    "mla_decode",
+    "mla_unsupported_reasons",
+    "write_latent",
     "block_tables",
     "fia_causal_mask",
     "is_emulation",
