@@ -231,6 +231,7 @@ class AscendBackend(AttentionBackend):
     supports_logit_cap = False  # neither ATB PagedAttention nor FIA takes a soft cap
     supports_mla = True  # latent MLA (A2/A3): _npu_paged_attention_mla, FIA v2 with query_rope/key_rope
     kv_cache_dtypes = frozenset({"fp16", "bf16", "fp32"})  # no fp8: see _fp8_reason
+    supports_sinks = True  # FIA v2's learnable_sink (A2/A3/A5), as SGLang and vllm-ascend serve gpt-oss
     needs_cpu_seq_lens = True  # the ops take per-request lengths on the host
     reads_new_kv = False  # every op reads the new tokens from the cache
     # The ops read token i at offset i % block_size of block i // block_size (block tables). An eager step
@@ -252,6 +253,7 @@ class AscendBackend(AttentionBackend):
         self._update_stream = None
         self._fia_ok: dict[tuple, bool] = {}
         self._mla_why: dict[tuple, list[str]] = {}
+        self._sink_why: dict[tuple, list[str]] = {}
         self.generation = npu_ops.generation_of_arch(capability.arch)
         self._taken: list[str] = []  # step:op routes of the current batch (route_of)
         self._route_step = ""
@@ -312,7 +314,7 @@ class AscendBackend(AttentionBackend):
         if capability.emulated:
             steps.pop("graph_decode", None)
         relayout = ["relayout"] if config.page_size > 1 else []  # the scratch copy of slots off their page offsets
-        split = ["mla_split"] if "npu_fused_infer_attention_score_v2" in steps.values() else []
+        split = ["mla_split"] if config.kv_lora_rank and "npu_fused_infer_attention_score_v2" in steps.values() else []
         return [f"{step}:{op}" for step, op in steps.items() if op] + relayout + split
 
     def route_of(self, forward_batch: ForwardBatch, layer: AttentionLayer) -> list[str]:
@@ -329,6 +331,8 @@ class AscendBackend(AttentionBackend):
         """The op each kind of step of ``config`` runs on this generation (``""``: none can)."""
         if config.kv_lora_rank:
             return cls._mla_step_routes(config, capability)
+        if config.attention_sinks:
+            return cls._sink_step_routes(config, capability)
         generation = npu_ops.generation_of_arch(capability.arch)
         window = config.sliding_window_size
         fia = generation in ("A2", "A3", "A5")
@@ -393,6 +397,39 @@ class AscendBackend(AttentionBackend):
         return routes
 
     @classmethod
+    def _sink_reasons(cls, config: AttentionConfig, capability: DeviceCapability, step: str) -> list[str]:
+        """Why FIA v2 with ``learnable_sink`` cannot serve ``step`` of ``config`` here."""
+        generation = npu_ops.generation_of_arch(capability.arch)
+        if generation == "310P":
+            return ["attention sinks on 310P: no FIA (vllm-ascend runs only the ATB ops there), no op takes a sink"]
+        if step == "target_verify":
+            return [
+                "npu_fused_infer_attention_score_v2 (target_verify): learnable_sink with hal's verify mask: TND takes "
+                "no custom mask without MLA's rope inputs (its tree mask, sparse_mode 9, is MLA-only)"
+            ]
+        return npu_ops.sink_unsupported_reasons(
+            config.head_dim,
+            config.v_head_dim,
+            config.page_size,
+            _op_dtype(config.dtype, capability),
+            config.logit_cap,
+            not config.non_causal,
+            kv_heads=config.tp_k_head_num,
+            q_heads=config.tp_q_head_num,
+            decode=step == "decode",
+        )
+
+    @classmethod
+    def _sink_step_routes(cls, config: AttentionConfig, capability: DeviceCapability) -> dict[str, str]:
+        """Layers with attention sinks: every attention step is FIA v2 with ``learnable_sink`` (windows as band
+        mode 4); the KV write is the MHA one."""
+        generation = npu_ops.generation_of_arch(capability.arch)
+        steps = ["decode", "extend", "mixed"] + (["target_verify"] if config.custom_mask else [])
+        routes = {"kv_write": "_npu_reshape_and_cache" if generation == "310P" else "npu_scatter_pa_kv_cache"}
+        fia = "npu_fused_infer_attention_score_v2"
+        return routes | {step: "" if cls._sink_reasons(config, capability, step) else fia for step in steps}
+
+    @classmethod
     def extend_route(cls, config: AttentionConfig, capability: DeviceCapability) -> tuple[str, list[str]]:
         """``(op, reasons)``: the op EXTEND batches of ``config`` run, and why FIA does not serve them."""
         reasons = cls._reasons(config, capability, "extend", config.sliding_window_size)
@@ -407,6 +444,9 @@ class AscendBackend(AttentionBackend):
             reasons.append(_fp8_reason(generation))
         for step, op in cls.step_routes(config, capability).items():
             if op:
+                continue
+            if config.attention_sinks and not config.kv_lora_rank:
+                reasons += [f"{step}: {why}" for why in cls._sink_reasons(config, capability, step)]
                 continue
             if config.kv_lora_rank:
                 both = ("mla_decode", "mla_fia")
@@ -426,6 +466,12 @@ class AscendBackend(AttentionBackend):
             reasons += why or [f"{step}: no Ascend op serves it on {generation}"]
         if config.kv_lora_rank:
             reasons += cls._mla_graph_reasons(config, capability)
+            if config.attention_sinks:
+                reasons.append("attention sinks with MLA: learnable_sink needs value D <= 128 and no rope inputs")
+        elif config.attention_sinks and config.graph and capability.available and not capability.emulated:
+            reasons.append(
+                "graph capture of attention sinks on a real NPU: no in-graph update of FIA v2's host lengths"
+            )
         if config.graph and capability.available and not capability.emulated:
             npu = getattr(torch, "npu", None)
             missing = [name for name in GRAPH_UPDATE_API if not hasattr(npu, name)]
@@ -752,7 +798,10 @@ class AscendBackend(AttentionBackend):
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         meta, query, k_cache, v_cache = self._prepare(q, layer, forward_batch)
         if layer.is_mla:
-            return self._output(self._mla(meta, query, k_cache, layer, forward_batch.forward_mode), q, layer)
+            out = self._mla(meta, query, k_cache, layer, forward_batch.forward_mode, kwargs.get("sinks"))
+            return self._output(out, q, layer)
+        if kwargs.get("sinks") is not None:
+            return self._output(self._sinks(meta, query, k_cache, v_cache, layer, "decode", kwargs["sinks"]), q, layer)
         if layer.sliding_window_size >= 0:  # _npu_paged_attention has no mask: splitfuse with a windowed one
             out = self._splitfuse(meta, query, k_cache, v_cache, layer, ("causal", layer.sliding_window_size))
         elif self._fia_serves(layer, k_cache.shape[1], meta.dtype, "fia_decode") and not self._capturing():
@@ -786,7 +835,10 @@ class AscendBackend(AttentionBackend):
             return self.forward_mixed(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
         meta, query, k_cache, v_cache = self._prepare(q, layer, forward_batch)
         if layer.is_mla:
-            return self._output(self._mla(meta, query, k_cache, layer, mode), q, layer)
+            return self._output(self._mla(meta, query, k_cache, layer, mode, kwargs.get("sinks")), q, layer)
+        if kwargs.get("sinks") is not None:
+            step = "target_verify" if mode.is_target_verify() else "extend"
+            return self._output(self._sinks(meta, query, k_cache, v_cache, layer, step, kwargs["sinks"]), q, layer)
         window = layer.sliding_window_size
         if mode.is_target_verify():
             out = self._splitfuse(meta, query, k_cache, v_cache, layer, ("custom", window))
@@ -815,7 +867,10 @@ class AscendBackend(AttentionBackend):
         as vllm-ascend's chunked prefill), else ``_npu_paged_attention_splitfuse``."""
         meta, query, k_cache, v_cache = self._prepare(q, layer, forward_batch)
         if layer.is_mla:
-            return self._output(self._mla(meta, query, k_cache, layer, forward_batch.forward_mode), q, layer)
+            out = self._mla(meta, query, k_cache, layer, forward_batch.forward_mode, kwargs.get("sinks"))
+            return self._output(out, q, layer)
+        if kwargs.get("sinks") is not None:
+            return self._output(self._sinks(meta, query, k_cache, v_cache, layer, "mixed", kwargs["sinks"]), q, layer)
         if self._fia_serves(layer, k_cache.shape[1], meta.dtype, "extend"):
             return self._output(self._fia(meta, query, k_cache, v_cache, layer), q, layer)
         kind = "causal" if layer.causal else "full"
@@ -846,6 +901,30 @@ class AscendBackend(AttentionBackend):
             )
         return ok
 
+    # -- attention sinks ---------------------------------------------------------------
+    def _sinks(self, meta: AscendMetadata, query, k_cache, v_cache, layer: AttentionLayer, step: str, sinks):
+        """FIA v2 with ``learnable_sink`` over the batch (a decode: one query token per request)."""
+        key = (layer.head_dim, layer.tp_q_head_num, layer.tp_k_head_num, layer.logit_cap, layer.causal)
+        key += (k_cache.shape[1], meta.dtype, step)
+        why = self._sink_why.get(key)
+        if why is None:
+            config = AttentionConfig.from_layers([layer], dtype=meta.dtype, page_size=k_cache.shape[1])
+            why = self._sink_why[key] = self._sink_reasons(config, self.capability, step)
+        if why:
+            raise UnsupportedError(f"ascend: attention sinks, layer {layer.layer_id}: " + "; ".join(why))
+        self._refuse_capture("npu_fused_infer_attention_score_v2")
+        self._took("npu_fused_infer_attention_score_v2")
+        return npu_ops.paged_attention_sinks(
+            self.ops,
+            *(query, k_cache, v_cache, meta.block_table),
+            [1] * meta.batch_size if step == "decode" else meta.query_lens,
+            meta.kv_lens,
+            sinks,
+            scale=layer.scaling,
+            causal=layer.causal,
+            sliding_window=layer.sliding_window_size,
+        )
+
     # -- MLA ---------------------------------------------------------------------------
     def _mla_refusal(self, layer: AttentionLayer, page_size: int, dtype: torch.dtype, path: str) -> list[str]:
         """Why the op of MLA ``path`` cannot run ``layer`` (cached per layer shape)."""
@@ -857,13 +936,18 @@ class AscendBackend(AttentionBackend):
             reasons = self._mla_why[key] = self._mla_reasons(config, self.capability, path)
         return reasons
 
-    def _mla(self, meta: AscendMetadata, query, cache, layer: AttentionLayer, mode) -> torch.Tensor:
+    def _mla(self, meta: AscendMetadata, query, cache, layer: AttentionLayer, mode, sinks=None) -> torch.Tensor:
         """Latent attention over the one ``[blocks, page, 1, kv_lora_rank + rope]`` cache -> ``[T, Hq, kv_lora_rank]``.
 
         Decode without a window: ``_npu_paged_attention_mla`` reads that cache as it is. Every other step: FIA v2
         with ``query_rope`` / ``key_rope``, which takes the latent and rope parts as two contiguous caches: the
         batch's pages are copied apart first (``mla_split``), a read of the batch's context per layer."""
         rank, page = layer.kv_lora_rank, cache.shape[1]
+        if sinks is not None:
+            raise UnsupportedError(
+                f"ascend: MLA layer {layer.layer_id} with sinks=: no Ascend MLA op takes a sink "
+                "(FIA v2's learnable_sink needs value D <= 128 and no rope inputs)"
+            )
         if mode.is_decode() and not self._mla_refusal(layer, page, meta.dtype, "mla_decode"):
             self._refuse_capture("_npu_paged_attention_mla")
             self._took("_npu_paged_attention_mla")

@@ -102,6 +102,10 @@ MODEL_CASES: tuple[Case, ...] = (
     _sinks("verify_window_blind_row", V, _VERIFY, sliding_window_size=7, blind_row=True),
     _sinks("draft_extend_window", X, _DRAFT, sliding_window_size=4),
     _sinks("decode_logit_cap", D, _DECODE, logit_cap=5.0, q_scale=8.0),
+    # head dim 128 on 128-token pages: FIA v2's learnable_sink takes these (the Ascend sinks path)
+    _sinks("decode_d128_bf16_page128", D, _DECODE, head_dim=128, dtype=BF16, page_size=128),
+    _sinks("extend_window_d128_page128", E, _EXTEND, head_dim=128, page_size=128, sliding_window_size=6),
+    _sinks("mixed_gqa_d128_page128", M, _MIXED, head_dim=128, page_size=128, tp_q_head_num=8, tp_k_head_num=2),
     # gpt-oss's windowed layer served from an fp8 cache
     _sinks("extend_window_fp8_bf16", E, _EXTEND, sliding_window_size=6, dtype=BF16, **_FP8),
     # fp8 KV cache: the write quantises with the layer's scales, the read dequantises; bf16 and fp32 queries

@@ -63,6 +63,8 @@ __all__ = [
     "mla_decode",
     "mla_attention",
     "mla_unsupported_reasons",
+    "paged_attention_sinks",
+    "sink_unsupported_reasons",
 ]
 
 OP_NAMES = (
@@ -782,14 +784,9 @@ def mla_attention(
     if padded != heads:
         query = torch.nn.functional.pad(query, (0, 0, 0, padded - heads))
     blocks, block_size = latent_cache.shape[:2]
-    extra: dict[str, Any] = {"sparse_mode": 0}
+    extra = _fia_v2_visibility(query.device, causal, sliding_window)
     if tree_mask is not None:
         extra = {"sparse_mode": 9, "atten_mask": tree_mask}
-    elif sliding_window >= 0:
-        extra = {"sparse_mode": 4, "atten_mask": fia_causal_mask(query.device), "pre_tokens": sliding_window}
-        extra["next_tokens"] = 0
-    elif causal:
-        extra = {"sparse_mode": 3, "atten_mask": fia_causal_mask(query.device)}
     out, _ = ops.npu_fused_infer_attention_score_v2(
         query[..., :rank].contiguous(),
         latent_cache.view(blocks, block_size, -1),
@@ -809,9 +806,104 @@ def mla_attention(
     return out[:, :heads]
 
 
+def _fia_v2_visibility(device, causal: bool, sliding_window: int) -> dict[str, Any]:
+    """FIA v2's TND mask arguments: ``sparse_mode`` 4 (band, ``pre_tokens = sliding_window``, ``next_tokens = 0``, as
+    SGLang and vllm-ascend pass for windows), 3 (rightDownCausal) or 0 (no mask); 3 and 4 take the compressed mask."""
+    if sliding_window >= 0:
+        return dict(sparse_mode=4, atten_mask=fia_causal_mask(device), pre_tokens=sliding_window, next_tokens=0)
+    if causal:
+        return dict(sparse_mode=3, atten_mask=fia_causal_mask(device))
+    return dict(sparse_mode=0)
+
+
+def paged_attention_sinks(
+    ops: Any,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_lens: Sequence[int] | torch.Tensor,
+    kv_lens: Sequence[int] | torch.Tensor,
+    sinks: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool = True,
+    sliding_window: int = -1,
+) -> torch.Tensor:
+    """Attention with a learned sink logit per query head (gpt-oss), any query lengths (TND) -> ``[T, Hq, D]``.
+
+    ``torch_npu.npu_fused_infer_attention_score_v2(query, key, value, learnable_sink=sinks, input_layout="TND",
+    sparse_mode=3 or 4, pre_tokens=sliding_window, next_tokens=0, ...)`` over the paged caches viewed as
+    ``(blocks, block_size, kv_heads * dim)`` (doc: {fia2}, "learnable_sink约束": TND, value D <= 128, bfloat16 sinks;
+    called so by {vllm} and {sglang} ``forward_extend`` / ``forward_decode``). ``sinks`` ``[Hq]`` are passed as
+    bfloat16 (float32 with float32 queries, which only the CPU emulation takes).
+    """
+    blocks, block_size = key_cache.shape[:2]
+    sink_dtype = torch.float32 if query.dtype == torch.float32 else torch.bfloat16
+    out, _ = ops.npu_fused_infer_attention_score_v2(
+        query.contiguous(),
+        key_cache.view(blocks, block_size, -1),
+        value_cache.view(blocks, block_size, -1),
+        block_table=block_table,
+        input_layout="TND",
+        block_size=block_size,
+        actual_seq_qlen=list(itertools.accumulate(_host_lengths("query_lens", query_lens))),
+        actual_seq_kvlen=_host_lengths("kv_lens", kv_lens),
+        num_query_heads=query.shape[1],
+        num_key_value_heads=key_cache.shape[2],
+        softmax_scale=float(scale),
+        learnable_sink=sinks.to(sink_dtype).contiguous(),
+        **_fia_v2_visibility(query.device, causal, sliding_window),
+    )
+    return out
+
+
+_cite(paged_attention_sinks, fia2=_FIA_V2_DOC, vllm=_VLLM_ASCEND, sglang=_SGLANG)
 _cite(write_latent, rc=_ATB_RC_DOC)
 _cite(mla_decode, sglang=_SGLANG)
 _cite(mla_attention, fia2=_FIA_V2_DOC, vllm=_VLLM_ASCEND_MLA)
+
+
+SINK_MAX_VALUE_DIM = 128  # FIA v2 "learnable_sink约束": value D <= 128
+
+
+def sink_unsupported_reasons(
+    head_dim: int,
+    v_head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    logit_cap: float,
+    causal: bool,
+    *,
+    kv_heads: int,
+    q_heads: int,
+    decode: bool = False,
+) -> list[str]:
+    """Why FIA v2 with ``learnable_sink`` cannot serve a layer: FIA's TND rules (:func:`unsupported_reasons`, path
+    ``fia_decode`` or ``extend``; FIA v2 takes a window as band mode 4) plus the sink's own (value D <= 128)."""
+    path = "fia_decode" if decode else "extend"
+    reasons = unsupported_reasons(
+        head_dim,
+        v_head_dim,
+        block_size,
+        dtype,
+        logit_cap,
+        -1,
+        False,
+        causal,
+        kv_heads=kv_heads,
+        q_heads=q_heads,
+        paths=(path,),
+    )
+    reasons = [
+        why.replace("npu_fused_infer_attention_score (", "npu_fused_infer_attention_score_v2 (") for why in reasons
+    ]
+    if v_head_dim > SINK_MAX_VALUE_DIM:
+        reasons.append(
+            f"npu_fused_infer_attention_score_v2 ({path}): learnable_sink needs value D <= {SINK_MAX_VALUE_DIM}, "
+            f"not {v_head_dim}"
+        )
+    return reasons
 
 
 def mla_unsupported_reasons(
