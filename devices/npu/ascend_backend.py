@@ -959,8 +959,7 @@ class AscendBackend(AttentionBackend):
         if why:
             raise UnsupportedError(f"ascend: MLA layer {layer.layer_id}, {self._route_step}: " + "; ".join(why))
         self._refuse_capture("npu_fused_infer_attention_score_v2")
-        if meta.relayout is None:  # the relayout copy is already laid out request after request
-            cache = cache.index_select(0, meta.block_table.reshape(-1).long())
+        cache = self._batch_pages(meta, cache)
         table = torch.arange(cache.shape[0], dtype=torch.int32, device=cache.device).view(meta.batch_size, -1)
         self._taken.append("mla_split")
         self._took("npu_fused_infer_attention_score_v2")
@@ -977,6 +976,13 @@ class AscendBackend(AttentionBackend):
             sliding_window=layer.sliding_window_size,
             tree_mask=self._tree_mask(meta) if mode.is_target_verify() else None,
         )
+
+    @staticmethod
+    def _batch_pages(meta: AscendMetadata, cache: torch.Tensor) -> torch.Tensor:
+        """The batch's pages of ``cache``, request after request (``[B * max_blocks, page, 1, D]``, a copy)."""
+        if meta.relayout is not None:  # the relayout copy is already laid out that way
+            return cache
+        return cache.index_select(0, meta.block_table.reshape(-1).long())
 
     def _tree_mask(self, meta: AscendMetadata) -> torch.Tensor:
         """FIA's flat treeMask (``sparse_mode`` 9, True = hidden) of this verify batch: each request's
