@@ -14,6 +14,17 @@ Routing, per forward mode (the ops and their limits are documented in ``hal.kern
 * MIXED: ``forward_mixed``, ONE splitfuse call for the whole batch (decodes and chunked prefills);
   ``forward_extend`` sends a MIXED batch down the same path.
 
+Latent MLA (A2/A3; ``MLA_OFF`` says why not on A5 / 310P), over ``hal.MLAKVPool``'s one ``[slots, 1,
+kv_lora_rank + rope]`` cache: the KV write is ``_npu_reshape_and_cache_siso`` (ATB, key only); DECODE without a
+window is ``_npu_paged_attention_mla`` on that cache in place (as SGLang's NPU backend, which concatenates its two
+caches first); every other step is ``npu_fused_infer_attention_score_v2`` with ``query_rope`` / ``key_rope`` (as
+vllm-ascend's ``mla_v1.py`` absorbed path): TND, sparse mode 3, 4 (band) for windows, 9 (tree mask) for
+TARGET_VERIFY, over the batch's pages copied apart into latent and rope caches (``mla_split``: FIA takes them as
+two contiguous tensors). Attention sinks (``forward(..., sinks=)``): ``npu_fused_infer_attention_score_v2`` with
+``learnable_sink`` for decode, extend and mixed steps (vllm-ascend ``attention_v1.py``, SGLang
+``forward_extend``/``forward_decode``); verify with sinks, and sinks on 310P, are refused with the reason. fp8 KV
+caches are off with a reason per generation (``_fp8_reason``).
+
 KV writes use ``_npu_reshape_and_cache`` (:func:`~hal.kernels.npu.write_kv`), not the helper ops:
 it is the one ATB kernel vllm-ascend and SGLang write the paged cache with on Ascend, it takes
 the ``[blocks, block_size, kv_heads, dim]`` view the attention ops read and int32 slots cast on
@@ -288,6 +299,15 @@ class AscendBackend(AttentionBackend):
                 else "; _npu_paged_attention for captured decode graphs and decodes FIA cannot serve, "
                 "_npu_paged_attention_splitfuse for windows, verify masks and extends FIA cannot serve"
             )
+        if generation in MLA_GENERATIONS:
+            route += (
+                "; MLA: _npu_reshape_and_cache_siso (KV write), _npu_paged_attention_mla (decode), "
+                "npu_fused_infer_attention_score_v2 with query_rope/key_rope over a split copy (other steps)"
+            )
+        else:
+            route += f"; no MLA ({MLA_OFF.get(generation, 'unknown generation')})"
+        if generation != "310P":
+            route += "; attention sinks: npu_fused_infer_attention_score_v2 with learnable_sink"
         return [*super().notes(capability), route + " (routes() and extend_route() say why)"]
 
     @staticmethod
