@@ -42,8 +42,8 @@ def _narrower(layer):
 
 
 class BandFromVllmWindow(AscendBackend):
-    def _mla(self, meta, query, cache, layer, mode, sinks=None):
-        return super()._mla(meta, query, cache, _narrower(layer), mode, sinks)
+    def _mla(self, meta, query, cache, rope, layer, mode, sinks=None):
+        return super()._mla(meta, query, cache, rope, _narrower(layer), mode, sinks)
 
     def _sinks(self, meta, query, k_cache, v_cache, layer, step, sinks):
         return super()._sinks(meta, query, k_cache, v_cache, _narrower(layer), step, sinks)

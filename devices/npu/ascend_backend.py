@@ -59,6 +59,7 @@ graph, whose replay re-runs the step and so reads the refreshed lists.
 from __future__ import annotations
 
 import functools
+import types
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -210,6 +211,12 @@ class _CapturedTask:
     event: Any
     kwargs: dict  # the captured call's tensors and scalars, without context_lens
     workspace: torch.Tensor | None = None
+
+
+def _split_mla(pool, layer: AttentionLayer) -> bool:
+    """Whether ``pool`` holds ``layer``'s MLA latent and rope part in two buffers (``mla_split``: SGLang's NPU MLA
+    pool through ``hal.integrations.sglang_pools``) rather than hal's one joined buffer."""
+    return layer.is_mla and bool(getattr(pool, "mla_split", False))
 
 
 def _relayout(
@@ -729,6 +736,20 @@ class AscendBackend(AttentionBackend):
                 f"ascend: v_head_dim {layer.v_head_dim} != head_dim {layer.head_dim} (not latent MLA)"
             )
 
+    def check_inputs(self, q, k, v, layer: AttentionLayer, forward_batch: ForwardBatch, save_kv_cache: bool = True):
+        """The prologue's checks; a split MLA pool (latent and rope buffers apart) is checked as the one key it
+        holds, through 0-slot stand-ins of the joined key's shape on the pool's device."""
+        pool = forward_batch.token_to_kv_pool
+        if not _split_mla(pool, layer):
+            return super().check_inputs(q, k, v, layer, forward_batch, save_kv_cache)
+        latent, rope = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+        key = latent.new_empty(0, latent.shape[1], latent.shape[2] + rope.shape[2])
+        joined = types.SimpleNamespace(
+            get_key_buffer=lambda _: key, get_value_buffer=lambda _: key[..., : latent.shape[2]]
+        )
+        batch = types.SimpleNamespace(out_cache_loc=forward_batch.out_cache_loc, token_to_kv_pool=joined)
+        return super().check_inputs(q, k, v, layer, batch, save_kv_cache)
+
     def save_kv(self, layer: AttentionLayer, fb: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
         """The NPU's cache write on the paged view, padding handled by each op's documented contract.
 
@@ -739,11 +760,14 @@ class AscendBackend(AttentionBackend):
         graph's padding requests, which all target the padding slot) is passed as -1.
         """
         pool = fb.token_to_kv_pool
-        if layer.is_mla:  # one cache: ATB's key-only write (a negative slot is a documented skip)
+        split = _split_mla(pool, layer)
+        if layer.is_mla and not split:  # one cache: ATB's key-only write (a negative slot is a documented skip)
             cache = pool.get_key_buffer(layer.layer_id)
             npu_ops.write_latent(self.ops, k, cache.view(-1, pool.page_size, *cache.shape[1:]), fb.out_cache_loc)
             self._took("_npu_reshape_and_cache_siso", "kv_write")
             return
+        if split:  # the latent and the rope part into their own caches, one scatter
+            k, v = k[..., : layer.kv_lora_rank], k[..., layer.kv_lora_rank :]
         k_cache, v_cache = paged_view(pool, layer.layer_id)
         slots, padding = fb.out_cache_loc, getattr(pool, "padding_slot", 0)  # SGLang pools: slot 0 too
         scatter = self.generation != "310P"
@@ -774,8 +798,9 @@ class AscendBackend(AttentionBackend):
         k_cache, v_cache = paged_view(pool, layer.layer_id)
         if meta.relayout is not None:  # read through a page-aligned copy of the batch's keys and values
             k_cache = npu_ops.buffer_pages(pool.get_key_buffer(layer.layer_id)[meta.relayout], meta.page_size)
-            if not layer.is_mla:  # MLA's value is the key's latent
-                v_cache = npu_ops.buffer_pages(pool.get_value_buffer(layer.layer_id)[meta.relayout], meta.page_size)
+            v_cache = npu_ops.buffer_pages(pool.get_value_buffer(layer.layer_id)[meta.relayout], meta.page_size)
+        if layer.is_mla and not _split_mla(pool, layer):
+            v_cache = None  # hal's MLA pool: the value is the key's latent, one cache
         return meta, q.to(pool.dtype).contiguous(), k_cache, v_cache
 
     def _refuse_capture(self, op: str) -> None:
@@ -818,7 +843,7 @@ class AscendBackend(AttentionBackend):
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         meta, query, k_cache, v_cache = self._prepare(q, layer, forward_batch)
         if layer.is_mla:
-            out = self._mla(meta, query, k_cache, layer, forward_batch.forward_mode, kwargs.get("sinks"))
+            out = self._mla(meta, query, k_cache, v_cache, layer, forward_batch.forward_mode, kwargs.get("sinks"))
             return self._output(out, q, layer)
         if kwargs.get("sinks") is not None:
             return self._output(self._sinks(meta, query, k_cache, v_cache, layer, "decode", kwargs["sinks"]), q, layer)
@@ -855,7 +880,7 @@ class AscendBackend(AttentionBackend):
             return self.forward_mixed(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
         meta, query, k_cache, v_cache = self._prepare(q, layer, forward_batch)
         if layer.is_mla:
-            return self._output(self._mla(meta, query, k_cache, layer, mode, kwargs.get("sinks")), q, layer)
+            return self._output(self._mla(meta, query, k_cache, v_cache, layer, mode, kwargs.get("sinks")), q, layer)
         if kwargs.get("sinks") is not None:
             step = "target_verify" if mode.is_target_verify() else "extend"
             return self._output(self._sinks(meta, query, k_cache, v_cache, layer, step, kwargs["sinks"]), q, layer)
@@ -887,7 +912,7 @@ class AscendBackend(AttentionBackend):
         as vllm-ascend's chunked prefill), else ``_npu_paged_attention_splitfuse``."""
         meta, query, k_cache, v_cache = self._prepare(q, layer, forward_batch)
         if layer.is_mla:
-            out = self._mla(meta, query, k_cache, layer, forward_batch.forward_mode, kwargs.get("sinks"))
+            out = self._mla(meta, query, k_cache, v_cache, layer, forward_batch.forward_mode, kwargs.get("sinks"))
             return self._output(out, q, layer)
         if kwargs.get("sinks") is not None:
             return self._output(self._sinks(meta, query, k_cache, v_cache, layer, "mixed", kwargs["sinks"]), q, layer)
@@ -956,19 +981,21 @@ class AscendBackend(AttentionBackend):
             reasons = self._mla_why[key] = self._mla_reasons(config, self.capability, path)
         return reasons
 
-    def _mla(self, meta: AscendMetadata, query, cache, layer: AttentionLayer, mode, sinks=None) -> torch.Tensor:
-        """Latent attention over the one ``[blocks, page, 1, kv_lora_rank + rope]`` cache -> ``[T, Hq, kv_lora_rank]``.
+    def _mla(self, meta: AscendMetadata, query, cache, rope, layer: AttentionLayer, mode, sinks=None) -> torch.Tensor:
+        """Latent attention -> ``[T, Hq, kv_lora_rank]`` over hal's one ``[blocks, page, 1, kv_lora_rank + rope]``
+        ``cache`` (``rope`` None) or, from a split pool (SGLang's NPU MLA pool), the latent ``cache`` and ``rope``.
 
-        Decode without a window: ``_npu_paged_attention_mla`` reads that cache as it is. Every other step: FIA v2
-        with ``query_rope`` / ``key_rope``, which takes the latent and rope parts as two contiguous caches: the
-        batch's pages are copied apart first (``mla_split``), a read of the batch's context per layer."""
+        One cache: decode without a window is ``_npu_paged_attention_mla`` on it as it is; every other step FIA v2
+        with ``query_rope`` / ``key_rope``, which takes the latent and rope parts as two contiguous caches, so the
+        batch's pages are copied apart first (``mla_split``, a read of the batch's context per layer). A split
+        pool: FIA v2 for every step, in place."""
         rank, page = layer.kv_lora_rank, cache.shape[1]
         if sinks is not None:
             raise UnsupportedError(
                 f"ascend: MLA layer {layer.layer_id} with sinks=: no Ascend MLA op takes a sink "
                 "(FIA v2's learnable_sink needs value D <= 128 and no rope inputs)"
             )
-        if mode.is_decode() and not self._mla_refusal(layer, page, meta.dtype, "mla_decode"):
+        if rope is None and mode.is_decode() and not self._mla_refusal(layer, page, meta.dtype, "mla_decode"):
             self._refuse_capture("_npu_paged_attention_mla")
             self._took("_npu_paged_attention_mla")
             return npu_ops.mla_decode(
@@ -979,15 +1006,18 @@ class AscendBackend(AttentionBackend):
         if why:
             raise UnsupportedError(f"ascend: MLA layer {layer.layer_id}, {self._route_step}: " + "; ".join(why))
         self._refuse_capture("npu_fused_infer_attention_score_v2")
-        cache = self._batch_pages(meta, cache)
-        table = torch.arange(cache.shape[0], dtype=torch.int32, device=cache.device).view(meta.batch_size, -1)
-        self._taken.append("mla_split")
+        table = meta.block_table
+        if rope is None:
+            pages = self._batch_pages(meta, cache)
+            cache, rope = pages[..., :rank].contiguous(), pages[..., rank:].contiguous()
+            table = torch.arange(pages.shape[0], dtype=torch.int32, device=pages.device).view(meta.batch_size, -1)
+            self._taken.append("mla_split")
         self._took("npu_fused_infer_attention_score_v2")
         return npu_ops.mla_attention(
             self.ops,
             query,
-            cache[..., :rank].contiguous(),
-            cache[..., rank:].contiguous(),
+            cache,
+            rope,
             table,
             [1] * meta.batch_size if mode.is_decode() else meta.query_lens,
             meta.kv_lens,
