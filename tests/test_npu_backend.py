@@ -403,6 +403,24 @@ def test_helper_ops_follow_support_triton(npu):
 # ----------------------------------------------------------------------------- graphs
 
 
+def _graph_runner(npu, built, sinks=None) -> GraphRunner:
+    """A captured GraphRunner (batch sizes 1, 2, 4) of the ascend backend over ``built``'s layer and pools."""
+    device, cap = npu
+    fb = built.batch
+    runner = GraphRunner(
+        AscendBackend(cap),
+        [built.layer],
+        fb.req_to_token_pool,
+        fb.token_to_kv_pool,
+        make_graph=lambda: device.make_graph(cap),
+        capture_bs=(1, 2, 4),
+        dtype=built.case.dtype,
+        sinks=sinks,
+    )
+    runner.capture()
+    return runner
+
+
 @pytest.mark.parametrize(
     "case",
     [
@@ -419,21 +437,10 @@ def test_helper_ops_follow_support_triton(npu):
     ids=lambda c: c.name,
 )
 def test_graph_replay_under_the_emulation_matches_the_reference(npu, op_calls, case):
-    device, cap = npu
     built = build(case)
     fb = built.batch
     pool = fb.token_to_kv_pool
-    backend = AscendBackend(cap)
-    runner = GraphRunner(
-        backend,
-        [built.layer],
-        fb.req_to_token_pool,
-        pool,
-        make_graph=lambda: device.make_graph(cap),
-        capture_bs=(1, 2, 4),
-        dtype=case.dtype,
-    )
-    runner.capture()
+    runner = _graph_runner(npu, built)
     op = "_npu_paged_attention" if case.sliding_window_size < 0 else "_npu_paged_attention_splitfuse"
     for _ in range(2):
         before = len(op_calls[op])
@@ -824,3 +831,27 @@ def test_fp8_kv_cache_is_off_with_each_generations_reason(monkeypatch):
     for gen, why in (("A2", "int8"), ("A3", "int8"), ("310P", "no fp8 dtype"), ("A5", "query_quant_mode 3")):
         reasons = AscendBackend.unsupported_reasons(config, _emulated(monkeypatch, gen)[1])
         assert any(f"fp8 KV cache on {gen}" in r and why in r for r in reasons), (gen, reasons)
+
+
+@pytest.mark.parametrize("window", [-1, 8])
+def test_mla_decode_graph_replays_under_the_emulations_checked_graph(npu, v2_calls, window):
+    """A captured MLA decode step (the eager guard: no host sync, no fresh tensor) replays each batch exactly."""
+    built = build(_mla_case(f"mla_graph_{window}", D, ((3, 1), (40, 1), (17, 1)), sliding_window_size=window))
+    fb, pool = built.batch, built.batch.token_to_kv_pool
+    runner = _graph_runner(npu, built)
+    op = PA_MLA if window < 0 else FIA2
+    for _ in range(2):
+        before = len(v2_calls[op])
+        _close(runner.run(fb, built.q, built.k, built.v)[0], built)
+        assert len(v2_calls[op]) == before + 1
+    assert torch.equal(pool.k_buffer[0][pool.page_size :], built.expected_k[pool.page_size :])
+
+
+def test_sinks_decode_graph_replays_under_the_emulations_checked_graph(npu, v2_calls):
+    case = Case("sinks_graph", D, ((3, 1), (200, 1), (130, 1)), head_dim=128, page_size=128, sinks=True)
+    built = build(dataclasses.replace(case, sliding_window_size=6))
+    fb = built.batch
+    runner = _graph_runner(npu, built, sinks=[built.sinks])
+    for _ in range(2):
+        _close(runner.run(fb, built.q, built.k, built.v)[0], built)
+    assert len(v2_calls[FIA2]) >= 2 and all(c["learnable_sink"] is not None for c in v2_calls[FIA2])

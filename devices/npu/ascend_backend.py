@@ -136,9 +136,27 @@ class _EmulatedOps:
         @functools.wraps(target)
         def launch(*args, **kwargs):
             with opaque_kernel():
-                return target(*args, **kwargs)
+                result = target(*args, **kwargs)
+            return _owned(result) if name in _RETURN_OUTPUTS else result
 
         return launch
+
+
+_RETURN_OUTPUTS = ("npu_fused_infer_attention_score", "npu_fused_infer_attention_score_v2")  # no out= argument
+
+
+def _owned(result: Any) -> Any:
+    """``result``'s tensors moved into tensors allocated in view of the caller's graph guard, as a real op's
+    outputs come from the graph's memory pool: the opaque launch's own allocations are invisible to the guard,
+    which would take a later read of them for a stale external tensor."""
+    if isinstance(result, tuple):
+        return tuple(_owned(x) for x in result)
+    if not isinstance(result, torch.Tensor):
+        return result
+    owned = torch.empty(result.shape, dtype=result.dtype, device=result.device)
+    with opaque_kernel():
+        owned.copy_(result)
+    return owned
 
 
 def _ops_for(capability: DeviceCapability) -> Any:
@@ -755,26 +773,28 @@ class AscendBackend(AttentionBackend):
 
         A2/A3/A5: ``npu_scatter_pa_kv_cache`` takes slots in ``[0, slots)`` only, so a negative (padding) slot
         is redirected to the pool's padding slot (several padding rows may land there: the doc leaves a
-        repeated slot's content unspecified, and nothing reads the padding slot). 310P:
-        ``_npu_reshape_and_cache`` documents a negative slot as skipped, so padding (negative, and a captured
-        graph's padding requests, which all target the padding slot) is passed as -1.
+        repeated slot's content unspecified, and nothing reads the padding slot). 310P, and MLA's one-cache write
+        (``_npu_reshape_and_cache_siso``): the ATB ReshapeAndCache doc makes a negative slot a skip and forbids a
+        repeated one, so padding (negative, and a captured graph's padding requests, which all target the padding
+        slot) is passed as -1. A split MLA pool (SGLang's NPU one) takes its latent and rope part in one scatter.
         """
         pool = fb.token_to_kv_pool
         split = _split_mla(pool, layer)
-        if layer.is_mla and not split:  # one cache: ATB's key-only write (a negative slot is a documented skip)
-            cache = pool.get_key_buffer(layer.layer_id)
-            npu_ops.write_latent(self.ops, k, cache.view(-1, pool.page_size, *cache.shape[1:]), fb.out_cache_loc)
-            self._took("_npu_reshape_and_cache_siso", "kv_write")
-            return
-        if split:  # the latent and the rope part into their own caches, one scatter
-            k, v = k[..., : layer.kv_lora_rank], k[..., layer.kv_lora_rank :]
-        k_cache, v_cache = paged_view(pool, layer.layer_id)
+        joined = layer.is_mla and not split
         slots, padding = fb.out_cache_loc, getattr(pool, "padding_slot", 0)  # SGLang pools: slot 0 too
-        scatter = self.generation != "310P"
+        scatter = self.generation != "310P" and not joined
         if scatter:
             slots = torch.where(slots < 0, padding, slots)
         elif self.forward_metadata.graph_static:
             slots = torch.where(slots == padding, -1, slots)
+        if joined:  # one cache: ATB's key-only write
+            cache = pool.get_key_buffer(layer.layer_id)
+            npu_ops.write_latent(self.ops, k, cache.view(-1, pool.page_size, *cache.shape[1:]), slots)
+            self._took("_npu_reshape_and_cache_siso", "kv_write")
+            return
+        if split:  # the latent and the rope part into their own caches
+            k, v = k[..., : layer.kv_lora_rank], k[..., layer.kv_lora_rank :]
+        k_cache, v_cache = paged_view(pool, layer.layer_id)
         npu_ops.write_kv(self.ops, k, v, k_cache, v_cache, slots, scatter=scatter)
         self._took("npu_scatter_pa_kv_cache" if scatter else "_npu_reshape_and_cache", "kv_write")
 
