@@ -126,6 +126,7 @@ MODEL_CASES: tuple[Case, ...] = (
 MODEL_GRAPH_CASES: tuple[Case, ...] = (
     _mla("graph_decode", D, ((3, 1), (20, 1), (9, 1))),
     _mla("graph_verify_bf16", V, ((3, 3), (40, 3), (17, 3)), dtype=BF16, page_size=16),
+    Case("mla_deepseek_graph_decode_bf16", D, ((3, 1), (20, 1), (9, 1)), dtype=BF16, page_size=16, **_DEEPSEEK),
     _sinks("graph_decode_window", D, ((3, 1), (20, 1), (9, 1), (31, 1)), sliding_window_size=6, layer_num=2),
     _sinks("graph_verify", V, ((3, 4), (20, 4), (9, 4))),
     _fp8("graph_decode_bf16", D, ((3, 1), (20, 1), (9, 1), (40, 1)), dtype=BF16, page_size=16),
