@@ -743,7 +743,7 @@ def v2_calls(monkeypatch):
 
 
 def _mla_case(name, mode, reqs, **kw):
-    return Case(name, mode, reqs, dtype=torch.bfloat16, page_size=16, **{**DEEPSEEK, **kw})
+    return Case(name, mode, reqs, **{"dtype": torch.bfloat16, "page_size": 16, **DEEPSEEK, **kw})
 
 
 def test_mla_routes_follow_the_generation(monkeypatch):
@@ -855,3 +855,36 @@ def test_sinks_decode_graph_replays_under_the_emulations_checked_graph(npu, v2_c
     for _ in range(2):
         _close(runner.run(fb, built.q, built.k, built.v)[0], built)
     assert len(v2_calls[FIA2]) >= 2 and all(c["learnable_sink"] is not None for c in v2_calls[FIA2])
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_random_deepseek_mla_batches_match_the_reference(npu, seed):
+    """Random MLA batches at the dims the ops take: modes, pages, windows, scattered slots, verify trees."""
+    import random
+
+    rng = random.Random(seed)
+    mode = rng.choice([D, E, M, V, ForwardMode.DRAFT_EXTEND])
+    page = rng.choice([16, 32, 64])
+    bs = rng.randint(1, 3)
+    draft = rng.randint(1, 4)
+    reqs = []
+    for _ in range(bs):
+        prefix = rng.randint(0 if mode in (E, M) else 1, 2 * page + 3)
+        new = {D: 1, V: draft}.get(mode, rng.randint(1, page + 2))
+        reqs.append((prefix, new))
+    window = rng.choice([-1, -1, 0, 5, page + 1]) if mode != V else -1
+    case = _mla_case(
+        f"mla_random_{seed}",
+        mode,
+        tuple(reqs),
+        page_size=page,
+        sliding_window_size=window,
+        tp_q_head_num=rng.choice([16, 8, 6]),
+        slots=rng.choice(["aligned", "scattered"]),
+        scaling=rng.choice([None, 192**-0.5]),
+        seed=seed,
+    )
+    built = build(case)
+    _close(_run(AscendBackend(npu[1]), built), built)
+    pool = built.batch.token_to_kv_pool
+    assert torch.equal(pool.k_buffer[0][pool.page_size :], built.expected_k[pool.page_size :])

@@ -673,14 +673,19 @@ def test_write_latent_writes_the_one_cache_and_skips_negative_slots():
         )
 
 
-@pytest.mark.parametrize("window", [-1, 6])
-def test_paged_attention_sinks_adds_the_sink_to_every_denominator(window):
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("window", [-1, 0, 6])
+def test_paged_attention_sinks_adds_the_sink_to_every_denominator(window, causal):
     c = Case([1, 5, 12], [9, 30, 12], 8, 2, 128, 128, torch.float32)
     sinks = torch.randn(8) * 3
     out = ops.paged_attention_sinks(
-        NPU, c.q, c.k_cache, c.v_cache, c.block_table, c.q_lens, c.kv_lens, sinks, scale=c.scale, sliding_window=window
+        *(NPU, c.q, c.k_cache, c.v_cache, c.block_table, c.q_lens, c.kv_lens, sinks),
+        scale=c.scale,
+        sliding_window=window,
+        causal=causal,
     )
-    torch.testing.assert_close(out, c.reference(sliding_window=window, sinks=sinks), **TOL[torch.float32])
+    expected = c.reference(sliding_window=window, sinks=sinks, causal=causal)
+    torch.testing.assert_close(out, expected, **TOL[torch.float32])
 
 
 @pytest.mark.parametrize(

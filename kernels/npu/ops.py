@@ -808,9 +808,11 @@ def mla_attention(
 
 def _fia_v2_visibility(device, causal: bool, sliding_window: int) -> dict[str, Any]:
     """FIA v2's TND mask arguments: ``sparse_mode`` 4 (band, ``pre_tokens = sliding_window``, ``next_tokens = 0``, as
-    SGLang and vllm-ascend pass for windows), 3 (rightDownCausal) or 0 (no mask); 3 and 4 take the compressed mask."""
+    SGLang and vllm-ascend pass for windows; every later key too when not causal), 3 (rightDownCausal) or 0 (no
+    mask); 3 and 4 take the compressed mask."""
     if sliding_window >= 0:
-        return dict(sparse_mode=4, atten_mask=fia_causal_mask(device), pre_tokens=sliding_window, next_tokens=0)
+        later = 0 if causal else emulation.INT_MAX
+        return dict(sparse_mode=4, atten_mask=fia_causal_mask(device), pre_tokens=sliding_window, next_tokens=later)
     if causal:
         return dict(sparse_mode=3, atten_mask=fia_causal_mask(device))
     return dict(sparse_mode=0)
