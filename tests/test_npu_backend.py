@@ -403,6 +403,24 @@ def test_helper_ops_follow_support_triton(npu):
 # ----------------------------------------------------------------------------- graphs
 
 
+def _graph_runner(npu, built, sinks=None) -> GraphRunner:
+    """A captured GraphRunner (batch sizes 1, 2, 4) of the ascend backend over ``built``'s layer and pools."""
+    device, cap = npu
+    fb = built.batch
+    runner = GraphRunner(
+        AscendBackend(cap),
+        [built.layer],
+        fb.req_to_token_pool,
+        fb.token_to_kv_pool,
+        make_graph=lambda: device.make_graph(cap),
+        capture_bs=(1, 2, 4),
+        dtype=built.case.dtype,
+        sinks=sinks,
+    )
+    runner.capture()
+    return runner
+
+
 @pytest.mark.parametrize(
     "case",
     [
@@ -419,21 +437,10 @@ def test_helper_ops_follow_support_triton(npu):
     ids=lambda c: c.name,
 )
 def test_graph_replay_under_the_emulation_matches_the_reference(npu, op_calls, case):
-    device, cap = npu
     built = build(case)
     fb = built.batch
     pool = fb.token_to_kv_pool
-    backend = AscendBackend(cap)
-    runner = GraphRunner(
-        backend,
-        [built.layer],
-        fb.req_to_token_pool,
-        pool,
-        make_graph=lambda: device.make_graph(cap),
-        capture_bs=(1, 2, 4),
-        dtype=case.dtype,
-    )
-    runner.capture()
+    runner = _graph_runner(npu, built)
     op = "_npu_paged_attention" if case.sliding_window_size < 0 else "_npu_paged_attention_splitfuse"
     for _ in range(2):
         before = len(op_calls[op])
@@ -712,3 +719,172 @@ def test_npu_graph_replay_synchronises_the_current_stream_first():
     module = types.SimpleNamespace(NPUGraph=lambda: graph, current_stream=lambda: stream)
     NpuGraph(module).replay()
     assert log == ["sync", "replay"]
+
+
+# ----------------------------------------------------------------------------- MLA, attention sinks, fp8 (issue 19)
+
+DEEPSEEK = dict(tp_q_head_num=16, tp_k_head_num=1, head_dim=576, kv_lora_rank=512, qk_rope_head_dim=64)
+FIA2, PA_MLA, SISO = "npu_fused_infer_attention_score_v2", "_npu_paged_attention_mla", "_npu_reshape_and_cache_siso"
+
+
+@pytest.fixture
+def v2_calls(monkeypatch):
+    """Every call to the emulated ops of the MLA and sinks paths, with its keyword arguments."""
+    calls: dict[str, list[dict]] = {name: [] for name in (FIA2, PA_MLA, SISO, "npu_scatter_pa_kv_cache")}
+    for name in calls:
+        op = getattr(emulation.torch_npu, name)
+
+        def counted(*args, _name=name, _op=op, **kwargs):
+            calls[_name].append(kwargs)
+            return _op(*args, **kwargs)
+
+        monkeypatch.setattr(emulation.torch_npu, name, counted)
+    return calls
+
+
+def _mla_case(name, mode, reqs, **kw):
+    return Case(name, mode, reqs, **{"dtype": torch.bfloat16, "page_size": 16, **DEEPSEEK, **kw})
+
+
+def test_mla_routes_follow_the_generation(monkeypatch):
+    config = AttentionConfig(dtype=torch.bfloat16, page_size=16, custom_mask=True, **DEEPSEEK)
+    a2 = {"kv_write": SISO, "decode": PA_MLA, "extend": FIA2, "mixed": FIA2, "target_verify": FIA2}
+    for gen in ("A2", "A3"):
+        cap = _emulated(monkeypatch, gen)[1]
+        assert AscendBackend.step_routes(config, cap) == a2
+        assert "mla_split" in AscendBackend.routes(config, cap) and not AscendBackend.unsupported_reasons(config, cap)
+    for gen, why in (("A5", "no ATB ops"), ("310P", "no MLA op")):
+        reasons = AscendBackend.unsupported_reasons(config, _emulated(monkeypatch, gen)[1])
+        assert reasons and all(f"MLA on {gen}: {why}" in r for r in reasons if "MLA on" in r), reasons
+    windowed = dataclasses.replace(config, sliding_window_size=8, custom_mask=False)
+    cap = _emulated(monkeypatch, "A2")[1]
+    assert AscendBackend.step_routes(windowed, cap)["decode"] == FIA2  # _npu_paged_attention_mla has no window
+    small = AttentionConfig(
+        dtype=torch.bfloat16, page_size=16, **{**DEEPSEEK, "head_dim": 80, "kv_lora_rank": 64, "qk_rope_head_dim": 16}
+    )
+    assert any("latent 64 + rope 16" in r for r in AscendBackend.unsupported_reasons(small, cap))
+
+
+def test_mla_decode_reads_the_one_cache_in_place_and_writes_the_key_only(npu, v2_calls):
+    built = build(_mla_case("mla_decode", D, ((40, 1), (3, 1), (17, 1))))
+    backend = AscendBackend(npu[1])
+    _close(_run(backend, built), built)
+    pool = built.batch.token_to_kv_pool
+    (decode,), (write,) = v2_calls[PA_MLA], v2_calls[SISO]
+    assert decode["key_cache"].data_ptr() == pool.get_key_buffer(0).data_ptr()  # no copy
+    assert decode["key_cache"].shape[1:] == (16, 1, 576) and decode["mla_vheadsize"] == 512
+    assert write["key_cache"].data_ptr() == pool.get_key_buffer(0).data_ptr() and write["key"].shape == (3, 1, 576)
+    assert not v2_calls[FIA2] and not v2_calls["npu_scatter_pa_kv_cache"]
+    assert backend.route_of(built.batch, built.layer) == ["kv_write:" + SISO, "decode:" + PA_MLA]
+
+
+@pytest.mark.parametrize(
+    "mode, reqs, sparse_mode",
+    [(E, ((12, 4), (0, 5)), 3), (M, ((12, 1), (0, 5), (7, 3)), 3), (V, ((20, 3), (7, 3)), 9)],
+)
+def test_mla_multi_token_steps_run_fia_v2_over_the_split_latent_and_rope(npu, v2_calls, mode, reqs, sparse_mode):
+    built = build(_mla_case(f"mla_{mode.name}", mode, reqs))
+    backend = AscendBackend(npu[1])
+    _close(_run(backend, built), built)
+    (call,) = v2_calls[FIA2]
+    assert call["sparse_mode"] == sparse_mode and call["input_layout"] == "TND" and call["num_key_value_heads"] == 1
+    assert call["query_rope"].shape[-1] == 64 and call["key_rope"].shape[-1] == 64 and call["num_query_heads"] == 16
+    assert "mla_split" in backend.route_of(built.batch, built.layer)
+
+
+def test_mla_verify_with_a_mask_hiding_the_prefix_is_refused(npu):
+    built = build(_mla_case("mla_blind", V, ((20, 3), (7, 3)), blind_row=True))
+    with pytest.raises(UnsupportedError, match="hides prefix keys from a draft token"):
+        _run(AscendBackend(npu[1]), built)
+
+
+def test_mla_with_sinks_is_refused_not_ignored(npu):
+    built = build(_mla_case("mla_sinks", D, ((9, 1), (3, 1))))
+    backend = AscendBackend(npu[1])
+    backend.init_forward_metadata(built.batch)
+    with pytest.raises(UnsupportedError, match="no Ascend MLA op takes a sink"):
+        backend.forward(built.q, built.k, built.v, built.layer, built.batch, sinks=torch.zeros(16))
+
+
+@pytest.mark.parametrize("mode, reqs", [(D, DECODE_REQS), (E, EXTEND_REQS), (M, MIXED_REQS)])
+def test_sinks_run_fia_v2_with_learnable_sink(npu, v2_calls, mode, reqs):
+    built = build(Case(f"sinks_{mode.name}", mode, reqs, head_dim=128, page_size=128, dtype=torch.bfloat16, sinks=True))
+    _close(_run(AscendBackend(npu[1]), built, sinks=built.sinks), built)
+    (call,) = v2_calls[FIA2]
+    assert call["learnable_sink"].dtype == torch.bfloat16 and call["input_layout"] == "TND"
+    assert call["actual_seq_kvlen"] == built.batch.lens.kv
+
+
+def test_sinks_where_no_op_takes_them_are_refused_with_the_reason(npu, monkeypatch):
+    built = build(Case("sinks_verify", V, ((10, 4), (3, 4)), head_dim=128, page_size=128, sinks=True))
+    with pytest.raises(UnsupportedError, match="TND takes no custom mask"):
+        _run(AscendBackend(npu[1]), built, sinks=built.sinks)
+    config = AttentionConfig(head_dim=64, page_size=16, attention_sinks=True, dtype=torch.bfloat16)
+    assert any("input_layout TND takes head dim 128" in r for r in AscendBackend.unsupported_reasons(config, npu[1]))
+    p310 = _emulated(monkeypatch, "310P")[1]
+    config = dataclasses.replace(config, head_dim=128, page_size=128, dtype=torch.float16)
+    assert any("attention sinks on 310P" in r for r in AscendBackend.unsupported_reasons(config, p310))
+
+
+def test_fp8_kv_cache_is_off_with_each_generations_reason(monkeypatch):
+    config = AttentionConfig(head_dim=128, page_size=128, dtype=torch.bfloat16, kv_cache_dtype="fp8_e4m3")
+    for gen, why in (("A2", "int8"), ("A3", "int8"), ("310P", "no fp8 dtype"), ("A5", "query_quant_mode 3")):
+        reasons = AscendBackend.unsupported_reasons(config, _emulated(monkeypatch, gen)[1])
+        assert any(f"fp8 KV cache on {gen}" in r and why in r for r in reasons), (gen, reasons)
+
+
+@pytest.mark.parametrize("window", [-1, 8])
+def test_mla_decode_graph_replays_under_the_emulations_checked_graph(npu, v2_calls, window):
+    """A captured MLA decode step (the eager guard: no host sync, no fresh tensor) replays each batch exactly."""
+    built = build(_mla_case(f"mla_graph_{window}", D, ((3, 1), (40, 1), (17, 1)), sliding_window_size=window))
+    fb, pool = built.batch, built.batch.token_to_kv_pool
+    runner = _graph_runner(npu, built)
+    op = PA_MLA if window < 0 else FIA2
+    for _ in range(2):
+        before = len(v2_calls[op])
+        _close(runner.run(fb, built.q, built.k, built.v)[0], built)
+        assert len(v2_calls[op]) == before + 1
+    assert torch.equal(pool.k_buffer[0][pool.page_size :], built.expected_k[pool.page_size :])
+
+
+def test_sinks_decode_graph_replays_under_the_emulations_checked_graph(npu, v2_calls):
+    case = Case("sinks_graph", D, ((3, 1), (200, 1), (130, 1)), head_dim=128, page_size=128, sinks=True)
+    built = build(dataclasses.replace(case, sliding_window_size=6))
+    fb = built.batch
+    runner = _graph_runner(npu, built, sinks=[built.sinks])
+    for _ in range(2):
+        _close(runner.run(fb, built.q, built.k, built.v)[0], built)
+    assert len(v2_calls[FIA2]) >= 2 and all(c["learnable_sink"] is not None for c in v2_calls[FIA2])
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_random_deepseek_mla_batches_match_the_reference(npu, seed):
+    """Random MLA batches at the dims the ops take: modes, pages, windows, scattered slots, verify trees."""
+    import random
+
+    rng = random.Random(seed)
+    mode = rng.choice([D, E, M, V, ForwardMode.DRAFT_EXTEND])
+    page = rng.choice([16, 32, 64])
+    bs = rng.randint(1, 3)
+    draft = rng.randint(1, 4)
+    reqs = []
+    for _ in range(bs):
+        prefix = rng.randint(0 if mode in (E, M) else 1, 2 * page + 3)
+        new = {D: 1, V: draft}.get(mode, rng.randint(1, page + 2))
+        reqs.append((prefix, new))
+    window = rng.choice([-1, -1, 0, 5, page + 1]) if mode != V else -1
+    case = _mla_case(
+        f"mla_random_{seed}",
+        mode,
+        tuple(reqs),
+        page_size=page,
+        sliding_window_size=window,
+        tp_q_head_num=rng.choice([16, 8, 6]),
+        slots=rng.choice(["aligned", "scattered"]),
+        scaling=rng.choice([None, 192**-0.5]),
+        seed=seed,
+    )
+    built = build(case)
+    _close(_run(AscendBackend(npu[1]), built), built)
+    pool = built.batch.token_to_kv_pool
+    assert torch.equal(pool.k_buffer[0][pool.page_size :], built.expected_k[pool.page_size :])

@@ -572,3 +572,166 @@ def test_wrappers_are_thin_and_keyword_called():
     assert kwargs["context_lens"].dtype == torch.int32 and kwargs["context_lens"].device.type == "cpu"
     assert kwargs["num_heads"] == 4 and kwargs["num_kv_heads"] == 2 and kwargs["scale_value"] == 0.5
     assert ops.OP_NAMES == OP_NAMES
+
+
+# ----------------------------------------------------------------------------- MLA and sinks (FIA v2, ATB MLA ops)
+
+MLA_R, MLA_P = 512, 64  # DeepSeek's latent and rope part, the dims the ops take
+
+
+def _mla_pool(kv_lens, block_size=16, heads=8, seed=0):
+    """A shuffled paged ``[blocks, block_size, 1, latent + rope]`` cache, its block table and queries."""
+    g = torch.Generator().manual_seed(seed)
+    per_req = [max(1, -(-n // block_size)) for n in kv_lens]
+    blocks = sum(per_req) + 2
+    order = (torch.randperm(blocks, generator=g)).tolist()
+    table = torch.zeros(len(kv_lens), max(per_req), dtype=torch.int32)
+    for r, n in enumerate(per_req):
+        table[r, :n] = torch.tensor(order[:n], dtype=torch.int32)
+        order = order[n:]
+    cache = torch.randn(blocks, block_size, 1, MLA_R + MLA_P, generator=g)
+    return cache, table
+
+
+def _mla_expected(q, cache, table, q_lens, kv_lens, scale, visible=None, sink=None):
+    """float64 absorbed MLA: scores over latent ++ rope, values the latent; ``visible(r, s, L)`` bool [s, L]."""
+    outs, start = [], 0
+    for r, (s, n) in enumerate(zip(q_lens, kv_lens)):
+        keys = cache[table[r].long()].reshape(-1, cache.shape[-1])[:n].double()
+        scores = torch.einsum("shd,ld->hsl", q[start : start + s].double(), keys) * scale
+        if visible is not None:
+            scores = scores.masked_fill(~visible(r, s, n), float("-inf"))
+        if sink is not None:
+            scores = torch.cat([scores, sink.double()[:, None, None].expand(-1, s, 1)], dim=-1)
+        probs = scores.softmax(-1)[..., :n]
+        outs.append(torch.einsum("hsl,ld->shd", probs, keys[:, :MLA_R]))
+        start += s
+    return torch.cat(outs)
+
+
+def _right_down(pre=None):
+    def visible(_, s, n):
+        pos = torch.arange(s)[:, None] + n - s
+        cols = torch.arange(n)[None]
+        return (cols <= pos) & (cols >= pos - pre if pre is not None else True)
+
+    return visible
+
+
+@pytest.mark.parametrize("heads", [8, 6])  # 6: the wrapper pads the heads to a power of two, as upstream
+@pytest.mark.parametrize("window", [-1, 5])
+def test_mla_attention_is_absorbed_mla_over_the_split_caches(heads, window):
+    q_lens, kv_lens = [3, 1, 4], [20, 9, 4]
+    cache, table = _mla_pool(kv_lens)
+    q = torch.randn(sum(q_lens), heads, MLA_R + MLA_P)
+    latent, rope = cache[..., :MLA_R].contiguous(), cache[..., MLA_R:].contiguous()
+    out = ops.mla_attention(NPU, q, latent, rope, table, q_lens, kv_lens, scale=0.07, sliding_window=window)
+    expected = _mla_expected(q, cache, table, q_lens, kv_lens, 0.07, _right_down(window if window >= 0 else None))
+    assert out.shape == (sum(q_lens), heads, MLA_R)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_mla_tree_mask_hides_draft_tokens_and_shows_the_prefix():
+    q_lens, kv_lens = [3, 2], [10, 7]
+    cache, table = _mla_pool(kv_lens)
+    q = torch.randn(5, 8, MLA_R + MLA_P)
+    trees = [torch.tensor([[0, 1, 1], [0, 0, 1], [1, 0, 0]], dtype=torch.bool), torch.tensor([[0, 1], [1, 0]]) > 0]
+    latent, rope = cache[..., :MLA_R].contiguous(), cache[..., MLA_R:].contiguous()
+    flat = torch.cat([t.flatten() for t in trees])
+    out = ops.mla_attention(NPU, q, latent, rope, table, q_lens, kv_lens, scale=0.1, tree_mask=flat)
+
+    def visible(r, s, n):
+        return torch.cat([torch.ones(s, n - s, dtype=torch.bool), ~trees[r]], dim=1)
+
+    torch.testing.assert_close(
+        out.double(), _mla_expected(q, cache, table, q_lens, kv_lens, 0.1, visible), atol=1e-5, rtol=1e-5
+    )
+
+
+def test_paged_attention_mla_reads_the_value_from_the_keys_latent():
+    kv_lens = [17, 1, 40]
+    cache, table = _mla_pool(kv_lens, heads=16)
+    q = torch.randn(3, 16, MLA_R + MLA_P)
+    out = ops.mla_decode(NPU, q, cache, table, kv_lens, kv_lora_rank=MLA_R, scale=0.05)
+    torch.testing.assert_close(
+        out.double(), _mla_expected(q, cache, table, [1, 1, 1], kv_lens, 0.05), atol=1e-5, rtol=1e-5
+    )
+
+
+def test_write_latent_writes_the_one_cache_and_skips_negative_slots():
+    cache = torch.zeros(4, 16, 1, 24)
+    key = torch.randn(3, 1, 24)
+    ops.write_latent(NPU, key, cache, torch.tensor([17, -1, 3]))
+    flat = cache.view(-1, 1, 24)
+    assert torch.equal(flat[17], key[0]) and torch.equal(flat[3], key[2])
+    assert int((flat.abs().sum((1, 2)) > 0).sum()) == 2
+    with pytest.raises(ValueError, match="no repeated slot"):
+        ops.write_latent(NPU, key, cache, torch.tensor([5, 5, 6]))
+    with pytest.raises(ValueError, match="key = .*expected dtype torch.bfloat16"):
+        NPU._npu_reshape_and_cache_siso(
+            key=key, key_cache=cache.bfloat16(), slot_indices=torch.zeros(3, dtype=torch.int32)
+        )
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("window", [-1, 0, 6])
+def test_paged_attention_sinks_adds_the_sink_to_every_denominator(window, causal):
+    c = Case([1, 5, 12], [9, 30, 12], 8, 2, 128, 128, torch.float32)
+    sinks = torch.randn(8) * 3
+    out = ops.paged_attention_sinks(
+        *(NPU, c.q, c.k_cache, c.v_cache, c.block_table, c.q_lens, c.kv_lens, sinks),
+        scale=c.scale,
+        sliding_window=window,
+        causal=causal,
+    )
+    expected = c.reference(sliding_window=window, sinks=sinks, causal=causal)
+    torch.testing.assert_close(out, expected, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize(
+    "change, error",
+    [
+        (dict(key_rope=None), "both set or both None"),
+        (dict(sparse_mode=9, atten_mask=torch.zeros(3, dtype=torch.bool)), r"shape \(sum\(Q_S_i \*\* 2\),\)"),
+        (dict(learnable_sink=torch.zeros(8)), "value D <= 128"),
+        (dict(sparse_mode=2), "0, 3, 4 or 9"),
+        (dict(block_size=8), "block_size"),
+    ],
+)
+def test_fia_v2_refuses_what_its_doc_forbids(change, error):
+    cache, table = _mla_pool([10])
+    q = torch.randn(2, 8, MLA_R + MLA_P)
+    latent, rope = cache[..., :MLA_R].contiguous(), cache[..., MLA_R:].contiguous()
+    kwargs = dict(
+        query_rope=q[..., MLA_R:].contiguous(),
+        key_rope=rope.view(rope.shape[0], 16, -1),
+        block_table=table,
+        input_layout="TND",
+        block_size=16,
+        actual_seq_qlen=[2],
+        actual_seq_kvlen=[10],
+        num_query_heads=8,
+        num_key_value_heads=1,
+        sparse_mode=0,
+    )
+    kwargs.update(change)
+    with pytest.raises((ValueError, TypeError), match=error):
+        NPU.npu_fused_infer_attention_score_v2(
+            q[..., :MLA_R].contiguous(), latent.view(-1, 16, MLA_R), latent.view(-1, 16, MLA_R), **kwargs
+        )
+
+
+def test_mla_reasons_name_the_ops_limits():
+    assert ops.mla_unsupported_reasons(512, 64, 16, torch.bfloat16, q_heads=16, kv_heads=1) == []
+    why = ops.mla_unsupported_reasons(64, 16, 16, torch.bfloat16, q_heads=8, kv_heads=1)
+    assert any("_npu_paged_attention_mla" in w and "512 + 64" in w for w in why)
+    assert any("npu_fused_infer_attention_score_v2" in w and "512 or 128" in w for w in why)
+    tree = ops.mla_unsupported_reasons(128, 64, 16, torch.float16, q_heads=8, kv_heads=1, paths=("mla_tree",))
+    assert tree == [
+        "npu_fused_infer_attention_score_v2 (mla_tree): the verify tree mask (sparse_mode 9) needs latent D = 512"
+    ]
+    assert ops.sink_unsupported_reasons(128, 128, 128, torch.bfloat16, 0.0, True, kv_heads=2, q_heads=8) == []
+    assert any(
+        "value D <= 128" in w
+        for w in ops.sink_unsupported_reasons(192, 192, 128, torch.bfloat16, 0.0, True, kv_heads=2, q_heads=8)
+    )

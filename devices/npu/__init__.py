@@ -25,7 +25,7 @@ from hal.errors import ConfigError
 from hal.graph import EagerGraph, Graph, TorchGraph
 from hal.registry import Device
 
-from .ascend_backend import AscendBackend
+from .ascend_backend import AscendBackend, _fp8_reason
 
 __all__ = [
     "EMULATION_ENV",
@@ -113,8 +113,8 @@ def _real_capability(module, index: int | None) -> DeviceCapability:
         return _unavailable(f"NPU runtime error: {type(exc).__name__}: {exc}")
     from hal.kernels.npu import GENERATIONS, generation_of_soc
 
-    reasons = {"fp32": _HALF_ONLY, "fp8": "hal's Ascend backend has no fp8 path"}
     generation = None if soc is None else generation_of_soc(soc)
+    reasons = {"fp32": _HALF_ONLY, "fp8": _fp8_reason(generation)}
     if generation is None:
         reasons["generation"] = (
             f"{name}: soc_version {soc} is none of vllm-ascend's A2/A3/310P/A5 ranges"
@@ -193,6 +193,7 @@ def _emulated_capability(why_no_npu: str, generation: str) -> DeviceCapability:
             ),
             "npu_graph": "emulated: graphs run as hal's checked eager graph (eager_guard), not torch.npu.NPUGraph",
             "triton": "emulated: no Triton NPU target (triton-ascend needs an NPU); helper ops use torch",
+            "fp8": _fp8_reason(generation),
             **extra,
         },
     )

@@ -14,6 +14,17 @@ Routing, per forward mode (the ops and their limits are documented in ``hal.kern
 * MIXED: ``forward_mixed``, ONE splitfuse call for the whole batch (decodes and chunked prefills);
   ``forward_extend`` sends a MIXED batch down the same path.
 
+Latent MLA (A2/A3; ``MLA_OFF`` says why not on A5 / 310P), over ``hal.MLAKVPool``'s one ``[slots, 1,
+kv_lora_rank + rope]`` cache: the KV write is ``_npu_reshape_and_cache_siso`` (ATB, key only); DECODE without a
+window is ``_npu_paged_attention_mla`` on that cache in place (as SGLang's NPU backend, which concatenates its two
+caches first); every other step is ``npu_fused_infer_attention_score_v2`` with ``query_rope`` / ``key_rope`` (as
+vllm-ascend's ``mla_v1.py`` absorbed path): TND, sparse mode 3, 4 (band) for windows, 9 (tree mask) for
+TARGET_VERIFY, over the batch's pages copied apart into latent and rope caches (``mla_split``: FIA takes them as
+two contiguous tensors). Attention sinks (``forward(..., sinks=)``): ``npu_fused_infer_attention_score_v2`` with
+``learnable_sink`` for decode, extend and mixed steps (vllm-ascend ``attention_v1.py``, SGLang
+``forward_extend``/``forward_decode``); verify with sinks, and sinks on 310P, are refused with the reason. fp8 KV
+caches are off with a reason per generation (``_fp8_reason``).
+
 KV writes use ``_npu_reshape_and_cache`` (:func:`~hal.kernels.npu.write_kv`), not the helper ops:
 it is the one ATB kernel vllm-ascend and SGLang write the paged cache with on Ascend, it takes
 the ``[blocks, block_size, kv_heads, dim]`` view the attention ops read and int32 slots cast on
@@ -48,6 +59,7 @@ graph, whose replay re-runs the step and so reads the refreshed lists.
 from __future__ import annotations
 
 import functools
+import types
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,7 +87,32 @@ GRAPH_UPDATE_API = (
     "graph_task_update_end",
 )
 
-MaskKey = tuple[str, int]  # (kind: "causal" | "full" | "custom", sliding window or -1)
+MaskKey = tuple[str, int]  # (kind: "causal" | "full" | "custom" | "tree", sliding window or -1)
+
+# Latent MLA per generation. hal's MLA pool is one [slots, 1, kv_lora_rank + rope] cache; the ops that read or write
+# that layout (_npu_paged_attention_mla, _npu_reshape_and_cache_siso) are ATB ops (A2/A3).
+MLA_GENERATIONS = ("A2", "A3")
+MLA_OFF = {
+    "A5": "no ATB ops (vllm-ascend runs none there), so nothing writes or reads hal's one latent ++ rope cache; "
+    "FIA v2 alone would need the latent and rope parts in two caches",
+    "310P": "no MLA op (vllm-ascend's 310P attention has no MLA path; FIA v2 is not run there)",
+    None: "unknown generation",
+}
+
+
+def _fp8_reason(generation: str | None) -> str:
+    """Why an fp8 KV cache is off on ``generation`` (A2/A3/310P: no fp8 dtype; upstream quantises to int8)."""
+    if generation == "A5":
+        return (
+            "fp8 KV cache on A5: vllm-ascend's fp8 (float8_e4m3fn) cache runs FIA with the query quantised too "
+            "(query_quant_mode 3, dequant_scale_query/key/value, vllm_ascend/attention/mla_v1.py at 182b75e), not "
+            "hal's bf16 queries over a per-layer scaled cache; not implemented in hal's Ascend backend"
+        )
+    return (
+        f"fp8 KV cache on {generation}: the chip has no fp8 dtype; upstream's quantised KV cache there is int8 "
+        "(vllm-ascend's fa_quant 'C8' path: int8 caches with FIA dequant scales, vllm_ascend/attention/mla_v1.py "
+        "at 182b75e), which hal's kv_cache_dtype (fp8_e4m3 / fp8_e5m2) does not name"
+    )
 
 
 # ----------------------------------------------------------------------------- the ops
@@ -99,9 +136,27 @@ class _EmulatedOps:
         @functools.wraps(target)
         def launch(*args, **kwargs):
             with opaque_kernel():
-                return target(*args, **kwargs)
+                result = target(*args, **kwargs)
+            return _owned(result) if name in _RETURN_OUTPUTS else result
 
         return launch
+
+
+_RETURN_OUTPUTS = ("npu_fused_infer_attention_score", "npu_fused_infer_attention_score_v2")  # no out= argument
+
+
+def _owned(result: Any) -> Any:
+    """``result``'s tensors moved into tensors allocated in view of the caller's graph guard, as a real op's
+    outputs come from the graph's memory pool: the opaque launch's own allocations are invisible to the guard,
+    which would take a later read of them for a stale external tensor."""
+    if isinstance(result, tuple):
+        return tuple(_owned(x) for x in result)
+    if not isinstance(result, torch.Tensor):
+        return result
+    owned = torch.empty(result.shape, dtype=result.dtype, device=result.device)
+    with opaque_kernel():
+        owned.copy_(result)
+    return owned
 
 
 def _ops_for(capability: DeviceCapability) -> Any:
@@ -176,6 +231,12 @@ class _CapturedTask:
     workspace: torch.Tensor | None = None
 
 
+def _split_mla(pool, layer: AttentionLayer) -> bool:
+    """Whether ``pool`` holds ``layer``'s MLA latent and rope part in two buffers (``mla_split``: SGLang's NPU MLA
+    pool through ``hal.integrations.sglang_pools``) rather than hal's one joined buffer."""
+    return layer.is_mla and bool(getattr(pool, "mla_split", False))
+
+
 def _relayout(
     req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, kv_lens: list[int], page_size: int, max_blocks: int
 ) -> torch.Tensor | None:
@@ -204,7 +265,9 @@ class AscendBackend(AttentionBackend):
     dtypes = frozenset({"fp16", "bf16", "fp32"})  # fp32: the emulation only (validate says why)
     page_sizes = frozenset({16, 32, 64, 128, 256, 512})  # multiples of 16 (ATB), <= 512 (FIA)
     supports_logit_cap = False  # neither ATB PagedAttention nor FIA takes a soft cap
-    supports_mla = False  # one head size for the K and V caches
+    supports_mla = True  # latent MLA (A2/A3): _npu_paged_attention_mla, FIA v2 with query_rope/key_rope
+    kv_cache_dtypes = frozenset({"fp16", "bf16", "fp32"})  # no fp8: see _fp8_reason
+    supports_sinks = True  # FIA v2's learnable_sink (A2/A3/A5), as SGLang and vllm-ascend serve gpt-oss
     needs_cpu_seq_lens = True  # the ops take per-request lengths on the host
     reads_new_kv = False  # every op reads the new tokens from the cache
     # The ops read token i at offset i % block_size of block i // block_size (block tables). An eager step
@@ -225,6 +288,8 @@ class AscendBackend(AttentionBackend):
         self._graph_tasks: dict[int, list[_CapturedTask]] = {}
         self._update_stream = None
         self._fia_ok: dict[tuple, bool] = {}
+        self._mla_why: dict[tuple, list[str]] = {}
+        self._sink_why: dict[tuple, list[str]] = {}
         self.generation = npu_ops.generation_of_arch(capability.arch)
         self._taken: list[str] = []  # step:op routes of the current batch (route_of)
         self._route_step = ""
@@ -259,6 +324,15 @@ class AscendBackend(AttentionBackend):
                 else "; _npu_paged_attention for captured decode graphs and decodes FIA cannot serve, "
                 "_npu_paged_attention_splitfuse for windows, verify masks and extends FIA cannot serve"
             )
+        if generation in MLA_GENERATIONS:
+            route += (
+                "; MLA: _npu_reshape_and_cache_siso (KV write), _npu_paged_attention_mla (decode), "
+                "npu_fused_infer_attention_score_v2 with query_rope/key_rope over a split copy (other steps)"
+            )
+        else:
+            route += f"; no MLA ({MLA_OFF.get(generation, 'unknown generation')})"
+        if generation != "310P":
+            route += "; attention sinks: npu_fused_infer_attention_score_v2 with learnable_sink"
         return [*super().notes(capability), route + " (routes() and extend_route() say why)"]
 
     @staticmethod
@@ -285,7 +359,8 @@ class AscendBackend(AttentionBackend):
         if capability.emulated:
             steps.pop("graph_decode", None)
         relayout = ["relayout"] if config.page_size > 1 else []  # the scratch copy of slots off their page offsets
-        return [f"{step}:{op}" for step, op in steps.items() if op] + relayout
+        split = ["mla_split"] if config.kv_lora_rank and "npu_fused_infer_attention_score_v2" in steps.values() else []
+        return [f"{step}:{op}" for step, op in steps.items() if op] + relayout + split
 
     def route_of(self, forward_batch: ForwardBatch, layer: AttentionLayer) -> list[str]:
         relayout = (
@@ -299,6 +374,10 @@ class AscendBackend(AttentionBackend):
     @classmethod
     def step_routes(cls, config: AttentionConfig, capability: DeviceCapability) -> dict[str, str]:
         """The op each kind of step of ``config`` runs on this generation (``""``: none can)."""
+        if config.kv_lora_rank:
+            return cls._mla_step_routes(config, capability)
+        if config.attention_sinks:
+            return cls._sink_step_routes(config, capability)
         generation = npu_ops.generation_of_arch(capability.arch)
         window = config.sliding_window_size
         fia = generation in ("A2", "A3", "A5")
@@ -324,6 +403,78 @@ class AscendBackend(AttentionBackend):
         return routes
 
     @classmethod
+    def _mla_reasons(cls, config: AttentionConfig, capability: DeviceCapability, path: str) -> list[str]:
+        """Why the op of MLA ``path`` (``mla_decode`` / ``mla_fia`` / ``mla_tree``) cannot serve ``config`` here."""
+        generation = npu_ops.generation_of_arch(capability.arch)
+        if generation not in MLA_GENERATIONS:
+            return [f"MLA on {generation}: {MLA_OFF[generation]}"]
+        return npu_ops.mla_unsupported_reasons(
+            config.kv_lora_rank,
+            config.qk_rope_head_dim,
+            config.page_size,
+            _op_dtype(config.dtype, capability),
+            q_heads=config.tp_q_head_num,
+            kv_heads=config.tp_k_head_num,
+            logit_cap=config.logit_cap,
+            sliding_window=config.sliding_window_size,
+            paths=(path,),
+        )
+
+    @classmethod
+    def _mla_step_routes(cls, config: AttentionConfig, capability: DeviceCapability) -> dict[str, str]:
+        """MLA over hal's one latent ++ rope cache: the KV write and decode take the ATB ops that read that layout;
+        the other steps take FIA v2, which needs the latent and rope parts apart (``mla_split`` copies them)."""
+        fia = "npu_fused_infer_attention_score_v2"
+
+        def pick(path: str, op: str) -> str:
+            return "" if cls._mla_reasons(config, capability, path) else op
+
+        decode = pick("mla_decode", "_npu_paged_attention_mla") or pick("mla_fia", fia)
+        routes = {
+            "kv_write": pick("mla_decode", "_npu_reshape_and_cache_siso")
+            or pick("mla_fia", "_npu_reshape_and_cache_siso"),
+            "decode": decode,
+            "extend": pick("mla_fia", fia),
+            "mixed": pick("mla_fia", fia),
+        }
+        if config.custom_mask:
+            routes["target_verify"] = pick("mla_tree", fia)
+        return routes
+
+    @classmethod
+    def _sink_reasons(cls, config: AttentionConfig, capability: DeviceCapability, step: str) -> list[str]:
+        """Why FIA v2 with ``learnable_sink`` cannot serve ``step`` of ``config`` here."""
+        generation = npu_ops.generation_of_arch(capability.arch)
+        if generation == "310P":
+            return ["attention sinks on 310P: no FIA (vllm-ascend runs only the ATB ops there), no op takes a sink"]
+        if step == "target_verify":
+            return [
+                "npu_fused_infer_attention_score_v2 (target_verify): learnable_sink with hal's verify mask: TND takes "
+                "no custom mask without MLA's rope inputs (its tree mask, sparse_mode 9, is MLA-only)"
+            ]
+        return npu_ops.sink_unsupported_reasons(
+            config.head_dim,
+            config.v_head_dim,
+            config.page_size,
+            _op_dtype(config.dtype, capability),
+            config.logit_cap,
+            not config.non_causal,
+            kv_heads=config.tp_k_head_num,
+            q_heads=config.tp_q_head_num,
+            decode=step == "decode",
+        )
+
+    @classmethod
+    def _sink_step_routes(cls, config: AttentionConfig, capability: DeviceCapability) -> dict[str, str]:
+        """Layers with attention sinks: every attention step is FIA v2 with ``learnable_sink`` (windows as band
+        mode 4); the KV write is the MHA one."""
+        generation = npu_ops.generation_of_arch(capability.arch)
+        steps = ["decode", "extend", "mixed"] + (["target_verify"] if config.custom_mask else [])
+        routes = {"kv_write": "_npu_reshape_and_cache" if generation == "310P" else "npu_scatter_pa_kv_cache"}
+        fia = "npu_fused_infer_attention_score_v2"
+        return routes | {step: "" if cls._sink_reasons(config, capability, step) else fia for step in steps}
+
+    @classmethod
     def extend_route(cls, config: AttentionConfig, capability: DeviceCapability) -> tuple[str, list[str]]:
         """``(op, reasons)``: the op EXTEND batches of ``config`` run, and why FIA does not serve them."""
         reasons = cls._reasons(config, capability, "extend", config.sliding_window_size)
@@ -334,8 +485,18 @@ class AscendBackend(AttentionBackend):
         reasons = super().unsupported_reasons(config, capability)
         generation = npu_ops.generation_of_arch(capability.arch)
         window = config.sliding_window_size
+        if config.kv_cache_dtype_name != config.dtype_name and config.kv_cache_dtype_name.startswith("fp8"):
+            reasons.append(_fp8_reason(generation))
         for step, op in cls.step_routes(config, capability).items():
             if op:
+                continue
+            if config.attention_sinks and not config.kv_lora_rank:
+                reasons += [f"{step}: {why}" for why in cls._sink_reasons(config, capability, step)]
+                continue
+            if config.kv_lora_rank:
+                both = ("mla_decode", "mla_fia")
+                paths = {"decode": both, "kv_write": both, "target_verify": ("mla_tree",)}.get(step, ("mla_fia",))
+                reasons += [f"{step}: {why}" for path in paths for why in cls._mla_reasons(config, capability, path)]
                 continue
             why = []
             if generation in ("A2", "A3", "A5") and step != "target_verify" and step != "graph_decode":
@@ -348,6 +509,14 @@ class AscendBackend(AttentionBackend):
             else:
                 why.append(f"{step}: A5 has no ATB ops (vllm-ascend never runs _npu_paged_attention/splitfuse there)")
             reasons += why or [f"{step}: no Ascend op serves it on {generation}"]
+        if config.kv_lora_rank:
+            reasons += cls._mla_graph_reasons(config, capability)
+            if config.attention_sinks:
+                reasons.append("attention sinks with MLA: learnable_sink needs value D <= 128 and no rope inputs")
+        elif config.attention_sinks and config.graph and capability.available and not capability.emulated:
+            reasons.append(
+                "graph capture of attention sinks on a real NPU: no in-graph update of FIA v2's host lengths"
+            )
         if config.graph and capability.available and not capability.emulated:
             npu = getattr(torch, "npu", None)
             missing = [name for name in GRAPH_UPDATE_API if not hasattr(npu, name)]
@@ -367,6 +536,26 @@ class AscendBackend(AttentionBackend):
                     "real NPU: no documented in-graph update of its host lengths; capture decode only there"
                 )
         return list(dict.fromkeys(reasons))
+
+    @staticmethod
+    def _mla_graph_reasons(config: AttentionConfig, capability: DeviceCapability) -> list[str]:
+        reasons = []
+        if not capability.emulated and capability.available:
+            module, _ = npu_ops.load_torch_npu()
+            missing = [name for name in npu_ops.MLA_OP_NAMES if module is not None and not hasattr(module, name)]
+            if missing:
+                reasons.append(f"MLA: torch_npu lacks {', '.join(missing)}")
+            if config.graph:
+                reasons.append(
+                    "graph capture of MLA on a real NPU: _npu_paged_attention_mla cannot be captured (SGLang asserts "
+                    "it) and hal has no in-graph update of FIA v2's host lengths"
+                )
+        if config.graph and config.custom_mask:
+            reasons.append(
+                "graph capture of MLA TARGET_VERIFY: its FIA tree mask is gathered from the verify mask per step "
+                "with host-built indices; hal captures MLA decode only"
+            )
+        return reasons
 
     def support_triton(self) -> bool:
         """Triton helper ops only with a Triton NPU target (triton-ascend); the KV write is the NPU op."""
@@ -560,26 +749,52 @@ class AscendBackend(AttentionBackend):
     def check_layer(self, layer: AttentionLayer) -> None:
         if layer.logit_cap > 0:
             raise UnsupportedError(f"ascend: logit_cap = {layer.logit_cap}: the Ascend ops have no soft cap")
-        if layer.v_head_dim != layer.head_dim:
-            raise UnsupportedError(f"ascend: v_head_dim {layer.v_head_dim} != head_dim {layer.head_dim}")
+        if layer.v_head_dim != layer.head_dim and not layer.is_mla:
+            raise UnsupportedError(
+                f"ascend: v_head_dim {layer.v_head_dim} != head_dim {layer.head_dim} (not latent MLA)"
+            )
+
+    def check_inputs(self, q, k, v, layer: AttentionLayer, forward_batch: ForwardBatch, save_kv_cache: bool = True):
+        """The prologue's checks; a split MLA pool (latent and rope buffers apart) is checked as the one key it
+        holds, through 0-slot stand-ins of the joined key's shape on the pool's device."""
+        pool = forward_batch.token_to_kv_pool
+        if not _split_mla(pool, layer):
+            return super().check_inputs(q, k, v, layer, forward_batch, save_kv_cache)
+        latent, rope = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+        key = latent.new_empty(0, latent.shape[1], latent.shape[2] + rope.shape[2])
+        joined = types.SimpleNamespace(
+            get_key_buffer=lambda _: key, get_value_buffer=lambda _: key[..., : latent.shape[2]]
+        )
+        batch = types.SimpleNamespace(out_cache_loc=forward_batch.out_cache_loc, token_to_kv_pool=joined)
+        return super().check_inputs(q, k, v, layer, batch, save_kv_cache)
 
     def save_kv(self, layer: AttentionLayer, fb: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
         """The NPU's cache write on the paged view, padding handled by each op's documented contract.
 
         A2/A3/A5: ``npu_scatter_pa_kv_cache`` takes slots in ``[0, slots)`` only, so a negative (padding) slot
         is redirected to the pool's padding slot (several padding rows may land there: the doc leaves a
-        repeated slot's content unspecified, and nothing reads the padding slot). 310P:
-        ``_npu_reshape_and_cache`` documents a negative slot as skipped, so padding (negative, and a captured
-        graph's padding requests, which all target the padding slot) is passed as -1.
+        repeated slot's content unspecified, and nothing reads the padding slot). 310P, and MLA's one-cache write
+        (``_npu_reshape_and_cache_siso``): the ATB ReshapeAndCache doc makes a negative slot a skip and forbids a
+        repeated one, so padding (negative, and a captured graph's padding requests, which all target the padding
+        slot) is passed as -1. A split MLA pool (SGLang's NPU one) takes its latent and rope part in one scatter.
         """
         pool = fb.token_to_kv_pool
-        k_cache, v_cache = paged_view(pool, layer.layer_id)
+        split = _split_mla(pool, layer)
+        joined = layer.is_mla and not split
         slots, padding = fb.out_cache_loc, getattr(pool, "padding_slot", 0)  # SGLang pools: slot 0 too
-        scatter = self.generation != "310P"
+        scatter = self.generation != "310P" and not joined
         if scatter:
             slots = torch.where(slots < 0, padding, slots)
         elif self.forward_metadata.graph_static:
             slots = torch.where(slots == padding, -1, slots)
+        if joined:  # one cache: ATB's key-only write
+            cache = pool.get_key_buffer(layer.layer_id)
+            npu_ops.write_latent(self.ops, k, cache.view(-1, pool.page_size, *cache.shape[1:]), slots)
+            self._took("_npu_reshape_and_cache_siso", "kv_write")
+            return
+        if split:  # the latent and the rope part into their own caches
+            k, v = k[..., : layer.kv_lora_rank], k[..., layer.kv_lora_rank :]
+        k_cache, v_cache = paged_view(pool, layer.layer_id)
         npu_ops.write_kv(self.ops, k, v, k_cache, v_cache, slots, scatter=scatter)
         self._took("npu_scatter_pa_kv_cache" if scatter else "_npu_reshape_and_cache", "kv_write")
 
@@ -604,6 +819,8 @@ class AscendBackend(AttentionBackend):
         if meta.relayout is not None:  # read through a page-aligned copy of the batch's keys and values
             k_cache = npu_ops.buffer_pages(pool.get_key_buffer(layer.layer_id)[meta.relayout], meta.page_size)
             v_cache = npu_ops.buffer_pages(pool.get_value_buffer(layer.layer_id)[meta.relayout], meta.page_size)
+        if layer.is_mla and not _split_mla(pool, layer):
+            v_cache = None  # hal's MLA pool: the value is the key's latent, one cache
         return meta, q.to(pool.dtype).contiguous(), k_cache, v_cache
 
     def _refuse_capture(self, op: str) -> None:
@@ -645,6 +862,11 @@ class AscendBackend(AttentionBackend):
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         meta, query, k_cache, v_cache = self._prepare(q, layer, forward_batch)
+        if layer.is_mla:
+            out = self._mla(meta, query, k_cache, v_cache, layer, forward_batch.forward_mode, kwargs.get("sinks"))
+            return self._output(out, q, layer)
+        if kwargs.get("sinks") is not None:
+            return self._output(self._sinks(meta, query, k_cache, v_cache, layer, "decode", kwargs["sinks"]), q, layer)
         if layer.sliding_window_size >= 0:  # _npu_paged_attention has no mask: splitfuse with a windowed one
             out = self._splitfuse(meta, query, k_cache, v_cache, layer, ("causal", layer.sliding_window_size))
         elif self._fia_serves(layer, k_cache.shape[1], meta.dtype, "fia_decode") and not self._capturing():
@@ -677,6 +899,11 @@ class AscendBackend(AttentionBackend):
         if mode.is_mixed():  # reached when called directly (forward() sends MIXED to forward_mixed on an NPU)
             return self.forward_mixed(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
         meta, query, k_cache, v_cache = self._prepare(q, layer, forward_batch)
+        if layer.is_mla:
+            return self._output(self._mla(meta, query, k_cache, v_cache, layer, mode, kwargs.get("sinks")), q, layer)
+        if kwargs.get("sinks") is not None:
+            step = "target_verify" if mode.is_target_verify() else "extend"
+            return self._output(self._sinks(meta, query, k_cache, v_cache, layer, step, kwargs["sinks"]), q, layer)
         window = layer.sliding_window_size
         if mode.is_target_verify():
             out = self._splitfuse(meta, query, k_cache, v_cache, layer, ("custom", window))
@@ -704,6 +931,11 @@ class AscendBackend(AttentionBackend):
         """Decodes and chunked prefills of a MIXED batch in one call: FIA (TND) where it serves the layer (A2/A3/A5,
         as vllm-ascend's chunked prefill), else ``_npu_paged_attention_splitfuse``."""
         meta, query, k_cache, v_cache = self._prepare(q, layer, forward_batch)
+        if layer.is_mla:
+            out = self._mla(meta, query, k_cache, v_cache, layer, forward_batch.forward_mode, kwargs.get("sinks"))
+            return self._output(out, q, layer)
+        if kwargs.get("sinks") is not None:
+            return self._output(self._sinks(meta, query, k_cache, v_cache, layer, "mixed", kwargs["sinks"]), q, layer)
         if self._fia_serves(layer, k_cache.shape[1], meta.dtype, "extend"):
             return self._output(self._fia(meta, query, k_cache, v_cache, layer), q, layer)
         kind = "causal" if layer.causal else "full"
@@ -733,3 +965,116 @@ class AscendBackend(AttentionBackend):
                 paths=(path,),
             )
         return ok
+
+    # -- attention sinks ---------------------------------------------------------------
+    def _sinks(self, meta: AscendMetadata, query, k_cache, v_cache, layer: AttentionLayer, step: str, sinks):
+        """FIA v2 with ``learnable_sink`` over the batch (a decode: one query token per request)."""
+        key = (layer.head_dim, layer.tp_q_head_num, layer.tp_k_head_num, layer.logit_cap, layer.causal)
+        key += (k_cache.shape[1], meta.dtype, step)
+        why = self._sink_why.get(key)
+        if why is None:
+            config = AttentionConfig.from_layers([layer], dtype=meta.dtype, page_size=k_cache.shape[1])
+            why = self._sink_why[key] = self._sink_reasons(config, self.capability, step)
+        if why:
+            raise UnsupportedError(f"ascend: attention sinks, layer {layer.layer_id}: " + "; ".join(why))
+        self._refuse_capture("npu_fused_infer_attention_score_v2")
+        self._took("npu_fused_infer_attention_score_v2")
+        return npu_ops.paged_attention_sinks(
+            self.ops,
+            *(query, k_cache, v_cache, meta.block_table),
+            [1] * meta.batch_size if step == "decode" else meta.query_lens,
+            meta.kv_lens,
+            sinks,
+            scale=layer.scaling,
+            causal=layer.causal,
+            sliding_window=layer.sliding_window_size,
+        )
+
+    # -- MLA ---------------------------------------------------------------------------
+    def _mla_refusal(self, layer: AttentionLayer, page_size: int, dtype: torch.dtype, path: str) -> list[str]:
+        """Why the op of MLA ``path`` cannot run ``layer`` (cached per layer shape)."""
+        key = (layer.kv_lora_rank, layer.qk_rope_head_dim, layer.tp_q_head_num, layer.tp_k_head_num)
+        key += (layer.sliding_window_size, layer.logit_cap, page_size, dtype, path)
+        reasons = self._mla_why.get(key)
+        if reasons is None:
+            config = AttentionConfig.from_layers([layer], dtype=dtype, page_size=page_size)
+            reasons = self._mla_why[key] = self._mla_reasons(config, self.capability, path)
+        return reasons
+
+    def _mla(self, meta: AscendMetadata, query, cache, rope, layer: AttentionLayer, mode, sinks=None) -> torch.Tensor:
+        """Latent attention -> ``[T, Hq, kv_lora_rank]`` over hal's one ``[blocks, page, 1, kv_lora_rank + rope]``
+        ``cache`` (``rope`` None) or, from a split pool (SGLang's NPU MLA pool), the latent ``cache`` and ``rope``.
+
+        One cache: decode without a window is ``_npu_paged_attention_mla`` on it as it is; every other step FIA v2
+        with ``query_rope`` / ``key_rope``, which takes the latent and rope parts as two contiguous caches, so the
+        batch's pages are copied apart first (``mla_split``, a read of the batch's context per layer). A split
+        pool: FIA v2 for every step, in place."""
+        rank, page = layer.kv_lora_rank, cache.shape[1]
+        if sinks is not None:
+            raise UnsupportedError(
+                f"ascend: MLA layer {layer.layer_id} with sinks=: no Ascend MLA op takes a sink "
+                "(FIA v2's learnable_sink needs value D <= 128 and no rope inputs)"
+            )
+        if rope is None and mode.is_decode() and not self._mla_refusal(layer, page, meta.dtype, "mla_decode"):
+            self._refuse_capture("_npu_paged_attention_mla")
+            self._took("_npu_paged_attention_mla")
+            return npu_ops.mla_decode(
+                self.ops, query, cache, meta.block_table, meta.kv_lens, kv_lora_rank=rank, scale=layer.scaling
+            )
+        path = "mla_tree" if mode.is_target_verify() else "mla_fia"
+        why = self._mla_refusal(layer, page, meta.dtype, path)
+        if why:
+            raise UnsupportedError(f"ascend: MLA layer {layer.layer_id}, {self._route_step}: " + "; ".join(why))
+        self._refuse_capture("npu_fused_infer_attention_score_v2")
+        table = meta.block_table
+        if rope is None:
+            pages = self._batch_pages(meta, cache)
+            cache, rope = pages[..., :rank].contiguous(), pages[..., rank:].contiguous()
+            table = torch.arange(pages.shape[0], dtype=torch.int32, device=pages.device).view(meta.batch_size, -1)
+            self._taken.append("mla_split")
+        self._took("npu_fused_infer_attention_score_v2")
+        return npu_ops.mla_attention(
+            self.ops,
+            query,
+            cache,
+            rope,
+            table,
+            [1] * meta.batch_size if mode.is_decode() else meta.query_lens,
+            meta.kv_lens,
+            scale=layer.scaling,
+            causal=layer.causal,
+            sliding_window=layer.sliding_window_size,
+            tree_mask=self._tree_mask(meta) if mode.is_target_verify() else None,
+        )
+
+    @staticmethod
+    def _batch_pages(meta: AscendMetadata, cache: torch.Tensor) -> torch.Tensor:
+        """The batch's pages of ``cache``, request after request (``[B * max_blocks, page, 1, D]``, a copy)."""
+        if meta.relayout is not None:  # the relayout copy is already laid out that way
+            return cache
+        return cache.index_select(0, meta.block_table.reshape(-1).long())
+
+    def _tree_mask(self, meta: AscendMetadata) -> torch.Tensor:
+        """FIA's flat treeMask (``sparse_mode`` 9, True = hidden) of this verify batch: each request's
+        ``[draft, draft]`` block of hal's custom mask. FIA shows every draft token the whole prefix, so an eager
+        step first checks, with one host read, that the custom mask does too (else ``UnsupportedError``)."""
+        mask = meta.masks.get(("tree", -1))
+        if mask is not None:
+            return mask
+        tree, prefix, offset = [], [], 0
+        for q, n in zip(meta.query_lens, meta.kv_lens):
+            rows = torch.arange(q) * n + offset
+            tree.append((rows[:, None] + (n - q) + torch.arange(q)).reshape(-1))
+            prefix.append((rows[:, None] + torch.arange(n - q)).reshape(-1))
+            offset += q * n
+        custom = meta.custom_mask
+        # hal: allow-host-data the step's gather indices, built from host lengths; MLA verify is never captured
+        tree_idx, prefix_idx = (torch.cat(x).to(custom.device) for x in (tree, prefix))
+        # hal: allow-host-sync eager verify steps only (a captured step trusts the mask, as SGLang's EAGLE builds it)
+        if not meta.graph_static and not bool(custom[prefix_idx].all()):
+            raise UnsupportedError(
+                "ascend: an MLA verify mask hides prefix keys from a draft token; FIA's tree mask (sparse_mode 9) "
+                "shows every draft token the whole prefix"
+            )
+        mask = meta.masks[("tree", -1)] = ~custom[tree_idx]
+        return mask

@@ -42,6 +42,8 @@ _DEEPSEEK = {
     "qk_rope_head_dim": 64,
     "scaling": 192**-0.5,
 }
+# a latent of 128 + rope 64 (FIA's other MLA head size)
+_LATENT128 = {"tp_q_head_num": 8, "tp_k_head_num": 1, "head_dim": 192, "kv_lora_rank": 128, "qk_rope_head_dim": 64}
 _FP8 = {"kv_cache_dtype": F8, "k_scale": 0.37, "v_scale": 1.9}
 
 
@@ -73,6 +75,19 @@ MODEL_CASES: tuple[Case, ...] = (
     Case("mla_deepseek_decode_bf16", D, ((40, 1), (3, 1), (17, 1)), dtype=BF16, **_DEEPSEEK),
     Case("mla_deepseek_extend_prefix_bf16", E, ((12, 4), (0, 5)), dtype=BF16, page_size=16, **_DEEPSEEK),
     Case("mla_deepseek_verify_fp8", V, ((20, 3), (7, 3)), dtype=BF16, kv_cache_dtype=F8, k_scale=0.45, **_DEEPSEEK),
+    # paged bf16 at DeepSeek's dims reach every route of the Ascend MLA path (its ops take only these dims)
+    Case("mla_deepseek_mixed_bf16", M, ((12, 1), (0, 5), (7, 3)), dtype=BF16, page_size=16, **_DEEPSEEK),
+    Case("mla_deepseek_verify_bf16", V, ((20, 3), (7, 3)), dtype=BF16, page_size=16, **_DEEPSEEK),
+    Case(
+        "mla_deepseek_decode_window_bf16",
+        D,
+        ((40, 1), (3, 1)),
+        dtype=BF16,
+        page_size=16,
+        sliding_window_size=8,
+        **_DEEPSEEK,
+    ),
+    Case("mla_latent128_decode_bf16", D, ((30, 1), (5, 1)), dtype=BF16, page_size=16, **_LATENT128),
     # attention sinks: one more logit per head in every softmax denominator, with and without windows
     _sinks("decode", D, _DECODE),
     _sinks("decode_window", D, _DECODE, sliding_window_size=8),
@@ -87,6 +102,10 @@ MODEL_CASES: tuple[Case, ...] = (
     _sinks("verify_window_blind_row", V, _VERIFY, sliding_window_size=7, blind_row=True),
     _sinks("draft_extend_window", X, _DRAFT, sliding_window_size=4),
     _sinks("decode_logit_cap", D, _DECODE, logit_cap=5.0, q_scale=8.0),
+    # head dim 128 on 128-token pages: FIA v2's learnable_sink takes these (the Ascend sinks path)
+    _sinks("decode_d128_bf16_page128", D, _DECODE, head_dim=128, dtype=BF16, page_size=128),
+    _sinks("extend_window_d128_page128", E, _EXTEND, head_dim=128, page_size=128, sliding_window_size=6),
+    _sinks("mixed_gqa_d128_page128", M, _MIXED, head_dim=128, page_size=128, tp_q_head_num=8, tp_k_head_num=2),
     # gpt-oss's windowed layer served from an fp8 cache
     _sinks("extend_window_fp8_bf16", E, _EXTEND, sliding_window_size=6, dtype=BF16, **_FP8),
     # fp8 KV cache: the write quantises with the layer's scales, the read dequantises; bf16 and fp32 queries
@@ -107,6 +126,7 @@ MODEL_CASES: tuple[Case, ...] = (
 MODEL_GRAPH_CASES: tuple[Case, ...] = (
     _mla("graph_decode", D, ((3, 1), (20, 1), (9, 1))),
     _mla("graph_verify_bf16", V, ((3, 3), (40, 3), (17, 3)), dtype=BF16, page_size=16),
+    Case("mla_deepseek_graph_decode_bf16", D, ((3, 1), (20, 1), (9, 1)), dtype=BF16, page_size=16, **_DEEPSEEK),
     _sinks("graph_decode_window", D, ((3, 1), (20, 1), (9, 1), (31, 1)), sliding_window_size=6, layer_num=2),
     _sinks("graph_verify", V, ((3, 4), (20, 4), (9, 4))),
     _fp8("graph_decode_bf16", D, ((3, 1), (20, 1), (9, 1), (40, 1)), dtype=BF16, page_size=16),

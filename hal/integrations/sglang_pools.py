@@ -9,10 +9,12 @@ SGLang 0.5.21 hands out, per layer (python/sglang/srt/hardware_backend/npu/memor
   page ``s // page_size`` in both, so ``buffer.view(-1, head_num, dim)`` is hal's ``[slots, heads, dim]`` buffer
   over the same storage (slot 0 the padding slot, as hal's pools).
 * ``MHATokenToKVPool`` (CUDA, CPU): ``[slots, head_num, head_dim]`` already: served as is.
-* ``NPUMLATokenToKVPool``: the latent ``[pages + 1, page_size, 1, kv_lora_rank]`` and the rope part
-  ``[pages + 1, page_size, 1, qk_rope_head_dim]`` in two separate buffers. hal's MLA pool keeps one
-  ``[slots, 1, kv_lora_rank + qk_rope_head_dim]`` buffer, which two separate allocations cannot be viewed as
-  without a copy: refused with that reason.
+* ``NPUMLATokenToKVPool``: the latent ``[pages + 1, page_size, 1, kv_lora_rank]`` (``get_key_buffer``) and the
+  rope part ``[pages + 1, page_size, 1, qk_rope_head_dim]`` (``get_value_buffer``) in two separate buffers, the
+  layout FIA v2 reads MLA from (``key`` and ``key_rope``). hal's ``MLAKVPool`` keeps one ``[slots, 1, kv_lora_rank
+  + qk_rope_head_dim]`` buffer, which two allocations cannot be viewed as: :class:`SplitMLABufferPool` serves the
+  two buffers as they are, to backends that read a split pool (``mla_split = True``: the ascend backend); others
+  refuse it by shape in their prologue. SGLang's NZ variant (``SGLANG_USE_FIA_NZ``) is refused.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 from hal.errors import KVCacheError, UnsupportedError
 
-__all__ = ["PagedBufferPool", "serve_pool"]
+__all__ = ["PagedBufferPool", "SplitMLABufferPool", "serve_pool"]
 
 
 def _slots_view(buffer: torch.Tensor, what: str) -> torch.Tensor:
@@ -63,17 +65,30 @@ class PagedBufferPool:
         return getattr(self.__dict__["pool"], name)
 
 
+class SplitMLABufferPool(PagedBufferPool):
+    """SGLang's NPU MLA pool: the latent and the rope part of each token in two paged buffers, served in place.
+
+    ``mla_split = True`` tells a backend that ``get_key_buffer(l)`` is the latent ``[slots, 1, kv_lora_rank]`` and
+    ``get_value_buffer(l)`` the rope part ``[slots, 1, qk_rope_head_dim]`` (SGLang's own meaning for this pool),
+    both views of SGLang's buffers; ``set_kv_buffer`` is SGLang's (latent and rope, or the joined key split).
+    """
+
+    mla_split = True
+
+
 def serve_pool(pool):
     """``pool`` as hal reads it: itself when its buffers are ``[slots, heads, dim]``, a :class:`PagedBufferPool`
-    when they are 4-D paged buffers (SGLang's NPU pools); ``UnsupportedError`` for split MLA latent/rope buffers."""
+    when they are 4-D paged buffers (SGLang's NPU pools), a :class:`SplitMLABufferPool` for SGLang's NPU MLA pool
+    (latent and rope buffers apart); ``UnsupportedError`` for its NZ variant."""
     layer = getattr(pool, "start_layer", 0) or 0
     key = pool.get_key_buffer(layer)
     if key.dim() == 3:
         return pool
-    if getattr(pool, "kv_lora_rank", None) is not None:
+    if getattr(pool, "kv_lora_rank", None) is None:
+        return PagedBufferPool(pool)
+    if getattr(pool, "use_fia_nz", False):
         raise UnsupportedError(
-            f"{type(pool).__name__}: the MLA latent {tuple(key.shape)} and rope parts sit in two separate buffers "
-            "(SGLang's NPU MLA pool); hal's MLA layout is one [slots, 1, kv_lora_rank + qk_rope_head_dim] buffer, "
-            "which they cannot be viewed as without a copy"
+            f"{type(pool).__name__} with SGLANG_USE_FIA_NZ: its latent and rope buffers are in the NZ format; hal "
+            "reads the ND [pages, page_size, 1, dim] layout"
         )
-    return PagedBufferPool(pool)
+    return SplitMLABufferPool(pool)

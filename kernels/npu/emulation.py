@@ -58,6 +58,9 @@ __all__ = [
     "npu_scatter_pa_kv_cache",
     "_npu_paged_attention",
     "_npu_paged_attention_splitfuse",
+    "npu_fused_infer_attention_score_v2",
+    "_npu_paged_attention_mla",
+    "_npu_reshape_and_cache_siso",
     "FIA_MASK_SIZE",
     "INT_MAX",
 ]
@@ -196,13 +199,19 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor, length: int, heads_maj
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bias: torch.Tensor | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    bias: torch.Tensor | None,
+    sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Grouped attention of one request, float32.
 
     ``q`` ``[S, Hq, D]``, ``k`` ``[L, Hkv, D]``, ``v`` ``[L, Hkv, Dv]``; query head ``h`` reads KV
-    head ``h // (Hq // Hkv)``. ``bias`` ``[S, L]`` is added to the scaled scores. Returns the
-    output ``[S, Hq, Dv]`` and the natural-log LSE of the scaled, biased scores ``[S, Hq]``.
+    head ``h // (Hq // Hkv)``. ``bias`` ``[S, L]`` is added to the scaled scores; ``sink`` ``[Hq]`` is one more
+    logit per head in the softmax denominator (it carries no value). Returns the output ``[S, Hq, Dv]`` and
+    the natural-log LSE of the scaled, biased scores (and the sink) ``[S, Hq]``.
     """
     s, hq, d = q.shape
     hkv = k.shape[1]
@@ -213,11 +222,54 @@ def _attend(
     if bias is not None:
         scores = scores + bias
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    if sink is not None:
+        lse = torch.logaddexp(lse, sink.float().reshape(hkv, hq // hkv, 1, 1))
     out = torch.matmul(torch.exp(scores - lse), vg)  # [Hkv, G, S, Dv]
     return out.permute(2, 0, 1, 3).reshape(s, hq, -1), lse.squeeze(-1).permute(2, 0, 1).reshape(s, hq)
 
 
 # ----------------------------------------------------------------------------- ATB ops
+
+
+def _reshape_and_cache(op: str, pairs: Sequence[tuple[str, torch.Tensor, str, torch.Tensor]], slot_indices) -> None:
+    """ATB ReshapeAndCache's contract for each ``(name, new, cache name, cache)`` pair (see the callers)."""
+    names = [n for name, _, cache_name, _ in pairs for n in (name, cache_name)]
+    tensors = [t for _, new, _, cache in pairs for t in (new, cache)]
+    for name, x in zip(names, tensors):
+        _tensor(op, name, x)
+    first_new, first_cache = tensors[0], tensors[1]
+    _dtype(op, names[1], first_cache, _CACHE_DTYPES)
+    for name, new, cache_name, cache in pairs:
+        _dims(op, name, new, 3, "[num_tokens, kv_heads, head_size]")
+        _dims(op, cache_name, cache, 4, "[num_blocks, block_size, kv_heads, head_size]")
+        for n, x in ((name, new), (cache_name, cache)):
+            if x.dtype != first_cache.dtype:
+                raise _bad(op, n, x, f"dtype {first_cache.dtype} (all tensors share one dtype; the op does not cast)")
+        if cache.shape[:2] != first_cache.shape[:2]:
+            raise _bad(
+                op, cache_name, cache, f"the same [num_blocks, block_size] as {names[1]} {list(first_cache.shape[:2])}"
+            )
+        if new.shape[1:] != cache.shape[2:]:
+            raise _bad(op, name, new, f"[num_tokens, {cache.shape[2]}, {cache.shape[3]}] to match {cache_name}")
+        if new.shape[0] != first_new.shape[0]:
+            raise _bad(op, name, new, f"{first_new.shape[0]} tokens like {names[0]}")
+        if not cache.is_contiguous():
+            raise _bad(op, cache_name, cache, "a contiguous tensor (it is written in place)")
+    slot_indices = _tensor(op, "slot_indices", slot_indices)
+    _dtype(op, "slot_indices", slot_indices, (torch.int32,))
+    if slot_indices.dim() != 1 or slot_indices.shape[0] != first_new.shape[0]:
+        raise _bad(op, "slot_indices", slot_indices, f"shape [num_tokens] = [{first_new.shape[0]}]")
+    num_slots = first_cache.shape[0] * first_cache.shape[1]
+    slots = slot_indices.long()
+    keep = slots >= 0
+    used = slots[keep]
+    if used.numel():
+        if int(used.max()) >= num_slots:
+            raise _bad(op, "slot_indices", slot_indices.tolist(), f"slots < num_blocks * block_size = {num_slots}")
+        if torch.unique(used).numel() != used.numel():
+            raise _bad(op, "slot_indices", slot_indices.tolist(), "no repeated slot")
+    for _, new, _, cache in pairs:
+        cache.view(num_slots, *cache.shape[2:])[used] = new[keep]
 
 
 def _npu_reshape_and_cache(
@@ -235,58 +287,19 @@ def _npu_reshape_and_cache(
     int32 ``[num_tokens]`` on the device, each in ``[0, num_blocks * block_size)`` and no two equal;
     a negative slot is skipped (vLLM's pad slot; "取值为负数时不进行任何搬运操作"). In place; returns None.
     """
-    op = "_npu_reshape_and_cache"
-    for name, x in (("key", key), ("value", value), ("key_cache", key_cache), ("value_cache", value_cache)):
-        _tensor(op, name, x)
-    _dims(op, "key", key, 3, "[num_tokens, kv_heads, head_size]")
-    _dims(op, "value", value, 3, "[num_tokens, kv_heads, head_size]")
-    _dims(op, "key_cache", key_cache, 4, "[num_blocks, block_size, kv_heads, head_size]")
-    _dims(op, "value_cache", value_cache, 4, "[num_blocks, block_size, kv_heads, head_size]")
-    _dtype(op, "key_cache", key_cache, _CACHE_DTYPES)
-    for name, x in (("key", key), ("value", value), ("value_cache", value_cache)):
-        if x.dtype != key_cache.dtype:
-            raise _bad(
-                op,
-                name,
-                x,
-                f"dtype {key_cache.dtype} (all four tensors share one dtype; the op does not cast)",
-            )
-    if key_cache.shape[:2] != value_cache.shape[:2]:
-        raise _bad(
-            op,
-            "value_cache",
-            value_cache,
-            f"the same [num_blocks, block_size] as key_cache {list(key_cache.shape[:2])}",
-        )
-    if key.shape[1:] != key_cache.shape[2:]:
-        raise _bad(op, "key", key, f"[num_tokens, {key_cache.shape[2]}, {key_cache.shape[3]}] to match key_cache")
-    if value.shape[1:] != value_cache.shape[2:]:
-        raise _bad(
-            op,
-            "value",
-            value,
-            f"[num_tokens, {value_cache.shape[2]}, {value_cache.shape[3]}] to match value_cache",
-        )
-    if value.shape[0] != key.shape[0]:
-        raise _bad(op, "value", value, f"{key.shape[0]} tokens like key")
-    for name, x in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if not x.is_contiguous():
-            raise _bad(op, name, x, "a contiguous tensor (it is written in place)")
-    slot_indices = _tensor(op, "slot_indices", slot_indices)
-    _dtype(op, "slot_indices", slot_indices, (torch.int32,))
-    if slot_indices.dim() != 1 or slot_indices.shape[0] != key.shape[0]:
-        raise _bad(op, "slot_indices", slot_indices, f"shape [num_tokens] = [{key.shape[0]}]")
-    num_slots = key_cache.shape[0] * key_cache.shape[1]
-    slots = slot_indices.long()
-    keep = slots >= 0
-    used = slots[keep]
-    if used.numel():
-        if int(used.max()) >= num_slots:
-            raise _bad(op, "slot_indices", slot_indices.tolist(), f"slots < num_blocks * block_size = {num_slots}")
-        if torch.unique(used).numel() != used.numel():
-            raise _bad(op, "slot_indices", slot_indices.tolist(), "no repeated slot")
-    key_cache.view(num_slots, *key_cache.shape[2:])[used] = key[keep]
-    value_cache.view(num_slots, *value_cache.shape[2:])[used] = value[keep]
+    pairs = (("key", key, "key_cache", key_cache), ("value", value, "value_cache", value_cache))
+    _reshape_and_cache("_npu_reshape_and_cache", pairs, slot_indices)
+
+
+def _npu_reshape_and_cache_siso(key: torch.Tensor, key_cache: torch.Tensor, slot_indices: torch.Tensor) -> None:
+    """ATB ReshapeAndCache with ``kvCacheCfg = K_CACHE_V_BYPASS``: the key alone (MLA's latent ++ rope part).
+
+    Schema ``_npu_reshape_and_cache_siso(Tensor key, Tensor(a!) key_cache, Tensor slot_indices)``, op-plugin
+    ``op_plugin/ops/atb/ReshapeAndCacheSisoAtb.cpp`` (517f2e7, 2026-08-21). ``key`` ``[num_tokens, kv_heads,
+    head_size]`` into ``key_cache`` ``[num_blocks, block_size, kv_heads, head_size]``, one dtype; ``slot_indices``
+    as :func:`_npu_reshape_and_cache` (int32, a negative slot skipped, no repeated slot). In place; returns None.
+    """
+    _reshape_and_cache("_npu_reshape_and_cache_siso", (("key", key, "key_cache", key_cache),), slot_indices)
 
 
 def npu_scatter_pa_kv_cache(
@@ -536,6 +549,93 @@ def _check_compressed_causal_mask(op: str, atten_mask: object, sparse_mode: int)
         )
 
 
+def _paged_layout(op: str, arg: str, cache: torch.Tensor, block_size: int, kv_heads: int, d: int) -> bool:
+    """Check a paged FIA cache, ``(blocknum, block_size, KV_N * D)`` or ``(blocknum, KV_N, block_size, D)``;
+    True for the heads-major 4-D layout."""
+    if cache.dim() == 3:
+        if cache.shape[1] != block_size or cache.shape[2] != kv_heads * d:
+            raise _bad(op, arg, cache, f"(blocknum, block_size={block_size}, KV_N * D = {kv_heads} * {d})")
+        if kv_heads * d > 65535:
+            raise _bad(op, arg, cache, "KV_N * D <= 65535 in the (blocknum, blocksize, H) layout")
+        return False
+    if cache.dim() == 4:
+        if tuple(cache.shape[1:]) != (kv_heads, block_size, d):
+            raise _bad(
+                op,
+                arg,
+                cache,
+                f"(blocknum, KV_N={kv_heads}, block_size={block_size}, D) with D = {d}; a [blocks, block_size, "
+                "heads, dim] cache must be passed as .view(blocks, block_size, heads * dim)",
+            )
+        return True
+    raise _bad(op, arg, cache, "a paged cache (blocknum, blocksize, H) or (blocknum, KV_N, blocksize, D)")
+
+
+def _check_right_down(op: str, q_lens: Sequence[int], kv_lens: Sequence[int], sparse_mode: int) -> None:
+    for r, (s, length) in enumerate(zip(q_lens, kv_lens, strict=True)):
+        if s > length:
+            raise _bad(op, f"request {r}", (s, length), f"query length <= KV length for sparse_mode={sparse_mode}")
+
+
+def _band(pre_tokens: int, next_tokens: int):
+    """rightDown-aligned band: query ``i`` of ``s`` over ``L`` keys sits at ``p = L - s + i`` and sees
+    ``p - pre_tokens <= j <= p + next_tokens`` (``sparse_mode`` 3: ``(INT_MAX, 0)``; 4: the band)."""
+
+    def visible(_: int, s: int, length: int) -> torch.Tensor:
+        pos = torch.arange(s).unsqueeze(1) + (length - s)
+        cols = torch.arange(length).unsqueeze(0)
+        return (cols <= pos + next_tokens) & (cols >= pos - pre_tokens)
+
+    return visible
+
+
+def _fia_run(
+    queries: Sequence[torch.Tensor],
+    keys: Sequence[torch.Tensor],
+    value: torch.Tensor,
+    q_lens: Sequence[int],
+    kv_lens: Sequence[int],
+    kv_heads: int,
+    scale: float,
+    table: torch.Tensor | None,
+    heads_major: bool,
+    dv: int,
+    visible=None,
+    sink: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FIA's computation over TND queries: float32 ``(out [T, N, Dv], natural-log lse [T, N])``.
+
+    ``queries`` / ``keys``: the query and its rope part, and the matching caches (scores sum their dot
+    products); ``value`` the value cache. Paged when ``table`` is given (per-request ``kv_lens``), else
+    contiguous ``[T_kv, KV_N, D]`` KV. ``visible(r, s, L)``: which keys each query row sees (None: all).
+    ``sink`` ``[N]``: a learnable logit in every row's softmax denominator (no value).
+    """
+    query = queries[0]
+    t, n = query.shape[:2]
+    out = torch.zeros(t, n, dv, dtype=torch.float32, device=query.device)
+    lse = torch.full((t, n), float("-inf"), dtype=torch.float32, device=query.device)
+    q_start = kv_start = 0
+    for r, (s, length) in enumerate(zip(q_lens, kv_lens, strict=True)):
+        if s and length:
+            if table is not None:
+                ks = [_gather(k, table[r], length, heads_major).reshape(length, kv_heads, -1) for k in keys]
+                v = _gather(value, table[r], length, heads_major).reshape(length, kv_heads, -1)
+            else:
+                ks, v = [k[kv_start : kv_start + length] for k in keys], value[kv_start : kv_start + length]
+            q = torch.cat([x[q_start : q_start + s].float() for x in queries], dim=-1)
+            bias = None
+            if visible is not None:
+                bias = torch.zeros(s, length).masked_fill_(~visible(r, s, length), float("-inf")).to(query.device)
+            o, row_lse = _attend(q, torch.cat([k.float() for k in ks], dim=-1), v, scale, bias, sink)
+            out[q_start : q_start + s] = o
+            lse[q_start : q_start + s] = row_lse
+        elif s and sink is not None:
+            lse[q_start : q_start + s] = sink.float()
+        q_start += s
+        kv_start += length
+    return out, lse
+
+
 def _cumulative(op: str, arg: str, values: list[int], total: int, total_name: str) -> list[int]:
     if not values:
         raise _bad(op, arg, values, "at least one request")
@@ -718,48 +818,20 @@ def npu_fused_infer_attention_score(
     paged = block_table is not None
     if paged:
         block_size = _int(op, "block_size", block_size, 1)
-        if key.dim() == 3:
-            heads_major = False
-            if key.shape[1] != block_size or key.shape[2] % kv_heads:
-                raise _bad(op, "key", key, f"(blocknum, block_size={block_size}, KV_N * D) with KV_N = {kv_heads}")
-            if kv_heads * d > 65535:
-                raise _bad(op, "key", key, "KV_N * D <= 65535 in the (blocknum, blocksize, H) layout")
-            dk = key.shape[2] // kv_heads
-        elif key.dim() == 4:
-            heads_major = True
-            if key.shape[1] != kv_heads or key.shape[2] != block_size:
-                raise _bad(
-                    op,
-                    "key",
-                    key,
-                    f"(blocknum, KV_N={kv_heads}, block_size={block_size}, D); a [blocks, block_size, "
-                    "heads, dim] cache must be passed as .view(blocks, block_size, heads * dim)",
-                )
-            dk = key.shape[3]
-        else:
-            raise _bad(op, "key", key, "a paged cache (blocknum, blocksize, H) or (blocknum, KV_N, blocksize, D)")
-        if dk != d:
-            raise _bad(op, "key", key, f"head dim D = {d} like query")
+        heads_major = _paged_layout(op, "key", key, block_size, kv_heads, d)
         if max(q_lens) > 1:
             if block_size % 128 or not 128 <= block_size <= 512:
                 raise _bad(
-                    op,
-                    "block_size",
-                    block_size,
-                    "a multiple of 128 in [128, 512] (page attention with Q_S > 1)",
+                    op, "block_size", block_size, "a multiple of 128 in [128, 512] (page attention with Q_S > 1)"
                 )
         elif block_size % 16:
-            raise _bad(
-                op,
-                "block_size",
-                block_size,
-                "a multiple of 16 (page attention with Q_S = 1, float16/bfloat16)",
-            )
+            raise _bad(op, "block_size", block_size, "a multiple of 16 (page attention with Q_S = 1, float16/bfloat16)")
         kv_lens = kv_values
         if any(v < 0 for v in kv_lens):
             raise _bad(op, "actual_seq_lengths_kv", kv_lens, "non-negative per-request KV lengths (paged)")
         table = _block_table(op, block_table, batch, kv_lens, block_size, key.shape[0])
     else:
+        heads_major, table = False, None
         _dims(op, "key", key, 3, "[T_kv, KV_N, D] (contiguous TND KV)")
         if key.shape[1] != kv_heads or key.shape[2] != d:
             raise _bad(op, "key", key, f"[T_kv, {kv_heads}, {d}]")
@@ -767,42 +839,289 @@ def npu_fused_infer_attention_score(
     if max(q_lens) > 1 and (d % 16 or d > 512):
         raise _bad(op, "query", query, "D a multiple of 16 and <= 512 (float16/bfloat16, Q_S > 1)")
     if sparse_mode == 3:
-        for r, (s, length) in enumerate(zip(q_lens, kv_lens, strict=True)):
-            if s > length:
-                raise _bad(
-                    op,
-                    f"request {r}",
-                    (s, length),
-                    "query length <= KV length for sparse_mode=3 (rightDownCausal)",
-                )
-
-    dev = query.device
-    out = torch.zeros(t, n, d, dtype=torch.float32, device=dev)
-    lse = torch.full((t, n), float("-inf"), dtype=torch.float32, device=dev)
-    q_start = kv_start = 0
-    for r, (s, length) in enumerate(zip(q_lens, kv_lens, strict=True)):
-        if s and length:
-            if paged:
-                k = _gather(key, table[r], length, heads_major)
-                v = _gather(value, table[r], length, heads_major)
-                k = k.reshape(length, kv_heads, -1)
-                v = v.reshape(length, kv_heads, -1)
-            else:
-                k = key[kv_start : kv_start + length]
-                v = value[kv_start : kv_start + length]
-            bias = None
-            if sparse_mode == 3:
-                rows = torch.arange(s, device=dev).unsqueeze(1) + (length - s)
-                bias = torch.zeros(s, length, device=dev).masked_fill_(
-                    torch.arange(length, device=dev).unsqueeze(0) > rows, float("-inf")
-                )
-            o, row_lse = _attend(query[q_start : q_start + s], k, v, scale, bias)
-            out[q_start : q_start + s] = o
-            lse[q_start : q_start + s] = row_lse
-        q_start += s
-        kv_start += length
-    softmax_lse = lse.unsqueeze(-1) if softmax_lse_flag else torch.zeros(1, dtype=torch.float32, device=dev)
+        _check_right_down(op, q_lens, kv_lens, sparse_mode)
+    out, lse = _fia_run(
+        (query,),
+        (key,),
+        value,
+        q_lens,
+        kv_lens,
+        kv_heads,
+        scale,
+        table,
+        heads_major,
+        d,
+        _band(INT_MAX, 0) if sparse_mode == 3 else None,
+    )
+    softmax_lse = lse.unsqueeze(-1) if softmax_lse_flag else torch.zeros(1, dtype=torch.float32, device=query.device)
     return out.to(query.dtype), softmax_lse
+
+
+_MLA_LATENT_DIMS = (512, 128)  # query D with query_rope / key_rope (FIA v2 doc, "MLA场景约束")
+_MLA_ROPE_DIM = 64
+_MLA_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)  # query N for D = 512
+_SINK_MAX_VALUE_DIM = 128  # "仅支持value的D小于等于128"
+
+
+def _tree_visibility(op: str, atten_mask: object, q_lens: Sequence[int], kv_lens: Sequence[int]):
+    """``sparse_mode=9`` (treeMask, MLA only): a flat ``(sum(Q_S_i ** 2),)`` mask, request ``i``'s
+    ``[Q_S_i, Q_S_i]`` block after the previous ones, 1/True = masked out among the request's query tokens
+    (the last ``Q_S_i`` keys); every query sees the ``KV_S_i - Q_S_i`` keys before them."""
+    atten_mask = _tensor(op, "atten_mask", atten_mask)
+    _dtype(op, "atten_mask", atten_mask, _MASK_FLAG_DTYPES, " (1/True = masked out)")
+    total = sum(s * s for s in q_lens)
+    if atten_mask.dim() != 1 or atten_mask.shape[0] != total:
+        raise _bad(op, "atten_mask", atten_mask, f"shape (sum(Q_S_i ** 2),) = ({total},) for sparse_mode=9 and TND")
+    _check_right_down(op, q_lens, kv_lens, 9)
+    hidden = atten_mask.ne(0).cpu()
+    starts = list(itertools.accumulate((s * s for s in q_lens), initial=0))
+
+    def visible(r: int, s: int, length: int) -> torch.Tensor:
+        tree = ~hidden[starts[r] : starts[r] + s * s].view(s, s)
+        return torch.cat([torch.ones(s, length - s, dtype=torch.bool), tree], dim=1)
+
+    return visible
+
+
+def npu_fused_infer_attention_score_v2(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    query_rope: torch.Tensor | None = None,
+    key_rope: torch.Tensor | None = None,
+    pse_shift: torch.Tensor | None = None,
+    atten_mask: torch.Tensor | None = None,
+    actual_seq_qlen: Sequence[int] | None = None,
+    actual_seq_kvlen: Sequence[int] | None = None,
+    block_table: torch.Tensor | None = None,
+    dequant_scale_query: torch.Tensor | None = None,
+    dequant_scale_key: torch.Tensor | None = None,
+    dequant_offset_key: torch.Tensor | None = None,
+    dequant_scale_value: torch.Tensor | None = None,
+    dequant_offset_value: torch.Tensor | None = None,
+    dequant_scale_key_rope: torch.Tensor | None = None,
+    quant_scale_out: torch.Tensor | None = None,
+    quant_offset_out: torch.Tensor | None = None,
+    quant_scale_p: torch.Tensor | None = None,
+    learnable_sink: torch.Tensor | None = None,
+    num_query_heads: int = 1,
+    num_key_value_heads: int = 0,
+    softmax_scale: float = 1.0,
+    pre_tokens: int = INT_MAX,
+    next_tokens: int = INT_MAX,
+    input_layout: str = "BSH",
+    sparse_mode: int = 0,
+    block_size: int = 0,
+    query_quant_mode: int = 0,
+    key_quant_mode: int = 0,
+    value_quant_mode: int = 0,
+    inner_precise: int = 0,
+    return_softmax_lse: bool = False,
+    **dtypes: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FusedInferAttentionScore v2, the subset hal uses: ``input_layout="TND"``, paged KV, no quantisation.
+
+    Doc: op-plugin ``docs/zh/custom_APIs/torch_npu/torch_npu-npu_fused_infer_attention_score_v2.md`` (517f2e7,
+    2026-08-21). Called this way by vllm-ascend (``vllm_ascend/attention/mla_v1.py`` ``_forward_decode``: MLA,
+    ``q_nope, k_nope, k_nope`` with ``query_rope`` / ``key_rope``, ``TND_NTD`` + ``sparse_mode=3`` for multi-token
+    queries; ``attention_v1.py``: TND, ``sparse_mode`` 3 or 4 with ``pre_tokens=sliding_window, next_tokens=0``,
+    ``learnable_sink``; both at 182b75e) and SGLang (``hardware_backend/npu/attention/ascend_backend.py``,
+    0.5.21: the same TND call with ``learnable_sink=sinks``).
+
+    ``query`` ``[T, Q_N, D]`` (TND: tokens of all requests concatenated); ``actual_seq_qlen`` cumulative query ends
+    (host list, its length is the batch); paged ``key`` / ``value`` ``(blocknum, block_size, KV_N * D)`` or
+    ``(blocknum, KV_N, block_size, D)`` with ``block_table`` int32 and ``actual_seq_kvlen`` **per-request** KV lengths.
+
+    * MLA (``query_rope`` ``[T, Q_N, 64]`` and ``key_rope``, the rope cache laid out like ``key``, both or neither):
+      scores are ``query . key + query_rope . key_rope``; query D 512 (KV_N = 1, Q_N a power of two <= 128) or 128;
+      page block_size a multiple of 16, <= 1024. The value is ``value`` (MLA passes the latent cache again).
+    * ``sparse_mode``: 0 without ``atten_mask`` (all keys); 3 rightDownCausal and 4 band (``pre_tokens`` /
+      ``next_tokens`` around query ``i``'s position ``KV_S - Q_S + i``), both with the compressed 2048 x 2048 mask;
+      9 treeMask (MLA with D = 512 only): a flat ``(sum(Q_S_i ** 2),)`` mask over each request's query tokens,
+      1 = masked out, every query seeing the keys before them.
+    * ``learnable_sink`` ``[Q_N]`` bfloat16 (float32 with float32 queries: this emulation only): one more logit per
+      head in the softmax denominator; TND, value D <= 128, no quantisation.
+
+    Returns ``(attention_out [T, Q_N, D_v] in query dtype, softmax_lse)``: natural-log LSE ``[T, Q_N, 1]`` float32
+    with ``return_softmax_lse``, else a float32 ``[1]`` zero. Quantisation, pse, NZ caches and layouts other than
+    TND raise ``NotImplementedError``.
+    """
+    op = "npu_fused_infer_attention_score_v2"
+    unsupported = {
+        "pse_shift": pse_shift,
+        "dequant_scale_query": dequant_scale_query,
+        "dequant_scale_key": dequant_scale_key,
+        "dequant_offset_key": dequant_offset_key,
+        "dequant_scale_value": dequant_scale_value,
+        "dequant_offset_value": dequant_offset_value,
+        "dequant_scale_key_rope": dequant_scale_key_rope,
+        "quant_scale_out": quant_scale_out,
+        "quant_offset_out": quant_offset_out,
+        "quant_scale_p": quant_scale_p,
+    }
+    given = [name for name, v in unsupported.items() if v is not None]
+    given += [name for name, v in dtypes.items() if v is not None]
+    if given:
+        raise NotImplementedError(f"{op}: the emulation does not implement {', '.join(given)} (quantisation, pse)")
+    for name, v in (("query_quant_mode", query_quant_mode), ("key_quant_mode", key_quant_mode)):
+        if _int(op, name, v) != 0:
+            raise NotImplementedError(f"{op}: {name} = {v}: the emulation implements unquantised inputs only (0)")
+    if _int(op, "value_quant_mode", value_quant_mode) != 0:
+        raise NotImplementedError(f"{op}: value_quant_mode = {value_quant_mode}: unquantised inputs only (0)")
+    if input_layout != "TND":
+        raise NotImplementedError(f"{op}: input_layout = {input_layout!r}: the emulation implements 'TND' only")
+    if block_table is None:
+        raise NotImplementedError(f"{op}: contiguous KV (no block_table): the emulation implements paged KV only")
+
+    query, key, value = (_tensor(op, name, x) for name, x in (("query", query), ("key", key), ("value", value)))
+    _dims(op, "query", query, 3, "[T, N, D] for input_layout 'TND'")
+    _dtype(op, "query", query, _FLOATS, " (float32 in this emulation only)")
+    mla = query_rope is not None or key_rope is not None
+    tensors = [("query", query), ("key", key), ("value", value)]
+    if mla:
+        if query_rope is None or key_rope is None:
+            raise _bad(op, "query_rope/key_rope", (query_rope, key_rope), "both set or both None (MLA)")
+        tensors += [
+            ("query_rope", _tensor(op, "query_rope", query_rope)),
+            ("key_rope", _tensor(op, "key_rope", key_rope)),
+        ]
+    for name, x in tensors:
+        if not x.is_contiguous():
+            raise _bad(op, name, x, "a contiguous tensor (the op takes no non-contiguous tensor)")
+        if x.dtype != query.dtype:
+            raise _bad(op, name, x, f"dtype {query.dtype} like query (unquantised)")
+    if key.shape != value.shape:
+        raise _bad(op, "value", value, f"the shape of key {list(key.shape)}")
+    t, n, d = query.shape
+    heads = _int(op, "num_query_heads", num_query_heads, 1)
+    kv_heads = _int(op, "num_key_value_heads", num_key_value_heads, 0) or heads
+    if heads != n:
+        raise _bad(op, "num_query_heads", heads, f"the query's N = {n}")
+    if heads % kv_heads or heads // kv_heads > _FIA_MAX_GROUP:
+        raise _bad(op, "num_key_value_heads", kv_heads, f"a divisor of num_query_heads = {heads}, ratio <= 64")
+    scale = _float(op, "softmax_scale", softmax_scale)
+    pre_tokens, next_tokens = _int(op, "pre_tokens", pre_tokens), _int(op, "next_tokens", next_tokens)
+    if _int(op, "inner_precise", inner_precise) not in (0, 1, 2, 3):
+        raise _bad(op, "inner_precise", inner_precise, "0, 1, 2 or 3")
+    if not isinstance(return_softmax_lse, bool):
+        raise _bad(op, "return_softmax_lse", return_softmax_lse, "a bool", TypeError)
+    if t > _TND_MAX_TOKENS:
+        raise _bad(op, "query", query, f"T <= {_TND_MAX_TOKENS} in TND layout")
+    if actual_seq_qlen is None or actual_seq_kvlen is None:
+        raise _bad(op, "actual_seq_qlen/actual_seq_kvlen", None, "host lists (both required for TND)")
+    q_lens = _cumulative(op, "actual_seq_qlen", _int_list(op, "actual_seq_qlen", actual_seq_qlen), t, "T")
+    kv_lens = _int_list(op, "actual_seq_kvlen", actual_seq_kvlen)
+    if len(kv_lens) != len(q_lens) or any(v < 0 for v in kv_lens):
+        raise _bad(op, "actual_seq_kvlen", kv_lens, f"{len(q_lens)} non-negative per-request KV lengths (paged)")
+
+    block_size = _int(op, "block_size", block_size, 1)
+    heads_major = _paged_layout(op, "key", key, block_size, kv_heads, d)
+    rope = ()
+    if mla:
+        dr = query_rope.shape[-1]
+        if query_rope.shape != (t, n, _MLA_ROPE_DIM):
+            raise _bad(op, "query_rope", query_rope, f"[T, N, {_MLA_ROPE_DIM}] = [{t}, {n}, {_MLA_ROPE_DIM}]")
+        if _paged_layout(op, "key_rope", key_rope, block_size, kv_heads, dr) != heads_major:
+            raise _bad(op, "key_rope", key_rope, "the paged layout of key")
+        if d not in _MLA_LATENT_DIMS:
+            raise _bad(op, "query", query, f"D in {_MLA_LATENT_DIMS} with query_rope / key_rope (MLA)")
+        if d == 512 and (kv_heads != 1 or n not in _MLA_HEADS):
+            raise _bad(
+                op, "num_query_heads/num_key_value_heads", (n, kv_heads), f"Q_N in {_MLA_HEADS}, KV_N = 1 (D = 512)"
+            )
+        if block_size % 16 or block_size > 1024:
+            raise _bad(op, "block_size", block_size, "a multiple of 16, <= 1024 (MLA page attention)")
+        rope = (query_rope,), (key_rope,)
+    elif max(q_lens) > 1 and (block_size % 128 or not 128 <= block_size <= 512):
+        raise _bad(op, "block_size", block_size, "a multiple of 128 in [128, 512] (page attention with Q_S > 1)")
+    elif block_size % 16:
+        raise _bad(op, "block_size", block_size, "a multiple of 16 (page attention)")
+    table = _block_table(op, block_table, len(q_lens), kv_lens, block_size, key.shape[0])
+
+    sparse_mode = _int(op, "sparse_mode", sparse_mode)
+    if sparse_mode == 0:
+        if atten_mask is not None:
+            raise NotImplementedError(f"{op}: sparse_mode=0 with a full atten_mask is not emulated")
+        visible = None
+    elif sparse_mode in (3, 4):
+        _check_compressed_causal_mask(op, atten_mask, sparse_mode)
+        _check_right_down(op, q_lens, kv_lens, sparse_mode)
+        visible = _band(INT_MAX, 0) if sparse_mode == 3 else _band(pre_tokens, next_tokens)
+    elif sparse_mode == 9:
+        if not mla or d != 512:
+            raise _bad(op, "sparse_mode", 9, "treeMask only with query_rope / key_rope and D = 512 (MLA)")
+        visible = _tree_visibility(op, atten_mask, q_lens, kv_lens)
+    else:
+        raise _bad(op, "sparse_mode", sparse_mode, "0, 3, 4 or 9 (the modes hal's emulation implements for TND)")
+
+    sink = None
+    if learnable_sink is not None:
+        sink = _tensor(op, "learnable_sink", learnable_sink)
+        _dtype(
+            op, "learnable_sink", sink, (torch.bfloat16,) + ((torch.float32,) if query.dtype == torch.float32 else ())
+        )
+        if sink.shape != (n,):
+            raise _bad(op, "learnable_sink", sink, f"shape (Q_N,) = ({n},)")
+        if d > _SINK_MAX_VALUE_DIM:
+            raise _bad(op, "value", value, f"value D <= {_SINK_MAX_VALUE_DIM} with learnable_sink")
+
+    queries, keys = ((query, *rope[0]), (key, *rope[1])) if mla else ((query,), (key,))
+    out, lse = _fia_run(queries, keys, value, q_lens, kv_lens, kv_heads, scale, table, heads_major, d, visible, sink)
+    softmax_lse = lse.unsqueeze(-1) if return_softmax_lse else torch.zeros(1, dtype=torch.float32, device=query.device)
+    return out.to(query.dtype), softmax_lse
+
+
+def _npu_paged_attention_mla(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    num_kv_heads: int,
+    num_heads: int,
+    scale_value: float,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    mla_vheadsize: int,
+    out: torch.Tensor,
+) -> None:
+    """ATB PagedAttention for MLA decode: one query token per request over ONE cache holding latent ++ rope part.
+
+    Schema (op-plugin ``op_plugin/ops/atb/PagedAttentionMlaAtb.cpp``, 517f2e7): ``mlaVHeadSize = mla_vheadsize``,
+    no mask, BSND. ``query`` ``[batch, num_heads, head_size]``; ``key_cache`` ``[num_blocks, block_size, num_kv_heads,
+    head_size]`` whose first ``mla_vheadsize`` columns are the value (no value cache); ``block_table`` int32 (device);
+    ``context_lens`` int32 ``[batch]`` host tensor; ``out`` ``[batch, num_heads, mla_vheadsize]`` written in place.
+    Shapes used upstream: head_size 576, mla_vheadsize 512, one KV head, fp16/bf16 (op-plugin's
+    ``test/test_custom_ops/test_atb_paged_attention_mla.py``; SGLang ``ascend_backend.py`` ``forward_decode``).
+    Block size a multiple of 16 (ATB PagedAttention).
+    """
+    op = "_npu_paged_attention_mla"
+    query, key_cache, out = (_tensor(op, n, x) for n, x in (("query", query), ("key_cache", key_cache), ("out", out)))
+    _dims(op, "query", query, 3, "[num_tokens, num_heads, head_size]")
+    _dtype(op, "query", query, _FLOATS, " (float32 in this emulation only)")
+    _dims(op, "key_cache", key_cache, 4, "[num_blocks, block_size, kv_heads, head_size] (ND)")
+    if key_cache.dtype != query.dtype:
+        raise _bad(op, "key_cache", key_cache, f"dtype {query.dtype} like query")
+    heads, kv_heads = _head_counts(op, num_heads, num_kv_heads, query.shape[1])
+    _, block_size, cache_heads, head_size = key_cache.shape
+    if cache_heads != kv_heads or head_size != query.shape[2]:
+        raise _bad(
+            op, "key_cache", key_cache, f"[blocks, block_size, {kv_heads}, {query.shape[2]}] (kv heads, head_size)"
+        )
+    if block_size % 16:
+        raise _bad(op, "block_size (key_cache dim 1)", block_size, "a multiple of 16")
+    v_dim = _int(op, "mla_vheadsize", mla_vheadsize, 1)
+    if v_dim >= head_size:
+        raise _bad(op, "mla_vheadsize", v_dim, f"< head_size = {head_size} (the latent part of the key)")
+    if out.shape != (query.shape[0], heads, v_dim) or out.dtype != query.dtype or not out.is_contiguous():
+        raise _bad(op, "out", out, f"a contiguous {query.dtype} tensor [{query.shape[0]}, {heads}, {v_dim}]")
+    scale = _float(op, "scale_value", scale_value)
+    lens = _host_int32(op, "context_lens", context_lens, query.shape[0])
+    table = _block_table(op, block_table, query.shape[0], lens, block_size, key_cache.shape[0])
+    result = torch.zeros(out.shape, dtype=torch.float32, device=query.device)
+    for b, length in enumerate(lens):
+        if length:
+            k = _gather(key_cache, table[b], length)
+            result[b : b + 1] = _attend(query[b : b + 1], k, k[..., :v_dim], scale, None)[0]
+    out.copy_(result)
 
 
 torch_npu = types.SimpleNamespace(
@@ -814,4 +1133,7 @@ torch_npu = types.SimpleNamespace(
     _npu_paged_attention=_npu_paged_attention,
     _npu_paged_attention_splitfuse=_npu_paged_attention_splitfuse,
     npu_fused_infer_attention_score=npu_fused_infer_attention_score,
+    npu_fused_infer_attention_score_v2=npu_fused_infer_attention_score_v2,
+    _npu_paged_attention_mla=_npu_paged_attention_mla,
+    _npu_reshape_and_cache_siso=_npu_reshape_and_cache_siso,
 )

@@ -58,6 +58,13 @@ __all__ = [
     "splitfuse_mask_value",
     "fia_causal_mask",
     "unsupported_reasons",
+    "MLA_OP_NAMES",
+    "write_latent",
+    "mla_decode",
+    "mla_attention",
+    "mla_unsupported_reasons",
+    "paged_attention_sinks",
+    "sink_unsupported_reasons",
 ]
 
 OP_NAMES = (
@@ -423,6 +430,19 @@ _SCATTER_DOC = (
 _cite(write_kv, rc=_ATB_RC_DOC, vllm=_VLLM_ASCEND, scatter=_SCATTER_DOC)
 
 
+def _paged_args(query, key_cache, block_table, context_lens, scale: float) -> dict[str, Any]:
+    """The arguments ATB PagedAttention's bindings share (``_npu_paged_attention`` and its MLA variant)."""
+    return dict(
+        query=query,
+        key_cache=key_cache,
+        num_kv_heads=key_cache.shape[2],
+        num_heads=query.shape[1],
+        scale_value=float(scale),
+        block_table=block_table,
+        context_lens=_host_int32("context_lens", context_lens),
+    )
+
+
 def paged_decode(
     ops: Any,
     query: torch.Tensor,
@@ -446,15 +466,7 @@ def paged_decode(
     if out is None:
         out = torch.empty_like(query)
     ops._npu_paged_attention(
-        query=query,
-        key_cache=key_cache,
-        value_cache=value_cache,
-        num_kv_heads=key_cache.shape[2],
-        num_heads=query.shape[1],
-        scale_value=float(scale),
-        block_table=block_table,
-        context_lens=_host_int32("context_lens", context_lens),
-        out=out,
+        **_paged_args(query, key_cache, block_table, context_lens, scale), value_cache=value_cache, out=out
     )
     return out
 
@@ -679,6 +691,273 @@ def unsupported_reasons(
             )
     # ``causal`` needs no reason: decode sees every key, FIA has sparse_mode 0, splitfuse a zero mask.
     del causal
+    return reasons
+
+
+# ----------------------------------------------------------------------------- MLA (latent attention)
+
+# The ops of the MLA path, checked apart from OP_NAMES (a torch_npu without them still serves MHA).
+MLA_OP_NAMES = ("_npu_reshape_and_cache_siso", "_npu_paged_attention_mla", "npu_fused_infer_attention_score_v2")
+_FIA_V2_DOC = (
+    "https://github.com/Ascend/op-plugin/blob/master/docs/zh/custom_APIs/torch_npu/"
+    "torch_npu-npu_fused_infer_attention_score_v2.md"
+)
+_VLLM_ASCEND_MLA = "https://github.com/vllm-project/vllm-ascend/blob/main/vllm_ascend/attention/mla_v1.py"
+# FIA v2 with query_rope / key_rope (doc at op-plugin 517f2e7, "MLA场景约束"): the latent D is 512 (KV_N = 1, Q_N a
+# power of two <= 128, sparse 0/3/4/9) or 128, the rope part 64, page block_size a multiple of 16 <= 1024.
+MLA_LATENT_DIMS = (512, 128)
+MLA_ROPE_DIM = 64
+MLA_TREE_LATENT_DIM = 512  # sparse_mode 9 (treeMask) is documented for D = 512
+# _npu_paged_attention_mla at the only shape upstream calls and tests it with (op-plugin
+# test/test_custom_ops/test_atb_paged_attention_mla.py; SGLang's forward_decode with DeepSeek): 512 + 64, one KV head.
+PA_MLA_DIMS = (512, 64)
+
+
+def write_latent(ops: Any, key: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store MLA keys ``key`` ``[n, 1, kv_lora_rank + qk_rope_head_dim]`` (latent ++ rope part) at ``slots`` of the
+    one paged cache ``[num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]``, in place.
+
+    ``torch_npu._npu_reshape_and_cache_siso(key, key_cache, slot_indices)``: ATB ReshapeAndCache with
+    ``K_CACHE_V_BYPASS`` (schema: op-plugin ``op_plugin/ops/atb/ReshapeAndCacheSisoAtb.cpp``; ATB doc: {rc}, a
+    negative slot is skipped). ``slots`` are cast to int32 on the device, ``key`` to the cache dtype.
+    """
+    ops._npu_reshape_and_cache_siso(
+        key=key.to(cache.dtype).contiguous(), key_cache=cache, slot_indices=slots.to(torch.int32)
+    )
+
+
+def mla_decode(
+    ops: Any,
+    query: torch.Tensor,
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_lens: Sequence[int] | torch.Tensor,
+    *,
+    kv_lora_rank: int,
+    scale: float,
+) -> torch.Tensor:
+    """MLA decode, one absorbed query token per request ``[B, Hq, kv_lora_rank + rope]`` over the one paged cache
+    ``[num_blocks, block_size, 1, kv_lora_rank + rope]`` -> ``[B, Hq, kv_lora_rank]``.
+
+    ``torch_npu._npu_paged_attention_mla(query, key_cache, num_kv_heads, num_heads, scale_value, block_table,
+    context_lens, mla_vheadsize, out)`` (schema: op-plugin ``op_plugin/ops/atb/PagedAttentionMlaAtb.cpp``; called
+    as in {sglang} ``forward_decode``, which concatenates its two caches into this layout first): the value is the
+    first ``mla_vheadsize`` columns of the key cache. ``context_lens`` are host lengths.
+    """
+    query = query.contiguous()
+    out = query.new_empty(query.shape[0], query.shape[1], kv_lora_rank)
+    ops._npu_paged_attention_mla(
+        **_paged_args(query, cache, block_table, context_lens, scale), mla_vheadsize=kv_lora_rank, out=out
+    )
+    return out
+
+
+def mla_attention(
+    ops: Any,
+    query: torch.Tensor,
+    latent_cache: torch.Tensor,
+    rope_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_lens: Sequence[int] | torch.Tensor,
+    kv_lens: Sequence[int] | torch.Tensor,
+    *,
+    scale: float,
+    causal: bool = True,
+    sliding_window: int = -1,
+    tree_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Absorbed MLA over paged latent and rope caches, any query lengths (TND) -> ``[T, Hq, kv_lora_rank]``.
+
+    ``query`` ``[T, Hq, kv_lora_rank + rope]``; ``latent_cache`` ``[num_blocks, block_size, 1, kv_lora_rank]`` and
+    ``rope_cache`` ``[num_blocks, block_size, 1, rope]``, both contiguous.
+    ``torch_npu.npu_fused_infer_attention_score_v2(q_nope, latent, latent, query_rope=q_rope, key_rope=rope,
+    input_layout="TND", num_key_value_heads=1, ...)``
+    (doc: {fia2}; called so by {vllm} ``_forward_decode``, TND + ``sparse_mode=3`` for multi-token queries).
+    Visibility: ``sparse_mode`` 3 (causal: query ``i`` sees KV ``j <= kv_len - q_len + i``), 4 with
+    ``pre_tokens = sliding_window`` (the band SGLang and vllm-ascend pass for windows), 0 (non-causal), or 9 with
+    ``tree_mask`` (flat ``(sum(q_len ** 2),)``, True = hidden, every query seeing the prefix). Query heads are
+    padded with zeros to a power of two as both upstreams do (D = 512 takes Q_N in 1, 2, 4 ... 128).
+    """
+    rank = latent_cache.shape[-1]
+    heads = query.shape[1]
+    padded = 1 << (heads - 1).bit_length()
+    if padded != heads:
+        query = torch.nn.functional.pad(query, (0, 0, 0, padded - heads))
+    blocks, block_size = latent_cache.shape[:2]
+    extra = _fia_v2_visibility(query.device, causal, sliding_window)
+    if tree_mask is not None:
+        extra = {"sparse_mode": 9, "atten_mask": tree_mask}
+    out, _ = ops.npu_fused_infer_attention_score_v2(
+        query[..., :rank].contiguous(),
+        latent_cache.view(blocks, block_size, -1),
+        latent_cache.view(blocks, block_size, -1),
+        query_rope=query[..., rank:].contiguous(),
+        key_rope=rope_cache.view(blocks, block_size, -1),
+        block_table=block_table,
+        input_layout="TND",
+        block_size=block_size,
+        actual_seq_qlen=list(itertools.accumulate(_host_lengths("query_lens", query_lens))),
+        actual_seq_kvlen=_host_lengths("kv_lens", kv_lens),
+        num_query_heads=padded,
+        num_key_value_heads=latent_cache.shape[2],
+        softmax_scale=float(scale),
+        **extra,
+    )
+    return out[:, :heads]
+
+
+def _fia_v2_visibility(device, causal: bool, sliding_window: int) -> dict[str, Any]:
+    """FIA v2's TND mask arguments: ``sparse_mode`` 4 (band, ``pre_tokens = sliding_window``, ``next_tokens = 0``, as
+    SGLang and vllm-ascend pass for windows; every later key too when not causal), 3 (rightDownCausal) or 0 (no
+    mask); 3 and 4 take the compressed mask."""
+    if sliding_window >= 0:
+        later = 0 if causal else emulation.INT_MAX
+        return dict(sparse_mode=4, atten_mask=fia_causal_mask(device), pre_tokens=sliding_window, next_tokens=later)
+    if causal:
+        return dict(sparse_mode=3, atten_mask=fia_causal_mask(device))
+    return dict(sparse_mode=0)
+
+
+def paged_attention_sinks(
+    ops: Any,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_lens: Sequence[int] | torch.Tensor,
+    kv_lens: Sequence[int] | torch.Tensor,
+    sinks: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool = True,
+    sliding_window: int = -1,
+) -> torch.Tensor:
+    """Attention with a learned sink logit per query head (gpt-oss), any query lengths (TND) -> ``[T, Hq, D]``.
+
+    ``torch_npu.npu_fused_infer_attention_score_v2(query, key, value, learnable_sink=sinks, input_layout="TND",
+    sparse_mode=3 or 4, pre_tokens=sliding_window, next_tokens=0, ...)`` over the paged caches viewed as
+    ``(blocks, block_size, kv_heads * dim)`` (doc: {fia2}, "learnable_sink约束": TND, value D <= 128, bfloat16 sinks;
+    called so by {vllm} and {sglang} ``forward_extend`` / ``forward_decode``). ``sinks`` ``[Hq]`` are passed as
+    bfloat16 (float32 with float32 queries, which only the CPU emulation takes).
+    """
+    blocks, block_size = key_cache.shape[:2]
+    sink_dtype = torch.float32 if query.dtype == torch.float32 else torch.bfloat16
+    out, _ = ops.npu_fused_infer_attention_score_v2(
+        query.contiguous(),
+        key_cache.view(blocks, block_size, -1),
+        value_cache.view(blocks, block_size, -1),
+        block_table=block_table,
+        input_layout="TND",
+        block_size=block_size,
+        actual_seq_qlen=list(itertools.accumulate(_host_lengths("query_lens", query_lens))),
+        actual_seq_kvlen=_host_lengths("kv_lens", kv_lens),
+        num_query_heads=query.shape[1],
+        num_key_value_heads=key_cache.shape[2],
+        softmax_scale=float(scale),
+        learnable_sink=sinks.to(sink_dtype).contiguous(),
+        **_fia_v2_visibility(query.device, causal, sliding_window),
+    )
+    return out
+
+
+_cite(paged_attention_sinks, fia2=_FIA_V2_DOC, vllm=_VLLM_ASCEND, sglang=_SGLANG)
+_cite(write_latent, rc=_ATB_RC_DOC)
+_cite(mla_decode, sglang=_SGLANG)
+_cite(mla_attention, fia2=_FIA_V2_DOC, vllm=_VLLM_ASCEND_MLA)
+
+
+SINK_MAX_VALUE_DIM = 128  # FIA v2 "learnable_sink约束": value D <= 128
+
+
+def sink_unsupported_reasons(
+    head_dim: int,
+    v_head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    logit_cap: float,
+    causal: bool,
+    *,
+    kv_heads: int,
+    q_heads: int,
+    decode: bool = False,
+) -> list[str]:
+    """Why FIA v2 with ``learnable_sink`` cannot serve a layer: FIA's TND rules (:func:`unsupported_reasons`, path
+    ``fia_decode`` or ``extend``; FIA v2 takes a window as band mode 4) plus the sink's own (value D <= 128)."""
+    path = "fia_decode" if decode else "extend"
+    reasons = unsupported_reasons(
+        head_dim,
+        v_head_dim,
+        block_size,
+        dtype,
+        logit_cap,
+        -1,
+        False,
+        causal,
+        kv_heads=kv_heads,
+        q_heads=q_heads,
+        paths=(path,),
+    )
+    reasons = [
+        why.replace("npu_fused_infer_attention_score (", "npu_fused_infer_attention_score_v2 (") for why in reasons
+    ]
+    if v_head_dim > SINK_MAX_VALUE_DIM:
+        reasons.append(
+            f"npu_fused_infer_attention_score_v2 ({path}): learnable_sink needs value D <= {SINK_MAX_VALUE_DIM}, "
+            f"not {v_head_dim}"
+        )
+    return reasons
+
+
+def mla_unsupported_reasons(
+    kv_lora_rank: int,
+    qk_rope_head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    *,
+    q_heads: int,
+    kv_heads: int,
+    logit_cap: float = 0.0,
+    sliding_window: int = -1,
+    paths: Sequence[str] = ("mla_decode", "mla_fia"),
+) -> list[str]:
+    """Why the real ops cannot serve an MLA layer's ``paths``: ``mla_decode`` = ``_npu_paged_attention_mla``,
+    ``mla_fia`` = FIA v2 with query_rope / key_rope, ``mla_tree`` = the same with a tree mask (verify)."""
+    reasons: list[str] = []
+    half = dtype in (torch.float16, torch.bfloat16)
+    for path in paths:
+        name = "_npu_paged_attention_mla" if path == "mla_decode" else "npu_fused_infer_attention_score_v2"
+        where = f"{name} ({path})"
+        if not half:
+            reasons.append(f"{where}: dtype {dtype} unsupported (float16/bfloat16)")
+        if kv_heads != 1:
+            reasons.append(f"{where}: {kv_heads} latent KV heads (MLA caches have one)")
+        if logit_cap > 0:
+            reasons.append(f"{where}: no logit soft-cap input")
+        if path == "mla_decode":
+            if (kv_lora_rank, qk_rope_head_dim) != PA_MLA_DIMS:
+                reasons.append(
+                    f"{where}: latent {kv_lora_rank} + rope {qk_rope_head_dim}: upstream calls and tests it only at "
+                    f"{PA_MLA_DIMS[0]} + {PA_MLA_DIMS[1]} (DeepSeek)"
+                )
+            if block_size % 16:
+                reasons.append(f"{where}: page size {block_size} is not a multiple of 16")
+            if sliding_window >= 0:
+                reasons.append(f"{where}: no mask or window input")
+            continue
+        if kv_lora_rank not in MLA_LATENT_DIMS or qk_rope_head_dim != MLA_ROPE_DIM:
+            reasons.append(
+                f"{where}: latent {kv_lora_rank} + rope {qk_rope_head_dim}: with query_rope/key_rope the latent D is "
+                f"{' or '.join(map(str, MLA_LATENT_DIMS))} and the rope D {MLA_ROPE_DIM} (op-plugin FIA v2 doc, MLA)"
+            )
+        if block_size % 16 or block_size > 1024:
+            reasons.append(f"{where}: page size {block_size} must be a multiple of 16, <= 1024 (MLA page attention)")
+        if kv_lora_rank == 512 and q_heads > 128:
+            reasons.append(f"{where}: {q_heads} query heads > 128 (D = 512)")
+        if path == "mla_tree":
+            if kv_lora_rank != MLA_TREE_LATENT_DIM:
+                reasons.append(f"{where}: the verify tree mask (sparse_mode 9) needs latent D = {MLA_TREE_LATENT_DIM}")
+            if sliding_window >= 0:
+                reasons.append(f"{where}: a tree mask (sparse_mode 9) cannot carry a sliding window")
     return reasons
 
 
