@@ -299,6 +299,9 @@ def test_mla_pools_hal_does_not_describe_are_refused(kit):
     packed = types.SimpleNamespace(**{**vars(rows), "get_key_buffer": lambda i: torch.zeros(4, 1, 29)})
     with pytest.raises(hal.UnsupportedError, match="rows of 29"):
         hal_sglang.mla_dims(packed)
+    from test_npu_sglang_pool import NPUMLATokenToKVPool  # SGLang's NPU MLA pool: latent and rope apart
+
+    assert hal_sglang.mla_dims(NPUMLATokenToKVPool(32, 16, 512, 64)) == (512, 64)
 
 
 @torch.no_grad()

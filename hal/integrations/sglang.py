@@ -113,6 +113,8 @@ def mla_dims(pool) -> tuple[int, int] | None:
     rope = int(getattr(pool, "qk_rope_head_dim", 0) or 0)
     if getattr(pool, "use_dsa", False):
         raise UnsupportedError(f"{type(pool).__name__} with use_dsa: DeepSeek sparse attention (DSA) is not in hal")
+    if getattr(serve_pool(pool), "mla_split", False):  # SGLang's NPU MLA pool: latent and rope buffers apart
+        return int(rank), rope
     width = pool.get_key_buffer(getattr(pool, "start_layer", 0) or 0).shape[-1]
     if width != rank + rope:
         raise UnsupportedError(
