@@ -6,6 +6,10 @@ group served together (decode, verify), or per (request, KV head, query tile) th
 matrix-sized ``at::mm`` tiles (extend). Its semantics are the reference's
 (``hal.kernels.reference.paged_attention``), float32 accumulation throughout.
 
+:func:`write_and_attend` is one layer's whole forward in one call (the ``torch``
+backend's hot path): the new tokens' K/V checked and written at their slots, then the
+same attention, with no Python between.
+
 The C++ source (``attention.cpp``) is compiled by ``torch.utils.cpp_extension`` the
 first time a kernel is asked for, for the best x86 generation this CPU has (:data:`ISAS`:
 AVX-512 with AVX512-BF16 dot products, AVX-512, AVX2+FMA, or plain loops), chosen from
