@@ -22,11 +22,12 @@ depend on the number of requests and tokens, not on the model's width.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
 from hal.batch import ForwardBatch, ForwardMode
-from hal.bench import time_ms
+from hal.bench import _cpu_meta, time_ms
 from hal.config import AttentionConfig
 from hal.graph import HostReadCounter
 from hal.kv_cache import PagedKVPool, ReqToTokenPool
@@ -75,6 +76,10 @@ def run_step_workload(
     config = AttentionConfig(tp_q_head_num=2, tp_k_head_num=1, head_dim=8, dtype=torch.float32, page_size=page_size)
     selection = select(config, device=device, backend=backend)
     torch_device = selection.capability.torch_device
+    # the machine, as hal bench's other workloads record it (CPU: its features and the kernels' path)
+    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "loadavg_at_start": os.getloadavg()}
+    if torch_device.type == "cpu":
+        meta.update(_cpu_meta())
     layer = AttentionLayer(0, 2, 1, 8)
     results = []
     for batch in batch_sizes:
@@ -108,7 +113,9 @@ def run_step_workload(
     impl.init_forward_metadata(fb)
     q, kv = torch.randn(32, 16, device=torch_device), torch.randn(32, 8, device=torch_device)
     forward_ms = time_ms(lambda: impl.forward(q, kv, kv, layer, fb), torch_device, 10 * repeats, 1)["median_ms"]
+    meta["loadavg_at_end"] = os.getloadavg()
     return {
+        "meta": meta,
         "workload": "step",
         "device": str(torch_device),
         "backend": selection.backend,

@@ -3,7 +3,9 @@
 It keeps the ``torch`` backend's name and contract and replaces its attention by the
 compiled paged kernels, which read K/V straight from the pool through ``req_to_token`` (no gathered copy), one
 task per (request, KV head) with the GQA group together for decode and verify, and
-matrix-sized ``at::mm`` tiles for extend; see ``hal.kernels.cpu``. The kernels are
+matrix-sized ``at::mm`` tiles for extend; see ``hal.kernels.cpu``. A layer's forward is one
+kernel call (``write_and_attend``: inputs checked, KV written, attention) wherever the checked
+prologue would do nothing more; the per-request metadata it reads is prepared once per step. The kernels are
 compiled at first use; where that cannot happen (no compiler or ninja,
 ``HAL_CPU_KERNELS=0``, a failed build) the plain torch path (:class:`PlainTorchBackend`, which
 this class extends) serves, with a warning when a build was tried and failed, and ``hal
@@ -18,6 +20,7 @@ prepared; ``sinks=`` arriving at a step prepared for the kernels switches that s
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from dataclasses import dataclass
@@ -32,17 +35,21 @@ from .torch_backend import PlainTorchBackend, _indptr
 
 __all__ = ["CompiledBackend"]
 
+# The prologue's hooks (hal.backend): the fused forward stands in for them only where none is overridden.
+_PROLOGUE_HOOKS = ("prepare_forward", "check_model_features", "check_layer", "check_inputs", "save_kv", "_forward")
+
 
 @dataclass
 class CompiledMetadata:
-    """Per-step metadata: per-request lengths and offsets, int64 ``[B]`` (built in_graph)."""
+    """Per-step metadata: per-request lengths and offsets, int64 ``[B]`` contiguous (built in_graph, in the form
+    the kernels read, so a layer's forward converts nothing)."""
 
     rows: torch.Tensor | None = None  # req_pool_indices
     q_lens: torch.Tensor | None = None
     kv_lens: torch.Tensor | None = None
     q_start: torch.Tensor | None = None  # first query row of each request
     mask_start: torch.Tensor | None = None  # first custom-mask entry of each request (TARGET_VERIFY)
-    custom_mask: torch.Tensor | None = None
+    custom_mask: torch.Tensor | None = None  # flat bool (TARGET_VERIFY)
     req_to_token: torch.Tensor | None = None  # the request table the kernels read (for the names below)
 
     # SGLang's names for the same data (its attention kit and tools inspect them), built when read.
@@ -65,6 +72,19 @@ class CompiledMetadata:
         return None if self.q_lens is None else _indptr(self.q_lens)
 
 
+def _fused_or_checked(checked):
+    """A ``forward_*`` that runs :meth:`CompiledBackend.write_and_attend` where it applies, else ``checked`` (the
+    inherited ``forward_*``, which runs the checked prologue). Marked as running its own prologue."""
+
+    @functools.wraps(checked)
+    def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        out = self.write_and_attend(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
+        return checked(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs) if out is None else out
+
+    forward._hal_prologue = True
+    return forward
+
+
 class CompiledBackend(PlainTorchBackend):
     """The ``torch`` backend with its attention compiled; the plain path where no kernels could be built."""
 
@@ -78,6 +98,10 @@ class CompiledBackend(PlainTorchBackend):
                 self.kernels = cpu_kernels.load()
             except cpu_kernels.KernelBuildError as exc:
                 warnings.warn(f"hal: {exc}", RuntimeWarning, stacklevel=2)
+        cls = type(self)
+        self.fused_forward = self.kernels is not None and all(
+            getattr(cls, hook) is getattr(CompiledBackend, hook) for hook in _PROLOGUE_HOOKS
+        )
 
     @classmethod
     def notes(cls, capability) -> list[str]:
@@ -135,18 +159,63 @@ class CompiledBackend(PlainTorchBackend):
         if fb.forward_mode.is_idle():
             return
         meta = self.metadata_for(fb)
-        meta.q_lens, meta.kv_lens = device_lens(fb)
-        meta.rows = fb.req_pool_indices.long()
+        q_lens, kv_lens = device_lens(fb)
+        meta.q_lens, meta.kv_lens = q_lens.contiguous(), kv_lens.contiguous()
+        meta.rows = fb.req_pool_indices.long().contiguous()
         meta.req_to_token = fb.req_to_token_pool.req_to_token
         meta.q_start = torch.cumsum(meta.q_lens, 0) - meta.q_lens
         if fb.forward_mode.is_target_verify():
             sizes = meta.q_lens * meta.kv_lens
             meta.mask_start = torch.cumsum(sizes, 0) - sizes
-            meta.custom_mask = fb.spec_info.custom_mask
+            meta.custom_mask = fb.spec_info.custom_mask.reshape(-1).to(torch.bool).contiguous()
         else:
             meta.mask_start = meta.custom_mask = None
 
     # -- forward -----------------------------------------------------------------------
+    # forward_* run the whole forward, prologue included, in one kernel call where they can (write_and_attend);
+    # everything else (sinks, save_kv_cache=False, other dtypes or layouts, bad input, a torch mode watching, a
+    # subclass overriding a prologue hook) takes the checked prologue and _forward, which name what is wrong.
+    forward_decode = _fused_or_checked(PlainTorchBackend.forward_decode)
+    forward_extend = _fused_or_checked(PlainTorchBackend.forward_extend)
+    forward_mixed = _fused_or_checked(PlainTorchBackend.forward_mixed)
+
+    def write_and_attend(self, q, k, v, layer, fb, save_kv_cache: bool, kwargs: dict) -> torch.Tensor | None:
+        """One layer's forward as one kernel call (:func:`hal.kernels.cpu.write_and_attend`: checks ``q``/``k``/``v``
+        against the layer and pool, writes the new tokens' KV, attends); ``[T, q_heads * v_head_dim]``, or None
+        where that path does not apply and the checked prologue must run."""
+        meta = self.forward_metadata
+        if (
+            not self.fused_forward
+            or not save_kv_cache
+            or not isinstance(meta, CompiledMetadata)
+            or getattr(self, "_in_prologue_call", False)
+            or any(value is not None for value in kwargs.values())
+        ):
+            return None
+        self.check_layer(layer)
+        self.metadata_for(fb)
+        pool = fb.token_to_kv_pool
+        return cpu_kernels.write_and_attend(
+            q,
+            k,
+            v,
+            fb.out_cache_loc,
+            pool.get_key_buffer(layer.layer_id),
+            pool.get_value_buffer(layer.layer_id),
+            fb.req_to_token_pool.req_to_token,
+            meta.rows,
+            meta.kv_lens,
+            meta.q_lens,
+            meta.q_start,
+            (layer.tp_q_head_num, layer.tp_k_head_num, layer.tp_v_head_num, layer.head_dim, layer.v_head_dim),
+            layer.scaling,
+            layer.logit_cap,
+            layer.sliding_window_size,
+            layer.causal,
+            meta.custom_mask,
+            meta.mask_start,
+        )
+
     def _forward(self, q, k, v, layer, fb, save_kv_cache: bool, sinks=None) -> torch.Tensor:
         meta = self.forward_metadata
         if sinks is not None and isinstance(meta, CompiledMetadata):  # sinks the config did not announce

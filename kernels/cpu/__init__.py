@@ -6,6 +6,10 @@ group served together (decode, verify), or per (request, KV head, query tile) th
 matrix-sized ``at::mm`` tiles (extend). Its semantics are the reference's
 (``hal.kernels.reference.paged_attention``), float32 accumulation throughout.
 
+:func:`write_and_attend` is one layer's whole forward in one call (the ``torch``
+backend's hot path): the new tokens' K/V checked and written at their slots, then the
+same attention, with no Python between.
+
 The C++ source (``attention.cpp``) is compiled by ``torch.utils.cpp_extension`` the
 first time a kernel is asked for, for the best x86 generation this CPU has (:data:`ISAS`:
 AVX-512 with AVX512-BF16 dot products, AVX-512, AVX2+FMA, or plain loops), chosen from
@@ -61,6 +65,7 @@ __all__ = [
     "Kernels",
     "runnable_isas",
     "paged_attention",
+    "write_and_attend",
     "TILE_ROWS",
 ]
 
@@ -239,6 +244,7 @@ class Kernels:
     paged_attention: Callable  # the op overload; arguments as attention.cpp's paged_attention
     direct: Callable  # the same function called without the dispatcher (only where no torch mode is active)
     build_info: str
+    write_and_attend: Callable | None = None  # attention.cpp's write_and_attend (no dispatcher op: unwatched only)
 
 
 _STATE: dict = {"loaded": {}, "error": None, "records": {}}  # per ISA path: its Kernels, how they were loaded
@@ -349,6 +355,7 @@ def load() -> Kernels:
                 paged_attention=getattr(torch.ops.hal, f"paged_attention_{name}").default,
                 direct=module.paged_attention,
                 build_info=getattr(torch.ops.hal, f"build_info_{name}")(),
+                write_and_attend=module.write_and_attend,
             )
         except Exception as exc:
             _STATE["error"] = (
@@ -457,12 +464,8 @@ def paged_attention(
     mask_start = _index(mask_start) if mask_start is not None else torch.empty(0, dtype=torch.int64)
     qf = q if q.dtype == torch.float32 and q.stride(2) == 1 else q.float().contiguous()
     out = torch.empty(tokens, q_heads, v_buffer.shape[2], dtype=torch.float32)
-    # Through the dispatcher (torch.ops.hal) whenever a torch mode watches (hal's eager graph guard, a
-    # profiler's mode, FakeTensor): it sees every tensor the kernel reads. Otherwise straight in, which
-    # saves the dispatcher's argument parsing (about 15 us a call on a 2-core Zen 2).
-    watched = torch._C._len_torch_dispatch_stack() > 0 or torch._C._is_torch_function_mode_enabled()
     try:
-        (kernels.paged_attention if watched else kernels.direct)(
+        (kernels.paged_attention if watched() else kernels.direct)(
             qf,
             k_buffer,
             v_buffer,
@@ -481,8 +484,88 @@ def paged_attention(
             int(tile_rows),
         )
     except RuntimeError as exc:
-        message = str(exc).split("\n")[0]
-        if "hal: " in message:
-            raise KVCacheError(message.split("hal: ", 1)[1]) from None
-        raise
+        _raise_hal_error(exc)
     return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+def watched() -> bool:
+    """Whether a torch mode watches the ops this thread runs (hal's eager graph guard, a profiler's mode,
+    FakeTensor). The kernels then go through the dispatcher (``torch.ops.hal``), which shows the mode every tensor
+    they read; otherwise they are called straight, saving the dispatcher's argument parsing (about 15 us a call
+    on a 2-core Zen 2)."""
+    return torch._C._len_torch_dispatch_stack() > 0 or torch._C._is_torch_function_mode_enabled()
+
+
+def _raise_hal_error(exc: RuntimeError):
+    """Re-raise a kernel's own check (a message starting ``hal: ``) as :class:`KVCacheError`, anything else as is."""
+    message = str(exc).split("\n")[0]
+    if "hal: " in message:
+        raise KVCacheError(message.split("hal: ", 1)[1]) from None
+    raise exc
+
+
+_NO_MASK = torch.empty(0, dtype=torch.bool)
+_NO_STARTS = torch.empty(0, dtype=torch.int64)
+
+
+def write_and_attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    q_start: torch.Tensor,
+    heads: tuple[int, int, int, int, int],
+    scale: float,
+    logit_cap: float = 0.0,
+    sliding_window: int = -1,
+    causal: bool = True,
+    custom_mask: torch.Tensor | None = None,
+    mask_start: torch.Tensor | None = None,
+    tile_rows: int = TILE_ROWS,
+) -> torch.Tensor | None:
+    """One layer's forward in one kernel call: the new tokens' ``k``/``v`` written at ``out_cache_loc``, then
+    :func:`paged_attention`; returns ``[T, q_heads * v_head_dim]`` in the pool's dtype.
+
+    ``q``/``k``/``v``: ``[T, heads * dim]`` or ``[T, heads, dim]`` in the pool's dtype (float32 or bfloat16);
+    ``heads``: the layer's ``(q_heads, kv_heads, v_heads, head_dim, v_head_dim)``; the per-request tensors are
+    int64 ``[B]`` contiguous (``q_start`` each request's first query row), ``custom_mask`` flat bool with
+    ``mask_start`` (TARGET_VERIFY) or None. Returns None, having written nothing, for inputs this path does not
+    take (another layout, dtype or device, shapes that do not match the layer or pool, an MLA pool, a torch mode
+    watching): the caller's checked path then serves them or names what is wrong. Out-of-range request rows,
+    lengths or ``out_cache_loc`` slots raise :class:`~hal.errors.KVCacheError` before anything is written.
+    """
+    kernels = load()
+    if kernels.write_and_attend is None or watched():
+        return None
+    try:
+        return kernels.write_and_attend(
+            q,
+            k,
+            v,
+            out_cache_loc,
+            k_buffer,
+            v_buffer,
+            req_to_token,
+            req_pool_indices,
+            seq_lens,
+            extend_lens,
+            q_start,
+            _NO_MASK if custom_mask is None else custom_mask,
+            _NO_STARTS if mask_start is None else mask_start,
+            *heads,
+            scale,
+            logit_cap,
+            sliding_window,
+            causal,
+            tile_rows,
+        )
+    except TypeError:  # an argument that is no tensor (k or v None...): the checked path says which
+        return None
+    except RuntimeError as exc:
+        _raise_hal_error(exc)

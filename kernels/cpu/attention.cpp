@@ -194,33 +194,66 @@ inline void scale_row(float* a, int64_t n, float f) {
 }
 
 // ---- row path micro-kernels -------------------------------------------------------------
-// scores[r * ld + j] = dot(q[r], k[j]) for NR rows and the keys of a block.
+#if defined(HAL_VEC) && HAL_VEC == 8
+// The horizontal sums of a[0..7] as one vector (lane i: the sum of a[i]): 9 shuffles and adds for all eight,
+// where eight separate hsum() take about 50.
+inline vf hsum8(const vf* a) {
+  const vf s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));  // [a0..a3 lo | hi]
+  const vf s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+#endif
+
+// scores[r * ld + j] = dot(q[r], k[j]) for NR rows and the keys of a block, NK keys at a time: NR x NK
+// accumulators (8 under AVX2, reduced together by hsum8; 2 keys under AVX-512, reduced by its own instruction).
 template <int NR, typename T>
 inline void qk_rows(const float* q, int64_t D, const T* const* kp, int64_t nk, float* s, int64_t ld) {
   int64_t j = 0;
 #ifdef HAL_VEC
+#if HAL_VEC == 8
+  constexpr int NK = 8 % NR == 0 ? 8 / NR : 2;
+#else
+  constexpr int NK = 2;
+#endif
   const int64_t DW = D & ~(kW - 1);
-  for (; j + 2 <= nk; j += 2) {
-    vf acc0[NR], acc1[NR];
-    for (int r = 0; r < NR; ++r) acc0[r] = acc1[r] = vzero();
-    const T* k0 = kp[j];
-    const T* k1 = kp[j + 1];
+  for (; j + NK <= nk; j += NK) {
+    vf acc[NR * NK];
+    for (int i = 0; i < NR * NK; ++i) acc[i] = vzero();
+    const T* kr[NK];
+    for (int c = 0; c < NK; ++c) kr[c] = kp[j + c];
     for (int64_t d = 0; d < DW; d += kW) {
-      vf a = vload(k0 + d), b = vload(k1 + d);
+      vf kv[NK];
+      for (int c = 0; c < NK; ++c) kv[c] = vload(kr[c] + d);
       for (int r = 0; r < NR; ++r) {
-        vf qv = vload(q + r * D + d);
-        acc0[r] = vfma(qv, a, acc0[r]);
-        acc1[r] = vfma(qv, b, acc1[r]);
+        const vf qv = vload(q + r * D + d);
+        for (int c = 0; c < NK; ++c) acc[r * NK + c] = vfma(qv, kv[c], acc[r * NK + c]);
       }
     }
+    float sums[NR * NK];
+#if HAL_VEC == 8
+    if constexpr (NR * NK == 8) {
+      vstore(sums, hsum8(acc));
+    } else {
+      for (int i = 0; i < NR * NK; ++i) sums[i] = hsum(acc[i]);
+    }
+#else
+    for (int i = 0; i < NR * NK; ++i) sums[i] = hsum(acc[i]);
+#endif
     for (int r = 0; r < NR; ++r) {
-      float x0 = hsum(acc0[r]), x1 = hsum(acc1[r]);
-      for (int64_t d = DW; d < D; ++d) {
-        x0 += q[r * D + d] * to_float(k0[d]);
-        x1 += q[r * D + d] * to_float(k1[d]);
+      for (int c = 0; c < NK; ++c) {
+        float x = sums[r * NK + c];
+        for (int64_t d = DW; d < D; ++d) x += q[r * D + d] * to_float(kr[c][d]);
+        s[r * ld + j + c] = x;
       }
-      s[r * ld + j] = x0;
-      s[r * ld + j + 1] = x1;
+    }
+  }
+  for (; j < nk; ++j) {  // the block's last keys, one at a time
+    for (int r = 0; r < NR; ++r) {
+      vf acc = vzero();
+      for (int64_t d = 0; d < DW; d += kW) acc = vfma(vload(q + r * D + d), vload(kp[j] + d), acc);
+      float x = hsum(acc);
+      for (int64_t d = DW; d < D; ++d) x += q[r * D + d] * to_float(kp[j][d]);
+      s[r * ld + j] = x;
     }
   }
 #endif
@@ -795,28 +828,8 @@ void run_tile(const Problem& P, const Task& task) {
   write_rows(P, b, h, i0, R, acc, l);
 }
 
-}  // namespace
-
-// q: float32 [T, Hq, D] (last dim contiguous); k/v_buffer: [S, Hkv, D|Dv] float32 or bf16;
-// req_to_token int32 [R, C]; rows, kv_lens, q_lens, q_start, mask_start: int64 [B] (CPU);
-// custom_mask: bool flat or empty; out: float32 [T, Hq, Dv], written. Errors (messages start "hal: ") are raised
-// before any read out of bounds; a slot outside the pool found midway stops the run and is raised after it.
-void paged_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
-                     const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& kv_lens,
-                     const at::Tensor& q_lens, const at::Tensor& q_start, const at::Tensor& custom_mask,
-                     const at::Tensor& mask_start, const at::Tensor& out, double scale, double logit_cap,
-                     int64_t window, bool causal, int64_t tile_rows) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "q and out must be float32");
-  TORCH_CHECK(k_buffer.scalar_type() == v_buffer.scalar_type(), "k and v buffers differ in dtype");
-  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_buffer.stride(2) == 1 && v_buffer.stride(2) == 1,
-              "last dims must be contiguous");
-  TORCH_CHECK(req_to_token.scalar_type() == at::kInt && req_to_token.stride(1) == 1, "req_to_token: int32 rows");
-  std::atomic<int64_t> bad_slot(0);
-  std::atomic<bool> bad(false);
-  Problem P;
-  P.q = q.data_ptr<float>();
-  P.q_s0 = q.stride(0);
-  P.q_s1 = q.stride(1);
+// The pool's buffers: [S, Hkv, D] keys and [S, Hkv, Dv] values (last dims contiguous).
+void bind_buffers(Problem& P, const at::Tensor& k_buffer, const at::Tensor& v_buffer) {
   P.k = k_buffer.data_ptr();
   P.v = v_buffer.data_ptr();
   P.k_s0 = k_buffer.stride(0);
@@ -824,6 +837,15 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::
   P.v_s0 = v_buffer.stride(0);
   P.v_s1 = v_buffer.stride(1);
   P.num_slots = k_buffer.size(0);
+  P.Hkv = k_buffer.size(1);
+  P.Dv = v_buffer.size(2);
+}
+
+// The step's per-request tensors (int64 [B], CPU, contiguous), request table and custom mask, bound into P;
+// everything a task reads through is checked (errors start "hal: ") before any task runs. Returns B.
+int64_t bind_step(Problem& P, const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& kv_lens,
+                  const at::Tensor& q_lens, const at::Tensor& q_start, const at::Tensor& custom_mask,
+                  const at::Tensor& mask_start, int64_t T) {
   P.r2t = req_to_token.data_ptr<int32_t>();
   P.r2t_s0 = req_to_token.stride(0);
   P.r2t_cols = req_to_token.size(1);
@@ -833,28 +855,13 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::
   P.q_start = q_start.data_ptr<int64_t>();
   P.cmask = custom_mask.numel() ? custom_mask.data_ptr<bool>() : nullptr;
   P.m_start = P.cmask ? mask_start.data_ptr<int64_t>() : nullptr;
-  P.out = out.data_ptr<float>();
-  P.o_s0 = out.stride(0);
-  P.o_s1 = out.stride(1);
-  P.Hq = q.size(1);
-  P.Hkv = k_buffer.size(1);
-  P.G = P.Hq / P.Hkv;
-  P.D = q.size(2);
-  P.Dv = v_buffer.size(2);
-  P.scale = float(scale);
-  P.cap = float(logit_cap);
-  P.window = window;
-  P.causal = causal;
-  P.bad_slot = &bad_slot;
-  P.bad = &bad;
-
   const int64_t B = rows.numel();
   TORCH_CHECK(kv_lens.numel() == B && q_lens.numel() == B && q_start.numel() == B,
               "hal: req_pool_indices, seq_lens and extend_lens must have one entry per request");
   TORCH_CHECK(P.Hkv > 0 && P.Hq % P.Hkv == 0, "hal: q heads must be a multiple of KV heads");
   TORCH_CHECK(!P.cmask || mask_start.numel() == B, "hal: mask_start must have one entry per request");
-  const int64_t T = q.size(0), R2T_rows = req_to_token.size(0);
-  for (int64_t b = 0; b < B; ++b) {  // everything a task reads through, checked before any is run
+  const int64_t R2T_rows = req_to_token.size(0);
+  for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(P.rows[b] >= 0 && P.rows[b] < R2T_rows, "hal: req_pool_indices[", b, "] = ", P.rows[b],
                 ": expected a row of req_to_token in [0, ", R2T_rows, ")");
     TORCH_CHECK(P.q_lens[b] >= 0 && P.q_lens[b] <= P.kv_lens[b] && P.kv_lens[b] <= P.r2t_cols,
@@ -867,6 +874,16 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::
                   "hal: custom_mask has ", custom_mask.numel(), " entries: too few for request ", b);
     }
   }
+  return B;
+}
+
+// Runs every task of the B requests bound into P (bind_buffers, bind_step, q, out and the layer's fields set);
+// a slot outside the pool found midway stops the run and is raised after it.
+void run_tasks(Problem& P, int64_t B, int64_t tile_rows, bool bf16) {
+  std::atomic<int64_t> bad_slot(0);
+  std::atomic<bool> bad(false);
+  P.bad_slot = &bad_slot;
+  P.bad = &bad;
   std::vector<Task> tasks;
   // Row tasks take every KV head of a request when there are requests enough to keep the threads
   // busy (HAL_HEADS_PER_TASK overrides: 1 = one task per (request, KV head)).
@@ -874,6 +891,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::
   for (int64_t b = 0; b < B; ++b) row_requests += P.q_lens[b] > 0 && !(tile_rows > 0 && P.q_lens[b] * P.G >= tile_rows);
   int64_t heads_per_task = row_requests >= 4 * at::get_num_threads() ? P.Hkv : 1;
   if (const char* env = std::getenv("HAL_HEADS_PER_TASK")) heads_per_task = std::max<int64_t>(1, std::atoll(env));
+  tasks.reserve(B);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t nq = P.q_lens[b], kv = P.kv_lens[b];
     if (nq <= 0) continue;
@@ -885,8 +903,8 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::
       for (int64_t i0 = 0; i0 < nq; i0 += step) {
         const int64_t i1 = std::min(nq, i0 + step);
         int64_t keys = kv;  // upper bound on keys the tile reads
-        if (causal && !P.cmask) keys = kv - nq + i1;
-        if (window >= 0) keys = std::min<int64_t>(keys, window + (i1 - i0));
+        if (P.causal && !P.cmask) keys = kv - nq + i1;
+        if (P.window >= 0) keys = std::min<int64_t>(keys, P.window + (i1 - i0));
         tasks.push_back({b, h, i0, i1, nh, double(keys) * double(nh) * double(i1 - i0 + (tile ? 0 : 8)), tile});
       }
     }
@@ -894,8 +912,6 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& c) { return a.cost > c.cost; });
   std::atomic<int64_t> next(0);
   const int64_t n = int64_t(tasks.size());
-  const bool bf16 = k_buffer.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(bf16 || k_buffer.scalar_type() == at::kFloat, "KV buffers must be float32 or bfloat16");
   auto worker = [&](int64_t, int64_t) {
     for (int64_t t = next.fetch_add(1); t < n; t = next.fetch_add(1)) {
       if (bad.load()) return;
@@ -918,6 +934,147 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::
   }
   TORCH_CHECK(!bad.load(), "hal: req_to_token holds slot ", bad_slot.load(), ": expected a slot in [0, ",
               P.num_slots, ")");
+}
+
+void set_layer(Problem& P, int64_t Hq, int64_t D, double scale, double logit_cap, int64_t window, bool causal) {
+  P.Hq = Hq;
+  P.G = P.Hkv > 0 ? Hq / P.Hkv : 0;
+  P.D = D;
+  P.scale = float(scale);
+  P.cap = float(logit_cap);
+  P.window = window;
+  P.causal = causal;
+}
+
+// Whether t is [T, H * D] or [T, H, D] of dtype dt on the CPU, unit-strided along D; sets its token and head strides.
+bool token_rows(const at::Tensor& t, at::ScalarType dt, int64_t T, int64_t H, int64_t D, int64_t& s0, int64_t& s1) {
+  if (!t.defined() || t.scalar_type() != dt || !t.device().is_cpu() || t.dim() < 2 || t.size(0) != T) return false;
+  if (t.dim() == 2 && t.size(1) == H * D && t.stride(1) == 1) {
+    s0 = t.stride(0);
+    s1 = D;
+    return true;
+  }
+  if (t.dim() == 3 && t.size(1) == H && t.size(2) == D && t.stride(2) == 1) {
+    s0 = t.stride(0);
+    s1 = t.stride(1);
+    return true;
+  }
+  return false;
+}
+
+bool index_vector(const at::Tensor& t) {
+  return t.defined() && t.scalar_type() == at::kLong && t.dim() == 1 && t.is_contiguous() && t.device().is_cpu();
+}
+
+}  // namespace
+
+// q: float32 [T, Hq, D] (last dim contiguous); k/v_buffer: [S, Hkv, D|Dv] float32 or bf16;
+// req_to_token int32 [R, C]; rows, kv_lens, q_lens, q_start, mask_start: int64 [B] (CPU);
+// custom_mask: bool flat or empty; out: float32 [T, Hq, Dv], written. Errors (messages start "hal: ") are raised
+// before any read out of bounds; a slot outside the pool found midway stops the run and is raised after it.
+void paged_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
+                     const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& kv_lens,
+                     const at::Tensor& q_lens, const at::Tensor& q_start, const at::Tensor& custom_mask,
+                     const at::Tensor& mask_start, const at::Tensor& out, double scale, double logit_cap,
+                     int64_t window, bool causal, int64_t tile_rows) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "q and out must be float32");
+  TORCH_CHECK(k_buffer.scalar_type() == v_buffer.scalar_type(), "k and v buffers differ in dtype");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_buffer.stride(2) == 1 && v_buffer.stride(2) == 1,
+              "last dims must be contiguous");
+  TORCH_CHECK(req_to_token.scalar_type() == at::kInt && req_to_token.stride(1) == 1, "req_to_token: int32 rows");
+  const bool bf16 = k_buffer.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || k_buffer.scalar_type() == at::kFloat, "KV buffers must be float32 or bfloat16");
+  Problem P;
+  bind_buffers(P, k_buffer, v_buffer);
+  set_layer(P, q.size(1), q.size(2), scale, logit_cap, window, causal);
+  P.q = q.data_ptr<float>();
+  P.q_s0 = q.stride(0);
+  P.q_s1 = q.stride(1);
+  P.out = out.data_ptr<float>();
+  P.o_s0 = out.stride(0);
+  P.o_s1 = out.stride(1);
+  const int64_t B = bind_step(P, req_to_token, rows, kv_lens, q_lens, q_start, custom_mask, mask_start, q.size(0));
+  run_tasks(P, B, tile_rows, bf16);
+}
+
+// One layer's forward in one call, prologue included: checks q/k/v ([T, H * D] or [T, H, D], the pool's dtype,
+// float32 or bf16) against the layer's heads and dims and the pool, writes the new tokens' k/v at out_cache_loc
+// (int32/int64 [T]), attends as paged_attention, and returns [T, q_heads * v_head_dim] in the pool's dtype.
+// Inputs this path does not take (another layout, dtype or device, a shape that does not match, an MLA pool
+// whose value buffer views the key buffer) return an undefined tensor (None) with nothing written: the caller's
+// checked path serves them or names what is wrong. Bad indices raise ("hal: ...") before anything is written.
+at::Tensor write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& loc,
+                            const at::Tensor& k_buffer, const at::Tensor& v_buffer, const at::Tensor& req_to_token,
+                            const at::Tensor& rows, const at::Tensor& kv_lens, const at::Tensor& q_lens,
+                            const at::Tensor& q_start, const at::Tensor& custom_mask, const at::Tensor& mask_start,
+                            int64_t q_heads, int64_t kv_heads, int64_t v_heads, int64_t head_dim, int64_t v_head_dim,
+                            double scale, double logit_cap, int64_t window, bool causal, int64_t tile_rows) {
+  const at::ScalarType dt = k_buffer.scalar_type();
+  const bool bf16 = dt == at::kBFloat16;
+  if (!(bf16 || dt == at::kFloat) || v_buffer.scalar_type() != dt || k_buffer.dim() != 3 || v_buffer.dim() != 3 ||
+      !k_buffer.device().is_cpu() || !v_buffer.device().is_cpu())
+    return {};
+  if (k_buffer.size(1) != kv_heads || k_buffer.size(2) != head_dim || v_buffer.size(1) != kv_heads ||
+      v_buffer.size(2) != v_head_dim || v_heads != kv_heads || kv_heads <= 0 || q_heads % kv_heads ||
+      k_buffer.stride(2) != 1 || v_buffer.stride(2) != 1 || k_buffer.data_ptr() == v_buffer.data_ptr())
+    return {};
+  if (loc.dim() != 1 || !loc.device().is_cpu() || !(loc.scalar_type() == at::kLong || loc.scalar_type() == at::kInt))
+    return {};
+  const int64_t T = loc.size(0);
+  int64_t qs0, qs1, ks0, ks1, vs0, vs1;
+  if (!token_rows(q, dt, T, q_heads, head_dim, qs0, qs1) || !token_rows(k, dt, T, kv_heads, head_dim, ks0, ks1) ||
+      !token_rows(v, dt, T, kv_heads, v_head_dim, vs0, vs1))
+    return {};
+  if (req_to_token.scalar_type() != at::kInt || req_to_token.dim() != 2 || req_to_token.stride(1) != 1 ||
+      !index_vector(rows) || !index_vector(kv_lens) || !index_vector(q_lens) || !index_vector(q_start) ||
+      !(custom_mask.numel() == 0 || (custom_mask.scalar_type() == at::kBool && custom_mask.is_contiguous())) ||
+      !(custom_mask.numel() == 0 || index_vector(mask_start)))
+    return {};
+  Problem P;
+  bind_buffers(P, k_buffer, v_buffer);
+  set_layer(P, q_heads, head_dim, scale, logit_cap, window, causal);
+  const int64_t B = bind_step(P, req_to_token, rows, kv_lens, q_lens, q_start, custom_mask, mask_start, T);
+  std::vector<int64_t> slots(T);
+  const int64_t loc_s = loc.stride(0);
+  const bool loc64 = loc.scalar_type() == at::kLong;
+  const int64_t* loc_l = loc64 ? loc.data_ptr<int64_t>() : nullptr;
+  const int32_t* loc_i = loc64 ? nullptr : loc.data_ptr<int32_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t s = loc64 ? loc_l[t * loc_s] : int64_t(loc_i[t * loc_s]);
+    TORCH_CHECK(s >= 0 && s < P.num_slots, "hal: out_cache_loc[", t, "] = ", s, ": expected a slot in [0, ",
+                P.num_slots, ")");
+    slots[t] = s;
+  }
+  const int64_t elt = bf16 ? 2 : 4;
+  char* K = static_cast<char*>(k_buffer.data_ptr());
+  char* V = static_cast<char*>(v_buffer.data_ptr());
+  const char* kin = static_cast<const char*>(k.data_ptr());
+  const char* vin = static_cast<const char*>(v.data_ptr());
+  at::parallel_for(0, T, 256, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        std::memcpy(K + (slots[t] * P.k_s0 + h * P.k_s1) * elt, kin + (t * ks0 + h * ks1) * elt, head_dim * elt);
+        std::memcpy(V + (slots[t] * P.v_s0 + h * P.v_s1) * elt, vin + (t * vs0 + h * vs1) * elt, v_head_dim * elt);
+      }
+    }
+  });
+  at::Tensor qf;
+  if (bf16) {
+    qf = (q.dim() == 2 ? q.view({T, q_heads, head_dim}) : q).to(at::kFloat);
+    P.q = qf.data_ptr<float>();
+    P.q_s0 = qf.stride(0);
+    P.q_s1 = qf.stride(1);
+  } else {
+    P.q = q.data_ptr<float>();
+    P.q_s0 = qs0;
+    P.q_s1 = qs1;
+  }
+  at::Tensor out = at::empty({T, q_heads * v_head_dim}, at::TensorOptions().dtype(at::kFloat));
+  P.out = out.data_ptr<float>();
+  P.o_s0 = q_heads * v_head_dim;
+  P.o_s1 = v_head_dim;
+  run_tasks(P, B, tile_rows, bf16);
+  return bf16 ? out.to(at::kBFloat16) : out;
 }
 
 std::string build_info() {
@@ -954,5 +1111,10 @@ TORCH_LIBRARY_FRAGMENT(hal, m) {
 TORCH_LIBRARY_IMPL(hal, CPU, m) { m.impl(HAL_OP(paged_attention), &paged_attention); }
 
 // The same entry point without the dispatcher, for calls no torch mode watches (hal.kernels.cpu decides):
-// a dispatcher call parses its 16 arguments against the schema, about 15 us on a 2-core Zen 2.
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_attention", &paged_attention); }
+// a dispatcher call parses its 16 arguments against the schema, about 15 us on a 2-core Zen 2. write_and_attend
+// (a whole forward, KV write included) exists only here: where a mode watches, hal runs the checked prologue
+// and the op above instead.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention);
+  m.def("write_and_attend", &write_and_attend);
+}
