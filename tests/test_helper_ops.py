@@ -72,16 +72,33 @@ def test_the_choice_is_made_in_one_place():
     assert CompiledBackend(WITHOUT_TARGET).helper_ops is TORCH_OPS, "no Triton target: torch"
 
 
-def test_support_triton_false_runs_the_torch_ops_only(spies):
-    _forward(NoTriton(WITH_TARGET), spies)
-    assert spies["torch.write_kv"] == 1
+def _wrote_kv_without_triton(backend, built, spies):
+    """No Triton kernel ran; the KV write was the torch op's, or the compiled kernel's own (its one-call forward)."""
     assert all(spies[f"triton.{n}"] == 0 for n in KERNELS)
+    assert spies["torch.write_kv"] == (0 if backend.fused_forward else 1)
+    pool, lid = built.batch.token_to_kv_pool, built.layer.layer_id
+    assert torch.equal(pool.get_key_buffer(lid), built.expected_k)
+    assert torch.equal(pool.get_value_buffer(lid), built.expected_v)
 
 
-def test_no_triton_target_runs_the_torch_ops_only(spies):
-    _forward(CompiledBackend(WITHOUT_TARGET), spies)
-    assert spies["torch.write_kv"] == 1
-    assert all(spies[f"triton.{n}"] == 0 for n in KERNELS)
+@pytest.mark.parametrize("fused", [True, False], ids=["one-call", "checked-prologue"])
+def test_support_triton_false_runs_the_torch_ops_only(spies, fused):
+    backend = NoTriton(WITH_TARGET)
+    backend.fused_forward = backend.fused_forward and fused
+    _wrote_kv_without_triton(backend, _forward(backend, spies), spies)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["one-call", "checked-prologue"])
+def test_no_triton_target_runs_the_torch_ops_only(spies, fused):
+    backend = CompiledBackend(WITHOUT_TARGET)
+    backend.fused_forward = backend.fused_forward and fused
+    _wrote_kv_without_triton(backend, _forward(backend, spies), spies)
+
+
+def test_triton_helper_ops_keep_the_compiled_backend_off_its_one_call_forward():
+    """Where support_triton() picks the Triton helper ops, the KV write must be theirs, not the fused kernel's."""
+    assert CompiledBackend(WITH_TARGET).fused_forward is False
+    assert NoTriton(WITH_TARGET).fused_forward == (CompiledBackend(WITHOUT_TARGET).kernels is not None)
 
 
 @triton_runs

@@ -29,6 +29,7 @@ import torch
 
 from hal.batch import device_lens, host_lens
 from hal.kernels import cpu as cpu_kernels
+from hal.kernels import reference as reference_kernels
 from hal.kernels.reference import is_fp8
 
 from .torch_backend import PlainTorchBackend, _indptr
@@ -99,8 +100,12 @@ class CompiledBackend(PlainTorchBackend):
             except cpu_kernels.KernelBuildError as exc:
                 warnings.warn(f"hal: {exc}", RuntimeWarning, stacklevel=2)
         cls = type(self)
-        self.fused_forward = self.kernels is not None and all(
-            getattr(cls, hook) is getattr(CompiledBackend, hook) for hook in _PROLOGUE_HOOKS
+        # the fused call writes the KV itself: only where the torch helper ops would (support_triton() gates
+        # the Triton ones, which must then run)
+        self.fused_forward = (
+            self.kernels is not None
+            and self.helper_ops is reference_kernels
+            and all(getattr(cls, hook) is getattr(CompiledBackend, hook) for hook in _PROLOGUE_HOOKS)
         )
 
     @classmethod
