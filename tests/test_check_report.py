@@ -65,6 +65,11 @@ def test_a_claimed_mode_or_graph_that_ran_nothing_fails(restore_registry):
     assert failure["outcome"] == "failed" and failure["mode"] == "MIXED" and "claims MIXED" in failure["reason"]
     no_graph = [c for c in ran if c["family"] != "graph"]
     assert "graph" in _coverage_failures(target, no_graph)[0]["reason"]
+    # a feature the backend declares off on this capability (with its reason, in the report) is not claimed
+    no_verify = [c for c in no_graph if c["mode"] != "TARGET_VERIFY"]
+    assert len(_coverage_failures(target, no_verify)) == 2
+    off = {"graph": {"reason": "no graph op here", "skipped": 3}, "custom_mask": {"reason": "no mask", "skipped": 2}}
+    assert _coverage_failures(target, no_verify, off) == []
 
 
 def test_a_mismatch_names_requests_positions_heads_and_the_kv_write():

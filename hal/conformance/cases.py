@@ -834,6 +834,8 @@ CASES += (
     ),
     Case("extend_head_dim_128_page256_bf16", E, ((260, 4), (0, 9)), head_dim=128, page_size=256, dtype=torch.bfloat16),
     Case("decode_page256_bf16", D, ((0, 1), (300, 1)), page_size=256, dtype=torch.bfloat16),
+    # FIA's decode route where it is the only decode op (A5: no ATB ops) and the page must also serve extend
+    Case("decode_head_dim_128_page128_bf16", D, ((0, 1), (130, 1)), head_dim=128, page_size=128, dtype=torch.bfloat16),
     # the compiled CPU kernel's task shapes at one thread, whatever the machine: (request, every KV head)
     # row tasks from 4 requests on, one task per (request, KV head) below, query tiles from 128 rows
     # (query tokens x GQA group), with partial last tiles and key blocks

@@ -108,8 +108,10 @@ class _Collector:
             self.errors.append(str(report.longrepr))
 
 
-def _coverage_failures(target, cases: list[dict]) -> list[dict]:
-    """A backend that ran nothing, or no case of a mode (or graph) it claims, fails."""
+def _coverage_failures(target, cases: list[dict], declared_off: dict | None = None) -> list[dict]:
+    """A backend that ran nothing, or no case of a mode (or graph) it claims, fails. TARGET_VERIFY and graphs
+    are claimed by the class flags (``supports_custom_mask``, ``supports_graph``) unless the backend declares the
+    feature off on this capability (``declared_off``: :func:`feature_summary`, which the report shows)."""
     ran = [c for c in cases if c["outcome"] in ("passed", "failed")]
     problems = []
     if not ran:
@@ -118,13 +120,15 @@ def _coverage_failures(target, cases: list[dict]) -> list[dict]:
         problems.append(("ANY", f"ran no case at all ({len(skipped)} skipped){why}"))
     else:
         backend, cap = target.backend, target.capability
-        claimed = [m for m in CLAIMED_MODES if m != "TARGET_VERIFY" or backend.supports_custom_mask]
+        declared_off = declared_off or {}
+        verify = backend.supports_custom_mask and "custom_mask" not in declared_off
+        claimed = [m for m in CLAIMED_MODES if m != "TARGET_VERIFY" or verify]
         forward = [c for c in cases if c["id"].startswith("forward:")]
         for mode in claimed:
             if not any(c["mode"] == mode and c["outcome"] in ("passed", "failed") for c in forward):
                 reasons = sorted({c["reason"] for c in forward if c["mode"] == mode})[:2]
                 problems.append((mode, f"claims {mode} but ran no {mode} case: {'; '.join(reasons) or 'none'}"))
-        if backend.supports_graph and cap.graph:
+        if backend.supports_graph and cap.graph and "graph" not in declared_off:
             if not any(c["family"] == "graph" and c["outcome"] in ("passed", "failed") for c in cases):
                 problems.append(("DECODE", "claims graph capture but ran no graph case"))
     return [
@@ -232,7 +236,7 @@ def run_check(
         routes = route_coverage(cases)
         features = feature_summary(target, cases)
         if not filtered:
-            cases += _coverage_failures(target, cases) + _route_failures(routes)
+            cases += _coverage_failures(target, cases, features) + _route_failures(routes)
         cases += requirement_failures(features, require)
         counts = {o: sum(c["outcome"] == o for c in cases) for o in ("passed", "failed", "skipped")}
         results.append(
