@@ -29,8 +29,9 @@ from hal.backend import AttentionBackend
 from hal.batch import ForwardBatch, device_lens, host_lens
 from hal.capability import DTYPE_NAMES, DeviceCapability
 from hal.errors import GraphCaptureError
-from hal.kernels.reference import is_fp8, kv_scales
+from hal.kernels.reference import kv_scales
 from hal.kernels.triton.sizing import decode_splits, extend_blocks
+from hal.kv_dtypes import kv_scaled
 
 __all__ = ["TritonBackend"]
 
@@ -250,7 +251,7 @@ class TritonBackend(AttentionBackend):
         k_scale, v_scale = kv_scales(layer)
         # the new tokens read at their slots, as stored, from an fp8 pool or when the engine wrote them
         # (save_kv_cache=False: the cache, not k/v, is what they are); MLA without v: the key's latent
-        from_pool = is_fp8(k_buffer.dtype) or not save_kv_cache
+        from_pool = kv_scaled(k_buffer.dtype) or not save_kv_cache
         new_kv_loc = forward_batch.out_cache_loc if from_pool else None
         if v is None and k is not None:
             v = k[..., : layer.v_head_dim]

@@ -35,8 +35,9 @@ from hal.batch import validate_batch, validation_level
 from hal.capability import DTYPE_NAMES, DeviceCapability
 from hal.deprecation import warn_renamed
 from hal.errors import ConfigError, InvalidBatchError, UnsupportedError, expect
-from hal.kernels.reference import dequantize_kv, is_fp8, kv_scales, shares_storage, write_kv
+from hal.kernels.reference import dequantize_kv, kv_scales, shares_storage, write_kv
 from hal.kv_cache import kv_cache_dtype_name
+from hal.kv_dtypes import kv_scaled
 
 if TYPE_CHECKING:
     from hal.batch import ForwardBatch, SharedReadEnds
@@ -445,7 +446,7 @@ class AttentionBackend:
                 f"a float tensor [{heads}] (one logit per q head) on {device}",
             )
         dtype = forward_batch.token_to_kv_pool.dtype
-        if is_fp8(dtype):
+        if kv_scaled(dtype):
             declared = self.kv_cache_dtypes if self.kv_cache_dtypes is not None else self.dtypes
             name = kv_cache_dtype_name(dtype)
             expect(
@@ -519,7 +520,7 @@ class AttentionBackend:
         """
         pool = forward_batch.token_to_kv_pool
         k_buffer, v_buffer = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
-        if is_fp8(k_buffer.dtype) or shares_storage(k_buffer, v_buffer):
+        if kv_scaled(k_buffer.dtype) or shares_storage(k_buffer, v_buffer):
             write_kv(k_buffer, v_buffer, forward_batch.out_cache_loc, k, v, *kv_scales(layer))
             return
         self.helper_ops.write_kv(k_buffer, v_buffer, forward_batch.out_cache_loc, k, v)
@@ -531,7 +532,7 @@ class AttentionBackend:
         dtype (an fp8 cache: dequantised to float32)."""
         pool, loc = forward_batch.token_to_kv_pool, forward_batch.out_cache_loc.long()
         k, v = pool.get_key_buffer(layer.layer_id)[loc], pool.get_value_buffer(layer.layer_id)[loc]
-        if not is_fp8(k.dtype):
+        if not kv_scaled(k.dtype):
             return k, v
         k_scale, v_scale = kv_scales(layer)
         return dequantize_kv(k, k_scale), dequantize_kv(v, v_scale)

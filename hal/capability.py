@@ -17,6 +17,7 @@ import torch
 
 from hal.deprecation import moved_names
 from hal.errors import ConfigError
+from hal.kv_dtypes import KV_DTYPE_TABLE
 
 __all__ = [
     "DeviceCapability",
@@ -45,6 +46,8 @@ class DeviceCapability:
     mixing prefill chunks and decodes, so ``AttentionBackend.forward`` sends MIXED
     batches to ``forward_mixed`` (SGLang does so on NPUs) instead of ``forward_extend``.
     ``compute_units``: the parallel units a kernel grid should fill (CUDA SMs...), None when unknown.
+    ``dtypes`` lists dtype *families* (``fp32``, ``bf16``, ``fp16``, ``fp8``), the ``family`` of the rows of
+    ``hal.kv_dtypes``: ``fp8`` covers the KV-cache dtypes ``fp8_e4m3`` and ``fp8_e5m2``.
     """
 
     type: str
@@ -76,6 +79,7 @@ class DeviceCapability:
         return bool(self.triton_target) and self.triton_target.endswith(":interpreter")
 
     def supports_dtype(self, dtype: torch.dtype) -> bool:
+        """Whether the family of ``dtype`` (a torch dtype of the KV-dtype table) is among ``dtypes``."""
         return DTYPE_NAMES.get(dtype) in self.dtypes
 
     def to_dict(self) -> dict:
@@ -85,12 +89,8 @@ class DeviceCapability:
         return data
 
 
-DTYPE_NAMES = {
-    torch.float32: "fp32",
-    torch.bfloat16: "bf16",
-    torch.float16: "fp16",
-    getattr(torch, "float8_e4m3fn", None): "fp8",
-}
+# torch dtype -> the dtype family a capability lists (``fp8`` for both fp8 KV dtypes): the table's rows.
+DTYPE_NAMES = {row.torch_dtype: row.family for row in KV_DTYPE_TABLE}
 
 
 def library_version(dist: str) -> str | None:

@@ -12,6 +12,7 @@ import hal
 from hal.capability import DeviceCapability
 from hal.config import AttentionConfig
 from hal.errors import ConfigError, DeviceUnavailableError, HalError
+from hal.kv_dtypes import KV_DTYPE_TABLE, kv_dtype
 from hal.registry import get_registry, probe_device
 from hal.selection import backend_report, select
 
@@ -117,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p_info = sub.add_parser("info", help="devices, capabilities, backends and the selection trace")
     p_info.add_argument("--json", action="store_true")
-    p_info.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"], help="the model's dtype")
+    p_info.add_argument(
+        "--dtype", default="bf16", choices=[r.name for r in KV_DTYPE_TABLE if r.compute], help="the model's dtype"
+    )
     p_info.add_argument("--page-size", type=int, default=1, help="the KV pool's page size (default 1)")
     p_info.add_argument("--head-dim", type=int, default=128)
     p_info.add_argument("--q-heads", type=int, default=32, help="query heads per rank (tp_q_head_num)")
@@ -189,9 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "info":
-            from hal.capability import DTYPE_NAMES
-
-            dtype = next(d for d, name in DTYPE_NAMES.items() if name == args.dtype)
+            dtype = kv_dtype(args.dtype).torch_dtype
             config = AttentionConfig(
                 tp_q_head_num=args.q_heads,
                 tp_k_head_num=args.kv_heads,

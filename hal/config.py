@@ -7,15 +7,16 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from hal.capability import DTYPE_NAMES
 from hal.deprecation import accept_renamed_kwargs
 from hal.errors import ConfigError, expect
-from hal.kv_cache import KV_CACHE_DTYPES, kv_cache_dtype_name
+from hal.kv_dtypes import KV_DTYPE_TABLE, kv_cache_dtype_setting, kv_dtype
 from hal.layer import AttentionLayer, check_mla_shape
 
 __all__ = ["AttentionConfig"]
 
-_DTYPES_BY_NAME = {name: dtype for dtype, name in DTYPE_NAMES.items() if dtype is not None}
+# The model (compute) dtypes: the table's compute rows.
+_DTYPES_BY_NAME = {row.name: row.torch_dtype for row in KV_DTYPE_TABLE if row.compute}
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES_BY_NAME.items()}
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ class AttentionConfig:
             self.page_size,
             "a power of two",
         )
-        expect(self.dtype in DTYPE_NAMES, ConfigError, "dtype", self.dtype, "float32, bfloat16 or float16")
+        expect(self.dtype in _DTYPE_NAMES, ConfigError, "dtype", self.dtype, f"one of {list(_DTYPES_BY_NAME)}")
         if self.v_head_dim is None:  # MLA's value is the latent
             mla = isinstance(self.kv_lora_rank, int) and self.kv_lora_rank > 0
             object.__setattr__(self, "v_head_dim", self.kv_lora_rank if mla else self.head_dim)
@@ -157,19 +158,8 @@ class AttentionConfig:
             )
 
     def _normalise_kv_cache_dtype(self) -> None:
-        value = self.kv_cache_dtype
-        if isinstance(value, torch.dtype) and value in KV_CACHE_DTYPES.values():
-            value = kv_cache_dtype_name(value)
-        if isinstance(value, str):
-            value = {"auto": None, "fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3"}.get(value, value)
-        expect(
-            value is None or isinstance(value, str) and value in KV_CACHE_DTYPES,
-            ConfigError,
-            "kv_cache_dtype",
-            self.kv_cache_dtype,
-            f"None / 'auto' (the model dtype) or one of {list(KV_CACHE_DTYPES)} (or their torch dtypes)",
-        )
-        object.__setattr__(self, "kv_cache_dtype", value)
+        row = kv_cache_dtype_setting(self.kv_cache_dtype, ConfigError, "kv_cache_dtype")
+        object.__setattr__(self, "kv_cache_dtype", None if row is None else row.name)
 
     @property
     def kv_cache_dtype_name(self) -> str:
@@ -179,7 +169,7 @@ class AttentionConfig:
     @property
     def kv_cache_torch_dtype(self) -> torch.dtype:
         """The KV pool's torch dtype."""
-        return KV_CACHE_DTYPES[self.kv_cache_dtype_name]
+        return kv_dtype(self.kv_cache_dtype_name).torch_dtype
 
     @property
     def is_mla(self) -> bool:
@@ -187,7 +177,7 @@ class AttentionConfig:
 
     @property
     def dtype_name(self) -> str:
-        return DTYPE_NAMES[self.dtype]
+        return _DTYPE_NAMES[self.dtype]
 
     def to_dict(self) -> dict:
         data = asdict(self)

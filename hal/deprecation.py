@@ -16,13 +16,20 @@ __all__ = ["warn_renamed", "moved_names", "REMOVED_IN"]
 REMOVED_IN = "0.3.0"
 
 
-def warn_renamed(old: str, new: str, stacklevel: int = 3) -> None:
-    """Warn that ``old`` is deprecated and ``new`` replaces it."""
+def warn_renamed(old: str, new: str, stacklevel: int = 3, since: str = "0.2.0") -> None:
+    """Warn that ``old`` is deprecated (since hal ``since``) and ``new`` replaces it."""
+    removed_in = REMOVED_IN if since == "0.2.0" else _next_minor(since)
     warnings.warn(
-        f"{old} is deprecated since hal 0.2.0 and goes in {REMOVED_IN}: use {new} (see CHANGELOG.md)",
+        f"{old} is deprecated since hal {since} and goes in {removed_in}: use {new} (see CHANGELOG.md)",
         DeprecationWarning,
         stacklevel=stacklevel,
     )
+
+
+def _next_minor(version: str) -> str:
+    """``"0.3.0"`` -> ``"0.4.0"``: a name deprecated in one minor release goes in the next."""
+    major, minor, _ = version.split(".")
+    return f"{major}.{int(minor) + 1}.0"
 
 
 def moved_names(module: str, moved: Mapping[str, str]) -> Callable[[str], object]:

@@ -24,6 +24,7 @@ from hal.capability import resolve_device
 from hal.deprecation import accept_renamed_kwargs
 from hal.errors import KVCacheError, describe, expect
 from hal.kernels.reference import kv_scales, quantize_kv, store
+from hal.kv_dtypes import KV_DTYPE_TABLE, kv_dtype
 
 __all__ = [
     "ReqToTokenTable",
@@ -40,23 +41,14 @@ __all__ = [
 ]
 
 INDEX_DTYPES = (torch.int32, torch.int64)
-# Cache dtypes by name (SGLang's --kv-cache-dtype spells fp8 fp8_e4m3 / fp8_e5m2); fp8 is scaled: hal.kernels.reference.
-KV_CACHE_DTYPES = {
-    "fp32": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-}
+# Cache dtypes by name and the torch dtypes a pool may store: views of the table (hal.kv_dtypes).
+KV_CACHE_DTYPES = {row.name: row.torch_dtype for row in KV_DTYPE_TABLE}
 KV_DTYPES = tuple(KV_CACHE_DTYPES.values())
 
 
 def kv_cache_dtype_name(dtype: torch.dtype) -> str:
     """The name of a KV cache dtype (``"bf16"``, ``"fp8_e4m3"`` ...); ``KVCacheError`` for any other dtype."""
-    for name, known in KV_CACHE_DTYPES.items():
-        if dtype == known:
-            return name
-    expect(False, KVCacheError, "KV cache dtype", dtype, f"one of {list(KV_CACHE_DTYPES)}")
+    return kv_dtype(dtype, KVCacheError).name
 
 
 @runtime_checkable

@@ -15,7 +15,8 @@ import torch
 from hal.backend import AttentionBackend
 from hal.batch import host_lens
 from hal.capability import DeviceCapability
-from hal.kernels.reference import is_fp8, kv_scales, quantize_kv, shares_storage
+from hal.kernels.reference import kv_scales, quantize_kv, shares_storage
+from hal.kv_dtypes import kv_scaled
 from hal.registry import Device
 
 
@@ -195,7 +196,7 @@ class Ported(AttentionBackend):
 
     def dequantize(self, keys, values, layer, cache_dtype):
         """float32 keys/values as gathered -> what they mean (an fp8 cache: times the layer's scales)."""
-        if not is_fp8(cache_dtype):
+        if not kv_scaled(cache_dtype):
             return keys, values
         k_scale, v_scale = kv_scales(layer)
         return keys * k_scale, values * v_scale
@@ -780,7 +781,7 @@ class Fp8WriteNotScaled(Ported):
 
     def write(self, layer, fb, k, v):
         kb, vb = self.buffers(layer, fb)
-        if not is_fp8(kb.dtype):
+        if not kv_scaled(kb.dtype):
             return super().write(layer, fb, k, v)
         kb[fb.out_cache_loc] = quantize_kv(k, kb.dtype)
         if not shares_storage(kb, vb):

@@ -198,8 +198,8 @@ def test_cli_bad_requests_get_a_message_no_traceback(capsys):
         (["--backend", "nosuch"], "nosuch"),
         (["--dtype", "fp16"], "never fp16"),
         (["--model", "mixtral"], "--model = 'mixtral': expected one of ['deepseek', 'gpt-oss', 'llama']"),
-        (["--kv-dtype", "int4"], "--kv-dtype = 'int4': expected one of ['auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2']"),
-        (["--check", "--kv-dtype", "fp8"], "an fp8 run reports its agreement with the unquantised run instead"),
+        (["--kv-dtype", "int4"], "--kv-dtype = 'int4': expected one of ['auto', 'fp8_e4m3', 'fp8_e5m2']"),
+        (["--check", "--kv-dtype", "fp8_e4m3"], "an fp8 run reports its agreement with the unquantised run instead"),
         (["--model", "deepseek", "--tp", "2"], "tensor parallelism is implemented for llama only"),
     ],
 )
@@ -334,7 +334,7 @@ def test_check_catches_mla_scaled_by_the_latent_width(monkeypatch, capsys):
 
 @pytest.mark.parametrize("model", ["llama", "deepseek", "gpt-oss"])
 def test_fp8_cache_reports_its_agreement_with_the_unquantised_run(capsys, model):
-    code, report = demo_json(capsys, "--model", model, "--kv-dtype", "fp8", "--dtype", "bf16")
+    code, report = demo_json(capsys, "--model", model, "--kv-dtype", "fp8_e4m3", "--dtype", "bf16")
     assert code == 0 and report["kv_cache_dtype"] == "fp8_e4m3"
     agreement, scales = report["kv_agreement"], report["kv_scales"]
     assert 0.0 <= agreement["token_match_rate"] <= 1.0

@@ -30,7 +30,7 @@ import torch
 from hal.batch import device_lens, host_lens
 from hal.kernels import cpu as cpu_kernels
 from hal.kernels import reference as reference_kernels
-from hal.kernels.reference import is_fp8
+from hal.kv_dtypes import kv_dtype, kv_scaled
 
 from .torch_backend import PlainTorchBackend, _indptr
 
@@ -123,7 +123,7 @@ class CompiledBackend(PlainTorchBackend):
         plain torch path where the config has attention sinks or an fp8 cache."""
         if not cpu_kernels.status()[0]:
             return []
-        plain = ["plain_torch"] if config.attention_sinks or config.kv_cache_dtype_name.startswith("fp8") else []
+        plain = ["plain_torch"] if config.attention_sinks or kv_dtype(config.kv_cache_dtype_name).scaled else []
         return ["tiles", "rows/one_head"] + (["rows/all_heads"] if config.tp_k_head_num > 1 else []) + plain
 
     def route_of(self, fb, layer) -> list[str]:
@@ -150,7 +150,7 @@ class CompiledBackend(PlainTorchBackend):
     def plain_path(self, fb) -> bool:
         """Whether ``fb``'s step runs the plain torch path: no kernels, an fp8 pool, or a model with sinks."""
         sinks = self.config is not None and self.config.attention_sinks
-        return self.kernels is None or sinks or is_fp8(fb.token_to_kv_pool.dtype)
+        return self.kernels is None or sinks or kv_scaled(fb.token_to_kv_pool.dtype)
 
     def init_forward_metadata_out_graph(self, fb, in_capture: bool = False) -> None:
         if self.plain_path(fb):

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from hal.backend import AttentionBackend
 from hal.batch import ForwardBatch, device_lens, host_lens
 from hal.deprecation import moved_names
-from hal.kernels.reference import is_fp8, kv_scales
+from hal.kernels.reference import kv_scales
+from hal.kv_dtypes import kv_scaled
 
 __all__ = ["PlainTorchBackend"]
 
@@ -182,7 +183,7 @@ def attend_padded(q, k_buffer, v_buffer, meta: TorchMetadata, layer, scratch: Sc
     # SDPA takes the cache dtype (it accumulates in float32; on these head-major blocks its bf16
     # decode measured faster than fp32); the explicit path (cap, sinks) and fp8 caches compute in float32.
     explicit = layer.logit_cap > 0 or sinks is not None
-    dtype = torch.float32 if explicit or is_fp8(k_buffer.dtype) else k_buffer.dtype
+    dtype = torch.float32 if explicit or kv_scaled(k_buffer.dtype) else k_buffer.dtype
     k_scale, v_scale = kv_scales(layer)
     keys = scratch.gather("k", k_buffer, flat, dtype, k_scale).view(kv_heads, batch, width, head_dim)
     values = scratch.gather("v", v_buffer, flat, dtype, v_scale).view(kv_heads, batch, width, v_dim)
@@ -255,7 +256,7 @@ class Scratch:
         if pool.dtype == dtype:
             return out
         wide = self._buffer(name, dtype, out.numel(), pool.device).view(out.shape).copy_(out)
-        return wide.mul_(scale) if is_fp8(pool.dtype) and scale != 1.0 else wide
+        return wide.mul_(scale) if kv_scaled(pool.dtype) and scale != 1.0 else wide
 
 
 __getattr__ = moved_names(__name__, {"TorchBackend": "hal.devices.cpu.torch_backend:PlainTorchBackend"})

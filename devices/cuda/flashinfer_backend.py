@@ -92,8 +92,9 @@ from hal.backend import AttentionBackend
 from hal.batch import ForwardBatch, ForwardMode, host_lens
 from hal.capability import DeviceCapability
 from hal.errors import ConfigError, GraphCaptureError, UnsupportedError, expect
-from hal.kernels.reference import is_fp8, kv_scales
+from hal.kernels.reference import kv_scales
 from hal.kv_cache import paged_view
+from hal.kv_dtypes import kv_scaled
 
 from .flashinfer_env import MIN_SM, _flashinfer_missing, _sm, flashinfer_kernels, import_flashinfer
 from .flashinfer_layout import PagedKV, build_paged_kv, indptr_from_lens, merge_states_base2, paged_kv_layout
@@ -237,7 +238,7 @@ class FlashInferMetadata:
 
     @property
     def fp8(self) -> bool:
-        return is_fp8(self.dtype)
+        return kv_scaled(self.dtype)
 
     # SGLang's names (its attention kit and tools inspect them), over keys rather than pages, built when read.
     @property
@@ -712,7 +713,9 @@ class FlashInferBackend(AttentionBackend):
             num_tokens=fb.out_cache_loc.shape[0],
             dtype=pool.dtype,
             # an fp8 cache: the queries stay in the model dtype (the config's; bf16 without one)
-            q_dtype=(self.config.dtype if self.config is not None else torch.bfloat16) if is_fp8(pool.dtype) else None,
+            q_dtype=(self.config.dtype if self.config is not None else torch.bfloat16)
+            if kv_scaled(pool.dtype)
+            else None,
             page_size=pool.page_size,
             graph_static=graph_static,
             qo_indptr=indptr_from_lens(lens.query),

@@ -22,8 +22,8 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 from hal.batch import ForwardMode
-from hal.capability import DTYPE_NAMES
 from hal.conformance.cases import Case, build, check_cache, check_output, describe
+from hal.kv_dtypes import KV_DTYPE_TABLE
 
 __all__ = ["cases", "run_fuzz", "check_case"]
 
@@ -45,8 +45,8 @@ def cases(draw, backend_cls, capability) -> Case:
     if backend_cls.supports_custom_mask:
         modes.append(ForwardMode.TARGET_VERIFY)
     mode = draw(st.sampled_from(modes))
-    dtypes = [d for d, n in DTYPE_NAMES.items() if d is not None and n in backend_cls.dtypes and n in capability.dtypes]
-    dtypes = [d for d in dtypes if d in (torch.float32, torch.bfloat16, torch.float16)]
+    served = [r for r in KV_DTYPE_TABLE if r.compute and r.name in backend_cls.dtypes and r.family in capability.dtypes]
+    dtypes = [row.torch_dtype for row in served]
     dtype = draw(st.sampled_from(dtypes or [torch.float32]))
     kv_heads = draw(st.sampled_from([1, 2, 4]))
     group = draw(st.sampled_from([1, 2, 3, 4]))
@@ -113,7 +113,7 @@ def _model_features(draw, backend_cls, case: Case) -> Case:
     if backend_cls.supports_sinks and draw(st.booleans()):
         changes["sinks"] = True
     declared = backend_cls.kv_cache_dtypes or frozenset()
-    fp8 = [d for name, d in (("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)) if name in declared]
+    fp8 = [row.torch_dtype for row in KV_DTYPE_TABLE if row.scaled and row.name in declared]
     if fp8 and draw(st.booleans()):
         k_scale, v_scale = (draw(st.sampled_from([0.004, 0.37, 1.0, 1.9])) for _ in range(2))
         changes.update(kv_cache_dtype=draw(st.sampled_from(fp8)), k_scale=k_scale, v_scale=v_scale)

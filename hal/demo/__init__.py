@@ -41,8 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-dtype",
         default="auto",
-        help="KV cache dtype: auto (the model dtype), fp8 / fp8_e4m3 or fp8_e5m2 (scaled per layer; the report "
-        "gives its agreement with the unquantised run)",
+        help="KV cache dtype: auto (the model dtype), fp8_e4m3 or fp8_e5m2 (scaled per layer; the report "
+        "gives its agreement with the unquantised run; fp8, the old spelling of fp8_e4m3, is deprecated)",
     )
     p.add_argument("--device", help="cpu, cuda, cuda:1, npu... (default: the best available)")
     p.add_argument("--backend", help="force an attention backend (default: the device's first that fits)")

@@ -1,10 +1,11 @@
-"""``hal demo --kv-dtype fp8``: per-layer scales for an fp8 KV cache and its agreement with an unquantised one.
+"""``hal demo --kv-dtype fp8_e4m3``: per-layer scales for a scaled (fp8) KV cache; agreement with an unquantised one.
 
 Scales are calibrated, not guessed: the unquantised run records each layer's largest
 ``|k|`` and ``|v|`` over its first scheduler step (the first prompts' prefill, the data a
 server sees before it must fix its scales) and ``k_scale = max|k| / finfo(fp8).max`` (so
-that step's keys use the full fp8 range; a later key beyond it saturates, as
-``hal.kernels.reference.quantize_kv`` defines). The fp8 run then serves the same requests.
+that step's keys use the full fp8 range; a later key beyond it saturates, as the row's
+``quantize`` in ``hal.kv_dtypes`` defines). The fp8 run then serves the same requests. Every scaled row
+of the KV-dtype table is a ``--kv-dtype`` choice.
 
 Agreement is measured where it means something: the token match rate is over every
 generated token (position by position); logits are compared at the steps where both runs
@@ -13,28 +14,28 @@ had the same context (every step up to and including each request's first differ
 
 from __future__ import annotations
 
-import torch
-
 from hal.errors import ConfigError
+from hal.kv_dtypes import DEPRECATED_NAMES, KV_DTYPE_TABLE, kv_cache_dtype_setting, kv_dtype
 
 __all__ = ["KV_DTYPE_NAMES", "kv_cache_dtype", "calibrated_scales", "agreement"]
 
-# --kv-dtype spellings (SGLang's --kv-cache-dtype names, and fp8 for fp8_e4m3) -> hal's KV cache dtype name.
-KV_DTYPE_NAMES = {"auto": None, "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
-FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+# --kv-dtype choices -> hal's KV cache dtype name: auto (the model dtype) and the table's scaled rows.
+KV_DTYPE_NAMES = {"auto": None, **{row.name: row.name for row in KV_DTYPE_TABLE if row.scaled}}
 
 
 def kv_cache_dtype(name: str) -> str | None:
-    """hal's name of the KV cache dtype ``--kv-dtype name`` asks for (None: the model dtype)."""
-    if name not in KV_DTYPE_NAMES:
+    """hal's name of the KV cache dtype ``--kv-dtype name`` asks for (None: the model dtype); an old spelling
+    (``fp8``) warns and names the row."""
+    if name not in KV_DTYPE_NAMES and name not in DEPRECATED_NAMES:
         raise ConfigError(f"--kv-dtype = {name!r}: expected one of {list(KV_DTYPE_NAMES)} (auto: the model dtype)")
-    return KV_DTYPE_NAMES[name]
+    row = kv_cache_dtype_setting(name, ConfigError, "--kv-dtype")
+    return None if row is None else row.name
 
 
-def calibrated_scales(amax: dict[int, list[float]], layer_num: int, kv_dtype: str) -> list[tuple[float, float]]:
+def calibrated_scales(amax: dict[int, list[float]], layer_num: int, kv_dtype_name: str) -> list[tuple[float, float]]:
     """Each layer's ``(k_scale, v_scale)``: the recorded ``max |k|``, ``max |v|`` over the fp8 dtype's largest
     finite value (a layer that stored only zeros keeps 1.0)."""
-    limit = torch.finfo(FP8_DTYPES[kv_dtype]).max
+    limit = kv_dtype(kv_dtype_name).max
     missing = [i for i in range(layer_num) if i not in amax]
     if missing:
         raise ConfigError(f"fp8 calibration saw no keys for layers {missing}: expected every layer in the first step")

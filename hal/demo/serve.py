@@ -14,12 +14,13 @@ import torch
 
 from hal.config import AttentionConfig
 from hal.errors import ConfigError, expect
+from hal.kv_dtypes import kv_dtype as kv_dtype_row
 
 from . import tp as tp_mod
 from .core import make_graph, make_pools, select_backend
 from .engine import Engine, ModelGraphRunner, Request
 from .families import Family, family
-from .kv_quant import FP8_DTYPES, agreement, calibrated_scales, kv_cache_dtype
+from .kv_quant import agreement, calibrated_scales, kv_cache_dtype
 from .model import ModelShape
 
 __all__ = ["serve", "make_requests", "build"]
@@ -286,7 +287,7 @@ def _serve_rank(args, shape: ModelShape, rank: tp_mod.RankInfo, fam: Family, kv_
     if kv_dtype:
         report["kv_scales"] = {
             "method": f"calibrated: max |k|, |v| per layer over the unquantised run's first step "
-            f"({calibration_tokens} prompt tokens) / {torch.finfo(FP8_DTYPES[kv_dtype]).max:g}",
+            f"({calibration_tokens} prompt tokens) / {kv_dtype_row(kv_dtype).max:g}",
             "k_scale": [k for k, _ in scales],
             "v_scale": [v for _, v in scales],
         }

@@ -30,10 +30,10 @@ Semantics shared by every backend (SGLang's conventions):
   holding ``sinks[h]``, which is then dropped: the denominator gains ``exp(sinks[h] - m)``
   with ``m = max(max_j score_j, sinks[h])`` and the weights no longer sum to 1. A row
   with no visible key outputs zeros (all its mass is on the sink).
-* fp8 KV cache (``float8_e4m3fn`` / ``float8_e5m2``): a write stores
-  ``clamp(x.float() / scale, -finfo.max, finfo.max).to(fp8)`` (saturating, as vLLM's
-  ``scaled_fp8_quant``), a read gives ``stored.float() * scale``, with the layer's
-  ``k_scale`` for keys and ``v_scale`` for values (None: 1.0). A cache in a model dtype
+* Scaled KV caches (the rows of ``hal.kernels.kv_dtypes`` with ``scaled``: fp8 ``float8_e4m3fn`` /
+  ``float8_e5m2``): a write stores ``clamp(x.float() / scale, -max, max)`` in the storage dtype
+  (saturating, as vLLM's ``scaled_fp8_quant``), a read gives ``stored.float() * scale``, with the
+  layer's ``k_scale`` for keys and ``v_scale`` for values (None: 1.0). A cache in a model dtype
   ignores the scales. Queries stay in the model dtype.
 * MLA (latent attention): the value buffer is a view of the key buffer's first
   ``kv_lora_rank`` columns (the latent); a write stores the key only (latent and rope
@@ -43,7 +43,11 @@ Semantics shared by every backend (SGLang's conventions):
 
 from __future__ import annotations
 
+import warnings
+
 import torch
+
+from hal.kernels.kv_dtypes import find_kv_dtype, kv_scaled
 
 __all__ = [
     "paged_attention",
@@ -53,7 +57,7 @@ __all__ = [
     "compute_positions",
     "batch_attention",
     "tolerance",
-    "is_fp8",
+    "kv_scaled",
     "kv_scales",
     "quantize_kv",
     "dequantize_kv",
@@ -62,9 +66,17 @@ __all__ = [
 ]
 
 
-def is_fp8(dtype: torch.dtype) -> bool:
-    """Whether ``dtype`` is an fp8 KV-cache dtype (``float8_e4m3fn``, ``float8_e5m2``): scaled on write and read."""
-    return dtype.is_floating_point and dtype.itemsize == 1
+def __getattr__(name: str):
+    # Renamed in 0.3.0 (kernels import nothing of hal.deprecation, so the warning is spelled as its warn_renamed).
+    if name == "is_fp8":
+        warnings.warn(
+            "hal.kernels.reference.is_fp8 is deprecated since hal 0.3.0 and goes in 0.4.0: use "
+            "hal.kernels.kv_dtypes.kv_scaled (see CHANGELOG.md)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return kv_scaled
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def kv_scales(layer) -> tuple[float, float]:
@@ -84,17 +96,17 @@ def kv_scales(layer) -> tuple[float, float]:
 
 
 def quantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
-    """``x`` as stored in a cache of ``dtype``: fp8 saturates ``x.float() / scale``; other dtypes cast ``x``."""
-    if not is_fp8(dtype):
-        return x.to(dtype)
-    limit = torch.finfo(dtype).max
-    return (x.float() / scale).clamp(-limit, limit).to(dtype)
+    """``x`` as stored in a cache of ``dtype``: a scaled dtype (fp8) saturates ``x.float() / scale``; other
+    dtypes cast ``x`` (the row's ``quantize`` in ``hal.kernels.kv_dtypes``)."""
+    row = find_kv_dtype(dtype)
+    return x.to(dtype) if row is None else row.quantize(x, scale)
 
 
 def dequantize_kv(stored: torch.Tensor, scale: float = 1.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """What a cache entry means, in ``dtype``: ``stored * scale`` for fp8, ``stored`` as is otherwise."""
-    out = stored.to(dtype)
-    return out * scale if is_fp8(stored.dtype) and scale != 1.0 else out
+    """What a cache entry means, in ``dtype``: ``stored * scale`` for a scaled dtype (fp8), ``stored`` as is
+    otherwise (the row's ``dequantize``)."""
+    row = find_kv_dtype(stored.dtype)
+    return stored.to(dtype) if row is None else row.dequantize(stored, scale, dtype)
 
 
 def shares_storage(k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> bool:
@@ -222,9 +234,9 @@ def write_kv(
 
 
 def store(buffer: torch.Tensor, loc: torch.Tensor, values: torch.Tensor) -> None:
-    """``buffer[loc] = values`` (already in ``buffer.dtype``); fp8 as bytes, as SGLang's pools do: some devices and
-    torch versions have no fp8 index_put."""
-    if is_fp8(buffer.dtype):
+    """``buffer[loc] = values`` (already in ``buffer.dtype``); a one-byte float (fp8) as bytes, as SGLang's pools
+    do: some devices and torch versions have no fp8 index_put."""
+    if buffer.dtype.is_floating_point and buffer.dtype.itemsize == 1:
         buffer.view(torch.uint8)[loc.long()] = values.view(torch.uint8)
     else:
         buffer[loc.long()] = values
@@ -331,7 +343,7 @@ def tolerance(dtype: torch.dtype, kv_cache_dtype: torch.dtype | None = None) -> 
     dtype's, loosened for fp32 queries to allow a kernel that dequantises into bf16 / fp16
     (an fp8 value is exact there, its product with the scale rounds to 8 / 11 bits).
     """
-    if kv_cache_dtype is not None and is_fp8(kv_cache_dtype) and dtype == torch.float32:
+    if kv_cache_dtype is not None and kv_scaled(kv_cache_dtype) and dtype == torch.float32:
         return {"atol": 1e-2, "rtol": 1e-2}
     return {
         torch.float32: {"atol": 2e-4, "rtol": 1e-3},

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hal.kernels.kv_dtypes import find_kv_dtype, kv_scaled
+
 
 @triton.jit
 def _probe():
@@ -67,19 +69,27 @@ def soft_cap(s, cap):
 # below, so one code path is exact on every GPU and under the interpreter: Triton converts fp8e4nv
 # in hardware only on sm_89+, and the interpreter (triton 3.7) flushes fp8 subnormals to zero on
 # fp32 -> fp8. The pool's fp8 dtype is a constexpr of each kernel (``KV_FP8``): 0 none, 1 e4m3fn, 2 e5m2.
+# Which dtypes are scaled is the KV-dtype table's (hal.kernels.kv_dtypes); which of those these kernels
+# decode is theirs: the scaled rows they serve, by name.
 
 KV_PLAIN, KV_E4M3, KV_E5M2 = 0, 1, 2
-_FP8_FORMATS = {torch.float8_e4m3fn: KV_E4M3, torch.float8_e5m2: KV_E5M2}
+_SCALED_FORMATS = {"fp8_e4m3": KV_E4M3, "fp8_e5m2": KV_E5M2}
 
 
 def kv_format(buffer: torch.Tensor) -> int:
-    """The ``KV_FP8`` constexpr of a pool buffer: :data:`KV_E4M3`, :data:`KV_E5M2` or :data:`KV_PLAIN`."""
-    return _FP8_FORMATS.get(buffer.dtype, KV_PLAIN)
+    """The ``KV_FP8`` constexpr of a pool buffer: :data:`KV_E4M3`, :data:`KV_E5M2` or :data:`KV_PLAIN`
+    (``ValueError`` for a scaled KV dtype these kernels do not decode)."""
+    row = find_kv_dtype(buffer.dtype)
+    if row is None or not row.scaled:
+        return KV_PLAIN
+    if row.name not in _SCALED_FORMATS:
+        raise ValueError(f"KV cache dtype {row.name}: the Triton kernels decode {sorted(_SCALED_FORMATS)} only")
+    return _SCALED_FORMATS[row.name]
 
 
 def kv_storage(buffer: torch.Tensor) -> torch.Tensor:
-    """What a kernel is handed for a pool buffer: an fp8 one as its bytes (a uint8 view, same strides)."""
-    return buffer.view(torch.uint8) if buffer.dtype in _FP8_FORMATS else buffer
+    """What a kernel is handed for a pool buffer: a scaled (fp8) one as its bytes (a uint8 view, same strides)."""
+    return buffer.view(torch.uint8) if kv_scaled(buffer.dtype) else buffer
 
 
 def check_sinks(sinks: torch.Tensor | None, q_heads: int) -> None:
@@ -91,7 +101,7 @@ def check_sinks(sinks: torch.Tensor | None, q_heads: int) -> None:
 
 
 def check_kv(name: str, t: torch.Tensor) -> None:
-    if t.dtype not in _FP8_FORMATS:
+    if not kv_scaled(t.dtype):
         check_float(name, t)
 
 

@@ -1,0 +1,98 @@
+"""The KV-dtype table: one row per dtype, and every layer reading it (config, pools, capability, kernels, demo)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import hal
+from hal.capability import DeviceCapability
+from hal.errors import ConfigError, KVCacheError
+from hal.kernels import reference
+from hal.kv_cache import KV_CACHE_DTYPES, PagedKVPool, kv_cache_dtype_name
+from hal.kv_dtypes import KV_DTYPE_TABLE, kv_cache_dtype_setting, kv_dtype, kv_dtype_names, kv_scaled
+
+FP8 = [row for row in KV_DTYPE_TABLE if row.scaled]
+
+
+def test_one_row_per_name_and_per_torch_dtype():
+    names = [row.name for row in KV_DTYPE_TABLE]
+    assert names == kv_dtype_names() == ["fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2"]
+    assert len({row.torch_dtype for row in KV_DTYPE_TABLE}) == len(names)
+    for row in KV_DTYPE_TABLE:
+        assert kv_dtype(row.name) is row and kv_dtype(row.torch_dtype) is row
+        assert kv_scaled(row.torch_dtype) == row.scaled
+    assert {row.family for row in FP8} == {"fp8"} and {row.name for row in FP8} == {"fp8_e4m3", "fp8_e5m2"}
+    assert [row.name for row in KV_DTYPE_TABLE if row.compute] == ["fp32", "bf16", "fp16"]
+
+
+@pytest.mark.parametrize("bad", ["int4", "fp8_e4m3fnuz", torch.int8, 3, None])
+def test_a_bad_name_is_a_config_error_listing_the_names(bad):
+    with pytest.raises(ConfigError, match=r"expected one of \['fp32', 'bf16', 'fp16', 'fp8_e4m3', 'fp8_e5m2'\]"):
+        kv_dtype(bad)
+
+
+@pytest.mark.parametrize(("old", "new"), [("fp8", "fp8_e4m3"), ("fp8_e4m3fn", "fp8_e4m3")])
+def test_old_spellings_warn_and_name_the_row(old, new):
+    with pytest.warns(DeprecationWarning, match=f"use '{new}'"):
+        assert kv_dtype(old).name == new
+    with pytest.warns(DeprecationWarning, match=f"'{old}' is deprecated"):
+        assert hal.AttentionConfig(kv_cache_dtype=old).kv_cache_dtype == new
+
+
+def test_auto_and_none_are_the_model_dtype():
+    assert kv_cache_dtype_setting(None) is None and kv_cache_dtype_setting("auto") is None
+    assert hal.AttentionConfig(dtype=torch.float32, kv_cache_dtype="auto").kv_cache_torch_dtype == torch.float32
+
+
+def test_config_pools_and_capability_read_the_table():
+    for row in KV_DTYPE_TABLE:
+        config = hal.AttentionConfig(kv_cache_dtype=row.torch_dtype)
+        assert config.kv_cache_dtype == row.name and config.kv_cache_torch_dtype == row.torch_dtype
+        assert KV_CACHE_DTYPES[row.name] == row.torch_dtype and kv_cache_dtype_name(row.torch_dtype) == row.name
+        pool = PagedKVPool(num_pages=2, page_size=2, layer_num=1, head_num=1, head_dim=4, dtype=row.torch_dtype)
+        assert pool.dtype == row.torch_dtype
+        cap = DeviceCapability(type="x", available=True, dtypes=(row.family,))
+        assert cap.supports_dtype(row.torch_dtype)  # both fp8 rows through their family
+    with pytest.raises(KVCacheError, match="fp8_e5m2"):
+        kv_cache_dtype_name(torch.int8)
+    with pytest.raises(ConfigError, match=r"dtype = torch.float8_e4m3fn: expected one of \['fp32', 'bf16', 'fp16'\]"):
+        hal.AttentionConfig(dtype=torch.float8_e4m3fn)  # a KV dtype, not a model dtype
+
+
+@pytest.mark.parametrize("row", FP8, ids=lambda r: r.name)
+def test_scaled_rows_saturate_and_the_reference_uses_them(row):
+    x = torch.tensor([0.5, -3.0, 1e6, -1e6])
+    stored = row.quantize(x, scale=0.25)
+    assert stored.dtype == row.torch_dtype
+    assert torch.equal(stored.float(), torch.tensor([2.0, -12.0, row.max, -row.max]))
+    assert torch.equal(row.dequantize(stored, 0.25), stored.float() * 0.25)
+    assert torch.equal(reference.quantize_kv(x, row.torch_dtype, 0.25).view(torch.uint8), stored.view(torch.uint8))
+    assert torch.equal(reference.dequantize_kv(stored, 0.25), row.dequantize(stored, 0.25))
+
+
+def test_unscaled_rows_cast_and_ignore_the_scale():
+    row = kv_dtype("bf16")
+    x = torch.tensor([1.0, 3.0])
+    assert torch.equal(row.quantize(x, 0.5), x.bfloat16()) and torch.equal(row.dequantize(x.bfloat16(), 0.5), x)
+
+
+def test_is_fp8_is_the_deprecated_name_of_kv_scaled():
+    with pytest.warns(DeprecationWarning, match="kv_dtypes.kv_scaled"):
+        old = reference.is_fp8
+    assert old(torch.float8_e5m2) and not old(torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert reference.kv_scaled is kv_scaled
+
+
+def test_the_demo_offers_the_scaled_rows():
+    from hal.demo.kv_quant import KV_DTYPE_NAMES, kv_cache_dtype
+
+    assert list(KV_DTYPE_NAMES) == ["auto"] + [row.name for row in FP8]
+    with pytest.warns(DeprecationWarning, match="use 'fp8_e4m3'"):
+        assert kv_cache_dtype("fp8") == "fp8_e4m3"
+    with pytest.raises(ConfigError, match=r"--kv-dtype = 'bf16'"):
+        kv_cache_dtype("bf16")
