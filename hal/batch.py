@@ -33,6 +33,7 @@ import torch
 
 from hal.kv_cache import KVPool, ReqToTokenTable
 from hal.modes import REFUSED_MODES, BatchLens, ForwardMode, SharedReadEnds, device_lens, host_lens
+from hal.plugin_compat import Api1BatchNames
 from hal.validation import VALIDATION_LEVELS, validate_batch, validation_level
 
 __all__ = [
@@ -64,7 +65,7 @@ class SpecInfo:
 
 
 @dataclass
-class ForwardBatch:
+class ForwardBatch(Api1BatchNames):
     """One forward step of a batch of requests, validated on construction. ``B = batch_size``, ``T`` = query tokens.
 
     Required: ``forward_mode``, ``batch_size``, ``req_pool_indices`` (int ``[B]``),

@@ -75,6 +75,12 @@ class DeviceCapability:
         return torch.device(self.torch_type, self.index) if self.torch_type != "cpu" else torch.device("cpu")
 
     @property
+    def on_host(self) -> bool:
+        """Whether this device computes on the host's cores, in host memory (the CPU, or an emulation whose
+        tensors stay on the CPU): commands then size torch's host threads for it, and it has no device index."""
+        return self.torch_type == "cpu"
+
+    @property
     def triton_interpreted(self) -> bool:
         return bool(self.triton_target) and self.triton_target.endswith(":interpreter")
 

@@ -13,7 +13,8 @@ from hal.capability import DeviceCapability
 from hal.config import AttentionConfig
 from hal.errors import ConfigError, DeviceUnavailableError, HalError
 from hal.kv_dtypes import KV_DTYPE_TABLE, kv_dtype
-from hal.registry import get_registry, probe_device
+from hal.plugin_compat import API1_NOTE
+from hal.registry import get_registry, probe_device, runs_as_api
 from hal.selection import backend_report, select
 
 
@@ -38,6 +39,7 @@ def info(config: AttentionConfig | None = None) -> dict:
                 "available": cap.available,
                 "emulated": cap.emulated,
                 "priority": device.priority,
+                "plugin_api": runs_as_api(device),
                 "reasons": dict(cap.reasons),
                 "capability": cap.to_dict(),
                 "backends": backend_report(device, cap, config, chosen),
@@ -50,6 +52,7 @@ def info(config: AttentionConfig | None = None) -> dict:
                 "available": False,
                 "emulated": False,
                 "priority": None,
+                "plugin_api": None,
                 "reasons": {"plugin": error},
                 "capability": None,
                 "backends": [],
@@ -75,6 +78,8 @@ def _print_info(data: dict) -> None:
         cap = dev["capability"] or {}
         state = "available" + (" (emulated)" if dev["emulated"] else "") if dev["available"] else "unavailable"
         print(f"\n{dev['name']}: {state}  {cap.get('name', '')} {cap.get('arch', '')}".rstrip())
+        if dev["plugin_api"] == 1:
+            print(f"  {API1_NOTE}")
         if cap:
             print(f"  dtypes {cap['dtypes']}  graph {cap['graph']}  triton {cap['triton_target']}")
         for feature, why in dev["reasons"].items():

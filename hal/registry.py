@@ -44,6 +44,7 @@ import torch
 
 from hal.capability import DeviceCapability
 from hal.errors import ConfigError, PluginError
+from hal.plugin_compat import adapt_api1_backend
 
 if TYPE_CHECKING:
     from hal.backend import AttentionBackend
@@ -60,6 +61,7 @@ __all__ = [
     "BUILTIN_DEVICES",
     "probe_timeout",
     "PLUGIN_API",
+    "runs_as_api",
     "SUPPORTED_PLUGIN_APIS",
 ]
 
@@ -248,7 +250,18 @@ def device_backends(device: Device) -> tuple[list[type[AttentionBackend]], str |
         problem = _backend_problem(cls)
         if problem:
             return [], f"PluginError: plugin {device.name!r}: {problem} ({_CHANGELOG})"
+    if runs_as_api(device) == 1:
+        classes = [adapt_api1_backend(cls) for cls in classes]
     return classes, None
+
+
+def runs_as_api(device: Device) -> int:
+    """The plugin API hal runs ``device`` as: what it declares, 1 when a plugin declares nothing (hal 0.1),
+    this hal's API for a built-in device."""
+    declared = declared_plugin_api(device)
+    if declared is None:
+        return PLUGIN_API if _is_builtin(type(device).__module__) else 1
+    return declared
 
 
 def _is_builtin(module: str) -> bool:

@@ -126,7 +126,7 @@ def _device_order(
         cap = probe_device(device, index)
         if not cap.available:
             raise DeviceUnavailableError(f"device {requested!r} is not available: {cap.reasons.get('device', '?')}")
-        shown = name if cap.torch_type == "cpu" else f"{name}:{cap.index}"
+        shown = name if cap.on_host else f"{name}:{cap.index}"
         trace.append(f"device {shown}: chosen by {source}")
         return [(device, cap)]
     order = []

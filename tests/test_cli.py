@@ -77,6 +77,8 @@ def run_main(capsys, *args: str) -> tuple[int, str, str]:
 
 
 class FakeDevice(Device):
+    plugin_api = 2
+
     def __init__(self, name, backends, available=True, priority=50, reason=""):
         self.name, self.priority, self._backends = name, priority, backends
         self._cap = DeviceCapability(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import re
 
 import pytest
 import torch
@@ -73,14 +74,30 @@ def test_selection_device_is_device_name():
         assert sel.device == sel.device_name == "cpu"
 
 
-def test_the_tp_group_backend_comes_from_the_capability():
+def test_the_tp_group_backend_comes_from_the_capability(restore_registry):
+    from hal.capability import DeviceCapability
     from hal.demo.tp import group_backend
+    from hal.registry import Device, register_device
+
+    class Accelerator(Device):
+        plugin_api = 2
+        name = "xaccel"
+
+        def probe(self, index=None):
+            return DeviceCapability(type="xaccel", available=True, torch_type="xpu", collective_backend="xccl")
+
+        def backends(self):
+            return []
+
+    register_device(Accelerator())
 
     cap = hal.select(AttentionConfig(dtype=torch.float32), device="cpu").capability
     assert group_backend(cap) == cap.collective_backend == "gloo"
     assert group_backend(dataclasses.replace(cap, collective_backend="xccl")) == "xccl"  # a plugin's own
     with pytest.warns(DeprecationWarning, match="group_backend\\(capability\\)"):
-        assert group_backend("cuda") == "nccl"
+        assert group_backend("xpu") == "xccl"  # the registered device's answer for its torch type
+    with pytest.warns(DeprecationWarning):
+        assert group_backend("cpu") == "gloo"
 
 
 def test_old_reason_names_on_a_new_backend_warn_and_agree():
@@ -111,3 +128,25 @@ def test_a_backend_overriding_only_the_old_names_is_honoured():
         reasons = OldNames.unsupported_reasons(AttentionConfig(dtype=torch.float32, sliding_window_size=4), CAP)
     assert reasons == ["the card is asleep", "no windows"]  # base checks pass; both overrides counted once
     assert AttentionBackend.unsupported_reasons.__func__ is not OldNames.validate.__func__
+
+
+def test_0_1_batch_lengths_are_deprecated_names_of_host_lens_and_device_lens():
+    """hal 0.1's ForwardBatch.prefix_lens_cpu / query_lens_cpu / kv_lens_cpu / device_lens() (gone in 0.1.x)."""
+    from hal.batch import device_lens, host_lens
+    from hal.conformance import CASES, build
+
+    case = next(c for c in CASES if c.mode.name == "EXTEND" and all(p > 0 for p, _ in c.requests))
+    fb = build(case).batch
+    lens = host_lens(fb)
+    for old, new, want in (
+        ("prefix_lens_cpu", "host_lens(forward_batch).prefix", lens.prefix),
+        ("query_lens_cpu", "host_lens(forward_batch).query", lens.query),
+        ("kv_lens_cpu", "host_lens(forward_batch).kv", lens.kv),
+    ):
+        with pytest.warns(DeprecationWarning, match=re.escape(new)):
+            assert getattr(fb, old) == list(want)
+    assert lens.kv == [p + q for p, q in zip(lens.prefix, lens.query)] and any(lens.prefix)
+    with pytest.warns(DeprecationWarning, match=re.escape("hal.batch.device_lens(forward_batch)")):
+        q_lens, kv_lens = fb.device_lens()
+    expected = device_lens(fb)
+    assert torch.equal(q_lens, expected[0]) and torch.equal(kv_lens, expected[1])

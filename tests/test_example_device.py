@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import re
 import sys
 from pathlib import Path
 
@@ -41,6 +42,19 @@ def test_packaged_as_a_hal_devices_plugin():
     project = tomllib.loads((EXAMPLE / "pyproject.toml").read_text())
     assert project["project"]["entry-points"][ENTRY_POINT_GROUP] == {"toy": "hal_toy:device"}
     assert any(dep.startswith("hal-attention") for dep in project["project"]["dependencies"])
+
+
+def test_pins_the_hal_releases_docs_porting_md_names():
+    tomllib = pytest.importorskip("tomllib")
+    pin = next(d for d in tomllib.loads((EXAMPLE / "pyproject.toml").read_text())["project"]["dependencies"])
+    porting = (Path(__file__).resolve().parents[1] / "docs" / "porting.md").read_text()
+    guide = re.search(r'dependencies = \["(hal-attention[^"]*)"', porting).group(1)
+    assert pin == guide
+    from packaging.specifiers import SpecifierSet
+
+    import hal
+
+    assert hal.__version__ in SpecifierSet(pin.removeprefix("hal-attention"))  # installs against this hal
 
 
 def test_uses_hal_public_api_only():

@@ -48,6 +48,32 @@ def test_an_api_1_plugin_passes_hal_check_through_the_deprecated_names(tmp_path)
         assert replacement in out, f"no DeprecationWarning naming {replacement}:\n{out[-4000:]}"
 
 
+def test_a_plugin_ported_from_the_0_1_readme_passes_hal_check_unchanged(tmp_path):
+    """tests/legacy_plugins/hal_readme01_toy.py: 0.1's batch lengths, metadata by assignment, __init__(capability)."""
+    path = _install(tmp_path, "hal_readme01_toy", "readmetoy")
+    run = _hal(path, "check", "--device", "readmetoy", "-v")
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-4000:]
+    summary = next(line for line in run.stdout.splitlines() if line.startswith("readmetoy/readme:"))
+    assert " 0 failed" in summary and not summary.split(":")[1].strip().startswith("0 passed"), summary
+    for replacement in (
+        "host_lens(forward_batch).kv",
+        "host_lens(forward_batch).query",
+        "host_lens(forward_batch).prefix",
+        "hal.batch.device_lens(forward_batch)",
+        "self.set_forward_metadata(meta, forward_batch)",
+    ):
+        assert replacement in out, f"no DeprecationWarning naming {replacement}:\n{out[-4000:]}"
+    info = _hal(path, "info")
+    assert info.returncode == 0, info.stderr[-2000:]
+    block = info.stdout.split("readmetoy:", 1)[1].splitlines()
+    assert block[1].strip() == "runs as plugin API 1 (deprecated names)", info.stdout
+    entry = next(d for d in json.loads(_hal(path, "info", "--json").stdout)["devices"] if d["name"] == "readmetoy")
+    assert entry["plugin_api"] == 1 and entry["available"]
+    cpu = next(d for d in json.loads(_hal(path, "info", "--json").stdout)["devices"] if d["name"] == "cpu")
+    assert cpu["plugin_api"] == PLUGIN_API and "runs as plugin API 1" not in info.stdout.split("readmetoy:")[0]
+
+
 def test_an_api_1_backend_answers_through_its_old_overrides(monkeypatch):
     monkeypatch.syspath_prepend(str(PLUGINS))
     import torch

@@ -79,6 +79,7 @@ GOOD_DEVICE = """
     from hal.registry import Device
 
     class GoodDevice(Device):
+        plugin_api = 2
         name = "{name}"
         priority = 5
 
@@ -199,6 +200,7 @@ def test_register_device_rejects_non_devices_and_bad_names():
         register_device(object())
 
     class BadName(Device):
+        plugin_api = 2
         name = "my-dev"
 
         def probe(self):
@@ -218,6 +220,7 @@ FLAKY_DEVICE = """
     from hal.registry import Device
 
     class FlakyDevice(Device):
+        plugin_api = 2
         name = "flaky"
         priority = 200
 
@@ -259,6 +262,7 @@ def test_probe_returning_something_else_is_unavailable(monkeypatch):
     monkeypatch.setenv("HAL_PLUGINS", "cpu")
 
     class Sloppy(Device):
+        plugin_api = 2
         name = "sloppy"
 
         def probe(self):
@@ -276,6 +280,8 @@ def test_probe_returning_something_else_is_unavailable(monkeypatch):
 
 class NoKernels(Device):
     """Available, but its backend module does not import (the cuda plugin while flashinfer_backend is missing)."""
+
+    plugin_api = 2
 
     name = "nokernels"
     priority = 100
@@ -339,6 +345,7 @@ class VendorTorch(CompiledBackend):
 
 
 class VendorDevice(Device):
+    plugin_api = 2
     name = "vendor"
     priority = 1
 
@@ -411,6 +418,7 @@ HANGING_DEVICE = """
     calls = []
 
     class HangingDevice(Device):
+        plugin_api = 2
         name = "hanging"
         priority = 300
 
@@ -496,6 +504,7 @@ def test_probe_raising_any_base_exception_is_contained(monkeypatch, exc, said):
     monkeypatch.setenv("HAL_PLUGINS", "cpu")
 
     class Raiser(Device):
+        plugin_api = 2
         name = "raiser"
         priority = 100
 
@@ -518,6 +527,7 @@ def test_keyboard_interrupt_in_probe_propagates(monkeypatch):
     monkeypatch.setenv("HAL_PLUGINS", "cpu")
 
     class Interrupted(Device):
+        plugin_api = 2
         name = "interrupted"
 
         def probe(self):
@@ -546,6 +556,7 @@ def test_plugin_reusing_a_builtin_name_is_reported_and_the_builtin_kept(plugins)
 
 def test_register_device_cannot_take_a_builtin_name():
     class FakeCpu(Device):
+        plugin_api = 2
         name = "cpu"
 
         def probe(self):
@@ -565,6 +576,7 @@ def test_probe_by_index_runs_under_the_limit_too(monkeypatch):
     seen = []
 
     class Indexed(Device):
+        plugin_api = 2
         name = "indexed"
 
         def probe(self, index=None):

@@ -171,6 +171,7 @@ class Fp8Only(CompiledBackend):
 
 
 class Fp8Device(Device):
+    plugin_api = 2
     name = "fp8dev"
 
     def probe(self):

@@ -36,6 +36,8 @@ def case(name: str):
 class FakeDevice(Device):
     """A device whose capability and backends are given."""
 
+    plugin_api = 2
+
     def __init__(self, name, backends=(), available=True, priority=50, reasons=None, dtypes=("fp32", "bf16")):
         self.name, self.priority, self._backends = name, priority, list(backends)
         self._cap = DeviceCapability(

@@ -21,9 +21,9 @@ def select_backend(
     """``hal.select`` for ``config`` on ``device`` (``"cuda:1"``, ``"npu"``, None: the best), ``backend`` forced
     when given. ``index`` (a tensor-parallel rank's local rank) picks the device's index: ``cuda:<index>``."""
     if index is not None:
-        device_type = (device or select(config, backend=backend).capability.torch_type).partition(":")[0]
-        if device_type != "cpu":
-            device = f"{device_type}:{index}"
+        capability = select(config, device=device, backend=backend).capability
+        if not capability.on_host:  # a device with indices: this rank's
+            device = f"{capability.torch_type}:{index}"
     return select(config, device=device, backend=backend)
 
 

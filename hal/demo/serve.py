@@ -215,7 +215,7 @@ def _run(args, shape: ModelShape, rank: tp_mod.RankInfo, record_logits: bool, kv
     With ``kv_scales == {}`` the model records each layer's max ``|k|`` / ``|v|`` over the first step into it."""
     selection, engine = build(args, shape, rank, record_logits, kv_dtype, kv_scales or None)
     threads = choose_threads(args.threads, rank.world)
-    if selection.capability.torch_device.type == "cpu":
+    if selection.capability.on_host:
         torch.set_num_threads(threads[0])
     else:
         threads = torch.get_num_threads(), "host threads (the model runs on the device)"

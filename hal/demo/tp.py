@@ -57,7 +57,13 @@ def group_backend(device: DeviceCapability | str) -> str:
     if isinstance(device, DeviceCapability):
         return device.collective_backend
     warn_renamed("hal.demo.tp.group_backend(torch_type)", "group_backend(capability)")
-    return {"cuda": "nccl", "npu": "hccl"}.get(device, "gloo")
+    from hal.registry import get_registry, probe_device
+
+    for registered in get_registry().ordered():  # the device's own answer, not a table of device names here
+        capability = probe_device(registered)
+        if capability.available and capability.torch_type == device:
+            return capability.collective_backend
+    return "gloo"
 
 
 def init_group(info: RankInfo, capability: DeviceCapability) -> None:
