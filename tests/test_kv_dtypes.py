@@ -96,3 +96,38 @@ def test_the_demo_offers_the_scaled_rows():
         assert kv_cache_dtype("fp8") == "fp8_e4m3"
     with pytest.raises(ConfigError, match=r"--kv-dtype = 'bf16'"):
         kv_cache_dtype("bf16")
+
+
+# Where a KV dtype may be named besides its row: the kernels and backends that choose to serve it, and fixed cases.
+SERVES_BY_NAME = {
+    "kernels/kv_dtypes.py": "the rows",
+    "hal/kv_dtypes.py": "the deprecated spellings, by the row they name",
+    "kernels/triton/_common.py": "the byte formats the Triton kernels decode",
+    "devices/cpu/torch_backend.py": "kv_cache_dtypes: what the backend declares",
+    "devices/triton_backend.py": "kv_cache_dtypes",
+    "devices/cuda/flashinfer_backend.py": "kv_cache_dtypes",
+    "hal/conformance/cases_models.py": "fixed fp8 cases (a new row is drawn by --fuzz where declared)",
+    "hal/conformance/features.py": "the fp8_kv feature's probe config",
+}
+
+
+def test_only_the_table_and_what_serves_a_dtype_name_it():
+    """A new KV dtype is one row plus the kernels and backends that serve it: nothing else lists KV dtypes."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    names = {row.name for row in FP8} | {"fp8_e4m3fn"}
+    attrs = {str(row.torch_dtype).removeprefix("torch.") for row in FP8}
+    found = set()
+    for top in ("hal", "devices", "kernels"):
+        for path in (root / top).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if (
+                    isinstance(node, ast.Constant)
+                    and node.value in names
+                    or (isinstance(node, ast.Attribute) and node.attr in attrs)
+                ):
+                    found.add(path.relative_to(root).as_posix())
+    assert found <= set(SERVES_BY_NAME), sorted(found - set(SERVES_BY_NAME))
+    assert "kernels/kv_dtypes.py" in found
