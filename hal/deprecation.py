@@ -16,10 +16,12 @@ __all__ = ["warn_renamed", "moved_names", "REMOVED_IN"]
 REMOVED_IN = "0.3.0"
 
 
-def warn_renamed(old: str, new: str, stacklevel: int = 3) -> None:
-    """Warn that ``old`` is deprecated and ``new`` replaces it."""
+def warn_renamed(old: str, new: str, stacklevel: int = 3, since: str = "0.2.0") -> None:
+    """Warn that ``old`` is deprecated (since hal ``since``; it goes a minor release later) and ``new`` replaces it."""
+    major, minor = since.split(".")[:2]
+    removed_in = REMOVED_IN if since == "0.2.0" else f"{major}.{int(minor) + 1}.0"
     warnings.warn(
-        f"{old} is deprecated since hal 0.2.0 and goes in {REMOVED_IN}: use {new} (see CHANGELOG.md)",
+        f"{old} is deprecated since hal {since} and goes in {removed_in}: use {new} (see CHANGELOG.md)",
         DeprecationWarning,
         stacklevel=stacklevel,
     )
