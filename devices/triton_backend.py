@@ -239,7 +239,7 @@ class TritonBackend(AttentionBackend):
             v_scale=v_scale,
             arch=self.capability.arch,
         )
-        return out.view(bs, heads * layer.v_head_dim)
+        return out
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         from hal.kernels import triton as kernels
@@ -277,7 +277,7 @@ class TritonBackend(AttentionBackend):
             v_scale=v_scale,
             new_kv_loc=new_kv_loc,
         )
-        return out.view(q.shape[0], -1)
+        return out
 
     def forward_mixed(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)

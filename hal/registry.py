@@ -315,6 +315,10 @@ def _backend_problem(cls: object) -> str | None:
         return f"backend {cls!r} is not a subclass of hal.backend.AttentionBackend"
     if not isinstance(cls.name, str) or not cls.name:
         return f"backend {cls.__qualname__} has no name (a non-empty str class attribute)"
+    try:
+        cls.declaration()  # what selection reads: each declared attribute of the type it must have
+    except PluginError as exc:
+        return f"backend declaration: {exc}"
     missing = [m for m in ("forward_decode", "forward_extend") if getattr(cls, m) is getattr(AttentionBackend, m)]
     if missing:
         return f"backend {cls.__qualname__} does not implement {', '.join(missing)}"

@@ -79,11 +79,12 @@ class Selection:
 
 def _split_options(options: dict, *classes: type[AttentionBackend]) -> list[dict]:
     everyone = {"validate"}
-    unknown = sorted(set(options) - everyone - {k for cls in classes for k in cls.option_defaults})
+    declared = [cls.declaration().option_defaults for cls in classes]
+    unknown = sorted(set(options) - everyone - {k for defaults in declared for k in defaults})
     if unknown:
-        names = sorted({"validate", *(k for cls in classes for k in cls.option_defaults)})
+        names = sorted({"validate", *(k for defaults in declared for k in defaults)})
         raise ConfigError(f"options {unknown}: expected options of the chosen backends: {names}")
-    return [{k: v for k, v in options.items() if k in everyone or k in cls.option_defaults} for cls in classes]
+    return [{k: v for k, v in options.items() if k in everyone or k in defaults} for defaults in declared]
 
 
 def _env(name: str) -> str | None:
@@ -285,7 +286,7 @@ def backend_report(
         )
         rows.append(
             {
-                "name": cls.name,
+                "name": cls.declaration().name,
                 "available": not cls.unavailable_reasons(cap) and cap.available,
                 "selected": is_selected,
                 "reasons": reasons,

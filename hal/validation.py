@@ -9,6 +9,9 @@ reads the device tensors and checks every slot (conformance, ``hal check``, ``--
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
 
 import torch
 
@@ -16,9 +19,134 @@ from hal.errors import ConfigError, InvalidBatchError, UnsupportedError, describ
 from hal.kv_cache import INDEX_DTYPES, KVPool, ReqToTokenTable, pool_geometry
 from hal.modes import REFUSED_MODES, BatchLens, ForwardMode, _host
 
-__all__ = ["VALIDATION_LEVELS", "validation_level", "validate_batch"]
+__all__ = [
+    "VALIDATION_LEVELS",
+    "validation_level",
+    "validate_batch",
+    "BatchField",
+    "BATCH_FIELDS",
+    "check_batch_fields",
+    "check_forward_fields",
+]
 
 VALIDATION_LEVELS = ("off", "cheap", "full")
+_MISSING = object()
+
+
+def _is_tensor(value) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
+def _is_lengths(value) -> bool:
+    return isinstance(value, (torch.Tensor, list, tuple))
+
+
+@dataclass(frozen=True)
+class BatchField:
+    """A batch field a backend reads: hal's name (read as ``getattr(fb, name)``), the SGLang field it corresponds
+    to, what it must be, the test of its type (presence and type only: no device read), and when it is read:
+    ``always``, ``extend`` (EXTEND / MIXED / DRAFT_EXTEND), ``verify`` (TARGET_VERIFY) or ``optional`` (None or
+    absent means not given)."""
+
+    name: str
+    sglang: str
+    expected: str
+    accepts: Callable[[object], bool]
+    when: str = "always"
+
+
+# Every field the forward prologue and init_forward_metadata read, in the order they are checked.
+BATCH_FIELDS = (
+    BatchField(
+        "forward_mode",
+        "ForwardBatch.forward_mode",
+        "a ForwardMode (hal's or SGLang's)",
+        lambda m: getattr(m, "name", None) in ForwardMode.__members__ and hasattr(m, "is_decode"),
+    ),
+    BatchField("batch_size", "ForwardBatch.batch_size", "an int", lambda n: isinstance(n, int)),
+    BatchField("req_pool_indices", "ForwardBatch.req_pool_indices", "an int tensor [batch_size]", _is_tensor),
+    BatchField("seq_lens", "ForwardBatch.seq_lens", "an int tensor [batch_size]", _is_tensor),
+    BatchField("out_cache_loc", "ForwardBatch.out_cache_loc", "an int tensor [tokens]", _is_tensor),
+    BatchField(
+        "req_to_token_pool",
+        "ForwardBatch.req_to_token_pool (SGLang's ReqToTokenPool)",
+        "a request table with a req_to_token tensor (hal.ReqToTokenPool, SGLang's ReqToTokenPool)",
+        lambda pool: isinstance(getattr(pool, "req_to_token", None), torch.Tensor),
+    ),
+    BatchField(
+        "token_to_kv_pool",
+        "ForwardBatch.token_to_kv_pool (SGLang's KVCache)",
+        "a KV pool with get_key_buffer / get_value_buffer / set_kv_buffer, page_size and dtype",
+        lambda pool: all(hasattr(pool, a) for a in ("get_key_buffer", "get_value_buffer", "dtype")),
+    ),
+    BatchField("extend_seq_lens", "ForwardBatch.extend_seq_lens", "an int tensor [batch_size]", _is_tensor, "extend"),
+    BatchField(
+        "extend_prefix_lens", "ForwardBatch.extend_prefix_lens", "an int tensor [batch_size]", _is_tensor, "extend"
+    ),
+    BatchField(
+        "spec_info",
+        "ForwardBatch.spec_info (SGLang's EagleVerifyInput)",
+        "the verify input: draft_token_num (int) and custom_mask (flat bool tensor)",
+        lambda s: isinstance(getattr(s, "draft_token_num", None), int) and _is_tensor(getattr(s, "custom_mask", None)),
+        "verify",
+    ),
+    BatchField("seq_lens_cpu", "ForwardBatch.seq_lens_cpu", "a host tensor or list of ints", _is_lengths, "optional"),
+    BatchField("seq_lens_sum", "ForwardBatch.seq_lens_sum", "an int", lambda n: isinstance(n, int), "optional"),
+    BatchField("positions", "ForwardBatch.positions", "an int tensor [tokens]", _is_tensor, "optional"),
+    BatchField(
+        "extend_start_loc", "ForwardBatch.extend_start_loc", "an int tensor [batch_size]", _is_tensor, "optional"
+    ),
+    BatchField("extend_seq_lens_cpu", "ForwardBatch.extend_seq_lens_cpu", "a list of ints", _is_lengths, "optional"),
+    BatchField(
+        "extend_prefix_lens_cpu", "ForwardBatch.extend_prefix_lens_cpu", "a list of ints", _is_lengths, "optional"
+    ),
+)
+# The fields the forward prologue reads on every layer call (checked there each call, cheaply).
+_FORWARD_FIELDS = tuple(f for f in BATCH_FIELDS if f.name in ("forward_mode", "batch_size", "out_cache_loc"))
+_TOKEN_TO_KV_POOL = next(f for f in BATCH_FIELDS if f.name == "token_to_kv_pool")
+
+
+def _check_field(fb, field: BatchField) -> None:
+    value = getattr(fb, field.name, _MISSING)
+    if field.when == "optional" and (value is _MISSING or value is None):
+        return
+    expect(
+        value is not _MISSING and field.accepts(value),
+        InvalidBatchError,
+        f"forward_batch.{field.name}",
+        "missing" if value is _MISSING else value if isinstance(value, (int, str, Enum)) else describe(value),
+        f"{field.expected} (SGLang: {field.sglang})",
+    )
+
+
+def check_batch_fields(fb) -> None:
+    """``InvalidBatchError`` naming the first field of :data:`BATCH_FIELDS` that ``fb``'s mode reads and that is
+    missing or of the wrong type (and the SGLang field it corresponds to). Attribute presence and types only:
+    no device read, so it runs at every validation level, ``off`` included."""
+    _check_field(fb, BATCH_FIELDS[0])
+    mode = fb.forward_mode
+    when = {"always", "optional"}
+    if mode.is_target_verify():
+        when.add("verify")
+    elif mode.is_extend() and not mode.is_idle():
+        when.add("extend")
+    for field in BATCH_FIELDS[1:]:
+        if field.when in when:
+            _check_field(fb, field)
+
+
+def check_forward_fields(fb) -> None:
+    """The per-call part of :func:`check_batch_fields`: the fields the forward prologue reads
+    (``forward_mode``, ``batch_size``, ``out_cache_loc``, ``token_to_kv_pool``), a few attribute reads."""
+    mode, loc, pool = (getattr(fb, name, None) for name in ("forward_mode", "out_cache_loc", "token_to_kv_pool"))
+    if not (
+        hasattr(mode, "is_decode")
+        and isinstance(loc, torch.Tensor)
+        and isinstance(getattr(fb, "batch_size", None), int)
+        and hasattr(pool, "get_key_buffer")
+    ):
+        for field in (*_FORWARD_FIELDS, _TOKEN_TO_KV_POOL):
+            _check_field(fb, field)
 
 
 def validation_level(level: str | None = None) -> str:
@@ -54,17 +182,11 @@ def validate_batch(fb, level: str | None = None, *, page_aligned: bool = False) 
     naming the field, what it held and what was expected.
     """
     level = validation_level(level)
+    check_batch_fields(fb)
     if level == "off":
         return None
     full = level == "full"
     mode = fb.forward_mode
-    expect(
-        getattr(mode, "name", None) in ForwardMode.__members__ and hasattr(mode, "is_decode"),
-        InvalidBatchError,
-        "forward_mode",
-        mode,
-        f"one of {list(ForwardMode.__members__)} (hal's or SGLang's ForwardMode)",
-    )
     if mode.name in REFUSED_MODES:
         raise UnsupportedError(f"forward_mode {mode.name}: {REFUSED_MODES[mode.name]}")
     rt_pool, kv_pool = fb.req_to_token_pool, fb.token_to_kv_pool

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
+from hal.backend import fused_forward_disabled
 from hal.conformance.cases import CASES, build, tolerance
 from hal.devices.cpu import CompiledBackend
 from hal.devices.cpu.capability import cpu_capability
@@ -123,7 +124,7 @@ class _Watching(TorchFunctionMode):
 
 @pytest.mark.parametrize(
     "how",
-    ["save_kv_cache=False", "q in float32 over a bf16 pool", "a torch mode watching"],
+    ["save_kv_cache=False", "q in float32 over a bf16 pool", "a torch mode watching", "fused_forward_disabled()"],
 )
 def test_what_the_fused_call_does_not_take_goes_the_checked_way(how, backend):
     case = next(c for c in FUSED_CASES if c.mode.is_decode() and c.dtype == torch.bfloat16)
@@ -136,8 +137,8 @@ def test_what_the_fused_call_does_not_take_goes_the_checked_way(how, backend):
     if how == "q in float32 over a bf16 pool":
         q, k, v = q.float(), k.float(), v.float()
     backend.init_forward_metadata(built.batch)
-    if how == "a torch mode watching":
-        with _Watching():
+    if how in ("a torch mode watching", "fused_forward_disabled()"):
+        with _Watching() if how == "a torch mode watching" else fused_forward_disabled():
             out = backend.forward(q, k, v, built.layer, built.batch)
     else:
         out = backend.forward(q, k, v, built.layer, built.batch, **kwargs)
@@ -156,8 +157,17 @@ def test_a_subclass_overriding_a_prologue_hook_keeps_it():
 
     built = _decode()
     impl = Recording(CAP)
-    assert not impl.fused_forward and CompiledBackend(CAP).fused_forward
+    assert impl.forward_paths() == ["checked"] and CompiledBackend(CAP).forward_paths() == ["fused", "checked"]
     impl.init_forward_metadata(built.batch)
     out = impl.forward(built.q, built.k, built.v, built.layer, built.batch)
     assert Recording.writes == 1
     torch.testing.assert_close(out.float(), built.expected.float(), **tolerance(built.case.dtype))
+
+
+def test_fused_forward_stays_readable_with_a_deprecation_warning():
+    impl = CompiledBackend(CAP)
+    with pytest.warns(DeprecationWarning, match=r"fused_forward.*forward_paths\(\)"):
+        assert impl.fused_forward is True
+    with pytest.warns(DeprecationWarning, match="fused_forward_disabled"):
+        impl.fused_forward = False
+    assert impl.forward_paths() == ["checked"]

@@ -7,12 +7,14 @@ The Triton half needs triton and TRITON_INTERPRET=1 (the ``triton`` tox env).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 
 import pytest
 import torch
 
+from hal.backend import fused_forward_disabled
 from hal.capability import interpreter_enabled
 from hal.conformance.cases import CASES, build, tolerance
 from hal.devices.cpu import CompiledBackend, device
@@ -72,10 +74,10 @@ def test_the_choice_is_made_in_one_place():
     assert CompiledBackend(WITHOUT_TARGET).helper_ops is TORCH_OPS, "no Triton target: torch"
 
 
-def _wrote_kv_without_triton(backend, built, spies):
+def _wrote_kv_without_triton(backend, built, spies, fused):
     """No Triton kernel ran; the KV write was the torch op's, or the compiled kernel's own (its one-call forward)."""
     assert all(spies[f"triton.{n}"] == 0 for n in KERNELS)
-    assert spies["torch.write_kv"] == (0 if backend.fused_forward else 1)
+    assert spies["torch.write_kv"] == (0 if fused and "fused" in backend.forward_paths() else 1)
     pool, lid = built.batch.token_to_kv_pool, built.layer.layer_id
     assert torch.equal(pool.get_key_buffer(lid), built.expected_k)
     assert torch.equal(pool.get_value_buffer(lid), built.expected_v)
@@ -84,21 +86,23 @@ def _wrote_kv_without_triton(backend, built, spies):
 @pytest.mark.parametrize("fused", [True, False], ids=["one-call", "checked-prologue"])
 def test_support_triton_false_runs_the_torch_ops_only(spies, fused):
     backend = NoTriton(WITH_TARGET)
-    backend.fused_forward = backend.fused_forward and fused
-    _wrote_kv_without_triton(backend, _forward(backend, spies), spies)
+    with contextlib.nullcontext() if fused else fused_forward_disabled():
+        built = _forward(backend, spies)
+    _wrote_kv_without_triton(backend, built, spies, fused)
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["one-call", "checked-prologue"])
 def test_no_triton_target_runs_the_torch_ops_only(spies, fused):
     backend = CompiledBackend(WITHOUT_TARGET)
-    backend.fused_forward = backend.fused_forward and fused
-    _wrote_kv_without_triton(backend, _forward(backend, spies), spies)
+    with contextlib.nullcontext() if fused else fused_forward_disabled():
+        built = _forward(backend, spies)
+    _wrote_kv_without_triton(backend, built, spies, fused)
 
 
 def test_triton_helper_ops_keep_the_compiled_backend_off_its_one_call_forward():
     """Where support_triton() picks the Triton helper ops, the KV write must be theirs, not the fused kernel's."""
-    assert CompiledBackend(WITH_TARGET).fused_forward is False
-    assert NoTriton(WITH_TARGET).fused_forward == (CompiledBackend(WITHOUT_TARGET).kernels is not None)
+    assert CompiledBackend(WITH_TARGET).forward_paths() == ["checked"]
+    assert ("fused" in NoTriton(WITH_TARGET).forward_paths()) == (CompiledBackend(WITHOUT_TARGET).kernels is not None)
 
 
 @triton_runs

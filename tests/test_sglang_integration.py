@@ -375,8 +375,9 @@ def test_the_config_takes_each_layers_window_and_cap_from_the_models_radix_atten
 
 
 def test_hal_follows_sglangs_base_class_member_for_member(kit):
-    """Every public member of the installed SGLang's ``AttentionBackend`` is on hal's base class and on
-    ``HalAttnBackend`` with the same kind (method / property / attribute), and the older members stay."""
+    """Every public member of the installed SGLang's ``AttentionBackend`` is on hal's base class (the seed's members)
+    plus the SGLang members mixin (later releases') and on ``HalAttnBackend``, with the same kind (method / property /
+    attribute), and the older members stay."""
     import inspect
 
     from sglang.srt.layers.attention.base_attn_backend import AttentionBackend as SGLangBackend
@@ -387,9 +388,15 @@ def test_hal_follows_sglangs_base_class_member_for_member(kit):
         raw = inspect.getattr_static(cls, name)
         return "method" if callable(raw) and not isinstance(raw, type) else "data"  # a property reads as data
 
+    from hal.integrations.sglang_members import SGLangMembers
+
     members = [n for n in vars(SGLangBackend) if not n.startswith("_")]
     assert {"verify_mask", "shared_read_ends", "validate_elastic_cuda_graph_recapture"} <= set(members)
-    for cls in (hal.AttentionBackend, hal_sglang.HalAttnBackend):
+
+    class WithMembers(SGLangMembers, hal.AttentionBackend):  # the core plus the integration's mixin (issue 23)
+        pass
+
+    for cls in (WithMembers, hal_sglang.HalAttnBackend):
         missing = [n for n in members if not hasattr(cls, n)]
         assert not missing, (cls, missing)
         wrong = [(n, kind(SGLangBackend, n), kind(cls, n)) for n in members if kind(SGLangBackend, n) != kind(cls, n)]

@@ -20,7 +20,6 @@ prepared; ``sinks=`` arriving at a step prepared for the kernels switches that s
 
 from __future__ import annotations
 
-import functools
 import os
 import warnings
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from hal.batch import device_lens, host_lens
+from hal.deprecation import warn_renamed
 from hal.kernels import cpu as cpu_kernels
 from hal.kernels import reference as reference_kernels
 from hal.kv_dtypes import kv_dtype, kv_scaled
@@ -35,9 +35,6 @@ from hal.kv_dtypes import kv_dtype, kv_scaled
 from .torch_backend import PlainTorchBackend, _indptr
 
 __all__ = ["CompiledBackend"]
-
-# The prologue's hooks (hal.backend): the fused forward stands in for them only where none is overridden.
-_PROLOGUE_HOOKS = ("prepare_forward", "check_model_features", "check_layer", "check_inputs", "save_kv", "_forward")
 
 
 @dataclass
@@ -73,19 +70,6 @@ class CompiledMetadata:
         return None if self.q_lens is None else _indptr(self.q_lens)
 
 
-def _fused_or_checked(checked):
-    """A ``forward_*`` that runs :meth:`CompiledBackend.write_and_attend` where it applies, else ``checked`` (the
-    inherited ``forward_*``, which runs the checked prologue). Marked as running its own prologue."""
-
-    @functools.wraps(checked)
-    def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        out = self.write_and_attend(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
-        return checked(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs) if out is None else out
-
-    forward._hal_prologue = True
-    return forward
-
-
 class CompiledBackend(PlainTorchBackend):
     """The ``torch`` backend with its attention compiled; the plain path where no kernels could be built."""
 
@@ -99,14 +83,28 @@ class CompiledBackend(PlainTorchBackend):
                 self.kernels = cpu_kernels.load()
             except cpu_kernels.KernelBuildError as exc:
                 warnings.warn(f"hal: {exc}", RuntimeWarning, stacklevel=2)
-        cls = type(self)
         # the fused call writes the KV itself: only where the torch helper ops would (support_triton() gates
         # the Triton ones, which must then run)
-        self.fused_forward = (
-            self.kernels is not None
-            and self.helper_ops is reference_kernels
-            and all(getattr(cls, hook) is getattr(CompiledBackend, hook) for hook in _PROLOGUE_HOOKS)
+        self._fusable = self.kernels is not None and self.helper_ops is reference_kernels
+
+    def fused_forward_ready(self) -> bool:
+        """Whether this instance's kernels were built and the torch helper ops would write its KV."""
+        return self._fusable
+
+    @property
+    def fused_forward(self) -> bool:
+        """Deprecated (0.3.0): ``"fused" in backend.forward_paths()``."""
+        warn_renamed("CompiledBackend.fused_forward", '"fused" in backend.forward_paths()', since="0.3.0")
+        return "fused" in self.forward_paths()
+
+    @fused_forward.setter
+    def fused_forward(self, value: bool) -> None:
+        warn_renamed(
+            "setting CompiledBackend.fused_forward",
+            "hal.backend.fused_forward_disabled() (or HAL_FUSED_FORWARD=0)",
+            since="0.3.0",
         )
+        self._fusable = bool(value) and self._fusable
 
     @classmethod
     def notes(cls, capability) -> list[str]:
@@ -153,9 +151,9 @@ class CompiledBackend(PlainTorchBackend):
         return self.kernels is None or sinks or kv_scaled(fb.token_to_kv_pool.dtype)
 
     def init_forward_metadata_out_graph(self, fb, in_capture: bool = False) -> None:
-        if self.plain_path(fb):
-            return super().init_forward_metadata_out_graph(fb, in_capture)
         self.check_batch(fb)
+        if self.plain_path(fb):
+            return self.plan(fb, in_capture)
         self.set_forward_metadata(None if fb.forward_mode.is_idle() else CompiledMetadata(), fb)
 
     def init_forward_metadata_in_graph(self, fb) -> None:
@@ -177,28 +175,18 @@ class CompiledBackend(PlainTorchBackend):
             meta.mask_start = meta.custom_mask = None
 
     # -- forward -----------------------------------------------------------------------
-    # forward_* run the whole forward, prologue included, in one kernel call where they can (write_and_attend);
-    # everything else (sinks, save_kv_cache=False, other dtypes or layouts, bad input, a torch mode watching, a
-    # subclass overriding a prologue hook) takes the checked prologue and _forward, which name what is wrong.
-    forward_decode = _fused_or_checked(PlainTorchBackend.forward_decode)
-    forward_extend = _fused_or_checked(PlainTorchBackend.forward_extend)
-    forward_mixed = _fused_or_checked(PlainTorchBackend.forward_mixed)
+    # The base class's prologue takes forward_fused (write_and_attend: the whole forward in one kernel call) where
+    # it may; everything else (sinks, save_kv_cache=False, other dtypes or layouts, bad input, a torch mode
+    # watching, a subclass overriding a hook) takes the checked prologue and _forward, which name what is wrong.
+    fused_forward_covers = ("_forward",)
 
-    def write_and_attend(self, q, k, v, layer, fb, save_kv_cache: bool, kwargs: dict) -> torch.Tensor | None:
+    def forward_fused(self, q, k, v, layer, fb, save_kv_cache=True, **kwargs) -> torch.Tensor | None:
         """One layer's forward as one kernel call (:func:`hal.kernels.cpu.write_and_attend`: checks ``q``/``k``/``v``
         against the layer and pool, writes the new tokens' KV, attends); ``[T, q_heads * v_head_dim]``, or None
-        where that path does not apply and the checked prologue must run."""
+        (nothing written) for a step of the plain path, ``sinks=`` or inputs the kernel does not take."""
         meta = self.forward_metadata
-        if (
-            not self.fused_forward
-            or not save_kv_cache
-            or not isinstance(meta, CompiledMetadata)
-            or getattr(self, "_in_prologue_call", False)
-            or any(value is not None for value in kwargs.values())
-        ):
+        if not isinstance(meta, CompiledMetadata) or any(value is not None for value in kwargs.values()):
             return None
-        self.check_layer(layer)
-        self.metadata_for(fb)
         pool = fb.token_to_kv_pool
         return cpu_kernels.write_and_attend(
             q,
@@ -207,7 +195,7 @@ class CompiledBackend(PlainTorchBackend):
             fb.out_cache_loc,
             pool.get_key_buffer(layer.layer_id),
             pool.get_value_buffer(layer.layer_id),
-            fb.req_to_token_pool.req_to_token,
+            meta.req_to_token,
             meta.rows,
             meta.kv_lens,
             meta.q_lens,
@@ -247,4 +235,4 @@ class CompiledBackend(PlainTorchBackend):
             q_start=meta.q_start,
             mask_start=meta.mask_start,
         )
-        return out.reshape(q.shape[0], layer.tp_q_head_num * layer.v_head_dim)
+        return out

@@ -143,14 +143,13 @@ class PlainTorchBackend(AttentionBackend):
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache, kwargs.get("sinks"))
 
     def _forward(self, q, k, v, layer, fb: ForwardBatch, save_kv_cache: bool, sinks=None) -> torch.Tensor:
-        """q ``[T, Hq, D]`` (the prologue ran), ``sinks`` ``[Hq]`` or None -> ``[T, Hq * Dv]`` in q's dtype.
+        """q ``[T, Hq, D]`` (the prologue ran), ``sinks`` ``[Hq]`` or None -> ``[T, Hq, Dv]`` in q's dtype.
 
         Every key, the new tokens' included, is read from the cache (``k``/``v`` are not used).
         """
         pool = fb.token_to_kv_pool
         k_buffer, v_buffer = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
-        out = attend_padded(q, k_buffer, v_buffer, self.forward_metadata, layer, self.scratch, sinks)
-        return out.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
+        return attend_padded(q, k_buffer, v_buffer, self.forward_metadata, layer, self.scratch, sinks)
 
 
 def attend_padded(q, k_buffer, v_buffer, meta: TorchMetadata, layer, scratch: Scratch, sinks=None) -> torch.Tensor:

@@ -47,6 +47,7 @@ import torch  # noqa: E402  (after the SGLang guard: its error is the one to see
 import hal  # noqa: E402
 from hal.batch import REFUSED_MODES  # noqa: E402
 from hal.errors import ConfigError, UnsupportedError  # noqa: E402
+from hal.integrations.sglang_members import MEMBERS, sglang_members  # noqa: E402
 from hal.integrations.sglang_pools import serve_pool  # noqa: E402
 from hal.selection import HybridBackend  # noqa: E402
 
@@ -355,10 +356,11 @@ class HalAttnBackend(_SGLangAttentionBackend):
                 f"pool is on {pool_device}: set HAL_DEVICE to the runner's device"
             )
         self.hal_backend = self.selection.create(**options)
+        self.hal_members = sglang_members(self.hal_backend)  # its answers to SGLang 0.5.21's members
         self.device = cap.torch_device
         self.needs_cpu_seq_lens = self.hal_backend.needs_cpu_seq_lens
         for name in _DECLARED:
-            setattr(self, name, getattr(self.hal_backend, name, False))
+            setattr(self, name, getattr(self.hal_members if name in MEMBERS else self.hal_backend, name, False))
         self.data_type = getattr(model_runner, "dtype", self.config.dtype)
         self.kv_cache_dtype = self.config.dtype
         self._layers: dict[int, tuple[object, hal.AttentionLayer]] = {}
@@ -444,25 +446,25 @@ class HalAttnBackend(_SGLangAttentionBackend):
     # -- SGLang 0.5.21's additions: hal's backend answers ----------------------------------
     def shared_read_ends(self, fm) -> SharedReadEnds:
         """SGLang's ``SharedReadEnds`` member of the same name as hal's backend's answer."""
-        ends = self.hal_backend.shared_read_ends(fm)
+        ends = self.hal_members.shared_read_ends(fm)
         return ends if SharedReadEnds is None else SharedReadEnds[ends.name]
 
     def prepare_prefill_shared_read_snapshot(self, forward_batch, *, num_qo_tokens: int) -> None:
         view = self.hal_batch(forward_batch)
-        self.hal_backend.prepare_prefill_shared_read_snapshot(view, num_qo_tokens=num_qo_tokens)
+        self.hal_members.prepare_prefill_shared_read_snapshot(view, num_qo_tokens=num_qo_tokens)
 
     def draft_extend_metadata_captured_in_graph(self) -> bool:
-        return self.hal_backend.draft_extend_metadata_captured_in_graph()
+        return self.hal_members.draft_extend_metadata_captured_in_graph()
 
     def prepare_full_cuda_graph_chunked_prefix(self, forward_batch, *, in_capture: bool) -> None:
-        self.hal_backend.prepare_full_cuda_graph_chunked_prefix(self.hal_batch(forward_batch), in_capture=in_capture)
+        self.hal_members.prepare_full_cuda_graph_chunked_prefix(self.hal_batch(forward_batch), in_capture=in_capture)
 
     def validate_elastic_cuda_graph_recapture(self) -> None:
-        self.hal_backend.validate_elastic_cuda_graph_recapture()
+        self.hal_members.validate_elastic_cuda_graph_recapture()
 
     @property
     def verify_mask(self):
-        return self.hal_backend.verify_mask
+        return self.hal_members.verify_mask
 
     def get_verify_buffers_to_fill_after_draft(self) -> list:  # SGLang before 0.5.21 asks this instead
         return self.hal_backend.get_verify_buffers_to_fill_after_draft()

@@ -1,0 +1,125 @@
+"""What a backend declares: :class:`BackendDeclaration`, the plain data selection reads.
+
+A backend class states what it supports as class attributes (``name``, ``dtypes``, ``page_sizes``,
+``supports_*``...: plugin API 2, unchanged); :meth:`BackendDeclaration.of` reads them into one frozen
+object, and selection, ``hal info`` and the registry's plugin checks read that object, never the
+class's other members. The reasons a declaration gives against a config
+(:meth:`BackendDeclaration.unsupported_reasons`) are the ones selection weighs and ``hal info`` shows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from hal.errors import PluginError
+
+if TYPE_CHECKING:
+    from hal.capability import DeviceCapability
+    from hal.config import AttentionConfig
+
+__all__ = ["BackendDeclaration"]
+
+
+@dataclass(frozen=True)
+class BackendDeclaration:
+    """One backend class's declared support (its class attributes of the same names).
+
+    ``dtypes``: compute dtype names (``fp32``, ``bf16``, ``fp16``); ``kv_cache_dtypes``: KV cache dtype names
+    (the class's ``None`` resolved to ``dtypes``); ``page_sizes`` / ``head_dims``: None means any;
+    ``supports_mla``: ``v_head_dim != head_dim``; ``requires_page_aligned_slots``: token ``i`` of a request at
+    offset ``i % page_size`` of its page; ``option_defaults``: the constructor options and their defaults.
+    """
+
+    name: str
+    dtypes: frozenset[str]
+    kv_cache_dtypes: frozenset[str]
+    page_sizes: frozenset[int] | None
+    head_dims: frozenset[int] | None
+    supports_sliding_window: bool
+    supports_logit_cap: bool
+    supports_non_causal: bool
+    supports_custom_mask: bool
+    supports_graph: bool
+    supports_mla: bool
+    supports_sinks: bool
+    requires_page_aligned_slots: bool
+    option_defaults: Mapping[str, Any]
+
+    @classmethod
+    def of(cls, backend_cls: type) -> BackendDeclaration:
+        """The declaration of ``backend_cls``, read from its class attributes; ``PluginError`` naming the
+        attribute where one is not what it must be (a plugin's typo surfaces as a reason, not mid-selection)."""
+        values = {f.name: getattr(backend_cls, f.name, None) for f in fields(cls)}
+        owner = backend_cls.__qualname__
+
+        def names(attr: str, value, item_type: type, optional: bool):
+            if value is None and optional:
+                return None
+            if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+                raise PluginError(f"{owner}.{attr} = {value!r}: expected a set of {item_type.__name__}")
+            items = frozenset(value)
+            bad = [v for v in items if not isinstance(v, item_type) or isinstance(v, bool)]
+            if bad:
+                raise PluginError(f"{owner}.{attr} holds {bad!r}: expected {item_type.__name__} items")
+            return items
+
+        if not isinstance(values["name"], str) or not values["name"]:
+            raise PluginError(f"{owner}.name = {values['name']!r}: expected a non-empty str")
+        values["dtypes"] = names("dtypes", values["dtypes"], str, False)
+        kv = values["kv_cache_dtypes"]
+        values["kv_cache_dtypes"] = values["dtypes"] if kv is None else names("kv_cache_dtypes", kv, str, False)
+        values["page_sizes"] = names("page_sizes", values["page_sizes"], int, True)
+        values["head_dims"] = names("head_dims", values["head_dims"], int, True)
+        for f in fields(cls):
+            if f.name.startswith(("supports_", "requires_")) and not isinstance(values[f.name], bool):
+                raise PluginError(f"{owner}.{f.name} = {values[f.name]!r}: expected True or False")
+        defaults = values["option_defaults"]
+        if not isinstance(defaults, Mapping):
+            raise PluginError(f"{owner}.option_defaults = {defaults!r}: expected a mapping of option -> default")
+        values["option_defaults"] = MappingProxyType(dict(defaults))
+        return cls(**values)
+
+    def unsupported_reasons(self, config: AttentionConfig, capability: DeviceCapability) -> list[str]:
+        """Every reason the declared support gives against serving ``config`` on ``capability`` (empty: none)."""
+        reasons = []
+        dtype = config.dtype_name
+        if dtype not in self.dtypes:
+            reasons.append(f"dtype {dtype} not supported (supports {sorted(self.dtypes)})")
+        elif dtype not in capability.dtypes:
+            reasons.append(f"device has no {dtype}: {capability.reasons.get(dtype, 'not listed')}")
+        if self.page_sizes is not None and config.page_size not in self.page_sizes:
+            reasons.append(f"page_size {config.page_size} not supported (supports {sorted(self.page_sizes)})")
+        if self.head_dims is not None and config.head_dim not in self.head_dims:
+            reasons.append(f"head_dim {config.head_dim} not supported (supports {sorted(self.head_dims)})")
+        if config.v_head_dim != config.head_dim and not self.supports_mla:
+            reasons.append(f"v_head_dim {config.v_head_dim} != head_dim {config.head_dim} not supported")
+        for wanted, supported, what in (
+            (config.sliding_window_size >= 0, self.supports_sliding_window, "sliding window"),
+            (config.logit_cap > 0, self.supports_logit_cap, "logit cap"),
+            (config.non_causal, self.supports_non_causal, "non-causal (encoder / cross) attention"),
+            (config.custom_mask, self.supports_custom_mask, "custom mask (TARGET_VERIFY)"),
+        ):
+            if wanted and not supported:
+                reasons.append(f"{what} not supported")
+        return reasons
+
+    def model_feature_reasons(self, config: AttentionConfig) -> list[str]:
+        """Why ``config``'s attention sinks or KV cache dtype are not declared (empty: they are)."""
+        reasons = []
+        if getattr(config, "attention_sinks", False) and not self.supports_sinks:
+            reasons.append("attention sinks not supported")
+        kv_dtype = getattr(config, "kv_cache_dtype_name", config.dtype_name)
+        if kv_dtype != config.dtype_name and kv_dtype not in self.kv_cache_dtypes:
+            reasons.append(f"kv_cache_dtype {kv_dtype} not supported (supports {sorted(self.kv_cache_dtypes)})")
+        return reasons
+
+    def graph_reasons(self, config: AttentionConfig, capability: DeviceCapability) -> list[str]:
+        """Why graph capture, when ``config`` wants it, is not served (the backend or the device)."""
+        if config.graph and not self.supports_graph:
+            return ["graph capture not supported"]
+        if config.graph and not capability.graph:
+            return [f"device has no graph capture: {capability.reasons.get('graph', 'not listed')}"]
+        return []

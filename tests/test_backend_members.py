@@ -1,0 +1,75 @@
+"""SGLang 0.5.21's additions to the backend contract live with the SGLang integration
+(``hal.integrations.sglang_members``), not in ``hal.AttentionBackend``, whose members are the seed's; the old
+access through a hal backend still answers, with a ``DeprecationWarning`` naming the new place (issue 23)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hal.backend import AttentionBackend
+from hal.batch import ForwardMode, SharedReadEnds
+from hal.capability import DeviceCapability
+from hal.errors import UnsupportedError
+from hal.integrations.sglang_members import DECLARED, MEMBERS, SGLangMembers, sglang_members
+
+CPU = DeviceCapability(type="cpu", available=True, dtypes=("fp32", "bf16"))
+
+
+class Plain(AttentionBackend):
+    name = "plain"
+
+
+class NoGraphs(AttentionBackend):
+    name = "no_graphs"
+    supports_graph = False
+
+
+class Audited(SGLangMembers, AttentionBackend):
+    """A backend that answers one of the questions itself."""
+
+    name = "audited"
+
+    def shared_read_ends(self, forward_mode):
+        return SharedReadEnds.PRE_REPLAY if forward_mode.is_decode() else SharedReadEnds.UNKNOWN
+
+
+def test_the_core_holds_none_of_the_later_releases_members():
+    assert MEMBERS >= {"shared_read_ends", "verify_mask", "data_type", "kv_cache_dtype", "attn_backend_list"}
+    assert MEMBERS >= set(DECLARED)
+    assert not [name for name in MEMBERS if hasattr(AttentionBackend, name)]
+
+
+def test_hals_answers_come_from_the_mixin():
+    members = sglang_members(Plain(CPU))
+    assert members.shared_read_ends(ForwardMode.DECODE) is SharedReadEnds.UNKNOWN
+    assert members.verify_mask is None and members.draft_extend_metadata_captured_in_graph() is False
+    assert all(getattr(members, name) is False for name in DECLARED)
+    assert members.data_type is None and members.kv_index_translator is None
+    members.validate_elastic_cuda_graph_recapture()  # Plain declares graphs
+    with pytest.raises(UnsupportedError, match="no_graphs does not capture graphs"):
+        sglang_members(NoGraphs(CPU)).validate_elastic_cuda_graph_recapture()
+    with pytest.raises(UnsupportedError, match="plain: chunked-prefix"):
+        members.prepare_full_cuda_graph_chunked_prefix(None, in_capture=True)
+
+
+def test_a_backend_inheriting_the_mixin_answers_itself():
+    backend = Audited(CPU)
+    assert sglang_members(backend) is backend
+    assert backend.shared_read_ends(ForwardMode.DECODE) is SharedReadEnds.PRE_REPLAY
+    assert backend.verify_mask is None
+
+
+@pytest.mark.parametrize("name", sorted(MEMBERS))
+def test_the_old_access_still_answers_with_a_warning_naming_the_new_place(name):
+    backend = Plain(CPU)
+    with pytest.warns(
+        DeprecationWarning, match=rf"Plain\.{name} .*since hal 0\.3\.0.*sglang_members\(backend\)\.{name}"
+    ):
+        old = getattr(backend, name)
+    new = getattr(sglang_members(backend), name)
+    assert old == new if not callable(new) else old.__name__ == new.__name__
+
+
+def test_other_missing_attributes_are_still_attribute_errors():
+    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
+        Plain(CPU).nothing_here  # noqa: B018
