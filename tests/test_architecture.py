@@ -45,6 +45,13 @@ HOST_NOT_A_DEVICE = {"hal/lint.py"}
 # integrator empties this at merge.
 _PENDING_MOVES = {"hal/bench.py", "hal/step_bench.py", "hal/conformance/cases.py"}
 
+# Deprecation shims that reach a name's new home lazily, for one minor release (CHANGELOG.md says when each
+# goes): (file, module it imports) -> why.
+DEPRECATION_SHIMS = {
+    ("hal/backend.py", "hal.integrations"): "0.3.0: SGLang 0.5.21's members read through a hal backend",
+    ("hal/backend.py", "hal.integrations.sglang_members"): "0.3.0: likewise; the shim goes in 0.4.0",
+}
+
 
 def module_name(path: Path) -> str:
     """``hal/x/y.py`` -> ``hal.x.y``; ``devices/cpu/__init__.py`` -> ``hal.devices.cpu``; kernels likewise."""
@@ -254,7 +261,7 @@ def upward_violations() -> list[str]:
         if is_under(name, *COMMANDS):
             continue
         for line, module in imports(path):
-            if is_under(module, *COMMANDS, "hal.devices"):
+            if is_under(module, *COMMANDS, "hal.devices") and (rel(path), module) not in DEPRECATION_SHIMS:
                 bad.append(f"{rel(path)}:{line} imports {module}")
     for path in sources("devices", "kernels"):
         for line, module in imports(path):
