@@ -100,6 +100,22 @@ MLA_OFF = {
 }
 
 
+def _mha_kv_write(generation: str | None) -> str:
+    """The KV write op of an MHA layer: ``npu_scatter_pa_kv_cache`` (vllm-ascend's ``BaseDeviceAdaptor`` on A2/A3, and
+    its ``A5DeviceAdaptor``, which inherits it); on 310P ``npu_scatter_nd_update_`` into hal's ND pool, which the
+    attention ops then read as FRACTAL_NZ pages (``_nz_caches``). vllm-ascend's 310P runner allocates its caches NZ and
+    writes them with ``_npu_reshape_and_cache``; hal's pool contract is ND, so the write is the ND one (doc:
+    op-plugin ``torch_npu-npu_scatter_nd_update_.md``, Atlas inference series: float16)."""
+    return "npu_scatter_nd_update_" if generation == "310P" else "npu_scatter_pa_kv_cache"
+
+
+# The write of hal's one latent ++ rope MLA cache: ATB's K_CACHE_V_BYPASS is documented for A2 only
+# (infer_op_params.h ReshapeAndCacheParam: '仅在Atlas 800I A2推理产品上支持设置为K_CACHE_V_BYPASS'; op-plugin tests
+# _npu_reshape_and_cache_siso on Ascend910B only); A3 writes the cache rows with npu_scatter_nd_update_, as SGLang's NPU
+# MLA pool does (one call per buffer).
+_MLA_KV_WRITE = {"A2": "_npu_reshape_and_cache_siso", "A3": "npu_scatter_nd_update_"}
+
+
 def _fp8_reason(generation: str | None) -> str:
     """Why an fp8 KV cache is off on ``generation`` (A2/A3/310P: no fp8 dtype; upstream quantises to int8)."""
     if generation == "A5":
@@ -128,6 +144,9 @@ class _EmulatedOps:
     is_emulation = True
     __name__ = "hal.kernels.npu.emulation.torch_npu (opaque launches)"
 
+    def __init__(self, generation: str = "A2"):
+        self.generation = generation  # the chip whose op availability and layouts the emulation enforces
+
     def __getattr__(self, name: str) -> Any:
         target = getattr(npu_ops.emulation.torch_npu, name)
         if not callable(target):
@@ -135,14 +154,15 @@ class _EmulatedOps:
 
         @functools.wraps(target)
         def launch(*args, **kwargs):
-            with opaque_kernel():
+            with opaque_kernel(), npu_ops.emulation.chip(self.generation):
                 result = target(*args, **kwargs)
             return _owned(result) if name in _RETURN_OUTPUTS else result
 
         return launch
 
 
-_RETURN_OUTPUTS = ("npu_fused_infer_attention_score", "npu_fused_infer_attention_score_v2")  # no out= argument
+# ops that return new tensors (no out= argument)
+_RETURN_OUTPUTS = ("npu_fused_infer_attention_score", "npu_fused_infer_attention_score_v2", "npu_format_cast")
 
 
 def _owned(result: Any) -> Any:
@@ -156,12 +176,14 @@ def _owned(result: Any) -> Any:
     owned = torch.empty(result.shape, dtype=result.dtype, device=result.device)
     with opaque_kernel():
         owned.copy_(result)
+    if hasattr(result, "_hal_npu_format"):  # the emulated FRACTAL_NZ tag travels with the data
+        owned._hal_npu_format = result._hal_npu_format
     return owned
 
 
 def _ops_for(capability: DeviceCapability) -> Any:
     if capability.emulated:
-        return _EmulatedOps()
+        return _EmulatedOps(npu_ops.generation_of_arch(capability.arch) or "A2")
     module, why = npu_ops.load_torch_npu()
     if module is None:
         raise DeviceUnavailableError(f"the ascend backend needs torch_npu on a real NPU: {why}")
@@ -172,8 +194,10 @@ def _ops_for(capability: DeviceCapability) -> Any:
 
 
 def _op_dtype(dtype: torch.dtype, capability: DeviceCapability) -> torch.dtype:
-    """The dtype whose op limits apply: the emulation computes fp32 where the real ops take bf16."""
-    return torch.bfloat16 if capability.emulated and dtype == torch.float32 else dtype
+    """The dtype whose op limits apply: the emulation computes fp32 where the real ops take bf16 (fp16 on 310P)."""
+    if capability.emulated and dtype == torch.float32:
+        return torch.float16 if npu_ops.generation_of_arch(capability.arch) == "310P" else torch.bfloat16
+    return dtype
 
 
 # ----------------------------------------------------------------------------- metadata
@@ -197,6 +221,8 @@ class AscendMetadata:
     # int64 [B * max_blocks * page_size]: when the batch's slots are not page-aligned, the pool slot of every
     # slot of a scratch paged cache that is (request b's pages at b * max_blocks ...); None when they are.
     relayout: torch.Tensor | None = None
+    # 310P: the pool pages of the batch (int32 [B, max_blocks]) copied into the NZ cache that block_table numbers
+    source_table: torch.Tensor | None = None
 
     # SGLang's names for the same data (its attention kit and tools inspect them), built when read.
     @property
@@ -349,6 +375,7 @@ class AscendBackend(AttentionBackend):
             kv_heads=config.tp_k_head_num,
             q_heads=config.tp_q_head_num,
             paths=(path,),
+            chip=npu_ops.generation_of_arch(capability.arch),
         )
 
     @classmethod
@@ -389,9 +416,9 @@ class AscendBackend(AttentionBackend):
                 return fia_op
             return atb_op if atb and not cls._reasons(config, capability, atb_path, window) else ""
 
-        decode = pick("fia_decode", "decode", pa, -1) if window < 0 else pick("extend", "mixed", sf, window)
+        decode = pick("fia_decode", "decode", pa, -1) if window < 0 else pick("fia_decode", "mixed", sf, window)
         routes = {
-            "kv_write": "_npu_reshape_and_cache" if generation == "310P" else "npu_scatter_pa_kv_cache",
+            "kv_write": _mha_kv_write(generation),
             "decode": decode,
             "extend": pick("extend", "mixed", sf, window),
             "mixed": pick("extend", "mixed", sf, window),
@@ -430,9 +457,9 @@ class AscendBackend(AttentionBackend):
             return "" if cls._mla_reasons(config, capability, path) else op
 
         decode = pick("mla_decode", "_npu_paged_attention_mla") or pick("mla_fia", fia)
+        write = _MLA_KV_WRITE.get(npu_ops.generation_of_arch(capability.arch), "")
         routes = {
-            "kv_write": pick("mla_decode", "_npu_reshape_and_cache_siso")
-            or pick("mla_fia", "_npu_reshape_and_cache_siso"),
+            "kv_write": pick("mla_decode", write) or pick("mla_fia", write),
             "decode": decode,
             "extend": pick("mla_fia", fia),
             "mixed": pick("mla_fia", fia),
@@ -447,6 +474,12 @@ class AscendBackend(AttentionBackend):
         generation = npu_ops.generation_of_arch(capability.arch)
         if generation == "310P":
             return ["attention sinks on 310P: no FIA (vllm-ascend runs only the ATB ops there), no op takes a sink"]
+        if generation == "A5":
+            return [
+                "attention sinks on A5: npu_fused_infer_attention_score_v2 (the one op with learnable_sink) lists "
+                "A2/A3 only in its product table (op-plugin docs/zh/custom_APIs/torch_npu/"
+                "torch_npu-npu_fused_infer_attention_score_v2.md, '产品支持情况')"
+            ]
         if step == "target_verify":
             return [
                 "npu_fused_infer_attention_score_v2 (target_verify): learnable_sink with hal's verify mask: TND takes "
@@ -470,7 +503,7 @@ class AscendBackend(AttentionBackend):
         mode 4); the KV write is the MHA one."""
         generation = npu_ops.generation_of_arch(capability.arch)
         steps = ["decode", "extend", "mixed"] + (["target_verify"] if config.custom_mask else [])
-        routes = {"kv_write": "_npu_reshape_and_cache" if generation == "310P" else "npu_scatter_pa_kv_cache"}
+        routes = {"kv_write": _mha_kv_write(generation)}
         fia = "npu_fused_infer_attention_score_v2"
         return routes | {step: "" if cls._sink_reasons(config, capability, step) else fia for step in steps}
 
@@ -658,6 +691,10 @@ class AscendBackend(AttentionBackend):
             meta.block_table = pages.view(fb.batch_size, meta.max_blocks)
         else:
             meta.block_table = table
+        if self.generation == "310P":  # the ops read the batch's pages copied into an NZ cache (_nz_caches)
+            meta.source_table = meta.block_table
+            pages = torch.arange(fb.batch_size * meta.max_blocks, dtype=torch.int32, device=table.device)
+            meta.block_table = pages.view(fb.batch_size, meta.max_blocks)
 
     # -- splitfuse masks ---------------------------------------------------------------
     def _build_mask(self, meta: AscendMetadata, key: MaskKey) -> torch.Tensor:
@@ -769,34 +806,48 @@ class AscendBackend(AttentionBackend):
         return super().check_inputs(q, k, v, layer, batch, save_kv_cache)
 
     def save_kv(self, layer: AttentionLayer, fb: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
-        """The NPU's cache write on the paged view, padding handled by each op's documented contract.
+        """The NPU's cache write, padding handled by each op's documented contract.
 
-        A2/A3/A5: ``npu_scatter_pa_kv_cache`` takes slots in ``[0, slots)`` only, so a negative (padding) slot
-        is redirected to the pool's padding slot (several padding rows may land there: the doc leaves a
-        repeated slot's content unspecified, and nothing reads the padding slot). 310P, and MLA's one-cache write
-        (``_npu_reshape_and_cache_siso``): the ATB ReshapeAndCache doc makes a negative slot a skip and forbids a
-        repeated one, so padding (negative, and a captured graph's padding requests, which all target the padding
-        slot) is passed as -1. A split MLA pool (SGLang's NPU one) takes its latent and rope part in one scatter.
+        * MHA on A2/A3/A5: ``npu_scatter_pa_kv_cache`` on the paged view (vllm-ascend's ``reshape_and_cache``).
+        * MHA on 310P: ``npu_scatter_nd_update_`` of the rows into hal's ND pool (``_mha_kv_write``).
+        * MLA, hal's one latent ++ rope cache: ``_npu_reshape_and_cache_siso`` on A2 (ATB's K_CACHE_V_BYPASS is
+          documented for A2 only), ``npu_scatter_nd_update_`` on A3; SGLang's split MLA pool: two
+          ``npu_scatter_nd_update_`` (latent, rope part), as SGLang writes it.
+
+        ReshapeAndCache skips a negative slot and forbids a repeated one, so its padding (negative, and a captured
+        graph's padding requests, which all target the padding slot) is passed as -1. ``npu_scatter_pa_kv_cache``
+        and ``npu_scatter_nd_update_`` take no negative or out-of-range slot, so padding is redirected to the pool's
+        padding slot; several padding rows may land there ("重复时不保证正确性": unspecified content) and nothing
+        reads that slot.
         """
         pool = fb.token_to_kv_pool
         split = _split_mla(pool, layer)
-        joined = layer.is_mla and not split
         slots, padding = fb.out_cache_loc, getattr(pool, "padding_slot", 0)  # SGLang pools: slot 0 too
-        scatter = self.generation != "310P" and not joined
-        if scatter:
-            slots = torch.where(slots < 0, padding, slots)
-        elif self.forward_metadata.graph_static:
-            slots = torch.where(slots == padding, -1, slots)
-        if joined:  # one cache: ATB's key-only write
+        if layer.is_mla and not split and self.generation == "A2":  # ATB's key-only write
+            if self.forward_metadata.graph_static:
+                slots = torch.where(slots == padding, -1, slots)
             cache = pool.get_key_buffer(layer.layer_id)
             npu_ops.write_latent(self.ops, k, cache.view(-1, pool.page_size, *cache.shape[1:]), slots)
             self._took("_npu_reshape_and_cache_siso", "kv_write")
             return
-        if split:  # the latent and the rope part into their own caches
-            k, v = k[..., : layer.kv_lora_rank], k[..., layer.kv_lora_rank :]
+        slots = torch.where(slots < 0, padding, slots)
+        if layer.is_mla or self.generation == "310P":  # rows into the pool's ND buffers
+            rows = [(pool.get_key_buffer(layer.layer_id), k)]
+            if split:
+                rank = layer.kv_lora_rank
+                rows = [
+                    (pool.get_key_buffer(layer.layer_id), k[..., :rank]),
+                    (pool.get_value_buffer(layer.layer_id), k[..., rank:]),
+                ]
+            elif not layer.is_mla:
+                rows.append((pool.get_value_buffer(layer.layer_id), v))
+            for buffer, new in rows:
+                npu_ops.scatter_rows(self.ops, buffer, slots, new)
+            self._took("npu_scatter_nd_update_", "kv_write")
+            return
         k_cache, v_cache = paged_view(pool, layer.layer_id)
-        npu_ops.write_kv(self.ops, k, v, k_cache, v_cache, slots, scatter=scatter)
-        self._took("npu_scatter_pa_kv_cache" if scatter else "_npu_reshape_and_cache", "kv_write")
+        npu_ops.write_kv(self.ops, k, v, k_cache, v_cache, slots, scatter=True)
+        self._took("npu_scatter_pa_kv_cache", "kv_write")
 
     def _prepare(self, q, layer: AttentionLayer, fb: ForwardBatch):
         """After the prologue: ``(meta, query [T, Hq, D] in the cache dtype, k_cache, v_cache)``.
@@ -821,7 +872,17 @@ class AscendBackend(AttentionBackend):
             v_cache = npu_ops.buffer_pages(pool.get_value_buffer(layer.layer_id)[meta.relayout], meta.page_size)
         if layer.is_mla and not _split_mla(pool, layer):
             v_cache = None  # hal's MLA pool: the value is the key's latent, one cache
+        if self.generation == "310P":
+            k_cache, v_cache = (self._nz_caches(meta, cache) for cache in (k_cache, v_cache))
         return meta, q.to(pool.dtype).contiguous(), k_cache, v_cache
+
+    def _nz_caches(self, meta: AscendMetadata, cache: torch.Tensor) -> torch.Tensor:
+        """310P: the batch's pages of the ND ``cache``, request after request, as the FRACTAL_NZ cache ATB reads there
+        (``[B * max_blocks, heads * dim / 16, page, 16]``, a copy per layer; ``meta.block_table`` numbers them).
+        vllm-ascend's 310P runner allocates its caches NZ; hal's pool is ND, so the ops read this copy."""
+        if meta.relayout is None:  # the relayout copy is already laid out request after request
+            cache = cache.index_select(0, meta.source_table.reshape(-1).long())
+        return npu_ops.nz_pages(self.ops, cache)
 
     def _refuse_capture(self, op: str) -> None:
         if self._capturing():
@@ -847,7 +908,8 @@ class AscendBackend(AttentionBackend):
             *(meta.block_table, meta.query_lens, meta.kv_lens),
             scale=layer.scaling,
             out=torch.empty_like(query),
-            mask=mask,
+            mask=npu_ops.nz_mask(self.ops, mask) if self.generation == "310P" else mask,
+            num_kv_heads=layer.tp_k_head_num,
         )
         if key[0] == "custom":
             # The additive mask is finite, so the op averages V over a row that sees no key;
@@ -867,10 +929,10 @@ class AscendBackend(AttentionBackend):
             return self._output(out, q, layer)
         if kwargs.get("sinks") is not None:
             return self._output(self._sinks(meta, query, k_cache, v_cache, layer, "decode", kwargs["sinks"]), q, layer)
-        if layer.sliding_window_size >= 0:  # _npu_paged_attention has no mask: splitfuse with a windowed one
+        if self._fia_serves(layer, k_cache.shape[1], meta.dtype, "fia_decode") and not self._capturing():
+            out = self._fia(meta, query, k_cache, v_cache, layer, decode=True)  # a window: band mode, padded to Q_S 2
+        elif layer.sliding_window_size >= 0:  # _npu_paged_attention has no mask: splitfuse with a windowed one
             out = self._splitfuse(meta, query, k_cache, v_cache, layer, ("causal", layer.sliding_window_size))
-        elif self._fia_serves(layer, k_cache.shape[1], meta.dtype, "fia_decode") and not self._capturing():
-            out = self._fia(meta, query, k_cache, v_cache, layer, decode=True)
         elif self.generation == "A5":
             raise UnsupportedError(f"ascend: decode of layer {layer.layer_id} on A5: FIA cannot serve it, no ATB")
         elif self._capturing():  # vllm-ascend's full-decode graph op: its host lengths are updated per replay
@@ -879,7 +941,7 @@ class AscendBackend(AttentionBackend):
                 query=query,
                 key_cache=k_cache,
                 value_cache=v_cache,
-                num_kv_heads=k_cache.shape[2],
+                num_kv_heads=layer.tp_k_head_num,
                 num_heads=query.shape[1],
                 scale_value=float(layer.scaling),
                 block_table=meta.block_table,
@@ -890,7 +952,10 @@ class AscendBackend(AttentionBackend):
         else:
             self._took("_npu_paged_attention")
             out = npu_ops.paged_decode(
-                self.ops, query, k_cache, v_cache, meta.block_table, meta.kv_lens, scale=layer.scaling
+                self.ops,
+                *(query, k_cache, v_cache, meta.block_table, meta.kv_lens),
+                scale=layer.scaling,
+                num_kv_heads=layer.tp_k_head_num,
             )
         return self._output(out, q, layer)
 
@@ -920,11 +985,13 @@ class AscendBackend(AttentionBackend):
         self._refuse_capture("npu_fused_infer_attention_score")
         self._took("npu_fused_infer_attention_score")
         q_lens = [1] * meta.batch_size if decode else meta.query_lens
+        window = layer.sliding_window_size
         return npu_ops.paged_prefill(
             self.ops,
             *(query, k_cache, v_cache, meta.block_table, q_lens, meta.kv_lens),
             scale=layer.scaling,
-            causal=layer.causal and not decode,
+            causal=layer.causal and (not decode or window >= 0),
+            sliding_window=window,
         )
 
     def forward_mixed(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):

@@ -27,6 +27,7 @@ import itertools
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -36,6 +37,7 @@ from hal.errors import UnsupportedError
 from hal.kernels import opaque_kernel
 
 from . import emulation
+from .contracts import ACL_FORMAT_FRACTAL_NZ
 
 __all__ = [
     "OP_NAMES",
@@ -65,11 +67,16 @@ __all__ = [
     "mla_unsupported_reasons",
     "paged_attention_sinks",
     "sink_unsupported_reasons",
+    "scatter_rows",
+    "nz_pages",
+    "nz_mask",
 ]
 
 OP_NAMES = (
     "_npu_reshape_and_cache",
     "npu_scatter_pa_kv_cache",
+    "npu_scatter_nd_update_",
+    "npu_format_cast",
     "_npu_paged_attention",
     "_npu_paged_attention_splitfuse",
     "npu_fused_infer_attention_score",
@@ -430,12 +437,128 @@ _SCATTER_DOC = (
 _cite(write_kv, rc=_ATB_RC_DOC, vllm=_VLLM_ASCEND, scatter=_SCATTER_DOC)
 
 
-def _paged_args(query, key_cache, block_table, context_lens, scale: float) -> dict[str, Any]:
-    """The arguments ATB PagedAttention's bindings share (``_npu_paged_attention`` and its MLA variant)."""
+def scatter_rows(ops: Any, buffer: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """``buffer[slots[i]] = rows[i]`` in place: ``torch_npu.npu_scatter_nd_update_(buffer, slots.view(-1, 1), rows)``.
+
+    ``buffer`` ``[num_slots, ...]`` (a pool buffer, ND), ``rows`` ``[n, *buffer.shape[1:]]`` (cast to its dtype),
+    ``slots`` ``[n]`` int32/int64, every one in ``[0, num_slots)``: the op takes no out-of-bounds index
+    (doc: op-plugin ``docs/zh/custom_APIs/torch_npu/torch_npu-npu_scatter_nd_update_.md``), so the caller redirects
+    padding to its padding slot. SGLang writes its NPU MLA pool so (two calls, latent and rope part)."""
+    ops.npu_scatter_nd_update_(buffer, slots.view(-1, 1), rows.to(buffer.dtype).reshape(-1, *buffer.shape[1:]))
+
+
+def nz_pages(ops: Any, pages: torch.Tensor) -> torch.Tensor:
+    """ND pages ``[n, block_size, kv_heads, head_size]`` as the FRACTAL_NZ cache ATB takes on 310P,
+    ``[n, kv_heads * head_size / 16, block_size, 16]`` (vllm-ascend ``_310p/attention/attention_v1.py``
+    ``get_kv_cache_shape``, allocated with ``acl_format=ACL_FORMAT_FRACTAL_NZ``): a copy, cast with
+    ``torch_npu.npu_format_cast``. ``kv_heads * head_size`` must be a multiple of 16."""
+    n, block_size, heads, dim = pages.shape
+    nz = pages.reshape(n, block_size, heads * dim // 16, 16).permute(0, 2, 1, 3).contiguous()
+    return ops.npu_format_cast(nz, ACL_FORMAT_FRACTAL_NZ)
+
+
+def nz_mask(ops: Any, mask: torch.Tensor) -> torch.Tensor:
+    """A splitfuse mask ``[T, W]`` as 310P takes it: zero-padded to multiples of 16 and laid out
+    ``[1, ceil16(W) / 16, ceil16(T), 16]`` in FRACTAL_NZ (vllm-ascend ``vllm_ascend/utils.py`` ``nd_to_nz_spec``
+    then ``npu_format_cast``, ``_310p/attention/attention_mask.py`` ``get_splitfuse_mask``)."""
+    tokens, width = mask.shape
+    padded = torch.nn.functional.pad(mask, (0, -width % 16, 0, -tokens % 16))
+    nz = padded.reshape(padded.shape[0], padded.shape[1] // 16, 16).permute(1, 0, 2).unsqueeze(0).contiguous()
+    return ops.npu_format_cast(nz, ACL_FORMAT_FRACTAL_NZ)
+
+
+# ----------------------------------------------------------------------------- TND call plans
+
+TND_MAX_BATCH = emulation.TND_MAX_BATCH  # FIA / FIA v2 TND: at most 4096 requests per call
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One TND request of a call: query rows ``first .. first + q - 1`` of request ``request`` over its first ``kv``
+    keys; ``pad``: a copy of the first row goes before them (its output is dropped)."""
+
+    request: int
+    first: int
+    q: int
+    kv: int
+    pad: bool = False
+
+
+def _tnd_pieces(q_lens: list[int], kv_lens: list[int], *, window: bool, max_query: int | None) -> list[_Piece]:
+    """The requests of a TND call as the op can take them.
+
+    * ``window`` with one query token everywhere: the op ignores the band at Q_S = 1 (op-plugin FIA docs,
+      "Q_S = 1且不带rope输入时，sparse_mode参数无效"), so every request gets a padding row before its token (the
+      same shapes whatever the lengths, as a graph needs): Q_S = 2 and the band applies; the call then passes
+      ``next_tokens >= 1`` (the op's rule ``next_tokens + KV_S - Q_S >= 0`` at KV_S = 1; the real token is the last
+      row, so it sees no key past its own either way) and the padding row's output is dropped.
+    * ``max_query``: requests longer than that are cut into consecutive pieces of at most ``max_query`` tokens, each
+      over the keys up to its last token (right-down causal alignment is unchanged), as the absorbed MLA path's
+      "TND layout's limit of 16" asks (vllm-ascend ``attention/mla_v1.py``)."""
+    pad = window and max(q_lens, default=0) == 1
+    pieces, row = [], 0
+    for r, (q, kv) in enumerate(zip(q_lens, kv_lens, strict=True)):
+        step = max_query or max(q, 1)
+        for start in range(0, max(q, 1), step) if q else [0]:
+            n = min(step, q - start) if q else 0
+            pieces.append(_Piece(r, row + start, n, kv - (q - start - n), pad and n == 1))
+        row += q
+    return pieces
+
+
+def _run_tnd(
+    call,
+    queries: Sequence[torch.Tensor],
+    block_table: torch.Tensor,
+    q_lens,
+    kv_lens,
+    *,
+    window: bool,
+    max_query: int | None = None,
+) -> torch.Tensor:
+    """``call(queries, block_table, q_lens, kv_lens, padded)`` -> ``[T, N, Dv]`` over the TND plan of
+    :func:`_tnd_pieces`, in calls of at most :data:`TND_MAX_BATCH` requests; the output rows are the original query
+    rows, in order. ``padded``: the call's requests carry a padding row (see :func:`_tnd_pieces`)."""
+    q_lens, kv_lens = list(q_lens), list(kv_lens)
+    pieces = _tnd_pieces(q_lens, kv_lens, window=window, max_query=max_query)
+    padded = any(p.pad for p in pieces)
+    if len(pieces) == len(q_lens) and len(q_lens) <= TND_MAX_BATCH:
+        if not padded:
+            return call(queries, block_table, q_lens, kv_lens, False)
+        # a padded decode (one token per request): row b twice; device-side indices, so a graph can capture it
+        rows = torch.arange(len(q_lens), device=queries[0].device).repeat_interleave(2)
+        out = call([q.index_select(0, rows) for q in queries], block_table, [2] * len(q_lens), kv_lens, True)
+        return out[1::2]
+    outs = []
+    for at in range(0, len(pieces), TND_MAX_BATCH):
+        chunk = pieces[at : at + TND_MAX_BATCH]
+        rows = [i for p in chunk for i in ([p.first] if p.pad else []) + list(range(p.first, p.first + p.q))]
+        keep = [
+            j for j, (p, k) in enumerate((p, k) for p in chunk for k in range(p.pad + p.q)) if not (p.pad and k == 0)
+        ]
+        with opaque_kernel():  # host-built gather indices of an eager step (FIA is never captured by hal)
+            device = queries[0].device
+            row_idx = torch.tensor(rows, dtype=torch.long).to(device)
+            req_idx = torch.tensor([p.request for p in chunk], dtype=torch.long).to(device)
+            keep_idx = torch.tensor(keep, dtype=torch.long).to(device)
+        out = call(
+            [q.index_select(0, row_idx) for q in queries],
+            block_table.index_select(0, req_idx),
+            [p.q + p.pad for p in chunk],
+            [p.kv for p in chunk],
+            padded,
+        )
+        outs.append(out.index_select(0, keep_idx))
+    return torch.cat(outs)
+
+
+def _paged_args(query, key_cache, block_table, context_lens, scale: float, kv_heads: int | None) -> dict[str, Any]:
+    """The arguments ATB PagedAttention's bindings share (``_npu_paged_attention`` and its MLA variant).
+    ``kv_heads`` None: an ND cache's dim 2 (a 310P FRACTAL_NZ cache does not hold the head count in a dim)."""
     return dict(
         query=query,
         key_cache=key_cache,
-        num_kv_heads=key_cache.shape[2],
+        num_kv_heads=key_cache.shape[2] if kv_heads is None else kv_heads,
         num_heads=query.shape[1],
         scale_value=float(scale),
         block_table=block_table,
@@ -453,6 +576,7 @@ def paged_decode(
     *,
     scale: float,
     out: torch.Tensor | None = None,
+    num_kv_heads: int | None = None,
 ) -> torch.Tensor:
     """Decode: ``query`` ``[B, Hq, D]``, one token per request, over the paged caches -> ``out``.
 
@@ -466,7 +590,9 @@ def paged_decode(
     if out is None:
         out = torch.empty_like(query)
     ops._npu_paged_attention(
-        **_paged_args(query, key_cache, block_table, context_lens, scale), value_cache=value_cache, out=out
+        **_paged_args(query, key_cache, block_table, context_lens, scale, num_kv_heads),
+        value_cache=value_cache,
+        out=out,
     )
     return out
 
@@ -487,46 +613,41 @@ def paged_prefill(
     causal: bool,
     sliding_window: int = -1,
 ) -> torch.Tensor:
-    """Extend (prefix + new tokens, the new ones already in the cache) -> ``[T, Hq, D]``.
+    """Extend (prefix + new tokens, the new ones already in the cache), or decode -> ``[T, Hq, D]``.
 
     ``torch_npu.npu_fused_infer_attention_score(query, key, value, *, atten_mask,
     block_table, input_layout="TND", block_size, actual_seq_lengths, actual_seq_lengths_kv,
-    num_key_value_heads, num_heads, scale, sparse_mode)`` (doc: {fia}; called as in
+    num_key_value_heads, num_heads, scale, sparse_mode, pre_tokens, next_tokens)`` (doc: {fia}; called as in
     {vllm} ``forward_fused_infer_attention``). TND conventions: ``actual_seq_lengths`` =
     cumulative query ends (host list), ``actual_seq_lengths_kv`` = per-request KV lengths
     (host list) because the KV is paged; caches are passed as ``(blocks, block_size,
     kv_heads * dim)`` views. Causal: ``sparse_mode=3`` + :func:`fia_causal_mask`
-    (rightDownCausal, query ``i`` sees KV ``j <= kv_len - q_len + i``); non-causal:
-    ``sparse_mode=0``, no mask. A sliding window needs band mode (``sparse_mode=4``), which
-    the doc does not allow with TND: it raises :class:`hal.errors.UnsupportedError`.
+    (rightDownCausal, query ``i`` sees KV ``j <= kv_len - q_len + i``); a sliding window: ``sparse_mode=4`` with
+    ``pre_tokens = sliding_window, next_tokens = 0`` (as vllm-ascend); non-causal: ``sparse_mode=0``, no mask. The op
+    ignores the band at one query token per request, so a windowed decode goes with a padding row per request
+    (:func:`_tnd_pieces`); batches above 4096 requests go in several calls.
     """
-    if sliding_window >= 0:
-        raise UnsupportedError(
-            f"paged_prefill: sliding_window = {sliding_window}: npu_fused_infer_attention_score with "
-            "input_layout 'TND' allows only sparse_mode 0 (no mask) or 3 (causal); use paged_mixed, whose "
-            "mask can carry the window"
-        )
-    q_lens = _host_lengths("query_lens", query_lens)
-    k_lens = _host_lengths("kv_lens", kv_lens)
     num_blocks, block_size = key_cache.shape[:2]
-    extra: dict[str, Any] = {"sparse_mode": 0}
-    if causal:
-        extra = {"sparse_mode": 3, "atten_mask": fia_causal_mask(query.device)}
-    out, _ = ops.npu_fused_infer_attention_score(
-        query.contiguous(),
-        key_cache.view(num_blocks, block_size, -1),
-        value_cache.view(num_blocks, block_size, -1),
-        block_table=block_table,
-        input_layout="TND",
-        block_size=block_size,
-        actual_seq_lengths=list(itertools.accumulate(q_lens)),
-        actual_seq_lengths_kv=k_lens,
-        num_key_value_heads=key_cache.shape[2],
-        num_heads=query.shape[1],
-        scale=float(scale),
-        **extra,
-    )
-    return out
+
+    def call(queries, table, q_lens, kv_lens, with_pad):
+        out, _ = ops.npu_fused_infer_attention_score(
+            queries[0],
+            key_cache.view(num_blocks, block_size, -1),
+            value_cache.view(num_blocks, block_size, -1),
+            block_table=table,
+            input_layout="TND",
+            block_size=block_size,
+            actual_seq_lengths=list(itertools.accumulate(q_lens)),
+            actual_seq_lengths_kv=kv_lens,
+            num_key_value_heads=key_cache.shape[2],
+            num_heads=query.shape[1],
+            scale=float(scale),
+            **_fia_visibility(query.device, causal, sliding_window, with_pad),
+        )
+        return out
+
+    q_lens, k_lens = _host_lengths("query_lens", query_lens), _host_lengths("kv_lens", kv_lens)
+    return _run_tnd(call, [query.contiguous()], block_table, q_lens, k_lens, window=sliding_window >= 0)
 
 
 _cite(paged_prefill, fia=_FIA_DOC, vllm=_VLLM_ASCEND)
@@ -547,6 +668,7 @@ def paged_mixed(
     causal: bool = True,
     sliding_window: int = -1,
     custom_mask: torch.Tensor | None = None,
+    num_kv_heads: int | None = None,
 ) -> torch.Tensor:
     """Mixed batch (decodes and chunked prefills, query tokens concatenated) -> ``out`` ``[T, Hq, D]``.
 
@@ -579,7 +701,7 @@ def paged_mixed(
         context_lens=_host_int32("kv_lens", kv_lens),
         mask=mask,
         seq_len=_host_int32("query_lens", query_lens),
-        num_kv_heads=key_cache.shape[2],
+        num_kv_heads=key_cache.shape[2] if num_kv_heads is None else num_kv_heads,
         num_heads=query.shape[1],
         scale_value=float(scale),
         out=out,
@@ -606,8 +728,9 @@ def unsupported_reasons(
     kv_heads: int | None = None,
     q_heads: int | None = None,
     paths: Sequence[str] = ("decode", "extend", "mixed"),
+    chip: str | None = None,
 ) -> list[str]:
-    """Why the real Ascend ops cannot serve a config: ``[]`` when all of ``paths`` can.
+    """Why the real Ascend ops cannot serve a config on ``chip`` (None: A2/A3): ``[]`` when all of ``paths`` can.
 
     Paths: ``decode`` = ``_npu_paged_attention``, ``extend`` = ``npu_fused_infer_attention_score``
     (TND, paged, query lengths > 1 allowed), ``fia_decode`` = the same op with one query token per request
@@ -629,10 +752,18 @@ def unsupported_reasons(
             )
         if not 0 < head_dim <= 256:
             reasons.append(f"{name} ({path}): head_dim {head_dim} outside (0, 256]")
-        if block_size % 16:
-            reasons.append(f"{name} ({path}): page size {block_size} is not a multiple of 16")
-        if head_dim * block_size > 128 * 128:
+        if block_size % 16 or block_size > PA_MAX_BLOCK_SIZE:
+            reasons.append(
+                f"{name} ({path}): page size {block_size}: ATB PagedAttention takes a multiple of 16, <= "
+                f"{PA_MAX_BLOCK_SIZE} (op-plugin _atb_api_docs.py, '因硬件限制，block_size <= 128')"
+            )
+        if head_dim * block_size > 128 * 128 and (path == "mixed" or chip == "310P"):
             reasons.append(f"{name} ({path}): head_dim * page size = {head_dim * block_size} > 128 * 128")
+        if chip == "310P" and (head_dim % 16 or dtype == torch.bfloat16):
+            reasons.append(
+                f"{name} ({path}) on 310P: FRACTAL_NZ caches need head_dim a multiple of 16 (got {head_dim}) and "
+                f"float16 (got {dtype}) (op-plugin _atb_api_docs.py, Atlas 推理系列产品)"
+            )
         if logit_cap > 0:
             reasons.append(f"{name} ({path}): no logit soft-cap input (PagedAttentionParam has none)")
         if path == "decode" and sliding_window >= 0:
@@ -661,7 +792,8 @@ def unsupported_reasons(
                 f"{name} ({path}): head_dim {head_dim}: input_layout TND takes head dim 128 or 192 without rope "
                 "(512 only with MLA's query_rope/key_rope; op-plugin doc, TND constraints)"
             )
-        if path == "extend" and (block_size % 128 or not 128 <= block_size <= 512):
+        # A windowed decode goes with a padding row per request (Q_S = 2: the band is ignored at Q_S = 1).
+        if (path == "extend" or sliding_window >= 0) and (block_size % 128 or not 128 <= block_size <= 512):
             reasons.append(
                 f"{name} ({path}): page size {block_size} must be a multiple of 128 in [128, 512] "
                 "(page attention, Q_S > 1)"
@@ -673,10 +805,6 @@ def unsupported_reasons(
             )
         if logit_cap > 0:
             reasons.append(f"{name} ({path}): no logit soft-cap input")
-        if sliding_window >= 0:
-            reasons.append(
-                f"{name} ({path}): sliding window needs sparse_mode 4 (band), not allowed with input_layout TND"
-            )
         if custom_mask:
             reasons.append(
                 f"{name} ({path}): custom mask unsupported "
@@ -711,6 +839,8 @@ MLA_TREE_LATENT_DIM = 512  # sparse_mode 9 (treeMask) is documented for D = 512
 # _npu_paged_attention_mla at the only shape upstream calls and tests it with (op-plugin
 # test/test_custom_ops/test_atb_paged_attention_mla.py; SGLang's forward_decode with DeepSeek): 512 + 64, one KV head.
 PA_MLA_DIMS = (512, 64)
+PA_MAX_BLOCK_SIZE = 128  # ATB PagedAttention: "因硬件限制，block_size <= 128" (contracts: _npu_paged_attention)
+MLA_TND_MAX_QUERY = 16  # absorbed MLA in TND (contracts: npu_fused_infer_attention_score_v2 "mla_q16")
 
 
 def write_latent(ops: Any, key: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
@@ -747,7 +877,7 @@ def mla_decode(
     query = query.contiguous()
     out = query.new_empty(query.shape[0], query.shape[1], kv_lora_rank)
     ops._npu_paged_attention_mla(
-        **_paged_args(query, cache, block_table, context_lens, scale), mla_vheadsize=kv_lora_rank, out=out
+        **_paged_args(query, cache, block_table, context_lens, scale, None), mla_vheadsize=kv_lora_rank, out=out
     )
     return out
 
@@ -784,34 +914,47 @@ def mla_attention(
     if padded != heads:
         query = torch.nn.functional.pad(query, (0, 0, 0, padded - heads))
     blocks, block_size = latent_cache.shape[:2]
-    extra = _fia_v2_visibility(query.device, causal, sliding_window)
+    extra = _fia_visibility(query.device, causal, sliding_window)  # rope inputs: the band holds at Q_S = 1 too
     if tree_mask is not None:
         extra = {"sparse_mode": 9, "atten_mask": tree_mask}
-    out, _ = ops.npu_fused_infer_attention_score_v2(
-        query[..., :rank].contiguous(),
-        latent_cache.view(blocks, block_size, -1),
-        latent_cache.view(blocks, block_size, -1),
-        query_rope=query[..., rank:].contiguous(),
-        key_rope=rope_cache.view(blocks, block_size, -1),
-        block_table=block_table,
-        input_layout="TND",
-        block_size=block_size,
-        actual_seq_qlen=list(itertools.accumulate(_host_lengths("query_lens", query_lens))),
-        actual_seq_kvlen=_host_lengths("kv_lens", kv_lens),
-        num_query_heads=padded,
-        num_key_value_heads=latent_cache.shape[2],
-        softmax_scale=float(scale),
-        **extra,
-    )
+
+    def call(queries, table, q_lens, kv_lens, with_pad):
+        out, _ = ops.npu_fused_infer_attention_score_v2(
+            queries[0],
+            latent_cache.view(blocks, block_size, -1),
+            latent_cache.view(blocks, block_size, -1),
+            query_rope=queries[1],
+            key_rope=rope_cache.view(blocks, block_size, -1),
+            block_table=table,
+            input_layout="TND",
+            block_size=block_size,
+            actual_seq_qlen=list(itertools.accumulate(q_lens)),
+            actual_seq_kvlen=kv_lens,
+            num_query_heads=padded,
+            num_key_value_heads=latent_cache.shape[2],
+            softmax_scale=float(scale),
+            **extra,
+        )
+        return out
+
+    q_lens, k_lens = _host_lengths("query_lens", query_lens), _host_lengths("kv_lens", kv_lens)
+    if tree_mask is not None and max(q_lens, default=0) > MLA_TND_MAX_QUERY:
+        raise UnsupportedError(
+            f"mla_attention: a verify step of {max(q_lens)} draft tokens: FIA v2's tree mask (sparse_mode 9) takes at "
+            f"most {MLA_TND_MAX_QUERY} query tokens per request in TND (vllm-ascend attention/mla_v1.py)"
+        )
+    queries = [query[..., :rank].contiguous(), query[..., rank:].contiguous()]
+    out = _run_tnd(call, queries, block_table, q_lens, k_lens, window=False, max_query=MLA_TND_MAX_QUERY)
     return out[:, :heads]
 
 
-def _fia_v2_visibility(device, causal: bool, sliding_window: int) -> dict[str, Any]:
-    """FIA v2's TND mask arguments: ``sparse_mode`` 4 (band, ``pre_tokens = sliding_window``, ``next_tokens = 0``, as
-    SGLang and vllm-ascend pass for windows; every later key too when not causal), 3 (rightDownCausal) or 0 (no
-    mask); 3 and 4 take the compressed mask."""
+def _fia_visibility(device, causal: bool, sliding_window: int, padded: bool = False) -> dict[str, Any]:
+    """FIA's TND mask arguments (v1 and v2 alike): ``sparse_mode`` 4 (band, ``pre_tokens = sliding_window``,
+    ``next_tokens = 0``, as SGLang and vllm-ascend pass for windows; every later key too when not causal; 1 for a
+    ``padded`` decode, see :func:`_tnd_pieces`), 3 (rightDownCausal) or 0 (no mask); 3 and 4 take the compressed
+    mask."""
     if sliding_window >= 0:
-        later = 0 if causal else emulation.INT_MAX
+        later = int(padded) if causal else emulation.INT_MAX
         return dict(sparse_mode=4, atten_mask=fia_causal_mask(device), pre_tokens=sliding_window, next_tokens=later)
     if causal:
         return dict(sparse_mode=3, atten_mask=fia_causal_mask(device))
@@ -842,22 +985,28 @@ def paged_attention_sinks(
     """
     blocks, block_size = key_cache.shape[:2]
     sink_dtype = torch.float32 if query.dtype == torch.float32 else torch.bfloat16
-    out, _ = ops.npu_fused_infer_attention_score_v2(
-        query.contiguous(),
-        key_cache.view(blocks, block_size, -1),
-        value_cache.view(blocks, block_size, -1),
-        block_table=block_table,
-        input_layout="TND",
-        block_size=block_size,
-        actual_seq_qlen=list(itertools.accumulate(_host_lengths("query_lens", query_lens))),
-        actual_seq_kvlen=_host_lengths("kv_lens", kv_lens),
-        num_query_heads=query.shape[1],
-        num_key_value_heads=key_cache.shape[2],
-        softmax_scale=float(scale),
-        learnable_sink=sinks.to(sink_dtype).contiguous(),
-        **_fia_v2_visibility(query.device, causal, sliding_window),
-    )
-    return out
+    sinks = sinks.to(sink_dtype).contiguous()
+
+    def call(queries, table, q_lens, kv_lens, with_pad):
+        out, _ = ops.npu_fused_infer_attention_score_v2(
+            queries[0],
+            key_cache.view(blocks, block_size, -1),
+            value_cache.view(blocks, block_size, -1),
+            block_table=table,
+            input_layout="TND",
+            block_size=block_size,
+            actual_seq_qlen=list(itertools.accumulate(q_lens)),
+            actual_seq_kvlen=kv_lens,
+            num_query_heads=query.shape[1],
+            num_key_value_heads=key_cache.shape[2],
+            softmax_scale=float(scale),
+            learnable_sink=sinks,
+            **_fia_visibility(query.device, causal, sliding_window, with_pad),
+        )
+        return out
+
+    q_lens, k_lens = _host_lengths("query_lens", query_lens), _host_lengths("kv_lens", kv_lens)
+    return _run_tnd(call, [query.contiguous()], block_table, q_lens, k_lens, window=sliding_window >= 0)
 
 
 _cite(paged_attention_sinks, fia2=_FIA_V2_DOC, vllm=_VLLM_ASCEND, sglang=_SGLANG)
@@ -881,29 +1030,31 @@ def sink_unsupported_reasons(
     q_heads: int,
     decode: bool = False,
 ) -> list[str]:
-    """Why FIA v2 with ``learnable_sink`` cannot serve a layer: FIA's TND rules (:func:`unsupported_reasons`, path
-    ``fia_decode`` or ``extend``; FIA v2 takes a window as band mode 4) plus the sink's own (value D <= 128)."""
-    path = "fia_decode" if decode else "extend"
-    reasons = unsupported_reasons(
-        head_dim,
-        v_head_dim,
-        block_size,
-        dtype,
-        logit_cap,
-        -1,
-        False,
-        causal,
-        kv_heads=kv_heads,
-        q_heads=q_heads,
-        paths=(path,),
-    )
-    reasons = [
-        why.replace("npu_fused_infer_attention_score (", "npu_fused_infer_attention_score_v2 (") for why in reasons
-    ]
-    if v_head_dim > SINK_MAX_VALUE_DIM:
+    """Why FIA v2 with ``learnable_sink`` (TND, paged, no rope) cannot serve a layer: the doc's TND rules without rope
+    (head dim 64, 128 or 192, one for K and V; page size a multiple of 16, <= 1024; KV_N * D <= 65535) and the
+    sink's own (value D <= 128). gpt-oss (head 64) is served so by vllm-ascend (``attention_v1.py``)."""
+    del causal
+    where = f"npu_fused_infer_attention_score_v2 ({'fia_decode' if decode else 'extend'})"
+    reasons = []
+    if dtype not in (torch.float16, torch.bfloat16):
+        reasons.append(f"{where}: dtype {dtype} unsupported (query takes float16/bfloat16)")
+    if v_head_dim != head_dim:
         reasons.append(
-            f"npu_fused_infer_attention_score_v2 ({path}): learnable_sink needs value D <= {SINK_MAX_VALUE_DIM}, "
-            f"not {v_head_dim}"
+            f"{where}: v_head_dim {v_head_dim} != head_dim {head_dim} (paged key and value shapes must match)"
+        )
+    if head_dim not in (64, 128, 192):
+        reasons.append(f"{where}: head_dim {head_dim}: TND without rope takes 64, 128 or 192 (op-plugin FIA v2 doc)")
+    if v_head_dim > SINK_MAX_VALUE_DIM:
+        reasons.append(f"{where}: learnable_sink needs value D <= {SINK_MAX_VALUE_DIM}, not {v_head_dim}")
+    if block_size % 16 or block_size > 1024:
+        reasons.append(f"{where}: page size {block_size} must be a multiple of 16, <= 1024 (page attention, TND)")
+    if logit_cap > 0:
+        reasons.append(f"{where}: no logit soft-cap input")
+    if kv_heads and q_heads and (q_heads % kv_heads or q_heads // kv_heads > 64):
+        reasons.append(f"{where}: q_heads / kv_heads = {q_heads}/{kv_heads} must be an integer <= 64")
+    if kv_heads and kv_heads * head_dim > 65535:
+        reasons.append(
+            f"{where}: kv_heads * head_dim = {kv_heads * head_dim} > 65535 in the (blocks, block_size, H) layout"
         )
     return reasons
 
@@ -939,8 +1090,12 @@ def mla_unsupported_reasons(
                     f"{where}: latent {kv_lora_rank} + rope {qk_rope_head_dim}: upstream calls and tests it only at "
                     f"{PA_MLA_DIMS[0]} + {PA_MLA_DIMS[1]} (DeepSeek)"
                 )
-            if block_size % 16:
-                reasons.append(f"{where}: page size {block_size} is not a multiple of 16")
+            if block_size % 16 or block_size > PA_MAX_BLOCK_SIZE:
+                reasons.append(
+                    f"{where}: page size {block_size}: head_size {kv_lora_rank + qk_rope_head_dim} > 256 needs a "
+                    f"multiple of 16, <= {PA_MAX_BLOCK_SIZE} (op-plugin _atb_api_docs.py: '当key_cache或value_cache的"
+                    "head_size > 256时，block_size小于等于128')"
+                )
             if sliding_window >= 0:
                 reasons.append(f"{where}: no mask or window input")
             continue
