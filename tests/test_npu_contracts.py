@@ -241,3 +241,22 @@ def test_mla_tnd_query_limit():
     keys = torch.cat([latent, rope], -1)
     expected = _dense(q, keys, latent, table, q_lens, kv_lens)
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
+
+
+def test_the_doc_holds_the_contract_table():
+    doc = (ROOT / "docs" / "hardware-contracts.md").read_text()
+    assert contracts.markdown() in doc, "docs/hardware-contracts.md is stale: paste contracts.markdown()"
+
+
+def test_hal_info_lists_the_limits_of_the_emulated_generation(monkeypatch):
+    from hal.capability import DeviceCapability
+    from hal.devices.npu import AscendBackend
+
+    for chip, arch in (("310P", "Ascend310P"), ("A5", "Ascend950")):
+        cap = DeviceCapability(type="npu", available=True, arch=arch, emulated=True)
+        notes = AscendBackend.notes(cap)
+        limits = [n for n in notes if n.startswith("limit ")]
+        assert limits == [f"limit {line}" for line in contracts.limits_for(chip)] and limits
+    assert any(
+        "FRACTAL_NZ" in n for n in AscendBackend.notes(DeviceCapability(type="npu", available=True, arch="Ascend310P"))
+    )

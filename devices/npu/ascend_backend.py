@@ -336,8 +336,9 @@ class AscendBackend(AttentionBackend):
     def notes(cls, capability: DeviceCapability) -> list[str]:
         generation = npu_ops.generation_of_arch(capability.arch)
         if generation == "310P":
-            route = "310P: _npu_paged_attention (decode), _npu_paged_attention_splitfuse (everything else), "
-            route += "_npu_reshape_and_cache (KV write)"
+            route = "310P: _npu_paged_attention (decode), _npu_paged_attention_splitfuse (everything else), both over "
+            route += "a FRACTAL_NZ copy of the batch's pages (npu_format_cast) and an NZ mask; npu_scatter_nd_update_ "
+            route += "(KV write into hal's ND pool)"
         else:
             route = (
                 f"{generation}: npu_fused_infer_attention_score (TND, paged) for decode, extend and mixed batches "
@@ -357,9 +358,10 @@ class AscendBackend(AttentionBackend):
             )
         else:
             route += f"; no MLA ({MLA_OFF.get(generation, 'unknown generation')})"
-        if generation != "310P":
+        if generation in ("A2", "A3"):  # FIA v2's product table lists A2/A3 only
             route += "; attention sinks: npu_fused_infer_attention_score_v2 with learnable_sink"
-        return [*super().notes(capability), route + " (routes() and extend_route() say why)"]
+        limits = [f"limit {line}" for line in npu_ops.contracts.limits_for(generation)] if generation else []
+        return [*super().notes(capability), route + " (routes() and extend_route() say why)", *limits]
 
     @staticmethod
     def _reasons(config: AttentionConfig, capability: DeviceCapability, path: str, window: int = -1) -> list[str]:
@@ -762,7 +764,15 @@ class AscendBackend(AttentionBackend):
         self._graph_tasks[meta.batch_size].append(_CapturedTask(handle, event, kwargs, workspace))
 
     def _update_graph_tasks(self, meta: AscendMetadata) -> None:
-        """Re-issue every captured attention task of this batch size with this replay's host lengths."""
+        """Re-issue every captured attention task of this batch size with this replay's host lengths.
+
+        Order: hal updates in ``out_graph``, before the replay, on a side stream that first waits for the current
+        stream (the previous replay has consumed the old parameters); the captured task waits on the ExternalEvent
+        recorded here, and :class:`~hal.devices.npu.NpuGraph` synchronises the stream before replaying. vllm-ascend
+        updates after launching the replay (``model_runner_v1.py`` 2651-2657 at 182b75e: ``run_model()`` then
+        ``_update_full_graph_params_if_needed``), which is safe for the same two reasons: the task waits on the
+        event, and ``ACLGraphWrapper.__call__`` synchronises before every FULL replay (``compilation/acl_graph.py``
+        253-266); with ENPU it updates before the run, as hal does. Either order holds the task until its update."""
         npu = torch.npu
         if self._update_stream is None:
             self._update_stream = npu.Stream()

@@ -22,6 +22,7 @@ __all__ = [
     "available",
     "violation",
     "limits_for",
+    "markdown",
 ]
 
 ALL_CHIPS = ("A2", "A3", "A5", "310P")
@@ -382,3 +383,12 @@ def limits_for(chip: str, ops: tuple[str, ...] | None = None) -> list[str]:
         ops if ops is not None else tuple(op for op in dict.fromkeys(c.op for c in CONSTRAINTS) if available(op, chip))
     )
     return [f"{c.op}: {c.rule}" for c in CONSTRAINTS if c.op in wanted and c.key != "chips" and chip in c.chips]
+
+
+def markdown() -> str:
+    """The table as the Markdown rows of ``docs/hardware-contracts.md`` (a test keeps the doc equal to this)."""
+    lines = ["| op | chips | constraint | source | test |", "|---|---|---|---|---|"]
+    for c in CONSTRAINTS:
+        cells = [f"`{c.op}`", "/".join(c.chips), c.rule, c.source, f"`{c.test}`"]
+        lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    return "\n".join(lines) + "\n"

@@ -759,10 +759,14 @@ def unsupported_reasons(
             )
         if head_dim * block_size > 128 * 128 and (path == "mixed" or chip == "310P"):
             reasons.append(f"{name} ({path}): head_dim * page size = {head_dim * block_size} > 128 * 128")
-        if chip == "310P" and (head_dim % 16 or dtype == torch.bfloat16):
+        if chip == "310P" and head_dim % 16:
             reasons.append(
-                f"{name} ({path}) on 310P: FRACTAL_NZ caches need head_dim a multiple of 16 (got {head_dim}) and "
-                f"float16 (got {dtype}) (op-plugin _atb_api_docs.py, Atlas 推理系列产品)"
+                f"{name} ({path}) on 310P: FRACTAL_NZ caches need head_dim a multiple of 16, not {head_dim} "
+                "(op-plugin _atb_api_docs.py, Atlas 推理系列产品)"
+            )
+        if chip == "310P" and dtype == torch.bfloat16:
+            reasons.append(
+                f"{name} ({path}) on 310P: float16 only, not {dtype} (op-plugin _atb_api_docs.py, Atlas 推理系列产品)"
             )
         if logit_cap > 0:
             reasons.append(f"{name} ({path}): no logit soft-cap input (PagedAttentionParam has none)")
