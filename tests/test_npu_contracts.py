@@ -260,3 +260,20 @@ def test_hal_info_lists_the_limits_of_the_emulated_generation(monkeypatch):
     assert any(
         "FRACTAL_NZ" in n for n in AscendBackend.notes(DeviceCapability(type="npu", available=True, arch="Ascend310P"))
     )
+
+
+def test_split_modules_keep_their_import_paths():
+    """Issue 23: ascend_backend.py and ops.py were cut by job; the names tests and plugins import stay put."""
+    from hal.devices.npu import ascend_backend, emulated_ops, graph_tasks, routing
+    from hal.kernels.npu import limits, loaders, ops
+
+    assert ascend_backend.GRAPH_UPDATE_API is graph_tasks.GRAPH_UPDATE_API
+    assert (
+        ascend_backend._fp8_reason is routing._fp8_reason and ascend_backend._EmulatedOps is emulated_ops._EmulatedOps
+    )
+    assert issubclass(ascend_backend.AscendBackend, routing.AscendRouting)
+    assert issubclass(ascend_backend.AscendBackend, graph_tasks.NpuGraphTasks)
+    for name in ("unsupported_reasons", "mla_unsupported_reasons", "sink_unsupported_reasons", "FIA_TND_HEAD_DIMS"):
+        assert getattr(ops, name) is getattr(limits, name)
+    for name in ("load_torch_npu", "load_atb", "resolve_ops", "OP_NAMES", "GENERATIONS", "generation_of_soc"):
+        assert getattr(ops, name) is getattr(loaders, name)
