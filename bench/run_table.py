@@ -24,8 +24,8 @@ def _cell(step: dict | None) -> str:
     if step is None:
         return "-"
     counts = step.get("counts") or {}
-    if step["outcome"] == "skipped":
-        return f"skipped ({step.get('reason')})"
+    if step["outcome"] in ("skipped", "not run"):  # "not run": bench/gpu_summary.py since issue 25
+        return f"{step['outcome']} ({step.get('reason')})"
     detail = ""
     if "failed" in counts:
         detail = f" {counts['passed']}/{counts['passed'] + counts['failed']}"

@@ -199,3 +199,29 @@ class FakeGraphModule:
 
 
 __all__ = ["fake_torch_npu", "fake_flashinfer_stack", "FakeGraphModule", "NNAL_OSERROR"]
+
+
+# ----------------------------------------------------------------------------- flashinfer's API per release range
+
+# The releases of flashinfer-python hal supports (pyproject's cuda extra: >= 0.2.1), cut where a signature or a
+# behaviour hal depends on changes; each range is faked by its first release (tests/test_flashinfer_backend.py).
+# Read from the flashinfer repository's tags:
+# * 0.2.1: flashinfer.mla.BatchMLAPagedAttentionWrapper (with backend=), BatchPrefillWithPagedKVCacheWrapper's
+#   mask_indptr_buf (0.2.0: qk_indptr_buf); BatchDecodeWithPagedKVCacheWrapper takes no backend=, its tensor-core
+#   path is the fa2 prefill kernel (flashinfer/decode.py at v0.2.8).
+# * 0.2.9: the decode wrapper takes backend= ("auto" / "fa2" / "fa3"; flashinfer/decode.py at v0.2.9).
+# * 0.6.0-0.6.3: the decode wrapper's "auto" with use_tensor_cores resolves through determine_attention_backend to
+#   fa3 on sm90, which has no fp16/bf16 query over an fp8 cache; fixed in 0.6.4 (flashinfer #2530 "pick fa2 for
+#   BatchDecodeWithPagedKVCacheWrapper auto backend", #2536 "fallback to fa2 ... (bf16 Q, Fp8 KV)").
+FLASHINFER_RANGES = {"0.2.1-0.2.8": "0.2.1", "0.2.9-0.5.x": "0.2.9", "0.6.0-0.6.3": "0.6.0", "0.6.4-0.6.18": "0.6.4"}
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in version.split(".")[:3])
+
+
+def flashinfer_features(version: str) -> dict[str, bool]:
+    """What the fake of ``version`` does: ``decode_backend_kw`` (the decode wrapper takes ``backend=``),
+    ``decode_auto_fa3`` (its tensor-core "auto" resolves to fa3 on sm90, which refuses an fp8 cache)."""
+    v = _release(version)
+    return {"decode_backend_kw": v >= (0, 2, 9), "decode_auto_fa3": (0, 6, 0) <= v < (0, 6, 4)}

@@ -21,6 +21,7 @@ import types
 
 import pytest
 import torch
+from hardware_fakes import FLASHINFER_RANGES, flashinfer_features
 
 from hal.batch import ForwardMode, static_decode_batch
 from hal.capability import DeviceCapability
@@ -38,6 +39,8 @@ from hal.devices.cuda.flashinfer_backend import (
 from hal.errors import ConfigError, GraphCaptureError, UnsupportedError
 from hal.graph import Graph, GraphRunner
 from hal.kernels import reference
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 HAS_GPU_FLASHINFER = torch.cuda.is_available() and importlib.util.find_spec("flashinfer") is not None
 needs_gpu = pytest.mark.skipif(not HAS_GPU_FLASHINFER, reason="needs a CUDA GPU and flashinfer installed")
@@ -361,9 +364,10 @@ def _paged_keys(cache, indptr, indices, last, page_size, batch):
 class _FakeFlashInfer:
     """Builds a stand-in ``flashinfer`` module; every ``plan`` is logged in ``plans``."""
 
-    def __init__(self, with_merge: bool = True):
+    def __init__(self, with_merge: bool = True, version: str = "0.6.4", sm: int = 90):
         self.plans: list[tuple[str, dict]] = []
         self.module = types.ModuleType("flashinfer")
+        self.version, self.features = version, flashinfer_features(version)
         fake = self
 
         def check_dtypes(p, q, cache=None):
@@ -423,6 +427,8 @@ class _FakeFlashInfer:
             def run(self, q, paged_kv_cache, *, k_scale=None, v_scale=None, return_lse=False):
                 p = self.p
                 check_dtypes(p, q, paged_kv_cache)
+                if getattr(self, "kernel", "fa2") == "fa3" and p["kv_data_type"] in FP8 and q.dtype not in FP8:
+                    raise RuntimeError(f"flashinfer {fake.version}: fa3 has no {q.dtype} query over an fp8 cache")
                 assert q.shape == (p["batch"], p["num_qo_heads"], p["head_dim"])
                 ip, ix, lp = self.bufs  # graph mode: what the fixed buffers hold now
                 keys, values = _paged_keys(paged_kv_cache, ip, ix, lp, p["page_size"], p["batch"])
@@ -696,8 +702,24 @@ class _FakeFlashInfer:
                 )
                 return (result, lse) if return_lse else result
 
+        class DecodeWithBackend(Decode):
+            """0.2.9+: ``backend=``; "auto" on the tensor-core path is fa3 on sm90 in 0.6.0-0.6.3."""
+
+            def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, use_tensor_cores=False,
+                         paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None,
+                         paged_kv_last_page_len_buffer=None, backend="auto"):  # fmt: skip
+                super().__init__(
+                    float_workspace_buffer, kv_layout, use_cuda_graph, use_tensor_cores,
+                    paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer,
+                )  # fmt: skip
+                assert backend in ("auto", "fa2", "fa3"), backend
+                fa3 = use_tensor_cores and sm >= 90 and fake.features["decode_auto_fa3"]
+                self.kernel = ("fa3" if fa3 else "fa2") if backend == "auto" else backend
+
         self.module.mla = types.SimpleNamespace(BatchMLAPagedAttentionWrapper=MLAPaged)
-        self.module.BatchDecodeWithPagedKVCacheWrapper = Decode
+        self.module.BatchDecodeWithPagedKVCacheWrapper = (
+            DecodeWithBackend if self.features["decode_backend_kw"] else Decode
+        )
         self.module.BatchPrefillWithPagedKVCacheWrapper = PagedPrefill
         self.module.BatchPrefillWithRaggedKVCacheWrapper = RaggedPrefill
         if with_merge:
@@ -707,9 +729,14 @@ class _FakeFlashInfer:
         return [k for k, _ in self.plans]
 
 
-@pytest.fixture(params=[True, False], ids=["merge_state", "torch_merge"])
+@pytest.fixture(
+    params=[(v, merge) for v, merge in zip(FLASHINFER_RANGES.values(), (True, False, True, True))],
+    ids=[f"{r}-{'merge_state' if m else 'torch_merge'}" for r, m in zip(FLASHINFER_RANGES, (True, False, True, True))],
+)
 def fake_fi(request, monkeypatch, flashinfer_found):
-    fake = _FakeFlashInfer(with_merge=request.param)
+    """A fake of each supported FlashInfer release range (its first release's signatures and behaviour)."""
+    version, with_merge = request.param
+    fake = _FakeFlashInfer(with_merge=with_merge, version=version)
     monkeypatch.setitem(sys.modules, "flashinfer", fake.module)
     return fake
 
@@ -861,6 +888,51 @@ def test_model_cases_against_fake_flashinfer(fake_fi, case):
         assert kinds == (["decode"] if case.mode.is_decode() else ["paged"])
         plan = fake_fi.plans[0][1]
         assert plan["kv_data_type"] == case.kv_cache_dtype and plan["q_data_type"] == torch.bfloat16
+
+
+def test_fp8_gqa_decode_names_fa2_where_auto_would_be_fa3(fake_fi):
+    """Llama-3-8B's shape (group 4: tensor cores) over an fp8 cache on sm90: every release range decodes it; on
+    0.6.0-0.6.3 only because hal names backend="fa2" (the fake's "auto" is fa3 there and refuses)."""
+    case = Case("fp8_gqa4", ForwardMode.DECODE, ((9, 1), (40, 1)), tp_q_head_num=8, tp_k_head_num=2,
+                dtype=torch.bfloat16, kv_cache_dtype=torch.float8_e4m3fn, k_scale=0.5, v_scale=2.0)  # fmt: skip
+    built = build(case)
+    backend = _cpu_backend(config=case.config())
+    backend.init_forward_metadata(built.batch)
+    out = backend.forward(built.q, built.k, built.v, built.layer, built.batch)
+    torch.testing.assert_close(out.float(), built.expected.float(), **tolerance(case.dtype, case.kv_cache_dtype))
+    (wrapper,) = [w for (kind, *_), w in backend._wrappers.items() if kind == "decode"]
+    assert getattr(wrapper, "kernel", "fa2") == "fa2"
+    if fake_fi.features["decode_backend_kw"]:  # the fake of this range refuses what its "auto" would pick
+        auto = fake_fi.module.BatchDecodeWithPagedKVCacheWrapper(
+            torch.zeros(8, dtype=torch.uint8), use_tensor_cores=True
+        )
+        assert auto.kernel == ("fa3" if fake_fi.features["decode_auto_fa3"] else "fa2")
+    else:
+        with pytest.raises(TypeError):  # 0.2.1-0.2.8 have no backend= on the decode wrapper
+            fake_fi.module.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(8, dtype=torch.uint8), backend="fa2")
+
+
+def test_flashinfer_ranges_cover_the_pin():
+    from hal.devices.cuda.flashinfer_backend import MIN_FLASHINFER
+
+    assert list(FLASHINFER_RANGES.values())[0] == MIN_FLASHINFER  # the oldest release the pin admits is faked
+    assert flashinfer_features("0.6.3")["decode_auto_fa3"] and not flashinfer_features("0.6.4")["decode_auto_fa3"]
+
+
+def test_flashinfer_older_than_the_pin_is_a_reason(flashinfer_found, monkeypatch):
+    monkeypatch.setattr(fib, "library_version", lambda name: "0.2.0.post2" if name == "flashinfer-python" else None)
+    reasons = FlashInferBackend.unavailable_reasons(cuda_cap())
+    assert any("0.2.0.post2 is older than 0.2.1" in r and "mask_indptr_buf" in r for r in reasons), reasons
+
+
+def test_scales_are_host_floats_never_a_device_read():
+    layer = types.SimpleNamespace(layer_id=3, k_scale=torch.tensor(0.5), v_scale=2.0)
+    assert fib.host_scales(layer) == (0.5, 2.0)
+    layer.k_scale_float = 0.25
+    assert fib.host_scales(layer) == (0.25, 2.0)  # SGLang's host copy wins
+    layer = types.SimpleNamespace(layer_id=3, k_scale=torch.empty(1, device="meta"), v_scale=None)  # not on the host
+    with pytest.raises(UnsupportedError, match="k_scale is a meta tensor.*k_scale_float"):
+        fib.host_scales(layer)
 
 
 def test_mla_verify_is_refused_before_any_write(fake_fi):

@@ -64,9 +64,13 @@ def test_dry_run_prints_the_plan_and_runs_nothing(tmp_path):
         site=machine_stack(tmp_path / "site"),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for step in ("tests (limit 180s)", "check-triton", "check-flashinfer", "graph (limit 45s)", "bench (limit 120s)"):
-        assert step in proc.stdout
+    order = ["check-triton (limit 150s)", "graph (limit 60s)", "tests (limit 240s)", "bench (limit 180s)"]
+    at = [proc.stdout.index(step) for step in order]
+    assert at == sorted(at)  # the Triton paths first, the bench last
+    assert "budget 840s" in proc.stdout  # with the setup, inside a 15-minute slot
     assert "--family graph" in proc.stdout and "hal.cli bench --device cuda --json" in proc.stdout
+    # this machine has no flashinfer and the wheelhouse no wheel of it: not planned, and the plan says why
+    assert "check-flashinfer: NOT PLANNED: flashinfer does not import" in proc.stdout
     assert "dry run: GPU: none" in proc.stdout and "nothing was run" in proc.stdout
     assert not (tmp_path / "out").exists()
 
@@ -127,13 +131,54 @@ def test_summary_of_a_run(tmp_path):
     steps = {s["name"]: s for s in summary["steps"]}
     assert steps["tests"]["counts"] == {"tests": 10, "failures": 1, "errors": 0, "skipped": 2, "passed": 7}
     assert steps["check-triton"]["outcome"] == "passed" and steps["check-triton"]["counts"]["passed"] == 40
-    assert steps["check-flashinfer"]["outcome"] == "skipped"
+    assert steps["check-flashinfer"]["outcome"] == "not run"  # an old run's "skipped" is read as not run
     assert steps["bench"]["outcome"] == "timed out" and summary["ok"] is False
     results = tmp_path / "results"
     results.mkdir()
     (results / "gpu-run-h200.json").write_text(json.dumps(summary))
     table = run_table.build(results)
     assert "| `gpu-run-h200.json` |" in table and "failed 7/10 (100 s)" in table and "timed out" in table
+
+
+def _summary(tmp_path, steps_tsv: str, outputs: dict[str, object]) -> dict:
+    (tmp_path / "steps.tsv").write_text(steps_tsv)
+    for name, data in outputs.items():
+        (tmp_path / name).write_text(data if isinstance(data, str) else json.dumps(data))
+    return gpu_summary.summarize(tmp_path)
+
+
+def _check(passed: int) -> dict:
+    return {"results": [{"device": "cuda", "backend": "triton", "passed": passed, "failed": 0, "skipped": 3}]}
+
+
+def test_a_step_that_did_not_run_is_never_ok(tmp_path):
+    junit = '<testsuites><testsuite tests="3" failures="0" errors="0" skipped="0"/></testsuites>'
+    good = {"check-triton.out": _check(40), "graph.out": _check(4), "tests.xml": junit, "bench.out": {"w": []}}
+    ran = "check-triton\t0\t50\t150\tc\ngraph\t0\t9\t60\tg\ntests\t0\t90\t240\tp\n"
+    summary = _summary(tmp_path, ran + "bench\t0\t60\t180\tb\n", good)
+    assert summary["ok"] is True and summary["not_run"] == [] and summary["not_planned"] == []
+    # the budget ran out before the bench: not run, with the reason, and the run is not ok
+    summary = _summary(tmp_path, ran + "bench\tnot-run\t0\t0\tthe 840s budget was spent before it\n", good)
+    assert summary["ok"] is False and summary["not_run"] == ["bench: the 840s budget was spent before it"]
+    # a check that exits 0 but ran no case (its backend unavailable) did not run either
+    summary = _summary(tmp_path, ran + "bench\t0\t60\t180\tb\n", {**good, "graph.out": _check(0)})
+    assert summary["ok"] is False and summary["not_run"][0].startswith("graph: hal check ran no case")
+    # FlashInfer not planned (it cannot be installed here): said so, and the planned steps alone decide ok
+    unplanned = "check-flashinfer\tnot-planned\t0\t0\tflashinfer does not import and the wheelhouse has none\n"
+    summary = _summary(tmp_path, unplanned + ran + "bench\t0\t60\t180\tb\n", good)
+    assert summary["ok"] is True and summary["not_planned"][0]["name"] == "check-flashinfer"
+    assert "flashinfer does not import" in summary["not_planned"][0]["reason"]
+    # FlashInfer planned but its install failed: not run, not ok
+    failed = "check-flashinfer\tnot-run\t0\t0\tinstalling flashinfer-python failed\n"
+    summary = _summary(tmp_path, failed + ran + "bench\t0\t60\t180\tb\n", good)
+    assert summary["ok"] is False and summary["not_run"] == ["check-flashinfer: installing flashinfer-python failed"]
+
+
+def test_the_step_limits_fit_a_15_minute_slot():
+    text = SCRIPT.read_text()
+    limits = [int(line.split("|")[1]) for line in text.splitlines() if line.strip().startswith('"') and "|" in line]
+    budget = int(text.split("HAL_GPU_BUDGET_S:-")[1].split("}")[0])
+    assert len(limits) == 5 and sum(limits) <= budget <= 15 * 60 - 60  # a minute left for the summary and margin
 
 
 def test_the_what_has_run_where_table_is_current():

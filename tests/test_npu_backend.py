@@ -197,9 +197,13 @@ def test_validate_reasons_are_exactly_what_the_ops_cannot_do(npu310p):
     for cfg in (
         dataclasses.replace(ok, sliding_window_size=64, non_causal=True, custom_mask=True, graph=True),
         dataclasses.replace(ok, page_size=16, dtype=torch.float16),
-        dataclasses.replace(ok, head_dim=64, v_head_dim=64, page_size=256),
+        dataclasses.replace(ok, head_dim=64, v_head_dim=64, page_size=64),
     ):
         assert AscendBackend.unsupported_reasons(cfg, cap) == [], cfg
+    # ATB PagedAttention: block_size <= 128 (vllm-ascend's 310P kernel block sizes are 128 and 64)
+    assert "<= 128" in " | ".join(
+        AscendBackend.unsupported_reasons(dataclasses.replace(ok, head_dim=64, v_head_dim=64, page_size=256), cap)
+    )
     assert "no bf16" in " | ".join(
         AscendBackend.unsupported_reasons(dataclasses.replace(ok, dtype=torch.bfloat16), cap)
     )
@@ -209,7 +213,7 @@ def test_validate_reasons_are_exactly_what_the_ops_cannot_do(npu310p):
 
     assert "logit cap not supported" in reasons(logit_cap=30.0)
     assert "v_head_dim 64 != head_dim 128" in reasons(v_head_dim=64)
-    assert "page size 8 is not a multiple of 16" in reasons(page_size=8)
+    assert "page size 8: ATB PagedAttention takes a multiple of 16, <= 128" in reasons(page_size=8)
     assert "head_dim * page size = 32768 > 128 * 128" in reasons(page_size=256)
     assert reasons(dtype=torch.float16) == ""  # the emulation computes fp16 (in fp32)
 
@@ -218,8 +222,11 @@ def test_validate_reasons_are_exactly_what_the_ops_cannot_do(npu310p):
     )
     fp32 = " | ".join(AscendBackend.unsupported_reasons(ok, real))
     assert "device has no fp32" in fp32 and "dtype torch.float32 unsupported" in fp32
-    assert AscendBackend.unsupported_reasons(dataclasses.replace(ok, dtype=torch.bfloat16), real) == []
-    windowed_graph = dataclasses.replace(ok, dtype=torch.bfloat16, graph=True, sliding_window_size=64)
+    assert AscendBackend.unsupported_reasons(dataclasses.replace(ok, dtype=torch.float16), real) == []
+    assert "float16 only, not torch.bfloat16" in " | ".join(  # 310P's ATB ops take float16 only
+        AscendBackend.unsupported_reasons(dataclasses.replace(ok, dtype=torch.bfloat16), real)
+    )
+    windowed_graph = dataclasses.replace(ok, dtype=torch.float16, graph=True, sliding_window_size=64)
     assert "graph" in " | ".join(AscendBackend.unsupported_reasons(windowed_graph, real))
     with pytest.raises(DeviceUnavailableError, match="torch_npu"):
         AscendBackend(real)  # a real NPU's backend needs the real module
@@ -240,8 +247,10 @@ def test_mixed_batch_is_one_splitfuse_call_on_the_npu_and_forward_extend_on_the_
         out = backend.forward(built.q, built.k, built.v, layer, built.batch)
         assert methods == {"forward_extend": 0, "forward_mixed": layer_id + 1, "forward_decode": 0}
         assert _counts(op_calls) == {
-            "_npu_reshape_and_cache": layer_id + 1,
+            "_npu_reshape_and_cache": 0,
             "npu_scatter_pa_kv_cache": 0,
+            "npu_scatter_nd_update_": 2 * (layer_id + 1),  # 310P: K and V rows into hal's ND pool
+            "npu_format_cast": 3 * (layer_id + 1),  # the NZ key and value pages and the NZ mask
             "_npu_paged_attention": 0,
             "_npu_paged_attention_splitfuse": layer_id + 1,
             "npu_fused_infer_attention_score": 0,
@@ -253,7 +262,9 @@ def test_mixed_batch_is_one_splitfuse_call_on_the_npu_and_forward_extend_on_the_
     for name, expected in (("seq_len", fb.lens.query), ("context_lens", fb.lens.kv)):
         assert call[name].device.type == "cpu" and call[name].dtype == torch.int32
         assert call[name].tolist() == expected
-    assert call["mask"].shape == (fb.num_tokens, max(fb.lens.kv))
+    width, rows = -(-max(fb.lens.kv) // 16), -(-fb.num_tokens // 16) * 16
+    assert call["mask"].shape == (1, width, rows, 16)  # FRACTAL_NZ, as vllm-ascend's 310P splitfuse mask
+    assert emulation.get_npu_format(call["mask"]) == 29 and emulation.get_npu_format(call["key_cache"]) == 29
     assert call["block_table"].dtype == torch.int32 and call["block_table"].shape == (4, 2)
 
     # The same batch on the CPU torch backend: forward_extend, never forward_mixed.
@@ -297,8 +308,10 @@ def test_decode_uses_npu_paged_attention_with_host_lengths(npu310p, op_calls):
     backend = AscendBackend(cap)
     _close(_run(backend, built), built)
     assert _counts(op_calls) == {
-        "_npu_reshape_and_cache": 1,
+        "_npu_reshape_and_cache": 0,
         "npu_scatter_pa_kv_cache": 0,
+        "npu_scatter_nd_update_": 2,
+        "npu_format_cast": 2,
         "_npu_paged_attention": 1,
         "_npu_paged_attention_splitfuse": 0,
         "npu_fused_infer_attention_score": 0,
@@ -309,12 +322,13 @@ def test_decode_uses_npu_paged_attention_with_host_lengths(npu310p, op_calls):
     table = call["block_table"]
     assert table.dtype == torch.int32 and table.shape == (4, 3)  # ceil(261 / 128) blocks
     fb = built.batch
-    pages = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, 0] // 128
-    assert torch.equal(table[:, 0], pages.int())
+    assert torch.equal(table, torch.arange(12, dtype=torch.int32).view(4, 3))  # the batch's pages, copied NZ
     case = built.case
-    assert call["key_cache"].shape == (fb.token_to_kv_pool.num_slots // 128, 128, case.tp_k_head_num, case.head_dim)
-    assert call["key_cache"].data_ptr() == fb.token_to_kv_pool.k_buffer[0].data_ptr()  # a view, not a copy
-    assert op_calls["_npu_reshape_and_cache"][0]["slot_indices"].dtype == torch.int32
+    # 310P: ATB reads FRACTAL_NZ caches [blocks, kv_heads * head_dim / 16, block_size, 16] (vllm-ascend's 310P layout)
+    assert call["key_cache"].shape == (12, case.tp_k_head_num * case.head_dim // 16, 128, 16)
+    assert emulation.get_npu_format(call["key_cache"]) == 29
+    pool = fb.token_to_kv_pool
+    assert torch.equal(pool.k_buffer[0][fb.out_cache_loc.long()], built.expected_k[fb.out_cache_loc.long()])
 
 
 def test_decode_with_a_sliding_window_goes_through_splitfuse(npu, op_calls):
@@ -663,7 +677,7 @@ def test_routes_follow_the_generation(monkeypatch):
     assert routes["A2"] == {"kv_write": "npu_scatter_pa_kv_cache", "decode": FIA, "extend": FIA, "mixed": FIA}
     assert routes["A5"] == routes["A2"]
     assert routes["310P"] == {
-        "kv_write": "_npu_reshape_and_cache",
+        "kv_write": "npu_scatter_nd_update_",
         "decode": "_npu_paged_attention",
         "extend": SPLITFUSE,
         "mixed": SPLITFUSE,
@@ -672,8 +686,10 @@ def test_routes_follow_the_generation(monkeypatch):
     assert AscendBackend.step_routes(graphed, _emulated(monkeypatch, "A2")[1])["graph_decode"] == "_npu_paged_attention"
     a5 = _emulated(monkeypatch, "A5")[1]
     assert "A5 has no ATB ops" in " | ".join(AscendBackend.unsupported_reasons(graphed, a5))  # never PA on A5
-    windowed = " | ".join(AscendBackend.unsupported_reasons(dataclasses.replace(config, sliding_window_size=8), a5))
-    assert "sparse_mode 4" in windowed and "A5 has no ATB ops" in windowed
+    # FIA takes a window as band mode 4 (vllm-ascend attention_v1.py), a decode padded to two query rows
+    windowed = dataclasses.replace(config, sliding_window_size=8)
+    assert AscendBackend.unsupported_reasons(windowed, a5) == []
+    assert AscendBackend.step_routes(windowed, a5)["decode"] == FIA
     a2 = _emulated(monkeypatch, "1")[1]
     assert AscendBackend.unsupported_reasons(dataclasses.replace(config, sliding_window_size=8), a2) == []
 
@@ -751,7 +767,9 @@ def test_mla_routes_follow_the_generation(monkeypatch):
     a2 = {"kv_write": SISO, "decode": PA_MLA, "extend": FIA2, "mixed": FIA2, "target_verify": FIA2}
     for gen in ("A2", "A3"):
         cap = _emulated(monkeypatch, gen)[1]
-        assert AscendBackend.step_routes(config, cap) == a2
+        # K_CACHE_V_BYPASS (siso) is documented for A2 only: A3 writes the cache rows with npu_scatter_nd_update_
+        want = a2 if gen == "A2" else {**a2, "kv_write": "npu_scatter_nd_update_"}
+        assert AscendBackend.step_routes(config, cap) == want
         assert "mla_split" in AscendBackend.routes(config, cap) and not AscendBackend.unsupported_reasons(config, cap)
     for gen, why in (("A5", "no ATB ops"), ("310P", "no MLA op")):
         reasons = AscendBackend.unsupported_reasons(config, _emulated(monkeypatch, gen)[1])
@@ -820,7 +838,11 @@ def test_sinks_where_no_op_takes_them_are_refused_with_the_reason(npu, monkeypat
     with pytest.raises(UnsupportedError, match="TND takes no custom mask"):
         _run(AscendBackend(npu[1]), built, sinks=built.sinks)
     config = AttentionConfig(head_dim=64, page_size=16, attention_sinks=True, dtype=torch.bfloat16)
-    assert any("input_layout TND takes head dim 128" in r for r in AscendBackend.unsupported_reasons(config, npu[1]))
+    assert not AscendBackend.unsupported_reasons(config, npu[1])  # gpt-oss's head 64: FIA v2 TND takes it
+    odd = dataclasses.replace(config, head_dim=80)
+    assert any("TND without rope takes 64, 128 or 192" in r for r in AscendBackend.unsupported_reasons(odd, npu[1]))
+    a5 = _emulated(monkeypatch, "A5")[1]
+    assert any("attention sinks on A5" in r for r in AscendBackend.unsupported_reasons(config, a5))
     p310 = _emulated(monkeypatch, "310P")[1]
     config = dataclasses.replace(config, head_dim=128, page_size=128, dtype=torch.float16)
     assert any("attention sinks on 310P" in r for r in AscendBackend.unsupported_reasons(config, p310))

@@ -12,7 +12,6 @@ import types
 import pytest
 import torch
 
-from hal.errors import UnsupportedError
 from hal.kernels import reference
 from hal.kernels.npu import (
     OP_NAMES,
@@ -170,7 +169,7 @@ def test_paged_decode_matches_reference(block_size, q_heads, kv_heads, dtype):
 @pytest.mark.parametrize("q_heads,kv_heads", HEADS)
 def test_paged_prefill_matches_reference(q_heads, kv_heads, dtype, causal):
     q_lens, kv_lens = [5, 1, 37, 130], [5, 20, 140, 300]  # fresh prefill, decode-like, prefix + new
-    case = Case(q_lens, kv_lens, q_heads, kv_heads, 32, 128, dtype, seed=q_heads)
+    case = Case(q_lens, kv_lens, q_heads, kv_heads, 128, 128, dtype, seed=q_heads)
     got = paged_prefill(
         NPU,
         case.q,
@@ -228,7 +227,7 @@ def test_paged_mixed_carries_window_custom_mask_and_non_causal():
 
 def test_fia_contiguous_tnd_uses_cumulative_kv_lengths_and_returns_lse():
     q_lens, kv_lens = [3, 1, 16], [3, 9, 20]
-    case = Case(q_lens, kv_lens, 4, 2, 32, 128, torch.float32, seed=11)
+    case = Case(q_lens, kv_lens, 4, 2, 128, 128, torch.float32, seed=11)
     mask = fia_causal_mask("cpu")
     common = dict(
         atten_mask=mask,
@@ -274,7 +273,7 @@ def test_fia_contiguous_tnd_uses_cumulative_kv_lengths_and_returns_lse():
 
 def test_fia_accepts_the_heads_major_paged_layout():
     q_lens, kv_lens = [2, 7], [130, 7]
-    case = Case(q_lens, kv_lens, 4, 2, 32, 128, torch.float32, seed=2)
+    case = Case(q_lens, kv_lens, 4, 2, 128, 128, torch.float32, seed=2)
     out, _ = NPU.npu_fused_infer_attention_score(
         case.q,
         case.k_cache.permute(0, 2, 1, 3).contiguous(),  # (blocknum, KV_N, blocksize, D)
@@ -378,9 +377,15 @@ def test_decode_rejects_bad_inputs(decode_case):
 def test_atb_cache_shape_limits():
     q = torch.randn(1, 2, 256)
     table, lens = torch.zeros(1, 1, dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
-    big = torch.zeros(2, 128, 2, 256)  # head_size * block_size = 32768
+    big = torch.zeros(2, 128, 2, 256)  # head_size * block_size = 32768: parallel decoding (splitfuse) refuses it
+    mask = torch.zeros(1, 128)
     with pytest.raises(ValueError, match=r"head_size \* block_size = 32768: expected <= 128 \* 128"):
-        NPU._npu_paged_attention(q, big, big, 2, 2, 1.0, table, lens, torch.empty_like(q))
+        NPU._npu_paged_attention_splitfuse(
+            query=q, key_cache=big, value_cache=big, block_table=table, context_lens=lens, mask=mask,
+            seq_len=torch.tensor([1], dtype=torch.int32), num_kv_heads=2, num_heads=2, scale_value=1.0,
+            out=torch.empty_like(q),
+        )  # fmt: skip
+    NPU._npu_paged_attention(q, big, big, 2, 2, 1.0, table, lens, torch.empty_like(q))  # plain decode takes it
     odd = torch.zeros(2, 24, 2, 256)
     with pytest.raises(ValueError, match=r"block_size \(key_cache dim 1\) = 24: expected a multiple of 16"):
         NPU._npu_paged_attention(q, odd, odd, 2, 2, 1.0, table, lens, torch.empty_like(q))
@@ -407,7 +412,7 @@ def test_reshape_and_cache_rejects_bad_inputs():
 
 @pytest.fixture(scope="module")
 def prefill_case():
-    return Case([4, 9], [10, 9], 4, 2, 32, 128, torch.float32, seed=4)
+    return Case([4, 9], [10, 9], 4, 2, 128, 128, torch.float32, seed=4)
 
 
 def _fia(case, **override):
@@ -432,7 +437,7 @@ def _fia(case, **override):
 
 def test_fia_rejects_bad_inputs(prefill_case):
     c = prefill_case
-    assert _fia(c)[0].shape == (13, 4, 32)
+    assert _fia(c)[0].shape == (13, 4, 128)
     with pytest.raises(TypeError, match=r"actual_seq_lengths = Tensor.*expected a host list of ints"):
         _fia(c, actual_seq_lengths=torch.tensor([4, 13]))
     with pytest.raises(ValueError, match=r"actual_seq_lengths = \[4, 9\]: expected a last element equal to T = 13"):
@@ -447,8 +452,15 @@ def test_fia_rejects_bad_inputs(prefill_case):
         _fia(c, key=c.k_cache)  # hal's [blocks, block_size, heads, dim] layout, not viewed
     with pytest.raises(ValueError, match=r"block_table = .*int64.*expected dtype int32"):
         _fia(c, block_table=c.block_table.long())
-    with pytest.raises(ValueError, match=r"sparse_mode = 4: expected 0 \(no atten_mask\) or 3"):
-        _fia(c, sparse_mode=4, pre_tokens=8, next_tokens=0)
+    with pytest.raises(
+        ValueError, match=r"sparse_mode = 2: the op's contract says TND takes sparse_mode 0 .*, 3 .* or 4"
+    ):
+        _fia(c, sparse_mode=2)
+    with pytest.raises(
+        ValueError, match=r"query D = 64: .*Q_D = K_D = V_D = 128.*torch_npu-npu_fused_infer_attention_score"
+    ):
+        small = Case([4, 9], [10, 9], 4, 2, 64, 128, torch.float32, seed=4)
+        _fia(small, query=small.q, key=small.k_cache.view(-1, 128, 128))
     with pytest.raises(
         ValueError,
         match=r"atten_mask = None: expected the compressed 2048 x 2048 causal mask \(required by sparse_mode",
@@ -471,14 +483,17 @@ def test_fia_rejects_bad_inputs(prefill_case):
 
 
 def test_prefill_block_size_and_window_limits():
-    case = Case([3, 2], [3, 20], 4, 2, 32, 16, torch.float32, seed=6)
+    case = Case([3, 2], [3, 20], 4, 2, 128, 16, torch.float32, seed=6)
     args = (NPU, case.q, case.k_cache, case.v_cache, case.block_table, [3, 2], [3, 20])
     with pytest.raises(ValueError, match=r"block_size = 16: expected a multiple of 128 in \[128, 512\]"):
         paged_prefill(*args, scale=case.scale, causal=True)
-    with pytest.raises(UnsupportedError, match=r"sliding_window = 4: .*TND.*paged_mixed"):
-        paged_prefill(*args, scale=case.scale, causal=True, sliding_window=4)
+    # A window is FIA's band (sparse_mode 4, as vllm-ascend passes it), at Q_S > 1 only.
+    wide = Case([3, 2], [3, 20], 4, 2, 128, 128, torch.float32, seed=6)
+    got = paged_prefill(NPU, wide.q, wide.k_cache, wide.v_cache, wide.block_table, [3, 2], [3, 20],
+                        scale=wide.scale, causal=True, sliding_window=4)  # fmt: skip
+    torch.testing.assert_close(got, wide.reference(sliding_window=4), **TOL[torch.float32])
     # Decode-only batches (Q_S = 1) only need 16-aligned blocks.
-    one = Case([1, 1], [3, 20], 4, 2, 32, 16, torch.float32, seed=6)
+    one = Case([1, 1], [3, 20], 4, 2, 128, 16, torch.float32, seed=6)
     got = paged_prefill(
         NPU, one.q, one.k_cache, one.v_cache, one.block_table, [1, 1], [3, 20], scale=one.scale, causal=True
     )
@@ -535,7 +550,7 @@ def test_unsupported_reasons():
     fp32 = unsupported_reasons(**{**ok, "dtype": torch.float32})
     assert len(fp32) == 3 and all("dtype torch.float32 unsupported" in r for r in fp32)
     window = unsupported_reasons(**{**ok, "sliding_window": 1024})
-    assert [r.split(" ")[0] for r in window] == ["_npu_paged_attention", "npu_fused_infer_attention_score"]
+    assert [r.split(" ")[0] for r in window] == ["_npu_paged_attention"]  # FIA takes it as band mode 4
     custom = unsupported_reasons(**{**ok, "custom_mask": True})
     assert len(custom) == 1 and custom[0].startswith("npu_fused_infer_attention_score (extend): custom mask")
     assert unsupported_reasons(**{**ok, "custom_mask": True, "sliding_window": 4}, paths=("mixed",)) == []
@@ -543,7 +558,9 @@ def test_unsupported_reasons():
     assert len(small_pages) == 1 and "multiple of 128 in [128, 512]" in small_pages[0]
     mla = unsupported_reasons(**{**ok, "head_dim": 192, "v_head_dim": 128})
     assert sum("v_head_dim 128 != head_dim 192" in r for r in mla) == 3
-    assert any("head_dim * page size = 24576 > 128 * 128" in r for r in mla)
+    assert any("head_dim * page size = 24576 > 128 * 128" in r for r in mla)  # splitfuse (parallel decoding)
+    big_pages = unsupported_reasons(**{**ok, "block_size": 256, "head_dim": 64, "v_head_dim": 64}, paths=("decode",))
+    assert len(big_pages) == 1 and "<= 128" in big_pages[0]  # ATB PagedAttention: block_size <= 128
     cap = unsupported_reasons(**{**ok, "logit_cap": 30.0})
     assert len(cap) == 3 and all("soft-cap" in r for r in cap)
     assert unsupported_reasons(**{**ok, "causal": False}) == []

@@ -81,7 +81,9 @@ The environment probe (is FlashInfer installed, where would its kernels come fro
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,9 +92,8 @@ import torch
 
 from hal.backend import AttentionBackend
 from hal.batch import ForwardBatch, ForwardMode, host_lens
-from hal.capability import DeviceCapability
+from hal.capability import DeviceCapability, library_version
 from hal.errors import ConfigError, GraphCaptureError, UnsupportedError, expect
-from hal.kernels.reference import kv_scales
 from hal.kv_cache import paged_view
 from hal.kv_dtypes import kv_scaled
 
@@ -128,6 +129,50 @@ SINKS_REASON = (
 
 
 # ----------------------------------------------------------------------------- MLA
+
+
+MLA_BACKEND = "fa2"  # the MLA wrapper's kernel (see _wrapper)
+# flashinfer-python releases hal's calls are written for: mask_indptr_buf (qk_indptr_buf in 0.2.0) and flashinfer.mla
+# arrived in 0.2.1 (flashinfer/prefill.py, flashinfer/mla.py at tag v0.2.1); pyproject's cuda extra pins the same.
+MIN_FLASHINFER = "0.2.1"
+
+
+def _older_than(version: str | None, minimum: str) -> str | None:
+    """``version`` when it is a release below ``minimum`` (numeric parts compared), else None."""
+    if not version:
+        return None
+    parts = [int(p) for p in re.findall(r"\d+", version.split("+")[0])[:3]]
+    return version if parts < [int(p) for p in minimum.split(".")] else None
+
+
+def _takes(cls, name: str) -> bool:
+    """Whether ``cls.__init__`` has a parameter ``name`` (the installed FlashInfer's signature, not its version)."""
+    try:
+        return name in inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):  # a C extension type without a signature
+        return False
+
+
+def host_scales(layer) -> tuple[float, float]:
+    """``(k_scale, v_scale)`` as host floats for ``wrapper.run``, read without a device sync: SGLang's
+    ``k_scale_float`` / ``v_scale_float`` when the layer has them, a float or a CPU tensor otherwise. A device-tensor
+    scale is refused (``float()`` on it would sync the stream and break CUDA-graph capture): give the layer its
+    ``k_scale_float`` as SGLang's RadixAttention and vLLM's Attention (``_k_scale_float``) do."""
+
+    def one(kind: str) -> float:
+        for name in (f"{kind}_scale_float", f"_{kind}_scale_float", f"{kind}_scale"):
+            value = getattr(layer, name, None)
+            if value is None:
+                continue
+            if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+                raise UnsupportedError(
+                    f"flashinfer: layer {getattr(layer, 'layer_id', '?')} {name} is a {value.device} tensor: reading "
+                    f"it as a float syncs the stream (and breaks graph capture); give the layer {kind}_scale_float"
+                )
+            return float(value)
+        return 1.0
+
+    return one("k"), one("v")
 
 
 def mla_rank(layer) -> int:
@@ -385,6 +430,12 @@ class FlashInferBackend(AttentionBackend):
             reasons.append(missing)
         elif capability.type == "cuda" and capability.reasons.get("flashinfer"):
             reasons.append(capability.reasons["flashinfer"])  # installed, but no kernels it can run
+        old = _older_than(library_version("flashinfer-python"), MIN_FLASHINFER)
+        if old:
+            reasons.append(
+                f"flashinfer-python {old} is older than {MIN_FLASHINFER}: hal passes mask_indptr_buf (0.2.0 names it "
+                "qk_indptr_buf) and uses flashinfer.mla (from 0.2.1)"
+            )
         arch = capability.arch or ""
         if capability.type != "cuda":
             reasons.append(f"FlashInfer runs on NVIDIA CUDA devices only, not {capability.type!r}")
@@ -477,9 +528,16 @@ class FlashInferBackend(AttentionBackend):
                     kv_indices=g.indices,
                     kv_len_arr=g.kv_lens[:graph_bs],
                 )
-            wrapper = fi.mla.BatchMLAPagedAttentionWrapper(ws, **kw)
+            # backend= explicitly: "auto" resolves to fa3 on sm90, which no hal test or GPU run has covered; fa2 is the
+            # kernel every version from 0.2.1 has (flashinfer/mla.py, BatchMLAPagedAttentionWrapper.__init__).
+            wrapper = fi.mla.BatchMLAPagedAttentionWrapper(ws, backend=MLA_BACKEND, **kw)
         elif kind == "decode":
             kw: dict[str, Any] = {"use_tensor_cores": variant.use_tensor_cores}
+            if variant.use_tensor_cores and _takes(fi.BatchDecodeWithPagedKVCacheWrapper, "backend"):
+                # 0.6.0-0.6.3 resolve "auto" to fa3 on sm90 for the tensor-core decode, and fa3 has no bf16/fp16
+                # query over an fp8 cache; 0.6.4 picks fa2 (flashinfer #2530, #2536). hal names fa2 on every
+                # version with the argument (0.2.9+); before it the tensor-core decode is fa2 (flashinfer/decode.py).
+                kw["backend"] = "fa2"
             if graph_bs is not None:
                 g = self._graph
                 kw.update(
@@ -785,7 +843,7 @@ class FlashInferBackend(AttentionBackend):
         wrapper = self._planned(meta, kind, variant)
         if not meta.fp8:
             return wrapper.run(q_in, paged)
-        k_scale, v_scale = kv_scales(layer)
+        k_scale, v_scale = host_scales(layer)
         return wrapper.run(q_in, paged, k_scale=k_scale, v_scale=v_scale)
 
     def _run_mla(self, meta: FlashInferMetadata, variant: LayerVariant, q_in, paged):

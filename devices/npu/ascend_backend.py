@@ -1,15 +1,18 @@
 """``ascend``: the attention backend over torch_npu's attention ops (``hal.kernels.npu``).
 
-Routing, per forward mode (the ops and their limits are documented in ``hal.kernels.npu.ops``):
+Routing, per forward mode and chip generation (``routing.py``; the ops' limits: ``hal.kernels.npu.limits``, their
+sources: ``hal.kernels.npu.contracts``; the table: docs/hardware-contracts.md):
 
-* DECODE, no sliding window: ``_npu_paged_attention`` (:func:`~hal.kernels.npu.paged_decode`).
-  With a window: ``_npu_paged_attention_splitfuse`` (:func:`~hal.kernels.npu.paged_mixed`) with a
-  windowed mask, since ``_npu_paged_attention`` takes no mask.
-* EXTEND / DRAFT_EXTEND: ``npu_fused_infer_attention_score`` (TND, paged; :func:`~hal.kernels.npu.paged_prefill`,
-  ``sparse_mode`` 3 causal / 0 non-causal) when the op can serve the layer (page size a multiple of 128 in
-  [128, 512], no window, head dim 128 or 192: ``hal.kernels.npu.ops.FIA_TND_HEAD_DIMS`` cites the doc and
-  its version); otherwise splitfuse, whose mask carries causal / window / non-causal. ``notes()`` and
-  ``extend_route(config)`` declare it.
+* DECODE: ``npu_fused_infer_attention_score`` (TND, paged) where it serves the layer (A2/A3/A5), a window as band
+  mode 4 with a padding row per request (the op ignores the band at one query token); otherwise
+  ``_npu_paged_attention`` (:func:`~hal.kernels.npu.paged_decode`), or with a window
+  ``_npu_paged_attention_splitfuse`` (:func:`~hal.kernels.npu.paged_mixed`) with a windowed mask.
+* EXTEND / DRAFT_EXTEND: FIA (:func:`~hal.kernels.npu.paged_prefill`, ``sparse_mode`` 3 causal / 4 window /
+  0 non-causal) when it can serve the layer (page size a multiple of 128 in [128, 512], head dim 128 or 192:
+  ``hal.kernels.npu.limits.FIA_TND_HEAD_DIMS``); otherwise splitfuse, whose mask carries causal / window /
+  non-causal. ``notes()`` and ``extend_route(config)`` declare it.
+* 310P: the ATB ops read FRACTAL_NZ caches, a per-layer copy of the batch's pages (``_nz_caches``), and an NZ
+  splitfuse mask; hal's pool stays ND and is written with ``npu_scatter_nd_update_``.
 * TARGET_VERIFY: splitfuse with hal's custom mask (per request ``[draft, seq_len + draft]``).
 * MIXED: ``forward_mixed``, ONE splitfuse call for the whole batch (decodes and chunked prefills);
   ``forward_extend`` sends a MIXED batch down the same path.
@@ -25,12 +28,11 @@ two contiguous tensors). Attention sinks (``forward(..., sinks=)``): ``npu_fused
 ``forward_extend``/``forward_decode``); verify with sinks, and sinks on 310P, are refused with the reason. fp8 KV
 caches are off with a reason per generation (``_fp8_reason``).
 
-KV writes use ``_npu_reshape_and_cache`` (:func:`~hal.kernels.npu.write_kv`), not the helper ops:
-it is the one ATB kernel vllm-ascend and SGLang write the paged cache with on Ascend, it takes
-the ``[blocks, block_size, kv_heads, dim]`` view the attention ops read and int32 slots cast on
-the device. The helper ops (``helper_ops``: positions, kv indices for an engine) stay consistent
-with that choice: ``support_triton()`` is True only on a device with a Triton NPU target
-(triton-ascend), so everything else gets the torch versions.
+KV writes use the NPU ops (``save_kv``: ``npu_scatter_pa_kv_cache``, ``npu_scatter_nd_update_`` on 310P and for
+MLA on A3, ``_npu_reshape_and_cache_siso`` for MLA on A2), not the helper ops: they are what vllm-ascend and SGLang
+write the paged cache with on Ascend, and take slots cast on the device. The helper ops (``helper_ops``:
+positions, kv indices for an engine) stay consistent with that choice: ``support_triton()`` is True only on a
+device with a Triton NPU target (triton-ascend), so everything else gets the torch versions.
 
 Host/device split: the ops take per-request lengths on the host, so ``init_forward_metadata_out_graph``
 keeps them as Python lists (the wrappers make the CPU int32 tensors / lists the ops take) and
@@ -58,10 +60,8 @@ graph, whose replay re-runs the step and so reads the refreshed lists.
 
 from __future__ import annotations
 
-import functools
 import types
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -69,112 +69,20 @@ from hal.backend import AttentionBackend
 from hal.batch import ForwardBatch, host_lens
 from hal.capability import DeviceCapability
 from hal.config import AttentionConfig
-from hal.errors import DeviceUnavailableError, GraphCaptureError, UnsupportedError, expect
+from hal.errors import GraphCaptureError, UnsupportedError, expect
 from hal.kernels import npu as npu_ops
-from hal.kernels import opaque_kernel
 from hal.kv_cache import paged_view
 from hal.layer import AttentionLayer
 
+# Issue 23: the per-generation routing (routing.py), the real-NPU graph task updates (graph_tasks.py) and the
+# emulation adapter (emulated_ops.py) live in their own modules; these names stay importable from here.
+from .emulated_ops import _EmulatedOps, _op_dtype, _ops_for, _owned  # noqa: F401
+from .graph_tasks import GRAPH_UPDATE_API, NpuGraphTasks, _CapturedTask  # noqa: F401
+from .routing import MLA_GENERATIONS, MLA_OFF, AscendRouting, _fp8_reason, _mha_kv_write  # noqa: F401
+
 __all__ = ["AscendBackend", "AscendMetadata", "GRAPH_UPDATE_API"]
 
-# torch.npu attributes the real-NPU graph path needs (vllm-ascend's full-graph decode uses the same ones).
-GRAPH_UPDATE_API = (
-    "NPUGraph",
-    "ExternalEvent",
-    "graph_task_group_begin",
-    "graph_task_group_end",
-    "graph_task_update_begin",
-    "graph_task_update_end",
-)
-
 MaskKey = tuple[str, int]  # (kind: "causal" | "full" | "custom" | "tree", sliding window or -1)
-
-# Latent MLA per generation. hal's MLA pool is one [slots, 1, kv_lora_rank + rope] cache; the ops that read or write
-# that layout (_npu_paged_attention_mla, _npu_reshape_and_cache_siso) are ATB ops (A2/A3).
-MLA_GENERATIONS = ("A2", "A3")
-MLA_OFF = {
-    "A5": "no ATB ops (vllm-ascend runs none there), so nothing writes or reads hal's one latent ++ rope cache; "
-    "FIA v2 alone would need the latent and rope parts in two caches",
-    "310P": "no MLA op (vllm-ascend's 310P attention has no MLA path; FIA v2 is not run there)",
-    None: "unknown generation",
-}
-
-
-def _fp8_reason(generation: str | None) -> str:
-    """Why an fp8 KV cache is off on ``generation`` (A2/A3/310P: no fp8 dtype; upstream quantises to int8)."""
-    if generation == "A5":
-        return (
-            "fp8 KV cache on A5: vllm-ascend's fp8 (float8_e4m3fn) cache runs FIA with the query quantised too "
-            "(query_quant_mode 3, dequant_scale_query/key/value, vllm_ascend/attention/mla_v1.py at 182b75e), not "
-            "hal's bf16 queries over a per-layer scaled cache; not implemented in hal's Ascend backend"
-        )
-    return (
-        f"fp8 KV cache on {generation}: the chip has no fp8 dtype; upstream's quantised KV cache there is int8 "
-        "(vllm-ascend's fa_quant 'C8' path: int8 caches with FIA dequant scales, vllm_ascend/attention/mla_v1.py "
-        "at 182b75e), which hal's kv_cache_dtype (fp8_e4m3 / fp8_e5m2) does not name"
-    )
-
-
-# ----------------------------------------------------------------------------- the ops
-
-
-class _EmulatedOps:
-    """:data:`hal.kernels.npu.emulation.torch_npu`, each op launched as one opaque kernel.
-
-    Attributes are looked up on the emulation at call time, so patching
-    ``emulation.torch_npu.<op>`` (tests counting calls) is seen.
-    """
-
-    is_emulation = True
-    __name__ = "hal.kernels.npu.emulation.torch_npu (opaque launches)"
-
-    def __getattr__(self, name: str) -> Any:
-        target = getattr(npu_ops.emulation.torch_npu, name)
-        if not callable(target):
-            return target
-
-        @functools.wraps(target)
-        def launch(*args, **kwargs):
-            with opaque_kernel():
-                result = target(*args, **kwargs)
-            return _owned(result) if name in _RETURN_OUTPUTS else result
-
-        return launch
-
-
-_RETURN_OUTPUTS = ("npu_fused_infer_attention_score", "npu_fused_infer_attention_score_v2")  # no out= argument
-
-
-def _owned(result: Any) -> Any:
-    """``result``'s tensors moved into tensors allocated in view of the caller's graph guard, as a real op's
-    outputs come from the graph's memory pool: the opaque launch's own allocations are invisible to the guard,
-    which would take a later read of them for a stale external tensor."""
-    if isinstance(result, tuple):
-        return tuple(_owned(x) for x in result)
-    if not isinstance(result, torch.Tensor):
-        return result
-    owned = torch.empty(result.shape, dtype=result.dtype, device=result.device)
-    with opaque_kernel():
-        owned.copy_(result)
-    return owned
-
-
-def _ops_for(capability: DeviceCapability) -> Any:
-    if capability.emulated:
-        return _EmulatedOps()
-    module, why = npu_ops.load_torch_npu()
-    if module is None:
-        raise DeviceUnavailableError(f"the ascend backend needs torch_npu on a real NPU: {why}")
-    why = npu_ops.load_atb()
-    if why:
-        raise DeviceUnavailableError(f"the ascend backend needs torch_npu's ATB ops: {why}")
-    return module
-
-
-def _op_dtype(dtype: torch.dtype, capability: DeviceCapability) -> torch.dtype:
-    """The dtype whose op limits apply: the emulation computes fp32 where the real ops take bf16."""
-    return torch.bfloat16 if capability.emulated and dtype == torch.float32 else dtype
-
 
 # ----------------------------------------------------------------------------- metadata
 
@@ -197,6 +105,8 @@ class AscendMetadata:
     # int64 [B * max_blocks * page_size]: when the batch's slots are not page-aligned, the pool slot of every
     # slot of a scratch paged cache that is (request b's pages at b * max_blocks ...); None when they are.
     relayout: torch.Tensor | None = None
+    # 310P: the pool pages of the batch (int32 [B, max_blocks]) copied into the NZ cache that block_table numbers
+    source_table: torch.Tensor | None = None
 
     # SGLang's names for the same data (its attention kit and tools inspect them), built when read.
     @property
@@ -219,16 +129,6 @@ class AscendMetadata:
             pos = torch.arange(n, device=row.device)
             parts.append(row[pos // self.page_size].long() * self.page_size + pos % self.page_size)
         return torch.cat(parts).to(torch.int32) if parts else self.block_table.new_zeros(0)
-
-
-@dataclass
-class _CapturedTask:
-    """One ``_npu_paged_attention`` captured in an NPUGraph task group (real NPU only)."""
-
-    handle: Any
-    event: Any
-    kwargs: dict  # the captured call's tensors and scalars, without context_lens
-    workspace: torch.Tensor | None = None
 
 
 def _split_mla(pool, layer: AttentionLayer) -> bool:
@@ -260,7 +160,7 @@ def _relayout(
 # ----------------------------------------------------------------------------- backend
 
 
-class AscendBackend(AttentionBackend):
+class AscendBackend(AscendRouting, NpuGraphTasks, AttentionBackend):
     name = "ascend"
     dtypes = frozenset({"fp16", "bf16", "fp32"})  # fp32: the emulation only (validate says why)
     page_sizes = frozenset({16, 32, 64, 128, 256, 512})  # multiples of 16 (ATB), <= 512 (FIA)
@@ -294,74 +194,6 @@ class AscendBackend(AttentionBackend):
         self._taken: list[str] = []  # step:op routes of the current batch (route_of)
         self._route_step = ""
 
-    # -- selection ---------------------------------------------------------------------
-    @classmethod
-    def unavailable_reasons(cls, capability: DeviceCapability) -> list[str]:
-        if capability.type != "npu":
-            return [f"the ascend backend runs on the npu device only, not {capability.type}"]
-        generation = npu_ops.generation_of_arch(capability.arch)
-        if generation is None:
-            return [capability.reasons.get("generation", f"unknown Ascend generation (arch {capability.arch!r})")]
-        if "atb" in capability.reasons and generation != "A5":  # A2/A3 fall back to ATB ops, 310P runs only them
-            return [capability.reasons["atb"]]
-        return []
-
-    @classmethod
-    def notes(cls, capability: DeviceCapability) -> list[str]:
-        generation = npu_ops.generation_of_arch(capability.arch)
-        if generation == "310P":
-            route = "310P: _npu_paged_attention (decode), _npu_paged_attention_splitfuse (everything else), "
-            route += "_npu_reshape_and_cache (KV write)"
-        else:
-            route = (
-                f"{generation}: npu_fused_infer_attention_score (TND, paged) for decode, extend and mixed batches "
-                f"it serves (head_dim {' or '.join(map(str, npu_ops.FIA_TND_HEAD_DIMS))}, no window or custom "
-                "mask; op-plugin's FIA doc), npu_scatter_pa_kv_cache for the KV write"
-            )
-            route += (
-                "; nothing else (A5 has no ATB ops)"
-                if generation == "A5"
-                else "; _npu_paged_attention for captured decode graphs and decodes FIA cannot serve, "
-                "_npu_paged_attention_splitfuse for windows, verify masks and extends FIA cannot serve"
-            )
-        if generation in MLA_GENERATIONS:
-            route += (
-                "; MLA: _npu_reshape_and_cache_siso (KV write), _npu_paged_attention_mla (decode), "
-                "npu_fused_infer_attention_score_v2 with query_rope/key_rope over a split copy (other steps)"
-            )
-        else:
-            route += f"; no MLA ({MLA_OFF.get(generation, 'unknown generation')})"
-        if generation != "310P":
-            route += "; attention sinks: npu_fused_infer_attention_score_v2 with learnable_sink"
-        return [*super().notes(capability), route + " (routes() and extend_route() say why)"]
-
-    @staticmethod
-    def _reasons(config: AttentionConfig, capability: DeviceCapability, path: str, window: int = -1) -> list[str]:
-        return npu_ops.unsupported_reasons(
-            config.head_dim,
-            config.v_head_dim,
-            config.page_size,
-            _op_dtype(config.dtype, capability),
-            config.logit_cap,
-            window,
-            config.custom_mask and path == "mixed",
-            not config.non_causal,
-            kv_heads=config.tp_k_head_num,
-            q_heads=config.tp_q_head_num,
-            paths=(path,),
-        )
-
-    @classmethod
-    def routes(cls, config: AttentionConfig, capability: DeviceCapability) -> list[str]:
-        """``step:op`` for every step of ``config`` an op serves here (``hal check`` reports the unreached ones).
-        A captured decode's ``_npu_paged_attention`` needs a real NPU: the emulation replays eagerly."""
-        steps = cls.step_routes(config, capability)
-        if capability.emulated:
-            steps.pop("graph_decode", None)
-        relayout = ["relayout"] if config.page_size > 1 else []  # the scratch copy of slots off their page offsets
-        split = ["mla_split"] if config.kv_lora_rank and "npu_fused_infer_attention_score_v2" in steps.values() else []
-        return [f"{step}:{op}" for step, op in steps.items() if op] + relayout + split
-
     def route_of(self, forward_batch: ForwardBatch, layer: AttentionLayer) -> list[str]:
         relayout = (
             self.metadata_for(forward_batch).relayout is not None if not forward_batch.forward_mode.is_idle() else False
@@ -370,192 +202,6 @@ class AscendBackend(AttentionBackend):
 
     def _took(self, op: str, step: str | None = None) -> None:
         self._taken.append(f"{step or self._route_step}:{op}")
-
-    @classmethod
-    def step_routes(cls, config: AttentionConfig, capability: DeviceCapability) -> dict[str, str]:
-        """The op each kind of step of ``config`` runs on this generation (``""``: none can)."""
-        if config.kv_lora_rank:
-            return cls._mla_step_routes(config, capability)
-        if config.attention_sinks:
-            return cls._sink_step_routes(config, capability)
-        generation = npu_ops.generation_of_arch(capability.arch)
-        window = config.sliding_window_size
-        fia = generation in ("A2", "A3", "A5")
-        atb = generation in ("A2", "A3", "310P")
-        pa, sf, fia_op = "_npu_paged_attention", "_npu_paged_attention_splitfuse", "npu_fused_infer_attention_score"
-
-        def pick(fia_path: str, atb_path: str, atb_op: str, window: int) -> str:
-            if fia and not cls._reasons(config, capability, fia_path, window):
-                return fia_op
-            return atb_op if atb and not cls._reasons(config, capability, atb_path, window) else ""
-
-        decode = pick("fia_decode", "decode", pa, -1) if window < 0 else pick("extend", "mixed", sf, window)
-        routes = {
-            "kv_write": "_npu_reshape_and_cache" if generation == "310P" else "npu_scatter_pa_kv_cache",
-            "decode": decode,
-            "extend": pick("extend", "mixed", sf, window),
-            "mixed": pick("extend", "mixed", sf, window),
-        }
-        if config.custom_mask:
-            routes["target_verify"] = sf if atb and not cls._reasons(config, capability, "mixed", window) else ""
-        if config.graph and window < 0:  # a captured decode runs the one op with an in-graph length update
-            routes["graph_decode"] = pa if atb and not cls._reasons(config, capability, "decode") else ""
-        return routes
-
-    @classmethod
-    def _mla_reasons(cls, config: AttentionConfig, capability: DeviceCapability, path: str) -> list[str]:
-        """Why the op of MLA ``path`` (``mla_decode`` / ``mla_fia`` / ``mla_tree``) cannot serve ``config`` here."""
-        generation = npu_ops.generation_of_arch(capability.arch)
-        if generation not in MLA_GENERATIONS:
-            return [f"MLA on {generation}: {MLA_OFF[generation]}"]
-        return npu_ops.mla_unsupported_reasons(
-            config.kv_lora_rank,
-            config.qk_rope_head_dim,
-            config.page_size,
-            _op_dtype(config.dtype, capability),
-            q_heads=config.tp_q_head_num,
-            kv_heads=config.tp_k_head_num,
-            logit_cap=config.logit_cap,
-            sliding_window=config.sliding_window_size,
-            paths=(path,),
-        )
-
-    @classmethod
-    def _mla_step_routes(cls, config: AttentionConfig, capability: DeviceCapability) -> dict[str, str]:
-        """MLA over hal's one latent ++ rope cache: the KV write and decode take the ATB ops that read that layout;
-        the other steps take FIA v2, which needs the latent and rope parts apart (``mla_split`` copies them)."""
-        fia = "npu_fused_infer_attention_score_v2"
-
-        def pick(path: str, op: str) -> str:
-            return "" if cls._mla_reasons(config, capability, path) else op
-
-        decode = pick("mla_decode", "_npu_paged_attention_mla") or pick("mla_fia", fia)
-        routes = {
-            "kv_write": pick("mla_decode", "_npu_reshape_and_cache_siso")
-            or pick("mla_fia", "_npu_reshape_and_cache_siso"),
-            "decode": decode,
-            "extend": pick("mla_fia", fia),
-            "mixed": pick("mla_fia", fia),
-        }
-        if config.custom_mask:
-            routes["target_verify"] = pick("mla_tree", fia)
-        return routes
-
-    @classmethod
-    def _sink_reasons(cls, config: AttentionConfig, capability: DeviceCapability, step: str) -> list[str]:
-        """Why FIA v2 with ``learnable_sink`` cannot serve ``step`` of ``config`` here."""
-        generation = npu_ops.generation_of_arch(capability.arch)
-        if generation == "310P":
-            return ["attention sinks on 310P: no FIA (vllm-ascend runs only the ATB ops there), no op takes a sink"]
-        if step == "target_verify":
-            return [
-                "npu_fused_infer_attention_score_v2 (target_verify): learnable_sink with hal's verify mask: TND takes "
-                "no custom mask without MLA's rope inputs (its tree mask, sparse_mode 9, is MLA-only)"
-            ]
-        return npu_ops.sink_unsupported_reasons(
-            config.head_dim,
-            config.v_head_dim,
-            config.page_size,
-            _op_dtype(config.dtype, capability),
-            config.logit_cap,
-            not config.non_causal,
-            kv_heads=config.tp_k_head_num,
-            q_heads=config.tp_q_head_num,
-            decode=step == "decode",
-        )
-
-    @classmethod
-    def _sink_step_routes(cls, config: AttentionConfig, capability: DeviceCapability) -> dict[str, str]:
-        """Layers with attention sinks: every attention step is FIA v2 with ``learnable_sink`` (windows as band
-        mode 4); the KV write is the MHA one."""
-        generation = npu_ops.generation_of_arch(capability.arch)
-        steps = ["decode", "extend", "mixed"] + (["target_verify"] if config.custom_mask else [])
-        routes = {"kv_write": "_npu_reshape_and_cache" if generation == "310P" else "npu_scatter_pa_kv_cache"}
-        fia = "npu_fused_infer_attention_score_v2"
-        return routes | {step: "" if cls._sink_reasons(config, capability, step) else fia for step in steps}
-
-    @classmethod
-    def extend_route(cls, config: AttentionConfig, capability: DeviceCapability) -> tuple[str, list[str]]:
-        """``(op, reasons)``: the op EXTEND batches of ``config`` run, and why FIA does not serve them."""
-        reasons = cls._reasons(config, capability, "extend", config.sliding_window_size)
-        return cls.step_routes(config, capability)["extend"], reasons
-
-    @classmethod
-    def unsupported_reasons(cls, config: AttentionConfig, capability: DeviceCapability) -> list[str]:
-        reasons = super().unsupported_reasons(config, capability)
-        generation = npu_ops.generation_of_arch(capability.arch)
-        window = config.sliding_window_size
-        if config.kv_cache_dtype_name != config.dtype_name and config.kv_cache_dtype_name.startswith("fp8"):
-            reasons.append(_fp8_reason(generation))
-        for step, op in cls.step_routes(config, capability).items():
-            if op:
-                continue
-            if config.attention_sinks and not config.kv_lora_rank:
-                reasons += [f"{step}: {why}" for why in cls._sink_reasons(config, capability, step)]
-                continue
-            if config.kv_lora_rank:
-                both = ("mla_decode", "mla_fia")
-                paths = {"decode": both, "kv_write": both, "target_verify": ("mla_tree",)}.get(step, ("mla_fia",))
-                reasons += [f"{step}: {why}" for path in paths for why in cls._mla_reasons(config, capability, path)]
-                continue
-            why = []
-            if generation in ("A2", "A3", "A5") and step != "target_verify" and step != "graph_decode":
-                why += cls._reasons(
-                    config, capability, "fia_decode" if step == "decode" and window < 0 else "extend", window
-                )
-            if generation != "A5":
-                atb_path = "decode" if step in ("decode", "graph_decode") and window < 0 else "mixed"
-                why += cls._reasons(config, capability, atb_path, -1 if atb_path == "decode" else window)
-            else:
-                why.append(f"{step}: A5 has no ATB ops (vllm-ascend never runs _npu_paged_attention/splitfuse there)")
-            reasons += why or [f"{step}: no Ascend op serves it on {generation}"]
-        if config.kv_lora_rank:
-            reasons += cls._mla_graph_reasons(config, capability)
-            if config.attention_sinks:
-                reasons.append("attention sinks with MLA: learnable_sink needs value D <= 128 and no rope inputs")
-        elif config.attention_sinks and config.graph and capability.available and not capability.emulated:
-            reasons.append(
-                "graph capture of attention sinks on a real NPU: no in-graph update of FIA v2's host lengths"
-            )
-        if config.graph and capability.available and not capability.emulated:
-            npu = getattr(torch, "npu", None)
-            missing = [name for name in GRAPH_UPDATE_API if not hasattr(npu, name)]
-            if missing:
-                reasons.append(
-                    f"graph capture needs torch_npu's graph task update API (torch.npu.{', '.join(missing)} "
-                    "missing): the ops take host lengths that every replay must update"
-                )
-            if config.sliding_window_size >= 0:
-                reasons.append(
-                    "graph capture of sliding-window decode (_npu_paged_attention_splitfuse) on a real NPU: "
-                    "no documented in-graph update of its host lengths; only _npu_paged_attention has one"
-                )
-            if config.custom_mask:
-                reasons.append(
-                    "graph capture of TARGET_VERIFY (_npu_paged_attention_splitfuse with the verify mask) on a "
-                    "real NPU: no documented in-graph update of its host lengths; capture decode only there"
-                )
-        return list(dict.fromkeys(reasons))
-
-    @staticmethod
-    def _mla_graph_reasons(config: AttentionConfig, capability: DeviceCapability) -> list[str]:
-        reasons = []
-        if not capability.emulated and capability.available:
-            module, _ = npu_ops.load_torch_npu()
-            missing = [name for name in npu_ops.MLA_OP_NAMES if module is not None and not hasattr(module, name)]
-            if missing:
-                reasons.append(f"MLA: torch_npu lacks {', '.join(missing)}")
-            if config.graph:
-                reasons.append(
-                    "graph capture of MLA on a real NPU: _npu_paged_attention_mla cannot be captured (SGLang asserts "
-                    "it) and hal has no in-graph update of FIA v2's host lengths"
-                )
-        if config.graph and config.custom_mask:
-            reasons.append(
-                "graph capture of MLA TARGET_VERIFY: its FIA tree mask is gathered from the verify mask per step "
-                "with host-built indices; hal captures MLA decode only"
-            )
-        return reasons
 
     def support_triton(self) -> bool:
         """Triton helper ops only with a Triton NPU target (triton-ascend); the KV write is the NPU op."""
@@ -658,6 +304,10 @@ class AscendBackend(AttentionBackend):
             meta.block_table = pages.view(fb.batch_size, meta.max_blocks)
         else:
             meta.block_table = table
+        if self.generation == "310P":  # the ops read the batch's pages copied into an NZ cache (_nz_caches)
+            meta.source_table = meta.block_table
+            pages = torch.arange(fb.batch_size * meta.max_blocks, dtype=torch.int32, device=table.device)
+            meta.block_table = pages.view(fb.batch_size, meta.max_blocks)
 
     # -- splitfuse masks ---------------------------------------------------------------
     def _build_mask(self, meta: AscendMetadata, key: MaskKey) -> torch.Tensor:
@@ -697,54 +347,6 @@ class AscendBackend(AttentionBackend):
             meta.masks[key] = mask
         return mask
 
-    # -- real-NPU graph task updates (unverified without hardware) ---------------------
-    def _capturing(self) -> bool:
-        if self.capability.emulated:
-            return False
-        npu = getattr(torch, "npu", None)
-        check = getattr(npu, "is_current_stream_capturing", None)
-        return bool(check and check())
-
-    def _capture_decode(self, meta: AscendMetadata, kwargs: dict) -> None:
-        """``_npu_paged_attention`` inside a task group, so replays can update its host ``context_lens``."""
-        npu = torch.npu
-        stream = npu.current_stream()
-        event = npu.ExternalEvent()
-        event.wait(stream)  # the replay waits until out_graph re-issued this task with the new lengths
-        event.reset(stream)
-        workspace = None
-        get_workspace = getattr(self.ops, "_npu_paged_attention_get_workspace", None)
-        if get_workspace is not None:  # sized for the longest context, as vllm-ascend does at capture
-            longest = torch.full((meta.batch_size,), self._graph_width, dtype=torch.int32)
-            workspace = get_workspace(**kwargs, context_lens=longest)
-        extra = {} if workspace is None else {"workspace": workspace}
-        npu.graph_task_group_begin(stream)
-        # hal: allow-host-data the task is re-issued with each replay's host lengths (_update_graph_tasks)
-        self.ops._npu_paged_attention(**kwargs, context_lens=torch.tensor(meta.kv_lens, dtype=torch.int32), **extra)
-        handle = npu.graph_task_group_end(stream)
-        self._graph_tasks[meta.batch_size].append(_CapturedTask(handle, event, kwargs, workspace))
-
-    def _update_graph_tasks(self, meta: AscendMetadata) -> None:
-        """Re-issue every captured attention task of this batch size with this replay's host lengths."""
-        npu = torch.npu
-        if self._update_stream is None:
-            self._update_stream = npu.Stream()
-        stream = self._update_stream
-        stream.wait_stream(npu.current_stream())  # the previous replay has consumed the old parameters
-        lens = torch.tensor(meta.kv_lens, dtype=torch.int32)
-        get_workspace = getattr(self.ops, "_npu_paged_attention_get_workspace", None)
-        with npu.stream(stream):
-            for task in self._graph_tasks[meta.batch_size]:
-                extra = {}
-                if task.workspace is not None and get_workspace is not None:
-                    # vllm-ascend recomputes it per update: a shorter context can need a larger workspace.
-                    task.workspace = get_workspace(**task.kwargs, context_lens=lens)  # kept alive until next update
-                    extra["workspace"] = task.workspace
-                npu.graph_task_update_begin(stream, task.handle)
-                self.ops._npu_paged_attention(**task.kwargs, context_lens=lens, **extra)
-                npu.graph_task_update_end(stream)
-                task.event.record(stream)
-
     # -- forward -----------------------------------------------------------------------
     def check_layer(self, layer: AttentionLayer) -> None:
         if layer.logit_cap > 0:
@@ -769,34 +371,48 @@ class AscendBackend(AttentionBackend):
         return super().check_inputs(q, k, v, layer, batch, save_kv_cache)
 
     def save_kv(self, layer: AttentionLayer, fb: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
-        """The NPU's cache write on the paged view, padding handled by each op's documented contract.
+        """The NPU's cache write, padding handled by each op's documented contract.
 
-        A2/A3/A5: ``npu_scatter_pa_kv_cache`` takes slots in ``[0, slots)`` only, so a negative (padding) slot
-        is redirected to the pool's padding slot (several padding rows may land there: the doc leaves a
-        repeated slot's content unspecified, and nothing reads the padding slot). 310P, and MLA's one-cache write
-        (``_npu_reshape_and_cache_siso``): the ATB ReshapeAndCache doc makes a negative slot a skip and forbids a
-        repeated one, so padding (negative, and a captured graph's padding requests, which all target the padding
-        slot) is passed as -1. A split MLA pool (SGLang's NPU one) takes its latent and rope part in one scatter.
+        * MHA on A2/A3/A5: ``npu_scatter_pa_kv_cache`` on the paged view (vllm-ascend's ``reshape_and_cache``).
+        * MHA on 310P: ``npu_scatter_nd_update_`` of the rows into hal's ND pool (``_mha_kv_write``).
+        * MLA, hal's one latent ++ rope cache: ``_npu_reshape_and_cache_siso`` on A2 (ATB's K_CACHE_V_BYPASS is
+          documented for A2 only), ``npu_scatter_nd_update_`` on A3; SGLang's split MLA pool: two
+          ``npu_scatter_nd_update_`` (latent, rope part), as SGLang writes it.
+
+        ReshapeAndCache skips a negative slot and forbids a repeated one, so its padding (negative, and a captured
+        graph's padding requests, which all target the padding slot) is passed as -1. ``npu_scatter_pa_kv_cache``
+        and ``npu_scatter_nd_update_`` take no negative or out-of-range slot, so padding is redirected to the pool's
+        padding slot; several padding rows may land there ("重复时不保证正确性": unspecified content) and nothing
+        reads that slot.
         """
         pool = fb.token_to_kv_pool
         split = _split_mla(pool, layer)
-        joined = layer.is_mla and not split
         slots, padding = fb.out_cache_loc, getattr(pool, "padding_slot", 0)  # SGLang pools: slot 0 too
-        scatter = self.generation != "310P" and not joined
-        if scatter:
-            slots = torch.where(slots < 0, padding, slots)
-        elif self.forward_metadata.graph_static:
-            slots = torch.where(slots == padding, -1, slots)
-        if joined:  # one cache: ATB's key-only write
+        if layer.is_mla and not split and self.generation == "A2":  # ATB's key-only write
+            if self.forward_metadata.graph_static:
+                slots = torch.where(slots == padding, -1, slots)
             cache = pool.get_key_buffer(layer.layer_id)
             npu_ops.write_latent(self.ops, k, cache.view(-1, pool.page_size, *cache.shape[1:]), slots)
             self._took("_npu_reshape_and_cache_siso", "kv_write")
             return
-        if split:  # the latent and the rope part into their own caches
-            k, v = k[..., : layer.kv_lora_rank], k[..., layer.kv_lora_rank :]
+        slots = torch.where(slots < 0, padding, slots)
+        if layer.is_mla or self.generation == "310P":  # rows into the pool's ND buffers
+            rows = [(pool.get_key_buffer(layer.layer_id), k)]
+            if split:
+                rank = layer.kv_lora_rank
+                rows = [
+                    (pool.get_key_buffer(layer.layer_id), k[..., :rank]),
+                    (pool.get_value_buffer(layer.layer_id), k[..., rank:]),
+                ]
+            elif not layer.is_mla:
+                rows.append((pool.get_value_buffer(layer.layer_id), v))
+            for buffer, new in rows:
+                npu_ops.scatter_rows(self.ops, buffer, slots, new)
+            self._took("npu_scatter_nd_update_", "kv_write")
+            return
         k_cache, v_cache = paged_view(pool, layer.layer_id)
-        npu_ops.write_kv(self.ops, k, v, k_cache, v_cache, slots, scatter=scatter)
-        self._took("npu_scatter_pa_kv_cache" if scatter else "_npu_reshape_and_cache", "kv_write")
+        npu_ops.write_kv(self.ops, k, v, k_cache, v_cache, slots, scatter=True)
+        self._took("npu_scatter_pa_kv_cache", "kv_write")
 
     def _prepare(self, q, layer: AttentionLayer, fb: ForwardBatch):
         """After the prologue: ``(meta, query [T, Hq, D] in the cache dtype, k_cache, v_cache)``.
@@ -821,7 +437,17 @@ class AscendBackend(AttentionBackend):
             v_cache = npu_ops.buffer_pages(pool.get_value_buffer(layer.layer_id)[meta.relayout], meta.page_size)
         if layer.is_mla and not _split_mla(pool, layer):
             v_cache = None  # hal's MLA pool: the value is the key's latent, one cache
+        if self.generation == "310P":
+            k_cache, v_cache = (self._nz_caches(meta, cache) for cache in (k_cache, v_cache))
         return meta, q.to(pool.dtype).contiguous(), k_cache, v_cache
+
+    def _nz_caches(self, meta: AscendMetadata, cache: torch.Tensor) -> torch.Tensor:
+        """310P: the batch's pages of the ND ``cache``, request after request, as the FRACTAL_NZ cache ATB reads there
+        (``[B * max_blocks, heads * dim / 16, page, 16]``, a copy per layer; ``meta.block_table`` numbers them).
+        vllm-ascend's 310P runner allocates its caches NZ; hal's pool is ND, so the ops read this copy."""
+        if meta.relayout is None:  # the relayout copy is already laid out request after request
+            cache = cache.index_select(0, meta.source_table.reshape(-1).long())
+        return npu_ops.nz_pages(self.ops, cache)
 
     def _refuse_capture(self, op: str) -> None:
         if self._capturing():
@@ -847,7 +473,8 @@ class AscendBackend(AttentionBackend):
             *(meta.block_table, meta.query_lens, meta.kv_lens),
             scale=layer.scaling,
             out=torch.empty_like(query),
-            mask=mask,
+            mask=npu_ops.nz_mask(self.ops, mask) if self.generation == "310P" else mask,
+            num_kv_heads=layer.tp_k_head_num,
         )
         if key[0] == "custom":
             # The additive mask is finite, so the op averages V over a row that sees no key;
@@ -867,10 +494,10 @@ class AscendBackend(AttentionBackend):
             return self._output(out, q, layer)
         if kwargs.get("sinks") is not None:
             return self._output(self._sinks(meta, query, k_cache, v_cache, layer, "decode", kwargs["sinks"]), q, layer)
-        if layer.sliding_window_size >= 0:  # _npu_paged_attention has no mask: splitfuse with a windowed one
+        if self._fia_serves(layer, k_cache.shape[1], meta.dtype, "fia_decode") and not self._capturing():
+            out = self._fia(meta, query, k_cache, v_cache, layer, decode=True)  # a window: band mode, padded to Q_S 2
+        elif layer.sliding_window_size >= 0:  # _npu_paged_attention has no mask: splitfuse with a windowed one
             out = self._splitfuse(meta, query, k_cache, v_cache, layer, ("causal", layer.sliding_window_size))
-        elif self._fia_serves(layer, k_cache.shape[1], meta.dtype, "fia_decode") and not self._capturing():
-            out = self._fia(meta, query, k_cache, v_cache, layer, decode=True)
         elif self.generation == "A5":
             raise UnsupportedError(f"ascend: decode of layer {layer.layer_id} on A5: FIA cannot serve it, no ATB")
         elif self._capturing():  # vllm-ascend's full-decode graph op: its host lengths are updated per replay
@@ -879,7 +506,7 @@ class AscendBackend(AttentionBackend):
                 query=query,
                 key_cache=k_cache,
                 value_cache=v_cache,
-                num_kv_heads=k_cache.shape[2],
+                num_kv_heads=layer.tp_k_head_num,
                 num_heads=query.shape[1],
                 scale_value=float(layer.scaling),
                 block_table=meta.block_table,
@@ -890,7 +517,10 @@ class AscendBackend(AttentionBackend):
         else:
             self._took("_npu_paged_attention")
             out = npu_ops.paged_decode(
-                self.ops, query, k_cache, v_cache, meta.block_table, meta.kv_lens, scale=layer.scaling
+                self.ops,
+                *(query, k_cache, v_cache, meta.block_table, meta.kv_lens),
+                scale=layer.scaling,
+                num_kv_heads=layer.tp_k_head_num,
             )
         return self._output(out, q, layer)
 
@@ -920,11 +550,13 @@ class AscendBackend(AttentionBackend):
         self._refuse_capture("npu_fused_infer_attention_score")
         self._took("npu_fused_infer_attention_score")
         q_lens = [1] * meta.batch_size if decode else meta.query_lens
+        window = layer.sliding_window_size
         return npu_ops.paged_prefill(
             self.ops,
             *(query, k_cache, v_cache, meta.block_table, q_lens, meta.kv_lens),
             scale=layer.scaling,
-            causal=layer.causal and not decode,
+            causal=layer.causal and (not decode or window >= 0),
+            sliding_window=window,
         )
 
     def forward_mixed(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):

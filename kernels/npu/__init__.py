@@ -4,7 +4,7 @@
 the plain-torch emulation (``emulation.torch_npu`` stands in for the ``torch_npu`` module).
 """
 
-from . import emulation
+from . import contracts, emulation
 from .ops import (
     FIA_TND_HEAD_DIMS,
     GENERATIONS,
@@ -21,11 +21,14 @@ from .ops import (
     mla_attention,
     mla_decode,
     mla_unsupported_reasons,
+    nz_mask,
+    nz_pages,
     paged_attention_sinks,
     paged_decode,
     paged_mixed,
     paged_prefill,
     resolve_ops,
+    scatter_rows,
     sink_unsupported_reasons,
     splitfuse_mask,
     splitfuse_mask_value,
@@ -36,6 +39,7 @@ from .ops import (
 
 __all__ = [
     "emulation",
+    "contracts",
     "FIA_TND_HEAD_DIMS",
     "GENERATIONS",
     "generation_of_arch",
@@ -62,6 +66,9 @@ __all__ = [
     "splitfuse_mask_value",
     "unsupported_reasons",
     "write_kv",
+    "scatter_rows",
+    "nz_pages",
+    "nz_mask",
 ]
 
 

@@ -43,13 +43,19 @@ Sources (fetched 2025-2026; the ``_npu_*`` ops are ATB operations bound by op-pl
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
 import itertools
 import math
 import numbers
 import types
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
+
+from . import contracts
+from .contracts import ACL_FORMAT_FRACTAL_NZ, ACL_FORMAT_ND, violation
 
 __all__ = [
     "torch_npu",
@@ -61,8 +67,14 @@ __all__ = [
     "npu_fused_infer_attention_score_v2",
     "_npu_paged_attention_mla",
     "_npu_reshape_and_cache_siso",
+    "npu_scatter_nd_update_",
+    "npu_format_cast",
+    "get_npu_format",
+    "chip",
+    "current_chip",
     "FIA_MASK_SIZE",
     "INT_MAX",
+    "TND_MAX_BATCH",
 ]
 
 INT_MAX = 2147483647
@@ -76,6 +88,82 @@ _TND_MAX_TOKENS = 1 << 20  # "T小于等于1M"
 _FIA_MAX_GROUP = 64  # num_heads / num_key_value_heads <= 64
 _ATB_MAX_HEAD_SIZE = 256
 _ATB_MAX_BLOCK_ELEMS = 128 * 128  # "embedding * blockSize <= 128 * 128"
+_ATB_MAX_BLOCK_SIZE = 128  # ATB PagedAttention "因硬件限制，block_size <= 128" (contracts: _npu_paged_attention)
+_310P_MAX_BATCH = 2048
+TND_MAX_BATCH = 4096  # FIA / FIA v2 TND: "元素个数即batch值（≤ 4096）"
+
+
+# ----------------------------------------------------------------------------- the emulated chip
+
+_CHIP: contextvars.ContextVar[str] = contextvars.ContextVar("hal_npu_emulated_chip", default="A2")
+
+
+@contextlib.contextmanager
+def chip(generation: str) -> Iterator[None]:
+    """Run the emulated ops as ``generation``'s ("A2", "A3", "A5", "310P"): its op availability and layouts."""
+    if generation not in contracts.ALL_CHIPS:
+        raise ValueError(f"chip({generation!r}): expected one of {contracts.ALL_CHIPS}")
+    token = _CHIP.set(generation)
+    try:
+        yield
+    finally:
+        _CHIP.reset(token)
+
+
+def current_chip() -> str:
+    """The generation the emulated ops act as now (A2 unless inside :func:`chip`)."""
+    return _CHIP.get()
+
+
+def _on_chip(op: str):
+    """Refuse ``op`` on a chip its ``chips`` row does not list (the contract table)."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if not contracts.available(op, current_chip()):
+                raise violation(op, "chips", f"called on {current_chip()}")
+            return fn(*args, **kwargs)
+
+        return call
+
+    return wrap
+
+
+# ----------------------------------------------------------------------------- formats (ND / FRACTAL_NZ)
+
+
+def get_npu_format(x: torch.Tensor) -> int:
+    """``torch_npu.get_npu_format``: 29 for a tensor made by :func:`npu_format_cast` to FRACTAL_NZ, else 2 (ND)."""
+    return int(getattr(x, "_hal_npu_format", ACL_FORMAT_ND))
+
+
+def npu_format_cast(x: torch.Tensor, acl_format: int) -> torch.Tensor:
+    """``torch_npu.npu_format_cast(x, acl_format)``: a new tensor of ``x``'s logical shape in ``acl_format``.
+
+    The emulation keeps the data as it is and records the format, so an op that needs FRACTAL_NZ refuses a
+    tensor that was never cast (vllm-ascend casts its 310P caches and masks so: ``_310p/`` at 182b75e)."""
+    if acl_format not in (ACL_FORMAT_ND, ACL_FORMAT_FRACTAL_NZ):
+        raise NotImplementedError(f"npu_format_cast: acl_format = {acl_format}: the emulation models ND (2), NZ (29)")
+    out = x.contiguous().clone()
+    out._hal_npu_format = int(acl_format)
+    return out
+
+
+def _nz_cache_as_nd(op: str, arg: str, cache: torch.Tensor, kv_heads: int, head_size: int) -> torch.Tensor:
+    """A FRACTAL_NZ cache ``[num_blocks, kv_heads * head_size / 16, block_size, 16]`` as the ND
+    ``[num_blocks, block_size, kv_heads, head_size]`` it holds (a copy)."""
+    if get_npu_format(cache) != ACL_FORMAT_FRACTAL_NZ or cache.dim() != 4 or cache.shape[3] != 16:
+        raise violation(op, "layout", f"{arg} = {_describe(cache)} in format {get_npu_format(cache)} on 310P")
+    if head_size % 16 or cache.shape[1] * 16 != kv_heads * head_size:
+        raise violation(op, "layout", f"{arg} = {_describe(cache)} for {kv_heads} kv heads of head_size {head_size}")
+    blocks, _, block_size, _ = cache.shape
+    return cache.permute(0, 2, 1, 3).reshape(blocks, block_size, kv_heads, head_size)
+
+
+def _nd_only(op: str, arg: str, x: torch.Tensor) -> None:
+    if get_npu_format(x) != ACL_FORMAT_ND:
+        raise violation(op, "layout", f"{arg} in FRACTAL_NZ on {current_chip()} (its caches are ND there)")
 
 
 # ----------------------------------------------------------------------------- checks
@@ -232,34 +320,51 @@ def _attend(
 
 
 def _reshape_and_cache(op: str, pairs: Sequence[tuple[str, torch.Tensor, str, torch.Tensor]], slot_indices) -> None:
-    """ATB ReshapeAndCache's contract for each ``(name, new, cache name, cache)`` pair (see the callers)."""
+    """ATB ReshapeAndCache's contract for each ``(name, new, cache name, cache)`` pair (see the callers).
+
+    Caches are ND ``[num_blocks, block_size, kv_heads, head_size]``, or, when every cache is FRACTAL_NZ (op-plugin's
+    binding then picks ``K_CACHE_V_CACHE_NZ``), ``[num_blocks, kv_heads * head_size / 16, block_size, 16]``; 310P
+    takes NZ only (contracts: ``_npu_reshape_and_cache`` ``layout``)."""
     names = [n for name, _, cache_name, _ in pairs for n in (name, cache_name)]
     tensors = [t for _, new, _, cache in pairs for t in (new, cache)]
     for name, x in zip(names, tensors):
         _tensor(op, name, x)
     first_new, first_cache = tensors[0], tensors[1]
     _dtype(op, names[1], first_cache, _CACHE_DTYPES)
+    nz = all(get_npu_format(cache) == ACL_FORMAT_FRACTAL_NZ for _, _, _, cache in pairs)
+    if current_chip() == "310P" and not nz:
+        raise violation(
+            "_npu_reshape_and_cache", "layout", f"ND caches on 310P ({names[1]} = {_describe(first_cache)})"
+        )
+    if nz and len(pairs) == 1:
+        raise violation(op, "chips", "an NZ key cache with K_CACHE_V_BYPASS")
+    views = []
     for name, new, cache_name, cache in pairs:
         _dims(op, name, new, 3, "[num_tokens, kv_heads, head_size]")
-        _dims(op, cache_name, cache, 4, "[num_blocks, block_size, kv_heads, head_size]")
         for n, x in ((name, new), (cache_name, cache)):
             if x.dtype != first_cache.dtype:
                 raise _bad(op, n, x, f"dtype {first_cache.dtype} (all tensors share one dtype; the op does not cast)")
-        if cache.shape[:2] != first_cache.shape[:2]:
-            raise _bad(
-                op, cache_name, cache, f"the same [num_blocks, block_size] as {names[1]} {list(first_cache.shape[:2])}"
-            )
-        if new.shape[1:] != cache.shape[2:]:
-            raise _bad(op, name, new, f"[num_tokens, {cache.shape[2]}, {cache.shape[3]}] to match {cache_name}")
-        if new.shape[0] != first_new.shape[0]:
-            raise _bad(op, name, new, f"{first_new.shape[0]} tokens like {names[0]}")
         if not cache.is_contiguous():
             raise _bad(op, cache_name, cache, "a contiguous tensor (it is written in place)")
+        if nz:
+            nd = _nz_cache_as_nd("_npu_reshape_and_cache", cache_name, cache, new.shape[1], new.shape[2])
+            view = cache.permute(0, 2, 1, 3)  # [blocks, block_size, heads * dim / 16, 16], writes reach the cache
+        else:
+            _dims(op, cache_name, cache, 4, "[num_blocks, block_size, kv_heads, head_size]")
+            nd = view = cache
+        if nd.shape[:2] != (views[0][1].shape[:2] if views else nd.shape[:2]):
+            raise _bad(op, cache_name, cache, f"the same [num_blocks, block_size] as {names[1]}")
+        if new.shape[1:] != nd.shape[2:]:
+            raise _bad(op, name, new, f"[num_tokens, {nd.shape[2]}, {nd.shape[3]}] to match {cache_name}")
+        if new.shape[0] != first_new.shape[0]:
+            raise _bad(op, name, new, f"{first_new.shape[0]} tokens like {names[0]}")
+        views.append((view, nd))
     slot_indices = _tensor(op, "slot_indices", slot_indices)
     _dtype(op, "slot_indices", slot_indices, (torch.int32,))
     if slot_indices.dim() != 1 or slot_indices.shape[0] != first_new.shape[0]:
         raise _bad(op, "slot_indices", slot_indices, f"shape [num_tokens] = [{first_new.shape[0]}]")
-    num_slots = first_cache.shape[0] * first_cache.shape[1]
+    blocks, block_size = views[0][1].shape[:2]
+    num_slots = blocks * block_size
     slots = slot_indices.long()
     keep = slots >= 0
     used = slots[keep]
@@ -268,10 +373,15 @@ def _reshape_and_cache(op: str, pairs: Sequence[tuple[str, torch.Tensor, str, to
             raise _bad(op, "slot_indices", slot_indices.tolist(), f"slots < num_blocks * block_size = {num_slots}")
         if torch.unique(used).numel() != used.numel():
             raise _bad(op, "slot_indices", slot_indices.tolist(), "no repeated slot")
-    for _, new, _, cache in pairs:
-        cache.view(num_slots, *cache.shape[2:])[used] = new[keep]
+    for (_, new, _, _), (view, _) in zip(pairs, views):
+        rows = new[keep]
+        if nz:
+            view[used // block_size, used % block_size] = rows.reshape(rows.shape[0], -1, 16)
+        else:
+            view.view(num_slots, *view.shape[2:])[used] = rows
 
 
+@_on_chip("_npu_reshape_and_cache")
 def _npu_reshape_and_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -291,6 +401,7 @@ def _npu_reshape_and_cache(
     _reshape_and_cache("_npu_reshape_and_cache", pairs, slot_indices)
 
 
+@_on_chip("_npu_reshape_and_cache_siso")
 def _npu_reshape_and_cache_siso(key: torch.Tensor, key_cache: torch.Tensor, slot_indices: torch.Tensor) -> None:
     """ATB ReshapeAndCache with ``kvCacheCfg = K_CACHE_V_BYPASS``: the key alone (MLA's latent ++ rope part).
 
@@ -302,6 +413,7 @@ def _npu_reshape_and_cache_siso(key: torch.Tensor, key_cache: torch.Tensor, slot
     _reshape_and_cache("_npu_reshape_and_cache_siso", (("key", key, "key_cache", key_cache),), slot_indices)
 
 
+@_on_chip("npu_scatter_pa_kv_cache")
 def npu_scatter_pa_kv_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -334,6 +446,8 @@ def npu_scatter_pa_kv_cache(
         _tensor(op, name, x)
         if not x.is_contiguous():
             raise _bad(op, name, x, "a contiguous tensor (the op takes no non-contiguous input)")
+    _nd_only(op, "key_cache", key_cache)
+    _nd_only(op, "value_cache", value_cache)
     _dims(op, "key", key, 3, "[num_tokens, kv_heads, head_size] (scenario 1)")
     _dims(op, "value", value, 3, "[num_tokens, kv_heads, v_head_size] (scenario 1)")
     _dims(op, "key_cache", key_cache, 4, "[num_blocks, block_size, kv_heads, head_size] (cache_mode 'Norm')")
@@ -359,6 +473,36 @@ def npu_scatter_pa_kv_cache(
     value_cache.view(num_slots, *value_cache.shape[2:])[slots] = value
 
 
+@_on_chip("npu_scatter_nd_update_")
+def npu_scatter_nd_update_(input: torch.Tensor, indices: torch.Tensor, updates: torch.Tensor) -> torch.Tensor:
+    """``input[indices[i]] = updates[i]`` in place (aclnnScatterNdUpdate); returns ``input``.
+
+    Contract (contracts: ``npu_scatter_nd_update_``): ``indices`` int32/int64, at least 2-D, its last dim ``a`` <=
+    ``input.dim()``; ``updates`` shaped ``indices.shape[:-1] + input.shape[a:]``, ``input``'s dtype (310P: float32,
+    float16, bool); no index out of bounds (a negative one is refused). Repeated indices: the doc promises nothing;
+    the emulation writes one of them."""
+    op = "npu_scatter_nd_update_"
+    input, indices, updates = (
+        _tensor(op, n, x) for n, x in (("input", input), ("indices", indices), ("updates", updates))
+    )
+    _nd_only(op, "input", input)
+    if indices.dtype not in (torch.int32, torch.int64) or indices.dim() < 2 or indices.shape[-1] > input.dim():
+        raise violation(op, "indices", f"indices = {_describe(indices)} for input {_describe(input)}")
+    depth = indices.shape[-1]
+    if tuple(updates.shape) != tuple(indices.shape[:-1]) + tuple(input.shape[depth:]):
+        raise violation(op, "indices", f"updates = {_describe(updates)} for indices {list(indices.shape)}")
+    if updates.dtype != input.dtype:
+        raise violation(op, "indices", f"updates dtype {updates.dtype} into input dtype {input.dtype}")
+    if current_chip() == "310P" and input.dtype not in (torch.float32, torch.float16, torch.bool):
+        raise violation(op, "chips", f"dtype {input.dtype} on 310P")
+    flat = indices.reshape(-1, depth).long()
+    bounds = torch.tensor(input.shape[:depth])
+    if flat.numel() and (bool((flat < 0).any()) or bool((flat >= bounds).any())):
+        raise violation(op, "indices", f"indices {flat.tolist()} for input dims {list(input.shape[:depth])}")
+    input[tuple(flat.t())] = updates.reshape(flat.shape[0], *input.shape[depth:])
+    return input
+
+
 def _paged_checks(
     op: str,
     query: object,
@@ -368,20 +512,35 @@ def _paged_checks(
     num_heads: object,
     scale_value: object,
     out: object,
-) -> tuple[int, int, float]:
+) -> tuple[int, int, float, torch.Tensor, torch.Tensor]:
+    """ATB PagedAttention's shared contract (contracts: ``_npu_paged_attention`` / ``_npu_paged_attention_splitfuse``
+    rows): returns ``(heads, kv_heads, scale, key ND, value ND)``, the caches as ``[blocks, block_size, kv_heads,
+    head_size]`` (on 310P decoded from the FRACTAL_NZ layout the op takes there)."""
     query = _tensor(op, "query", query)
     key_cache = _tensor(op, "key_cache", key_cache)
     value_cache = _tensor(op, "value_cache", value_cache)
     out = _tensor(op, "out", out)
     _dims(op, "query", query, 3, "[num_tokens, num_heads, head_size]")
-    _dtype(op, "query", query, _FLOATS, " (float32 in this emulation only)")
-    _dims(op, "key_cache", key_cache, 4, "[num_blocks, block_size, kv_heads, head_size] (ND)")
-    _dims(op, "value_cache", value_cache, 4, "[num_blocks, block_size, kv_heads, head_size] (ND)")
+    on_310p = current_chip() == "310P"
+    _dtype(
+        op, "query", query, (torch.float16, torch.float32) if on_310p else _FLOATS, " (float32 in this emulation only)"
+    )
     for name, x in (("key_cache", key_cache), ("value_cache", value_cache)):
         if x.dtype != query.dtype:
             raise _bad(op, name, x, f"dtype {query.dtype} like query")
     heads, kv_heads = _head_counts(op, num_heads, num_kv_heads, query.shape[1])
-    _, block_size, cache_heads, head_size = key_cache.shape
+    head_size = query.shape[2]
+    if on_310p:
+        if not 0 < query.shape[0] <= _310P_MAX_BATCH:
+            raise violation("_npu_paged_attention", "dtype_310p", f"batch {query.shape[0]}")
+        key_cache = _nz_cache_as_nd(_PA, "key_cache", key_cache, kv_heads, head_size)
+        value_cache = _nz_cache_as_nd(_PA, "value_cache", value_cache, kv_heads, head_size)
+    else:
+        _nd_only(_PA, "key_cache", key_cache)
+        _nd_only(_PA, "value_cache", value_cache)
+        _dims(op, "key_cache", key_cache, 4, "[num_blocks, block_size, kv_heads, head_size] (ND)")
+        _dims(op, "value_cache", value_cache, 4, "[num_blocks, block_size, kv_heads, head_size] (ND)")
+    _, block_size, cache_heads, cache_head_size = key_cache.shape
     if cache_heads != kv_heads:
         raise _bad(
             op,
@@ -389,8 +548,8 @@ def _paged_checks(
             key_cache,
             f"{kv_heads} kv heads in dim 2 (num_kv_heads): layout [blocks, block_size, heads, dim]",
         )
-    if head_size != query.shape[2]:
-        raise _bad(op, "key_cache", key_cache, f"head_size {query.shape[2]} like query")
+    if cache_head_size != head_size:
+        raise _bad(op, "key_cache", key_cache, f"head_size {head_size} like query")
     if value_cache.shape != key_cache.shape:
         raise _bad(
             op,
@@ -400,20 +559,21 @@ def _paged_checks(
         )
     if block_size % 16:
         raise _bad(op, "block_size (key_cache dim 1)", block_size, "a multiple of 16")
+    if block_size > _ATB_MAX_BLOCK_SIZE:
+        raise violation(_PA, "block_size", f"block_size {block_size}")
     if not 0 < head_size <= _ATB_MAX_HEAD_SIZE:
         raise _bad(op, "head_size", head_size, f"in (0, {_ATB_MAX_HEAD_SIZE}]")
-    if head_size * block_size > _ATB_MAX_BLOCK_ELEMS:
+    if head_size * block_size > _ATB_MAX_BLOCK_ELEMS and (op == _SF or on_310p):
         raise _bad(op, "head_size * block_size", head_size * block_size, "<= 128 * 128 (hardware limit)")
     if out.shape != query.shape[:2] + (head_size,) or out.dtype != query.dtype or not out.is_contiguous():
-        raise _bad(
-            op,
-            "out",
-            out,
-            f"a contiguous {query.dtype} tensor of shape {list(query.shape[:2]) + [head_size]}",
-        )
-    return heads, kv_heads, _float(op, "scale_value", scale_value)
+        raise _bad(op, "out", out, f"a contiguous {query.dtype} tensor of shape {list(query.shape[:2]) + [head_size]}")
+    return heads, kv_heads, _float(op, "scale_value", scale_value), key_cache, value_cache
 
 
+_PA, _SF = "_npu_paged_attention", "_npu_paged_attention_splitfuse"
+
+
+@_on_chip(_PA)
 def _npu_paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -436,7 +596,9 @@ def _npu_paged_attention(
     torch_npu, for graph capture) is accepted and ignored.
     """
     op = "_npu_paged_attention"
-    _, _, scale = _paged_checks(op, query, key_cache, value_cache, num_kv_heads, num_heads, scale_value, out)
+    _, _, scale, key_cache, value_cache = _paged_checks(
+        op, query, key_cache, value_cache, num_kv_heads, num_heads, scale_value, out
+    )
     batch = query.shape[0]
     lens = _host_int32(op, "context_lens", context_lens, batch)
     table = _block_table(op, block_table, batch, lens, key_cache.shape[1], key_cache.shape[0])
@@ -450,6 +612,25 @@ def _npu_paged_attention(
     out.copy_(result)
 
 
+def _nz_mask_as_nd(op: str, mask: torch.Tensor, tokens: int, max_kv: int) -> torch.Tensor:
+    """310P's splitfuse mask, FRACTAL_NZ ``[1, ceil16(W) / 16, ceil16(T), 16]`` (vllm-ascend's ``nd_to_nz_spec``),
+    as the ND ``[T, ceil16(W)]`` rows it holds."""
+    pad = -(-tokens // 16) * 16
+    if (
+        get_npu_format(mask) != ACL_FORMAT_FRACTAL_NZ
+        or mask.dim() != 4
+        or mask.shape[0] != 1
+        or mask.shape[2] != pad
+        or mask.shape[3] != 16
+        or mask.shape[1] * 16 < max_kv
+    ):
+        raise violation(
+            op, "mask_310p", f"mask = {_describe(mask)} in format {get_npu_format(mask)} for {tokens} tokens"
+        )
+    return mask[0].permute(1, 0, 2).reshape(pad, -1)[:tokens]
+
+
+@_on_chip(_SF)
 def _npu_paged_attention_splitfuse(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -476,7 +657,9 @@ def _npu_paged_attention_splitfuse(
     context_lens, mask, seq_len); callers pass keywords.
     """
     op = "_npu_paged_attention_splitfuse"
-    _, _, scale = _paged_checks(op, query, key_cache, value_cache, num_kv_heads, num_heads, scale_value, out)
+    _, _, scale, key_cache, value_cache = _paged_checks(
+        op, query, key_cache, value_cache, num_kv_heads, num_heads, scale_value, out
+    )
     q_lens = _host_int32(op, "seq_len", seq_len)
     batch = len(q_lens)
     kv_lens = _host_int32(op, "context_lens", context_lens, batch)
@@ -494,6 +677,10 @@ def _npu_paged_attention_splitfuse(
         " (an additive float mask)",
     )
     max_kv = max(kv_lens, default=0)
+    if current_chip() == "310P":
+        mask = _nz_mask_as_nd(op, mask, query.shape[0], max_kv)
+    else:
+        _nd_only(op, "mask", mask)
     if mask.dim() != 2 or mask.shape[0] != query.shape[0] or mask.shape[1] < max_kv:
         raise _bad(
             op,
@@ -589,6 +776,25 @@ def _band(pre_tokens: int, next_tokens: int):
     return visible
 
 
+_TND_HEAD_DIMS = (128, 192)  # FIA TND without rope (contracts: npu_fused_infer_attention_score "tnd_head_dim")
+
+
+def _visibility(op, sparse_mode: int, pre_tokens: int, next_tokens: int, q_lens, kv_lens, rope: bool):
+    """Which keys each query row sees under ``sparse_mode`` 0 / 3 / 4 (None: all). With one query token per request
+    and no rope inputs the op ignores sparse_mode, pre_tokens and next_tokens (contracts: ``sparse_q1``): every key."""
+    if sparse_mode == 0:
+        return None
+    if sparse_mode == 3:
+        _check_right_down(op, q_lens, kv_lens, sparse_mode)
+    if sparse_mode == 4 and (pre_tokens < 0 or any(next_tokens + n - s < 0 for s, n in zip(q_lens, kv_lens))):
+        raise _bad(
+            op, "pre_tokens/next_tokens", (pre_tokens, next_tokens), "pre_tokens >= 0, next_tokens + KV_S - Q_S >= 0"
+        )
+    if max(q_lens, default=0) <= 1 and not rope:
+        return None
+    return _band(INT_MAX, 0) if sparse_mode == 3 else _band(pre_tokens, next_tokens)
+
+
 def _fia_run(
     queries: Sequence[torch.Tensor],
     keys: Sequence[torch.Tensor],
@@ -646,6 +852,7 @@ def _cumulative(op: str, arg: str, values: list[int], total: int, total_name: st
     return [b - a for a, b in zip([0] + values[:-1], values, strict=True)]
 
 
+@_on_chip("npu_fused_infer_attention_score")
 def npu_fused_infer_attention_score(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -780,8 +987,7 @@ def npu_fused_infer_attention_score(
             f"a divisor of num_heads = {heads} with ratio <= {_FIA_MAX_GROUP}",
         )
     scale = _float(op, "scale", scale)
-    _int(op, "pre_tokens", pre_tokens)
-    _int(op, "next_tokens", next_tokens)
+    pre_tokens, next_tokens = _int(op, "pre_tokens", pre_tokens), _int(op, "next_tokens", next_tokens)
     if _int(op, "inner_precise", inner_precise) not in (0, 1, 2, 3):
         raise _bad(op, "inner_precise", inner_precise, "0, 1, 2 or 3")
     if not isinstance(softmax_lse_flag, bool):
@@ -804,8 +1010,10 @@ def npu_fused_infer_attention_score(
             f"{batch} elements (one per request, like actual_seq_lengths)",
         )
 
+    if batch > TND_MAX_BATCH:
+        raise violation(op, "tnd_batch", f"{batch} requests")
     sparse_mode = _int(op, "sparse_mode", sparse_mode)
-    if sparse_mode == 3:
+    if sparse_mode in (3, 4):
         _check_compressed_causal_mask(op, atten_mask, sparse_mode)
     elif sparse_mode == 0:
         if atten_mask is not None:
@@ -813,11 +1021,15 @@ def npu_fused_infer_attention_score(
                 f"{op}: sparse_mode=0 with a full atten_mask is not emulated (TND takes it without a mask)"
             )
     else:
-        raise _bad(op, "sparse_mode", sparse_mode, "0 (no atten_mask) or 3 (with atten_mask) for input_layout 'TND'")
+        raise violation(op, "sparse_tnd", f"sparse_mode = {sparse_mode}")
+    if d not in _TND_HEAD_DIMS or value.shape[-1] != key.shape[-1]:
+        raise violation(op, "tnd_head_dim", f"query D = {d}")
 
     paged = block_table is not None
     if paged:
         block_size = _int(op, "block_size", block_size, 1)
+        _nd_only(op, "key", key)
+        _nd_only(op, "value", value)
         heads_major = _paged_layout(op, "key", key, block_size, kv_heads, d)
         if max(q_lens) > 1:
             if block_size % 128 or not 128 <= block_size <= 512:
@@ -838,21 +1050,8 @@ def npu_fused_infer_attention_score(
         kv_lens = _cumulative(op, "actual_seq_lengths_kv", kv_values, key.shape[0], "key.shape[0]")
     if max(q_lens) > 1 and (d % 16 or d > 512):
         raise _bad(op, "query", query, "D a multiple of 16 and <= 512 (float16/bfloat16, Q_S > 1)")
-    if sparse_mode == 3:
-        _check_right_down(op, q_lens, kv_lens, sparse_mode)
-    out, lse = _fia_run(
-        (query,),
-        (key,),
-        value,
-        q_lens,
-        kv_lens,
-        kv_heads,
-        scale,
-        table,
-        heads_major,
-        d,
-        _band(INT_MAX, 0) if sparse_mode == 3 else None,
-    )
+    visible = _visibility(op, sparse_mode, pre_tokens, next_tokens, q_lens, kv_lens, rope=False)
+    out, lse = _fia_run((query,), (key,), value, q_lens, kv_lens, kv_heads, scale, table, heads_major, d, visible)
     softmax_lse = lse.unsqueeze(-1) if softmax_lse_flag else torch.zeros(1, dtype=torch.float32, device=query.device)
     return out.to(query.dtype), softmax_lse
 
@@ -861,6 +1060,8 @@ _MLA_LATENT_DIMS = (512, 128)  # query D with query_rope / key_rope (FIA v2 doc,
 _MLA_ROPE_DIM = 64
 _MLA_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)  # query N for D = 512
 _SINK_MAX_VALUE_DIM = 128  # "仅支持value的D小于等于128"
+_V2_HEAD_DIMS = (64, 128, 192)  # FIA v2 TND without rope: 128 or 192, MHA also 64 (contracts: v2 "sink")
+_MLA_TND_MAX_QUERY = 16  # absorbed MLA in TND (contracts: v2 "mla_q16")
 
 
 def _tree_visibility(op: str, atten_mask: object, q_lens: Sequence[int], kv_lens: Sequence[int]):
@@ -883,6 +1084,7 @@ def _tree_visibility(op: str, atten_mask: object, q_lens: Sequence[int], kv_lens
     return visible
 
 
+@_on_chip("npu_fused_infer_attention_score_v2")
 def npu_fused_infer_attention_score_v2(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -1033,10 +1235,18 @@ def npu_fused_infer_attention_score_v2(
         if block_size % 16 or block_size > 1024:
             raise _bad(op, "block_size", block_size, "a multiple of 16, <= 1024 (MLA page attention)")
         rope = (query_rope,), (key_rope,)
-    elif max(q_lens) > 1 and (block_size % 128 or not 128 <= block_size <= 512):
-        raise _bad(op, "block_size", block_size, "a multiple of 128 in [128, 512] (page attention with Q_S > 1)")
-    elif block_size % 16:
-        raise _bad(op, "block_size", block_size, "a multiple of 16 (page attention)")
+        if max(q_lens) > _MLA_TND_MAX_QUERY:
+            raise violation(op, "mla_q16", f"a request of {max(q_lens)} query tokens")
+    else:
+        if block_size % 16 or block_size > 1024:
+            raise violation(op, "block_size", f"block_size {block_size}")
+        if d not in _V2_HEAD_DIMS:
+            raise violation(op, "sink", f"query D = {d} without rope")
+    if len(q_lens) > TND_MAX_BATCH:
+        raise violation(op, "tnd_batch", f"{len(q_lens)} requests")
+    for name, x in (("key", key), ("value", value), ("key_rope", key_rope)):
+        if x is not None:
+            _nd_only(op, name, x)
     table = _block_table(op, block_table, len(q_lens), kv_lens, block_size, key.shape[0])
 
     sparse_mode = _int(op, "sparse_mode", sparse_mode)
@@ -1046,8 +1256,7 @@ def npu_fused_infer_attention_score_v2(
         visible = None
     elif sparse_mode in (3, 4):
         _check_compressed_causal_mask(op, atten_mask, sparse_mode)
-        _check_right_down(op, q_lens, kv_lens, sparse_mode)
-        visible = _band(INT_MAX, 0) if sparse_mode == 3 else _band(pre_tokens, next_tokens)
+        visible = _visibility(op, sparse_mode, pre_tokens, next_tokens, q_lens, kv_lens, rope=mla)
     elif sparse_mode == 9:
         if not mla or d != 512:
             raise _bad(op, "sparse_mode", 9, "treeMask only with query_rope / key_rope and D = 512 (MLA)")
@@ -1072,6 +1281,7 @@ def npu_fused_infer_attention_score_v2(
     return out.to(query.dtype), softmax_lse
 
 
+@_on_chip("_npu_paged_attention_mla")
 def _npu_paged_attention_mla(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -1106,8 +1316,11 @@ def _npu_paged_attention_mla(
         raise _bad(
             op, "key_cache", key_cache, f"[blocks, block_size, {kv_heads}, {query.shape[2]}] (kv heads, head_size)"
         )
+    _nd_only(op, "key_cache", key_cache)
     if block_size % 16:
         raise _bad(op, "block_size (key_cache dim 1)", block_size, "a multiple of 16")
+    if block_size > _ATB_MAX_BLOCK_SIZE:  # "因硬件限制，block_size <= 128", head_size > 256 named apart
+        raise violation(op, "block_size", f"block_size {block_size} with head_size {head_size}")
     v_dim = _int(op, "mla_vheadsize", mla_vheadsize, 1)
     if v_dim >= head_size:
         raise _bad(op, "mla_vheadsize", v_dim, f"< head_size = {head_size} (the latent part of the key)")
@@ -1136,4 +1349,7 @@ torch_npu = types.SimpleNamespace(
     npu_fused_infer_attention_score_v2=npu_fused_infer_attention_score_v2,
     _npu_paged_attention_mla=_npu_paged_attention_mla,
     _npu_reshape_and_cache_siso=_npu_reshape_and_cache_siso,
+    npu_scatter_nd_update_=npu_scatter_nd_update_,
+    npu_format_cast=npu_format_cast,
+    get_npu_format=get_npu_format,
 )

@@ -21,13 +21,9 @@ which would be a sync and break graph capture):
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import itertools
-import os
-import sys
 from collections.abc import Sequence
-from types import ModuleType
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,6 +32,32 @@ from hal.errors import UnsupportedError
 from hal.kernels import opaque_kernel
 
 from . import emulation
+from .contracts import ACL_FORMAT_FRACTAL_NZ
+from .limits import (  # noqa: F401 - re-exported: hal.kernels.npu.ops.<name> keeps working (issue 23)
+    FIA_TND_HEAD_DIMS,
+    MLA_LATENT_DIMS,
+    MLA_ROPE_DIM,
+    MLA_TND_MAX_QUERY,
+    MLA_TREE_LATENT_DIM,
+    PA_MAX_BLOCK_SIZE,
+    PA_MLA_DIMS,
+    SINK_MAX_VALUE_DIM,
+    mla_unsupported_reasons,
+    sink_unsupported_reasons,
+    unsupported_reasons,
+)
+from .loaders import (  # noqa: F401 - re-exported, as above
+    ATB_LOADER,
+    GENERATIONS,
+    MLA_OP_NAMES,
+    OP_NAMES,
+    generation_of_arch,
+    generation_of_soc,
+    is_emulation,
+    load_atb,
+    load_torch_npu,
+    resolve_ops,
+)
 
 __all__ = [
     "OP_NAMES",
@@ -65,28 +87,16 @@ __all__ = [
     "mla_unsupported_reasons",
     "paged_attention_sinks",
     "sink_unsupported_reasons",
+    "scatter_rows",
+    "nz_pages",
+    "nz_mask",
 ]
-
-OP_NAMES = (
-    "_npu_reshape_and_cache",
-    "npu_scatter_pa_kv_cache",
-    "_npu_paged_attention",
-    "_npu_paged_attention_splitfuse",
-    "npu_fused_infer_attention_score",
-)
-
 _VLLM_ASCEND = "https://github.com/vllm-project/vllm-ascend/blob/main/vllm_ascend/attention/attention_v1.py"
 _SGLANG = "https://github.com/sgl-project/sglang/blob/main/python/sglang/srt/layers/attention/ascend_backend.py"
 _FIA_DOC = (
     "https://github.com/Ascend/op-plugin/blob/master/docs/zh/custom_APIs/torch_npu/"
     "torch_npu-npu_fused_infer_attention_score.md"
 )
-# FIA with input_layout TND, per that doc at op-plugin master 56bbfdf (2026-08-10), section "TND布局约束":
-# query D = 512 only with query_rope/key_rope (MLA, KV_N = 1); D != 512 without rope needs
-# Q_D = K_D = V_D = 128, or Q_D = K_D = 192 with V_D = 128 or 192. hal passes no rope and one head size
-# for K and V, so 128 or 192. (Earlier versions of the doc, docs/context/..., said D = 192 only, without
-# page attention, while vllm-ascend ran TND paged at D = 128; the current text allows 128.)
-FIA_TND_HEAD_DIMS = (128, 192)
 _ATB_PA_DOC = (
     "https://www.hiascend.com/document/detail/zh/canncommercial/80RC2/apiref/ascendtbapi/ascendtb_01_0070.html"
 )
@@ -96,138 +106,11 @@ _ATB_PA_IO_DOC = (
 _ATB_RC_DOC = (
     "https://www.hiascend.com/document/detail/zh/canncommercial/80RC22/apiref/ascendtbapi/ascendtb_01_0073.html"
 )
-
-
-# Chip generations as vllm-ascend names them (AscendDeviceType, vllm_ascend/device/hardware.py at 182b75e,
-# 2026-08-22) -> the arch string hal's capability carries. vllm-ascend routes by generation: A2/A3 run FIA (TND)
-# and npu_scatter_pa_kv_cache, _npu_paged_attention only for full-decode graph shapes (``using_paged_attention``,
-# vllm_ascend/attention/utils.py, never on A5); 310P runs ATB PagedAttention / splitfuse and _npu_reshape_and_cache
-# (vllm_ascend/_310p/attention/attention_v1.py, device_op.py ``Ascend310PDeviceAdaptor``).
-GENERATIONS = {"A2": "Ascend910B", "A3": "Ascend910_93", "310P": "Ascend310P", "A5": "Ascend950"}
-
-
-def generation_of_soc(soc_version: int) -> str | None:
-    """The generation of ``torch_npu.npu.get_soc_version()``'s number (vllm-ascend's
-    ``device_type_from_runtime_soc``), None when vllm-ascend does not know it either."""
-    if 220 <= soc_version <= 225:
-        return "A2"
-    if 250 <= soc_version <= 255:
-        return "A3"
-    if 200 <= soc_version <= 205:
-        return "310P"
-    if soc_version == 260:
-        return "A5"
-    return None
-
-
-def generation_of_arch(arch: str) -> str | None:
-    """The generation of a capability's ``arch`` (one of :data:`GENERATIONS`' values), else None."""
-    return next((gen for gen, name in GENERATIONS.items() if name == arch), None)
-
-
-# ----------------------------------------------------------------------------- loading
-
-
-def load_torch_npu() -> tuple[ModuleType | None, str]:
-    """Import ``torch_npu`` if it is usable here; never raises.
-
-    Returns ``(module, "")`` when torch_npu imports, has the ops hal calls and sees an NPU;
-    otherwise ``(None, reason)``. ``importlib.util.find_spec`` is checked first so a missing
-    package costs nothing. With torch >= 2.5 an installed torch_npu is auto-loaded by
-    ``import torch`` (entry point ``torch.backends``) unless ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``;
-    if it was, the module already in ``sys.modules`` is reused. Without CANN that auto-load
-    makes ``import torch`` itself fail, before hal runs: set ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``
-    on such machines (the reason string says so).
-    """
-    module = sys.modules.get("torch_npu")
-    if module is None:
-        try:
-            if importlib.util.find_spec("torch_npu") is None:
-                return None, "torch_npu not installed"
-        except (ImportError, ValueError) as err:  # a broken parent package or __spec__
-            return None, f"torch_npu not importable: {type(err).__name__}: {err}"
-        try:
-            module = importlib.import_module("torch_npu")
-        except BaseException as err:  # noqa: BLE001 - OSError, RuntimeError, SystemExit from native init
-            if isinstance(err, KeyboardInterrupt):
-                raise
-            hint = ""
-            if os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "1") != "0":
-                hint = "; set TORCH_DEVICE_BACKEND_AUTOLOAD=0 so that it does not break `import torch`"
-            return (
-                None,
-                f"torch_npu failed to import (CANN libraries missing?): {type(err).__name__}: {err}{hint}",
-            )
-    missing = [name for name in OP_NAMES if not hasattr(module, name)]
-    if missing:
-        version = getattr(module, "__version__", "?")
-        return None, f"torch_npu {version} lacks {', '.join(missing)} (too old for hal's Ascend backend)"
-    try:
-        npu = getattr(module, "npu", None) or getattr(torch, "npu", None)
-        available = bool(npu is not None and npu.is_available() and npu.device_count() > 0)
-    except Exception as err:  # noqa: BLE001 - a driver error is a reason, not a crash
-        return None, f"no NPU device visible: {type(err).__name__}: {err}"
-    if not available:
-        return None, "no NPU device visible (torch_npu.npu.is_available() is False)"
-    return module, ""
-
-
-# op-plugin's lazy loader of its ATB (NNAL) ops: ``_register_atb_extensions()`` (``lru_cache``d) loads
-# ``torch_npu/lib/libop_plugin_atb.so``, which needs NNAL's ``libatb.so`` (``source .../nnal/atb/set_env.sh``),
-# and raises OSError when it cannot. Until then ``torch_npu._npu_paged_attention`` & co. are lazy wrappers
-# that exist whether or not ATB is there (op-plugin ``op_plugin/atb/_atb_ops.py``). vllm-ascend's
-# ``NPUWorker.__init__`` calls it at start-up (``vllm_ascend/worker/worker.py``:
-# ``from torch_npu.op_plugin.atb._atb_ops import _register_atb_extensions``); hal's probe does the same.
-ATB_LOADER = "torch_npu.op_plugin.atb._atb_ops"
-_ATB_HINT = "install CANN's NNAL package and `source <nnal>/atb/set_env.sh` before starting python"
-
-
-def load_atb() -> str:
-    """Load op-plugin's ATB extensions as vllm-ascend's worker does; ``""`` when they loaded, else the reason.
-
-    Never raises. A torch_npu without the loader module (older than op-plugin's lazy ATB
-    loading, which registered the ops at import) has nothing to load: ``""``.
-    """
-    try:
-        loader = importlib.import_module(ATB_LOADER)
-    except ModuleNotFoundError as err:
-        if ATB_LOADER.startswith(err.name or "?"):
-            return ""
-        return f"torch_npu's ATB loader ({ATB_LOADER}) failed to import: {type(err).__name__}: {err}"
-    except BaseException as err:  # noqa: BLE001 - native init errors are reasons too
-        if isinstance(err, KeyboardInterrupt):
-            raise
-        return f"torch_npu's ATB loader ({ATB_LOADER}) failed to import: {type(err).__name__}: {err}"
-    register = getattr(loader, "_register_atb_extensions", None)
-    if register is None:
-        return ""
-    try:
-        register()
-    except BaseException as err:  # noqa: BLE001 - OSError (libatb.so, undefined symbol) and anything native
-        if isinstance(err, KeyboardInterrupt):
-            raise
-        cause = err.__cause__ or err.__context__
-        detail = f"{type(err).__name__}: {err}" + (f" ({cause})" if cause and str(cause) not in str(err) else "")
-        return (
-            f"ATB ops (_npu_paged_attention, _npu_paged_attention_splitfuse, _npu_reshape_and_cache) "
-            f"cannot load: {detail}; {_ATB_HINT}"
-        )
-    return ""
-
-
-def resolve_ops(allow_emulation: bool = True) -> tuple[Any | None, str]:
-    """``(ops, reason)``: real torch_npu with ``reason == ""``, else the emulation (or None) and why."""
-    module, reason = load_torch_npu()
-    if module is not None:
-        return module, ""
-    if allow_emulation:
-        return emulation.torch_npu, f"using the CPU emulation: {reason}"
-    return None, reason
-
-
-def is_emulation(ops: object) -> bool:
-    """True for :data:`hal.kernels.npu.emulation.torch_npu`."""
-    return bool(getattr(ops, "is_emulation", False))
+_FIA_V2_DOC = (
+    "https://github.com/Ascend/op-plugin/blob/master/docs/zh/custom_APIs/torch_npu/"
+    "torch_npu-npu_fused_infer_attention_score_v2.md"
+)
+_VLLM_ASCEND_MLA = "https://github.com/vllm-project/vllm-ascend/blob/main/vllm_ascend/attention/mla_v1.py"
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -430,12 +313,128 @@ _SCATTER_DOC = (
 _cite(write_kv, rc=_ATB_RC_DOC, vllm=_VLLM_ASCEND, scatter=_SCATTER_DOC)
 
 
-def _paged_args(query, key_cache, block_table, context_lens, scale: float) -> dict[str, Any]:
-    """The arguments ATB PagedAttention's bindings share (``_npu_paged_attention`` and its MLA variant)."""
+def scatter_rows(ops: Any, buffer: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """``buffer[slots[i]] = rows[i]`` in place: ``torch_npu.npu_scatter_nd_update_(buffer, slots.view(-1, 1), rows)``.
+
+    ``buffer`` ``[num_slots, ...]`` (a pool buffer, ND), ``rows`` ``[n, *buffer.shape[1:]]`` (cast to its dtype),
+    ``slots`` ``[n]`` int32/int64, every one in ``[0, num_slots)``: the op takes no out-of-bounds index
+    (doc: op-plugin ``docs/zh/custom_APIs/torch_npu/torch_npu-npu_scatter_nd_update_.md``), so the caller redirects
+    padding to its padding slot. SGLang writes its NPU MLA pool so (two calls, latent and rope part)."""
+    ops.npu_scatter_nd_update_(buffer, slots.view(-1, 1), rows.to(buffer.dtype).reshape(-1, *buffer.shape[1:]))
+
+
+def nz_pages(ops: Any, pages: torch.Tensor) -> torch.Tensor:
+    """ND pages ``[n, block_size, kv_heads, head_size]`` as the FRACTAL_NZ cache ATB takes on 310P,
+    ``[n, kv_heads * head_size / 16, block_size, 16]`` (vllm-ascend ``_310p/attention/attention_v1.py``
+    ``get_kv_cache_shape``, allocated with ``acl_format=ACL_FORMAT_FRACTAL_NZ``): a copy, cast with
+    ``torch_npu.npu_format_cast``. ``kv_heads * head_size`` must be a multiple of 16."""
+    n, block_size, heads, dim = pages.shape
+    nz = pages.reshape(n, block_size, heads * dim // 16, 16).permute(0, 2, 1, 3).contiguous()
+    return ops.npu_format_cast(nz, ACL_FORMAT_FRACTAL_NZ)
+
+
+def nz_mask(ops: Any, mask: torch.Tensor) -> torch.Tensor:
+    """A splitfuse mask ``[T, W]`` as 310P takes it: zero-padded to multiples of 16 and laid out
+    ``[1, ceil16(W) / 16, ceil16(T), 16]`` in FRACTAL_NZ (vllm-ascend ``vllm_ascend/utils.py`` ``nd_to_nz_spec``
+    then ``npu_format_cast``, ``_310p/attention/attention_mask.py`` ``get_splitfuse_mask``)."""
+    tokens, width = mask.shape
+    padded = torch.nn.functional.pad(mask, (0, -width % 16, 0, -tokens % 16))
+    nz = padded.reshape(padded.shape[0], padded.shape[1] // 16, 16).permute(1, 0, 2).unsqueeze(0).contiguous()
+    return ops.npu_format_cast(nz, ACL_FORMAT_FRACTAL_NZ)
+
+
+# ----------------------------------------------------------------------------- TND call plans
+
+TND_MAX_BATCH = emulation.TND_MAX_BATCH  # FIA / FIA v2 TND: at most 4096 requests per call
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One TND request of a call: query rows ``first .. first + q - 1`` of request ``request`` over its first ``kv``
+    keys; ``pad``: a copy of the first row goes before them (its output is dropped)."""
+
+    request: int
+    first: int
+    q: int
+    kv: int
+    pad: bool = False
+
+
+def _tnd_pieces(q_lens: list[int], kv_lens: list[int], *, window: bool, max_query: int | None) -> list[_Piece]:
+    """The requests of a TND call as the op can take them.
+
+    * ``window`` with one query token everywhere: the op ignores the band at Q_S = 1 (op-plugin FIA docs,
+      "Q_S = 1且不带rope输入时，sparse_mode参数无效"), so every request gets a padding row before its token (the
+      same shapes whatever the lengths, as a graph needs): Q_S = 2 and the band applies; the call then passes
+      ``next_tokens >= 1`` (the op's rule ``next_tokens + KV_S - Q_S >= 0`` at KV_S = 1; the real token is the last
+      row, so it sees no key past its own either way) and the padding row's output is dropped.
+    * ``max_query``: requests longer than that are cut into consecutive pieces of at most ``max_query`` tokens, each
+      over the keys up to its last token (right-down causal alignment is unchanged), as the absorbed MLA path's
+      "TND layout's limit of 16" asks (vllm-ascend ``attention/mla_v1.py``)."""
+    pad = window and max(q_lens, default=0) == 1
+    pieces, row = [], 0
+    for r, (q, kv) in enumerate(zip(q_lens, kv_lens, strict=True)):
+        step = max_query or max(q, 1)
+        for start in range(0, max(q, 1), step) if q else [0]:
+            n = min(step, q - start) if q else 0
+            pieces.append(_Piece(r, row + start, n, kv - (q - start - n), pad and n == 1))
+        row += q
+    return pieces
+
+
+def _run_tnd(
+    call,
+    queries: Sequence[torch.Tensor],
+    block_table: torch.Tensor,
+    q_lens,
+    kv_lens,
+    *,
+    window: bool,
+    max_query: int | None = None,
+) -> torch.Tensor:
+    """``call(queries, block_table, q_lens, kv_lens, padded)`` -> ``[T, N, Dv]`` over the TND plan of
+    :func:`_tnd_pieces`, in calls of at most :data:`TND_MAX_BATCH` requests; the output rows are the original query
+    rows, in order. ``padded``: the call's requests carry a padding row (see :func:`_tnd_pieces`)."""
+    q_lens, kv_lens = list(q_lens), list(kv_lens)
+    pieces = _tnd_pieces(q_lens, kv_lens, window=window, max_query=max_query)
+    padded = any(p.pad for p in pieces)
+    if len(pieces) == len(q_lens) and len(q_lens) <= TND_MAX_BATCH:
+        if not padded:
+            return call(queries, block_table, q_lens, kv_lens, False)
+        # a padded decode (one token per request): row b twice; device-side indices, so a graph can capture it
+        rows = torch.arange(len(q_lens), device=queries[0].device).repeat_interleave(2)
+        out = call([q.index_select(0, rows) for q in queries], block_table, [2] * len(q_lens), kv_lens, True)
+        return out[1::2]
+    outs = []
+    for at in range(0, len(pieces), TND_MAX_BATCH):
+        chunk = pieces[at : at + TND_MAX_BATCH]
+        rows = [i for p in chunk for i in ([p.first] if p.pad else []) + list(range(p.first, p.first + p.q))]
+        keep = [
+            j for j, (p, k) in enumerate((p, k) for p in chunk for k in range(p.pad + p.q)) if not (p.pad and k == 0)
+        ]
+        with opaque_kernel():  # host-built gather indices of an eager step (FIA is never captured by hal)
+            device = queries[0].device
+            row_idx = torch.tensor(rows, dtype=torch.long).to(device)
+            req_idx = torch.tensor([p.request for p in chunk], dtype=torch.long).to(device)
+            keep_idx = torch.tensor(keep, dtype=torch.long).to(device)
+        out = call(
+            [q.index_select(0, row_idx) for q in queries],
+            block_table.index_select(0, req_idx),
+            [p.q + p.pad for p in chunk],
+            [p.kv for p in chunk],
+            padded,
+        )
+        outs.append(out.index_select(0, keep_idx))
+    return torch.cat(outs)
+
+
+def _paged_args(query, key_cache, block_table, context_lens, scale: float, kv_heads: int | None) -> dict[str, Any]:
+    """The arguments ATB PagedAttention's bindings share (``_npu_paged_attention`` and its MLA variant).
+    ``kv_heads`` None: an ND cache's dim 2 (a 310P FRACTAL_NZ cache does not hold the head count in a dim)."""
     return dict(
         query=query,
         key_cache=key_cache,
-        num_kv_heads=key_cache.shape[2],
+        num_kv_heads=key_cache.shape[2] if kv_heads is None else kv_heads,
         num_heads=query.shape[1],
         scale_value=float(scale),
         block_table=block_table,
@@ -453,6 +452,7 @@ def paged_decode(
     *,
     scale: float,
     out: torch.Tensor | None = None,
+    num_kv_heads: int | None = None,
 ) -> torch.Tensor:
     """Decode: ``query`` ``[B, Hq, D]``, one token per request, over the paged caches -> ``out``.
 
@@ -466,7 +466,9 @@ def paged_decode(
     if out is None:
         out = torch.empty_like(query)
     ops._npu_paged_attention(
-        **_paged_args(query, key_cache, block_table, context_lens, scale), value_cache=value_cache, out=out
+        **_paged_args(query, key_cache, block_table, context_lens, scale, num_kv_heads),
+        value_cache=value_cache,
+        out=out,
     )
     return out
 
@@ -487,46 +489,41 @@ def paged_prefill(
     causal: bool,
     sliding_window: int = -1,
 ) -> torch.Tensor:
-    """Extend (prefix + new tokens, the new ones already in the cache) -> ``[T, Hq, D]``.
+    """Extend (prefix + new tokens, the new ones already in the cache), or decode -> ``[T, Hq, D]``.
 
     ``torch_npu.npu_fused_infer_attention_score(query, key, value, *, atten_mask,
     block_table, input_layout="TND", block_size, actual_seq_lengths, actual_seq_lengths_kv,
-    num_key_value_heads, num_heads, scale, sparse_mode)`` (doc: {fia}; called as in
+    num_key_value_heads, num_heads, scale, sparse_mode, pre_tokens, next_tokens)`` (doc: {fia}; called as in
     {vllm} ``forward_fused_infer_attention``). TND conventions: ``actual_seq_lengths`` =
     cumulative query ends (host list), ``actual_seq_lengths_kv`` = per-request KV lengths
     (host list) because the KV is paged; caches are passed as ``(blocks, block_size,
     kv_heads * dim)`` views. Causal: ``sparse_mode=3`` + :func:`fia_causal_mask`
-    (rightDownCausal, query ``i`` sees KV ``j <= kv_len - q_len + i``); non-causal:
-    ``sparse_mode=0``, no mask. A sliding window needs band mode (``sparse_mode=4``), which
-    the doc does not allow with TND: it raises :class:`hal.errors.UnsupportedError`.
+    (rightDownCausal, query ``i`` sees KV ``j <= kv_len - q_len + i``); a sliding window: ``sparse_mode=4`` with
+    ``pre_tokens = sliding_window, next_tokens = 0`` (as vllm-ascend); non-causal: ``sparse_mode=0``, no mask. The op
+    ignores the band at one query token per request, so a windowed decode goes with a padding row per request
+    (:func:`_tnd_pieces`); batches above 4096 requests go in several calls.
     """
-    if sliding_window >= 0:
-        raise UnsupportedError(
-            f"paged_prefill: sliding_window = {sliding_window}: npu_fused_infer_attention_score with "
-            "input_layout 'TND' allows only sparse_mode 0 (no mask) or 3 (causal); use paged_mixed, whose "
-            "mask can carry the window"
-        )
-    q_lens = _host_lengths("query_lens", query_lens)
-    k_lens = _host_lengths("kv_lens", kv_lens)
     num_blocks, block_size = key_cache.shape[:2]
-    extra: dict[str, Any] = {"sparse_mode": 0}
-    if causal:
-        extra = {"sparse_mode": 3, "atten_mask": fia_causal_mask(query.device)}
-    out, _ = ops.npu_fused_infer_attention_score(
-        query.contiguous(),
-        key_cache.view(num_blocks, block_size, -1),
-        value_cache.view(num_blocks, block_size, -1),
-        block_table=block_table,
-        input_layout="TND",
-        block_size=block_size,
-        actual_seq_lengths=list(itertools.accumulate(q_lens)),
-        actual_seq_lengths_kv=k_lens,
-        num_key_value_heads=key_cache.shape[2],
-        num_heads=query.shape[1],
-        scale=float(scale),
-        **extra,
-    )
-    return out
+
+    def call(queries, table, q_lens, kv_lens, with_pad):
+        out, _ = ops.npu_fused_infer_attention_score(
+            queries[0],
+            key_cache.view(num_blocks, block_size, -1),
+            value_cache.view(num_blocks, block_size, -1),
+            block_table=table,
+            input_layout="TND",
+            block_size=block_size,
+            actual_seq_lengths=list(itertools.accumulate(q_lens)),
+            actual_seq_lengths_kv=kv_lens,
+            num_key_value_heads=key_cache.shape[2],
+            num_heads=query.shape[1],
+            scale=float(scale),
+            **_fia_visibility(query.device, causal, sliding_window, with_pad),
+        )
+        return out
+
+    q_lens, k_lens = _host_lengths("query_lens", query_lens), _host_lengths("kv_lens", kv_lens)
+    return _run_tnd(call, [query.contiguous()], block_table, q_lens, k_lens, window=sliding_window >= 0)
 
 
 _cite(paged_prefill, fia=_FIA_DOC, vllm=_VLLM_ASCEND)
@@ -547,6 +544,7 @@ def paged_mixed(
     causal: bool = True,
     sliding_window: int = -1,
     custom_mask: torch.Tensor | None = None,
+    num_kv_heads: int | None = None,
 ) -> torch.Tensor:
     """Mixed batch (decodes and chunked prefills, query tokens concatenated) -> ``out`` ``[T, Hq, D]``.
 
@@ -579,7 +577,7 @@ def paged_mixed(
         context_lens=_host_int32("kv_lens", kv_lens),
         mask=mask,
         seq_len=_host_int32("query_lens", query_lens),
-        num_kv_heads=key_cache.shape[2],
+        num_kv_heads=key_cache.shape[2] if num_kv_heads is None else num_kv_heads,
         num_heads=query.shape[1],
         scale_value=float(scale),
         out=out,
@@ -588,129 +586,6 @@ def paged_mixed(
 
 
 _cite(paged_mixed, vllm=_VLLM_ASCEND, sglang=_SGLANG)
-
-
-# ----------------------------------------------------------------------------- support
-
-
-def unsupported_reasons(
-    head_dim: int,
-    v_head_dim: int,
-    block_size: int,
-    dtype: torch.dtype,
-    logit_cap: float,
-    sliding_window: int,
-    custom_mask: bool,
-    causal: bool,
-    *,
-    kv_heads: int | None = None,
-    q_heads: int | None = None,
-    paths: Sequence[str] = ("decode", "extend", "mixed"),
-) -> list[str]:
-    """Why the real Ascend ops cannot serve a config: ``[]`` when all of ``paths`` can.
-
-    Paths: ``decode`` = ``_npu_paged_attention``, ``extend`` = ``npu_fused_infer_attention_score``
-    (TND, paged, query lengths > 1 allowed), ``fia_decode`` = the same op with one query token per request
-    (its page-size rule is the doc's Q_S = 1 column), ``mixed`` = ``_npu_paged_attention_splitfuse``.
-    Each reason names the op and the documented limit. float32 is reported (the real ops take float16/bfloat16) although
-    the CPU emulation computes it.
-    """
-    reasons: list[str] = []
-    half = (torch.float16, torch.bfloat16)
-    atb_paths = [p for p in paths if p in ("decode", "mixed")]
-    for path in atb_paths:
-        name = "_npu_paged_attention" if path == "decode" else "_npu_paged_attention_splitfuse"
-        # ATB PagedAttentionOperation constraints: _ATB_PA_DOC and _ATB_PA_IO_DOC.
-        if dtype not in half:
-            reasons.append(f"{name} ({path}): dtype {dtype} unsupported (ATB PagedAttention takes float16/bfloat16)")
-        if v_head_dim != head_dim:
-            reasons.append(
-                f"{name} ({path}): v_head_dim {v_head_dim} != head_dim {head_dim} (one head_size for K and V caches)"
-            )
-        if not 0 < head_dim <= 256:
-            reasons.append(f"{name} ({path}): head_dim {head_dim} outside (0, 256]")
-        if block_size % 16:
-            reasons.append(f"{name} ({path}): page size {block_size} is not a multiple of 16")
-        if head_dim * block_size > 128 * 128:
-            reasons.append(f"{name} ({path}): head_dim * page size = {head_dim * block_size} > 128 * 128")
-        if logit_cap > 0:
-            reasons.append(f"{name} ({path}): no logit soft-cap input (PagedAttentionParam has none)")
-        if path == "decode" and sliding_window >= 0:
-            reasons.append(f"{name} (decode): no mask or window input (torch_npu fixes maskType=UNDEFINED)")
-        if kv_heads and q_heads and q_heads % kv_heads:
-            reasons.append(f"{name} ({path}): q_heads {q_heads} not a multiple of kv_heads {kv_heads}")
-        if path == "mixed" and head_dim == 192 and block_size % 128:
-            # Issue 17's read of vllm-ascend: splitfuse at head dim 192 may crash unless the page size is a
-            # multiple of 128; vllm-ascend never sends 192 there (A2/A3 take FIA), so hal does not either.
-            reasons.append(
-                f"{name} (mixed): head_dim 192 with page size {block_size} (not a multiple of 128) may crash "
-                "(vllm-ascend's warning); use a page size of 128/256/512 so FIA serves it"
-            )
-    for path in [p for p in paths if p in ("extend", "fia_decode")]:
-        name = "npu_fused_infer_attention_score"
-        # FIA constraints: _FIA_DOC ("约束说明": TND, page attention, Q_S > 1).
-        if dtype not in half:
-            reasons.append(f"{name} ({path}): dtype {dtype} unsupported (query takes float16/bfloat16)")
-        if v_head_dim != head_dim:
-            reasons.append(
-                f"{name} ({path}): v_head_dim {v_head_dim} != head_dim {head_dim} "
-                "(paged key and value shapes must match)"
-            )
-        if head_dim not in FIA_TND_HEAD_DIMS:  # see FIA_TND_HEAD_DIMS for the doc and its version
-            reasons.append(
-                f"{name} ({path}): head_dim {head_dim}: input_layout TND takes head dim 128 or 192 without rope "
-                "(512 only with MLA's query_rope/key_rope; op-plugin doc, TND constraints)"
-            )
-        if path == "extend" and (block_size % 128 or not 128 <= block_size <= 512):
-            reasons.append(
-                f"{name} ({path}): page size {block_size} must be a multiple of 128 in [128, 512] "
-                "(page attention, Q_S > 1)"
-            )
-        if path == "fia_decode" and (block_size % 16 or not 0 < block_size <= 512):
-            reasons.append(
-                f"{name} ({path}): page size {block_size} must be a multiple of 16 (TND) in (0, 512] "
-                "(page attention, Q_S = 1)"
-            )
-        if logit_cap > 0:
-            reasons.append(f"{name} ({path}): no logit soft-cap input")
-        if sliding_window >= 0:
-            reasons.append(
-                f"{name} ({path}): sliding window needs sparse_mode 4 (band), not allowed with input_layout TND"
-            )
-        if custom_mask:
-            reasons.append(
-                f"{name} ({path}): custom mask unsupported "
-                "(TND takes sparse_mode 0 without a mask or 3 with the causal mask)"
-            )
-        if kv_heads and q_heads and (q_heads % kv_heads or q_heads // kv_heads > 64):
-            reasons.append(f"{name} ({path}): q_heads / kv_heads = {q_heads}/{kv_heads} must be an integer <= 64")
-        if kv_heads and kv_heads * head_dim > 65535:
-            reasons.append(
-                f"{name} ({path}): kv_heads * head_dim = {kv_heads * head_dim} > 65535 "
-                "in the (blocks, block_size, H) layout"
-            )
-    # ``causal`` needs no reason: decode sees every key, FIA has sparse_mode 0, splitfuse a zero mask.
-    del causal
-    return reasons
-
-
-# ----------------------------------------------------------------------------- MLA (latent attention)
-
-# The ops of the MLA path, checked apart from OP_NAMES (a torch_npu without them still serves MHA).
-MLA_OP_NAMES = ("_npu_reshape_and_cache_siso", "_npu_paged_attention_mla", "npu_fused_infer_attention_score_v2")
-_FIA_V2_DOC = (
-    "https://github.com/Ascend/op-plugin/blob/master/docs/zh/custom_APIs/torch_npu/"
-    "torch_npu-npu_fused_infer_attention_score_v2.md"
-)
-_VLLM_ASCEND_MLA = "https://github.com/vllm-project/vllm-ascend/blob/main/vllm_ascend/attention/mla_v1.py"
-# FIA v2 with query_rope / key_rope (doc at op-plugin 517f2e7, "MLA场景约束"): the latent D is 512 (KV_N = 1, Q_N a
-# power of two <= 128, sparse 0/3/4/9) or 128, the rope part 64, page block_size a multiple of 16 <= 1024.
-MLA_LATENT_DIMS = (512, 128)
-MLA_ROPE_DIM = 64
-MLA_TREE_LATENT_DIM = 512  # sparse_mode 9 (treeMask) is documented for D = 512
-# _npu_paged_attention_mla at the only shape upstream calls and tests it with (op-plugin
-# test/test_custom_ops/test_atb_paged_attention_mla.py; SGLang's forward_decode with DeepSeek): 512 + 64, one KV head.
-PA_MLA_DIMS = (512, 64)
 
 
 def write_latent(ops: Any, key: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
@@ -747,7 +622,7 @@ def mla_decode(
     query = query.contiguous()
     out = query.new_empty(query.shape[0], query.shape[1], kv_lora_rank)
     ops._npu_paged_attention_mla(
-        **_paged_args(query, cache, block_table, context_lens, scale), mla_vheadsize=kv_lora_rank, out=out
+        **_paged_args(query, cache, block_table, context_lens, scale, None), mla_vheadsize=kv_lora_rank, out=out
     )
     return out
 
@@ -784,34 +659,47 @@ def mla_attention(
     if padded != heads:
         query = torch.nn.functional.pad(query, (0, 0, 0, padded - heads))
     blocks, block_size = latent_cache.shape[:2]
-    extra = _fia_v2_visibility(query.device, causal, sliding_window)
+    extra = _fia_visibility(query.device, causal, sliding_window)  # rope inputs: the band holds at Q_S = 1 too
     if tree_mask is not None:
         extra = {"sparse_mode": 9, "atten_mask": tree_mask}
-    out, _ = ops.npu_fused_infer_attention_score_v2(
-        query[..., :rank].contiguous(),
-        latent_cache.view(blocks, block_size, -1),
-        latent_cache.view(blocks, block_size, -1),
-        query_rope=query[..., rank:].contiguous(),
-        key_rope=rope_cache.view(blocks, block_size, -1),
-        block_table=block_table,
-        input_layout="TND",
-        block_size=block_size,
-        actual_seq_qlen=list(itertools.accumulate(_host_lengths("query_lens", query_lens))),
-        actual_seq_kvlen=_host_lengths("kv_lens", kv_lens),
-        num_query_heads=padded,
-        num_key_value_heads=latent_cache.shape[2],
-        softmax_scale=float(scale),
-        **extra,
-    )
+
+    def call(queries, table, q_lens, kv_lens, with_pad):
+        out, _ = ops.npu_fused_infer_attention_score_v2(
+            queries[0],
+            latent_cache.view(blocks, block_size, -1),
+            latent_cache.view(blocks, block_size, -1),
+            query_rope=queries[1],
+            key_rope=rope_cache.view(blocks, block_size, -1),
+            block_table=table,
+            input_layout="TND",
+            block_size=block_size,
+            actual_seq_qlen=list(itertools.accumulate(q_lens)),
+            actual_seq_kvlen=kv_lens,
+            num_query_heads=padded,
+            num_key_value_heads=latent_cache.shape[2],
+            softmax_scale=float(scale),
+            **extra,
+        )
+        return out
+
+    q_lens, k_lens = _host_lengths("query_lens", query_lens), _host_lengths("kv_lens", kv_lens)
+    if tree_mask is not None and max(q_lens, default=0) > MLA_TND_MAX_QUERY:
+        raise UnsupportedError(
+            f"mla_attention: a verify step of {max(q_lens)} draft tokens: FIA v2's tree mask (sparse_mode 9) takes at "
+            f"most {MLA_TND_MAX_QUERY} query tokens per request in TND (vllm-ascend attention/mla_v1.py)"
+        )
+    queries = [query[..., :rank].contiguous(), query[..., rank:].contiguous()]
+    out = _run_tnd(call, queries, block_table, q_lens, k_lens, window=False, max_query=MLA_TND_MAX_QUERY)
     return out[:, :heads]
 
 
-def _fia_v2_visibility(device, causal: bool, sliding_window: int) -> dict[str, Any]:
-    """FIA v2's TND mask arguments: ``sparse_mode`` 4 (band, ``pre_tokens = sliding_window``, ``next_tokens = 0``, as
-    SGLang and vllm-ascend pass for windows; every later key too when not causal), 3 (rightDownCausal) or 0 (no
-    mask); 3 and 4 take the compressed mask."""
+def _fia_visibility(device, causal: bool, sliding_window: int, padded: bool = False) -> dict[str, Any]:
+    """FIA's TND mask arguments (v1 and v2 alike): ``sparse_mode`` 4 (band, ``pre_tokens = sliding_window``,
+    ``next_tokens = 0``, as SGLang and vllm-ascend pass for windows; every later key too when not causal; 1 for a
+    ``padded`` decode, see :func:`_tnd_pieces`), 3 (rightDownCausal) or 0 (no mask); 3 and 4 take the compressed
+    mask."""
     if sliding_window >= 0:
-        later = 0 if causal else emulation.INT_MAX
+        later = int(padded) if causal else emulation.INT_MAX
         return dict(sparse_mode=4, atten_mask=fia_causal_mask(device), pre_tokens=sliding_window, next_tokens=later)
     if causal:
         return dict(sparse_mode=3, atten_mask=fia_causal_mask(device))
@@ -842,123 +730,34 @@ def paged_attention_sinks(
     """
     blocks, block_size = key_cache.shape[:2]
     sink_dtype = torch.float32 if query.dtype == torch.float32 else torch.bfloat16
-    out, _ = ops.npu_fused_infer_attention_score_v2(
-        query.contiguous(),
-        key_cache.view(blocks, block_size, -1),
-        value_cache.view(blocks, block_size, -1),
-        block_table=block_table,
-        input_layout="TND",
-        block_size=block_size,
-        actual_seq_qlen=list(itertools.accumulate(_host_lengths("query_lens", query_lens))),
-        actual_seq_kvlen=_host_lengths("kv_lens", kv_lens),
-        num_query_heads=query.shape[1],
-        num_key_value_heads=key_cache.shape[2],
-        softmax_scale=float(scale),
-        learnable_sink=sinks.to(sink_dtype).contiguous(),
-        **_fia_v2_visibility(query.device, causal, sliding_window),
-    )
-    return out
+    sinks = sinks.to(sink_dtype).contiguous()
+
+    def call(queries, table, q_lens, kv_lens, with_pad):
+        out, _ = ops.npu_fused_infer_attention_score_v2(
+            queries[0],
+            key_cache.view(blocks, block_size, -1),
+            value_cache.view(blocks, block_size, -1),
+            block_table=table,
+            input_layout="TND",
+            block_size=block_size,
+            actual_seq_qlen=list(itertools.accumulate(q_lens)),
+            actual_seq_kvlen=kv_lens,
+            num_query_heads=query.shape[1],
+            num_key_value_heads=key_cache.shape[2],
+            softmax_scale=float(scale),
+            learnable_sink=sinks,
+            **_fia_visibility(query.device, causal, sliding_window, with_pad),
+        )
+        return out
+
+    q_lens, k_lens = _host_lengths("query_lens", query_lens), _host_lengths("kv_lens", kv_lens)
+    return _run_tnd(call, [query.contiguous()], block_table, q_lens, k_lens, window=sliding_window >= 0)
 
 
 _cite(paged_attention_sinks, fia2=_FIA_V2_DOC, vllm=_VLLM_ASCEND, sglang=_SGLANG)
 _cite(write_latent, rc=_ATB_RC_DOC)
 _cite(mla_decode, sglang=_SGLANG)
 _cite(mla_attention, fia2=_FIA_V2_DOC, vllm=_VLLM_ASCEND_MLA)
-
-
-SINK_MAX_VALUE_DIM = 128  # FIA v2 "learnable_sink约束": value D <= 128
-
-
-def sink_unsupported_reasons(
-    head_dim: int,
-    v_head_dim: int,
-    block_size: int,
-    dtype: torch.dtype,
-    logit_cap: float,
-    causal: bool,
-    *,
-    kv_heads: int,
-    q_heads: int,
-    decode: bool = False,
-) -> list[str]:
-    """Why FIA v2 with ``learnable_sink`` cannot serve a layer: FIA's TND rules (:func:`unsupported_reasons`, path
-    ``fia_decode`` or ``extend``; FIA v2 takes a window as band mode 4) plus the sink's own (value D <= 128)."""
-    path = "fia_decode" if decode else "extend"
-    reasons = unsupported_reasons(
-        head_dim,
-        v_head_dim,
-        block_size,
-        dtype,
-        logit_cap,
-        -1,
-        False,
-        causal,
-        kv_heads=kv_heads,
-        q_heads=q_heads,
-        paths=(path,),
-    )
-    reasons = [
-        why.replace("npu_fused_infer_attention_score (", "npu_fused_infer_attention_score_v2 (") for why in reasons
-    ]
-    if v_head_dim > SINK_MAX_VALUE_DIM:
-        reasons.append(
-            f"npu_fused_infer_attention_score_v2 ({path}): learnable_sink needs value D <= {SINK_MAX_VALUE_DIM}, "
-            f"not {v_head_dim}"
-        )
-    return reasons
-
-
-def mla_unsupported_reasons(
-    kv_lora_rank: int,
-    qk_rope_head_dim: int,
-    block_size: int,
-    dtype: torch.dtype,
-    *,
-    q_heads: int,
-    kv_heads: int,
-    logit_cap: float = 0.0,
-    sliding_window: int = -1,
-    paths: Sequence[str] = ("mla_decode", "mla_fia"),
-) -> list[str]:
-    """Why the real ops cannot serve an MLA layer's ``paths``: ``mla_decode`` = ``_npu_paged_attention_mla``,
-    ``mla_fia`` = FIA v2 with query_rope / key_rope, ``mla_tree`` = the same with a tree mask (verify)."""
-    reasons: list[str] = []
-    half = dtype in (torch.float16, torch.bfloat16)
-    for path in paths:
-        name = "_npu_paged_attention_mla" if path == "mla_decode" else "npu_fused_infer_attention_score_v2"
-        where = f"{name} ({path})"
-        if not half:
-            reasons.append(f"{where}: dtype {dtype} unsupported (float16/bfloat16)")
-        if kv_heads != 1:
-            reasons.append(f"{where}: {kv_heads} latent KV heads (MLA caches have one)")
-        if logit_cap > 0:
-            reasons.append(f"{where}: no logit soft-cap input")
-        if path == "mla_decode":
-            if (kv_lora_rank, qk_rope_head_dim) != PA_MLA_DIMS:
-                reasons.append(
-                    f"{where}: latent {kv_lora_rank} + rope {qk_rope_head_dim}: upstream calls and tests it only at "
-                    f"{PA_MLA_DIMS[0]} + {PA_MLA_DIMS[1]} (DeepSeek)"
-                )
-            if block_size % 16:
-                reasons.append(f"{where}: page size {block_size} is not a multiple of 16")
-            if sliding_window >= 0:
-                reasons.append(f"{where}: no mask or window input")
-            continue
-        if kv_lora_rank not in MLA_LATENT_DIMS or qk_rope_head_dim != MLA_ROPE_DIM:
-            reasons.append(
-                f"{where}: latent {kv_lora_rank} + rope {qk_rope_head_dim}: with query_rope/key_rope the latent D is "
-                f"{' or '.join(map(str, MLA_LATENT_DIMS))} and the rope D {MLA_ROPE_DIM} (op-plugin FIA v2 doc, MLA)"
-            )
-        if block_size % 16 or block_size > 1024:
-            reasons.append(f"{where}: page size {block_size} must be a multiple of 16, <= 1024 (MLA page attention)")
-        if kv_lora_rank == 512 and q_heads > 128:
-            reasons.append(f"{where}: {q_heads} query heads > 128 (D = 512)")
-        if path == "mla_tree":
-            if kv_lora_rank != MLA_TREE_LATENT_DIM:
-                reasons.append(f"{where}: the verify tree mask (sparse_mode 9) needs latent D = {MLA_TREE_LATENT_DIM}")
-            if sliding_window >= 0:
-                reasons.append(f"{where}: a tree mask (sparse_mode 9) cannot carry a sliding window")
-    return reasons
 
 
 def __getattr__(name: str):

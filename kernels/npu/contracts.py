@@ -1,0 +1,394 @@
+"""The documented contract of every torch_npu op hal calls: ONE table, read by the emulation, the routing and the docs.
+
+Each :class:`Constraint` row names the op, a short key, the chip generations it applies to, the rule in words, the
+upstream source that states it (repository@commit, path, section or line) and the test that proves the emulation
+enforces it. The emulation (:mod:`hal.kernels.npu.emulation`) raises through :func:`violation` with the row's words
+and source; ``hal info`` lists the rows of the emulated generation (:func:`limits_for`); ``docs/hardware-contracts.md``
+is written from the same rows. Leaf module: imports nothing of hal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "ALL_CHIPS",
+    "Constraint",
+    "CONSTRAINTS",
+    "ACL_FORMAT_ND",
+    "ACL_FORMAT_FRACTAL_NZ",
+    "rule",
+    "chips_of",
+    "available",
+    "violation",
+    "limits_for",
+    "markdown",
+]
+
+ALL_CHIPS = ("A2", "A3", "A5", "310P")
+ACL_FORMAT_ND = 2  # torch_npu's ACL format ids (vllm_ascend/utils.py ACL_FORMAT_FRACTAL_NZ = 29)
+ACL_FORMAT_FRACTAL_NZ = 29
+
+_OPP = "Ascend/op-plugin@517f2e7 "
+_VA = "vllm-project/vllm-ascend@182b75e "
+_PA_DOC = (
+    _OPP + "op_plugin/python/atb/_atb_api_docs.py, _npu_paged_attention_v2 '规格约束' (ATB PagedAttentionOperation)"
+)
+_PA_PARAM = _OPP + "op_plugin/third_party/atb/inc/infer_op_params.h, struct PagedAttentionParam"
+_RC_PARAM = _OPP + "op_plugin/third_party/atb/inc/infer_op_params.h, struct ReshapeAndCacheParam::KvCacheCfg"
+_FIA = _OPP + "docs/zh/custom_APIs/torch_npu/torch_npu-npu_fused_infer_attention_score.md"
+_FIA2 = _OPP + "docs/zh/custom_APIs/torch_npu/torch_npu-npu_fused_infer_attention_score_v2.md"
+_SCATTER = _OPP + "docs/zh/custom_APIs/torch_npu/torch_npu-npu_scatter_pa_kv_cache.md"
+_ND_UPDATE = _OPP + "docs/zh/custom_APIs/torch_npu/torch_npu-npu_scatter_nd_update_.md"
+_VA_310P = (
+    _VA
+    + "vllm_ascend/_310p/attention/attention_v1.py get_kv_cache_shape; _310p/model_runner_310p.py "
+    + ("_allocate_kv_cache_tensors (torch_npu.empty_with_format(..., acl_format=ACL_FORMAT_FRACTAL_NZ))")
+)
+_VA_A5 = _VA + "vllm_ascend/device/device_op.py A5DeviceAdaptor (inherits BaseDeviceAdaptor.reshape_and_cache)"
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """One documented rule of one op: the ``chips`` it applies to, the ``rule``, its ``source``, the ``test``."""
+
+    op: str
+    key: str
+    chips: tuple[str, ...]
+    rule: str
+    source: str
+    test: str
+
+
+_PA = "_npu_paged_attention"
+_SF = "_npu_paged_attention_splitfuse"
+_MLA = "_npu_paged_attention_mla"
+_RC = "_npu_reshape_and_cache"
+_SISO = "_npu_reshape_and_cache_siso"
+_FIA_OP = "npu_fused_infer_attention_score"
+_FIA2_OP = "npu_fused_infer_attention_score_v2"
+_SPA = "npu_scatter_pa_kv_cache"
+_NDU = "npu_scatter_nd_update_"
+_ATB_CHIPS = ("A2", "A3", "310P")
+_T = "tests/test_npu_contracts.py::"
+
+CONSTRAINTS: tuple[Constraint, ...] = (
+    # --- availability per chip -------------------------------------------------------------------------------------
+    *(
+        Constraint(
+            op,
+            "chips",
+            _ATB_CHIPS,
+            "an ATB op: A2/A3/310P; vllm-ascend runs no ATB attention op on A5",
+            _VA + "vllm_ascend/attention/utils.py using_paged_attention (never on A5); " + _PA_DOC,
+            _T + "test_op_availability_per_chip",
+        )
+        for op in (_PA, _SF, _RC)
+    ),
+    Constraint(
+        _MLA,
+        "chips",
+        ("A2", "A3"),
+        "ATB PagedAttention with mlaVHeadSize: A2/A3 (SGLang's NPU MLA decode); 310P has no MLA path",
+        _OPP + "op_plugin/ops/atb/PagedAttentionMlaAtb.cpp; " + _VA + "vllm_ascend/_310p (no MLA attention)",
+        _T + "test_op_availability_per_chip",
+    ),
+    Constraint(
+        _SISO,
+        "chips",
+        ("A2",),
+        "ReshapeAndCache with kvCacheCfg = K_CACHE_V_BYPASS is supported on Atlas 800I A2 only "
+        "('仅在Atlas 800I A2推理产品上支持设置为K_CACHE_V_BYPASS'); op-plugin tests it on Ascend910B only",
+        _RC_PARAM
+        + "; "
+        + _OPP
+        + "test/test_custom_ops/test_atb_reshape_and_cache_siso.py (@SupportedDevices(['Ascend910B']))",
+        _T + "test_op_availability_per_chip",
+    ),
+    Constraint(
+        _FIA_OP,
+        "chips",
+        ("A2", "A3", "A5"),
+        "A2/A3 (the doc's product table); A5: vllm-ascend's A5DeviceAdaptor calls it; not 310P",
+        _FIA
+        + " '产品支持情况'; "
+        + _VA
+        + "vllm_ascend/device/device_op.py A5DeviceAdaptor.npu_fused_infer_attention_score",
+        _T + "test_op_availability_per_chip",
+    ),
+    Constraint(
+        _FIA2_OP,
+        "chips",
+        ("A2", "A3"),
+        "A2/A3 only (the doc's product table lists no A5 and no Atlas inference series)",
+        _FIA2 + " '产品支持情况'",
+        _T + "test_op_availability_per_chip",
+    ),
+    Constraint(
+        _SPA,
+        "chips",
+        ("A2", "A3", "A5"),
+        "A2/A3 (the doc's product table); A5: vllm-ascend's A5DeviceAdaptor writes the KV with it",
+        _SCATTER + " '产品支持情况'; " + _VA_A5,
+        _T + "test_op_availability_per_chip",
+    ),
+    Constraint(
+        _NDU,
+        "chips",
+        ("A2", "A3", "310P"),
+        "A2/A3 and the Atlas inference series (310P: float32/float16/bool only)",
+        _ND_UPDATE + " '产品支持情况', 'input'",
+        _T + "test_op_availability_per_chip",
+    ),
+    # --- ATB PagedAttention (decode, splitfuse, MLA) ----------------------------------------------------------------
+    Constraint(
+        _PA,
+        "block_size",
+        _ATB_CHIPS,
+        "block_size a multiple of 16 and <= 128 ('因硬件限制，block_size %16 == 0' and 'block_size <= 128')",
+        _PA_DOC,
+        _T + "test_paged_attention_block_size_limit",
+    ),
+    Constraint(
+        _PA,
+        "head_size",
+        _ATB_CHIPS,
+        "head_size in (0, 256], one head_size for K and V",
+        _PA_DOC + "; " + _PA_PARAM,
+        _T + "test_paged_attention_block_size_limit",
+    ),
+    Constraint(
+        _PA,
+        "head_x_block",
+        ("310P",),
+        "block_size * head_size <= 128 * 128 on the Atlas inference series (310P)",
+        _PA_DOC + " ('以及Atlas 推理系列产品上 ... block_size * head_size ≤ 128 * 128')",
+        _T + "test_310p_takes_nz_caches_only",
+    ),
+    Constraint(
+        _SF,
+        "head_x_block",
+        _ATB_CHIPS,
+        "parallel decoding (CALC_TYPE_SPEC, the splitfuse binding): block_size * head_size <= 128 * 128",
+        _PA_DOC + " ('并行解码场景 ... block_size * head_size ≤ 128 * 128')",
+        _T + "test_paged_attention_block_size_limit",
+    ),
+    Constraint(
+        _MLA,
+        "block_size",
+        ("A2", "A3"),
+        "head_size > 256 (MLA's 576) needs block_size <= 128, a multiple of 16",
+        _PA_DOC + " ('当key_cache或value_cache的head_size > 256时，block_size小于等于128')",
+        _T + "test_mla_decode_block_size_limit",
+    ),
+    Constraint(
+        _PA,
+        "layout",
+        _ATB_CHIPS,
+        "key/value caches: A2/A3 ND [num_blocks, block_size, kv_heads, head_size]; 310P FRACTAL_NZ "
+        "[num_blocks, head_size * num_heads / 16, block_size, 16] (head_size a multiple of 16)",
+        _PA_DOC + " (key_cache/value_cache); " + _VA_310P,
+        _T + "test_310p_takes_nz_caches_only",
+    ),
+    Constraint(
+        _PA,
+        "dtype_310p",
+        ("310P",),
+        "query, caches and mask float16 only, 0 < batch <= 2048 on the Atlas inference series",
+        _PA_DOC
+        + " ('在Atlas 推理系列产品上 ：query、key_cache、value_cache、mask 四个入参只支持float16。0<batch<=2048')",
+        _T + "test_310p_takes_nz_caches_only",
+    ),
+    Constraint(
+        _SF,
+        "mask_310p",
+        ("310P",),
+        "the splitfuse mask in FRACTAL_NZ [1, ceil16(max_seq_len) / 16, ceil16(num_tokens), 16]",
+        _VA + "vllm_ascend/_310p/attention/attention_mask.py get_splitfuse_mask (nd_to_nz_spec, npu_format_cast "
+        "ACL_FORMAT_FRACTAL_NZ); vllm_ascend/utils.py nd_to_nz_spec",
+        _T + "test_310p_takes_nz_caches_only",
+    ),
+    Constraint(
+        _PA,
+        "context_lens",
+        _ATB_CHIPS,
+        "context_lens int32 [batch] host data; block_table int32 [batch, max_blocks] with ids in [0, num_blocks)",
+        _PA_DOC + " ('block_tables中元素的值须在[0, num_blocks)之间')",
+        "tests/test_npu_kernels.py::test_decode_rejects_bad_inputs",
+    ),
+    # --- KV writes ---------------------------------------------------------------------------------------------------
+    Constraint(
+        _RC,
+        "slots",
+        _ATB_CHIPS,
+        "slot_indices int32 [num_tokens] in [0, num_blocks * block_size); a negative slot is skipped; "
+        "no repeated slot; one dtype for key, value and both caches",
+        _OPP + "op_plugin/ops/atb/ReshapeAndCachAtb.cpp; ATB ReshapeAndCache doc ('取值为负数时不进行任何搬运操作')",
+        "tests/test_npu_kernels.py::test_reshape_and_cache_rejects_bad_inputs",
+    ),
+    Constraint(
+        _RC,
+        "layout",
+        _ATB_CHIPS,
+        "ND caches, or both caches FRACTAL_NZ [num_blocks, heads * head_size / 16, block_size, 16] "
+        "(kvCacheCfg K_CACHE_V_CACHE_NZ, chosen by the caches' format); 310P caches are NZ",
+        _OPP + "op_plugin/ops/atb/ReshapeAndCachAtb.cpp (get_npu_format == ACL_FORMAT_FRACTAL_NZ); " + _VA_310P,
+        _T + "test_310p_takes_nz_caches_only",
+    ),
+    Constraint(
+        _SPA,
+        "slots",
+        ("A2", "A3", "A5"),
+        "slot_mapping int32/int64 in [0, num_blocks * block_size - 1] (no negative slot); repeated slots: "
+        "'重复时不保证正确性'; cache_mode 'Norm' = ND caches; every tensor contiguous",
+        _SCATTER + " '约束说明'",
+        "tests/test_npu_kernels.py::test_write_kv_matches_reference_and_skips_negative_slots",
+    ),
+    Constraint(
+        _NDU,
+        "indices",
+        ("A2", "A3", "310P"),
+        "indices int32/int64, at least 2-D, no index out of bounds (no negative); updates shaped "
+        "indices.shape[:-1] + input.shape[a:]; one dtype for input and updates",
+        _ND_UPDATE + " '参数说明', '约束说明'",
+        _T + "test_scatter_nd_update_contract",
+    ),
+    # --- FIA (v1) ----------------------------------------------------------------------------------------------------
+    Constraint(
+        _FIA_OP,
+        "tnd_batch",
+        ("A2", "A3", "A5"),
+        "TND: actual_seq_lengths / actual_seq_lengths_kv required, their length is the batch, <= 4096",
+        _FIA + " 'TND布局约束'",
+        _T + "test_fia_tnd_batch_limit",
+    ),
+    Constraint(
+        _FIA_OP,
+        "tnd_head_dim",
+        ("A2", "A3", "A5"),
+        "TND without rope: Q_D = K_D = V_D = 128, or Q_D = K_D = 192 with V_D 128 or 192",
+        _FIA + " 'TND布局约束' (query D ≠ 512)",
+        "tests/test_npu_kernels.py::test_unsupported_reasons",
+    ),
+    Constraint(
+        _FIA_OP,
+        "block_size",
+        ("A2", "A3", "A5"),
+        "page attention: Q_S > 1 block_size a multiple of 128 in [128, 512]; Q_S = 1 a multiple of 16, <= 512",
+        _FIA + " PageAttention table (block_size)",
+        "tests/test_npu_kernels.py::test_prefill_block_size_and_window_limits",
+    ),
+    Constraint(
+        _FIA_OP,
+        "sparse_q1",
+        ("A2", "A3", "A5"),
+        "Q_S = 1 without rope: sparse_mode, pre_tokens and next_tokens are ignored (a window needs Q_S > 1)",
+        _FIA + " ('Q_S = 1且不带rope输入时，sparse_mode参数无效'; pre_tokens/next_tokens 'Q_S=1时无效')",
+        _T + "test_fia_ignores_the_band_at_one_query_token",
+    ),
+    Constraint(
+        _FIA_OP,
+        "sparse_tnd",
+        ("A2", "A3", "A5"),
+        "TND takes sparse_mode 0 (no mask), 3 (rightDownCausal) or 4 (band: pre_tokens = window, next_tokens = 0), "
+        "3/4 with the compressed 2048 x 2048 mask",
+        _FIA + " sparse_mode table; " + _VA + "vllm_ascend/attention/attention_v1.py:939-943 (TND, sparse_mode=4)",
+        "tests/test_npu_kernels.py::test_prefill_block_size_and_window_limits",
+    ),
+    # --- FIA v2 ------------------------------------------------------------------------------------------------------
+    Constraint(
+        _FIA2_OP,
+        "tnd_batch",
+        ("A2", "A3"),
+        "TND: actual_seq_qlen / actual_seq_kvlen required, their length is the batch, <= 4096",
+        _FIA2 + " 'MLA场景约束' (TND 综合限制)",
+        _T + "test_fia_tnd_batch_limit",
+    ),
+    Constraint(
+        _FIA2_OP,
+        "mla",
+        ("A2", "A3"),
+        "query_rope/key_rope: latent D 512 (Q_N 1..128 a power of two, KV_N 1, sparse 0/3/4/9) or 128, rope D 64, "
+        "page block_size a multiple of 16, <= 1024",
+        _FIA2 + " 'MLA场景约束'",
+        "tests/test_npu_kernels.py::test_fia_v2_refuses_what_its_doc_forbids",
+    ),
+    Constraint(
+        _FIA2_OP,
+        "mla_q16",
+        ("A2", "A3"),
+        "absorbed MLA in TND: at most 16 query tokens per request (vllm-ascend sends only decode / speculative "
+        "steps and pads actual_seq_lengths_q to <= 16 per request)",
+        _VA + "vllm_ascend/attention/mla_v1.py:255-257 and 348-365 ('npu_fused_infer_attention_score TND layout's "
+        "limit of 16', FIA_SEQ_LEN_LIMIT = 16)",
+        _T + "test_mla_tnd_query_limit",
+    ),
+    Constraint(
+        _FIA2_OP,
+        "sparse_q1",
+        ("A2", "A3"),
+        "Q_S = 1 without rope inputs: sparse_mode (and so a band) is ignored",
+        _FIA2 + " sparse_mode ('Q_S为1且不带rope输入时该参数无效')",
+        _T + "test_fia_ignores_the_band_at_one_query_token",
+    ),
+    Constraint(
+        _FIA2_OP,
+        "sink",
+        ("A2", "A3"),
+        "learnable_sink (Q_N,) bfloat16: TND only, value D <= 128, unquantised; without rope D 64, 128 or 192 "
+        "(vllm-ascend serves gpt-oss, D = 64, so)",
+        _FIA2
+        + " 'learnable_sink约束' and TND 'query D ≠ 512' (MHA D 64/128/192); "
+        + _VA
+        + "vllm_ascend/attention/attention_v1.py:689-705",
+        "tests/test_npu_kernels.py::test_paged_attention_sinks_adds_the_sink_to_every_denominator",
+    ),
+    Constraint(
+        _FIA2_OP,
+        "block_size",
+        ("A2", "A3"),
+        "TND without rope, page attention: block_size a multiple of 16, <= 1024",
+        _FIA2 + " TND 'query D ≠ 512' ('page attention场景下仅支持blocksize为16对齐且小于等于1024')",
+        "tests/test_npu_kernels.py::test_fia_v2_refuses_what_its_doc_forbids",
+    ),
+)
+
+_INDEX = {(c.op, c.key): c for c in CONSTRAINTS}
+
+
+def rule(op: str, key: str) -> Constraint:
+    """The row of ``op``'s constraint ``key`` (KeyError when the table has none: a bug in the caller)."""
+    return _INDEX[(op, key)]
+
+
+def chips_of(op: str) -> tuple[str, ...]:
+    """The generations ``op`` exists on (its ``chips`` row)."""
+    return rule(op, "chips").chips
+
+
+def available(op: str, chip: str | None) -> bool:
+    """Whether ``op`` may be called on ``chip`` (an unknown chip: never)."""
+    return chip in chips_of(op)
+
+
+def violation(op: str, key: str, what: str) -> ValueError:
+    """The error a call that breaks ``op``'s rule ``key`` raises: ``what`` was passed, the rule, its source."""
+    row = rule(op, key)
+    return ValueError(f"{op}: {what}: the op's contract says {row.rule} [{row.source}]")
+
+
+def limits_for(chip: str, ops: tuple[str, ...] | None = None) -> list[str]:
+    """``op: rule`` lines of every row that applies on ``chip`` (the ops hal calls there, or ``ops``)."""
+    wanted = (
+        ops if ops is not None else tuple(op for op in dict.fromkeys(c.op for c in CONSTRAINTS) if available(op, chip))
+    )
+    return [f"{c.op}: {c.rule}" for c in CONSTRAINTS if c.op in wanted and c.key != "chips" and chip in c.chips]
+
+
+def markdown() -> str:
+    """The table as the Markdown rows of ``docs/hardware-contracts.md`` (a test keeps the doc equal to this)."""
+    lines = ["| op | chips | constraint | source | test |", "|---|---|---|---|---|"]
+    for c in CONSTRAINTS:
+        cells = [f"`{c.op}`", "/".join(c.chips), c.rule, c.source, f"`{c.test}`"]
+        lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    return "\n".join(lines) + "\n"
