@@ -43,7 +43,13 @@ from hal.capability import DeviceCapability
 from hal.declaration import BackendDeclaration
 from hal.deprecation import warn_renamed
 from hal.errors import ConfigError, InvalidBatchError, expect
-from hal.prologue import ForwardPrologue, _fused_env, forward_output, fused_forward_disabled, fused_forward_enabled
+from hal.prologue import (
+    ForwardPrologue,
+    forward_output,
+    fused_forward_disabled,
+    fused_forward_enabled,
+    fused_forward_env,
+)
 from hal.validation import check_batch_fields, check_forward_fields
 
 if TYPE_CHECKING:
@@ -130,7 +136,7 @@ class AttentionBackend(ForwardPrologue):
         self._metadata_stamp: tuple | None = None
         self._step = 0
         self._graph_batches: set[tuple[str, int]] = set()
-        self._fused_env = _fused_env()  # HAL_FUSED_FORWARD, read (and checked) when the backend is created
+        self._fused_env = fused_forward_env()  # HAL_FUSED_FORWARD, read (and checked) when the backend is created
 
     forward_metadata: Any = None  # set per step by set_forward_metadata (SGLang reads it off any backend)
 
