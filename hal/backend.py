@@ -31,6 +31,7 @@ batch size, a step counter) catches metadata left from another step.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -42,13 +43,21 @@ from hal.capability import DeviceCapability
 from hal.declaration import BackendDeclaration
 from hal.deprecation import warn_renamed
 from hal.errors import ConfigError, InvalidBatchError, expect
-from hal.prologue import ForwardPrologue, _fused_env, forward_output, fused_forward_disabled, fused_forward_enabled
+from hal.prologue import (
+    ForwardPrologue,
+    forward_output,
+    fused_forward_disabled,
+    fused_forward_enabled,
+    fused_forward_env,
+)
 from hal.validation import check_batch_fields, check_forward_fields
 
 if TYPE_CHECKING:
     from hal.batch import ForwardBatch
     from hal.config import AttentionConfig
     from hal.layer import AttentionLayer
+
+_SGLANG_MEMBERS = "hal.integrations.sglang_members"  # where SGLang 0.5.21's members moved (0.3.0)
 
 __all__ = [
     "AttentionBackend",
@@ -127,7 +136,7 @@ class AttentionBackend(ForwardPrologue):
         self._metadata_stamp: tuple | None = None
         self._step = 0
         self._graph_batches: set[tuple[str, int]] = set()
-        self._fused_env = _fused_env()  # HAL_FUSED_FORWARD, read (and checked) when the backend is created
+        self._fused_env = fused_forward_env()  # HAL_FUSED_FORWARD, read (and checked) when the backend is created
 
     forward_metadata: Any = None  # set per step by set_forward_metadata (SGLang reads it off any backend)
 
@@ -401,8 +410,9 @@ class AttentionBackend(ForwardPrologue):
         """SGLang 0.5.21's members (``shared_read_ends``, ``verify_mask``, ``data_type``...) moved to the SGLang
         integration (:class:`hal.integrations.sglang_members.SGLangMembers`) in 0.3.0: read through a backend
         instance they still answer as before, with a ``DeprecationWarning`` naming the new place."""
-        from hal.integrations import sglang_members
-
+        # the deprecation shim names its target as a string (as hal.deprecation.moved_names): the core does not
+        # depend on the integration, only this path to it, which goes in 0.4.0
+        sglang_members = importlib.import_module(_SGLANG_MEMBERS)
         if name not in sglang_members.MEMBERS:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         warn_renamed(

@@ -47,6 +47,7 @@ __all__ = [
     "ForwardPrologue",
     "fused_forward_disabled",
     "fused_forward_enabled",
+    "fused_forward_env",
     "forward_output",
     "FORWARD_METHODS",
     "PROLOGUE_HOOKS",
@@ -61,7 +62,7 @@ PATH_FUSED, PATH_CHECKED = "fused", "checked"
 _FUSED_OFF: contextvars.ContextVar[bool] = contextvars.ContextVar("hal_fused_forward_off", default=False)
 
 
-def _fused_env() -> bool:
+def fused_forward_env() -> bool:
     """``HAL_FUSED_FORWARD``: ``1`` (or unset) lets fused calls run, ``0`` forces the checked path."""
     raw = os.environ.get("HAL_FUSED_FORWARD", "").strip()
     expect(raw in ("", "0", "1"), ConfigError, "HAL_FUSED_FORWARD", raw, "0 (checked path only) or 1 (default)")
@@ -71,7 +72,7 @@ def _fused_env() -> bool:
 def fused_forward_enabled() -> bool:
     """Whether fused calls may run now: ``HAL_FUSED_FORWARD`` is not ``0`` (``ConfigError`` for a value other
     than 0/1) and no :func:`fused_forward_disabled` is in force."""
-    return _fused_env() and not _FUSED_OFF.get()
+    return fused_forward_env() and not _FUSED_OFF.get()
 
 
 @contextlib.contextmanager

@@ -38,7 +38,8 @@ def _is_tensor(value) -> bool:
 
 
 def _is_lengths(value) -> bool:
-    return isinstance(value, (torch.Tensor, list, tuple))
+    """A host mirror: a tensor or any iterable of ints (list, tuple, numpy array), not a str."""
+    return isinstance(value, torch.Tensor) or hasattr(value, "__iter__") and not isinstance(value, (str, bytes))
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,9 @@ It keeps the ``torch`` backend's name and contract and replaces its attention by
 compiled paged kernels, which read K/V straight from the pool through ``req_to_token`` (no gathered copy), one
 task per (request, KV head) with the GQA group together for decode and verify, and
 matrix-sized ``at::mm`` tiles for extend; see ``hal.kernels.cpu``. A layer's forward is one
-kernel call (``write_and_attend``: inputs checked, KV written, attention) wherever the checked
-prologue would do nothing more; the per-request metadata it reads is prepared once per step. The kernels are
+kernel call (its :meth:`CompiledBackend.forward_fused`, ``write_and_attend``: inputs checked, KV written,
+attention) wherever the base class lets the fused path run (``hal.prologue``); the per-request metadata it
+reads is prepared once per step. The kernels are
 compiled at first use; where that cannot happen (no compiler or ninja,
 ``HAL_CPU_KERNELS=0``, a failed build) the plain torch path (:class:`PlainTorchBackend`, which
 this class extends) serves, with a warning when a build was tried and failed, and ``hal
