@@ -19,13 +19,16 @@ def expected(q, k_all, v_all, prefix: int, new: int, heads) -> torch.Tensor:
     """
     q_heads, kv_heads, dim = heads
     batch, total = k_all.shape[:2]
-    qd = q.double().view(batch, new, q_heads, dim).transpose(1, 2)  # [B, Hq, n, D]
-    k = k_all.double().transpose(1, 2).repeat_interleave(q_heads // kv_heads, 1)  # [B, Hq, L, D]
-    v = v_all.double().transpose(1, 2).repeat_interleave(q_heads // kv_heads, 1)
-    scores = qd @ k.transpose(-1, -2) * dim**-0.5
-    visible = torch.arange(total)[None, :] <= torch.arange(prefix, total)[:, None]
-    out = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1) @ v  # [B, Hq, n, D]
-    return out.transpose(1, 2).reshape(batch * new, q_heads * dim)
+    group = q_heads // kv_heads  # query heads per KV head, served by it without copying K/V per query head
+    qd = q.double().view(batch, new, kv_heads, group, dim).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, n, D]
+    qd = qd.reshape(batch, kv_heads, group * new, dim)
+    k = k_all.double().transpose(1, 2)  # [B, Hkv, L, D]
+    v = v_all.double().transpose(1, 2)
+    scores = qd @ k.transpose(-1, -2) * dim**-0.5  # [B, Hkv, G * n, L]
+    visible = (torch.arange(total)[None, :] <= torch.arange(prefix, total)[:, None]).repeat(group, 1)
+    out = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1) @ v  # [B, Hkv, G * n, D]
+    out = out.view(batch, kv_heads, group, new, dim).permute(0, 3, 1, 2, 4)  # [B, n, Hkv, G, D]
+    return out.reshape(batch * new, q_heads * dim)
 
 
 def time_ms(fn, warmup: int, repeats: int) -> dict:
