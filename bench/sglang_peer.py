@@ -27,13 +27,13 @@ import importlib.machinery
 import importlib.util
 import json
 import platform
-import statistics
 import sys
 import time
 import types
 from types import SimpleNamespace
 
 import torch
+from peer_common import check, shape_arguments, time_ms
 
 
 class _Missing:
@@ -154,44 +154,9 @@ def _batch(sg, mode: str, dtype, batch: int, prefix: int, new: int, heads: tuple
     return sg.Backend(runner), layer, fb, (q, k_new, v_new), (k_all, v_all)
 
 
-def _expected(q, k_all, v_all, prefix: int, new: int, heads) -> torch.Tensor:
-    """float64 causal GQA attention of the step's queries over every request's keys."""
-    q_heads, kv_heads, dim = heads
-    batch, total = k_all.shape[:2]
-    qd = q.double().view(batch, new, q_heads, dim).transpose(1, 2)  # [B, Hq, n, D]
-    k = k_all.double().transpose(1, 2).repeat_interleave(q_heads // kv_heads, 1)  # [B, Hq, L, D]
-    v = v_all.double().transpose(1, 2).repeat_interleave(q_heads // kv_heads, 1)
-    scores = qd @ k.transpose(-1, -2) * dim**-0.5
-    visible = torch.arange(total)[None, :] <= torch.arange(prefix, total)[:, None]
-    out = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1) @ v  # [B, Hq, n, D]
-    return out.transpose(1, 2).reshape(batch * new, q_heads * dim)
-
-
-def _time(fn, warmup: int, repeats: int) -> dict:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(1e3 * (time.perf_counter() - start))
-    return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "repeats": repeats}
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", action="store_true", help="(the output is always JSON; kept for hal bench)")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--dtypes", default="fp32,bf16")
-    ap.add_argument("--modes", default="decode,extend")
-    ap.add_argument("--decode-batch", type=int, default=32)
-    ap.add_argument("--decode-ctx", type=int, default=2048)
-    ap.add_argument("--extend-batch", type=int, default=4)
-    ap.add_argument("--extend-prefix", type=int, default=512)
-    ap.add_argument("--extend-new", type=int, default=512)
-    ap.add_argument("--seed", type=int, default=0)
+    shape_arguments(ap)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
@@ -227,14 +192,12 @@ def main() -> int:
                 backend.init_forward_metadata(fb)
                 return backend.forward(q, k, v, layer, fb, save_kv_cache=True)
 
-            err = (step().double() - _expected(q, k_all, v_all, prefix, new, heads)).abs().max().item()
-            correct = err <= (1e-4 if dtype == torch.float32 else 3e-2)
-            ok &= correct
+            verdict = check(step(), q, k_all, v_all, prefix, new, heads)
+            ok &= verdict["correct"]
             report[mode][name] = {
                 "shape": {"batch": batch, "prefix": prefix, "new": new, "heads": heads},
-                "torch_native_backend": _time(step, args.warmup, args.repeats),
-                "max_abs_err": err,
-                "correct": correct,
+                "torch_native_backend": time_ms(step, args.warmup, args.repeats),
+                **verdict,
             }
     print(json.dumps(report, indent=2))
     return 0 if ok else 1

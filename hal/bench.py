@@ -8,23 +8,29 @@ layer, KV write included, as a serving step runs it) and reported as medians and
   device-to-device copy, bytes read + written);
 * ``fraction_of_matmul``: useful attention FLOPs per second over a square matmul's rate
   in the same dtype;
+* ``fraction_of_peak``: the same FLOPs over the arithmetic ceiling the device measures for
+  the kernel path that serves (``machine.peak_GFLOPs``, e.g. the CPU path's float32 FMA
+  peak, or its bf16-dot peak for bf16 where the path dots bf16), when the device has one;
 * ``speedup_vs_reference``: against ``hal.kernels.reference`` (decode only; the oracle
-  loops over requests), and ``speedup_vs_sglang`` against SGLang's
-  ``TorchNativeAttnBackend`` when ``--peer-python`` names an interpreter that has SGLang
-  (the harness is ``bench/sglang_peer.py`` of a checkout, run in the same bench).
+  loops over requests), and ``speedup_vs_<peer>`` against each peer timed in the same run:
+  the device's in-process peers, and the engines' kernels found in each ``--peer-python``
+  interpreter (``bench/sglang_peer.py``: SGLang's ``TorchNativeAttnBackend`` as ``sglang``;
+  ``bench/vllm_peer.py``: vLLM's CPU attention ops as ``vllm_cpu_attn_b128`` / ``_b16``, its
+  KV block sizes; harnesses of a checkout, run in their own venvs).
 
 The limits are ceilings: each is the best of several measurements interleaved with the
 workloads, so one busy moment cannot lower it. Workloads are a registry
 (:data:`WORKLOADS`: name -> builder of its cases), filtered by ``--workload``,
 ``--dtype`` and ``--page-size``. Emulated devices and interpreted Triton are never timed:
-their numbers mean nothing. Progress goes to stderr.
+their numbers mean nothing. What differs by device (its record, its ceilings, which peers
+and references mean something there) the device says (:func:`device_facts`): this module
+names none. Progress goes to stderr, one line per step with the seconds since the start.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -36,27 +42,51 @@ from pathlib import Path
 import torch
 
 from hal.batch import ForwardMode
-from hal.bench_peers import PEERS, peer_step
+from hal.bench_peers import DEFAULT_PEERS, PEERS, peer_step
 from hal.conformance import Case, build  # the suite's public batch builder: realistic scattered layouts
 from hal.errors import ConfigError
 from hal.kernels.reference import batch_attention, tolerance
 from hal.registry import device_backends, get_registry
 from hal.selection import select
 
-PEER_SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "sglang_peer.py"
+BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
+# engine -> the harness that times its kernels in a venv that has it (run as PYTHON SCRIPT --json ...)
+PEER_SCRIPTS = {"sglang": BENCH_DIR / "sglang_peer.py", "vllm": BENCH_DIR / "vllm_peer.py"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 HEADS = {"tp_q_head_num": 32, "tp_k_head_num": 8, "head_dim": 128}
 
 
+_START = time.perf_counter()
+
+
 def _progress(message: str) -> None:
-    print(f"[hal bench] {message}", file=sys.stderr, flush=True)
+    print(f"[hal bench {time.perf_counter() - _START:6.0f} s] {message}", file=sys.stderr, flush=True)
 
 
 def _sync(device: torch.device) -> None:
-    """Wait for ``device``'s queued work (``torch.cuda``, ``torch.npu``, a plugin's module); the CPU has none."""
-    module = getattr(torch, device.type, None)
-    if device.type != "cpu" and hasattr(module, "synchronize"):
-        module.synchronize(device)
+    """Wait for ``device``'s queued work through its torch module (``torch.<type>.synchronize``), where it has one."""
+    sync = getattr(getattr(torch, device.type, None), "synchronize", None)
+    if callable(sync):
+        sync(device)
+
+
+# What a device's bench_facts() may say, and the default of each key for a device that says nothing.
+FACT_DEFAULTS: dict = {
+    "meta": {},  # recorded in the report's meta (e.g. CPU features, kernel path, results file name)
+    "ceilings": None,  # () -> {name: GFLOP/s}: arithmetic peaks of the path that serves, sampled like the limits
+    "ceiling_for_dtype": {},  # dtype tag ("fp32", "bf16") -> the ceiling its kernels can reach
+    "in_process_peers": False,  # whether hal.bench_peers' torch peers mean something here
+    "time_reference": False,  # whether timing hal.kernels.reference (decode) means something here
+    "matmul_size": 8192,  # side of the square matmul that measures the matmul rates
+    "copy_bw": True,  # whether to measure a device-to-device copy beside the read bandwidth
+}
+
+
+def device_facts(device) -> dict:
+    """What ``hal bench`` records and measures on ``device`` (a :class:`hal.registry.Device`): its
+    ``bench_facts()`` over :data:`FACT_DEFAULTS`. Commands get device facts from the device, never by its name."""
+    ask = getattr(device, "bench_facts", None)
+    return {**FACT_DEFAULTS, **(ask() if callable(ask) else {})}
 
 
 def time_ms(fn, device: torch.device, repeats: int, warmup: int) -> dict:
@@ -73,14 +103,16 @@ def time_ms(fn, device: torch.device, repeats: int, warmup: int) -> dict:
 
 
 class Limits:
-    """The machine's read (and copy) bandwidth and matmul rates: the best of every sample taken."""
+    """The machine's read (and copy) bandwidth, matmul rates and the device's own ceilings: the best of every
+    sample taken."""
 
-    def __init__(self, device: torch.device, quick: bool):
-        self.device, self.quick = device, quick
+    def __init__(self, device: torch.device, quick: bool, facts: dict | None = None):
+        facts = {**FACT_DEFAULTS, **(facts or {})}
+        self.device, self.quick, self.ceilings = device, quick, facts["ceilings"]
         n = (1 << 26) if quick else (1 << 28)  # fp32 elements: 256 MiB or 1 GiB
         self.x = torch.ones(n, dtype=torch.float32, device=device)
-        self.y = torch.empty_like(self.x) if device.type != "cpu" else None
-        size = 1024 if quick or device.type == "cpu" else 8192
+        self.y = torch.empty_like(self.x) if facts["copy_bw"] else None
+        size = min(1024, facts["matmul_size"]) if quick else facts["matmul_size"]
         self.size = size
         self.mats = {name: torch.randn(size, size, device=device).to(dt) for name, dt in DTYPES.items()}
         self.best: dict = {"matmul_TFLOPs": {}}
@@ -97,15 +129,20 @@ class Limits:
         for name, a in self.mats.items():
             rate = 2 * self.size**3 / time_ms(lambda a=a: a @ a, self.device, 3, 1)["min_ms"] / 1e9
             best["matmul_TFLOPs"][name] = max(best["matmul_TFLOPs"].get(name, 0.0), rate)
+        if self.ceilings is not None:
+            peaks = best.setdefault("peak_GFLOPs", {})
+            for name, rate in self.ceilings().items():
+                peaks[name] = max(peaks.get(name, 0.0), rate)
         self.samples += 1
 
     def report(self) -> dict:
         return {**self.best, "samples": self.samples, "how": "best of every sample, interleaved with the workloads"}
 
 
-def machine_limits(device: torch.device, quick: bool, samples: int = 1) -> dict:
-    """Read (and on GPUs copy) bandwidth and square-matmul rates measured now, on ``device``."""
-    limits = Limits(device, quick)
+def machine_limits(device: torch.device, quick: bool, samples: int = 1, facts: dict | None = None) -> dict:
+    """Read (and, where the device says so, copy) bandwidth, square-matmul rates and the device's ceilings
+    (``facts``: :func:`device_facts`) measured now, on ``device``."""
+    limits = Limits(device, quick, facts)
     for _ in range(samples):
         limits.sample()
     return limits.report()
@@ -176,55 +213,77 @@ def _backend_step(backend, built) -> Callable[[], torch.Tensor]:
     return step
 
 
-# A call slower than this (a peer whose layout defeats it) is timed once more, not `repeats` times.
+# A first call slower than this (a peer whose layout defeats it, the oracle) is the only one timed.
 SLOW_CALL_S = 3.0
 
 
-def _measure(step, built, device, repeats: int, warmup: int) -> dict:
+def _time_boxed(fn, device, repeats: int, warmup: int):
+    """``(first output, timing)``: a first call slower than :data:`SLOW_CALL_S` is the only one timed."""
     start = time.perf_counter()
-    out = step()
-    if time.perf_counter() - start > SLOW_CALL_S:
-        repeats, warmup = 1, 0
-    timing = time_ms(step, device, repeats, warmup)
+    out = fn()
+    _sync(device)
+    first_ms = 1e3 * (time.perf_counter() - start)
+    if first_ms > 1e3 * SLOW_CALL_S:
+        return out, {"median_ms": first_ms, "min_ms": first_ms, "max_ms": first_ms, "repeats": 1, "time_boxed": True}
+    return out, time_ms(fn, device, repeats, warmup)
+
+
+def _measure(step, built, device, repeats: int, warmup: int) -> dict:
+    out, timing = _time_boxed(step, device, repeats, warmup)
     err = (out.float() - built.expected.float()).abs().max().item()
     correct = torch.allclose(out.float(), built.expected.float(), **tolerance(built.case.dtype))
     return {**timing, "max_abs_err": err, "correct": correct}
 
 
-def _peer(python: str, quick: bool, threads: int, dtypes: list[str] | None, modes: list[str]) -> dict:
-    if not PEER_SCRIPT.is_file():
-        return {"error": f"the peer harness is not at {PEER_SCRIPT}: run hal bench from a checkout of hal"}
-    args = [python, str(PEER_SCRIPT), "--json", "--threads", str(threads)]
-    args += ["--dtypes", ",".join(dtypes or DTYPES), "--modes", ",".join(modes)]
-    if quick:
-        args += ["--decode-batch", "8", "--decode-ctx", "512", "--extend-batch", "2"]
-        args += ["--extend-prefix", "128", "--extend-new", "128"]
-    _progress(f"SGLang peer: {' '.join(args)}")
-    done = subprocess.run(args, capture_output=True, text=True, check=False)
-    if done.returncode not in (0, 1):
-        return {"error": done.stderr[-2000:]}
-    return json.loads(done.stdout)
+def _engines(python: str) -> list[str]:
+    """The engines of :data:`PEER_SCRIPTS` that interpreter ``python`` can import (found, not imported)."""
+    probe = f"import importlib.util as u; print(' '.join(m for m in {tuple(PEER_SCRIPTS)!r} if u.find_spec(m)))"
+    done = subprocess.run([python, "-c", probe], capture_output=True, text=True, check=False)
+    return done.stdout.split() if done.returncode == 0 else []
 
 
-def _cpu_meta() -> dict:
-    from hal.kernels import cpu as cpu_kernels
+def _external_peers(pythons, quick: bool, threads: int, dtypes: list[str] | None, modes: list[str]) -> dict:
+    """Each engine's harness run in each ``--peer-python`` that has it: ``{engine: its JSON or {"error"}}``."""
+    reports: dict = {}
+    for python in [pythons] if isinstance(pythons, str) else pythons or []:
+        engines = _engines(python)
+        if not engines:
+            reports[python] = {"error": f"{python} imports none of {', '.join(PEER_SCRIPTS)}"}
+        for engine in engines:
+            script = PEER_SCRIPTS[engine]
+            if not script.is_file():
+                reports[engine] = {"error": f"the peer harness is not at {script}: run hal bench from a checkout"}
+                continue
+            args = [python, str(script), "--json", "--threads", str(threads)]
+            args += ["--dtypes", ",".join(dtypes or DTYPES), "--modes", ",".join(modes)]
+            if quick:
+                args += ["--decode-batch", "8", "--decode-ctx", "512", "--extend-batch", "2"]
+                args += ["--extend-prefix", "128", "--extend-new", "128"]
+            _progress(f"{engine} peer: {' '.join(args)}")
+            done = subprocess.run(args, capture_output=True, text=True, check=False)
+            try:
+                reports[engine] = json.loads(done.stdout)
+            except json.JSONDecodeError:
+                reports[engine] = {"error": done.stderr[-2000:] or f"exit {done.returncode}, no output"}
+    return reports
 
-    ok, why = cpu_kernels.status()
-    features = cpu_kernels.cpu_features()
-    kind = re.sub(r"[^a-z0-9]+", "-", features["model"].lower()).strip("-") or "unknown"
-    meta = {
-        "cpu_features": features,
-        # bench/results/ keeps one file per CPU kind, named by its model and vector features
-        "result_name": f"cpu-{kind}-{'-'.join(f.replace('_', '') for f in features['flags']) or 'scalar'}.json",
-        "kernels": {"available": ok, "reason": why, "isa": cpu_kernels.isa(), "runnable": cpu_kernels.runnable_isas()},
-    }
-    if ok:
-        try:
-            cpu_kernels.load()  # first-use build cost, reported and kept out of the timings
-        except cpu_kernels.KernelBuildError as exc:
-            meta["kernels"].update(available=False, reason=str(exc))
-    meta["kernels"]["first_use"] = cpu_kernels.build_record()
-    return meta
+
+def _external_rows(reports: dict, mode: str, dtype: str, page_size: int) -> dict:
+    """The external peers' results for one workload row, by peer name (SGLang's: page size 1 rows only)."""
+    rows: dict = {}
+    for engine, report in reports.items():
+        if "error" in report:
+            continue
+        for name, result in report.get(mode, {}).get(dtype, {}).items():
+            if engine == "sglang":  # {"torch_native_backend": timing, "correct": ...}: its pool has page size 1
+                if name == "torch_native_backend" and page_size == 1:
+                    entry = report[mode][dtype]
+                    rows["sglang"] = {**result, "correct": entry["correct"], "max_abs_err": entry["max_abs_err"]}
+            elif isinstance(result, dict) and "median_ms" in result:
+                rows[name] = dict(result)
+    for result in rows.values():
+        result["process"] = "peer venv, same run"
+    return rows
 
 
 def run_bench(
@@ -232,7 +291,7 @@ def run_bench(
     backends: list[str],
     quick: bool = False,
     as_json: bool = False,
-    peer_python: str | None = None,
+    peer_python: str | list[str] | None = None,
     repeats: int = 7,
     workload_names: list[str] | None = None,
     dtypes: list[str] | None = None,
@@ -242,15 +301,16 @@ def run_bench(
 ) -> int:
     """Time every workload per backend (and, on the CPU, per in-process peer) at each thread count.
 
-    ``threads``: the torch thread counts to run at, in order (default: the current one);
+    ``peer_python``: interpreters of venvs with an engine (SGLang, vLLM) whose kernels are timed on the same
+    shapes in the same run. ``threads``: the torch thread counts to run at, in order (default: the current one);
     each run measures its own limits, so its ratios are per that many cores, and with
     more than one count the report's ``scaling`` gives each workload's speed-up over the
-    first count. ``peers``: names of :data:`hal.bench_peers.PEERS` (default all, CPU only).
+    first count. ``peers``: names of :data:`hal.bench_peers.PEERS` (default
+    :data:`~hal.bench_peers.DEFAULT_PEERS`, where the device says they mean something).
     """
     selection = select(device=device)
     dev_name, cap = selection.device_name, selection.capability
     dev = get_registry().get(dev_name)
-    torch_device = cap.torch_device
     if cap.emulated:
         print(f"hal bench: {dev_name} is emulated here; an emulation never reports performance", file=sys.stderr)
         return 2
@@ -261,7 +321,8 @@ def run_bench(
     unknown = sorted(set(peers or []) - set(PEERS))
     if unknown:
         raise ConfigError(f"--peer {unknown}: expected some of {', '.join(PEERS)}")
-    peers = [] if torch_device.type != "cpu" else list(PEERS) if peers is None else peers
+    facts = device_facts(dev)
+    peers = [] if not facts["in_process_peers"] else list(DEFAULT_PEERS) if peers is None else peers
     meta = {
         "device": dev_name,
         "name": cap.name,
@@ -273,9 +334,8 @@ def run_bench(
         "peers": peers,
         "loadavg_at_start": os.getloadavg(),
     }
-    if torch_device.type == "cpu":
-        _progress("CPU kernels: loading (compiled at first use)")
-        meta.update(_cpu_meta())
+    _progress(f"{dev_name}: what the device records (kernels load here, compiled at first use)")
+    meta.update(facts["meta"])
     classes = [c for c in device_backends(dev)[0] if not backends or c.name in backends]
     cases = workloads(quick, workload_names, dtypes, page_sizes)
     runs = []
@@ -283,12 +343,12 @@ def run_bench(
         for count in counts:
             torch.set_num_threads(count)
             _progress(f"{count} threads")
-            runs.append(_run_at(count, cap, classes, cases, peers, quick, repeats, peer_python, dtypes))
+            runs.append(_run_at(count, cap, facts, classes, cases, peers, quick, repeats, peer_python, dtypes))
     finally:
         torch.set_num_threads(initial_threads)
     report = {"meta": meta, "machine": runs[-1]["machine"], "workloads": runs[-1]["workloads"]}
-    if runs[-1].get("peer_error"):
-        report["peer_error"] = runs[-1]["peer_error"]
+    if runs[-1].get("peer_errors"):
+        report["peer_errors"] = runs[-1]["peer_errors"]
     if len(runs) > 1:
         report["by_threads"] = runs
         report["scaling"] = _scaling(runs)
@@ -304,13 +364,13 @@ def run_bench(
     return 0 if all(r.get("correct", True) for r in everything) else 1
 
 
-def _run_at(threads: int, cap, classes, cases, peers, quick, repeats, peer_python, dtypes) -> dict:
+def _run_at(threads: int, cap, facts, classes, cases, peers, quick, repeats, peer_python, dtypes) -> dict:
     """One pass over ``cases`` at ``threads`` torch threads: ``{"threads", "machine", "workloads"}``."""
     torch_device = cap.torch_device
     modes = sorted({c.name.split("_")[0] for c in cases} & {"decode", "extend"})
-    peer = _peer(peer_python, quick, threads, dtypes, modes) if peer_python and modes else None
+    external = _external_peers(peer_python, quick, threads, dtypes, modes) if peer_python and modes else {}
     _progress("machine limits")
-    limits = Limits(torch_device, quick)
+    limits = Limits(torch_device, quick, facts)
     limits.sample()
     parts: dict[str, float] = {}
     rows = []
@@ -338,31 +398,35 @@ def _run_at(threads: int, cap, classes, cases, peers, quick, repeats, peer_pytho
                 continue
             _progress(f"[{index + 1}/{len(cases)}] {case.name}: {cls.name}")
             row["results"][cls.name] = _measure(_backend_step(cls(cap), built), built, torch_device, repeats, 2)
+        row["peers"].update(_external_rows(external, case.name.split("_")[0], row["dtype"], case.page_size))
         for name in peers:
             _progress(f"[{index + 1}/{len(cases)}] {case.name}: peer {name}")
             try:
-                step, facts = peer_step(name, built)
-                row["peers"][name] = {**facts, **_measure(step, built, torch_device, repeats, 2)}
+                step, prep = peer_step(name, built)
+                row["peers"][name] = {**prep, **_measure(step, built, torch_device, repeats, 2)}
             except Exception as exc:  # a peer that cannot run here is reported, not fatal
                 row["peers"][name] = {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"}
-        if case.mode.is_decode() and torch_device.type == "cpu" and "part" not in case.name:
+        # the oracle's speed, for scale: fp32 decodes only (its bf16 loops take minutes at these shapes)
+        if case.mode.is_decode() and facts["time_reference"] and "part" not in case.name and row["dtype"] == "fp32":
             _progress(f"[{index + 1}/{len(cases)}] {case.name}: reference")
             buffers = built.batch.token_to_kv_pool.get_kv_buffer(0)
-            row["reference"] = time_ms(
+            row["reference"] = _time_boxed(
                 lambda built=built, buffers=buffers: batch_attention(built.q, *buffers, built.layer, built.batch),
                 torch_device,
                 3,
                 1,
-            )
+            )[1]
         rows.append(row)
         del built
         limits.sample()  # interleaved: a busy moment during one sample cannot lower the ceiling
-    machine = limits.report()
+    machine = {**limits.report(), "ceiling_for_dtype": facts["ceiling_for_dtype"]}
     for row in rows:
-        _derive(row, machine, peer, parts)
+        _derive(row, machine, parts)
     run = {"threads": threads, "machine": machine, "workloads": rows}
-    if peer and "error" in peer:
-        run["peer_error"] = peer["error"]
+    errors = {name: r["error"] for name, r in external.items() if "error" in r}
+    if errors:
+        run["peer_errors"] = errors
+    run["peer_meta"] = {name: r.get("meta") for name, r in external.items() if "error" not in r}
     return run
 
 
@@ -386,9 +450,10 @@ def _scaling(runs: list[dict]) -> dict:
     return out
 
 
-def _derive(row: dict, machine: dict, peer: dict | None, parts: dict) -> None:
+def _derive(row: dict, machine: dict, parts: dict) -> None:
     """Ratios of one workload's results (and peers') to the limits, the reference, the peers and (mixed) its parts."""
     matmul = machine["matmul_TFLOPs"].get(row["dtype"])
+    peak = machine.get("peak_GFLOPs", {}).get(machine.get("ceiling_for_dtype", {}).get(row["dtype"], ""))
     timed = {**row["results"], **{n: r for n, r in row["peers"].items() if "median_ms" in r}}
     for name, result in timed.items():
         seconds = result["median_ms"] / 1e3
@@ -398,6 +463,8 @@ def _derive(row: dict, machine: dict, peer: dict | None, parts: dict) -> None:
             result["fraction_of_copy_bw"] = result["kv_GBps"] / machine["copy_GBps"]
         result["GFLOPs"] = row["flops"] / seconds / 1e9
         result["fraction_of_matmul"] = result["GFLOPs"] / (matmul * 1e3)
+        if peak:
+            result["fraction_of_peak"] = result["GFLOPs"] / peak
         if "reference" in row:
             result["speedup_vs_reference"] = row["reference"]["median_ms"] / result["median_ms"]
         if row["name"].startswith("mixed_part"):
@@ -409,13 +476,6 @@ def _derive(row: dict, machine: dict, peer: dict | None, parts: dict) -> None:
         for name, peer_result in row["peers"].items():
             if "median_ms" in peer_result:
                 result[f"speedup_vs_{name}"] = peer_result["median_ms"] / result["median_ms"]
-    if peer and "error" not in peer and row["page_size"] == 1:
-        mode = row["name"].split("_")[0]
-        peer_row = peer.get(mode, {}).get(row["dtype"], {}).get("torch_native_backend")
-        if peer_row:
-            row["sglang_torch_native"] = peer_row
-            for result in row["results"].values():
-                result["speedup_vs_sglang"] = peer_row["median_ms"] / result["median_ms"]
 
 
 def _print(run: dict, meta: dict, dev_name: str, cap_name: str, threads: int) -> None:
@@ -425,21 +485,17 @@ def _print(run: dict, meta: dict, dev_name: str, cap_name: str, threads: int) ->
         f"matmul fp32 {limits['matmul_TFLOPs']['fp32']:.3f} / bf16 {limits['matmul_TFLOPs']['bf16']:.3f} TFLOP/s "
         f"(best of {limits['samples']} samples)"
     )
-    kernels = meta.get("kernels")
-    if kernels:
-        first = kernels.get("first_use") or {}
-        print(
-            f"CPU features: {' '.join(meta['cpu_features']['flags'])}; compiled kernels: "
-            + (f"{first.get('build_info')}, first use {first.get('seconds')} s" if kernels["available"] else "")
-            + ("" if kernels["available"] else f"off ({kernels['reason']})")
-        )
+    if limits.get("peak_GFLOPs"):
+        print("kernel path ceilings: " + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in limits["peak_GFLOPs"].items()))
+    if meta.get("summary"):
+        print(meta["summary"])
     for row in run["workloads"]:
         for name, r in {**row["results"], **row["peers"]}.items():
             if "error" in r:
                 print(f"{row['name']:<24}{name:<15}failed: {r['error']}")
                 continue
             extra = f"  x{r['speedup_vs_reference']:.1f} vs reference" if "speedup_vs_reference" in r else ""
-            extra += f"  x{r['speedup_vs_sglang']:.2f} vs sglang" if "speedup_vs_sglang" in r else ""
+            extra += f"  {100 * r['fraction_of_peak']:.0f}% of path peak" if "fraction_of_peak" in r else ""
             extra += "".join(f"  x{r[f'speedup_vs_{p}']:.2f} vs {p}" for p in row["peers"] if f"speedup_vs_{p}" in r)
             extra += f"  {r['ratio_to_parts']:.2f}x its parts" if "ratio_to_parts" in r else ""
             extra += f"  (compile {r['compile_s']:.1f} s apart)" if "compile_s" in r else ""

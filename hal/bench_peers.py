@@ -23,7 +23,7 @@ import torch
 
 from hal.batch import host_lens
 
-__all__ = ["PEERS", "peer_step"]
+__all__ = ["PEERS", "DEFAULT_PEERS", "peer_step"]
 
 
 def _write_kv(built) -> None:
@@ -121,6 +121,9 @@ def _flex_attention(built) -> tuple[Callable[[], torch.Tensor], dict]:
 
 # name -> builder: built case -> (step, facts reported apart from the timing)
 PEERS: dict[str, Callable] = {"sdpa_gathered": _sdpa_gathered, "flex_attention": _flex_attention}
+# What a default run times: flex_attention is opt-in (--peer flex_attention): its cold compile per workload
+# takes minutes on 2 cores, and its compile time is reported apart from its step time when it runs.
+DEFAULT_PEERS = ("sdpa_gathered",)
 
 
 def peer_step(name: str, built) -> tuple[Callable[[], torch.Tensor], dict]:

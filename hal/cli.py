@@ -168,7 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     p_bench.add_argument("--backend", action="append", default=[])
     p_bench.add_argument("--quick", action="store_true", help="small shapes, a smoke run")
     p_bench.add_argument("--repeats", type=int, default=7)
-    p_bench.add_argument("--peer-python", help="python of a venv that has SGLang (runs bench/sglang_peer.py)")
+    p_bench.add_argument(
+        "--peer-python",
+        action="append",
+        default=[],
+        help="python of a venv with SGLang and/or vLLM: their kernels timed on the same shapes in the same run "
+        "(bench/sglang_peer.py, bench/vllm_peer.py; repeatable)",
+    )
     p_bench.add_argument(
         "--workload",
         action="append",
@@ -183,7 +189,9 @@ def main(argv: list[str] | None = None) -> int:
         "--threads", type=_int_list, help="torch thread counts to run at, e.g. 1,2 (per-core ratios and scaling)"
     )
     p_bench.add_argument(
-        "--peer", action="append", help="in-process CPU peer to time beside hal (repeatable; default all; 'none')"
+        "--peer",
+        action="append",
+        help="in-process peer to time beside hal (repeatable; default sdpa_gathered; flex_attention opt-in; 'none')",
     )
     p_bench.add_argument("--json", action="store_true")
     p_lint = sub.add_parser("lint", help="static check of backend sources for what breaks graph capture")
@@ -264,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.backend,
                 args.quick,
                 args.json,
-                args.peer_python,
+                args.peer_python or None,
                 args.repeats,
                 args.workload or None,
                 args.dtype or None,

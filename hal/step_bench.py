@@ -27,11 +27,12 @@ import os
 import torch
 
 from hal.batch import ForwardBatch, ForwardMode
-from hal.bench import _cpu_meta, time_ms
+from hal.bench import device_facts, time_ms
 from hal.config import AttentionConfig
 from hal.graph import HostReadCounter
 from hal.kv_cache import PagedKVPool, ReqToTokenPool
 from hal.layer import AttentionLayer
+from hal.registry import get_registry
 from hal.selection import select
 
 __all__ = ["run_step_workload"]
@@ -76,10 +77,9 @@ def run_step_workload(
     config = AttentionConfig(tp_q_head_num=2, tp_k_head_num=1, head_dim=8, dtype=torch.float32, page_size=page_size)
     selection = select(config, device=device, backend=backend)
     torch_device = selection.capability.torch_device
-    # the machine, as hal bench's other workloads record it (CPU: its features and the kernels' path)
+    # the machine, as hal bench's other workloads record it: what its device says (a CPU: its features, kernel path)
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "loadavg_at_start": os.getloadavg()}
-    if torch_device.type == "cpu":
-        meta.update(_cpu_meta())
+    meta.update(device_facts(get_registry().get(selection.device_name))["meta"])
     layer = AttentionLayer(0, 2, 1, 8)
     results = []
     for batch in batch_sizes:

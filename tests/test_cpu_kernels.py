@@ -325,3 +325,36 @@ def test_the_bench_peers_compute_the_reference(peer):
         step, facts = peer_step(peer, built)
         assert ("compile_s" in facts) == (peer == "flex_attention")
         torch.testing.assert_close(step().float(), built.expected.float(), **tolerance(dtype))
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("tile_rows", [0, 4], ids=["rows", "tiles"])
+def test_float32_queries_over_a_bf16_pool_keep_float32_accuracy(isa, tile_rows, monkeypatch):
+    """A float32 query is not exact in bf16: where bf16 keys are dotted as bf16 (avx512_bf16, AMX) it is split
+    in hi + lo halves, and on the tile path the probabilities too, so the result meets float32's tolerance
+    against the float32 reference over the same (bf16-valued) keys and values."""
+    from hal.kernels import reference
+
+    monkeypatch.setenv("HAL_CPU_ISA", isa)
+    gen = torch.Generator().manual_seed(3)
+    k_buffer = torch.randn(1200, 2, 64, generator=gen).to(torch.bfloat16)
+    v_buffer = torch.randn(1200, 2, 64, generator=gen).to(torch.bfloat16)
+    req_to_token = torch.randperm(1200, generator=gen)[:1000].view(2, 500).to(torch.int32)
+    rows, seq, ext = torch.tensor([1, 0]), torch.tensor([450, 300]), torch.tensor([1, 37])
+    q = torch.randn(int(ext.sum()), 8, 64, generator=gen)
+    out = cpu_kernels.paged_attention(
+        q, k_buffer, v_buffer, req_to_token, rows, seq, ext, scale=0.3, tile_rows=tile_rows
+    )
+    args = (q, k_buffer.float(), v_buffer.float(), req_to_token, rows, seq, ext)
+    torch.testing.assert_close(out, reference.paged_attention(*args, scale=0.3), **tolerance(torch.float32))
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", RUNNABLE)
+def test_each_path_measures_its_own_ceilings(isa, monkeypatch):
+    """hal bench's per-path ceilings: an FMA peak on every path, a bf16-dot peak exactly where the path dots bf16."""
+    monkeypatch.setenv("HAL_CPU_ISA", isa)
+    found = cpu_kernels.ceilings(seconds=0.005)
+    assert found["isa"] == isa and found["fma_GFLOPs"] > 0
+    assert (found["bf16_dot_GFLOPs"] is not None) == (isa in ("avx512_bf16", "amx"))

@@ -30,5 +30,11 @@ class CpuDevice(Device):
         # Interpreted Triton is for correctness only: it never outranks the torch backend.
         return [CompiledBackend, TritonBackend]
 
+    def bench_facts(self) -> dict:
+        """What ``hal bench`` records and measures on this device (:func:`hal.bench.device_facts`)."""
+        from .bench_facts import bench_facts
+
+        return bench_facts()
+
 
 device = CpuDevice()

@@ -67,6 +67,7 @@ __all__ = [
     "paged_attention",
     "write_and_attend",
     "TILE_ROWS",
+    "ceilings",
 ]
 
 SOURCE = Path(__file__).with_name("attention.cpp")
@@ -245,6 +246,7 @@ class Kernels:
     direct: Callable  # the same function called without the dispatcher (only where no torch mode is active)
     build_info: str
     write_and_attend: Callable | None = None  # attention.cpp's write_and_attend (no dispatcher op: unwatched only)
+    peak_gflops: Callable | None = None  # attention.cpp's peak_gflops(kind, iters): this path's arithmetic ceiling
 
 
 _STATE: dict = {"loaded": {}, "error": None, "records": {}}  # per ISA path: its Kernels, how they were loaded
@@ -356,6 +358,7 @@ def load() -> Kernels:
                 direct=module.paged_attention,
                 build_info=getattr(torch.ops.hal, f"build_info_{name}")(),
                 write_and_attend=module.write_and_attend,
+                peak_gflops=module.peak_gflops,
             )
         except Exception as exc:
             _STATE["error"] = (
@@ -402,6 +405,28 @@ def compile_only(name: str) -> dict:
         raise KernelBuildError(f"compiling the {name} path failed: {_first_error(done.stderr)}")
     partial.replace(target)
     return {"isa": name, "object": str(target), "seconds": round(time.perf_counter() - start, 3), "cached": False}
+
+
+def ceilings(seconds: float = 0.05) -> dict:
+    """This path's arithmetic ceilings, measured now over all torch threads, in GFLOP/s.
+
+    ``{"isa", "fma_GFLOPs", "bf16_dot_GFLOPs"}``: float32 multiply-adds at the path's vector width
+    (``fma``), and bf16 dot products (``vdpbf16ps``; None on a path without them), each from registers
+    for about ``seconds``. Against them a kernel's rate says how much of what *this path* can reach it
+    gets (a bf16 matmul rate measured by torch may use instructions the path does not). Raises
+    :class:`KernelBuildError` where the kernels cannot be built.
+    """
+    kernels = load()
+    out: dict = {"isa": kernels.isa}
+    for kind in ("fma", "bf16_dot"):
+        rate = kernels.peak_gflops(kind, 1000)  # a first short run: sizes the timed one
+        if rate <= 0:
+            out[f"{kind}_GFLOPs"] = None
+            continue
+        flops_per_iter = (64.0 if kind == "bf16_dot" else 32.0) * 16 * max(1, torch.get_num_threads())
+        iters = max(1000, int(seconds * rate * 1e9 / flops_per_iter))
+        out[f"{kind}_GFLOPs"] = max(kernels.peak_gflops(kind, iters) for _ in range(2))
+    return out
 
 
 def _index(t) -> torch.Tensor:

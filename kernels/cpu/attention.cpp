@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -63,6 +64,13 @@ constexpr int64_t kGemmBlock = 256;  // keys per block on the tile path
 inline float to_float(float x) { return x; }
 inline float to_float(at::BFloat16 x) {
   uint32_t u = uint32_t(x.x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float bits_to_float(uint16_t bf16_bits) {
+  const uint32_t u = uint32_t(bf16_bits) << 16;
   float f;
   std::memcpy(&f, &u, 4);
   return f;
@@ -203,47 +211,77 @@ inline vf hsum8(const vf* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 #endif
+#if defined(HAL_VEC) && HAL_VEC == 16
+// The horizontal sums of a[0..15] as one vector (lane i: the sum of a[i]): 45 shuffles and adds for all
+// sixteen, where sixteen _mm512_reduce_add_ps take about 130.
+inline vf hsum16(const vf* a) {
+  vf b[8], c[4], e[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit block: [x0+x2, y0+y2, x1+x3, y1+y3] of (x, y) = a[2i], a[2i + 1]
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per block: the partial sums of a[4i .. 4i + 3]
+    const __m512d u = _mm512_castps_pd(b[2 * i]), w = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(u, w)), _mm512_castpd_ps(_mm512_unpackhi_pd(u, w)));
+  }
+  for (int i = 0; i < 2; ++i)  // blocks summed in pairs
+    e[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(e[0], e[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(e[0], e[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
 
-// scores[r * ld + j] = dot(q[r], k[j]) for NR rows and the keys of a block, NK keys at a time: NR x NK
-// accumulators (8 under AVX2, reduced together by hsum8; 2 keys under AVX-512, reduced by its own instruction).
+// Keys scored together by qk_rows for NR query rows: NR x NK accumulators, reduced together (hsum8 under AVX2:
+// 8; hsum16 under AVX-512: 16, 12 for 3 rows).
+template <int NR>
+constexpr int qk_keys() {
+#if defined(HAL_VEC) && HAL_VEC == 16
+  return NR == 3 ? 4 : 16 / NR;
+#else
+  return 8 % NR == 0 ? 8 / NR : 2;
+#endif
+}
+
+// scores[r * ld + j] = post * dot(q[r], k[j]) for NR rows and the keys of a block, qk_keys<NR>() keys at a time.
 template <int NR, typename T>
-inline void qk_rows(const float* q, int64_t D, const T* const* kp, int64_t nk, float* s, int64_t ld) {
+inline void qk_rows(const float* q, int64_t D, const T* const* kp, int64_t nk, float* s, int64_t ld, float post) {
   int64_t j = 0;
 #ifdef HAL_VEC
-#if HAL_VEC == 8
-  constexpr int NK = 8 % NR == 0 ? 8 / NR : 2;
-#else
-  constexpr int NK = 2;
-#endif
+  constexpr int NK = qk_keys<NR>();
   const int64_t DW = D & ~(kW - 1);
   for (; j + NK <= nk; j += NK) {
+#if HAL_VEC == 16
+    vf acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = vzero();
+#else
     vf acc[NR * NK];
     for (int i = 0; i < NR * NK; ++i) acc[i] = vzero();
+#endif
     const T* kr[NK];
     for (int c = 0; c < NK; ++c) kr[c] = kp[j + c];
     for (int64_t d = 0; d < DW; d += kW) {
-      vf kv[NK];
-      for (int c = 0; c < NK; ++c) kv[c] = vload(kr[c] + d);
-      for (int r = 0; r < NR; ++r) {
-        const vf qv = vload(q + r * D + d);
-        for (int c = 0; c < NK; ++c) acc[r * NK + c] = vfma(qv, kv[c], acc[r * NK + c]);
+      vf qv[NR];
+      for (int r = 0; r < NR; ++r) qv[r] = vload(q + r * D + d);
+      for (int c = 0; c < NK; ++c) {
+        const vf kv = vload(kr[c] + d);
+        for (int r = 0; r < NR; ++r) acc[r * NK + c] = vfma(qv[r], kv, acc[r * NK + c]);
       }
     }
+#if HAL_VEC == 16
+    float sums[16];
+    vstore(sums, hsum16(acc));
+#else
     float sums[NR * NK];
-#if HAL_VEC == 8
     if constexpr (NR * NK == 8) {
       vstore(sums, hsum8(acc));
     } else {
       for (int i = 0; i < NR * NK; ++i) sums[i] = hsum(acc[i]);
     }
-#else
-    for (int i = 0; i < NR * NK; ++i) sums[i] = hsum(acc[i]);
 #endif
     for (int r = 0; r < NR; ++r) {
       for (int c = 0; c < NK; ++c) {
         float x = sums[r * NK + c];
         for (int64_t d = DW; d < D; ++d) x += q[r * D + d] * to_float(kr[c][d]);
-        s[r * ld + j + c] = x;
+        s[r * ld + j + c] = x * post;
       }
     }
   }
@@ -253,7 +291,7 @@ inline void qk_rows(const float* q, int64_t D, const T* const* kp, int64_t nk, f
       for (int64_t d = 0; d < DW; d += kW) acc = vfma(vload(q + r * D + d), vload(kp[j] + d), acc);
       float x = hsum(acc);
       for (int64_t d = DW; d < D; ++d) x += q[r * D + d] * to_float(kp[j][d]);
-      s[r * ld + j] = x;
+      s[r * ld + j] = x * post;
     }
   }
 #endif
@@ -262,20 +300,49 @@ inline void qk_rows(const float* q, int64_t D, const T* const* kp, int64_t nk, f
     for (int r = 0; r < NR; ++r) {
       float x = 0.f;
       for (int64_t d = 0; d < D; ++d) x += q[r * D + d] * to_float(k0[d]);
-      s[r * ld + j] = x;
+      s[r * ld + j] = x * post;
     }
   }
 }
 
 #ifdef HAL_BF16DOT
-// qk_rows for bf16 keys through _mm512_dpbf16_ps: each query row is split into bf16 hi + lo
-// (qb[r * 2D + d] and qb[r * 2D + D + d], hi + lo = q to ~2^-17) and both are dotted with the
-// unwidened key row, so the scores keep (nearly) float32 accuracy. Dims past a multiple of 32: float32.
-template <int NR>
+// qk_rows for bf16 keys through _mm512_dpbf16_ps, no widening: the query rows in bf16 (qb[r * 2D + d]) and, with
+// LO, their remainders (qb[r * 2D + D + d]; hi + lo = q to ~2^-17) dotted with the key rows, so the scores keep
+// (nearly) float32 accuracy; a bf16 query (lo = 0) takes one pass. Dims past a multiple of 32: float32 q.
+template <int NR, bool LO>
 inline void qk_rows_bf16dot(const uint16_t* qb, const float* q, int64_t D, const at::BFloat16* const* kp, int64_t nk,
-                            float* s, int64_t ld) {
+                            float* s, int64_t ld, float post) {
+  constexpr int NK = qk_keys<NR>();
   const int64_t D32 = D & ~int64_t(31);
-  for (int64_t j = 0; j < nk; ++j) {
+  int64_t j = 0;
+  for (; j + NK <= nk; j += NK) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D32; d += 32) {
+      __m512bh qh[NR], ql[NR];
+      for (int r = 0; r < NR; ++r) {
+        qh[r] = (__m512bh)_mm512_loadu_si512(qb + r * 2 * D + d);
+        if constexpr (LO) ql[r] = (__m512bh)_mm512_loadu_si512(qb + r * 2 * D + D + d);
+      }
+      for (int c = 0; c < NK; ++c) {
+        const __m512bh kb = (__m512bh)_mm512_loadu_si512(kp[j + c] + d);
+        for (int r = 0; r < NR; ++r) {
+          acc[r * NK + c] = _mm512_dpbf16_ps(acc[r * NK + c], qh[r], kb);
+          if constexpr (LO) acc[r * NK + c] = _mm512_dpbf16_ps(acc[r * NK + c], ql[r], kb);
+        }
+      }
+    }
+    float sums[16];
+    _mm512_storeu_ps(sums, hsum16(acc));
+    for (int r = 0; r < NR; ++r) {
+      for (int c = 0; c < NK; ++c) {
+        float x = sums[r * NK + c];
+        for (int64_t d = D32; d < D; ++d) x += q[r * D + d] * to_float(kp[j + c][d]);
+        s[r * ld + j + c] = x * post;
+      }
+    }
+  }
+  for (; j < nk; ++j) {
     __m512 acc[NR];
     for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
     const at::BFloat16* k0 = kp[j];
@@ -284,20 +351,22 @@ inline void qk_rows_bf16dot(const uint16_t* qb, const float* q, int64_t D, const
       for (int r = 0; r < NR; ++r) {
         const uint16_t* row = qb + r * 2 * D + d;
         acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(row), kb);
-        acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(row + D), kb);
+        if constexpr (LO) acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(row + D), kb);
       }
     }
     for (int r = 0; r < NR; ++r) {
       float x = _mm512_reduce_add_ps(acc[r]);
       for (int64_t d = D32; d < D; ++d) x += q[r * D + d] * to_float(k0[d]);
-      s[r * ld + j] = x;
+      s[r * ld + j] = x * post;
     }
   }
 }
 #endif
 
-// bf16 hi and lo halves of R float rows of D (the layout qk_rows_bf16dot reads).
-inline void split_bf16(const float* q, int64_t R, int64_t D, uint16_t* qb) {
+// bf16 hi and lo halves of R float rows of D (the layout qk_rows_bf16dot reads); returns whether any lo is
+// nonzero (false: the rows are exact in bf16, and one pass of bf16 dots scores them exactly).
+inline bool split_bf16(const float* q, int64_t R, int64_t D, uint16_t* qb) {
+  bool lo_any = false;
   for (int64_t r = 0; r < R; ++r) {
     for (int64_t d = 0; d < D; ++d) {
       const float x = q[r * D + d];
@@ -305,33 +374,32 @@ inline void split_bf16(const float* q, int64_t R, int64_t D, uint16_t* qb) {
       const at::BFloat16 lo(x - to_float(hi));
       qb[r * 2 * D + d] = hi.x;
       qb[r * 2 * D + D + d] = lo.x;
+      lo_any |= (lo.x & 0x7fff) != 0;
     }
   }
+  return lo_any;
 }
 
-// acc[r] += sum_j p[r * ld + j] * v[j] for NR rows.
+// acc[r] += sum_j p[r * ld + j] * v[j] for NR rows, NV vectors of Dv at a time (NR x NV accumulators).
 template <int NR, typename T>
 inline void pv_rows(const float* p, int64_t ld, const T* const* vp, int64_t nk, float* acc, int64_t Dv) {
   int64_t d = 0;
 #ifdef HAL_VEC
-  for (; d + 2 * kW <= Dv; d += 2 * kW) {
-    vf a0[NR], a1[NR];
-    for (int r = 0; r < NR; ++r) {
-      a0[r] = vload(acc + r * Dv + d);
-      a1[r] = vload(acc + r * Dv + d + kW);
-    }
+  constexpr int NV = kW == 16 ? 4 : 2;  // AVX2 has 16 registers, AVX-512 32
+  for (; d + NV * kW <= Dv; d += NV * kW) {
+    vf a[NR][NV];
+    for (int r = 0; r < NR; ++r)
+      for (int v = 0; v < NV; ++v) a[r][v] = vload(acc + r * Dv + d + v * kW);
     for (int64_t j = 0; j < nk; ++j) {
-      vf x = vload(vp[j] + d), y = vload(vp[j] + d + kW);
+      vf x[NV];
+      for (int v = 0; v < NV; ++v) x[v] = vload(vp[j] + d + v * kW);
       for (int r = 0; r < NR; ++r) {
-        vf w = vset(p[r * ld + j]);
-        a0[r] = vfma(w, x, a0[r]);
-        a1[r] = vfma(w, y, a1[r]);
+        const vf w = vset(p[r * ld + j]);
+        for (int v = 0; v < NV; ++v) a[r][v] = vfma(w, x[v], a[r][v]);
       }
     }
-    for (int r = 0; r < NR; ++r) {
-      vstore(acc + r * Dv + d, a0[r]);
-      vstore(acc + r * Dv + d + kW, a1[r]);
-    }
+    for (int r = 0; r < NR; ++r)
+      for (int v = 0; v < NV; ++v) vstore(acc + r * Dv + d + v * kW, a[r][v]);
   }
   for (; d + kW <= Dv; d += kW) {
     vf a0[NR];
@@ -352,26 +420,36 @@ inline void pv_rows(const float* p, int64_t ld, const T* const* vp, int64_t nk, 
   }
 }
 
-// qk_rows for nr <= 4 rows; qb: the rows' bf16 halves (split_bf16), read where bf16 keys have a bf16 dot.
+// qk_rows for nr <= 4 rows, scores times post; qb: the rows' bf16 halves (split_bf16; lo: whether the lo
+// halves count), read where bf16 keys have a bf16 dot.
 template <typename T>
-inline void qk_any(int nr, const float* q, const uint16_t* qb, int64_t D, const T* const* kp, int64_t nk, float* s,
-                   int64_t ld) {
+inline void qk_any(int nr, const float* q, const uint16_t* qb, bool lo, int64_t D, const T* const* kp, int64_t nk,
+                   float* s, int64_t ld, float post) {
 #ifdef HAL_BF16DOT
   if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (lo) {
+      switch (nr) {
+        case 4: return qk_rows_bf16dot<4, true>(qb, q, D, kp, nk, s, ld, post);
+        case 3: return qk_rows_bf16dot<3, true>(qb, q, D, kp, nk, s, ld, post);
+        case 2: return qk_rows_bf16dot<2, true>(qb, q, D, kp, nk, s, ld, post);
+        default: return qk_rows_bf16dot<1, true>(qb, q, D, kp, nk, s, ld, post);
+      }
+    }
     switch (nr) {
-      case 4: return qk_rows_bf16dot<4>(qb, q, D, kp, nk, s, ld);
-      case 3: return qk_rows_bf16dot<3>(qb, q, D, kp, nk, s, ld);
-      case 2: return qk_rows_bf16dot<2>(qb, q, D, kp, nk, s, ld);
-      default: return qk_rows_bf16dot<1>(qb, q, D, kp, nk, s, ld);
+      case 4: return qk_rows_bf16dot<4, false>(qb, q, D, kp, nk, s, ld, post);
+      case 3: return qk_rows_bf16dot<3, false>(qb, q, D, kp, nk, s, ld, post);
+      case 2: return qk_rows_bf16dot<2, false>(qb, q, D, kp, nk, s, ld, post);
+      default: return qk_rows_bf16dot<1, false>(qb, q, D, kp, nk, s, ld, post);
     }
   }
 #endif
   (void)qb;
+  (void)lo;
   switch (nr) {
-    case 4: return qk_rows<4>(q, D, kp, nk, s, ld);
-    case 3: return qk_rows<3>(q, D, kp, nk, s, ld);
-    case 2: return qk_rows<2>(q, D, kp, nk, s, ld);
-    default: return qk_rows<1>(q, D, kp, nk, s, ld);
+    case 4: return qk_rows<4>(q, D, kp, nk, s, ld, post);
+    case 3: return qk_rows<3>(q, D, kp, nk, s, ld, post);
+    case 2: return qk_rows<2>(q, D, kp, nk, s, ld, post);
+    default: return qk_rows<1>(q, D, kp, nk, s, ld, post);
   }
 }
 template <typename T>
@@ -512,21 +590,22 @@ inline void write_rows(const Problem& P, int64_t b, int64_t h, int64_t i0, int64
   }
 }
 
-// Rows of a task: the G query heads of KV head h for query rows [i0, i1), scaled, float32.
-inline void load_q(const Problem& P, int64_t b, int64_t h, int64_t i0, int64_t i1, float* qs) {
+// Rows of a task: the G query heads of KV head h for query rows [i0, i1), times f, float32.
+inline void load_q(const Problem& P, int64_t b, int64_t h, int64_t i0, int64_t i1, float* qs, float f) {
   int64_t r = 0;
   for (int64_t i = i0; i < i1; ++i) {
     const int64_t t = P.q_start[b] + i;
     for (int64_t g = 0; g < P.G; ++g, ++r) {
       const float* src = P.q + t * P.q_s0 + (h * P.G + g) * P.q_s1;
-      for (int64_t d = 0; d < P.D; ++d) qs[r * P.D + d] = src[d] * P.scale;
+      for (int64_t d = 0; d < P.D; ++d) qs[r * P.D + d] = src[d] * f;
     }
   }
 }
 
-// Key ranges of a task's query rows (and their union [LO, HI)), its scaled queries, zeroed state.
+// Key ranges of a task's query rows (and their union [LO, HI)), its queries (scaled unless `scaled` is false:
+// the scores are then scaled after the dot), zeroed state.
 inline void start_task(const Problem& P, const Task& task, int64_t R, int64_t* lo, int64_t* hi, int64_t& LO,
-                       int64_t& HI, float* qs, float* acc, float* m, float* l) {
+                       int64_t& HI, float* qs, float* acc, float* m, float* l, bool scaled = true) {
   LO = std::numeric_limits<int64_t>::max();
   HI = 0;
   for (int64_t i = 0; i < task.i1 - task.i0; ++i) {
@@ -534,7 +613,7 @@ inline void start_task(const Problem& P, const Task& task, int64_t R, int64_t* l
     LO = std::min(LO, lo[i]);
     HI = std::max(HI, hi[i]);
   }
-  load_q(P, task.b, task.h, task.i0, task.i1, qs);
+  load_q(P, task.b, task.h, task.i0, task.i1, qs, scaled ? P.scale : 1.f);
   std::fill(acc, acc + R * P.Dv, 0.f);
   std::fill(m, m + R, kNegInf);
   std::fill(l, l + R, 0.f);
@@ -553,23 +632,29 @@ void run_rows(const Problem& P, const Task& task) {
   float* state = s + R * blk;
   std::vector<int64_t> lo(nq), hi(nq);
   int64_t LO = 0, HI = 0;
+#ifdef HAL_BF16DOT
+  constexpr bool dot = std::is_same_v<T, at::BFloat16>;  // bf16 keys dotted without widening
+#else
+  constexpr bool dot = false;
+#endif
   for (int64_t hh = 0; hh < nh; ++hh) {
     float* qs = state + hh * per_head;
     Task head = task;
     head.h = task.h + hh;
     start_task(P, head, R, lo.data(), hi.data(), LO, HI, qs, qs + R * D, qs + R * D + R * Dv,
-               qs + R * D + R * Dv + R);
+               qs + R * D + R * Dv + R, !dot);
   }
-  // bf16 halves of every head's query rows, where bf16 keys are dotted without widening
+  // bf16 halves of every head's (unscaled) query rows, where bf16 keys are dotted without widening: a bf16
+  // query is exact in its hi half and takes one pass of dots, the scale applied to the scores
   thread_local std::vector<uint16_t> t_qb;
   uint16_t* qb = nullptr;
-#ifdef HAL_BF16DOT
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
+  bool qlo = false;
+  const float post = dot ? P.scale : 1.f;
+  if constexpr (dot) {
     if (int64_t(t_qb.size()) < nh * 2 * R * D) t_qb.resize(nh * 2 * R * D);
     qb = t_qb.data();
-    for (int64_t hh = 0; hh < nh; ++hh) split_bf16(state + hh * per_head, R, D, qb + hh * 2 * R * D);
+    for (int64_t hh = 0; hh < nh; ++hh) qlo |= split_bf16(state + hh * per_head, R, D, qb + hh * 2 * R * D);
   }
-#endif
   if (int64_t(t_ptrs.size()) < 2 * blk) t_ptrs.resize(2 * blk);
   const T** kp = reinterpret_cast<const T**>(t_ptrs.data());
   const T** vp = kp + blk;
@@ -615,8 +700,8 @@ void run_rows(const Problem& P, const Task& task) {
       float* m = acc + R * Dv;
       float* l = m + R;
       for (int64_t r = 0; r < R; r += 4)
-        qk_any<T>(int(std::min<int64_t>(4, R - r)), qs + r * D, qb ? qb + (hh * R + r) * 2 * D : nullptr, D, kp, nk,
-                  s + r * blk, blk);
+        qk_any<T>(int(std::min<int64_t>(4, R - r)), qs + r * D, qb ? qb + (hh * R + r) * 2 * D : nullptr, qlo, D, kp,
+                  nk, s + r * blk, blk, post);
       if (fold_block(P, b, i0, R, j0, nk, s, blk, m, l, acc, Dv, lo.data(), hi.data())) {
         for (int64_t r = 0; r < R; r += 4)
           pv_any<T>(int(std::min<int64_t>(4, R - r)), s + r * blk, blk, vp, nk, acc + r * Dv, Dv);
@@ -628,6 +713,18 @@ void run_rows(const Problem& P, const Task& task) {
     float* qs = state + hh * per_head;
     write_rows(P, b, task.h + hh, i0, R, qs + R * D, qs + R * D + R * Dv + R);
   }
+}
+
+// A bf16 tile task's float32 state in the thread's scratch: queries [R x D], accumulators [Rp x Dv] (rows padded
+// to the tile), scores [Rp x BK], running max and sum [R].
+struct TileState {
+  float *qs, *acc, *s, *m, *l;
+};
+inline TileState tile_state(int64_t R, int64_t Rp, int64_t D, int64_t Dv, int64_t BK) {
+  float* qs = scratch(R * D + Rp * Dv + Rp * BK + 2 * R);
+  float* acc = qs + R * D;
+  float* s = acc + Rp * Dv;
+  return {qs, acc, s, s + Rp * BK, s + Rp * BK + R};
 }
 
 #ifdef HAL_AMX
@@ -708,12 +805,7 @@ inline uint16_t bf16_bits(const at::BFloat16& x) { return x.x; }
 void run_tile_amx(const Problem& P, const Task& task) {
   const int64_t b = task.b, h = task.h, i0 = task.i0, nq = task.i1 - task.i0;
   const int64_t R = nq * P.G, Rp = (R + 15) / 16 * 16, D = P.D, Dv = P.Dv, BK = kGemmBlock;
-  float* base = scratch(R * D + Rp * Dv + Rp * BK + 2 * R);
-  float* qs = base;
-  float* acc = qs + R * D;
-  float* s = acc + Rp * Dv;
-  float* m = s + Rp * BK;
-  float* l = m + R;
+  const auto [qs, acc, s, m, l] = tile_state(R, Rp, D, Dv, BK);
   thread_local std::vector<uint16_t> t_bf16;
   const int64_t need = 2 * Rp * D + BK * D + 2 * Rp * BK + BK * Dv;
   if (int64_t(t_bf16.size()) < need) t_bf16.resize(need);
@@ -785,12 +877,156 @@ void run_tile_amx(const Problem& P, const Task& task) {
 }
 #endif
 
+#ifdef HAL_BF16DOT
+// ---- bf16 dot tile path (avx512_bf16 without AMX) ----------------------------------------------
+// C[MR x 16 NV] (+)= alpha * A . B over K2 pairs: A rows of bf16 pairs (uint32, row stride lda), B [K2 x N]
+// rows of bf16 pairs (each 32-bit lane: two consecutive k of one column n), by _mm512_dpbf16_ps.
+template <int MR, int NV>
+inline void dot_tile(const uint32_t* A, int64_t lda, const uint32_t* B, int64_t ldb, int64_t K2, float* C,
+                     int64_t ldc, float alpha, bool accumulate) {
+  __m512 acc[MR][NV];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K2; ++k) {
+    __m512bh bv[NV];
+    for (int v = 0; v < NV; ++v) bv[v] = (__m512bh)_mm512_loadu_si512(B + k * ldb + 16 * v);
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(int(A[m * lda + k]));
+      for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], a, bv[v]);
+    }
+  }
+  const __m512 f = _mm512_set1_ps(alpha);
+  for (int m = 0; m < MR; ++m) {
+    for (int v = 0; v < NV; ++v) {
+      float* c = C + m * ldc + 16 * v;
+      __m512 x = _mm512_mul_ps(acc[m][v], f);
+      if (accumulate) x = _mm512_add_ps(x, _mm512_loadu_ps(c));
+      _mm512_storeu_ps(c, x);
+    }
+  }
+}
+
+// C[M x N] (+)= alpha * A . B (dot_tile's operands); M % MR == 0, N % (16 NV) == 0.
+template <int MR, int NV>
+void dot_gemm(int64_t M, int64_t N, int64_t K2, const uint32_t* A, int64_t lda, const uint32_t* B, int64_t ldb,
+              float* C, int64_t ldc, float alpha, bool accumulate) {
+  for (int64_t n0 = 0; n0 < N; n0 += 16 * NV)
+    for (int64_t m0 = 0; m0 < M; m0 += MR)
+      dot_tile<MR, NV>(A + m0 * lda, lda, B + n0, ldb, K2, C + m0 * ldc + n0, ldc, alpha, accumulate);
+}
+
+// float32 -> bf16 (round to nearest even) of n values, n % 16 == 0.
+inline void to_bf16(const float* x, int64_t n, uint16_t* y) {
+  for (int64_t i = 0; i < n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+}
+
+// The extend tile of run_tile for bf16 pools with D even and Dv % 16 == 0, both matmuls as bf16 dot products
+// with float32 sums: scores = q . K, then scaled; the probabilities rounded to bf16 for P . V (as a bf16 matmul
+// takes them). Queries not exact in bf16 (float32 queries over a bf16 pool) are split in bf16 hi + lo, and so
+// are the probabilities then: both products keep (nearly) float32 accuracy at twice the dots. Rows padded to 8,
+// keys of a block to 32 (zeros); each block's K is packed once into [D / 2][keys] pairs, V into [keys / 2][Dv].
+void run_tile_bf16dot(const Problem& P, const Task& task) {
+  const int64_t b = task.b, h = task.h, i0 = task.i0, nq = task.i1 - task.i0;
+  const int64_t R = nq * P.G, Rp = (R + 7) / 8 * 8, D = P.D, Dv = P.Dv, BK = kGemmBlock, D2 = D / 2;
+  const auto [qs, acc, s, m, l] = tile_state(R, Rp, D, Dv, BK);
+  thread_local std::vector<uint16_t> t_bf16;
+  const int64_t need = 2 * Rp * 2 * D2 + 2 * D2 * BK + 2 * Rp * BK + BK * Dv;
+  if (int64_t(t_bf16.size()) < need) t_bf16.resize(need);
+  uint16_t* qhi = t_bf16.data();
+  uint16_t* qlo = qhi + Rp * 2 * D2;
+  uint32_t* kpack = reinterpret_cast<uint32_t*>(qlo + Rp * 2 * D2);  // [D / 2][BK]
+  uint16_t* pb = reinterpret_cast<uint16_t*>(kpack + D2 * BK);        // [Rp][BK]
+  uint16_t* plo = pb + Rp * BK;                                       // [Rp][BK] (float32 queries only)
+  uint32_t* vpack = reinterpret_cast<uint32_t*>(plo + Rp * BK);       // [BK / 2][Dv]
+  std::vector<int64_t> lo(nq), hi(nq);
+  int64_t LO, HI;
+  start_task(P, task, R, lo.data(), hi.data(), LO, HI, qs, acc, m, l, false);
+  std::fill(acc + R * Dv, acc + Rp * Dv, 0.f);
+  std::fill(s, s + Rp * BK, 0.f);
+  bool qlo_any = false;
+  for (int64_t r = 0; r < Rp; ++r) {
+    for (int64_t d = 0; d < D; ++d) {
+      const float x = r < R ? qs[r * D + d] : 0.f;
+      const at::BFloat16 top(x);
+      const at::BFloat16 rest(x - to_float(top));
+      qhi[r * D + d] = top.x;
+      qlo[r * D + d] = rest.x;
+      qlo_any |= (rest.x & 0x7fff) != 0;
+    }
+  }
+  const uint32_t* qhi32 = reinterpret_cast<const uint32_t*>(qhi);
+  const uint32_t* qlo32 = reinterpret_cast<const uint32_t*>(qlo);
+  if (int64_t(t_ptrs.size()) < 2 * BK) t_ptrs.resize(2 * BK);
+  const at::BFloat16** kp = reinterpret_cast<const at::BFloat16**>(t_ptrs.data());
+  const at::BFloat16** vp = kp + BK;
+  const int32_t* r2t_row = P.r2t + P.rows[b] * P.r2t_s0;
+  for (int64_t j0 = LO; j0 < HI; j0 += BK) {
+    const int64_t nk = std::min(BK, HI - j0), nk32 = (nk + 31) / 32 * 32, nk2 = (nk + 1) / 2;
+    if (!slot_ptrs<at::BFloat16>(P, r2t_row, j0, nk, h, kp, vp)) return;
+    // K block -> [D / 2][keys] pairs, 16 dims of 16 keys at a time (a row's 64 bytes, one line, read once)
+    for (int64_t j = 0; j < nk32; ++j) {
+      if (j >= nk) {
+        for (int64_t d = 0; d < D2; ++d) kpack[d * BK + j] = 0u;
+      }
+    }
+    for (int64_t d0 = 0; d0 < D2; d0 += 16) {
+      const int64_t dn = std::min<int64_t>(16, D2 - d0);
+      for (int64_t j = 0; j < nk; ++j) {
+        const uint32_t* krow = reinterpret_cast<const uint32_t*>(kp[j]) + d0;
+        for (int64_t d = 0; d < dn; ++d) kpack[(d0 + d) * BK + j] = krow[d];
+      }
+    }
+    dot_gemm<8, 2>(Rp, nk32, D2, qhi32, D2, kpack, BK, s, BK, P.scale, false);
+    if (qlo_any) dot_gemm<8, 2>(Rp, nk32, D2, qlo32, D2, kpack, BK, s, BK, P.scale, true);
+    if (!fold_block(P, b, i0, R, j0, nk, s, BK, m, l, acc, Dv, lo.data(), hi.data())) continue;
+    for (int64_t r = 0; r < R; ++r) {
+      for (int64_t j = nk; j < nk32; ++j) s[r * BK + j] = 0.f;
+      to_bf16(s + r * BK, nk32, pb + r * BK);
+    }
+    for (int64_t r = R; r < Rp; ++r) std::fill(pb + r * BK, pb + r * BK + nk32, uint16_t(0));
+    if (qlo_any) {  // float32 queries: the probabilities' bf16 remainders too (pb holds them after the first pass)
+      for (int64_t r = 0; r < R; ++r) {
+        for (int64_t j = 0; j < nk32; ++j) s[r * BK + j] -= bits_to_float(pb[r * BK + j]);
+        to_bf16(s + r * BK, nk32, plo + r * BK);
+      }
+      for (int64_t r = R; r < Rp; ++r) std::fill(plo + r * BK, plo + r * BK + nk32, uint16_t(0));
+    }
+    for (int64_t j2 = 0; j2 < nk2; ++j2) {  // V block -> [keys / 2][Dv] pairs (a missing odd key: zeros)
+      const uint16_t* v0 = reinterpret_cast<const uint16_t*>(vp[2 * j2]);
+      const uint16_t* v1 = 2 * j2 + 1 < nk ? reinterpret_cast<const uint16_t*>(vp[2 * j2 + 1]) : nullptr;
+      for (int64_t d = 0; d < Dv; d += 16) {
+        const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + d)));
+        const __m512i y = v1 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + d)))
+                             : _mm512_setzero_si512();
+        _mm512_storeu_si512(vpack + j2 * Dv + d, _mm512_or_si512(x, _mm512_slli_epi32(y, 16)));
+      }
+    }
+    for (const uint16_t* part : {pb, plo}) {
+      if (part == plo && !qlo_any) break;
+      const uint32_t* p32 = reinterpret_cast<const uint32_t*>(part);
+      if (Dv % 64 == 0) {
+        dot_gemm<4, 4>(Rp, Dv, nk2, p32, BK / 2, vpack, Dv, acc, Dv, 1.f, true);
+      } else {
+        dot_gemm<8, 1>(Rp, Dv, nk2, p32, BK / 2, vpack, Dv, acc, Dv, 1.f, true);
+      }
+    }
+  }
+  write_rows(P, b, h, i0, R, acc, l);
+}
+#endif
+
 // Extend tiles: scores and values through at::mm over blocks of kGemmBlock keys, widened to float32.
 template <typename T>
 void run_tile(const Problem& P, const Task& task) {
 #ifdef HAL_AMX
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     if (P.D % 32 == 0 && P.Dv % 16 == 0 && amx_ready()) return run_tile_amx(P, task);
+  }
+#endif
+#ifdef HAL_BF16DOT
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (P.D % 2 == 0 && P.Dv % 16 == 0) return run_tile_bf16dot(P, task);
   }
 #endif
   const int64_t b = task.b, h = task.h, i0 = task.i0, nq = task.i1 - task.i0;
@@ -1077,6 +1313,57 @@ at::Tensor write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::
   return bf16 ? out.to(at::kBFloat16) : out;
 }
 
+// This path's arithmetic ceiling, GFLOP/s over all torch threads: `kind` "fma" (float32 multiply-adds at the
+// path's vector width: 16 lanes under AVX-512, 8 under AVX2, whatever the compiler makes of plain loops) or
+// "bf16_dot" (_mm512_dpbf16_ps, 64 flops each; -1 where the path has none). Each thread runs `iters` rounds
+// of 16 independent chains (enough to cover the latency of two pipes), from registers: no memory traffic.
+double peak_gflops(const std::string& kind, int64_t iters) {
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  std::atomic<double> flops(0);
+  auto one = [&](int64_t, int64_t) {
+    double done = 0;
+    float sink = 0;
+    if (kind == "fma") {
+#ifdef HAL_VEC
+      vf acc[16];
+      for (int i = 0; i < 16; ++i) acc[i] = vset(1.f + 1e-3f * i);
+      const vf a = vset(0.999999f), c = vset(1e-7f);
+      for (int64_t it = 0; it < iters; ++it)
+        for (int i = 0; i < 16; ++i) acc[i] = vfma(acc[i], a, c);
+      for (int i = 0; i < 16; ++i) sink += hsum(acc[i]);
+      done = 2.0 * kW * 16 * iters;
+#else
+      float acc[16];
+      for (int i = 0; i < 16; ++i) acc[i] = 1.f + 1e-3f * i;
+      for (int64_t it = 0; it < iters; ++it)
+        for (int i = 0; i < 16; ++i) acc[i] = acc[i] * 0.999999f + 1e-7f;
+      for (int i = 0; i < 16; ++i) sink += acc[i];
+      done = 2.0 * 16 * iters;
+#endif
+    }
+#ifdef HAL_BF16DOT
+    if (kind == "bf16_dot") {
+      __m512 acc[16];
+      for (int i = 0; i < 16; ++i) acc[i] = _mm512_set1_ps(1e-3f * i);
+      const __m512bh a = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1e-3f), _mm512_set1_ps(1e-3f));
+      for (int64_t it = 0; it < iters; ++it)
+        for (int i = 0; i < 16; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, a);
+      for (int i = 0; i < 16; ++i) sink += _mm512_reduce_add_ps(acc[i]);
+      done = 64.0 * 16 * iters;
+    }
+#endif
+    volatile float keep = sink;  // the chains' result is used: the loops stay
+    (void)keep;
+    double seen = flops.load();
+    while (!flops.compare_exchange_weak(seen, seen + done)) {
+    }
+  };
+  const auto start = std::chrono::steady_clock::now();
+  at::parallel_for(0, threads, 1, one);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return flops.load() > 0 ? flops.load() / seconds / 1e9 : -1.0;
+}
+
 std::string build_info() {
   std::string s = HAL_STR(HAL_ISA);
 #ifdef HAL_VEC
@@ -1117,4 +1404,5 @@ TORCH_LIBRARY_IMPL(hal, CPU, m) { m.impl(HAL_OP(paged_attention), &paged_attenti
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention);
   m.def("write_and_attend", &write_and_attend);
+  m.def("peak_gflops", &peak_gflops);
 }

