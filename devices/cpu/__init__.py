@@ -18,10 +18,11 @@ __all__ = ["CpuDevice", "device", "CompiledBackend", "PlainTorchBackend", "cpu_c
 __getattr__ = moved_names(__name__, {"TorchBackend": "hal.devices.cpu.compiled_backend:CompiledBackend"})
 
 
-# The case families an ISA path reruns: those whose forwards reach the kernels' vector code in every shape it
-# branches on (dtypes, head dims and their tails, GQA groups, task shapes, caps, windows, MLA's strided values).
-# Sinks and fp8 caches run the plain torch path; refusals, metadata and graphs run the same kernels as these.
-KERNEL_FAMILIES = ("basic", "gqa", "head_dim", "task_shape", "logit_cap", "window", "v_head_dim", "mla")
+# The case families an ISA path reruns: those whose forwards reach the kernels' vector code in the shapes it
+# branches on (fp32 and bf16 dots, head dims and their tails up to 256, task shapes: rows of one or every KV head
+# and query tiles, caps, windows, v_head_dim != head_dim); about 70 cases a path. Sinks and fp8 caches run the
+# plain torch path; refusals, metadata and graphs run the same kernels as these.
+KERNEL_FAMILIES = ("basic", "head_dim", "task_shape", "logit_cap", "window", "v_head_dim")
 
 
 class CpuDevice(Device):

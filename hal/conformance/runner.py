@@ -150,7 +150,7 @@ def path_summary(target, cases: list[dict]) -> dict:
             continue
         mine = [c for c in cases if c.get("path", "default") == path.name]
         out[path.name] = {
-            "families": "all" if path.families is None else sorted(path.families),
+            "families": sorted(path.families) if path.families is not None else "all" + (" but graph" * path.checked),
             "env": dict(path.env) | ({"HAL_FUSED_FORWARD": "0"} if path.checked else {}),
             **{o: sum(c["outcome"] == o for c in mine) for o in ("passed", "failed", "skipped")},
         }
@@ -327,7 +327,7 @@ def format_report(report: dict, verbose: bool = False) -> str:
             if "unreached" in p:
                 out.append(f"  path {name}: unreached ({p['unreached']})")
             else:
-                families = p["families"] if p["families"] == "all" else ", ".join(p["families"])
+                families = p["families"] if isinstance(p["families"], str) else ", ".join(p["families"])
                 counts = f"{p['passed']} passed, {p['failed']} failed, {p['skipped']} skipped"
                 out.append(f"  path {name}: {counts} (families: {families})")
         routes = r.get("routes") or {}
