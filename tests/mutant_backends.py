@@ -980,7 +980,7 @@ for _name, _cls in CPU_MUTANTS.items():
 class CpuMutantDevice(Device):
     """A plugin device serving the CPU backend's mutants on the CPU, with the CPU device's paths (ISAs)."""
 
-    name = "cpu-mutants"
+    name = "cpu_mutants"
     plugin_api = 2
     priority = 1
 

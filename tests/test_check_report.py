@@ -195,3 +195,31 @@ def test_cases_follow_the_ports_head_dims_and_dtypes():
     split = {c.mode for c in ran if c.v_head_dim not in (None, c.head_dim)}
     assert split == {c.mode for c in CASES if c.v_head_dim not in (None, c.head_dim)}
     assert ForwardMode.DRAFT_EXTEND in split
+
+
+def test_every_isa_path_the_cpu_can_run_is_judged(cpu_only):
+    """On the CPU, hal check runs the checked path and each compiled ISA path this CPU can run (an AVX-512 host:
+    AVX2 and generic too), and reports the others unreached with the instructions missing."""
+    from hal.kernels import cpu as cpu_kernels
+
+    ok, why = cpu_kernels.status()
+    if not ok:
+        pytest.skip(f"no compiled CPU kernels here: {why}")
+    report = run_check(["cpu"], ["torch"], families=["basic"])
+    [result] = report["results"]
+    assert result["failed"] == 0, result["failures"]
+    paths = result["paths"]
+    runnable = cpu_kernels.runnable_isas()
+    assert paths["default"]["passed"] and paths["checked"]["passed"]
+    for name in cpu_kernels.ISAS:
+        if name == cpu_kernels.isa():
+            assert f"isa={name}" not in paths  # the default path is this one
+        elif name in runnable:
+            assert paths[f"isa={name}"]["passed"] == paths["default"]["passed"], (name, paths)
+            assert paths[f"isa={name}"]["env"] == {"HAL_CPU_ISA": name}
+        else:
+            assert "lacks" in paths[f"isa={name}"]["unreached"], paths[f"isa={name}"]
+    if "avx512" in cpu_kernels.isa():
+        assert {"isa=avx2", "isa=generic"} <= {p for p, v in paths.items() if v.get("passed")}
+    only = run_check(["cpu"], ["torch"], families=["basic"], paths=["isa=generic"])["results"][0]
+    assert {c["path"] for c in only["cases"]} == {"isa=generic"}

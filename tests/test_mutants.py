@@ -62,10 +62,10 @@ def mutant_results():
     register_device(MutantDevice([*MutantDevice().backends(), Tiled32]))
     register_device(CpuMutantDevice())
     try:
-        report = run_check(["mutants", "cpu-mutants"], [], plugins=[FailFast()])
+        report = run_check(["mutants", "cpu_mutants"], [], plugins=[FailFast()])
     finally:
         unregister_device("mutants")
-        unregister_device("cpu-mutants")
+        unregister_device("cpu_mutants")
         get_registry(reload=True)
     assert not report["errors"], report["errors"]
     return {r["backend"]: r for r in report["results"]}
