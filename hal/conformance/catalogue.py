@@ -67,7 +67,9 @@ def _fit_head_dims(backend_cls, case: Case, capability) -> Case:
         v = min(rest, key=lambda d: abs(d - case.v_head_dim)) if split and rest else None
         candidates = [(head, v)] if not split or v is not None else []
     else:
-        candidates = [(h, v) for h in dims for v in ([d for d in dims if d != h] if split else [None])]
+        heads = sorted(dims, key=lambda d: abs(d - case.head_dim))  # the nearest dims first
+        values = sorted(dims, key=lambda d: abs(d - (case.v_head_dim or 0)))
+        candidates = [(h, v) for h in heads for v in ([d for d in values if d != h] if split else [None])]
     base = replace(case, name="")
     for head, v in candidates:
         moved = replace(base, head_dim=head, v_head_dim=v)
