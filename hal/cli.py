@@ -143,6 +143,14 @@ def main(argv: list[str] | None = None) -> int:
     p_check.add_argument(
         "--family", action="append", default=[], help="only this feature family (repeatable), e.g. fuzz, graph"
     )
+    p_check.add_argument(
+        "--path",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="only these of a backend's paths (repeatable): default, checked, isa=avx2, generation=A5... "
+        "(default: every path it can take here)",
+    )
     from hal.conformance.features import FEATURES, PROFILES
 
     p_check.add_argument(
@@ -234,7 +242,14 @@ def main(argv: list[str] | None = None) -> int:
             from hal.conformance.runner import format_report
 
             report = run_check(
-                args.device, args.backend, args.verbose, args.fuzz, args.seed, args.family, require=required
+                args.device,
+                args.backend,
+                args.verbose,
+                args.fuzz,
+                args.seed,
+                args.family,
+                require=required,
+                paths=args.path,
             )
             if args.json:
                 print(json.dumps({k: report[k] for k in ("results", "exit_code", "errors")}, indent=2))

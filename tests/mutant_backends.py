@@ -8,6 +8,7 @@ mutant overrides one hook with one mistake a porter makes; ``hal check`` must fa
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
 
 import torch
@@ -15,6 +16,10 @@ import torch
 from hal.backend import AttentionBackend
 from hal.batch import host_lens
 from hal.capability import DeviceCapability
+from hal.devices.cpu import device as cpu_device
+from hal.devices.cpu.compiled_backend import CompiledBackend
+from hal.errors import InvalidBatchError
+from hal.kernels import cpu as cpu_kernels
 from hal.kernels.reference import kv_scales, quantize_kv, shares_storage
 from hal.kv_dtypes import kv_scaled
 from hal.registry import Device
@@ -60,6 +65,7 @@ class Ported(AttentionBackend):
         return 1
 
     def init_forward_metadata_out_graph(self, fb, in_capture: bool = False) -> None:
+        self.check_batch(fb)
         if fb.forward_mode.is_idle():
             self.set_forward_metadata(None, fb)
             return
@@ -202,6 +208,7 @@ class Ported(AttentionBackend):
         return keys * k_scale, values * v_scale
 
     def attend(self, q, k, v, layer, fb, save_kv_cache, sinks=None):
+        self._sinks = sinks is not None
         meta = self.forward_metadata  # the prologue checked q/k/v ([T, heads, dim] now) and wrote the KV
         tokens = meta.num_tokens
         kb, vb = self.buffers(layer, fb)
@@ -809,3 +816,191 @@ for _cls in (
 ):  # the features of issue 19
     _cls.name = _cls.__name__.lower()
     MUTANTS[_cls.__name__] = _cls
+
+
+# ----------------------------------------------------------------------------- issue 27: the paths and combinations
+
+
+class NonCausalBandHidesLaterKeys(Ported):
+    """Sinks and MLA on a non-causal windowed layer: the band also ends at the query (``next_tokens = 0``),
+    hiding every later key."""
+
+    def visible(self, meta, layer, fb):
+        vis = super().visible(meta, layer, fb)
+        if layer.causal or layer.sliding_window_size < 0 or not (self._sinks or layer.is_mla):
+            return vis
+        k_pos = torch.arange(meta.width, device=vis.device)
+        return vis & (k_pos[None, None, :] <= meta.q_pos[:, :, None])
+
+
+class MlaHeadPaddingStride(Ported):
+    """MLA with a head count that is not a power of two: the output is computed for the heads padded to the next
+    power of two and read back with the unpadded head stride (rows after the first mix heads of two tokens)."""
+
+    def output(self, out, layer, fb):
+        heads = layer.tp_q_head_num
+        padded = 1 << (heads - 1).bit_length()
+        if not layer.is_mla or padded == heads:
+            return super().output(out, layer, fb)
+        wide = out.new_zeros(out.shape[0], padded, out.shape[2])
+        wide[:, :heads] = out
+        return wide.reshape(-1)[: out.numel()].view(out.shape[0], -1)
+
+
+class FirstTokenSlotCheck(Ported):
+    """Its own batch check compares ``out_cache_loc`` with ``req_to_token`` on each request's first new token
+    only (not hal's full validation), so a later token's mismatch, or a write over another request's prefix,
+    goes through."""
+
+    def check_batch(self, fb):
+        if self.validation != "full" or fb.forward_mode.is_idle():
+            return
+        lens = host_lens(fb)
+        rows, loc = fb.req_pool_indices.tolist(), fb.out_cache_loc.tolist()
+        start = 0
+        for row, prefix, n in zip(rows, lens.prefix, lens.query):
+            slot = int(fb.req_to_token_pool.req_to_token[row, prefix])
+            if n and loc[start] not in (slot, 0):
+                raise InvalidBatchError(f"out_cache_loc[{start}] = {loc[start]}: expected {slot}")
+            start += n
+
+
+class VerifyMaskSizedByPrefix(Ported):
+    """Reads each request's verify mask as draft x prefix (its start offsets too), not draft x (prefix + draft)."""
+
+    def mask_offset(self, q_off, k_pos, q_lens, kv_lens):
+        return q_off[None, :, None] * (kv_lens - q_lens)[:, None, None] + k_pos[None, None, :]
+
+
+class GraphPaddingWriteRedirected(Ported):
+    """Under a captured graph, padding tokens (slot 0) are redirected to slot -1 for a write that skips negative
+    slots, but the write indexes with it: the pool's last slot is overwritten."""
+
+    def write(self, layer, fb, k, v):
+        if not getattr(fb, "graph_static", False):
+            return super().write(layer, fb, k, v)
+        loc = torch.where(fb.out_cache_loc == 0, -1, fb.out_cache_loc)
+        kb, vb = self.buffers(layer, fb)
+        k_scale, v_scale = kv_scales(layer)
+        kb[loc] = quantize_kv(k, kb.dtype, k_scale)
+        if not shares_storage(kb, vb):
+            vb[loc] = quantize_kv(v, vb.dtype, v_scale)
+
+
+class Tiled32(Ported):
+    """A port whose kernels tile head dims by 32: head dims 32..256 in steps of 32, ``v_head_dim`` too."""
+
+    head_dims = frozenset(range(32, 257, 32))
+
+    @classmethod
+    def unsupported_reasons(cls, config, capability):
+        reasons = super().unsupported_reasons(config, capability)
+        if config.v_head_dim % 32:
+            reasons.append(f"v_head_dim {config.v_head_dim}: the kernels tile head dims by 32")
+        return reasons
+
+
+class DraftExtendValuesFromKeys(Tiled32):
+    """The tiled port's DRAFT_EXTEND path reads the values from the key buffer when ``v_head_dim != head_dim``."""
+
+    def keys_values(self, meta, layer, fb, k, v, kb, vb):
+        keys, values = super().keys_values(meta, layer, fb, k, v, kb, vb)
+        if fb.forward_mode.is_draft_extend() and layer.v_head_dim < layer.head_dim:
+            values = keys[..., : layer.v_head_dim]
+        return keys, values
+
+
+for _cls in (
+    NonCausalBandHidesLaterKeys,
+    MlaHeadPaddingStride,
+    FirstTokenSlotCheck,
+    VerifyMaskSizedByPrefix,
+    GraphPaddingWriteRedirected,
+    DraftExtendValuesFromKeys,
+):  # issue 27
+    _cls.name = _cls.__name__.lower()
+    MUTANTS[_cls.__name__] = _cls
+Tiled32.name = "tiled32"  # a second control: a correct port with tile constraints
+
+
+# ----------------------------------------------------------------------------- mutants of the CPU backend's paths
+
+
+class _FusedKept(CompiledBackend):
+    """The CPU backend with a bug planted in a file of its own: the fused one-call forward stays on (overriding
+    ``_forward``, which the fused call stands in for, would turn it off: each mutant class offers the fused call
+    itself), so the bug lives only where the checked path runs."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.forward_fused = CompiledBackend.forward_fused
+
+
+class CheckedPathCapScaled(_FusedKept):
+    """The checked path passes the logit cap multiplied by the softmax scale to the kernel."""
+
+    def _forward(self, q, k, v, layer, fb, save_kv_cache, sinks=None):
+        if layer.logit_cap > 0:
+            layer = replace(layer, logit_cap=layer.logit_cap * layer.scaling)
+        return super()._forward(q, k, v, layer, fb, save_kv_cache, sinks)
+
+
+class CheckedPathStartLayerTwice(_FusedKept):
+    """The checked path reads the layer ``layer_id - start_layer`` through the accessor that subtracts it again."""
+
+    def _forward(self, q, k, v, layer, fb, save_kv_cache, sinks=None):
+        start = getattr(fb.token_to_kv_pool, "start_layer", 0)
+        if start:
+            layer = replace(layer, layer_id=max(start, layer.layer_id - start))
+        return super()._forward(q, k, v, layer, fb, save_kv_cache, sinks)
+
+
+class Avx2DecodeTailDropped(CompiledBackend):
+    """The AVX2 kernel path scores decode keys 8 at a time and drops a request's partial last group: only on
+    that ISA path (``HAL_CPU_ISA=avx2``), which an AVX-512 machine never takes by itself; on the fused and the
+    checked path alike, as a kernel bug would be."""
+
+    @contextlib.contextmanager
+    def _tail_dropped(self, fb):
+        meta = self.forward_metadata
+        if cpu_kernels.isa() != "avx2" or not fb.forward_mode.is_decode() or getattr(meta, "kv_lens", None) is None:
+            yield
+            return
+        kv_lens = meta.kv_lens
+        meta.kv_lens = torch.where((kv_lens > 8) & (kv_lens % 8 != 0), kv_lens - kv_lens % 8, kv_lens)
+        try:
+            yield
+        finally:
+            meta.kv_lens = kv_lens
+
+    def forward_fused(self, q, k, v, layer, fb, save_kv_cache=True, **kwargs):
+        with self._tail_dropped(fb):
+            return super().forward_fused(q, k, v, layer, fb, save_kv_cache, **kwargs)
+
+    def _forward(self, q, k, v, layer, fb, save_kv_cache, sinks=None):
+        with self._tail_dropped(fb):
+            return super()._forward(q, k, v, layer, fb, save_kv_cache, sinks)
+
+
+CPU_MUTANTS: dict[str, type] = {
+    cls.__name__: cls for cls in (CheckedPathCapScaled, CheckedPathStartLayerTwice, Avx2DecodeTailDropped)
+}
+for _name, _cls in CPU_MUTANTS.items():
+    _cls.name = _name.lower()
+
+
+class CpuMutantDevice(Device):
+    """A plugin device serving the CPU backend's mutants on the CPU, with the CPU device's paths (ISAs)."""
+
+    name = "cpu_mutants"
+    plugin_api = 2
+    priority = 1
+
+    def probe(self) -> DeviceCapability:
+        return cpu_device.probe()
+
+    def backends(self):
+        return list(CPU_MUTANTS.values())
+
+    def conformance_paths(self, backend_cls, capability):
+        return cpu_device.conformance_paths(backend_cls, capability)

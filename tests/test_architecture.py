@@ -41,9 +41,6 @@ COMMANDS = (
 NAMES_DEVICES = {"hal/capability.py", "hal/registry.py"}
 # 'cpu' there is code searched for, not a device: hal lint finds .to("cpu") host copies in a backend's source.
 HOST_NOT_A_DEVICE = {"hal/lint.py"}
-# Moved by branches cpuspeed (hal/bench.py, hal/step_bench.py) and suite (hal/conformance/cases.py); the
-# integrator empties this at merge.
-_PENDING_MOVES = {"hal/bench.py", "hal/step_bench.py", "hal/conformance/cases.py"}
 
 # Deprecation shims that reach a name's new home lazily, for one minor release (CHANGELOG.md says when each
 # goes): (file, module it imports) -> why.
@@ -181,7 +178,7 @@ def core_violations() -> list[str]:
     bad = []
     for path in sources("hal"):
         name = rel(path)
-        if name.startswith("hal/integrations/") or name in NAMES_DEVICES | _PENDING_MOVES:
+        if name.startswith("hal/integrations/") or name in NAMES_DEVICES:
             continue
         bad += [f"{name}:{hit}" for hit in device_names_in(path.read_text(), host_allowed=name in HOST_NOT_A_DEVICE)]
     return bad
@@ -189,12 +186,6 @@ def core_violations() -> list[str]:
 
 def test_the_core_names_no_device():
     assert core_violations() == []
-
-
-def test_the_pending_moves_still_name_a_device():
-    """Each allow-listed file is allow-listed for a reason: once its branch lands, the integrator drops it."""
-    for name in sorted(_PENDING_MOVES):
-        assert device_names_in((ROOT / name).read_text()), f"{name} names no device any more: drop it from the list"
 
 
 @pytest.mark.parametrize(

@@ -35,10 +35,16 @@ def test_records_carry_machine_versions_and_cases(cpu_only):
     assert result["versions"]["torch"] == torch.__version__
     assert result["cases"] and all(CASE_KEYS <= set(c) for c in result["cases"])
     assert {c["outcome"] for c in result["cases"]} <= {"passed", "failed", "skipped"}
-    bad = [c for c in result["cases"] if c["family"] == "bad_input"]
+    bad = [c for c in result["cases"] if c["family"] == "bad_input" and c["path"] == "default"]
     assert len(bad) == 4 and all(c["page_size"] and c["dtype"] == "fp32" for c in bad)
+    # the checked prologue path runs them too (the CPU backend's ordinary forward is its fused one-call path)
+    checked = [c for c in result["cases"] if c["path"] == "checked"]
+    assert {c["id"].removesuffix("@checked") for c in checked} == {
+        c["id"] for c in result["cases"] if c["path"] == "default"
+    }
+    assert result["paths"]["checked"]["passed"] == len(checked) and result["paths"]["checked"]["env"]
     text = format_report(report)
-    assert "mode" in text and "family" in text and "bad_input" in text
+    assert "mode" in text and "family" in text and "bad_input" in text and "path checked:" in text
 
 
 def test_a_backend_that_runs_no_case_fails(restore_registry):
@@ -173,3 +179,47 @@ def test_case_ids_state_the_page_size_they_run_at():
                 assert "@" not in case.id
                 named = re.findall(r"_page(\d+)", case.id)
                 assert not named or int(named[0]) == case.page_size, (case.id, case.page_size)
+
+
+def test_cases_follow_the_ports_head_dims_and_dtypes():
+    """A port that tiles head dims by 32 and serves bf16 only gets every family in every mode, at its shapes:
+    v_head_dim != head_dim kept (DRAFT_EXTEND's 48 moved to a declared dim), fp32 cases in bf16."""
+    from hal.conformance.cases import CASES, cases_for
+
+    dims = frozenset(range(32, 257, 32))
+    port = type("Tiled", (), {"page_sizes": None, "head_dims": dims, "dtypes": frozenset({"bf16"})})
+    ran = cases_for(port, CASES)
+    assert {c.dtype for c in ran} == {torch.bfloat16}
+    assert all(c.head_dim in dims and (c.v_head_dim is None or c.v_head_dim in dims) for c in ran)
+    assert {c.family for c in ran} == {c.family for c in CASES}
+    split = {c.mode for c in ran if c.v_head_dim not in (None, c.head_dim)}
+    assert split == {c.mode for c in CASES if c.v_head_dim not in (None, c.head_dim)}
+    assert ForwardMode.DRAFT_EXTEND in split
+
+
+def test_every_isa_path_the_cpu_can_run_is_judged(cpu_only):
+    """On the CPU, hal check runs the checked path and each compiled ISA path this CPU can run (an AVX-512 host:
+    AVX2 and generic too), and reports the others unreached with the instructions missing."""
+    from hal.kernels import cpu as cpu_kernels
+
+    ok, why = cpu_kernels.status()
+    if not ok:
+        pytest.skip(f"no compiled CPU kernels here: {why}")
+    report = run_check(["cpu"], ["torch"], families=["basic"])
+    [result] = report["results"]
+    assert result["failed"] == 0, result["failures"]
+    paths = result["paths"]
+    runnable = cpu_kernels.runnable_isas()
+    assert paths["default"]["passed"] and paths["checked"]["passed"]
+    for name in cpu_kernels.ISAS:
+        if name == cpu_kernels.isa():
+            assert f"isa={name}" not in paths  # the default path is this one
+        elif name in runnable:
+            assert paths[f"isa={name}"]["passed"] == paths["default"]["passed"], (name, paths)
+            assert paths[f"isa={name}"]["env"] == {"HAL_CPU_ISA": name}
+        else:
+            assert "lacks" in paths[f"isa={name}"]["unreached"], paths[f"isa={name}"]
+    if "avx512" in cpu_kernels.isa():
+        assert {"isa=avx2", "isa=generic"} <= {p for p, v in paths.items() if v.get("passed")}
+    only = run_check(["cpu"], ["torch"], families=["basic"], paths=["isa=generic"])["results"][0]
+    assert {c["path"] for c in only["cases"]} == {"isa=generic"}

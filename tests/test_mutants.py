@@ -18,7 +18,10 @@ from hal.conformance.runner import run_check
 from hal.registry import register_device
 
 sys.path.insert(0, str(Path(__file__).parent))
-from mutant_backends import MUTANTS, MutantDevice  # noqa: E402
+from mutant_backends import CPU_MUTANTS, MUTANTS, CpuMutantDevice, MutantDevice, Tiled32  # noqa: E402
+
+CONTROLS = ("ported", "tiled32")
+ALL_MUTANTS = {**MUTANTS, **CPU_MUTANTS}
 
 
 class FailFast:
@@ -43,7 +46,7 @@ class FailFast:
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(self, item):
         name = self.backend_of.get(item.nodeid)
-        if name in self.failed and name != "ported":
+        if name in self.failed and name not in CONTROLS:
             pytest.skip("this mutant already failed")
 
     def pytest_runtest_logreport(self, report):
@@ -56,11 +59,13 @@ def mutant_results():
     """One ``hal check`` over the control and every mutant: ``{backend name: result}``."""
     from hal.registry import get_registry, unregister_device
 
-    register_device(MutantDevice())
+    register_device(MutantDevice([*MutantDevice().backends(), Tiled32]))
+    register_device(CpuMutantDevice())
     try:
-        report = run_check(["mutants"], [], plugins=[FailFast()])
+        report = run_check(["mutants", "cpu_mutants"], [], plugins=[FailFast()])
     finally:
         unregister_device("mutants")
+        unregister_device("cpu_mutants")
         get_registry(reload=True)
     assert not report["errors"], report["errors"]
     return {r["backend"]: r for r in report["results"]}
@@ -74,24 +79,33 @@ def test_the_control_port_passes_everything(mutant_results):
     assert {"DECODE", "EXTEND", "MIXED", "TARGET_VERIFY", "DRAFT_EXTEND", "IDLE"} <= modes
 
 
+def test_the_tiled_control_port_passes_with_every_feature(mutant_results):
+    """A correct port whose kernels tile head dims by 32 passes, and still runs v_head_dim != head_dim in every
+    mode: the cases follow its declared head dims instead of being skipped."""
+    result = mutant_results["tiled32"]
+    assert result["failed"] == 0, "\n".join(result["failures"])
+    split = {c["mode"] for c in result["cases"] if c["family"] == "v_head_dim" and c["outcome"] == "passed"}
+    assert {"MIXED", "TARGET_VERIFY", "DRAFT_EXTEND"} <= split, split
+
+
 def test_there_are_enough_mutants():
-    assert len(MUTANTS) >= 45
+    assert len(MUTANTS) >= 45 and len(CPU_MUTANTS) >= 3
 
 
 def test_mutation_score_is_every_mutant(mutant_results, summary_lines):
     """The suite's strength, printed at the end of the run (``mutation score: killed/total``): every mutant dies."""
-    survivors = sorted(name for name in MUTANTS if mutant_results[name.lower()]["failed"] == 0)
-    killed = len(MUTANTS) - len(survivors)
+    survivors = sorted(name for name in ALL_MUTANTS if mutant_results[name.lower()]["failed"] == 0)
+    killed = len(ALL_MUTANTS) - len(survivors)
     summary_lines.append(
-        f"mutation score: {killed}/{len(MUTANTS)} mutant backends failed hal check"
+        f"mutation score: {killed}/{len(ALL_MUTANTS)} mutant backends failed hal check"
         + (f" (survivors: {', '.join(survivors)})" if survivors else "")
     )
     assert not survivors, f"mutants that passed hal check: {survivors}"
 
 
-@pytest.mark.parametrize("name", sorted(MUTANTS))
+@pytest.mark.parametrize("name", sorted(ALL_MUTANTS))
 def test_hal_check_fails_the_mutant(mutant_results, name):
     result = mutant_results[name.lower()]
-    assert result["failed"] > 0, f"{name} ({MUTANTS[name].__doc__}) passed hal check: the suite has a gap"
+    assert result["failed"] > 0, f"{name} ({ALL_MUTANTS[name].__doc__}) passed hal check: the suite has a gap"
     first = result["failures"][0]
     assert len(first) > 40, f"{name}: the failure does not say what differs: {first!r}"

@@ -18,6 +18,13 @@ __all__ = ["CpuDevice", "device", "CompiledBackend", "PlainTorchBackend", "cpu_c
 __getattr__ = moved_names(__name__, {"TorchBackend": "hal.devices.cpu.compiled_backend:CompiledBackend"})
 
 
+# The case families an ISA path reruns: those whose forwards reach the kernels' vector code in the shapes it
+# branches on (fp32 and bf16 dots, head dims and their tails up to 256, task shapes: rows of one or every KV head
+# and query tiles, caps, windows, v_head_dim != head_dim); about 70 cases a path. Sinks and fp8 caches run the
+# plain torch path; refusals, metadata and graphs run the same kernels as these.
+KERNEL_FAMILIES = ("basic", "head_dim", "task_shape", "logit_cap", "window", "v_head_dim")
+
+
 class CpuDevice(Device):
     name = "cpu"
     priority = 0
@@ -35,6 +42,30 @@ class CpuDevice(Device):
         from .bench_facts import bench_facts
 
         return bench_facts()
+
+    def conformance_paths(self, backend_cls, capability) -> list[dict]:
+        """The compiled kernels' ISA paths besides the one this process runs, for ``hal check``
+        (``hal.conformance.paths``): each one this CPU can run, under ``HAL_CPU_ISA``, on the case families that
+        reach the kernels; each one it cannot, unreached with the instructions it lacks."""
+        from hal.kernels import cpu as cpu_kernels
+
+        if not issubclass(backend_cls, CompiledBackend):
+            return []
+        ok, why = cpu_kernels.status()
+        current = cpu_kernels.isa()
+        if not ok:
+            return [{"name": f"isa={name}", "unreached": why} for name in cpu_kernels.ISAS if name != current]
+        runnable, flags = cpu_kernels.runnable_isas(), set(cpu_kernels.cpu_features()["flags"])
+        paths = []
+        for name, (needs, _) in cpu_kernels.ISAS.items():
+            if name == current:
+                continue
+            if name in runnable:
+                paths.append({"name": f"isa={name}", "env": {"HAL_CPU_ISA": name}, "families": KERNEL_FAMILIES})
+            else:
+                lacks = " ".join(sorted(set(needs) - flags))
+                paths.append({"name": f"isa={name}", "unreached": f"this CPU lacks {lacks}: never built or run here"})
+        return paths
 
 
 device = CpuDevice()

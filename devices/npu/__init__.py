@@ -225,6 +225,11 @@ class NpuGraph(TorchGraph):
         super().replay()
 
 
+# The case families whose ops differ per generation (routes, MLA and sinks support, graph ops): each other
+# generation's emulated path reruns these.
+GENERATION_FAMILIES = ("basic", "paged", "head_dim", "window", "non_causal_window", "mla", "sinks", "graph")
+
+
 class NpuDevice(Device):
     name = "npu"
     priority = 90
@@ -235,6 +240,26 @@ class NpuDevice(Device):
 
     def backends(self):
         return [AscendBackend]
+
+    def conformance_paths(self, backend_cls, capability: DeviceCapability) -> list[dict]:
+        """The other generations' routes, for ``hal check`` (``hal.conformance.paths``): under the emulation,
+        each other generation emulated (``HAL_NPU_EMULATION=<gen>``) on the families whose ops differ per
+        generation; on a real NPU they are unreached (a chip runs its own generation's ops only)."""
+        from hal.kernels.npu import GENERATIONS
+
+        if not issubclass(backend_cls, AscendBackend):
+            return []
+        current = emulated_generation() if capability.emulated else None
+        paths = []
+        for generation in GENERATIONS:
+            if generation == current:
+                continue
+            name = f"generation={generation}"
+            if capability.emulated:
+                paths.append({"name": name, "env": {EMULATION_ENV: generation}, "families": GENERATION_FAMILIES})
+            else:
+                paths.append({"name": name, "unreached": f"a real NPU ({capability.name}) runs its own ops only"})
+        return paths
 
     def make_graph(self, capability: DeviceCapability) -> Graph:
         if capability.emulated:

@@ -335,7 +335,8 @@ class AscendBackend(AscendRouting, NpuGraphTasks, AttentionBackend):
             self._graph_masks[key] = buf
         mask = self._build_mask(meta, key)
         rows = buf[: meta.num_tokens]
-        rows.fill_(npu_ops.splitfuse_mask_value(meta.dtype))
+        # cast as vllm-ascend's mask is (float16: float32's min becomes -inf; a Python float would overflow)
+        rows.fill_(torch.tensor(npu_ops.splitfuse_mask_value(meta.dtype)).to(meta.dtype))
         rows[:, : mask.shape[1]].copy_(mask)
         return rows
 

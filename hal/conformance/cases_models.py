@@ -42,6 +42,7 @@ _DEEPSEEK = {
     "qk_rope_head_dim": 64,
     "scaling": 192**-0.5,
 }
+_DEEPSEEK12 = {**_DEEPSEEK, "tp_q_head_num": 12}  # 12 heads at D = 576: Ascend's MLA ops take 2^n heads
 # a latent of 128 + rope 64 (FIA's other MLA head size)
 _LATENT128 = {"tp_q_head_num": 8, "tp_k_head_num": 1, "head_dim": 192, "kv_lora_rank": 128, "qk_rope_head_dim": 64}
 _FP8 = {"kv_cache_dtype": F8, "k_scale": 0.37, "v_scale": 1.9}
@@ -88,6 +89,25 @@ MODEL_CASES: tuple[Case, ...] = (
         **_DEEPSEEK,
     ),
     Case("mla_latent128_decode_bf16", D, ((30, 1), (5, 1)), dtype=BF16, page_size=16, **_LATENT128),
+    # MLA on non-causal windowed layers: the window bounds the past only
+    _mla("extend_non_causal_window", E, ((0, 12), (0, 20)), attn_type="encoder_only", sliding_window_size=5),
+    _mla("mixed_non_causal_window", M, _MIXED, attn_type="encoder_only", sliding_window_size=4),
+    Case(
+        "mla_deepseek_extend_non_causal_window_bf16",
+        E,
+        ((0, 9), (0, 14)),
+        dtype=BF16,
+        page_size=16,
+        attn_type="encoder_only",
+        sliding_window_size=5,
+        **_DEEPSEEK,
+    ),
+    # MLA head counts that are not a power of two: an op that takes 2^n heads only must pad and cut back
+    _mla("decode_12_heads", D, _DECODE, tp_q_head_num=12),
+    _mla("extend_prefix_12_heads", E, _EXTEND, tp_q_head_num=12),
+    _mla("verify_12_heads_bf16", V, _VERIFY, tp_q_head_num=12, dtype=BF16),
+    Case("mla_deepseek_decode_12_heads_bf16", D, ((40, 1), (3, 1), (17, 1)), dtype=BF16, page_size=16, **_DEEPSEEK12),
+    Case("mla_deepseek_extend_prefix_12_heads_bf16", E, ((12, 4), (0, 5)), dtype=BF16, page_size=16, **_DEEPSEEK12),
     # attention sinks: one more logit per head in every softmax denominator, with and without windows
     _sinks("decode", D, _DECODE),
     _sinks("decode_window", D, _DECODE, sliding_window_size=8),
@@ -106,6 +126,20 @@ MODEL_CASES: tuple[Case, ...] = (
     _sinks("decode_d128_bf16_page128", D, _DECODE, head_dim=128, dtype=BF16, page_size=128),
     _sinks("extend_window_d128_page128", E, _EXTEND, head_dim=128, page_size=128, sliding_window_size=6),
     _sinks("mixed_gqa_d128_page128", M, _MIXED, head_dim=128, page_size=128, tp_q_head_num=8, tp_k_head_num=2),
+    # non-causal windowed layers: the window bounds the past only, every later key stays visible (a band that
+    # also hides later keys shows here)
+    _sinks("extend_non_causal_window", E, ((0, 12), (0, 20)), attn_type="encoder_only", sliding_window_size=5),
+    _sinks("mixed_non_causal_window_bf16", M, _MIXED, attn_type="encoder_only", sliding_window_size=4, dtype=BF16),
+    _sinks(
+        "extend_non_causal_window_d128_page128",
+        E,
+        ((0, 30), (0, 140)),
+        attn_type="encoder_only",
+        sliding_window_size=7,
+        head_dim=128,
+        page_size=128,
+        dtype=BF16,
+    ),
     # gpt-oss's windowed layer served from an fp8 cache
     _sinks("extend_window_fp8_bf16", E, _EXTEND, sliding_window_size=6, dtype=BF16, **_FP8),
     # fp8 KV cache: the write quantises with the layer's scales, the read dequantises; bf16 and fp32 queries
@@ -126,6 +160,7 @@ MODEL_CASES: tuple[Case, ...] = (
 MODEL_GRAPH_CASES: tuple[Case, ...] = (
     _mla("graph_decode", D, ((3, 1), (20, 1), (9, 1))),
     _mla("graph_verify_bf16", V, ((3, 3), (40, 3), (17, 3)), dtype=BF16, page_size=16),
+    _mla("graph_decode_12_heads", D, ((3, 1), (20, 1), (9, 1)), tp_q_head_num=12),
     Case("mla_deepseek_graph_decode_bf16", D, ((3, 1), (20, 1), (9, 1)), dtype=BF16, page_size=16, **_DEEPSEEK),
     _sinks("graph_decode_window", D, ((3, 1), (20, 1), (9, 1), (31, 1)), sliding_window_size=6, layer_num=2),
     _sinks("graph_verify", V, ((3, 4), (20, 4), (9, 4))),

@@ -2,33 +2,62 @@
 
 Tests marked ``hal_cases("forward" | "graph")`` are parametrized over the cases at the
 page sizes each backend declares (``cases_for``); every item carries, in its
-``user_properties``, the case record ``hal check`` reports (id, family, mode, page size, dtype).
+``user_properties``, the case record ``hal check`` reports (id, family, mode, page size, dtype, path).
+
+Every target runs on each path its backend can take (``hal.conformance.paths``): the
+default one, the checked prologue path where the backend also has a fused forward, and
+the paths its device supplies (CPU ISA paths...); a test of a path runs under that
+path's environment, and a path runs only the case families it declares.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
 from hal.capability import DeviceCapability
+from hal.conformance.paths import DEFAULT, Path, paths_for
 from hal.registry import Device, device_backends, get_registry, probe_device
 
 
 @dataclass(frozen=True)
 class Target:
-    """One (device, backend) pair under test."""
+    """One (device, backend) pair under test, on one of the backend's paths."""
 
     device: Device
     capability: DeviceCapability
     backend: type
+    path: Path = DEFAULT
 
     @property
     def id(self) -> str:
-        return f"{self.device.name}-{self.backend.name}"
+        return f"{self.device.name}-{self.backend.name}" + ("" if self.path.is_default else f"@{self.path.name}")
 
-    def create(self):
-        return self.backend(self.capability)
+    def create(self, **options):
+        """The backend on this target's path (run inside ``self.path.active()``, as the suite's tests are)."""
+        return self.backend(self.capability, **options)
+
+    def paths(self) -> list[Path]:
+        """Every path of this target's backend on its device (:func:`hal.conformance.paths.paths_for`)."""
+        return paths_for(self.device, self.backend, self.capability, self.create)
+
+
+def on_paths(targets: list[Target], only: list[str] | tuple = ()) -> list[Target]:
+    """``targets`` on every path they can take here (``only``: these path names): the default one, then the others
+    this machine can run, each with the capability its device reports under that path's environment."""
+    out = []
+    for target in targets:
+        if not only or DEFAULT.name in only:
+            out.append(target)
+        for path in target.paths()[1:]:
+            if path.unreached or (only and path.name not in only):
+                continue
+            with path.active():
+                capability = probe_device(target.device) if path.env else target.capability
+            if capability.available:
+                out.append(replace(target, capability=capability, path=path))
+    return out
 
 
 def available_targets(devices: list[str] | None = None, backends: list[str] | None = None) -> list[Target]:
@@ -60,6 +89,9 @@ def pytest_addoption(parser):
     group.addoption(
         "--hal-family", action="append", default=[], help="only this feature family (repeatable; see hal check)"
     )
+    group.addoption(
+        "--hal-path", action="append", default=[], help="only this path of each backend (repeatable; see hal check)"
+    )
     group.addoption("--hal-fuzz", type=int, default=0, help="random batches per backend (0: no fuzzing)")
     group.addoption("--hal-seed", type=int, default=0, help="seed of the random batches")
 
@@ -78,6 +110,7 @@ def pytest_generate_tests(metafunc):
     if not targets:
         wanted = f"device {devices or 'any'}, backend {backends or 'any'}"
         pytest.fail(f"no available (device, backend) matches {wanted}: see `hal info`", pytrace=False)
+    targets = on_paths(targets, metafunc.config.getoption("hal_path"))
     marker = metafunc.definition.get_closest_marker("hal_cases")
     if marker is None or "hal_case" not in metafunc.fixturenames:
         metafunc.parametrize("hal_target", targets, ids=[t.id for t in targets])
@@ -85,7 +118,7 @@ def pytest_generate_tests(metafunc):
     from hal.conformance.cases import cases_for
 
     cases = _case_lists()[marker.args[0]]
-    pairs = [(t, c) for t in targets for c in cases_for(t.backend, cases)]
+    pairs = [(t, c) for t in targets for c in cases_for(t.backend, cases, t.capability)]
     metafunc.parametrize(("hal_target", "hal_case"), pairs, ids=[f"{t.id}-{c.id}" for t, c in pairs])
 
 
@@ -99,15 +132,18 @@ def case_record(item) -> dict | None:
     case = params.get("hal_case")
     cases_marker = item.get_closest_marker("hal_cases")
     family_marker = item.get_closest_marker("hal_family")
+    path = params["hal_target"].path
+    at = "" if path.is_default else f"@{path.name}"
     if case is not None:
         kind = cases_marker.args[0] if cases_marker else "forward"
         return {
-            "id": f"{kind}:{case.id}",
+            "id": f"{kind}:{case.id}{at}",
             "family": "graph" if kind == "graph" else case.family,
             "mode": case.mode.name,
             "page_size": case.page_size,
             "dtype": case.dtype_name,
             "test": name,
+            "path": path.name,
         }
     rest = [getattr(v, "name", str(v)) for k, v in sorted(params.items()) if k != "hal_target"]
     mode = params.get("mode")
@@ -117,12 +153,13 @@ def case_record(item) -> dict | None:
     else:
         mode_name = "ANY" if family == "fuzz" else "IDLE" if "idle" in name else "DECODE"
     return {
-        "id": ":".join([name.removeprefix("test_"), *rest]),
+        "id": ":".join([name.removeprefix("test_"), *rest]) + at,
         "family": family,
         "mode": mode_name,
         "page_size": None,
         "dtype": None,
         "test": name,
+        "path": path.name,
     }
 
 
@@ -134,10 +171,24 @@ def pytest_collection_modifyitems(config, items):
         record = case_record(item)
         if record is not None:
             item.user_properties.append(("hal_case", record))
-            if (record["family"] == "fuzz" and not fuzz) or (families and record["family"] not in families):
+            off_path = not item.callspec.params["hal_target"].path.runs(record["family"])
+            if (record["family"] == "fuzz" and not fuzz) or (families and record["family"] not in families) or off_path:
                 drop.append(item)
                 continue
         keep.append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+@pytest.fixture(autouse=True)
+def _hal_path(request):
+    """A conformance test runs under its target's path: that path's environment, the fused forward off on
+    ``checked``."""
+    callspec = getattr(request.node, "callspec", None)
+    target = callspec.params.get("hal_target") if callspec is not None else None
+    if target is None or target.path.is_default:
+        yield
+        return
+    with target.path.active():
+        yield

@@ -71,7 +71,8 @@ class _Collector:
             if target is not None:
                 key = (target.device.name, target.backend.name)
                 self.targets[item.nodeid] = key
-                self.target_objs[key] = target
+                if target.path.is_default or key not in self.target_objs:  # the default path's, where it runs
+                    self.target_objs[key] = target
                 case = item.callspec.params.get("hal_case")
                 if case is not None:
                     marker = item.get_closest_marker("hal_cases")
@@ -86,6 +87,7 @@ class _Collector:
         if record is None:
             base = props.get("hal_case") or {"id": report.nodeid, "family": "?", "mode": "?"}
             record = {k: base.get(k) for k in ("id", "family", "mode", "page_size", "dtype")}
+            record["path"] = base.get("path", "default")
             record.update(outcome=None, reason="", key=key, needs=sorted(self.needs.get(report.nodeid, ())))
             self.records[report.nodeid] = record
         if "hal_routes" in props:
@@ -138,24 +140,70 @@ def _coverage_failures(target, cases: list[dict], declared_off: dict | None = No
     ]
 
 
+def path_summary(target, cases: list[dict]) -> dict:
+    """``{path: {families, passed, failed, skipped} or {unreached}}``: each path of the target's backend (see
+    ``hal.conformance.paths``), what ran on it, or why this machine cannot take it."""
+    out = {}
+    for path in target.paths():
+        if path.unreached:
+            out[path.name] = {"unreached": path.unreached}
+            continue
+        mine = [c for c in cases if c.get("path", "default") == path.name]
+        out[path.name] = {
+            "families": sorted(path.families) if path.families is not None else "all" + (" but graph" * path.checked),
+            "env": dict(path.env) | ({"HAL_FUSED_FORWARD": "0"} if path.checked else {}),
+            **{o: sum(c["outcome"] == o for c in mine) for o in ("passed", "failed", "skipped")},
+        }
+    return out
+
+
+def _path_failures(paths: dict) -> list[dict]:
+    """A path besides the default one that was run but ran no case (every one skipped) is not judged: that fails
+    (the default path's empty run is :func:`_coverage_failures`'s)."""
+    return [
+        {"id": f"coverage:path:{name}", "family": "coverage", "mode": "ANY", "page_size": None, "dtype": None}
+        | {"path": name, "outcome": "failed", "reason": f"path {name!r} ran no case ({p['skipped']} skipped)"}
+        for name, p in paths.items()
+        if name != "default" and "unreached" not in p and p["passed"] + p["failed"] == 0 and p["skipped"]
+    ]
+
+
+# Cases each declared route must be reached by: one refactor away from none is not covered.
+ROUTE_MIN_CASES = 2
+
+
 def route_coverage(cases: list[dict]) -> dict:
-    """``{declared, reached, unreached}``: the routes the backend declared for the cases that ran, and took."""
+    """``{declared, reached, unreached, cases}``: the routes the backend declared for the cases that ran, the ones
+    they took, and per route how many cases took it."""
     ran = [c["routes"] for c in cases if c.get("routes") and c["outcome"] in ("passed", "failed")]
     declared = sorted({r for routes in ran for r in routes["declared"]})
-    reached = sorted({r for routes in ran for r in routes["taken"]})
-    return {"declared": declared, "reached": reached, "unreached": [r for r in declared if r not in reached]}
+    counts = {r: sum(r in routes["taken"] for routes in ran) for r in declared}
+    reached = sorted(r for r, n in counts.items() if n)
+    return {
+        "declared": declared,
+        "reached": reached,
+        "unreached": [r for r in declared if r not in reached],
+        "cases": counts,
+    }
 
 
 def _route_failures(routes: dict) -> list[dict]:
-    return [
-        {"id": f"coverage:route:{route}", "family": "coverage", "mode": "ANY", "page_size": None, "dtype": None}
-        | {
-            "outcome": "failed",
-            "reason": f"route {route!r} (declared by routes()) was reached by no case: the suite does not test it "
-            f"here; reached: {', '.join(routes['reached']) or 'none'}",
-        }
-        for route in routes["unreached"]
-    ]
+    failures = []
+    for route in routes["declared"]:
+        n = routes.get("cases", {}).get(route, 0)
+        if n >= ROUTE_MIN_CASES:
+            continue
+        reached = ", ".join(routes["reached"]) or "none"
+        why = (
+            f"was reached by no case: the suite does not test it here; reached: {reached}"
+            if not n
+            else f"was reached by {n} case only (at least {ROUTE_MIN_CASES} wanted: one refactor away from none)"
+        )
+        failures.append(
+            {"id": f"coverage:route:{route}", "family": "coverage", "mode": "ANY", "page_size": None, "dtype": None}
+            | {"outcome": "failed", "reason": f"route {route!r} (declared by routes()) {why}"}
+        )
+    return failures
 
 
 def feature_summary(target, cases: list[dict]) -> dict:
@@ -203,10 +251,12 @@ def run_check(
     extra_args: list[str] | tuple = (),
     plugins: list | tuple = (),
     require: list[str] | tuple = (),
+    paths: list[str] | tuple = (),
 ) -> dict:
     """Run ``hal.conformance.suite``; returns ``{results: [...], exit_code, errors, log}``.
 
-    ``require``: features (of :data:`FEATURES`) every backend must serve; one it declares off fails it."""
+    ``require``: features (of :data:`FEATURES`) every backend must serve; one it declares off fails it.
+    ``paths``: only these of each backend's paths (``hal.conformance.paths``; default: every one)."""
     args = ["--pyargs", "hal.conformance.suite", "-p", "no:cacheprovider", "-q" if not verbose else "-v"]
     args += ["-W", "ignore::pytest.PytestUnknownMarkWarning"]
     for d in devices:
@@ -215,6 +265,8 @@ def run_check(
         args += ["--hal-backend", b]
     for f in families:
         args += ["--hal-family", f]
+    for p in paths:
+        args += ["--hal-path", p]
     if fuzz:
         args += ["--hal-fuzz", str(fuzz), "--hal-seed", str(seed)]
     args += list(extra_args)
@@ -228,15 +280,16 @@ def run_check(
         if record["outcome"] is None:
             record["outcome"] = "skipped"
         by_target[key].append(record)
-    filtered = bool(families) or bool(extra_args)
+    filtered = bool(families) or bool(extra_args) or bool(paths)
     results = []
     for key in sorted(set(by_target) | set(collector.target_objs)):
         cases = by_target.get(key, [])
         target = collector.target_objs[key]
         routes = route_coverage(cases)
         features = feature_summary(target, cases)
+        ran_paths = path_summary(target, cases)
         if not filtered:
-            cases += _coverage_failures(target, cases, features) + _route_failures(routes)
+            cases += _coverage_failures(target, cases, features) + _route_failures(routes) + _path_failures(ran_paths)
         cases += requirement_failures(features, require)
         counts = {o: sum(c["outcome"] == o for c in cases) for o in ("passed", "failed", "skipped")}
         results.append(
@@ -250,6 +303,7 @@ def run_check(
                 "summary": summarize(cases),
                 "declared_off": features,
                 "routes": routes,
+                "paths": ran_paths,
                 "cases": cases,
             }
         )
@@ -269,6 +323,13 @@ def format_report(report: dict, verbose: bool = False) -> str:
         off = r.get("declared_off") or {}
         out.append("  declared off:" + ("" if off else " none"))
         out += [f"    {f}: {v['skipped']} case(s) skipped ({v['reason']})" for f, v in off.items()]
+        for name, p in (r.get("paths") or {}).items():
+            if "unreached" in p:
+                out.append(f"  path {name}: unreached ({p['unreached']})")
+            else:
+                families = p["families"] if isinstance(p["families"], str) else ", ".join(p["families"])
+                counts = f"{p['passed']} passed, {p['failed']} failed, {p['skipped']} skipped"
+                out.append(f"  path {name}: {counts} (families: {families})")
         routes = r.get("routes") or {}
         if routes.get("declared"):
             unreached = ", ".join(routes["unreached"]) or "none"

@@ -19,7 +19,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from hal.batch import ForwardBatch, ForwardMode
+from hal.batch import ForwardBatch, ForwardMode, SpecInfo
 from hal.conformance.cases import (
     CASES,
     Built,
@@ -83,7 +83,7 @@ def _record_routes(request, target, backend, case: Case, built: Built) -> None:
 def _assert_misaligned_refused(target, case: Case) -> None:
     """A backend that requires page-aligned slots refuses a scattered layout, naming why, and writes nothing."""
     _backend_for(target, case)  # skips with the reasons when the config itself is declared off
-    backend = target.backend(target.capability, validate="full")
+    backend = target.create(validate="full")
     built = build(case, target.capability.torch_device)
     with pytest.raises(InvalidBatchError, match="page_size") as info:
         backend.init_forward_metadata(built.batch)
@@ -111,7 +111,7 @@ def test_forward_matches_reference(hal_target, hal_case, request):
 
 def _first_servable(target, mode: ForwardMode, prefix: bool = True) -> Case:
     """The first plain case of ``mode`` (with a cached prefix) the target declares it can serve."""
-    for case in cases_for(target.backend, CASES):
+    for case in cases_for(target.backend, CASES, target.capability):
         if case.mode != mode or case.family not in ("basic", "paged", "page_boundaries"):
             continue
         if prefix and not all(p > 0 for p, _ in case.requests[:1]):
@@ -125,8 +125,19 @@ _MODES = [ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode
 _MODES.append(ForwardMode.DRAFT_EXTEND)
 
 
-def _cache_holds_the_truth(target, mode, request) -> tuple[object, Built]:
+# save_kv_cache=False runs the checked prologue path on every backend with a fused one: with a logit cap and
+# in a pipeline stage's pool (start_layer > 0) too
+_VARIANTS = {
+    "plain": {},
+    "logit_cap": {"logit_cap": 5.0, "q_scale": 8.0},
+    "start_layer": {"layer_num": 2, "start_layer": 3, "layer_id": 4},
+}
+
+
+def _cache_holds_the_truth(target, mode, request, variant: str = "plain") -> tuple[object, Built]:
     case = _first_servable(target, mode)
+    if variant != "plain":
+        case = replace(case, name=f"{case.name}_{variant}", **_VARIANTS[variant])
     _record(request, case, "save_kv_cache")
     backend = _backend_for(target, case)
     built = build(case, target.capability.torch_device)
@@ -140,10 +151,12 @@ def _cache_holds_the_truth(target, mode, request) -> tuple[object, Built]:
 
 
 @pytest.mark.hal_family("save_kv_cache")
+@pytest.mark.parametrize("variant", list(_VARIANTS))
 @pytest.mark.parametrize("mode", _MODES, ids=lambda m: m.name)
-def test_save_kv_cache_false_reads_the_cache_not_k_v(hal_target, mode, request):
-    """save_kv_cache=False: write nothing (K nor V, any layer) and attend over the cache, not the k/v passed."""
-    backend, built = _cache_holds_the_truth(hal_target, mode, request)
+def test_save_kv_cache_false_reads_the_cache_not_k_v(hal_target, mode, variant, request):
+    """save_kv_cache=False: write nothing (K nor V, any layer) and attend over the cache, not the k/v passed;
+    plain, with a logit cap, and on the pool of a pipeline stage (start_layer > 0)."""
+    backend, built = _cache_holds_the_truth(hal_target, mode, request, variant)
     gen = torch.Generator().manual_seed(1)
     other_k = (torch.randn(built.k.shape, generator=gen) * 3).to(built.k.dtype).to(built.k.device)
     other_v = (torch.randn(built.v.shape, generator=gen) * 3).to(built.v.dtype).to(built.v.device)
@@ -297,28 +310,49 @@ def test_idle_batch_with_tokens_is_rejected(hal_target, request):
         backend.forward(built.q, built.k, built.v, built.layer, idle)
 
 
+def _batch_kwargs(fb) -> dict:
+    """The fields a ForwardBatch of ``fb``'s step is built from (to rebuild it with one field changed)."""
+    names = ("forward_mode", "batch_size", "req_pool_indices", "seq_lens", "out_cache_loc", "spec_info")
+    names += ("extend_prefix_lens", "extend_seq_lens", "extend_prefix_lens_cpu", "extend_seq_lens_cpu")
+    kw = {name: getattr(fb, name) for name in names if getattr(fb, name, None) is not None}
+    return kw | {"req_to_token_pool": fb.req_to_token_pool, "token_to_kv_pool": fb.token_to_kv_pool}
+
+
+def _assert_refused(hal_target, request, case: Case, corrupt, field: str) -> None:
+    """``case`` built, then ``corrupt(built, kwargs)`` changes the batch's fields (and req_to_token) into a batch
+    that must be refused, naming ``field``: by hal's batch validation (``validate="full"``), and by the backend
+    created with ``validate="full"`` for the same batch built unchecked (an engine's batch), which writes
+    nothing."""
+    backend = _backend_for(hal_target, case)
+    _record(request, case)
+    built = build(case, hal_target.capability.torch_device)
+    kw = _batch_kwargs(built.batch)
+    corrupt(built, kw)
+    with pytest.raises(InvalidBatchError, match=field):
+        ForwardBatch(**kw, validate="full")
+    backend = hal_target.create(validate="full")
+    batch = ForwardBatch(**kw, validate="off")
+    # a backend that reads whole pages may refuse the moved slot for its page offset first
+    aligned = hal_target.backend.requires_page_aligned_slots and case.page_size > 1
+    with pytest.raises(InvalidBatchError, match=f"{field}|req_to_token\\[" if aligned else field):
+        backend.init_forward_metadata(batch)
+        backend.forward(built.q, built.k, built.v, built.layer, batch, **built.forward_kwargs)
+    assert_result(replace(built, expected_pool_k=built.initial_pool_k, expected_pool_v=built.initial_pool_v), None)
+
+
 def _refused_decode_write(hal_target, request, name: str, page_size: int, onto) -> None:
     """A two-request DECODE batch whose second new token is moved onto ``onto(req_to_token, rows)`` (in
     req_to_token and out_cache_loc alike): full validation must refuse the batch, naming out_cache_loc."""
     _first_servable(hal_target, ForwardMode.DECODE, prefix=False)  # a target that serves nothing runs nothing
-    case = Case(name, ForwardMode.DECODE, ((4, 1), (6, 1)), page_size=page_size)
-    _record(request, case)
-    fb = build(case).batch
-    rt = fb.req_to_token_pool.req_to_token
-    rows = fb.req_pool_indices.tolist()
-    rt[rows[1], 6] = onto(rt, rows)
-    loc = torch.stack([rt[rows[0], 4], rt[rows[1], 6]]).long()
-    with pytest.raises(InvalidBatchError, match="out_cache_loc"):
-        ForwardBatch(
-            forward_mode=fb.forward_mode,
-            batch_size=2,
-            req_pool_indices=fb.req_pool_indices,
-            seq_lens=fb.seq_lens,
-            out_cache_loc=loc,
-            req_to_token_pool=fb.req_to_token_pool,
-            token_to_kv_pool=fb.token_to_kv_pool,
-            validate="full",
-        )
+    case = _servable(hal_target, Case(name, ForwardMode.DECODE, ((4, 1), (6, 1)), page_size=page_size))
+
+    def corrupt(built, kw):
+        rt = built.batch.req_to_token_pool.req_to_token
+        rows = built.batch.req_pool_indices.tolist()
+        rt[rows[1], 6] = onto(rt, rows)
+        kw["out_cache_loc"] = torch.stack([rt[rows[0], 4], rt[rows[1], 6]]).long().to(kw["out_cache_loc"].device)
+
+    _assert_refused(hal_target, request, case, corrupt, "out_cache_loc")
 
 
 @pytest.mark.hal_family("validation")
@@ -334,6 +368,61 @@ def test_write_over_padding_or_context_is_rejected(hal_target, onto, request):
     the batch reads as cached context, even when req_to_token agrees (that KV would be overwritten)."""
     target = (lambda rt, rows: 0) if onto == "padding_page" else (lambda rt, rows: rt[rows[0], 2])
     _refused_decode_write(hal_target, request, f"write_onto_{onto}", 4, target)
+
+
+def _servable(target, case: Case) -> Case:
+    """``case`` at the page size nearest to its own that the target declares."""
+    return cases_for(target.backend, [case], target.capability)[0]
+
+
+@pytest.mark.hal_family("validation")
+def test_later_token_out_cache_loc_mismatch_is_rejected(hal_target, request):
+    """out_cache_loc that agrees with req_to_token on a request's first new token but not on a later one (the
+    third new token of the second request writes a free slot) is refused: every token is compared."""
+    _first_servable(hal_target, ForwardMode.EXTEND)
+    case = _servable(hal_target, Case("later_token_mismatch", ForwardMode.EXTEND, ((5, 4), (7, 4))))
+
+    def corrupt(built, kw):
+        used = set(built.batch.req_to_token_pool.req_to_token.flatten().tolist())
+        pool = built.batch.token_to_kv_pool
+        free = next(s for s in range(pool.page_size, pool.k_buffer[0].shape[0]) if s not in used)
+        kw["out_cache_loc"] = kw["out_cache_loc"].clone()
+        kw["out_cache_loc"][4 + 2] = free
+
+    _assert_refused(hal_target, request, case, corrupt, "out_cache_loc")
+
+
+@pytest.mark.hal_family("validation")
+def test_earlier_request_writing_a_later_prefix_is_rejected(hal_target, request):
+    """The first request's new token placed (in req_to_token and out_cache_loc alike) on a slot the second
+    request reads as cached context: refused, as the reverse is (that KV would be overwritten before read)."""
+    _first_servable(hal_target, ForwardMode.DECODE, prefix=False)
+    case = _servable(hal_target, Case("write_onto_later_prefix", ForwardMode.DECODE, ((4, 1), (6, 1))))
+
+    def corrupt(built, kw):
+        rt = built.batch.req_to_token_pool.req_to_token
+        rows = built.batch.req_pool_indices.tolist()
+        rt[rows[0], 4] = rt[rows[1], 3]
+        kw["out_cache_loc"] = torch.stack([rt[rows[0], 4], rt[rows[1], 6]]).long().to(kw["out_cache_loc"].device)
+
+    _assert_refused(hal_target, request, case, corrupt, "out_cache_loc")
+
+
+@pytest.mark.hal_family("validation")
+def test_verify_mask_sized_without_the_drafts_is_rejected(hal_target, request):
+    """A TARGET_VERIFY custom mask sized draft x prefix per request (the drafts' own columns left out) instead
+    of draft x (prefix + draft) is refused, naming spec_info.custom_mask."""
+    if not hal_target.backend.supports_custom_mask:
+        pytest.skip(f"{hal_target.id} declares no custom mask (supports_custom_mask = False)")
+    _first_servable(hal_target, ForwardMode.TARGET_VERIFY)
+    case = _servable(hal_target, Case("verify_mask_draft_by_prefix", ForwardMode.TARGET_VERIFY, ((10, 4), (25, 4))))
+
+    def corrupt(built, kw):
+        draft = kw["spec_info"].draft_token_num
+        short = sum(draft * p for p, _ in case.requests)
+        kw["spec_info"] = SpecInfo(draft, kw["spec_info"].custom_mask[:short].clone())
+
+    _assert_refused(hal_target, request, case, corrupt, "custom_mask")
 
 
 @pytest.mark.hal_family("nan")
