@@ -44,6 +44,33 @@ except ImportError:  # SGLang before 0.5.21: nobody asks shared_read_ends
 
 import torch  # noqa: E402  (after the SGLang guard: its error is the one to see)
 
+# The SGLang releases hal supports and tests (tox -e sglang-0.5.21 / sglang): the oldest, and the newest plus one
+# excluded. pyproject.toml's `sglang-gpu` extra declares the same range.
+SUPPORTED_SGLANG = ("0.5.21", "0.5.24")
+
+
+def _check_sglang_release() -> None:
+    """A ``UserWarning`` when the installed SGLang is outside :data:`SUPPORTED_SGLANG` (it may work: tox -e
+    sglang-latest tries the registry's newest; the integration was not tested there)."""
+    import importlib.metadata
+    import warnings
+
+    try:
+        from packaging.version import Version
+
+        installed = importlib.metadata.version("sglang")
+    except Exception:  # no packaging, or a source checkout without metadata: nothing to compare
+        return
+    low, high = SUPPORTED_SGLANG
+    if not Version(low) <= Version(installed) < Version(high):
+        warnings.warn(
+            f"hal.integrations.sglang is tested with SGLang >= {low}, < {high}; sglang {installed} is installed",
+            stacklevel=3,
+        )
+
+
+_check_sglang_release()
+
 import hal  # noqa: E402
 from hal.batch import REFUSED_MODES  # noqa: E402
 from hal.errors import ConfigError, UnsupportedError  # noqa: E402
