@@ -173,12 +173,13 @@ TP2_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
 def paged_allocator_runs_on_cpu() -> bool:
     """Whether the installed SGLang's paged KV allocator (``mem_cache/allocator/paged.py``, used for
     ``page_size > 1``) runs on the CPU engine: SGLang 0.5.21's ``alloc_extend`` launches the Triton kernel
-    ``alloc_extend_kernel`` whatever the backend (no CPU driver here); 0.5.23's computes in torch."""
+    ``alloc_extend_kernel`` whatever the platform (no CPU driver here); 0.5.23's launches it only where
+    ``current_platform.capabilities.supports_triton`` (its ``use_triton_kernels``), else computes in torch."""
     import inspect
 
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 
-    return "alloc_extend_kernel[" not in inspect.getsource(PagedTokenToKVPoolAllocator.alloc_extend)
+    return "use_triton_kernels" in inspect.getsource(PagedTokenToKVPoolAllocator.alloc_extend)
 
 
 def free_port() -> int:

@@ -14,7 +14,7 @@ gpt-oss: SGLang refuses any attention backend outside a list of names for it (on
 docs/sglang.md); the test checks that refusal, then serves gpt-oss on hal with only that assertion
 bypassed (``sglang_engine.bypass_gpt_oss_allow_list``, marked as a test-only bypass) against transformers.
 As deployments run it: tp 2 (and page size 16 where the release's paged allocator runs on the CPU)
-against ``torch_native`` at the same settings; ``--kv-cache-dtype fp8_e4m3`` against transformers with
+against ``torch_native`` at the same settings; ``--kv-cache-dtype fp8_e5m2`` against transformers with
 every key and value read through hal's fp8 reference quantisation.
 
 Each engine runs in its own Python (``ci/sglang_engine.py``), with ``SGLANG_USE_CPU_ENGINE=1`` and
@@ -201,19 +201,24 @@ def _fp8_attention(kv_dtype):
 
 
 def test_fp8_kv_cache_tokens_equal_hals_fp8_reference(model, workload, tmp_path):
-    """``--kv-cache-dtype fp8_e4m3``: SGLang allocates its fp8 ``MHATokenToKVPool`` and hal serves it (the CPU
+    """``--kv-cache-dtype fp8_e5m2``: SGLang allocates its fp8 ``MHATokenToKVPool`` and hal serves it (the CPU
     torch backend declares fp8 KV); greedy tokens equal transformers' ``generate`` with every key and value read
-    through hal's fp8 reference quantisation, on the same load (chunked prefill, prefix-cache hits)."""
+    through hal's fp8 reference quantisation, on the same load (chunked prefill, prefix-cache hits).
+
+    e5m2, not e4m3: SGLang's CPU engine refuses an fp8_e4m3 KV cache unless the CPU has AMX and the backend is
+    *named* ``intel_amx`` (``mem_cache/kv_cache_configurator.py`` ``configure``: "CPU FP8 KV cache requires Intel
+    AMX support" / "... requires the intel_amx attention backend"; 0.5.23 lines 459-467), a decision by name that
+    hal cannot answer; e4m3 pools are served in tests/test_sglang_integration.py."""
     import torch
     from transformers import AttentionInterface
 
     run = sglang_engine.run_in_subprocess(
-        model, "hal", workload, str(tmp_path), {**ENGINE_ARGS, "kv_cache_dtype": "fp8_e4m3"}, tag="fp8"
+        model, "hal", workload, str(tmp_path), {**ENGINE_ARGS, "kv_cache_dtype": "fp8_e5m2"}, tag="fp8"
     )
     assert [len(o) for o in _outputs(run)] == [r["max_new_tokens"] for r in workload]
     _assert_prefix_cache_hits(run)
-    AttentionInterface.register("hal_fp8_e4m3", _fp8_attention(torch.float8_e4m3fn))
-    _assert_equals_transformers(model, workload, _outputs(run), attn_implementation="hal_fp8_e4m3")
+    AttentionInterface.register("hal_fp8_e5m2", _fp8_attention(torch.float8_e5m2))
+    _assert_equals_transformers(model, workload, _outputs(run), attn_implementation="hal_fp8_e5m2")
 
 
 def test_deepseek_mla_on_hal_equals_transformers(workload, tmp_path):
