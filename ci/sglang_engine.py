@@ -188,9 +188,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str, backend: str, log_path: str, extra: dict | None = None, timeout_s: float = 600):
+def start_server(model: str, backend: str, log_path: str, extra: dict | None = None, timeout_s: float = 1800):
     """``python -m sglang.launch_server`` on 127.0.0.1 and a free port; returns ``(process, base_url)`` once
-    ``/health`` answers 200. The process leads its own session, so :func:`stop_server` reaches its children."""
+    ``/health`` answers 200. The process leads its own session, so :func:`stop_server` reaches its children.
+    ``timeout_s`` is a hang guard: engine start-ups took 9 to 15 minutes on a 2-core machine at load 26."""
     port = free_port()
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", "127.0.0.1"]
     cmd += ["--port", str(port)]
