@@ -83,9 +83,29 @@ async def _one(engine, request: dict, t0: float) -> dict:
     }
 
 
-def run(model: str, backend: str, requests: list[dict], extra: dict | None = None) -> dict:
-    """Start an engine, serve ``requests`` as they arrive, shut it down. Returns the results and timings."""
+def bypass_gpt_oss_allow_list() -> None:
+    """FOR TESTS ONLY, NOT A PRODUCT: lift the one SGLang line that stops gpt-oss on hal, nothing else.
+
+    SGLang's ``handle_model_specific_adjustments`` (``srt/arg_groups/model_hook.py``: the ``assert`` at line 498 of
+    0.5.21, line 536 of 0.5.23, over the list just above it) asserts that a ``GptOssForCausalLM`` runs on a backend
+    *named* ``triton``,
+    ``trtllm_mha``, ``fa3``, ``fa4``, ``ascend``, ``intel_amx``, ``intel_xpu`` or ``aiter``. That assertion is the
+    only reader of ``model_hook.attention_backends_of`` for gpt-oss, so answering ``("triton", "triton")`` there
+    (and nowhere else: the engine's runner, registry, hooks and hal still see ``hal``) bypasses exactly it."""
+    from sglang.srt.arg_groups import model_hook
+
+    model_hook.attention_backends_of = lambda view: ("triton", "triton")
+
+
+def run(
+    model: str, backend: str, requests: list[dict], extra: dict | None = None, *, gpt_oss_bypass: bool = False
+) -> dict:
+    """Start an engine, serve ``requests`` as they arrive, shut it down. Returns the results and timings.
+    ``gpt_oss_bypass``: :func:`bypass_gpt_oss_allow_list` first (tests only)."""
     import sglang
+
+    if gpt_oss_bypass:
+        bypass_gpt_oss_allow_list()
 
     started = time.perf_counter()
     engine = sglang.Engine(model_path=model, **engine_kwargs(backend, extra))
@@ -109,17 +129,31 @@ def run(model: str, backend: str, requests: list[dict], extra: dict | None = Non
     }
 
 
-def run_in_subprocess(model: str, backend: str, requests: list[dict], workdir: str, extra: dict | None = None) -> dict:
-    """:func:`run` in a fresh Python with :func:`cpu_env` (SGLang reads its CPU switch at import)."""
-    req_path = os.path.join(workdir, f"requests-{backend}.json")
-    out_path = os.path.join(workdir, f"results-{backend}.json")
+def run_in_subprocess(
+    model: str,
+    backend: str,
+    requests: list[dict],
+    workdir: str,
+    extra: dict | None = None,
+    *,
+    tag: str = "",
+    env: dict | None = None,
+    gpt_oss_bypass: bool = False,
+) -> dict:
+    """:func:`run` in a fresh Python with :func:`cpu_env` (SGLang reads its CPU switch at import) plus ``env``;
+    ``tag`` names this run's files in ``workdir`` (several runs of one backend)."""
+    name = f"{backend}-{tag}" if tag else backend
+    req_path = os.path.join(workdir, f"requests-{name}.json")
+    out_path = os.path.join(workdir, f"results-{name}.json")
     with open(req_path, "w") as f:
         json.dump(requests, f)
     cmd = [sys.executable, os.path.abspath(__file__), "run", "--model", model, "--backend", backend]
     cmd += ["--requests", req_path, "--json", out_path]
     for key, value in (extra or {}).items():
         cmd += ["--engine-arg", f"{key}={json.dumps(value)}"]
-    done = subprocess.run(cmd, env=cpu_env(), capture_output=True, text=True)
+    if gpt_oss_bypass:
+        cmd.append("--bypass-gpt-oss-allow-list")
+    done = subprocess.run(cmd, env={**cpu_env(), **(env or {})}, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(
             f"engine run ({backend}) failed with {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
@@ -131,15 +165,33 @@ def run_in_subprocess(model: str, backend: str, requests: list[dict], workdir: s
 # ----------------------------------------------------------------------------- the server
 
 
+# tp_size 2 on the CPU engine: SGLang binds each rank's OpenMP threads to the cores this names (one list per
+# rank, '|' between ranks); without it SGLang splits NUMA nodes among ranks, and a one-node machine has too few.
+TP2_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
+
+
+def paged_allocator_runs_on_cpu() -> bool:
+    """Whether the installed SGLang's paged KV allocator (``mem_cache/allocator/paged.py``, used for
+    ``page_size > 1``) runs on the CPU engine: SGLang 0.5.21's ``alloc_extend`` launches the Triton kernel
+    ``alloc_extend_kernel`` whatever the platform (no CPU driver here); 0.5.23's launches it only where
+    ``current_platform.capabilities.supports_triton`` (its ``use_triton_kernels``), else computes in torch."""
+    import inspect
+
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+
+    return "use_triton_kernels" in inspect.getsource(PagedTokenToKVPoolAllocator.alloc_extend)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def start_server(model: str, backend: str, log_path: str, extra: dict | None = None, timeout_s: float = 600):
+def start_server(model: str, backend: str, log_path: str, extra: dict | None = None, timeout_s: float = 1800):
     """``python -m sglang.launch_server`` on 127.0.0.1 and a free port; returns ``(process, base_url)`` once
-    ``/health`` answers 200. The process leads its own session, so :func:`stop_server` reaches its children."""
+    ``/health`` answers 200. The process leads its own session, so :func:`stop_server` reaches its children.
+    ``timeout_s`` is a hang guard: engine start-ups took 9 to 15 minutes on a 2-core machine at load 26."""
     port = free_port()
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", "127.0.0.1"]
     cmd += ["--port", str(port)]
@@ -207,6 +259,11 @@ def main(argv=None) -> None:
     p.add_argument("--requests", required=True)
     p.add_argument("--json", required=True)
     p.add_argument("--engine-arg", action="append", default=[], help="KEY=JSON_VALUE, an sglang.Engine argument")
+    p.add_argument(
+        "--bypass-gpt-oss-allow-list",
+        action="store_true",
+        help="tests only: lift SGLang's gpt-oss backend-name assertion (bypass_gpt_oss_allow_list)",
+    )
     args = parser.parse_args(argv)
     extra = {}
     for item in args.engine_arg:
@@ -214,7 +271,7 @@ def main(argv=None) -> None:
         extra[key] = json.loads(value)
     with open(args.requests) as f:
         requests = json.load(f)
-    out = run(args.model, args.backend, requests, extra)
+    out = run(args.model, args.backend, requests, extra, gpt_oss_bypass=args.bypass_gpt_oss_allow_list)
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1)
 

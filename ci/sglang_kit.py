@@ -3,8 +3,8 @@
     python ci/sglang_kit.py                                   # hal, whatever hal selects, fp32 at 1e-5
     python ci/sglang_kit.py --hal-backend torch --dtype bf16  # the kit's own tolerance (3e-2)
     python ci/sglang_kit.py --hal-backend triton --triton-interpret --families dense,graph_decode
-    python ci/sglang_kit.py --hal-backend ascend --npu-emulation --refuse "page_size=1:ATB"
-    python ci/sglang_kit.py --backend torch_native            # SGLang's own reference backend
+    python ci/sglang_kit.py --hal-backend ascend --hal-device npu --npu-emulation  # refusals: what ascend declares
+    python ci/sglang_kit.py --backend torch_native --refuse "family=sinks:sinks"  # SGLang's own reference backend
     python ci/sglang_kit.py --list                            # the cases, by family
 
 The kit is a library of case builders and runners (SGLang's per-backend test files pick
@@ -57,11 +57,22 @@ sliding-window decode rules and needs each backend classified: a class attribute
 
 A backend may refuse a case when it is built (SGLang calls the factory with the model
 runner, so that is selection time: hal's ``NoBackendError``), or refuse a feature when it is
-called (hal's ``UnsupportedError``: ``sinks=`` on a backend without sinks).
-``--refuse "page_size=1:REGEX"`` / ``--refuse "family=sinks:REGEX"`` declare the refusals
-expected: every case with that page size (of that family) must be refused with a message
-matching REGEX (one of the rules that apply to it), every other case must pass. Exit status 0
-when all did as expected.
+called (hal's ``UnsupportedError``: ``sinks=`` on a backend without sinks). Which cases a hal
+backend must refuse is asked of hal, not written here: for each case, the model runner SGLang
+handed the factory is described the way the integration describes it
+(``hal.integrations.sglang.attention_config``, plus ``attention_sinks`` for the sinks family, as
+gpt-oss's model would declare them) and ``hal.select`` says whether the forced backend declares
+that config (its ``unsupported_reasons``). A case the backend declares is expected to pass; one it
+does not is expected to be refused, and nothing else: a refusal the backend did not declare, or a
+declared refusal that computed something anyway, is "not as expected". So a backend that gains or
+loses a refusal moves its cases with it, and the summary counts them by reason.
+For a backend that is not hal's (``--backend torch_native``), ``--refuse "page_size=1:REGEX"`` /
+``--refuse "family=sinks:REGEX"`` declare the refusals expected instead: every case with that
+page size (of that family) must be refused with a message matching REGEX, every other case must
+pass. Exit status 0 when all did as expected.
+
+Every case runs under ``torch.no_grad()``, as SGLang's model runner runs a forward (the kit's
+modules hold parameters; SGLang 0.5.23's pools write K and V into two halves of one tensor in place).
 
 SGLang is imported from the installed package. torchvision (imported at module level, never
 called here) and sgl_kernel's CPU ops come from ``ci/sglang_stubs`` (stand-ins) when they are not
@@ -166,6 +177,7 @@ class Result:
     message: str = ""
     expected: bool = True
     details: dict = field(default_factory=dict)
+    declared: list = field(default_factory=list)  # the reasons the backend declares it cannot serve the case
 
 
 class _TestCase(unittest.TestCase):
@@ -463,8 +475,58 @@ class Kit:
         self.tol = dict(atol=atol, rtol=rtol)
 
 
-def register_backend(kit: Kit, spec: str, name: str):
-    """Put ``spec`` (a registry name or ``module:Class``) in SGLang's registry under ``name``."""
+class RunnerLog:
+    """The model runners SGLang handed a backend factory, newest last (what a case's backend was built for)."""
+
+    def __init__(self):
+        self.runners: list = []
+
+    def wrap(self, factory):
+        def recorded(model_runner, *args, **kwargs):
+            self.runners.append(model_runner)
+            return factory(model_runner, *args, **kwargs)
+
+        recorded.swa_decode_rule = getattr(factory, "swa_decode_rule", None)
+        recorded.hal_factory = factory
+        return recorded
+
+
+def is_hal_backend(factory) -> bool:
+    """Whether ``factory`` builds ``hal.integrations.sglang.HalAttnBackend`` (the class, or a factory made by
+    ``hal.integrations.sglang.register``)."""
+    factory = getattr(factory, "hal_factory", factory)
+    if isinstance(factory, type):
+        return factory.__module__ == "hal.integrations.sglang"
+    return getattr(factory, "__module__", "") == "hal.integrations.sglang"
+
+
+def declared_refusals(runner, family: str) -> list[str]:
+    """What hal declares it cannot serve for a case whose backend was built over ``runner``: the reasons of
+    ``hal.select`` for the config the integration derives from the runner (with attention sinks for the
+    ``sinks`` family: SGLang passes them only at the call, gpt-oss's model declares them), or the
+    integration's own refusal of the runner's pools. Empty: the case must be served."""
+    import dataclasses
+
+    import hal
+    import hal.integrations.sglang as hal_sglang
+    from hal.errors import NoBackendError, UnsupportedError
+
+    try:
+        config = hal_sglang.attention_config(runner)
+    except UnsupportedError as exc:
+        return [f"{type(exc).__name__}: {exc}"]
+    if family == "sinks":
+        config = dataclasses.replace(config, attention_sinks=True)
+    try:
+        hal.select(config, device=hal_sglang.runner_device(runner))
+    except NoBackendError as exc:
+        return [f"{type(exc).__name__}: {exc}"]
+    return []
+
+
+def register_backend(kit: Kit, spec: str, name: str, log: RunnerLog | None = None):
+    """Put ``spec`` (a registry name or ``module:Class``) in SGLang's registry under ``name`` (its factory
+    wrapped by ``log``, when given, so each case's model runner is known)."""
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 
     if ":" in spec:
@@ -476,7 +538,7 @@ def register_backend(kit: Kit, spec: str, name: str):
             for rule in ("_SWA_DECODE_MIN_SEQ_LEN_WINDOW", "_SWA_DECODE_EXTEND_WINDOW"):
                 if spec in getattr(kit.dense, rule):
                     setattr(kit.dense, rule, getattr(kit.dense, rule) | {name})
-    ATTENTION_BACKENDS[name] = factory
+    ATTENTION_BACKENDS[name] = factory if log is None else log.wrap(factory)
     rule = getattr(factory, "swa_decode_rule", None)
     if rule is not None:
         target = {"extend_window": "_SWA_DECODE_EXTEND_WINDOW", "min_seq_len_window": "_SWA_DECODE_MIN_SEQ_LEN_WINDOW"}
@@ -509,13 +571,21 @@ def is_refusal(exc: BaseException) -> bool:
     return isinstance(exc, (NoBackendError, UnsupportedError))
 
 
-def run_case(kc: KitCase, refusals: dict[tuple[str, object], re.Pattern], verbose: bool) -> Result:
+def run_case(
+    kc: KitCase, refusals: dict[tuple[str, object], re.Pattern], verbose: bool, log: RunnerLog | None = None
+) -> Result:
+    """Run one case under ``torch.no_grad()``. With ``log`` (a hal backend), the refusals expected are what the
+    backend declares for the case's runner (:func:`declared_refusals`); without it, ``refusals``."""
+    import torch
+
     t = _TestCase()
     page = kc.case.page_size
     start = time.perf_counter()
     status, message = "passed", ""
+    seen = len(log.runners) if log is not None else 0
     try:
-        kc.run(t)
+        with torch.no_grad():
+            kc.run(t)
     except unittest.SkipTest as exc:
         status, message = "skipped", str(exc)
     except Exception as exc:  # noqa: BLE001 - every failure is reported, not raised
@@ -524,12 +594,30 @@ def run_case(kc: KitCase, refusals: dict[tuple[str, object], re.Pattern], verbos
         if verbose and status == "failed":
             message += "\n" + traceback.format_exc()
     seconds = time.perf_counter() - start
+    if log is not None:
+        runners = log.runners[seen:]
+        declared = sorted({r for runner in runners for r in declared_refusals(runner, kc.family)})
+        if not runners:
+            declared = ["the backend was never built for this case"]
+        expected = status == ("refused" if declared else "passed")
+        return Result(kc.name, page, status, seconds, message, expected, declared=declared)
     wants = [refusals[rule] for rule in (("page_size", page), ("family", kc.family)) if rule in refusals]
     if not wants:
         expected = status == "passed"
     else:
         expected = status == "refused" and any(want.search(message) for want in wants)
     return Result(kc.name, page, status, seconds, message, expected)
+
+
+def refusal_summary(results: list[Result]) -> dict[str, int]:
+    """How many cases each declared reason (its first line, each backend's first reason) covers."""
+    counts: dict[str, int] = {}
+    for r in results:
+        for reason in r.declared:
+            lines = [line.strip() for line in reason.splitlines() if line.strip()]
+            key = " / ".join(lines[1:3]) if len(lines) > 1 else lines[0]
+            counts[key[:200]] = counts.get(key[:200], 0) + 1
+    return counts
 
 
 def main(argv=None) -> int:
@@ -541,7 +629,12 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     kit = Kit()
     import_s = time.perf_counter() - t0
-    factory = register_backend(kit, args.backend, args.name)
+    log = RunnerLog()
+    factory = register_backend(kit, args.backend, args.name, log)
+    if not is_hal_backend(factory):
+        log = None  # another engine's backend: the refusals expected are --refuse's
+    elif args.refuse:
+        raise SystemExit("--refuse: a hal backend's refusals are what it declares (hal.select); --refuse is for others")
     atol = args.atol if args.atol is not None else (1e-5 if args.dtype == "fp32" else kit.dense.DENSE_ATOL)
     rtol = args.rtol if args.rtol is not None else atol
     kit.set_tolerance(atol, rtol)
@@ -574,7 +667,7 @@ def main(argv=None) -> int:
     )
     results = []
     for kc in cases:
-        r = run_case(kc, refusals, args.verbose)
+        r = run_case(kc, refusals, args.verbose, log)
         results.append(r)
         mark = "ok " if r.expected else "BAD"
         line = f"{mark} {r.status:8s} {r.seconds:6.2f}s  {r.name}"
@@ -590,6 +683,9 @@ def main(argv=None) -> int:
         f"{counts['failed']} failed, {counts['skipped']} skipped; {len(bad)} not as expected; {total_s:.1f} s",
         flush=True,
     )
+    declared = refusal_summary(results)
+    for reason, n in sorted(declared.items(), key=lambda item: -item[1]):
+        print(f"  declared refusal, {n} cases: {reason}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
@@ -603,6 +699,7 @@ def main(argv=None) -> int:
                     "env": env,
                     "counts": counts,
                     "not_as_expected": len(bad),
+                    "declared_refusals": declared,
                     "seconds": total_s,
                     "results": [r.__dict__ for r in results],
                 },

@@ -10,8 +10,13 @@ sglang.launch_server --attention-backend hal`` answers SGLang's ``/generate`` an
 ``/v1/completions`` and ``/v1/chat/completions`` over HTTP with the engine's tokens, and is stopped
 by its process id. A DeepSeek-V3 model (latent attention over SGLang's ``MLATokenToKVPool``) serves
 the same load on hal and must equal transformers (SGLang's ``torch_native`` cannot run it on the CPU).
-gpt-oss is not served here: SGLang refuses any attention backend outside its list for it
-(docs/sglang.md).
+gpt-oss: SGLang refuses any attention backend outside a list of names for it (one assertion,
+docs/sglang.md); the test checks that refusal, then serves gpt-oss on hal with only that assertion
+bypassed (``sglang_engine.bypass_gpt_oss_allow_list``, marked as a test-only bypass) against transformers.
+As deployments run it: tp 2 (and page size 16 where the release's paged allocator runs on the CPU)
+against ``torch_native`` at the same settings. fp8 KV caches are not run here: SGLang's CPU engine refuses
+them for every backend but ``intel_amx`` (docs/sglang.md); tests/test_sglang_integration.py serves SGLang's
+own fp8 pools against hal's fp8 reference.
 
 Each engine runs in its own Python (``ci/sglang_engine.py``), with ``SGLANG_USE_CPU_ENGINE=1`` and
 the stand-ins of ``ci/sglang_stubs``. A minute or two per engine start on a loaded 2-core machine.
@@ -111,12 +116,13 @@ def test_hal_engine_tokens_equal_torch_native(engines, workload):
         assert got == want, f"request {i} ({len(workload[i]['input_ids'])} prompt tokens): hal {got} != {want}"
 
 
-def _assert_equals_transformers(model: str, workload: list[dict], outputs: list[list[int]]) -> None:
-    """Each request's greedy tokens equal transformers' ``generate`` on the same checkpoint, in fp32."""
+def _assert_equals_transformers(model: str, workload: list[dict], outputs: list[list[int]], **hf_args) -> None:
+    """Each request's greedy tokens equal transformers' ``generate`` on the same checkpoint, in fp32 (``hf_args``:
+    more ``from_pretrained`` arguments, e.g. ``attn_implementation``)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, **hf_args).eval()
     for i, (request, got) in enumerate(zip(workload, outputs)):
         n = request["max_new_tokens"]
         ids = torch.tensor([request["input_ids"]])
@@ -130,9 +136,48 @@ def test_engine_tokens_equal_transformers(engines, workload, model):
 
 
 def _assert_prefix_cache_hits(run: dict) -> None:
-    """The shared prefix's later requests (6..8) found its 150 tokens in SGLang's radix cache."""
+    """The shared prefix's later requests (6..8) found its 150 tokens in SGLang's radix cache (whole pages of
+    them: 144 at page size 16)."""
+    page = run["engine_args"].get("page_size") or 1
     cached = [r["cached_tokens"] for r in run["results"]]
-    assert sum(c >= 150 for c in cached[6:9]) >= 2, cached
+    assert sum(c >= 150 // page * page for c in cached[6:9]) >= 2, cached
+
+
+# ----------------------------------------------------------------------------- as deployments run it
+
+
+def _deployment_args() -> dict:
+    """Tensor parallel 2, and page size 16 where the installed SGLang's paged allocator runs on the CPU engine
+    (0.5.23; not 0.5.21, whose allocator launches a Triton kernel: sglang_engine.paged_allocator_runs_on_cpu)."""
+    paged = {"page_size": 16} if sglang_engine.paged_allocator_runs_on_cpu() else {}
+    return {**ENGINE_ARGS, "tp_size": 2, **paged}
+
+
+@pytest.fixture(scope="module")
+def deployed(model, workload, tmp_path_factory):
+    """The load on ``torch_native`` and on ``hal`` with tp 2 (and page 16 where the release allows it), prefix
+    caching and chunked prefill on, as ENGINE_ARGS."""
+    work = str(tmp_path_factory.mktemp("deployed"))
+    extra = _deployment_args()
+    return {
+        backend: sglang_engine.run_in_subprocess(
+            model, backend, workload, work, extra, tag="deployed", env=sglang_engine.TP2_ENV
+        )
+        for backend in ("torch_native", "hal")
+    }
+
+
+def test_tp2_and_page16_tokens_equal_torch_native_at_the_same_settings(deployed, workload):
+    hal_run, ref_run = deployed["hal"], deployed["torch_native"]
+    assert hal_run["engine_args"]["tp_size"] == 2 and hal_run["engine_args"] == {
+        **ref_run["engine_args"],
+        "attention_backend": "hal",
+    }
+    hal_out, ref_out = _outputs(hal_run), _outputs(ref_run)
+    assert [len(o) for o in hal_out] == [r["max_new_tokens"] for r in workload]
+    for i, (got, want) in enumerate(zip(hal_out, ref_out)):
+        assert got == want, f"request {i} ({len(workload[i]['input_ids'])} prompt tokens): hal {got} != {want}"
+    _assert_prefix_cache_hits(hal_run)
 
 
 def test_deepseek_mla_on_hal_equals_transformers(workload, tmp_path):
@@ -221,3 +266,26 @@ def test_server_over_http(model, workload, engines, tokenizer, tmp_path):
     finally:
         sglang_engine.stop_server(process)
     assert process.returncode is not None
+
+
+# ----------------------------------------------------------------------------- gpt-oss
+
+
+def test_gpt_oss_on_hal_is_stopped_by_sglangs_allow_list_alone(workload, tmp_path):
+    """SGLang refuses gpt-oss on any backend not *named* in its list (model_hook.py's assertion: hal is not, nor
+    is torch_native). With that one assertion bypassed (TEST-ONLY: ``bypass_gpt_oss_allow_list``, nothing else of
+    SGLang changed), SGLang's engine serves ``GptOssForCausalLM`` (attention sinks, sliding windows on alternate
+    layers, MoE) on hal, and the greedy tokens equal transformers' ``generate``: one upstream line is all that
+    stands between a deployment and gpt-oss on hal."""
+    path = sglang_model.build_model(
+        str(tmp_path / "gpt-oss"), arch="gpt-oss", layers=2, hidden=64, heads=4, vocab_size=VOCAB, seed=SEED + 2
+    )
+    requests = workload[:4] + workload[6:8]  # short and long prompts, the shared prefix, chunked prefills
+    with pytest.raises(RuntimeError, match="GptOssForCausalLM requires one of .* attention backend"):
+        sglang_engine.run_in_subprocess(path, "hal", requests, str(tmp_path), ENGINE_ARGS, tag="refused")
+    run = sglang_engine.run_in_subprocess(
+        path, "hal", requests, str(tmp_path), ENGINE_ARGS, tag="bypassed", gpt_oss_bypass=True
+    )
+    assert run["engine_args"]["attention_backend"] == "hal"
+    assert [len(o) for o in _outputs(run)] == [r["max_new_tokens"] for r in requests]
+    _assert_equals_transformers(path, requests, _outputs(run))

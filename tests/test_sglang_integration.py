@@ -139,7 +139,8 @@ def _fixture(kit, mode_name="DECODE", prefix=(14, 15, 16), extend=(), page_size=
     d = kit.dense
     fields = dict(num_kv_heads=2, sliding_window_size=window)
     case = _kit_case(d.DenseAttentionCase, kit, mode_name, prefix, extend, page_size, **fields)
-    return d.build_dense_attention_fixture(kit.module._TestCase(), case, dtype=torch.float32, device="cpu", **kw)
+    with torch.no_grad():  # the prefix KV goes in as SGLang's runner writes it: no autograd
+        return d.build_dense_attention_fixture(kit.module._TestCase(), case, dtype=torch.float32, device="cpu", **kw)
 
 
 def test_register_puts_hal_in_sglangs_registry_and_choices(kit):
@@ -231,21 +232,95 @@ def test_what_hal_does_not_compute_is_refused_with_a_hal_error(kit):
             backend.init_forward_metadata(batch)
     runner = fx.runner
     pool = runner.token_to_kv_pool
-    fp8_pool = types.SimpleNamespace(**vars(pool), get_key_buffer=pool.get_key_buffer)
-    fp8 = types.SimpleNamespace(**{**vars(runner), "token_to_kv_pool": fp8_pool})
-    fp8.token_to_kv_pool.dtype = torch.float8_e4m3fn
-    fp8.token_to_kv_pool.store_dtype = torch.uint8
+    scaled = types.SimpleNamespace(**vars(pool), get_key_buffer=pool.get_key_buffer)
+    scaled.is_quantized_kv_cache = True  # SGLang's FP4 / MXFP8 pools: per-block scales beside the values
     import hal.integrations.sglang as hal_sglang
 
-    with pytest.raises(hal.UnsupportedError, match="KV cache dtype"):
-        hal_sglang.HalAttnBackend(fp8)
+    with pytest.raises(hal.UnsupportedError, match="per-block scales"):
+        hal_sglang.HalAttnBackend(types.SimpleNamespace(**{**vars(runner), "token_to_kv_pool": scaled}))
+
+
+def _fp8_fixture(kit, fp8_dtype, k_scale, v_scale, **kw):
+    """A dense fixture whose runner holds SGLang's own fp8 ``MHATokenToKVPool`` (``dtype`` float8, stored as
+    uint8), its prefix written by SGLang's ``set_kv_buffer`` with the layer's scales, and the layer carrying
+    them as SGLang's fp8 KV quant method sets them (``k_scale`` / ``v_scale`` tensors, ``*_scale_float``)."""
+    import types
+
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    fx = _fixture(kit, **kw)
+    src, layer = fx.runner.token_to_kv_pool, fx.actual_module.attn
+    layer.k_scale, layer.v_scale = torch.tensor(k_scale), torch.tensor(v_scale)
+    layer.k_scale_float, layer.v_scale_float = k_scale, v_scale
+    pool = MHATokenToKVPool(
+        size=src.size,
+        page_size=src.page_size,
+        dtype=fp8_dtype,
+        head_num=src.head_num,
+        head_dim=src.head_dim,
+        layer_num=src.layer_num,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+    assert pool.store_dtype == torch.uint8 and pool.get_key_buffer(0).dtype == fp8_dtype
+    with torch.no_grad():  # the prefix: every slot the fp32 pool holds, quantised by SGLang
+        used = torch.nonzero(src.get_key_buffer(0).abs().sum((1, 2))).flatten()
+        k, v = src.get_key_buffer(0)[used].clone(), src.get_value_buffer(0)[used].clone()
+        pool.set_kv_buffer(layer, used, k, v, layer.k_scale, layer.v_scale)
+    runner = types.SimpleNamespace(**{**vars(fx.runner), "token_to_kv_pool": pool, "dtype": torch.float32})
+    return fx, runner, pool, layer
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("fp8_name", ["fp8_e4m3", "fp8_e5m2"])
+def test_sglangs_fp8_kv_pool_is_served_with_the_layers_scales(kit, fp8_name):
+    """``--kv-cache-dtype fp8_*``: hal's torch backend reads and writes SGLang's fp8 pool in place, quantising the
+    new tokens exactly as SGLang's ``set_kv_buffer`` does with the layer's ``k_scale`` / ``v_scale``, and
+    its output is hal's fp8 reference (``batch_attention`` over those fp8 entries)."""
+    import hal.integrations.sglang as hal_sglang
+    from hal.kernels.reference import batch_attention
+    from hal.kv_cache import KV_CACHE_DTYPES
+
+    fp8 = KV_CACHE_DTYPES[fp8_name]
+    fx, runner, pool, layer = _fp8_fixture(kit, fp8, 0.05, 0.08, mode_name="EXTEND", prefix=(3, 17), extend=(5, 2))
+    backend = hal_sglang.HalAttnBackend(runner)
+    assert backend.config.kv_cache_dtype == fp8_name and backend.config.dtype == torch.float32
+    fb = fx.forward_batch
+    q, k, v = fx.actual_module.project_qkv(fx.input_hidden)
+    twin = pool.k_buffer[0].clone(), pool.v_buffer[0].clone()
+    backend.init_forward_metadata(fb)
+    out = backend.forward(q, k, v, layer, fb)
+    # what SGLang's own pool writes for these tokens with these scales, byte for byte
+    loc = fb.out_cache_loc
+    pool.k_buffer[0], written_k = twin[0], pool.k_buffer[0].clone()
+    pool.v_buffer[0], written_v = twin[1], pool.v_buffer[0].clone()
+    pool.set_kv_buffer(layer, loc, k.view(-1, 2, 16).clone(), v.view(-1, 2, 16).clone(), layer.k_scale, layer.v_scale)
+    assert torch.equal(written_k, pool.k_buffer[0]) and torch.equal(written_v, pool.v_buffer[0])
+    described = backend.hal_layer(layer)  # hal's descriptor carries SGLang's scales
+    assert (described.k_scale, described.v_scale) == (0.05, 0.08)
+    expected = batch_attention(q, pool.get_key_buffer(0), pool.get_value_buffer(0), described, backend.hal_batch(fb))
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_sglangs_fp8_kv_pool_is_refused_with_the_reason_where_a_backend_has_no_fp8(kit, monkeypatch):
+    """The ascend backend declares no fp8 KV (its kv_cache_dtypes): SGLang's fp8 pool is refused when SGLang
+    builds the backend, with that backend's reason."""
+    import hal.integrations.sglang as hal_sglang
+
+    monkeypatch.setenv("HAL_NPU_EMULATION", "1")
+    monkeypatch.setenv("HAL_DEVICE", "npu")
+    monkeypatch.setenv("HAL_ATTENTION_BACKEND", "ascend")
+    _, runner, _, _ = _fp8_fixture(kit, torch.float8_e4m3fn, 1.0, 1.0)
+    with pytest.raises(hal.NoBackendError, match="fp8_e4m3"):
+        hal_sglang.HalAttnBackend(runner)
 
 
 def _mla_fixture(kit, prefix=(0, 0), extend=(5, 3), rope=0):
     m = kit.mla
     case = _kit_case(m.MLAAttentionCase, kit, "EXTEND", prefix, extend)
     test = kit.module._TestCase()
-    return m.build_mla_attention_fixture(test, case, dtype=torch.float32, device="cpu", qk_rope_head_dim=rope)
+    with torch.no_grad():
+        return m.build_mla_attention_fixture(test, case, dtype=torch.float32, device="cpu", qk_rope_head_dim=rope)
 
 
 @torch.no_grad()
@@ -396,11 +471,17 @@ def test_hal_follows_sglangs_base_class_member_for_member(kit):
     class WithMembers(SGLangMembers, hal.AttentionBackend):  # the core plus the integration's mixin (issue 23)
         pass
 
-    for cls in (WithMembers, hal_sglang.HalAttnBackend):
-        missing = [n for n in members if not hasattr(cls, n)]
+    # the core with its SGLang mixin has every member but the newest release's, which the integration answers
+    core = [n for n in members if n not in hal_sglang.SGLANG_0523_MEMBERS]
+    for cls, names in ((WithMembers, core), (hal_sglang.HalAttnBackend, members)):
+        missing = [n for n in names if not hasattr(cls, n)]
         assert not missing, (cls, missing)
-        wrong = [(n, kind(SGLangBackend, n), kind(cls, n)) for n in members if kind(SGLangBackend, n) != kind(cls, n)]
+        wrong = [(n, kind(SGLangBackend, n), kind(cls, n)) for n in names if kind(SGLangBackend, n) != kind(cls, n)]
         assert not wrong, (cls, wrong)
+    # the integration answers them itself: none is left to SGLang's base class
+    own = {n for klass in hal_sglang.HalAttnBackend.__mro__ if klass is not SGLangBackend for n in vars(klass)}
+    assert not set(hal_sglang.SGLANG_0523_MEMBERS) - own
+    for cls in (hal.AttentionBackend, hal_sglang.HalAttnBackend):
         for older in (
             "get_verify_buffers_to_fill_after_draft",
             "init_forward_metadata_for_breakable_cuda_graph_capture",
@@ -432,6 +513,24 @@ def test_the_0521_questions_are_answered_by_hals_backend(kit):
     assert backend.data_type == torch.float32 and backend.kv_cache_dtype == torch.float32
 
 
+def test_the_0523_questions_are_answered_by_the_integration(kit):
+    """SGLang 0.5.23's runners ask these (answered on every release: an older SGLang never asks)."""
+    fx = _fixture(kit, mode_name="EXTEND", prefix=(0, 5), extend=(4, 3))
+    backend, fb = fx.backend, fx.forward_batch
+    assert backend.folds_encoder_swa_replay is False and backend.skips_prefill_metadata_on_idle_dp_rank is False
+    assert backend.prefill_cuda_graph_max_batch_size is None and backend.prefill_cuda_graph_default_max_seq_len is None
+    assert backend.dllm_attention is None and backend.late_layer_num_tokens(fb) is None
+    assert backend.get_fused_kv_write_buffers(fx.actual_module.attn, fb) is None  # hal writes the KV in forward
+    for why in (backend.glue_target_verify_metadata(), backend.glue_draft_metadata()):
+        assert isinstance(why, str) and "host" in why  # a reason: SGLang logs it and keeps the prep eager
+    backend.init_forward_metadata(fb)
+    ends = backend.resolve_prefill_shared_read_ends(fb, num_qo_tokens=7)
+    assert ends is backend.shared_read_ends(fb.forward_mode) and ends.name == "UNKNOWN"
+    assert backend.resolve_prefill_shared_read_ends(fb, num_qo_tokens=7, build_snapshot=False).name == "UNKNOWN"
+    out = kit.dense.run_dense_fixture_eager(fx)  # and the step still computes
+    torch.testing.assert_close(out, kit.dense.expected_dense_fixture_output(fx), atol=1e-5, rtol=1e-5)
+
+
 def test_hal_refuses_sglangs_unserved_modes_on_its_own_batches_too():
     assert hal.ForwardMode.DRAFT_EXTEND_V2 is hal.ForwardMode.DRAFT_EXTEND
     assert hal.ForwardMode.SPLIT_PREFILL.is_extend() and hal.ForwardMode.SPLIT_PREFILL.refusal() is None
@@ -451,10 +550,12 @@ def test_sglangs_support_triton_follows_the_hal_backend_built_under_the_name(kit
 
     import hal.integrations.sglang as hal_sglang
 
+    # SGLang's own answers for its own names (0.5.23 also asks the platform: no Triton on the CPU platform)
+    own = {name: common.support_triton(name) for name in ("triton", "torch_native")}
     hal_sglang.sglang_plugin()
     HookRegistry.apply_hooks()
     for module in (common, forward_batch_info):
-        assert module.support_triton("triton") and not module.support_triton("torch_native")  # SGLang's own
+        assert {name: module.support_triton(name) for name in own} == own and not own["torch_native"]
     factory = hal_sglang.register("hal_gating_test")
     assert common.support_triton("hal_gating_test") is False  # nothing built under the name yet
     built = factory(_fixture(kit).runner)

@@ -32,9 +32,9 @@ try:
     from sglang.srt.layers.attention.base_attn_backend import AttentionBackend as _SGLangAttentionBackend
 except ImportError as _exc:  # not installed, or installed without what its import chain needs
     raise MissingDependencyError(
-        "hal.integrations.sglang needs SGLang (tested with sglang==0.5.21): "
+        "hal.integrations.sglang needs SGLang (tested with sglang 0.5.21 to 0.5.23): "
         f"importing it failed with {type(_exc).__name__}: {_exc}. Install SGLang, or on a CPU-only machine "
-        "`pip install --no-deps sglang==0.5.21` plus hal's `sglang` extra (see docs/sglang.md)."
+        "`pip install --no-deps sglang==0.5.23` plus hal's `sglang` extra (see docs/sglang.md)."
     ) from _exc
 
 try:
@@ -44,11 +44,39 @@ except ImportError:  # SGLang before 0.5.21: nobody asks shared_read_ends
 
 import torch  # noqa: E402  (after the SGLang guard: its error is the one to see)
 
+# The SGLang releases hal supports and tests (tox -e sglang-0.5.21 / sglang): the oldest, and the newest plus one
+# excluded. pyproject.toml's `sglang-gpu` extra declares the same range.
+SUPPORTED_SGLANG = ("0.5.21", "0.5.24")
+
+
+def _check_sglang_release() -> None:
+    """A ``UserWarning`` when the installed SGLang is outside :data:`SUPPORTED_SGLANG` (it may work: tox -e
+    sglang-latest tries the registry's newest; the integration was not tested there)."""
+    import importlib.metadata
+    import warnings
+
+    try:
+        from packaging.version import Version
+
+        installed = importlib.metadata.version("sglang")
+    except Exception:  # no packaging, or a source checkout without metadata: nothing to compare
+        return
+    low, high = SUPPORTED_SGLANG
+    if not Version(low) <= Version(installed) < Version(high):
+        warnings.warn(
+            f"hal.integrations.sglang is tested with SGLang >= {low}, < {high}; sglang {installed} is installed",
+            stacklevel=3,
+        )
+
+
+_check_sglang_release()
+
 import hal  # noqa: E402
 from hal.batch import REFUSED_MODES  # noqa: E402
 from hal.errors import ConfigError, UnsupportedError  # noqa: E402
 from hal.integrations.sglang_members import MEMBERS, sglang_members  # noqa: E402
 from hal.integrations.sglang_pools import serve_pool  # noqa: E402
+from hal.kernels.reference import kv_scales  # noqa: E402
 from hal.selection import HybridBackend  # noqa: E402
 
 __all__ = [
@@ -85,6 +113,20 @@ _DECLARED = (
     "supports_full_cuda_graph_chunked_prefix",
     "supports_ragged_verify_graph",
     "use_captured_forward_metadata_for_breakable_cuda_graph",
+)
+
+# SGLang 0.5.23's base-class members that HalAttnBackend answers itself (hal's core contract does not have them).
+SGLANG_0523_MEMBERS = (
+    "folds_encoder_swa_replay",
+    "get_fused_kv_write_buffers",
+    "glue_target_verify_metadata",
+    "glue_draft_metadata",
+    "prefill_cuda_graph_max_batch_size",
+    "skips_prefill_metadata_on_idle_dp_rank",
+    "prefill_cuda_graph_default_max_seq_len",
+    "dllm_attention",
+    "resolve_prefill_shared_read_ends",
+    "late_layer_num_tokens",
 )
 
 # name -> (hal backend, hal device) for names registered with register(); None: hal chooses.
@@ -144,6 +186,7 @@ def hal_layer(layer, mla: tuple[int, int] | None = None) -> hal.AttentionLayer:
         raise UnsupportedError(f"layer {layer.layer_id}: logit_capping_method {method!r}: hal caps with tanh")
     window = layer.sliding_window_size
     latent = mla is not None and (layer.tp_k_head_num, layer.head_dim, layer.v_head_dim) == (1, sum(mla), mla[0])
+    k_scale, v_scale = kv_scales(layer)  # SGLang's k_scale_float / v_scale_float (set by its fp8 KV quant method)
     return hal.AttentionLayer(
         layer_id=layer.layer_id,
         tp_q_head_num=layer.tp_q_head_num,
@@ -157,6 +200,8 @@ def hal_layer(layer, mla: tuple[int, int] | None = None) -> hal.AttentionLayer:
         attn_type=attn_type,
         kv_lora_rank=mla[0] if latent else 0,
         qk_rope_head_dim=mla[1] if latent else 0,
+        k_scale=k_scale,
+        v_scale=k_scale if latent else v_scale,  # MLA: the value is the key's latent, stored once
     )
 
 
@@ -202,6 +247,35 @@ def _has_sinks(model) -> bool:
     return any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules())
 
 
+def _pool_dtypes(model_runner, pool) -> tuple[torch.dtype, str | None]:
+    """``(model dtype, KV cache dtype name or None)`` of SGLang's pool. An fp8 pool (``--kv-cache-dtype
+    fp8_e4m3`` / ``fp8_e5m2``: ``dtype`` float8, ``store_dtype`` uint8 on SGLang's MHA pool, its buffers viewed as
+    float8 by ``get_key_buffer``) keeps the model's dtype for queries and outputs; hal's selection then asks each
+    backend whether it serves that KV dtype (``kv_cache_dtypes``). Refused (``UnsupportedError``): SGLang's
+    quantised pools that store scales beside the values (FP4, MXFP8: ``is_quantized_kv_cache``) and any other
+    dtype."""
+    from hal.kernels.reference import is_fp8
+    from hal.kv_cache import KV_CACHE_DTYPES, kv_cache_dtype_name
+
+    kv = pool.dtype
+    store = getattr(pool, "store_dtype", kv)
+    if getattr(pool, "is_quantized_kv_cache", False) or (store != kv and not (is_fp8(kv) and store == torch.uint8)):
+        raise UnsupportedError(
+            f"{type(pool).__name__}: KV cache dtype {kv} stored as {store} with per-block scales: hal serves "
+            f"{sorted(KV_CACHE_DTYPES)} caches (fp8 with a per-layer k_scale / v_scale)"
+        )
+    if not is_fp8(kv):
+        if kv not in KV_CACHE_DTYPES.values():
+            raise UnsupportedError(f"KV cache dtype {kv}: hal serves {sorted(KV_CACHE_DTYPES)}")
+        return kv, None
+    model = getattr(model_runner, "dtype", None)
+    if not isinstance(model, torch.dtype):
+        model = getattr(model_runner.model_config, "dtype", None)
+    if not isinstance(model, torch.dtype) or is_fp8(model):
+        raise ConfigError(f"an fp8 KV cache ({kv}) needs the model's dtype from the runner; got {model!r}")
+    return model, kv_cache_dtype_name(kv)
+
+
 def attention_config(model_runner) -> hal.AttentionConfig:
     """The ``AttentionConfig`` of the model a runner serves: shape from its KV pool and model config
     (SGLang's ``MLATokenToKVPool``: latent MLA, :func:`mla_dims`), per-layer window / cap / causality from
@@ -214,11 +288,7 @@ def attention_config(model_runner) -> hal.AttentionConfig:
     layout = getattr(pool, "kv_cache_layout", "nhd")
     if layout != "nhd":
         raise UnsupportedError(f"KV cache layout {layout!r}: hal reads [slots, kv_heads, head_dim] (nhd) buffers")
-    store = getattr(pool, "store_dtype", pool.dtype)
-    if store != pool.dtype or pool.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise UnsupportedError(
-            f"KV cache dtype {pool.dtype} (stored as {store}): hal serves fp32 / bf16 / fp16 caches in the model dtype"
-        )
+    dtype, kv_cache_dtype = _pool_dtypes(model_runner, pool)
     mla = mla_dims(pool)
     layers = tuple(hal_layer(m, mla) for m in _radix_layers(model))
     if mla is not None:
@@ -230,7 +300,8 @@ def attention_config(model_runner) -> hal.AttentionConfig:
     if window is None:
         window = getattr(model_config, "sliding_window_size", None)
     common = dict(
-        dtype=pool.dtype,
+        dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
         page_size=pool.page_size,
         custom_mask=_speculative(model_runner),
         graph=_uses_graphs(model_runner),
@@ -468,6 +539,57 @@ class HalAttnBackend(_SGLangAttentionBackend):
 
     def get_verify_buffers_to_fill_after_draft(self) -> list:  # SGLang before 0.5.21 asks this instead
         return self.hal_backend.get_verify_buffers_to_fill_after_draft()
+
+    # ======================================================================================= SGLang 0.5.23
+    # SGLang 0.5.23's additions to its base class (python/sglang/srt/layers/attention/base_attn_backend.py),
+    # answered here, not in hal's core contract: each is a question one of SGLang's runners asks the backend
+    # object. The names are SGLANG_0523_MEMBERS. (0.5.23 also dropped prepare_prefill_shared_read_snapshot,
+    # which stays above for 0.5.21's runners.) ForwardBatch's new fields need nothing from hal:
+    # ``kv_loc_plan`` / ``out_cache_loc_is_physical`` (KVLocPlan.bind) translate slots only under the unified
+    # pool, which __init__ refuses, so ``out_cache_loc`` is the pool's own slot ids; ``max_seq_len_host`` and
+    # ``contains_last_prefill_chunk`` are read through SGLangBatch by whoever wants them (hal reads seq_lens_cpu).
+
+    # DeepSeek-V4.1's encoder sliding-window replay folded into the extend (managers/tp_worker.py): hal serves
+    # no DSV4 attention, so SGLang replays the window before the extend, as for every other backend.
+    folds_encoder_swa_replay: bool = False
+    # Prefill CUDA graphs (model_executor/runner/prefill_cuda_graph_runner.py): hal captures no prefill
+    # metadata for breakable graphs (use_captured_forward_metadata_for_breakable_cuda_graph is False), so no
+    # bound on the requests one replay carries; its graph buffers cover req_to_token's whole width, so no
+    # context limit of its own; and an idle DP rank still prepares metadata (hal's forward reads it).
+    prefill_cuda_graph_max_batch_size: int | None = None
+    prefill_cuda_graph_default_max_seq_len: int | None = None
+    skips_prefill_metadata_on_idle_dp_rank: bool = False
+    # Diffusion LLM attention (the graph runners' dllm hooks): hal refuses DLLM_EXTEND (hal.batch.REFUSED_MODES).
+    dllm_attention = None
+
+    def get_fused_kv_write_buffers(self, layer, forward_batch):
+        """None: no fused writer. SGLang's models that fuse RoPE with the KV write (models/mimo_v2.py) then write
+        through the attention call as usual; hal writes the KV itself in ``forward`` (quantising fp8 with the
+        layer's scales, in one call with the attention on the CPU) and takes no ``k=None`` call."""
+        return None
+
+    def glue_target_verify_metadata(self) -> str:
+        """Why the target-verify metadata prep may not be captured into SGLang's glue graph (DSpark,
+        decode_cuda_graph_runner.py): hal's ``init_forward_metadata_out_graph`` reads the batch's host lengths
+        (``needs_cpu_seq_lens``); only ``init_forward_metadata_in_graph`` is recordable."""
+        return "hal prepares verify metadata from host sequence lengths, outside the graph (out_graph)"
+
+    def glue_draft_metadata(self) -> str:
+        """Why the draft metadata prep may not be glued: hal is no draft backend (SGLang's multi-step draft
+        decode needs one) and its out-of-graph prep reads host lengths."""
+        return "hal is not a multi-step draft backend; its metadata prep reads host sequence lengths"
+
+    def resolve_prefill_shared_read_ends(self, forward_batch, *, num_qo_tokens: int, build_snapshot: bool = True):
+        """The prefill's read end SGLang may publish (eager_runner.py, prefill_cuda_graph_runner.py): hal's
+        backends declare none earlier than the whole forward (``shared_read_ends``: UNKNOWN in every mode), so
+        there is nothing to snapshot, whatever SGLang's WAR-barrier switches say."""
+        return self.shared_read_ends(forward_batch.forward_mode)
+
+    def late_layer_num_tokens(self, forward_batch) -> int | None:
+        """None: no late-layer row switch (DeepSeek-V4.1's decoder SWA bounded replay, forward_batch_info.py)."""
+        return None
+
+    # ======================================================================================= end SGLang 0.5.23
 
     # -- forward -----------------------------------------------------------------------
     def _call(self, method: str, q, k, v, layer, forward_batch, save_kv_cache: bool, kwargs: dict):
