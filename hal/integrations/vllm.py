@@ -153,6 +153,7 @@ class HalMetadataBuilder(AttentionMetadataBuilder[HalAttentionMetadata]):
         model = vllm_config.model_config
         cache_dtype = hal_kv_cache_dtype(vllm_config.cache_config.cache_dtype)
         self.block_size = kv_cache_spec.block_size
+        self.attn_layers = attn_layers
         self.layers = {
             name: impl.hal_layer(layer_id_of(name), attn_layers[name], causal=True) for name, impl in impls.items()
         }
@@ -175,6 +176,7 @@ class HalMetadataBuilder(AttentionMetadataBuilder[HalAttentionMetadata]):
                 f"is on {device}: set HAL_DEVICE to a device of vLLM's"
             )
         self.hal_backend = self.selection.create()
+        self.bound = False
         kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype_name]
         self.pool = VllmKVPool(self.block_size, kv_dtype, device, first.head_size, first.head_size_v)
         max_blocks = -(-model.max_model_len // self.block_size)
@@ -196,11 +198,22 @@ class HalMetadataBuilder(AttentionMetadataBuilder[HalAttentionMetadata]):
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
     ) -> HalAttentionMetadata:
         step = self.translator.translate(common_attn_metadata)
+        if not self.bound:
+            self._bind_caches()
         layers = self.layers
         if not _is_causal(step.causal):
             layers = self._non_causal()
         self.hal_backend.init_forward_metadata(step)
         return HalAttentionMetadata(step, self.hal_backend, layers, step.num_tokens)
+
+    def _bind_caches(self) -> None:
+        """Serve each layer from its cache tensor (vLLM binds them after making the builders); layers forward
+        rebinds when vLLM hands another tensor."""
+        for name, layer in self.attn_layers.items():
+            cache = getattr(layer, "kv_cache", None)
+            if isinstance(cache, torch.Tensor) and cache.dim() == 4:
+                self.pool.bind(self.layers[name].layer_id, cache)
+        self.bound = True
 
     def _non_causal(self) -> dict[str, hal.AttentionLayer]:
         if self.non_causal_layers is None:

@@ -135,6 +135,11 @@ class VllmKVPool:
         )
         self._tensors[layer_id], self._views[layer_id] = kv_cache, (k, v)
 
+    @property
+    def start_layer(self) -> int:
+        """The lowest bound layer id (hal's full validation reads the slot count there)."""
+        return min(self._views, default=0)
+
     def _layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         views = self._views.get(layer_id)
         if views is None:
