@@ -427,8 +427,6 @@ class _HalMlaRefusal(_VllmBackend):
     """Registered over vLLM's CPU MLA backends with ``HAL_VLLM=1``: an MLA model is refused when vLLM builds
     it, by name, instead of running on a backend the user did not ask for."""
 
-    _name = ""
-
     @classmethod
     def is_mla(cls) -> bool:
         return True
