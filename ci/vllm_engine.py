@@ -91,7 +91,8 @@ def run_in_subprocess(
     timeout: float = 1500,
 ) -> dict:
     """:func:`run` in a fresh Python (vLLM's CPU engine spawns its own processes) with ``attention``'s environment
-    plus ``env``; returns its JSON with ``log`` (the engine's output). Raises with the log's tail on failure."""
+        plus ``env``; returns its JSON with ``log`` (the engine's output). Raises ``RuntimeError`` on failure (its
+    ``log`` attribute: the engine's output)."""
     tag = f"{attention}-{abs(hash((model, json.dumps(env or {}, sort_keys=True)))) % 10**8}"
     spec, out = os.path.join(workdir, f"{tag}-workload.json"), os.path.join(workdir, f"{tag}-out.json")
     with open(spec, "w") as f:
@@ -106,7 +107,9 @@ def run_in_subprocess(
     )
     log = done.stdout + done.stderr
     if done.returncode != 0:
-        raise RuntimeError(f"vLLM engine ({attention}) failed with {done.returncode}:\n{log[-6000:]}")
+        error = RuntimeError(f"vLLM engine ({attention}) failed with {done.returncode}:\n{log[-6000:]}")
+        error.log = log  # the whole engine output: a refusal raised in a worker is far from the tail
+        raise error
     with open(out) as f:
         result = json.load(f)
     result["log"] = log

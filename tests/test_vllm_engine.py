@@ -160,8 +160,9 @@ def test_mla_model_is_refused_at_start(tmp_path):
         str(tmp_path / "deepseek"), arch="deepseek", layers=2, hidden=64, heads=4, vocab_size=vllm_model.VOCAB
     )
     one = [[{"prompt_token_ids": [7, 8, 9], "max_tokens": 2}]]
-    with pytest.raises(RuntimeError, match="hal does not serve vLLM's MLA attention"):
+    with pytest.raises(RuntimeError) as failed:
         vllm_engine.run_in_subprocess(path, "hal", one, str(tmp_path), timeout=900)
+    assert "hal does not serve vLLM's MLA attention" in failed.value.log, failed.value.log[-3000:]
 
 
 def _free_port() -> int:
