@@ -26,6 +26,7 @@ import torch
 import hal
 from hal.errors import InvalidBatchError, KVCacheError, UnsupportedError
 from hal.integrations.vllm_steps import StepTranslator, VllmKVPool, kv_views, step_mode, vllm_layer
+from hal.kernels.reference import dequantize_kv, quantize_kv
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -136,9 +137,11 @@ class SimulatedEngine:
     """vLLM's side of a few steps: a block allocator (block 0 is the null block), per-request block tables, the
     step's metadata, and every token's q/k/v (so dense attention can be computed independently)."""
 
-    def __init__(self, *, block_size=16, num_blocks=40, heads=4, kv_heads=2, head_dim=32, max_reqs=8, seed=0):
+    def __init__(
+        self, *, block_size=16, num_blocks=40, heads=4, kv_heads=2, head_dim=32, max_reqs=8, seed=0, fp8=False
+    ):
         self.block_size, self.heads, self.kv_heads, self.head_dim = block_size, heads, kv_heads, head_dim
-        self.cache = _vllm_cache(num_blocks, kv_heads, block_size, head_dim)
+        self.cache = _vllm_cache(num_blocks, kv_heads, block_size, head_dim, torch.uint8 if fp8 else torch.float32)
         self.free = list(range(1, num_blocks))
         random.Random(seed).shuffle(self.free)
         self.gen = torch.Generator().manual_seed(seed)
@@ -199,6 +202,10 @@ class SimulatedEngine:
         group = self.heads // self.kv_heads
         for req, n in schedule:
             q, k, v = (t.double() for t in self.qkv[req])
+            if self.cache.dtype == torch.uint8:  # what an fp8 cache holds: the keys and values quantised
+                k, v = (
+                    dequantize_kv(quantize_kv(t, torch.float8_e4m3fn, s), s).double() for t, s in ((k, 0.5), (v, 2.0))
+                )
             total = q.shape[0]
             for p in range(total - n, total):
                 lo = 0 if layer.sliding_window_size < 0 else max(0, p - layer.sliding_window_size)
@@ -223,16 +230,20 @@ STEPS = [
 
 
 @pytest.mark.parametrize(
-    "window, cap", [(None, None), (24, 30.0)], ids=["full", "window+softcap"]
+    "window, cap, fp8", [(None, None, False), (24, 30.0, False), (None, None, True)], ids=["full", "window+cap", "fp8"]
 )  # vLLM's sliding_window counts the query's own key
-def test_translated_steps_equal_dense_attention(window, cap):
-    engine = SimulatedEngine()
+def test_translated_steps_equal_dense_attention(window, cap, fp8):
+    engine = SimulatedEngine(fp8=fp8)
+    scales = {"k_scale": 0.5, "v_scale": 2.0} if fp8 else {}
     layer = vllm_layer(
-        7, engine.heads, engine.kv_heads, engine.head_dim, 0.2, sliding_window=window, logits_soft_cap=cap
+        7, engine.heads, engine.kv_heads, engine.head_dim, 0.2, sliding_window=window, logits_soft_cap=cap, **scales
     )
-    config = hal.AttentionConfig.from_layers([layer], dtype=torch.float32, page_size=engine.block_size)
+    kv_dtype = torch.float8_e4m3fn if fp8 else torch.float32
+    config = hal.AttentionConfig.from_layers(
+        [layer], dtype=torch.float32, page_size=engine.block_size, kv_cache_dtype=kv_dtype
+    )
     backend = hal.select(config, device="cpu").create(validate="full")
-    pool = VllmKVPool(engine.block_size, torch.float32, "cpu", engine.head_dim)
+    pool = VllmKVPool(engine.block_size, kv_dtype, "cpu", engine.head_dim)
     translator = StepTranslator(pool, engine.block_size, engine.max_reqs, engine.max_blocks)
     modes = []
     for i, schedule in enumerate(STEPS):
@@ -248,9 +259,11 @@ def test_translated_steps_equal_dense_attention(window, cap):
         torch.testing.assert_close(out, engine.dense(schedule, layer), atol=2e-5, rtol=2e-5)
     assert modes == ["MIXED", "MIXED", "DECODE", "MIXED", "EXTEND"]
     # the keys went into vLLM's tensor where vLLM's slot mapping said
-    k0 = engine.qkv[0][1]
-    first = engine.blocks[0][0]
-    assert torch.equal(engine.cache[first, :, 3, : engine.head_dim], k0[3])
+    k0 = engine.qkv[0][1][3]
+    stored = engine.cache[engine.blocks[0][0], :, 3, : engine.head_dim]
+    if fp8:
+        k0 = quantize_kv(k0, kv_dtype, 0.5).view(torch.uint8)
+    assert torch.equal(stored, k0)
 
 
 def test_req_to_token_rows_are_the_block_tables():
