@@ -164,7 +164,9 @@ class _NpuPagedPool:
 def test_npu_paged_pool_is_served_in_place(mode):
     """SGLang's NPU pool layout served by serve_pool: the forward reads and writes SGLang's own 4-D buffers."""
     requests = ((3, 1), (20, 1), (17, 1)) if mode.is_decode() else ((9, 5), (0, 3), (20, 11))
-    case = Case(f"sglang_npu_pool_{mode.name.lower()}", mode, requests, page_size=16, layer_num=2, start_layer=1, layer_id=2)
+    case = Case(
+        f"sglang_npu_pool_{mode.name.lower()}", mode, requests, page_size=16, layer_num=2, start_layer=1, layer_id=2
+    )
     built = build(case)
     sglang_pool = _NpuPagedPool(built.batch.token_to_kv_pool)
     served = serve_pool(sglang_pool)
