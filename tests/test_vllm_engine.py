@@ -7,9 +7,10 @@ load: prompts of 1 to 330 tokens queued beyond ``max_num_seqs`` (continuous batc
 batches, so steps mix decodes and prefill chunks), prefilled in chunks of 64 tokens over 32-token blocks, then
 prompts sharing a 150-token prefix (vLLM's prefix cache serves its first 128). Greedy tokens must be identical,
 and equal to transformers' ``generate``. Models: Llama; Gemma 2 (alternating sliding windows, soft-capped
-attention logits); the example device plugin (``HAL_DEVICE=toy``: examples/hal-device-example, which has no
-vLLM code) on the Llama; an MLA model refused at start; then vLLM's OpenAI server with hal answers the
-completions and chat endpoints over HTTP and is stopped by its process id.
+attention logits); gpt-oss (attention sinks, alternating 16-key windows, a tiny MoE); the example device plugin
+(``HAL_DEVICE=toy``: examples/hal-device-example, which has no vLLM code) on the Llama; an MLA model refused at
+start; then vLLM's OpenAI server with hal answers the completions and chat endpoints over HTTP and is stopped by
+its process id.
 
 Each engine runs in its own Python. About a minute per engine start on a loaded 2-core machine.
 """
@@ -66,7 +67,7 @@ def _workload(chat_ids: list[int]) -> list[list[dict]]:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
-    return {arch: vllm_model.build_model(str(root / arch), arch, seed=SEED) for arch in ("llama", "gemma2")}
+    return {arch: vllm_model.build_model(str(root / arch), arch, seed=SEED) for arch in ("llama", "gemma2", "gpt-oss")}
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +145,24 @@ def test_gemma2_windows_and_soft_cap(models, workload, tmp_path_factory):
     _assert_hal_served(hal_run)
     _assert_same(hal_run, ref_run, workload, "gemma2: hal vs CPU_ATTN")
     _assert_equals_transformers(models["gemma2"], workload, _outputs(hal_run))
+
+
+def test_gpt_oss_sinks(models, workload, tmp_path_factory):
+    """Attention sinks: gpt-oss hands every layer's per-head ``sinks`` to the backend (``AttentionImpl(sinks=)``);
+    vLLM 0.32's CPU engine runs it (``CPU_ATTN`` passes them to its kernel as ``s_aux``, the MoE runs on its CPU
+    experts), so hal is held to both references."""
+    from safetensors import safe_open
+
+    model = models["gpt-oss"]
+    with safe_open(os.path.join(model, "model.safetensors"), "pt") as f:
+        sinks = [k for k in f.keys() if k.endswith("self_attn.sinks")]
+    assert len(sinks) == vllm_model.SHAPES["layers"], sinks  # the model really has sinks in every layer
+    hal_run = _run(model, "hal", workload, tmp_path_factory)
+    ref_run = _run(model, "CPU_ATTN", workload, tmp_path_factory)
+    _assert_hal_served(hal_run)
+    _assert_same(hal_run, ref_run, workload, "gpt-oss: hal vs CPU_ATTN")
+    _assert_prefix_cache_hits(hal_run, workload)
+    _assert_equals_transformers(model, workload, _outputs(hal_run))
 
 
 def test_example_device_plugin_serves_vllm(models, workload, tmp_path_factory):
