@@ -23,6 +23,7 @@ import torch
 from hal.deprecation import warn_renamed
 from hal.errors import ConfigError
 from hal.modes import device_lens, host_lens
+from hal.validation import validation_level
 
 __all__ = ["Api1BatchNames", "adapt_api1_backend", "API1_NOTE"]
 
@@ -61,6 +62,8 @@ def adapt_api1_backend(cls: type) -> type:
 
     Its ``init_forward_metadata_out_graph`` may assign ``self.forward_metadata`` instead of calling
     ``set_forward_metadata(meta, forward_batch)``: the assignment is stamped for the step, with a warning.
+    0.1 had no ``check_batch`` (only hal's own batches, validated when built, reached a backend), so the
+    adapter runs it first: an engine's batch gets the backend's validation level as a 0.2 port gives it.
     An ``__init__(self, capability)`` without the config gets ``self.config`` set after it runs.
     """
     if cls.__dict__.get("_hal_api1_adapted"):
@@ -70,6 +73,7 @@ def adapt_api1_backend(cls: type) -> type:
     @functools.wraps(out_graph)
     def init_forward_metadata_out_graph(self, forward_batch, in_capture=False):
         step = self._step
+        self.check_batch(forward_batch)
         out_graph(self, forward_batch, in_capture)
         if self._step == step:  # nothing stamped: the 0.1 way, self.forward_metadata = meta
             warn_renamed(
@@ -85,13 +89,16 @@ def adapt_api1_backend(cls: type) -> type:
 
         @functools.wraps(init)
         def __init__(self, capability, config=None, **options):
+            validate = options.pop("validate", None)  # the base class's own option, not the backend's
             if options:
                 raise ConfigError(
-                    f"{cls.__name__} options {sorted(options)}: a plugin API 1 backend takes none "
-                    "(its __init__ takes the capability only); declare plugin_api = 2 once it is ported"
+                    f"{cls.__name__} options {sorted(options)}: a plugin API 1 backend takes only hal's "
+                    "validate= (its __init__ takes the capability only); declare plugin_api = 2 once it is ported"
                 )
             init(self, capability)
             self.config = config
+            if validate is not None:
+                self.validation = validation_level(validate)
 
         cls.__init__ = __init__
     cls._hal_api1_adapted = True

@@ -503,13 +503,6 @@ class DecodePositionOffByOne(Ported):
         return pos + 1 if fb.forward_mode.is_decode() else pos
 
 
-class OutputFloat32(Ported):
-    """Forgets to cast the output back to q's dtype."""
-
-    def output(self, out, layer, fb):
-        return super().output(out, layer, fb).float()
-
-
 class WriteLocFromSeqLens(Ported):
     """Writes the decode token at req_to_token[row, seq_len] (one past it) instead of out_cache_loc."""
 
@@ -669,7 +662,6 @@ MUTANTS: dict[str, type[Ported]] = {
         PaddingKeysVisible,
         ReqPoolIndicesIgnored,
         DecodePositionOffByOne,
-        OutputFloat32,
         WriteLocFromSeqLens,
         SoftmaxWithoutMax,
         CappedPathInCacheDtype,

@@ -1004,7 +1004,7 @@ def test_graph_replay_against_fake(fake_fi, case):
     backend = _cpu_backend()
     runner = GraphRunner(
         backend,
-        [built.layer, dataclasses.replace(built.layer, layer_id=0, sliding_window_size=3)],
+        [built.layer, dataclasses.replace(built.layer, layer_id=case.start_layer, sliding_window_size=3)],
         fb.req_to_token_pool,
         fb.token_to_kv_pool,
         make_graph=_RerunGraph,

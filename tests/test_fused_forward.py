@@ -7,6 +7,7 @@ backend whose fused and checked paths give different markers.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -214,3 +215,15 @@ def test_a_malformed_declaration_is_a_plugin_error_reason_not_a_crash_in_selecti
     assert "Typo.dtypes = 'bf16': expected a set of str" in _backend_problem(Typo)
     assert "Flag.supports_graph = 'yes': expected True or False" in _backend_problem(Flag)
     assert _backend_problem(Toy) is None
+
+
+def test_a_float32_result_is_cast_to_the_query_dtype_on_either_path(built):
+    """A port's ``forward_*`` may return float32 for bf16 queries: the base class casts it (``forward_output``).
+    Until 0.3.0 each port cast its own output, and the suite's mutant ``OutputFloat32`` forgot to; that class of
+    bug is now unreachable, so this test stands where the mutant stood."""
+    assert built.q.dtype == torch.bfloat16
+    for path, block in (("fused", contextlib.nullcontext), ("checked", fused_forward_disabled)):
+        backend = Toy()
+        with block():
+            out = _run(backend, built)
+        assert backend.calls == [path] and out.dtype == torch.bfloat16, (path, out.dtype)

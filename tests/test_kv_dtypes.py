@@ -108,6 +108,7 @@ SERVES_BY_NAME = {
     "devices/cuda/flashinfer_backend.py": "kv_cache_dtypes",
     "hal/conformance/cases_models.py": "fixed fp8 cases (a new row is drawn by --fuzz where declared)",
     "hal/conformance/features.py": "the fp8_kv feature's probe config",
+    "hal/integrations/vllm_steps.py": "vLLM's --kv-cache-dtype strings onto the table's names (an engine's vocabulary)",
 }
 
 

@@ -60,6 +60,7 @@ graph, whose replay re-runs the step and so reads the refreshed lists.
 
 from __future__ import annotations
 
+import math
 import types
 from dataclasses import dataclass, field
 
@@ -335,8 +336,9 @@ class AscendBackend(AscendRouting, NpuGraphTasks, AttentionBackend):
             self._graph_masks[key] = buf
         mask = self._build_mask(meta, key)
         rows = buf[: meta.num_tokens]
-        # cast as vllm-ascend's mask is (float16: float32's min becomes -inf; a Python float would overflow)
-        rows.fill_(torch.tensor(npu_ops.splitfuse_mask_value(meta.dtype)).to(meta.dtype))
+        # as vllm-ascend casts its mask (float16: float32's min becomes -inf; fill_ refuses a value out of range)
+        value = npu_ops.splitfuse_mask_value(meta.dtype)
+        rows.fill_(value if abs(value) <= torch.finfo(meta.dtype).max else math.copysign(math.inf, value))
         rows[:, : mask.shape[1]].copy_(mask)
         return rows
 

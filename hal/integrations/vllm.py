@@ -59,6 +59,7 @@ import torch  # noqa: E402
 import hal  # noqa: E402
 from hal.errors import ConfigError, UnsupportedError  # noqa: E402
 from hal.integrations.vllm_steps import (  # noqa: E402
+    VLLM_KV_CACHE_DTYPES,
     StepTranslator,
     VllmKVPool,
     VllmStep,
@@ -66,6 +67,7 @@ from hal.integrations.vllm_steps import (  # noqa: E402
     vllm_layer,
 )
 from hal.kv_cache import KV_CACHE_DTYPES  # noqa: E402
+from hal.kv_dtypes import kv_dtype  # noqa: E402
 
 __all__ = [
     "HalAttentionBackend",
@@ -285,7 +287,8 @@ class HalAttentionImpl(AttentionImpl[HalAttentionMetadata]):
 
     def hal_layer(self, layer_id: int, layer, causal: bool = True) -> hal.AttentionLayer:
         """hal's descriptor of this layer (``layer``: vLLM's ``Attention`` module, for its fp8 KV scales)."""
-        scaled = layer is not None and self.kv_cache_dtype.startswith("fp8")
+        hal_name = hal_kv_cache_dtype(self.kv_cache_dtype)
+        scaled = layer is not None and hal_name is not None and kv_dtype(hal_name).scaled
         return vllm_layer(
             layer_id,
             self.num_heads,
@@ -368,7 +371,7 @@ class HalAttentionBackend(_VllmBackend):
 
     forward_includes_kv_cache_update = True  # hal's forward writes the KV (one call on the CPU)
     supported_dtypes = [torch.float32, torch.bfloat16, torch.float16]
-    supported_kv_cache_dtypes = ["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"]
+    supported_kv_cache_dtypes = list(VLLM_KV_CACHE_DTYPES)
 
     @staticmethod
     def get_name() -> str:
