@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.abc
+import importlib.machinery
 import json
 import os
 import socket
@@ -38,14 +40,19 @@ ENGINE_DEFAULTS = {
 }
 
 
-def cpu_env(base: dict | None = None) -> dict:
+def cpu_env(base: dict | None = None, bypass=()) -> dict:
     """``base`` (default ``os.environ``) plus what SGLang's CPU engine needs; the stand-ins come after any
-    ``PYTHONPATH`` already set."""
-    env = dict(os.environ if base is None else base)
+    ``PYTHONPATH`` already set. ``bypass``: names of :data:`BYPASSES` (tests only), applied in every process of
+    the engine (:func:`bypass_env`)."""
+    env = {k: v for k, v in (os.environ if base is None else base).items() if k != BYPASS_ENV}
     env["SGLANG_USE_CPU_ENGINE"] = "1"
-    path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != BYPASS_PATH]
     if STUBS not in path:
-        env["PYTHONPATH"] = os.pathsep.join([*path, STUBS])
+        path.append(STUBS)
+    if bypass:
+        env.update(bypass_env(bypass))
+        path.insert(0, BYPASS_PATH)
+    env["PYTHONPATH"] = os.pathsep.join(path)
     return env
 
 
@@ -83,29 +90,96 @@ async def _one(engine, request: dict, t0: float) -> dict:
     }
 
 
-def bypass_gpt_oss_allow_list() -> None:
+def bypass_gpt_oss_allow_list(model_hook) -> None:
     """FOR TESTS ONLY, NOT A PRODUCT: lift the one SGLang line that stops gpt-oss on hal, nothing else.
 
-    SGLang's ``handle_model_specific_adjustments`` (``srt/arg_groups/model_hook.py``: the ``assert`` at line 498 of
-    0.5.21, line 536 of 0.5.23, over the list just above it) asserts that a ``GptOssForCausalLM`` runs on a backend
-    *named* ``triton``,
-    ``trtllm_mha``, ``fa3``, ``fa4``, ``ascend``, ``intel_amx``, ``intel_xpu`` or ``aiter``. That assertion is the
-    only reader of ``model_hook.attention_backends_of`` for gpt-oss, so answering ``("triton", "triton")`` there
-    (and nowhere else: the engine's runner, registry, hooks and hal still see ``hal``) bypasses exactly it."""
-    from sglang.srt.arg_groups import model_hook
-
+    SGLang's ``handle_model_specific_adjustments`` (``srt/arg_groups/model_hook.py``, the module given: the
+    ``assert`` at line 498 of 0.5.21, line 536 of 0.5.23, over the list just above it) asserts that a
+    ``GptOssForCausalLM`` runs on a backend *named* ``triton``, ``trtllm_mha``, ``fa3``, ``fa4``, ``ascend``,
+    ``intel_amx``, ``intel_xpu`` or ``aiter``. That assertion is the only reader of
+    ``model_hook.attention_backends_of`` for gpt-oss, so answering ``("triton", "triton")`` there (and nowhere
+    else: the engine's runner, registry, hooks and hal still see ``hal``) bypasses exactly it."""
     model_hook.attention_backends_of = lambda view: ("triton", "triton")
 
 
-def run(
-    model: str, backend: str, requests: list[dict], extra: dict | None = None, *, gpt_oss_bypass: bool = False
-) -> dict:
-    """Start an engine, serve ``requests`` as they arrive, shut it down. Returns the results and timings.
-    ``gpt_oss_bypass``: :func:`bypass_gpt_oss_allow_list` first (tests only)."""
-    import sglang
+def bypass_cpu_fp8_kv_refusal(configurator) -> None:
+    """FOR TESTS ONLY, NOT A PRODUCT: lift the one SGLang check that stops an fp8_e4m3 KV cache on the CPU engine
+    for any backend but ``intel_amx``, nothing else.
 
-    if gpt_oss_bypass:
-        bypass_gpt_oss_allow_list()
+    ``KVCacheConfigurator.configure`` (``srt/mem_cache/kv_cache_configurator.py``, the module given: 0.5.21 lines
+    353-362, 0.5.23 lines 459-467) refuses a CPU fp8_e4m3 cache unless ``cpu_has_amx_support()`` and the
+    configured attention backends (``attention_backends()``) are exactly ``{"intel_amx"}``: a decision by name,
+    for ``intel_amx``'s own fp8 kernels. Here those two calls answer ``True`` / ``("intel_amx",)`` *only when
+    called from that method* (the caller's frame is checked); every other caller (SGLang's pool and its
+    ``cpu_fp8_e4m3`` quant method, the runner, the registry, hal) still sees the real machine and ``hal``. The
+    MLA refusal in the same block is kept."""
+    check = configurator.KVCacheConfigurator.configure.__code__
+    real_amx, real_backends = configurator.cpu_has_amx_support, configurator.attention_backends
+
+    def from_the_check() -> bool:
+        return sys._getframe(2).f_code is check  # 0: here, 1: the stand-in below, 2: its caller
+
+    configurator.cpu_has_amx_support = lambda *a, **k: True if from_the_check() else real_amx(*a, **k)
+    configurator.attention_backends = lambda *a, **k: ("intel_amx",) if from_the_check() else real_backends(*a, **k)
+
+
+# The test-only bypasses a run may ask for, by name: the SGLang module each patches and how.
+BYPASSES = {
+    "gpt-oss-allow-list": ("sglang.srt.arg_groups.model_hook", bypass_gpt_oss_allow_list),
+    "cpu-fp8-kv": ("sglang.srt.mem_cache.kv_cache_configurator", bypass_cpu_fp8_kv_refusal),
+}
+# SGLang's scheduler runs in processes it spawns: a bypass reaches them through the environment, applied by
+# ci/sglang_bypass/sitecustomize.py in every Python started with that folder on PYTHONPATH.
+BYPASS_ENV = "HAL_SGLANG_TEST_BYPASS"
+BYPASS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_bypass")
+
+
+class _PatchAfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``patch(module)`` right after ``name`` is imported (the module's own code first)."""
+
+    def __init__(self, name: str, patch):
+        self.name, self.patch = name, patch
+
+    def find_spec(self, name, path, target=None):
+        if name != self.name:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return None
+        exec_module, patch = spec.loader.exec_module, self.patch
+
+        def exec_then_patch(module):
+            exec_module(module)
+            patch(module)
+
+        spec.loader.exec_module = exec_then_patch
+        return spec
+
+
+def install_bypasses(names) -> None:
+    """Apply the :data:`BYPASSES` ``names`` in this process: at once where the module is imported, else when it
+    is. Unknown names: ``KeyError``."""
+    for name in names:
+        module_name, patch = BYPASSES[name]
+        if module_name in sys.modules:
+            patch(sys.modules[module_name])
+        else:
+            sys.meta_path.insert(0, _PatchAfterImport(module_name, patch))
+
+
+def bypass_env(names) -> dict:
+    """The environment that applies the :data:`BYPASSES` ``names`` in a Python and in every process it starts."""
+    if not names:
+        return {}
+    unknown = sorted(set(names) - set(BYPASSES))
+    if unknown:
+        raise KeyError(f"unknown bypass {unknown}: expected some of {sorted(BYPASSES)}")
+    return {BYPASS_ENV: ",".join(names)}
+
+
+def run(model: str, backend: str, requests: list[dict], extra: dict | None = None) -> dict:
+    """Start an engine, serve ``requests`` as they arrive, shut it down. Returns the results and timings."""
+    import sglang
 
     started = time.perf_counter()
     engine = sglang.Engine(model_path=model, **engine_kwargs(backend, extra))
@@ -138,7 +212,7 @@ def run_in_subprocess(
     *,
     tag: str = "",
     env: dict | None = None,
-    gpt_oss_bypass: bool = False,
+    bypass: tuple[str, ...] = (),
 ) -> dict:
     """:func:`run` in a fresh Python with :func:`cpu_env` (SGLang reads its CPU switch at import) plus ``env``;
     ``tag`` names this run's files in ``workdir`` (several runs of one backend)."""
@@ -151,9 +225,7 @@ def run_in_subprocess(
     cmd += ["--requests", req_path, "--json", out_path]
     for key, value in (extra or {}).items():
         cmd += ["--engine-arg", f"{key}={json.dumps(value)}"]
-    if gpt_oss_bypass:
-        cmd.append("--bypass-gpt-oss-allow-list")
-    done = subprocess.run(cmd, env={**cpu_env(), **(env or {})}, capture_output=True, text=True)
+    done = subprocess.run(cmd, env=cpu_env({**os.environ, **(env or {})}, bypass), capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(
             f"engine run ({backend}) failed with {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
@@ -259,11 +331,6 @@ def main(argv=None) -> None:
     p.add_argument("--requests", required=True)
     p.add_argument("--json", required=True)
     p.add_argument("--engine-arg", action="append", default=[], help="KEY=JSON_VALUE, an sglang.Engine argument")
-    p.add_argument(
-        "--bypass-gpt-oss-allow-list",
-        action="store_true",
-        help="tests only: lift SGLang's gpt-oss backend-name assertion (bypass_gpt_oss_allow_list)",
-    )
     args = parser.parse_args(argv)
     extra = {}
     for item in args.engine_arg:
@@ -271,7 +338,7 @@ def main(argv=None) -> None:
         extra[key] = json.loads(value)
     with open(args.requests) as f:
         requests = json.load(f)
-    out = run(args.model, args.backend, requests, extra, gpt_oss_bypass=args.bypass_gpt_oss_allow_list)
+    out = run(args.model, args.backend, requests, extra)
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1)
 

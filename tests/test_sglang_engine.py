@@ -14,9 +14,9 @@ gpt-oss: SGLang refuses any attention backend outside a list of names for it (on
 docs/sglang.md); the test checks that refusal, then serves gpt-oss on hal with only that assertion
 bypassed (``sglang_engine.bypass_gpt_oss_allow_list``, marked as a test-only bypass) against transformers.
 As deployments run it: tp 2 (and page size 16 where the release's paged allocator runs on the CPU)
-against ``torch_native`` at the same settings. fp8 KV caches are not run here: SGLang's CPU engine refuses
-them for every backend but ``intel_amx`` (docs/sglang.md); tests/test_sglang_integration.py serves SGLang's
-own fp8 pools against hal's fp8 reference.
+against ``torch_native`` at the same settings. An fp8_e4m3 KV cache (SGLang's CPU engine refuses it for every
+backend but ``intel_amx``: that one check bypassed, test-only, docs/sglang.md) against hal's fp8 reference in
+transformers.
 
 Each engine runs in its own Python (``ci/sglang_engine.py``), with ``SGLANG_USE_CPU_ENGINE=1`` and
 the stand-ins of ``ci/sglang_stubs``. A minute or two per engine start on a loaded 2-core machine.
@@ -268,6 +268,56 @@ def test_server_over_http(model, workload, engines, tokenizer, tmp_path):
     assert process.returncode is not None
 
 
+# ----------------------------------------------------------------------------- fp8 KV cache
+
+
+def _fp8_kv_attention(name: str):
+    """A transformers attention function whose K and V are what hal's KV-dtype table stores for ``name`` and reads
+    back (``hal.kv_dtypes.kv_dtype(name)``: quantise with the layer's scale, 1.0 for a checkpoint without scales
+    as SGLang defaults it, then dequantise), before transformers' own SDPA in fp32: hal's fp8 reference
+    (``hal.kernels.reference``: attention over the dequantised fp8 entries, queries and outputs in the model's
+    dtype) inside transformers' model. Re-quantising the cached past each step is exact (fp8 values round-trip)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    import hal
+
+    row = hal.kv_dtypes.kv_dtype(name)
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        key, value = (row.dequantize(row.quantize(x), dtype=x.dtype) for x in (key, value))
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    return attention
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3"])
+def test_fp8_kv_cache_on_hal_equals_hals_fp8_reference(model, workload, tmp_path, kv_cache_dtype):
+    """``--kv-cache-dtype fp8_e4m3`` in SGLang's CPU engine on hal (its ``cpu_fp8_e4m3`` pool: float8 entries,
+    the layers' scales, page size 16 where the release's paged allocator runs on the CPU), with prefix caching
+    and chunked prefill, against hal's fp8 reference in transformers (:func:`_fp8_kv_attention`): identical
+    greedy tokens, while the same model with an fp32 cache answers differently (the load is sensitive to fp8).
+
+    SGLang refuses an fp8 cache on the CPU engine for any backend but ``intel_amx`` (checked first); the run
+    bypasses only that check (TEST-ONLY: ``sglang_engine.bypass_cpu_fp8_kv_refusal``, docs/sglang.md).
+    fp8_e5m2 is refused earlier on the CPU (``kv_cache_dtype.py``) and not bypassed."""
+    from transformers import AttentionInterface
+
+    paged = {"page_size": 16} if sglang_engine.paged_allocator_runs_on_cpu() else {}
+    extra = {**ENGINE_ARGS, **paged, "kv_cache_dtype": kv_cache_dtype}
+    with pytest.raises(RuntimeError, match="CPU FP8 KV cache requires"):
+        sglang_engine.run_in_subprocess(model, "hal", workload[:1], str(tmp_path), extra, tag="refused")
+    run = sglang_engine.run_in_subprocess(model, "hal", workload, str(tmp_path), extra, bypass=("cpu-fp8-kv",))
+    assert run["engine_args"]["kv_cache_dtype"] == kv_cache_dtype
+    outputs = _outputs(run)
+    assert [len(o) for o in outputs] == [r["max_new_tokens"] for r in workload]
+    _assert_prefix_cache_hits(run)
+    name = f"hal_{kv_cache_dtype}_kv"
+    AttentionInterface.register(name, _fp8_kv_attention(kv_cache_dtype))
+    _assert_equals_transformers(model, workload, outputs, attn_implementation=name)
+    with pytest.raises(AssertionError):  # an fp32 cache gives other tokens: the comparison can tell
+        _assert_equals_transformers(model, workload, outputs)
+
+
 # ----------------------------------------------------------------------------- gpt-oss
 
 
@@ -284,7 +334,7 @@ def test_gpt_oss_on_hal_is_stopped_by_sglangs_allow_list_alone(workload, tmp_pat
     with pytest.raises(RuntimeError, match="GptOssForCausalLM requires one of .* attention backend"):
         sglang_engine.run_in_subprocess(path, "hal", requests, str(tmp_path), ENGINE_ARGS, tag="refused")
     run = sglang_engine.run_in_subprocess(
-        path, "hal", requests, str(tmp_path), ENGINE_ARGS, tag="bypassed", gpt_oss_bypass=True
+        path, "hal", requests, str(tmp_path), ENGINE_ARGS, tag="bypassed", bypass=("gpt-oss-allow-list",)
     )
     assert run["engine_args"]["attention_backend"] == "hal"
     assert [len(o) for o in _outputs(run)] == [r["max_new_tokens"] for r in requests]

@@ -240,14 +240,19 @@ def test_what_hal_does_not_compute_is_refused_with_a_hal_error(kit):
         hal_sglang.HalAttnBackend(types.SimpleNamespace(**{**vars(runner), "token_to_kv_pool": scaled}))
 
 
-def _fp8_fixture(kit, fp8_dtype, k_scale, v_scale, **kw):
+def _fp8_fixture(kit, fp8_dtype, k_scale, v_scale, cpu_quant_method=False, **kw):
     """A dense fixture whose runner holds SGLang's own fp8 ``MHATokenToKVPool`` (``dtype`` float8, stored as
     uint8), its prefix written by SGLang's ``set_kv_buffer`` with the layer's scales, and the layer carrying
-    them as SGLang's fp8 KV quant method sets them (``k_scale`` / ``v_scale`` tensors, ``*_scale_float``)."""
+    them as SGLang's fp8 KV quant method sets them (``k_scale`` / ``v_scale`` tensors, ``*_scale_float``).
+    ``cpu_quant_method``: the pool SGLang's CPU engine builds for fp8_e4m3 instead (its quant method
+    ``cpu_fp8_e4m3``: float8 buffers, stored as float8, no scale buffers; kv_cache_configurator.py
+    ``_build_mha_quant_method``)."""
     import types
 
+    from sglang.srt.layers.quantization.fp4_kv_cache_quant_method import get_kv_cache_quant_method
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
+    extra = {"quant_method": get_kv_cache_quant_method("cpu_fp8_e4m3")} if cpu_quant_method else {}
     fx = _fixture(kit, **kw)
     src, layer = fx.runner.token_to_kv_pool, fx.actual_module.attn
     layer.k_scale, layer.v_scale = torch.tensor(k_scale), torch.tensor(v_scale)
@@ -261,8 +266,10 @@ def _fp8_fixture(kit, fp8_dtype, k_scale, v_scale, **kw):
         layer_num=src.layer_num,
         device="cpu",
         enable_memory_saver=False,
+        **extra,
     )
-    assert pool.store_dtype == torch.uint8 and pool.get_key_buffer(0).dtype == fp8_dtype
+    assert pool.store_dtype == (fp8_dtype if cpu_quant_method else torch.uint8)
+    assert pool.get_key_buffer(0).dtype == fp8_dtype and pool.is_quantized_kv_cache == cpu_quant_method
     with torch.no_grad():  # the prefix: every slot the fp32 pool holds, quantised by SGLang
         used = torch.nonzero(src.get_key_buffer(0).abs().sum((1, 2))).flatten()
         k, v = src.get_key_buffer(0)[used].clone(), src.get_value_buffer(0)[used].clone()
@@ -272,19 +279,22 @@ def _fp8_fixture(kit, fp8_dtype, k_scale, v_scale, **kw):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("fp8_name", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("fp8_name", ["fp8_e4m3", "fp8_e5m2", "fp8_e4m3-cpu"])
 def test_sglangs_fp8_kv_pool_is_served_with_the_layers_scales(kit, fp8_name):
     """``--kv-cache-dtype fp8_*``: hal's torch backend reads and writes SGLang's fp8 pool in place, quantising the
     new tokens exactly as SGLang's ``set_kv_buffer`` does with the layer's ``k_scale`` / ``v_scale``, and
-    its output is hal's fp8 reference (``batch_attention`` over those fp8 entries)."""
+    its output is hal's fp8 reference (``batch_attention`` over those fp8 entries). ``-cpu``: the pool SGLang's
+    CPU engine builds (quant method ``cpu_fp8_e4m3``; its writes are that method's ``quantize_and_store``)."""
     import hal.integrations.sglang as hal_sglang
     from hal.kernels.reference import batch_attention
     from hal.kv_cache import KV_CACHE_DTYPES
 
-    fp8 = KV_CACHE_DTYPES[fp8_name]
-    fx, runner, pool, layer = _fp8_fixture(kit, fp8, 0.05, 0.08, mode_name="EXTEND", prefix=(3, 17), extend=(5, 2))
+    fp8 = KV_CACHE_DTYPES[fp8_name.removesuffix("-cpu")]
+    fx, runner, pool, layer = _fp8_fixture(
+        kit, fp8, 0.05, 0.08, fp8_name.endswith("-cpu"), mode_name="EXTEND", prefix=(3, 17), extend=(5, 2)
+    )
     backend = hal_sglang.HalAttnBackend(runner)
-    assert backend.config.kv_cache_dtype == fp8_name and backend.config.dtype == torch.float32
+    assert backend.config.kv_cache_dtype == fp8_name.removesuffix("-cpu") and backend.config.dtype == torch.float32
     fb = fx.forward_batch
     q, k, v = fx.actual_module.project_qkv(fx.input_hidden)
     twin = pool.k_buffer[0].clone(), pool.v_buffer[0].clone()
@@ -300,6 +310,22 @@ def test_sglangs_fp8_kv_pool_is_served_with_the_layers_scales(kit, fp8_name):
     assert (described.k_scale, described.v_scale) == (0.05, 0.08)
     expected = batch_attention(q, pool.get_key_buffer(0), pool.get_value_buffer(0), described, backend.hal_batch(fb))
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_an_fp8_pool_with_scales_beside_its_values_is_refused(kit):
+    """SGLang's MXFP8 pool stores float8 values *and* per-block scale buffers: served as the per-tensor fp8 pool it
+    would be read wrong, so it is refused; the same pool without the scale buffers (the CPU engine's
+    ``cpu_fp8_e4m3``) is served."""
+    import types
+
+    import hal.integrations.sglang as hal_sglang
+
+    _, runner, pool, _ = _fp8_fixture(kit, torch.float8_e4m3fn, 1.0, 1.0, cpu_quant_method=True)
+    hal_sglang.HalAttnBackend(runner)
+    blocked = types.SimpleNamespace(**vars(pool), get_key_buffer=pool.get_key_buffer, is_quantized_kv_cache=True)
+    blocked.k_scale_buffer = [torch.ones(pool.size, 1)]
+    with pytest.raises(hal.UnsupportedError, match="per-block scales"):
+        hal_sglang.HalAttnBackend(types.SimpleNamespace(**{**vars(runner), "token_to_kv_pool": blocked}))
 
 
 def test_sglangs_fp8_kv_pool_is_refused_with_the_reason_where_a_backend_has_no_fp8(kit, monkeypatch):

@@ -247,19 +247,30 @@ def _has_sinks(model) -> bool:
     return any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules())
 
 
+def _scales_beside_values(pool) -> str | None:
+    """The name of the first buffer of scales or dequantised copies SGLang's pool keeps beside its values (its
+    ``*_scale_buffer`` / ``dq_*_buffer`` attributes: FP4, MXFP8), or None where the values are all it stores."""
+    names = ("k_scale_buffer", "v_scale_buffer", "native_k_scale_buffer", "native_v_scale_buffer")
+    return next((n for n in (*names, "dq_k_buffer", "dq_v_buffer") if getattr(pool, n, None) is not None), None)
+
+
 def _pool_dtypes(model_runner, pool) -> tuple[torch.dtype, str | None]:
     """``(model dtype, KV cache dtype name or None)`` of SGLang's pool. An fp8 pool (``--kv-cache-dtype
     fp8_e4m3`` / ``fp8_e5m2``: ``dtype`` float8, ``store_dtype`` uint8 on SGLang's MHA pool, its buffers viewed as
     float8 by ``get_key_buffer``) keeps the model's dtype for queries and outputs; hal's selection then asks each
     backend whether it serves that KV dtype (``kv_cache_dtypes``). Refused (``UnsupportedError``): SGLang's
     quantised pools that store scales beside the values (FP4, MXFP8: ``is_quantized_kv_cache``) and any other
-    dtype."""
+    dtype. SGLang's CPU engine builds its fp8_e4m3 pool with a quant method (``cpu_fp8_e4m3``,
+    ``layers/quantization/fp4_kv_cache_quant_method.py`` ``CPUFP8KVCacheMethod``, 0.5.21 and 0.5.23) that is
+    "quantised" in name only: float8 buffers ``[slots, heads, dim]`` of the values divided by the layer's
+    per-tensor scale, no scale buffers, no dequantising read; that pool is served as the plain fp8 one."""
     from hal.kernels.reference import is_fp8
     from hal.kv_cache import KV_CACHE_DTYPES, kv_cache_dtype_name
 
     kv = pool.dtype
     store = getattr(pool, "store_dtype", kv)
-    if getattr(pool, "is_quantized_kv_cache", False) or (store != kv and not (is_fp8(kv) and store == torch.uint8)):
+    per_tensor_fp8 = is_fp8(kv) and store in (kv, torch.uint8) and _scales_beside_values(pool) is None
+    if not per_tensor_fp8 and (getattr(pool, "is_quantized_kv_cache", False) or store != kv):
         raise UnsupportedError(
             f"{type(pool).__name__}: KV cache dtype {kv} stored as {store} with per-block scales: hal serves "
             f"{sorted(KV_CACHE_DTYPES)} caches (fp8 with a per-layer k_scale / v_scale)"
