@@ -6,8 +6,10 @@
 disable_cuda_graph=True, grammar_backend="none", ...)`` in this process, submits the requests of
 ``REQ.json`` (a list of ``{"input_ids": [...], "max_new_tokens": n, "delay_s": t}``; each is sent
 ``delay_s`` after the start, so later requests arrive while earlier ones decode: SGLang's continuous
-batching), greedy with ``ignore_eos``, streaming, and writes per request its ``output_ids``, time to
-first token and end-to-end latency, plus SGLang's ``cached_tokens`` (prefix-cache hits), to ``OUT.json``.
+batching; with ``"after": i``, once request ``i`` has finished), greedy with ``ignore_eos``, streaming, and
+writes per request its ``output_ids``, time to first token and end-to-end latency, plus SGLang's
+``cached_tokens`` (prefix-cache hits) and, under speculative decoding, its verify steps and accepted drafts, to
+``OUT.json``.
 
 :func:`cpu_env` is the environment SGLang's CPU engine needs: ``SGLANG_USE_CPU_ENGINE=1`` (SGLang's
 ``is_cpu()``) and ``ci/sglang_stubs`` on ``PYTHONPATH`` (the torchvision and sgl_kernel stand-ins).
@@ -61,7 +63,10 @@ def engine_kwargs(backend: str, extra: dict | None = None) -> dict:
     return {**ENGINE_DEFAULTS, "attention_backend": backend, **(extra or {})}
 
 
-async def _one(engine, request: dict, t0: float) -> dict:
+async def _one(engine, request: dict, t0: float, done: list) -> dict:
+    """Serve one request: sent ``delay_s`` after ``t0``, or after request ``after`` (an index) has finished."""
+    if request.get("after") is not None:
+        await done[request["after"]].wait()
     await asyncio.sleep(max(0.0, t0 + request.get("delay_s", 0.0) - time.perf_counter()))
     sent = time.perf_counter()
     params = {"max_new_tokens": request["max_new_tokens"], "temperature": 0.0, "ignore_eos": True}
@@ -84,6 +89,9 @@ async def _one(engine, request: dict, t0: float) -> dict:
         "prompt_tokens": meta.get("prompt_tokens", len(request["input_ids"])),
         "completion_tokens": meta.get("completion_tokens", len(output_ids)),
         "cached_tokens": meta.get("cached_tokens", 0),
+        # speculative decoding: verify steps, and drafts the target accepted (SGLang's meta_info, 0.5.21 and 0.5.23)
+        "spec_verify_ct": meta.get("spec_verify_ct", 0),
+        "spec_num_correct_drafts": meta.get("spec_num_correct_drafts", 0),
         "sent_s": sent - t0,
         "ttft_s": (first or done) - sent,
         "latency_s": done - sent,
@@ -188,7 +196,14 @@ def run(model: str, backend: str, requests: list[dict], extra: dict | None = Non
 
         async def serve():
             t0 = time.perf_counter()
-            out = await asyncio.gather(*(_one(engine, r, t0) for r in requests))
+            done = [asyncio.Event() for _ in requests]
+
+            async def one(i, request):
+                result = await _one(engine, request, t0, done)
+                done[i].set()
+                return result
+
+            out = await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
             return out, time.perf_counter() - t0
 
         results, wall = asyncio.run(serve())

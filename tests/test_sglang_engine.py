@@ -318,6 +318,29 @@ def test_fp8_kv_cache_on_hal_equals_hals_fp8_reference(model, workload, tmp_path
         _assert_equals_transformers(model, workload, outputs)
 
 
+# ----------------------------------------------------------------------------- speculative decoding
+
+
+def test_ngram_speculative_decoding_on_hal_equals_transformers(model, workload, tmp_path):
+    """``speculative_algorithm="NGRAM"`` (SGLang's draft-model-free speculator: drafts from an n-gram corpus of the
+    requests' own tokens, verified as a tree) in SGLang's CPU engine on hal: hal serves the target's TARGET_VERIFY
+    steps (SGLang's CPU QLEN_ONLY tree masks, integration's ``_VerifyInput``), and greedy speculative decoding
+    must give exactly the non-speculative greedy tokens: transformers' ``generate`` (``torch_native`` cannot
+    verify; the tp-1 test shows it equal to transformers on this load). Some drafts must be accepted, so the
+    verify path really ran. SGLang's CPU-engine speculative ops come from sgl_kernel's CPU build, stood in for
+    here by ``ci/sglang_stubs`` (EAGLE / standalone drafts are not runnable on hal: docs/sglang.md)."""
+    extra = {**ENGINE_ARGS, "speculative_algorithm": "NGRAM"}
+    # A random model's text has no n-grams of its own to draft from: two prompts asked again once their first
+    # request has finished (its tokens are then in SGLang's corpus) give drafts the target accepts.
+    requests = workload + [{**workload[i], "delay_s": 0.0, "after": i} for i in (1, 4)]
+    run = sglang_engine.run_in_subprocess(model, "hal", requests, str(tmp_path), extra, tag="ngram")
+    outputs = _outputs(run)
+    assert [len(o) for o in outputs] == [r["max_new_tokens"] for r in requests]
+    assert sum(r["spec_verify_ct"] for r in run["results"]) > 0, run["results"]
+    assert sum(r["spec_num_correct_drafts"] for r in run["results"]) > 0, run["results"]
+    _assert_equals_transformers(model, requests, outputs)
+
+
 # ----------------------------------------------------------------------------- gpt-oss
 
 

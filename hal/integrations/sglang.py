@@ -353,7 +353,15 @@ class SGLangBatch:
     called directly, an eager one with ``init_forward_metadata``).
     """
 
-    __slots__ = ("batch", "forward_mode", "req_to_token_pool", "token_to_kv_pool", "graph_static", "out_cache_loc")
+    __slots__ = (
+        "batch",
+        "forward_mode",
+        "req_to_token_pool",
+        "token_to_kv_pool",
+        "graph_static",
+        "out_cache_loc",
+        "spec_info",
+    )
 
     def __init__(self, batch, req_to_token_pool, token_to_kv_pool, graph_static: bool):
         mode = batch.forward_mode
@@ -376,9 +384,51 @@ class SGLangBatch:
             if missing > 0:
                 loc = torch.nn.functional.pad(loc, (0, missing))
         self.out_cache_loc = loc
+        spec = getattr(batch, "spec_info", None)
+        self.spec_info = _VerifyInput.full_mask(batch, spec) if hal_mode.is_target_verify() else spec
 
     def __getattr__(self, name):
         return getattr(self.batch, name)
+
+
+class _VerifyInput:
+    """SGLang's verify input with hal's ``custom_mask`` layout, where SGLang's CPU engine sends its own.
+
+    SGLang's CPU engine builds speculative verify masks as ``QLEN_ONLY`` trees: per request only the
+    ``[draft, draft]`` block among the drafts, the prefix implied visible (``speculative/eagle_utils.py``
+    ``default_tree_mask_mode``: QLEN_ONLY where ``is_cpu()``; ``speculative/ngram_worker.py``: the full mask only
+    ``if USE_FULL_MASK and not _is_cpu``; SGLang 0.5.21 and 0.5.23), for ``intel_amx``'s kernel. hal's batch
+    protocol, like SGLang's GPU backends, takes the full ``[draft, seq_len + draft]`` rows: :meth:`full_mask`
+    prepends the ``seq_len`` ones once per step (host lengths, no device read). Every other field is SGLang's."""
+
+    __slots__ = ("spec", "custom_mask")
+
+    def __init__(self, spec, custom_mask: torch.Tensor):
+        self.spec, self.custom_mask = spec, custom_mask
+
+    def __getattr__(self, name):
+        return getattr(self.spec, name)
+
+    @classmethod
+    def full_mask(cls, batch, spec):
+        """``spec`` as is, or wrapped with the full mask when it carries SGLang's CPU ``QLEN_ONLY`` one
+        (SGLang's ``is_cpu()``, and exactly ``batch_size * draft * draft`` entries)."""
+        mask, draft = getattr(spec, "custom_mask", None), getattr(spec, "draft_token_num", None)
+        seq = getattr(batch, "seq_lens_cpu", None)
+        if not isinstance(mask, torch.Tensor) or not isinstance(draft, int) or seq is None or not _sglang_on_cpu():
+            return spec
+        seq = [int(n) for n in seq]
+        if mask.numel() != len(seq) * draft * draft or mask.numel() == sum(draft * (n + draft) for n in seq):
+            return spec
+        rows = mask.view(len(seq), draft, draft).bool()
+        ones = [torch.ones(draft, n, dtype=torch.bool, device=mask.device) for n in seq]
+        return cls(spec, torch.cat([torch.cat([o, r], 1).flatten() for o, r in zip(ones, rows)]))
+
+
+def _sglang_on_cpu() -> bool:
+    from sglang.srt.utils import is_cpu
+
+    return bool(is_cpu())
 
 
 # ----------------------------------------------------------------------------- the backend
