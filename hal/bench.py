@@ -54,6 +54,7 @@ BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
 PEER_SCRIPTS = {"sglang": BENCH_DIR / "sglang_peer.py", "vllm": BENCH_DIR / "vllm_peer.py"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 HEADS = {"tp_q_head_num": 32, "tp_k_head_num": 8, "head_dim": 128}
+DEFAULT_PAGE_SIZES = (1, 16, 128)
 
 
 _START = time.perf_counter()
@@ -182,8 +183,9 @@ WORKLOADS: dict[str, Callable[[bool, torch.dtype, int], list[Case]]] = {
 def workloads(
     quick: bool, names: list[str] | None = None, dtypes: list[str] | None = None, page_sizes: list[int] | None = None
 ) -> list[Case]:
-    """The cases to time. Decode runs at every page size asked for; the others at the first."""
-    page_sizes = page_sizes or [1, 16]
+    """The cases to time. Decode and extend run at every page size asked for (default 1, 16 and 128: hal's
+    common pages and vLLM's CPU default block, as its peer is timed at blocks 128 and 16); mixed at the first."""
+    page_sizes = page_sizes or list(DEFAULT_PAGE_SIZES)
     cases = []
     for name, make in WORKLOADS.items():
         if names and name not in names:
@@ -191,7 +193,7 @@ def workloads(
         for tag, dtype in DTYPES.items():
             if dtypes and tag not in dtypes:
                 continue
-            for ps in page_sizes if name == "decode" else page_sizes[:1]:
+            for ps in page_sizes if name in ("decode", "extend") else page_sizes[:1]:
                 suffix = f"_{tag}" + ("" if ps == 1 else f"_p{ps}")
                 cases += [replace(c, name=c.name + suffix) for c in make(quick, dtype, ps)]
     return cases

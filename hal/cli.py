@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         "metadata, host reads, per-layer forward time)",
     )
     p_bench.add_argument("--dtype", action="append", default=[], choices=["fp32", "bf16"], help="repeatable")
-    p_bench.add_argument("--page-size", action="append", default=[], type=int, help="repeatable (default 1 and 16)")
+    p_bench.add_argument("--page-size", action="append", default=[], type=int, help="repeatable (default 1, 16, 128)")
     p_bench.add_argument(
         "--threads", type=_int_list, help="torch thread counts to run at, e.g. 1,2 (per-core ratios and scaling)"
     )

@@ -3,8 +3,9 @@
 :func:`paged_attention` is the fused paged kernel: it reads K/V slots through
 ``req_to_token`` with no gathered copy, one task per (request, KV head) with the GQA
 group served together (decode, verify), or per (request, KV head, query tile) through
-matrix-sized ``at::mm`` tiles (extend). Its semantics are the reference's
-(``hal.kernels.reference.paged_attention``), float32 accumulation throughout.
+register-blocked tiles over K/V rows read in place (extend; ``at::mm`` on the plain-loops
+path). Its semantics are the reference's (``hal.kernels.reference.paged_attention``),
+float32 accumulation throughout.
 
 :func:`write_and_attend` is one layer's whole forward in one call (the ``torch``
 backend's hot path): the new tokens' K/V checked and written at their slots, then the
@@ -71,7 +72,7 @@ __all__ = [
 ]
 
 SOURCE = Path(__file__).with_name("attention.cpp")
-# Query rows (query tokens x GQA group) from which a request's queries go through at::mm tiles.
+# Query rows (query tokens x GQA group) from which a request's queries go through extend tiles.
 TILE_ROWS = 128
 
 # Flags that decide which code paths a CPU can take (from /proc/cpuinfo).

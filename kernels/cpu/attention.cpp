@@ -2,8 +2,8 @@
 //
 // One task per request (or per (request, KV head) when requests are few) for decode and verify
 // (every query row of the request and all query heads of the GQA group together; HAL_HEADS_PER_TASK
-// overrides the heads per task), or per (request, KV head, tile of queries) for extend (
-// matrix-sized tiles through at::mm). Keys are read in blocks straight from the pool through
+// overrides the heads per task), or per (request, KV head, tile of queries) for extend (register-
+// blocked micro-tiles over K/V rows read in place; AMX tiles where present; at::mm on plain loops). Keys are read in blocks straight from the pool through
 // req_to_token; each block is scored, masked, folded into an online softmax and multiplied
 // into the accumulators. Tasks are handed to the threads dynamically, largest first.
 //
@@ -69,13 +69,6 @@ inline float to_float(at::BFloat16 x) {
   return f;
 }
 
-inline float bits_to_float(uint16_t bf16_bits) {
-  const uint32_t u = uint32_t(bf16_bits) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
 #ifdef HAL_VEC
 constexpr int64_t kW = HAL_VEC;  // float lanes
 #if HAL_VEC == 16
@@ -103,6 +96,12 @@ inline vf vzero_where_neginf(vf x, vf y) { return _mm512_maskz_mov_ps(_mm512_cmp
 inline bool vany_nan(vf x) { return _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q) != 0; }
 inline float hsum(vf v) { return _mm512_reduce_add_ps(v); }
 inline float hmax(vf v) { return _mm512_reduce_max_ps(v); }
+// x where lo <= j < hi, else -inf (lane by lane)
+inline vf vvisible(vf j, vf lo, vf hi, vf x) {
+  const __mmask16 k = _mm512_cmp_ps_mask(j, lo, _CMP_GE_OQ) & _mm512_cmp_ps_mask(j, hi, _CMP_LT_OQ);
+  return _mm512_mask_mov_ps(vset(kNegInf), k, x);
+}
+inline vf vnan_or(vf acc, vf x) { return _mm512_mask_mov_ps(acc, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x); }
 #else
 using vf = __m256;
 inline vf vzero() { return _mm256_setzero_ps(); }
@@ -126,6 +125,10 @@ inline vf vpow2i(vf n) {
 }
 inline vf vzero_where_neginf(vf x, vf y) { return _mm256_and_ps(y, _mm256_cmp_ps(x, vset(kNegInf), _CMP_NEQ_OQ)); }
 inline bool vany_nan(vf x) { return _mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)) != 0; }
+inline vf vvisible(vf j, vf lo, vf hi, vf x) {
+  return _mm256_blendv_ps(vset(kNegInf), x, _mm256_and_ps(_mm256_cmp_ps(j, lo, _CMP_GE_OQ), _mm256_cmp_ps(j, hi, _CMP_LT_OQ)));
+}
+inline vf vnan_or(vf acc, vf x) { return _mm256_blendv_ps(acc, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q)); }
 inline float hsum(vf v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -877,146 +880,339 @@ void run_tile_amx(const Problem& P, const Task& task) {
 }
 #endif
 
+#ifdef HAL_VEC
+// ---- register-blocked extend tiles (AVX-512, AVX2) -----------------------------------------------
+// Scores are computed transposed, S^T [keys][rows]: each key's row is read in place from the pool and its
+// elements broadcast against Q^T [D][rows] (packed once per task), so no K is copied; the online softmax runs
+// down the key axis with one query row per lane (no horizontal reduction); P . V reads each V row in place and
+// broadcasts P^T's entries. With avx512_bf16 and a bf16 pool both products are bf16 dot products over pairs:
+// K's pairs broadcast against Q^T's pairs [D / 2][rows], P^T's pairs against V packed once per block into key
+// pairs [keys / 2][Dv]; every sum is float32.
+constexpr int kStKeys = kW == 16 ? 6 : 3;     // keys of an S^T micro-tile
+constexpr int kStVecs = kW == 16 ? 4 : 2;     // row vectors of an S^T micro-tile (MR x NV accumulators)
+constexpr int kPvRows = 4;                    // query rows of a P . V micro-tile
+constexpr int kPvVecs = kW == 16 ? 4 : 2;     // Dv vectors of a P . V micro-tile
+constexpr int64_t kTileRowsPad = kStVecs * kW;  // a tile's rows are padded to this (masked: never seen)
+constexpr int64_t kTileKeys = 128;            // keys per block
+constexpr int64_t kPvChunk = 64;              // keys per P . V pass (its V rows stay in L1)
+
+// st[m * ldr + r] = post * sum_d K[m][d] . qt[d * ldr + r]: MR keys (rows kp[m]) x NV vectors of rows.
+template <int MR, int NV, typename T>
+inline void st_tile(const T* const* kp, const float* qt, int64_t ldr, int64_t D, float* st) {
+  vf acc[MR][NV];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) acc[m][v] = vzero();
+  for (int64_t d = 0; d < D; ++d) {
+    vf x[NV];
+    for (int v = 0; v < NV; ++v) x[v] = vload(qt + d * ldr + v * kW);
+    for (int m = 0; m < MR; ++m) {
+      const vf a = vset(to_float(kp[m][d]));
+      for (int v = 0; v < NV; ++v) acc[m][v] = vfma(a, x[v], acc[m][v]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) vstore(st + m * ldr + v * kW, acc[m][v]);
+}
+
 #ifdef HAL_BF16DOT
-// ---- bf16 dot tile path (avx512_bf16 without AMX) ----------------------------------------------
-// C[MR x 16 NV] (+)= alpha * A . B over K2 pairs: A rows of bf16 pairs (uint32, row stride lda), B [K2 x N]
-// rows of bf16 pairs (each 32-bit lane: two consecutive k of one column n), by _mm512_dpbf16_ps.
-template <int MR, int NV>
-inline void dot_tile(const uint32_t* A, int64_t lda, const uint32_t* B, int64_t ldb, int64_t K2, float* C,
-                     int64_t ldc, float alpha, bool accumulate) {
+// The same over bf16 pairs: qt2 [D / 2][ldr] pairs of the rows' bf16 hi halves, with LO their lo halves at
+// qt2 + lo_off; the sums times post.
+template <int MR, int NV, bool LO>
+inline void st_tile_dot(const at::BFloat16* const* kp, const uint32_t* qt2, int64_t lo_off, int64_t ldr, int64_t D2,
+                        float* st, float post) {
   __m512 acc[MR][NV];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K2; ++k) {
-    __m512bh bv[NV];
-    for (int v = 0; v < NV; ++v) bv[v] = (__m512bh)_mm512_loadu_si512(B + k * ldb + 16 * v);
-    for (int m = 0; m < MR; ++m) {
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(int(A[m * lda + k]));
-      for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], a, bv[v]);
-    }
-  }
-  const __m512 f = _mm512_set1_ps(alpha);
-  for (int m = 0; m < MR; ++m) {
+  for (int64_t d = 0; d < D2; ++d) {
+    __m512bh x[NV], y[NV];
     for (int v = 0; v < NV; ++v) {
-      float* c = C + m * ldc + 16 * v;
-      __m512 x = _mm512_mul_ps(acc[m][v], f);
-      if (accumulate) x = _mm512_add_ps(x, _mm512_loadu_ps(c));
-      _mm512_storeu_ps(c, x);
+      x[v] = (__m512bh)_mm512_loadu_si512(qt2 + d * ldr + v * 16);
+      if constexpr (LO) y[v] = (__m512bh)_mm512_loadu_si512(qt2 + lo_off + d * ldr + v * 16);
+    }
+    for (int m = 0; m < MR; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, kp[m] + 2 * d, 4);
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      for (int v = 0; v < NV; ++v) {
+        acc[m][v] = _mm512_dpbf16_ps(acc[m][v], a, x[v]);
+        if constexpr (LO) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], a, y[v]);
+      }
     }
   }
+  const __m512 f = _mm512_set1_ps(post);
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(st + m * ldr + v * 16, _mm512_mul_ps(acc[m][v], f));
 }
 
-// C[M x N] (+)= alpha * A . B (dot_tile's operands); M % MR == 0, N % (16 NV) == 0.
+// acc[m * Dv + 16 v] += sum_j2 p2[j2 * ldr + m] . vpack[j2 * Dv + 16 v] over bf16 pairs (MR rows x NV vectors).
 template <int MR, int NV>
-void dot_gemm(int64_t M, int64_t N, int64_t K2, const uint32_t* A, int64_t lda, const uint32_t* B, int64_t ldb,
-              float* C, int64_t ldc, float alpha, bool accumulate) {
-  for (int64_t n0 = 0; n0 < N; n0 += 16 * NV)
-    for (int64_t m0 = 0; m0 < M; m0 += MR)
-      dot_tile<MR, NV>(A + m0 * lda, lda, B + n0, ldb, K2, C + m0 * ldc + n0, ldc, alpha, accumulate);
-}
-
-// float32 -> bf16 (round to nearest even) of n values, n % 16 == 0.
-inline void to_bf16(const float* x, int64_t n, uint16_t* y) {
-  for (int64_t i = 0; i < n; i += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
-}
-
-// The extend tile of run_tile for bf16 pools with D even and Dv % 16 == 0, both matmuls as bf16 dot products
-// with float32 sums: scores = q . K, then scaled; the probabilities rounded to bf16 for P . V (as a bf16 matmul
-// takes them). Queries not exact in bf16 (float32 queries over a bf16 pool) are split in bf16 hi + lo, and so
-// are the probabilities then: both products keep (nearly) float32 accuracy at twice the dots. Rows padded to 8,
-// keys of a block to 32 (zeros); each block's K is packed once into [D / 2][keys] pairs, V into [keys / 2][Dv].
-void run_tile_bf16dot(const Problem& P, const Task& task) {
-  const int64_t b = task.b, h = task.h, i0 = task.i0, nq = task.i1 - task.i0;
-  const int64_t R = nq * P.G, Rp = (R + 7) / 8 * 8, D = P.D, Dv = P.Dv, BK = kGemmBlock, D2 = D / 2;
-  const auto [qs, acc, s, m, l] = tile_state(R, Rp, D, Dv, BK);
-  thread_local std::vector<uint16_t> t_bf16;
-  const int64_t need = 2 * Rp * 2 * D2 + 2 * D2 * BK + 2 * Rp * BK + BK * Dv;
-  if (int64_t(t_bf16.size()) < need) t_bf16.resize(need);
-  uint16_t* qhi = t_bf16.data();
-  uint16_t* qlo = qhi + Rp * 2 * D2;
-  uint32_t* kpack = reinterpret_cast<uint32_t*>(qlo + Rp * 2 * D2);  // [D / 2][BK]
-  uint16_t* pb = reinterpret_cast<uint16_t*>(kpack + D2 * BK);        // [Rp][BK]
-  uint16_t* plo = pb + Rp * BK;                                       // [Rp][BK] (float32 queries only)
-  uint32_t* vpack = reinterpret_cast<uint32_t*>(plo + Rp * BK);       // [BK / 2][Dv]
-  std::vector<int64_t> lo(nq), hi(nq);
-  int64_t LO, HI;
-  start_task(P, task, R, lo.data(), hi.data(), LO, HI, qs, acc, m, l, false);
-  std::fill(acc + R * Dv, acc + Rp * Dv, 0.f);
-  std::fill(s, s + Rp * BK, 0.f);
-  bool qlo_any = false;
-  for (int64_t r = 0; r < Rp; ++r) {
-    for (int64_t d = 0; d < D; ++d) {
-      const float x = r < R ? qs[r * D + d] : 0.f;
-      const at::BFloat16 top(x);
-      const at::BFloat16 rest(x - to_float(top));
-      qhi[r * D + d] = top.x;
-      qlo[r * D + d] = rest.x;
-      qlo_any |= (rest.x & 0x7fff) != 0;
+inline void pv_tile_dot(const uint32_t* p2, int64_t ldr, const uint32_t* vpack, int64_t Dv, int64_t j2a, int64_t j2b,
+                        float* acc) {
+  __m512 a[MR][NV];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) a[m][v] = _mm512_loadu_ps(acc + m * Dv + v * 16);
+  for (int64_t j = j2a; j < j2b; ++j) {
+    __m512bh x[NV];
+    for (int v = 0; v < NV; ++v) x[v] = (__m512bh)_mm512_loadu_si512(vpack + j * Dv + v * 16);
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(int32_t(p2[j * ldr + m]));
+      for (int v = 0; v < NV; ++v) a[m][v] = _mm512_dpbf16_ps(a[m][v], w, x[v]);
     }
   }
-  const uint32_t* qhi32 = reinterpret_cast<const uint32_t*>(qhi);
-  const uint32_t* qlo32 = reinterpret_cast<const uint32_t*>(qlo);
-  if (int64_t(t_ptrs.size()) < 2 * BK) t_ptrs.resize(2 * BK);
-  const at::BFloat16** kp = reinterpret_cast<const at::BFloat16**>(t_ptrs.data());
-  const at::BFloat16** vp = kp + BK;
-  const int32_t* r2t_row = P.r2t + P.rows[b] * P.r2t_s0;
-  for (int64_t j0 = LO; j0 < HI; j0 += BK) {
-    const int64_t nk = std::min(BK, HI - j0), nk32 = (nk + 31) / 32 * 32, nk2 = (nk + 1) / 2;
-    if (!slot_ptrs<at::BFloat16>(P, r2t_row, j0, nk, h, kp, vp)) return;
-    // K block -> [D / 2][keys] pairs, 16 dims of 16 keys at a time (a row's 64 bytes, one line, read once)
-    for (int64_t j = 0; j < nk32; ++j) {
-      if (j >= nk) {
-        for (int64_t d = 0; d < D2; ++d) kpack[d * BK + j] = 0u;
-      }
-    }
-    for (int64_t d0 = 0; d0 < D2; d0 += 16) {
-      const int64_t dn = std::min<int64_t>(16, D2 - d0);
-      for (int64_t j = 0; j < nk; ++j) {
-        const uint32_t* krow = reinterpret_cast<const uint32_t*>(kp[j]) + d0;
-        for (int64_t d = 0; d < dn; ++d) kpack[(d0 + d) * BK + j] = krow[d];
-      }
-    }
-    dot_gemm<8, 2>(Rp, nk32, D2, qhi32, D2, kpack, BK, s, BK, P.scale, false);
-    if (qlo_any) dot_gemm<8, 2>(Rp, nk32, D2, qlo32, D2, kpack, BK, s, BK, P.scale, true);
-    if (!fold_block(P, b, i0, R, j0, nk, s, BK, m, l, acc, Dv, lo.data(), hi.data())) continue;
-    for (int64_t r = 0; r < R; ++r) {
-      for (int64_t j = nk; j < nk32; ++j) s[r * BK + j] = 0.f;
-      to_bf16(s + r * BK, nk32, pb + r * BK);
-    }
-    for (int64_t r = R; r < Rp; ++r) std::fill(pb + r * BK, pb + r * BK + nk32, uint16_t(0));
-    if (qlo_any) {  // float32 queries: the probabilities' bf16 remainders too (pb holds them after the first pass)
-      for (int64_t r = 0; r < R; ++r) {
-        for (int64_t j = 0; j < nk32; ++j) s[r * BK + j] -= bits_to_float(pb[r * BK + j]);
-        to_bf16(s + r * BK, nk32, plo + r * BK);
-      }
-      for (int64_t r = R; r < Rp; ++r) std::fill(plo + r * BK, plo + r * BK + nk32, uint16_t(0));
-    }
-    for (int64_t j2 = 0; j2 < nk2; ++j2) {  // V block -> [keys / 2][Dv] pairs (a missing odd key: zeros)
-      const uint16_t* v0 = reinterpret_cast<const uint16_t*>(vp[2 * j2]);
-      const uint16_t* v1 = 2 * j2 + 1 < nk ? reinterpret_cast<const uint16_t*>(vp[2 * j2 + 1]) : nullptr;
-      for (int64_t d = 0; d < Dv; d += 16) {
-        const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + d)));
-        const __m512i y = v1 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + d)))
-                             : _mm512_setzero_si512();
-        _mm512_storeu_si512(vpack + j2 * Dv + d, _mm512_or_si512(x, _mm512_slli_epi32(y, 16)));
-      }
-    }
-    for (const uint16_t* part : {pb, plo}) {
-      if (part == plo && !qlo_any) break;
-      const uint32_t* p32 = reinterpret_cast<const uint32_t*>(part);
-      if (Dv % 64 == 0) {
-        dot_gemm<4, 4>(Rp, Dv, nk2, p32, BK / 2, vpack, Dv, acc, Dv, 1.f, true);
-      } else {
-        dot_gemm<8, 1>(Rp, Dv, nk2, p32, BK / 2, vpack, Dv, acc, Dv, 1.f, true);
-      }
-    }
-  }
-  write_rows(P, b, h, i0, R, acc, l);
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + m * Dv + v * 16, a[m][v]);
+}
+
+// Pairs of bf16 (rounded to nearest even) of two float vectors: lane i = (a[i], b[i]).
+inline __m512i bf16_pairs(__m512 a, __m512 b) {
+  const __m512i x = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(a));
+  const __m512i y = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(b));
+  return _mm512_or_si512(x, _mm512_slli_epi32(y, 16));
 }
 #endif
 
-// Extend tiles: scores and values through at::mm over blocks of kGemmBlock keys, widened to float32.
+// acc[m * Dv + kW v] += sum_j pt[j * ldr + m] . V[j][kW v] for keys [ja, jb): MR rows x NV vectors, V rows in place.
+template <int MR, int NV, typename T>
+inline void pv_tile(const float* pt, int64_t ldr, const T* const* vp, int64_t d0, int64_t ja, int64_t jb, float* acc,
+                    int64_t Dv) {
+  vf a[MR][NV];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) a[m][v] = vload(acc + m * Dv + d0 + v * kW);
+  for (int64_t j = ja; j < jb; ++j) {
+    vf x[NV];
+    for (int v = 0; v < NV; ++v) x[v] = vload(vp[j] + d0 + v * kW);
+    for (int m = 0; m < MR; ++m) {
+      const vf w = vset(pt[j * ldr + m]);
+      for (int v = 0; v < NV; ++v) a[m][v] = vfma(w, x[v], a[m][v]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) vstore(acc + m * Dv + d0 + v * kW, a[m][v]);
+}
+
+// Fold keys [j0, j0 + nk) of S^T (st[j * ldr + r], ldr = Rp rows) into the rows' online softmax: the logit cap
+// and the custom mask applied, keys outside each row's [flo, fhi) masked, st turned into P^T (zeros where
+// masked), m / l updated (l NaN for a row that saw a NaN score), acc's rows rescaled. Returns whether any row
+// saw a key.
+inline bool fold_block_t(const Problem& P, int64_t b, int64_t i0, int64_t R, int64_t Rp, int64_t j0, int64_t nk,
+                         float* st, float* m, float* l, float* acc, int64_t Dv, const float* flo, const float* fhi) {
+  const int64_t ldr = Rp;
+  if (P.cap > 0.f) {
+    for (int64_t j = 0; j < nk; ++j)
+      for (int64_t r = 0; r < R; ++r) st[j * ldr + r] = P.cap * std::tanh(st[j * ldr + r] / P.cap);
+  }
+  if (P.cmask) {
+    const int64_t kv = P.kv_lens[b];
+    for (int64_t r = 0; r < R; ++r) {
+      const bool* mk = P.cmask + P.m_start[b] + (i0 + r / P.G) * kv + j0;
+      for (int64_t j = 0; j < nk; ++j) {
+        if (!mk[j]) st[j * ldr + r] = kNegInf;
+      }
+    }
+  }
+  bool any = false;
+  for (int64_t r0 = 0; r0 < Rp; r0 += kW) {
+    float gl = flo[r0], gh = fhi[r0];
+    for (int64_t i = 1; i < kW; ++i) {
+      gl = std::min(gl, flo[r0 + i]);
+      gh = std::max(gh, fhi[r0 + i]);
+    }
+    if (gh <= float(j0) || gl >= float(j0 + nk)) {  // no row of the group sees a key of the block
+      for (int64_t j = 0; j < nk; ++j) vstore(st + j * ldr + r0, vzero());
+      continue;
+    }
+    const vf lo = vload(flo + r0), hi = vload(fhi + r0);
+    vf mb = vset(kNegInf), nan = vzero();
+    for (int64_t j = 0; j < nk; ++j) {
+      float* x = st + j * ldr + r0;
+      const vf s = vvisible(vset(float(j0 + j)), lo, hi, vload(x));
+      vstore(x, s);
+      mb = vmax(mb, s);
+      nan = vnan_or(nan, s);
+    }
+    any |= hmax(mb) != kNegInf;
+    const vf mo = vload(m + r0);
+    const vf mn = vmax(mo, mb);
+    const vf base = vzero_where_neginf(mn, mn);  // a row that has seen no key: its scores are all -inf -> 0
+    const vf alpha = vexp(vsub(mo, base));
+    vf sum = vzero();
+    for (int64_t j = 0; j < nk; ++j) {
+      float* x = st + j * ldr + r0;
+      const vf p = vexp(vsub(vload(x), base));
+      vstore(x, p);
+      sum = vadd(sum, p);
+    }
+    vstore(m + r0, mn);
+    vstore(l + r0, vadd(vfma(vload(l + r0), alpha, sum), nan));  // nan: 0, or NaN in a row that saw one
+    float al[kW];
+    vstore(al, alpha);
+    for (int64_t i = 0; i < kW; ++i) {
+      if (al[i] != 1.f) scale_row(acc + (r0 + i) * Dv, Dv, al[i]);
+    }
+  }
+  return any;
+}
+
+// The extend tile (one request, one KV head, query rows [i0, i1)) on the vector path; DOT: bf16 pool, D even,
+// Dv % 16 == 0, through avx512_bf16 dot products (float32 queries split in bf16 hi + lo, and then the
+// probabilities too, so both products keep nearly float32 accuracy; bf16 queries take one pass).
+template <typename T, bool DOT>
+void run_tile_vec(const Problem& P, const Task& task) {
+  const int64_t b = task.b, i0 = task.i0, nq = task.i1 - task.i0, G = P.G;
+  const int64_t R = nq * G, Rp = (R + kTileRowsPad - 1) / kTileRowsPad * kTileRowsPad, D = P.D, Dv = P.Dv;
+  const int64_t BK = kTileKeys, ldr = Rp, D2 = D / 2;
+  float* qs = scratch(R * D + Rp * Dv + (BK + kStKeys) * Rp + 4 * Rp + (DOT ? 0 : D * Rp));
+  float* acc = qs + R * D;
+  float* st = acc + Rp * Dv;
+  float* m = st + (BK + kStKeys) * Rp;
+  float* l = m + Rp;
+  float* flo = l + Rp;
+  float* fhi = flo + Rp;
+  float* qt = fhi + Rp;  // [D][Rp] (float path)
+  std::vector<int64_t> lo(nq), hi(nq);
+  int64_t LO, HI;
+  start_task(P, task, R, lo.data(), hi.data(), LO, HI, qs, acc, m, l, !DOT);
+  std::fill(acc + R * Dv, acc + Rp * Dv, 0.f);
+  std::fill(m + R, m + Rp, kNegInf);
+  std::fill(l + R, l + Rp, 0.f);
+  for (int64_t r = 0; r < Rp; ++r) {
+    flo[r] = r < R ? float(lo[r / G]) : 0.f;
+    fhi[r] = r < R ? float(hi[r / G]) : 0.f;
+  }
+#ifdef HAL_BF16DOT
+  thread_local std::vector<uint32_t> t_pairs;
+  uint32_t *qt2 = nullptr, *p2 = nullptr, *vpack = nullptr;
+  bool qlo = false;
+  const int64_t BK2 = BK / 2;
+  if constexpr (DOT) {  // Q^T pairs, hi then lo [D / 2][Rp]; P^T pairs, hi then lo [BK / 2][Rp]; V pairs [BK / 2][Dv]
+    const int64_t need = 2 * D2 * Rp + 2 * BK2 * Rp + BK2 * Dv;
+    if (int64_t(t_pairs.size()) < need) t_pairs.resize(need);
+    qt2 = t_pairs.data();
+    p2 = qt2 + 2 * D2 * Rp;
+    vpack = p2 + 2 * BK2 * Rp;
+    for (int64_t r = 0; r < Rp; ++r) {
+      for (int64_t d = 0; d < D; ++d) {
+        const float x = r < R ? qs[r * D + d] : 0.f;
+        const at::BFloat16 top(x);
+        const at::BFloat16 rest(x - to_float(top));
+        reinterpret_cast<uint16_t*>(qt2 + (d / 2) * Rp + r)[d % 2] = top.x;
+        reinterpret_cast<uint16_t*>(qt2 + D2 * Rp + (d / 2) * Rp + r)[d % 2] = rest.x;
+        qlo |= (rest.x & 0x7fff) != 0;
+      }
+    }
+  }
+#endif
+  if constexpr (!DOT) {
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t r = 0; r < Rp; ++r) qt[d * Rp + r] = r < R ? qs[r * D + d] : 0.f;
+  }
+  if (int64_t(t_ptrs.size()) < 2 * (BK + kStKeys)) t_ptrs.resize(2 * (BK + kStKeys));
+  const T** kp = reinterpret_cast<const T**>(t_ptrs.data());
+  const T** vp = kp + BK + kStKeys;
+  const int32_t* r2t_row = P.r2t + P.rows[b] * P.r2t_s0;
+  // per group of kTileRowsPad rows (S^T) and of kPvRows rows (P . V): the union of their rows' key ranges
+  const int64_t ngroups = Rp / kTileRowsPad, npv = Rp / kPvRows;
+  std::vector<float> glo(ngroups), ghi(ngroups), plo_(npv), phi_(npv);
+  for (int64_t g = 0; g < ngroups; ++g) {
+    glo[g] = *std::min_element(flo + g * kTileRowsPad, flo + (g + 1) * kTileRowsPad);
+    ghi[g] = *std::max_element(fhi + g * kTileRowsPad, fhi + (g + 1) * kTileRowsPad);
+  }
+  for (int64_t g = 0; g < npv; ++g) {
+    plo_[g] = *std::min_element(flo + g * kPvRows, flo + (g + 1) * kPvRows);
+    phi_[g] = *std::max_element(fhi + g * kPvRows, fhi + (g + 1) * kPvRows);
+  }
+  for (int64_t j0 = LO; j0 < HI; j0 += BK) {
+    const int64_t nk = std::min(BK, HI - j0);
+    if (!slot_ptrs<T>(P, r2t_row, j0, nk, task.h, kp, vp)) return;
+    for (int64_t j = nk; j < nk + kStKeys; ++j) kp[j] = kp[nk - 1];  // a last partial micro-tile: scores unused
+    for (int64_t g = 0; g < ngroups; ++g) {
+      const int64_t r0 = g * kTileRowsPad;
+      for (int64_t j = 0; j < nk; j += kStKeys) {
+        if (float(j0 + j) >= ghi[g] || float(j0 + j + kStKeys) <= glo[g]) continue;  // masked: fold_block_t says so
+#ifdef HAL_BF16DOT
+        if constexpr (DOT) {
+          if (qlo) {
+            st_tile_dot<kStKeys, kStVecs, true>(kp + j, qt2 + r0, D2 * Rp, ldr, D2, st + j * ldr + r0, P.scale);
+          } else {
+            st_tile_dot<kStKeys, kStVecs, false>(kp + j, qt2 + r0, 0, ldr, D2, st + j * ldr + r0, P.scale);
+          }
+          continue;
+        }
+#endif
+        if constexpr (!DOT) st_tile<kStKeys, kStVecs>(kp + j, qt + r0, ldr, D, st + j * ldr + r0);
+      }
+    }
+    if (!fold_block_t(P, b, i0, R, Rp, j0, nk, st, m, l, acc, Dv, flo, fhi)) continue;
+#ifdef HAL_BF16DOT
+    if constexpr (DOT) {
+      const int64_t nk2 = (nk + 1) / 2;
+      for (int64_t j2 = 0; j2 < nk2; ++j2) {  // P^T -> pairs of keys (2 j2, 2 j2 + 1), hi then lo
+        const float* a = st + 2 * j2 * ldr;
+        const float* c = 2 * j2 + 1 < nk ? a + ldr : nullptr;
+        for (int64_t r = 0; r < Rp; r += 16) {
+          const __m512 x = _mm512_loadu_ps(a + r), y = c ? _mm512_loadu_ps(c + r) : _mm512_setzero_ps();
+          const __m512i hi2 = bf16_pairs(x, y);
+          _mm512_storeu_si512(p2 + j2 * Rp + r, hi2);
+          if (qlo) {
+            const __m512 xh = _mm512_castsi512_ps(_mm512_slli_epi32(hi2, 16));
+            const __m512 yh = _mm512_castsi512_ps(_mm512_and_si512(hi2, _mm512_set1_epi32(int32_t(0xffff0000u))));
+            _mm512_storeu_si512(p2 + BK2 * Rp + j2 * Rp + r, bf16_pairs(_mm512_sub_ps(x, xh), _mm512_sub_ps(y, yh)));
+          }
+        }
+        const uint16_t* v0 = reinterpret_cast<const uint16_t*>(vp[2 * j2]);
+        const uint16_t* v1 = c ? reinterpret_cast<const uint16_t*>(vp[2 * j2 + 1]) : nullptr;
+        for (int64_t d = 0; d < Dv; d += 16) {  // V rows -> pairs (a missing odd key: zeros)
+          const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + d)));
+          const __m512i y = v1 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + d)))
+                               : _mm512_setzero_si512();
+          _mm512_storeu_si512(vpack + j2 * Dv + d, _mm512_or_si512(x, _mm512_slli_epi32(y, 16)));
+        }
+      }
+      for (int64_t g = 0; g < npv; ++g) {
+        const int64_t r0 = g * kPvRows;
+        const int64_t ja = std::max<int64_t>(0, int64_t(plo_[g]) - j0) / 2;
+        const int64_t jb = (std::min<int64_t>(nk, int64_t(phi_[g]) - j0) + 1) / 2;
+        if (ja >= jb) continue;
+        for (int pass = 0; pass < (qlo ? 2 : 1); ++pass) {
+          const uint32_t* pp = p2 + pass * BK2 * Rp + r0;
+          int64_t d0 = 0;
+          for (; d0 + 64 <= Dv; d0 += 64) pv_tile_dot<kPvRows, 4>(pp, Rp, vpack + d0, Dv, ja, jb, acc + r0 * Dv + d0);
+          for (; d0 < Dv; d0 += 16) pv_tile_dot<kPvRows, 1>(pp, Rp, vpack + d0, Dv, ja, jb, acc + r0 * Dv + d0);
+        }
+      }
+      continue;
+    }
+#endif
+    if constexpr (!DOT) {
+      const int64_t DvW = Dv / kW * kW;
+      for (int64_t c0 = 0; c0 < nk; c0 += kPvChunk) {
+        const int64_t c1 = std::min(nk, c0 + kPvChunk);
+        for (int64_t g = 0; g < npv; ++g) {
+          const int64_t r0 = g * kPvRows;
+          const int64_t ja = std::max<int64_t>(c0, int64_t(plo_[g]) - j0);
+          const int64_t jb = std::min<int64_t>(c1, int64_t(phi_[g]) - j0);
+          if (ja >= jb) continue;
+          const float* pt = st + r0;
+          float* a = acc + r0 * Dv;
+          int64_t d0 = 0;
+          for (; d0 + kPvVecs * kW <= DvW; d0 += kPvVecs * kW) pv_tile<kPvRows, kPvVecs>(pt, ldr, vp, d0, ja, jb, a, Dv);
+          for (; d0 < DvW; d0 += kW) pv_tile<kPvRows, 1>(pt, ldr, vp, d0, ja, jb, a, Dv);
+          for (int64_t d = DvW; d < Dv; ++d)
+            for (int64_t mm = 0; mm < kPvRows; ++mm) {
+              float x = a[mm * Dv + d];
+              for (int64_t j = ja; j < jb; ++j) x += pt[j * ldr + mm] * to_float(vp[j][d]);
+              a[mm * Dv + d] = x;
+            }
+        }
+      }
+    }
+  }
+  write_rows(P, b, task.h, i0, R, acc, l);
+}
+#endif
+
+// Extend tiles: AMX or the vector path where built; plain loops: scores and values through at::mm over blocks
+// of kGemmBlock keys, widened to float32.
 template <typename T>
 void run_tile(const Problem& P, const Task& task) {
 #ifdef HAL_AMX
@@ -1026,8 +1222,11 @@ void run_tile(const Problem& P, const Task& task) {
 #endif
 #ifdef HAL_BF16DOT
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (P.D % 2 == 0 && P.Dv % 16 == 0) return run_tile_bf16dot(P, task);
+    if (P.D % 2 == 0 && P.Dv % 16 == 0) return run_tile_vec<T, true>(P, task);
   }
+#endif
+#ifdef HAL_VEC
+  return run_tile_vec<T, false>(P, task);
 #endif
   const int64_t b = task.b, h = task.h, i0 = task.i0, nq = task.i1 - task.i0;
   const int64_t R = nq * P.G, D = P.D, Dv = P.Dv, BK = kGemmBlock;
