@@ -33,13 +33,33 @@ D, E, M = ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED
 
 # one case per mode; padding requests are inserted before the request of each key (len(requests): at the end)
 PADDING_CASES = {
-    D: Case("padding_slots_decode_page16", D, ((5, 1), (20, 1), (9, 1)), page_size=16),
-    E: Case("padding_slots_extend_page16", E, ((0, 7), (13, 5), (4, 3)), page_size=16),
-    M: Case("padding_slots_mixed_page16", M, ((12, 1), (9, 1), (5, 6), (0, 4)), page_size=16),
+    D: Case("padding_slots_decode_page16", D, ((5, 1), (20, 1), (9, 1)), page_size=16, head_dim=128),
+    E: Case("padding_slots_extend_page16", E, ((0, 7), (13, 5), (4, 3)), page_size=16, head_dim=128),
+    M: Case("padding_slots_mixed_page16", M, ((12, 1), (9, 1), (5, 6), (0, 4)), page_size=16, head_dim=128),
+}
+# MLA (one latent ++ rope head, the value a view of the key: a key-only write), at FIA's latent 128 + rope 64
+_LATENT = {"tp_q_head_num": 8, "tp_k_head_num": 1, "head_dim": 192, "kv_lora_rank": 128, "qk_rope_head_dim": 64}
+MLA_PADDING_CASES = {
+    D: Case(
+        "padding_slots_mla_decode_page16_bf16",
+        D,
+        ((30, 1), (5, 1), (9, 1)),
+        dtype=torch.bfloat16,
+        page_size=16,
+        **_LATENT,
+    ),
+    E: Case(
+        "padding_slots_mla_extend_page16_bf16",
+        E,
+        ((12, 4), (0, 5), (3, 2)),
+        dtype=torch.bfloat16,
+        page_size=16,
+        **_LATENT,
+    ),
 }
 # {request index: query tokens of the padding request inserted before it}
 PADDING_INSERTS = {D: {1: 1, 3: 1}, E: {1: 2, 3: 3}, M: {2: 1, 4: 2}}
-GRAPH_PADDING_CASE = Case("padding_slots_graph_decode_page16", D, ((5, 1), (20, 1), (9, 1)), page_size=16)
+GRAPH_PADDING_CASE = Case("padding_slots_graph_decode_page16", D, ((5, 1), (20, 1), (9, 1)), page_size=16, head_dim=128)
 
 
 def with_padding(built: Built, inserts: dict[int, int], seed: int = 7):
@@ -101,13 +121,20 @@ def with_padding(built: Built, inserts: dict[int, int], seed: int = 7):
     return padded, torch.cat(q), torch.cat(k), torch.cat(v), real
 
 
-def _case(target, mode: ForwardMode, graph: bool = False) -> Case:
+def _case(target, mode: ForwardMode, graph: bool = False, mla: bool = False) -> Case:
     """The padding case of ``mode`` within what the target declares; skipped with the reasons where it is off."""
-    case = cases_for(target.backend, [GRAPH_PADDING_CASE if graph else PADDING_CASES[mode]], target.capability)[0]
-    reasons = target.backend.unsupported_reasons(case.config(graph=graph), target.capability)
-    if reasons:
-        pytest.skip(f"{target.id} declares it cannot serve {case.id}: " + "; ".join(reasons))
-    return case
+    case = GRAPH_PADDING_CASE if graph else (MLA_PADDING_CASES if mla else PADDING_CASES)[mode]
+    # at its own page size, then at 128 (FIA's paged extend on A5 takes multiples of 128 only), in bf16 too
+    big = case.at_page(128)
+    tries = (case, big, replace(big, dtype=torch.bfloat16, name=f"{big.name}_bf16"))
+    first = None
+    for candidate in tries:
+        candidate = cases_for(target.backend, [candidate], target.capability)[0]
+        reasons = target.backend.unsupported_reasons(candidate.config(graph=graph), target.capability)
+        if not reasons:
+            return candidate
+        first = first or (candidate, reasons)
+    pytest.skip(f"{target.id} declares it cannot serve {first[0].id}: " + "; ".join(first[1]))
 
 
 def _build(case: Case, device) -> Built:
@@ -181,7 +208,18 @@ def _record(request, case: Case) -> None:
 def test_padding_slots_write_nothing(hal_target, mode, request):
     """Padding requests (every query token -1) inside a step and at its end: no slot of the pool changes but the
     real tokens' (page 0 and the last slot included), and the real tokens' outputs equal the reference's."""
-    case = _case(hal_target, mode)
+    _padding_step(hal_target, _case(hal_target, mode), request)
+
+
+@pytest.mark.hal_family("padding_slots")
+@pytest.mark.parametrize("mode", [D, E], ids=lambda m: m.name)
+def test_padding_slots_write_nothing_mla(hal_target, mode, request):
+    """As :func:`test_padding_slots_write_nothing` on an MLA pool (the key-only write of the latent ++ rope)."""
+    _padding_step(hal_target, _case(hal_target, mode, mla=True), request)
+
+
+def _padding_step(hal_target, case: Case, request) -> None:
+    mode = case.mode
     _record(request, case)
     built = _build(case, hal_target.capability.torch_device)
     fb, q, k, v, real = with_padding(built, PADDING_INSERTS[mode])
