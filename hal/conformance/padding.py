@@ -27,7 +27,7 @@ from hal.errors import InvalidBatchError, UnsupportedError
 from hal.graph import GraphRunner
 from hal.kv_cache import PADDING_TOKEN_SLOT
 
-__all__ = ["PADDING_CASES", "PADDING_INSERTS", "with_padding"]
+__all__ = ["PADDING_CASES", "PADDING_INSERTS", "MLA_PADDING_CASES", "build_with_free_last_slot", "with_padding"]
 
 D, E, M = ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED
 
@@ -137,7 +137,7 @@ def _case(target, mode: ForwardMode, graph: bool = False, mla: bool = False) -> 
     pytest.skip(f"{target.id} declares it cannot serve {first[0].id}: " + "; ".join(first[1]))
 
 
-def _build(case: Case, device) -> Built:
+def build_with_free_last_slot(case: Case, device) -> Built:
     """``case`` built so that no real token writes the pool's last slot (where a wrapped -1 lands)."""
     for seed in range(case.seed, case.seed + 20):
         built = build(replace(case, seed=seed), device)
@@ -221,7 +221,7 @@ def test_padding_slots_write_nothing_mla(hal_target, mode, request):
 def _padding_step(hal_target, case: Case, request) -> None:
     mode = case.mode
     _record(request, case)
-    built = _build(case, hal_target.capability.torch_device)
+    built = build_with_free_last_slot(case, hal_target.capability.torch_device)
     fb, q, k, v, real = with_padding(built, PADDING_INSERTS[mode])
     _unreached_unless_declared(hal_target, built, fb, q, k, v)
     backend = hal_target.create()
@@ -239,7 +239,7 @@ def test_padding_slots_in_a_graph_replay(hal_target, request):
     at the end, then first): the whole pool keeps every byte but the real tokens', outputs match the reference."""
     case = _case(hal_target, D, graph=True)
     _record(request, case)
-    built = _build(case, hal_target.capability.torch_device)
+    built = build_with_free_last_slot(case, hal_target.capability.torch_device)
     steps = [with_padding(built, inserts) for inserts in ({1: 1, 3: 1}, {0: 1}, {3: 1})]
     _unreached_unless_declared(hal_target, built, *steps[0][:4])
     backend = hal_target.create()
@@ -272,7 +272,7 @@ def test_bad_padding_slot_is_rejected(hal_target, slot, request):
     out_cache_loc, with nothing written."""
     case = _case(hal_target, E)
     _record(request, case)
-    built = _build(case, hal_target.capability.torch_device)
+    built = build_with_free_last_slot(case, hal_target.capability.torch_device)
     fb = built.batch
     kw = {f: getattr(fb, f) for f in _FIELDS if getattr(fb, f) is not None}
     loc = fb.out_cache_loc.clone()
