@@ -60,6 +60,7 @@ def _extend_tiles(arch: str | None, head_dim: int, v_head_dim: int, dtype: str) 
 
 class TritonBackend(AttentionBackend):
     name = "triton"
+    supports_padding_slots = True  # -1 in out_cache_loc: no KV written (docs/porting.md)
     dtypes = frozenset({"fp32", "bf16", "fp16"})
     kv_cache_dtypes = frozenset({"fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2"})  # fp8: decoded in software
     supports_mla = True

@@ -13,10 +13,10 @@ capture/replay (see ``hal.graph``):
 
 The base class is cut by job, as vLLM keeps declarations, metadata builder and kernel call apart:
 
-* what a backend declares (``name``, ``dtypes``, ``page_sizes``, ``supports_*``,
-  ``requires_page_aligned_slots``, ``option_defaults``: class attributes, plugin API 2) is read into a
-  frozen :class:`hal.declaration.BackendDeclaration` (:meth:`AttentionBackend.declaration`), which
-  selection reads (:meth:`unsupported_reasons`);
+* what a backend declares (``name``, ``dtypes``, ``page_sizes``, ``supports_*`` (``supports_padding_slots``
+  since 0.3: -1 in ``out_cache_loc``), ``requires_page_aligned_slots``, ``option_defaults``: class
+  attributes, plugin API 2) is read into a frozen :class:`hal.declaration.BackendDeclaration`
+  (:meth:`AttentionBackend.declaration`), which selection reads (:meth:`unsupported_reasons`);
 * SGLang's contract, member for member as the seed defines it, is this module;
 * the forward prologue (batch-field and input checks, the metadata stamp, the KV write or read-back,
   the fused fast path and the output shape) is :mod:`hal.prologue`, a base of this class;
@@ -112,6 +112,9 @@ class AttentionBackend(ForwardPrologue):
     kv_cache_dtypes: ClassVar[frozenset[str] | None] = None  # KV cache dtype names; None: the same as ``dtypes``
     # Token i of a request must sit at offset i % page_size of its page (kernels that read whole pages).
     requires_page_aligned_slots: ClassVar[bool] = False
+    # out_cache_loc may hold -1 (a padding token: no KV written, output row unspecified); hal 0.3. False for a
+    # backend that does not declare it (a plugin written before): full validation refuses such a batch for it.
+    supports_padding_slots: ClassVar[bool] = False
     # Backend-specific constructor options and their defaults (``Selection.create(**options)``).
     option_defaults: ClassVar[Mapping[str, Any]] = {}
 
@@ -380,12 +383,16 @@ class AttentionBackend(ForwardPrologue):
         slots). Call it first in ``init_forward_metadata_out_graph``; hal's own batches already passed
         their construction level, so only an engine's batch or a stricter level costs anything."""
         level = self.validation
-        if getattr(forward_batch, "validate", None) == level and not (
-            level == "full" and self.requires_page_aligned_slots
-        ):
+        stricter = self.requires_page_aligned_slots or not self.supports_padding_slots
+        if getattr(forward_batch, "validate", None) == level and not (level == "full" and stricter):
             check_batch_fields(forward_batch)  # presence and types only: a field changed since construction
             return
-        validate_batch(forward_batch, level, page_aligned=self.requires_page_aligned_slots)
+        validate_batch(
+            forward_batch,
+            level,
+            page_aligned=self.requires_page_aligned_slots,
+            padding_slots=None if self.supports_padding_slots else self.name or type(self).__name__,
+        )
 
     def is_graph_batch(self, forward_batch: ForwardBatch, in_capture: bool = False) -> bool:
         """Whether ``forward_batch`` is a captured graph's static batch (use the fixed graph buffers).

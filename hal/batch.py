@@ -20,6 +20,14 @@ validated implementation. Token layout, shared by every backend (SGLang's conven
 replayed batch with ``req_pool_indices = 0``, ``out_cache_loc = 0``, ``seq_lens`` = the
 backend's fill value) write the padding slot 0 and are exempt from that rule.
 
+Padding tokens (since 0.3): ``out_cache_loc[t] = -1`` (vLLM's ``PAD_SLOT_ID``) writes no KV
+anywhere (every slot of the pool, page 0 included, keeps its bytes); the token's output row
+is unspecified and the caller ignores it. Every query token of such a padding request is -1
+(a request that also writes real slots may not hold one: its later tokens would read KV never
+written), and the slots it reads are in the pool (row 0, the padding row, reads the padding
+slot). Only backends that declare ``supports_padding_slots`` take -1; ``full`` validation
+refuses it for the others.
+
 Validation lives in :mod:`hal.validation`; the modes and per-request lengths in :mod:`hal.modes`
 (both re-exported here, where they were before 0.2.0).
 """
@@ -141,12 +149,14 @@ def static_decode_batch(
     token_to_kv_pool: KVPool,
     seq_len_fill_value: int,
     draft_token_num: int | None = None,
+    padding_slot: int | None = None,
 ) -> ForwardBatch:
     """A DECODE (or, with ``draft_token_num``, TARGET_VERIFY) batch of padding requests whose tensors a
     graph runner captures and refills.
 
     Its padding requests are SGLang's: row 0, ``seq_len_fill_value`` tokens, writes to the
-    padding slot 0. A verify batch's ``spec_info.custom_mask`` is a fixed buffer of
+    padding slot 0; with ``padding_slot=-1`` (a backend that ``supports_padding_slots``) they
+    write nothing, as vLLM pads ``slot_mapping``. A verify batch's ``spec_info.custom_mask`` is a fixed buffer of
     ``batch_size * draft_token_num * max_context_len`` entries (the most any batch of this size
     needs): a replay copies the step's flat mask into its start, the backends read the first
     ``sum(draft * (seq_len + draft))``.
@@ -165,7 +175,10 @@ def static_decode_batch(
         req_pool_indices=torch.zeros(batch_size, dtype=torch.int64, device=device),
         seq_lens=torch.full((batch_size,), seq_len_fill_value, dtype=torch.int32, device=device),
         out_cache_loc=torch.full(
-            (tokens,), getattr(token_to_kv_pool, "padding_slot", 0), dtype=torch.int64, device=device
+            (tokens,),
+            getattr(token_to_kv_pool, "padding_slot", 0) if padding_slot is None else padding_slot,
+            dtype=torch.int64,
+            device=device,
         ),
         req_to_token_pool=req_to_token_pool,
         token_to_kv_pool=token_to_kv_pool,

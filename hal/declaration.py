@@ -30,7 +30,9 @@ class BackendDeclaration:
     ``dtypes``: compute dtype names (``fp32``, ``bf16``, ``fp16``); ``kv_cache_dtypes``: KV cache dtype names
     (the class's ``None`` resolved to ``dtypes``); ``page_sizes`` / ``head_dims``: None means any;
     ``supports_mla``: ``v_head_dim != head_dim``; ``requires_page_aligned_slots``: token ``i`` of a request at
-    offset ``i % page_size`` of its page; ``option_defaults``: the constructor options and their defaults.
+    offset ``i % page_size`` of its page; ``supports_padding_slots``: ``out_cache_loc`` may hold -1 (a padding
+    token whose KV is written nowhere; hal 0.3, False for a class that does not say); ``option_defaults``: the
+    constructor options and their defaults.
     """
 
     name: str
@@ -46,6 +48,7 @@ class BackendDeclaration:
     supports_mla: bool
     supports_sinks: bool
     requires_page_aligned_slots: bool
+    supports_padding_slots: bool
     option_defaults: Mapping[str, Any]
 
     @classmethod
@@ -53,6 +56,8 @@ class BackendDeclaration:
         """The declaration of ``backend_cls``, read from its class attributes; ``PluginError`` naming the
         attribute where one is not what it must be (a plugin's typo surfaces as a reason, not mid-selection)."""
         values = {f.name: getattr(backend_cls, f.name, None) for f in fields(cls)}
+        if values["supports_padding_slots"] is None:  # a class written before 0.3 that is no AttentionBackend
+            values["supports_padding_slots"] = False
         owner = backend_cls.__qualname__
 
         def names(attr: str, value, item_type: type, optional: bool):

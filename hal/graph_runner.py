@@ -27,7 +27,9 @@ class GraphRunner:
     ``run(fb, q, k, v)`` returns ``[num_layers, tokens, q_heads * v_head_dim]``, the same
     values eager forwards would, for any batch of the captured mode (and draft count) of at
     most ``max(capture_bs)`` requests. Sizes are captured largest first, all into one memory
-    pool.
+    pool. ``padding_slot``: what the padding requests of a replay write: None, the pool's padding
+    slot (SGLang's way); -1, nothing (vLLM's ``PAD_SLOT_ID``; the backend must declare
+    ``supports_padding_slots``).
     """
 
     def __init__(
@@ -41,6 +43,7 @@ class GraphRunner:
         dtype: torch.dtype = torch.float32,
         draft_token_num: int | None = None,
         sinks: Sequence[torch.Tensor] | None = None,
+        padding_slot: int | None = None,
     ):
         expect(
             len(capture_bs) > 0 and all(b > 0 for b in capture_bs),
@@ -70,6 +73,14 @@ class GraphRunner:
         self.capture_bs = sorted(set(capture_bs))
         self.max_bs = self.capture_bs[-1]
         self.draft_token_num = draft_token_num
+        expect(
+            padding_slot is None or padding_slot == -1 and backend.supports_padding_slots,
+            InvalidBatchError,
+            "padding_slot",
+            padding_slot,
+            "None (the pool's padding slot), or -1 for a backend that declares supports_padding_slots",
+        )
+        self.padding_slot = getattr(token_to_kv_pool, "padding_slot", 0) if padding_slot is None else padding_slot
         self.mode = ForwardMode.DECODE if draft_token_num is None else ForwardMode.TARGET_VERIFY
         self.tokens_per_req = draft_token_num or 1
         layer = self.layers[0]
@@ -93,7 +104,9 @@ class GraphRunner:
         backend.init_cuda_graph_state(self.max_bs, self.max_bs * self.tokens_per_req)
         fill = backend.get_cuda_graph_seq_len_fill_value()
         for bs in reversed(self.capture_bs):  # largest first: the smaller ones reuse its memory
-            fb = static_decode_batch(bs, self.req_to_token_pool, self.token_to_kv_pool, fill, self.draft_token_num)
+            fb = static_decode_batch(
+                bs, self.req_to_token_pool, self.token_to_kv_pool, fill, self.draft_token_num, self.padding_slot
+            )
 
             def step(fb=fb):
                 backend.init_forward_metadata_in_graph(fb)
@@ -156,7 +169,7 @@ class GraphRunner:
         fill = self.backend.get_cuda_graph_seq_len_fill_value()
         static.req_pool_indices.zero_()[:bs].copy_(fb.req_pool_indices)
         static.seq_lens.fill_(fill)[:bs].copy_(fb.seq_lens)
-        static.out_cache_loc.fill_(0)[: bs * per].copy_(fb.out_cache_loc)  # padding writes the padding slot 0
+        static.out_cache_loc.fill_(self.padding_slot)[: bs * per].copy_(fb.out_cache_loc)  # what padding writes
         lens = host_lens(fb)
         if self.draft_token_num is not None:  # the step's flat mask first; padding requests see everything
             mask = fb.spec_info.custom_mask.reshape(-1)

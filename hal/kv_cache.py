@@ -10,7 +10,9 @@ Slot ``s`` of the KV pool lives in page ``s // page_size`` at offset ``s % page_
 so one layer's ``[num_slots, head_num, head_dim]`` buffer and the
 ``[num_pages, page_size, head_num, head_dim]`` view that paged kernels (NPU block
 tables, FlashInfer) take are the same memory. Page 0 is reserved: padded tokens of a
-graph-replayed batch write slot 0, so it never holds a request's data.
+graph-replayed batch write slot 0, so it never holds a request's data. A slot of -1
+(:data:`PADDING_TOKEN_SLOT`, vLLM's ``PAD_SLOT_ID``) marks a padding token whose KV is
+written nowhere: every slot, page 0 included, keeps its content.
 """
 
 from __future__ import annotations
@@ -38,9 +40,12 @@ __all__ = [
     "kv_cache_dtype_name",
     "pool_geometry",
     "paged_view",
+    "PADDING_TOKEN_SLOT",
 ]
 
 INDEX_DTYPES = (torch.int32, torch.int64)
+# out_cache_loc / loc of a padding token: its KV is written nowhere (vLLM's PAD_SLOT_ID); see docs/porting.md, section 5
+PADDING_TOKEN_SLOT = -1
 # Cache dtypes by name and the torch dtypes a pool may store: views of the table (hal.kv_dtypes).
 KV_CACHE_DTYPES = {row.name: row.torch_dtype for row in KV_DTYPE_TABLE}
 KV_DTYPES = tuple(KV_CACHE_DTYPES.values())
@@ -298,18 +303,19 @@ class PagedKVPool:
         """Raise ``KVCacheError`` unless ``cache_k``/``cache_v`` can be stored at ``loc``.
 
         Checks shapes, dtypes and devices, and with ``check_range`` the slot range (a read
-        of ``loc``; backends skip it: batch validation covers ``out_cache_loc``).
+        of ``loc``; backends skip it: batch validation covers ``out_cache_loc``): slots in
+        ``[0, num_slots)`` or :data:`PADDING_TOKEN_SLOT` (-1: nothing written for that row).
         """
         check_kv_inputs(loc, cache_k, cache_v, (self.head_num, self.head_dim, self.v_head_dim), self.device)
         n = loc.numel()
         if check_range and n:
             lo, hi = int(loc.min()), int(loc.max())
             expect(
-                lo >= 0 and hi < self.num_slots,
+                lo >= PADDING_TOKEN_SLOT and hi < self.num_slots,
                 KVCacheError,
                 "loc range",
                 (lo, hi),
-                f"slots in [0, {self.num_slots})",
+                f"slots in [0, {self.num_slots}), or -1 for a padding token (nothing written)",
             )
 
     def set_kv_buffer(
@@ -328,7 +334,7 @@ class PagedKVPool:
         ``layer_id_override`` replaces its id (SGLang's argument). Values are cast to the pool
         dtype; an fp8 pool quantises them with ``k_scale`` / ``v_scale`` (floats or 1-element
         tensors; None: the layer's scales, 1.0 for a bare id), as ``hal.kernels.reference.quantize_kv``.
-        Nothing is written unless every check passes.
+        A slot of -1 (a padding token) writes nothing. Nothing is written unless every check passes.
         """
         index, ks, vs = self._write_target(layer, k_scale, v_scale, layer_id_override)
         self.check_kv(loc, cache_k, cache_v)

@@ -317,8 +317,9 @@ class ForwardPrologue:
         self, layer: AttentionLayer, forward_batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The query tokens' keys and values read back from the cache (``save_kv_cache=False``), in the cache
-        dtype (an fp8 cache: dequantised to float32)."""
-        pool, loc = forward_batch.token_to_kv_pool, forward_batch.out_cache_loc.long()
+        dtype (an fp8 cache: dequantised to float32). A padding token (slot -1) reads slot 0 (its row is
+        unspecified)."""
+        pool, loc = forward_batch.token_to_kv_pool, forward_batch.out_cache_loc.long().clamp(min=0)
         k, v = pool.get_key_buffer(layer.layer_id)[loc], pool.get_value_buffer(layer.layer_id)[loc]
         if not kv_scaled(k.dtype):
             return k, v

@@ -16,7 +16,7 @@ from enum import Enum
 import torch
 
 from hal.errors import ConfigError, InvalidBatchError, UnsupportedError, describe, expect
-from hal.kv_cache import INDEX_DTYPES, KVPool, ReqToTokenTable, pool_geometry
+from hal.kv_cache import INDEX_DTYPES, PADDING_TOKEN_SLOT, KVPool, ReqToTokenTable, pool_geometry
 from hal.modes import REFUSED_MODES, BatchLens, ForwardMode, _host
 
 __all__ = [
@@ -174,11 +174,16 @@ def _index_tensor(fb, name: str, length: int | None, device: torch.device) -> to
     return tensor
 
 
-def validate_batch(fb, level: str | None = None, *, page_aligned: bool = False) -> BatchLens | None:
+def validate_batch(
+    fb, level: str | None = None, *, page_aligned: bool = False, padding_slots: str | None = None
+) -> BatchLens | None:
     """Check any batch with SGLang's field names at ``level`` (see the module docstring).
 
     ``page_aligned``: also require token ``i`` of a request at offset ``i % page_size`` of
-    its page (``full`` only: only some backends need it). Returns the host lengths when
+    its page (``full`` only: only some backends need it). ``padding_slots``: None where -1
+    padding slots in ``out_cache_loc`` are accepted, else the name of a backend that does not
+    declare ``supports_padding_slots``, refused (``UnsupportedError``) when ``full``
+    finds one. Returns the host lengths when
     the mirrors gave them (or ``full`` read them), else None. Raises ``InvalidBatchError``
     naming the field, what it held and what was expected.
     """
@@ -252,6 +257,7 @@ def validate_batch(fb, level: str | None = None, *, page_aligned: bool = False) 
     if full and bs:
         bad = [i for i in req_idx.tolist() if not 0 <= i < rows]
         expect(not bad, InvalidBatchError, "req_pool_indices", bad, f"rows in [0, {rows})")
+        _check_out_cache_loc(loc.tolist(), pool_geometry(kv_pool, getattr(kv_pool, "start_layer", 0))[0], padding_slots)
         _check_slots(fb, lens, req_idx, loc, kv_pool, page_aligned)
         _check_writes_spare_padding_and_context(table, lens, req_idx, loc.tolist(), kv_pool.page_size)
     return lens
@@ -336,24 +342,73 @@ def _validate_extend(fb, bs, seq, loc, device, full) -> BatchLens | None:
     return BatchLens(prefix, extend)
 
 
+def _check_out_cache_loc(loc_list: list[int], num_slots: int, refusing: str | None) -> None:
+    """``full`` mode: every slot of ``out_cache_loc`` is in the pool or -1 (a padding token); ``refusing``: the name
+    of a backend that does not declare ``supports_padding_slots`` (then a -1 is an ``UnsupportedError``)."""
+    bad = sorted({x for x in loc_list if not PADDING_TOKEN_SLOT <= x < num_slots})
+    expect(
+        not bad,
+        InvalidBatchError,
+        "out_cache_loc",
+        bad[:8],
+        f"slots in [0, {num_slots}) (the KV pool's), or -1 for a padding token (its KV is not written)",
+    )
+    if refusing is not None and PADDING_TOKEN_SLOT in loc_list:
+        raise UnsupportedError(
+            f"out_cache_loc holds -1 (a padding token, {loc_list.count(PADDING_TOKEN_SLOT)} of them): {refusing} "
+            "does not declare supports_padding_slots = True; -1 padding slots were added in hal 0.3 (a port "
+            "declares the attribute once its KV write skips them: docs/porting.md), so pad with the padding slot "
+            "0 for it"
+        )
+
+
+def _padding_request(slots: list[int], padding: int) -> bool:
+    """Whether a request's query tokens are all padding (-1, or SGLang's padding slot): it writes no real KV."""
+    return all(x == PADDING_TOKEN_SLOT or x == padding for x in slots)
+
+
 def _check_slots(fb, lens, req_idx, loc, kv_pool, page_aligned) -> None:
     """``full`` mode: every slot a request reads is in the pool past the padding page; the query
     tokens' slots are ``out_cache_loc``, no two alike; with ``page_aligned``, token ``i`` of a
-    request sits at offset ``i % page_size`` of its page. Graph-padding requests (every query
-    token writing the padding slot 0) are skipped."""
+    request sits at offset ``i % page_size`` of its page. Padding requests (every query token
+    -1 or the padding slot 0: vLLM's and SGLang's graph padding) read only slots of the pool and
+    are exempt from the rest; -1 is refused in a request that also writes real slots (its own
+    later tokens would read KV that was never written)."""
     page_size = kv_pool.page_size
     num_slots = pool_geometry(kv_pool, getattr(kv_pool, "start_layer", 0))[0]
     padding = getattr(kv_pool, "padding_slot", 0)
     loc_list = loc.tolist()
     starts = [sum(lens.query[:i]) for i in range(len(lens.query))]
     real = [
-        r for r, (s, n) in enumerate(zip(starts, lens.query)) if n and any(x != padding for x in loc_list[s : s + n])
+        r
+        for r, (s, n) in enumerate(zip(starts, lens.query))
+        if n and not _padding_request(loc_list[s : s + n], padding)
     ]
+    table = fb.req_to_token_pool.req_to_token
+    for r, (s, n) in enumerate(zip(starts, lens.query)):
+        own = loc_list[s : s + n]
+        if r in real and PADDING_TOKEN_SLOT in own:
+            expect(
+                False,
+                InvalidBatchError,
+                f"out_cache_loc of request {r}",
+                own,
+                "-1 (a padding token) only in a padding request, all of whose query tokens are -1: a request "
+                "with real slots writes every one of its tokens (its later tokens read them)",
+            )
+        if r not in real and n and PADDING_TOKEN_SLOT in own:  # a kernel still reads a padding request's slots
+            reads = table[int(req_idx[r]), : lens.kv[r]]
+            expect(
+                reads.numel() == 0 or 0 <= int(reads.min()) and int(reads.max()) < num_slots,
+                InvalidBatchError,
+                f"req_to_token slots of padding request {r}",
+                (int(reads.min()), int(reads.max())),
+                f"slots of the pool, in [0, {num_slots}) (row 0, the padding row, reads the padding slot)",
+            )
     if not real:
         return
     kv_lens = [lens.kv[r] for r in real]
     width = max(kv_lens)
-    table = fb.req_to_token_pool.req_to_token
     rows = table[req_idx.long()[real], :width].long()
     pos = torch.arange(width, device=table.device)
     used = pos[None, :] < torch.tensor(kv_lens, device=table.device)[:, None]
@@ -390,7 +445,7 @@ def _check_slots(fb, lens, req_idx, loc, kv_pool, page_aligned) -> None:
             loc_list[s : s + n],
             f"the slots req_to_token holds for its query tokens: {want}",
         )
-    written = [x for x in loc_list if x != padding]
+    written = [x for x in loc_list if x not in (padding, PADDING_TOKEN_SLOT)]
     if len(set(written)) != len(written):
         seen: set[int] = set()
         dup = sorted({x for x in written if x in seen or seen.add(x)})

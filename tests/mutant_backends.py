@@ -56,6 +56,7 @@ class Ported(AttentionBackend):
     kv_cache_dtypes = frozenset({"fp32", "bf16", "fp8_e4m3", "fp8_e5m2"})
     supports_mla = True
     supports_sinks = True
+    supports_padding_slots = True  # its write is the base class's, which skips -1
 
     # -- metadata ----------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
@@ -879,10 +880,48 @@ class GraphPaddingWriteRedirected(Ported):
             vb[loc] = quantize_kv(v, vb.dtype, v_scale)
 
 
+class PaddingSlotWrapsToLastSlot(Ported):
+    """Writes the new tokens with ``buffer[out_cache_loc] = k``: a padding token's -1 indexes the pool's last slot."""
+
+    def write(self, layer, fb, k, v):
+        kb, vb = self.buffers(layer, fb)
+        k_scale, v_scale = kv_scales(layer)
+        loc = self.write_slots(fb.out_cache_loc.long())
+        kb[loc] = quantize_kv(k, kb.dtype, k_scale)
+        if not shares_storage(kb, vb):
+            vb[loc] = quantize_kv(v, vb.dtype, v_scale)
+
+    def write_slots(self, loc):
+        return loc
+
+
+class PaddingSlotRedirectedToPage0(PaddingSlotWrapsToLastSlot):
+    """Sends a -1 token's write to the padding slot 0 (as SGLang's graph padding writes) instead of writing nothing."""
+
+    def write_slots(self, loc):
+        return loc.clamp(min=0)
+
+
+class PaddingSlotDropsNeighbour(Ported):
+    """Skips -1 slots by compacting the slots but not the rows: after a padding token, each real token is written
+    with the row before it (the first ``n`` rows go to the ``n`` real slots)."""
+
+    def write(self, layer, fb, k, v):
+        kb, vb = self.buffers(layer, fb)
+        k_scale, v_scale = kv_scales(layer)
+        loc = fb.out_cache_loc.long()
+        real = loc[loc >= 0]
+        kb[real] = quantize_kv(k[: real.numel()], kb.dtype, k_scale)
+        if not shares_storage(kb, vb):
+            vb[real] = quantize_kv(v[: real.numel()], vb.dtype, v_scale)
+
+
 class Tiled32(Ported):
-    """A port whose kernels tile head dims by 32: head dims 32..256 in steps of 32, ``v_head_dim`` too."""
+    """A port whose kernels tile head dims by 32: head dims 32..256 in steps of 32, ``v_head_dim`` too. Written
+    before hal 0.3, it does not declare ``supports_padding_slots`` (its padding-slot cases are unreached)."""
 
     head_dims = frozenset(range(32, 257, 32))
+    supports_padding_slots = False
 
     @classmethod
     def unsupported_reasons(cls, config, capability):
@@ -909,6 +948,9 @@ for _cls in (
     VerifyMaskSizedByPrefix,
     GraphPaddingWriteRedirected,
     DraftExtendValuesFromKeys,
+    PaddingSlotWrapsToLastSlot,
+    PaddingSlotDropsNeighbour,
+    PaddingSlotRedirectedToPage0,
 ):  # issue 27
     _cls.name = _cls.__name__.lower()
     MUTANTS[_cls.__name__] = _cls

@@ -211,7 +211,7 @@ def test_set_kv_buffer_rejects_bad_slots_and_writes_nothing():
     k = torch.ones(2, 2, 8)
     for loc, field in (
         (torch.tensor([16, pool.num_slots]), "loc range"),
-        (torch.tensor([16, -1]), "loc range"),
+        (torch.tensor([16, -2]), "loc range"),  # -1 is a padding token (tests/test_padding_slots.py)
         (torch.tensor([[16, 17]]), "loc"),
         (torch.tensor([16.0, 17.0]), "loc"),
     ):

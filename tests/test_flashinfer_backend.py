@@ -28,6 +28,7 @@ from hal.capability import DeviceCapability
 from hal.config import AttentionConfig
 from hal.conformance.cases import CASES, GRAPH_CASES, Case, build, tolerance
 from hal.conformance.cases_models import MODEL_CASES
+from hal.conformance.padding import PADDING_CASES, PADDING_INSERTS, build_with_free_last_slot, with_padding
 from hal.devices.cuda import flashinfer_backend as fib
 from hal.devices.cuda.flashinfer_backend import (
     FlashInferBackend,
@@ -1141,3 +1142,19 @@ def test_gpu_real_merge_state_matches_torch():
     want_v, want_s = merge_states_base2(v_a, s_a, v_b, s_b)
     torch.testing.assert_close(got_v.float(), want_v.float(), atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(got_s, want_s, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode", list(PADDING_CASES), ids=lambda m: m.name)
+def test_padding_slots_against_fake(fake_fi, mode):
+    """-1 padding requests inside and at the end of a step (``hal.conformance.padding``): the KV write skips them
+    (no slot changes but the real tokens', the padding page and the pool's last slot included) and the real
+    tokens' outputs match the reference."""
+    built = build_with_free_last_slot(_as_bf16(PADDING_CASES[mode]), None)
+    fb, q, k, v, real = with_padding(built, PADDING_INSERTS[mode])
+    backend = _cpu_backend()
+    backend.init_forward_metadata(fb)
+    out = backend.forward(q, k, v, built.layer, fb)
+    pool = fb.token_to_kv_pool
+    assert torch.equal(pool.get_key_buffer(built.layer.layer_id), built.expected_k)
+    assert torch.equal(pool.get_value_buffer(built.layer.layer_id), built.expected_v)
+    torch.testing.assert_close(out[real].float(), built.expected.float(), **tolerance(torch.bfloat16))

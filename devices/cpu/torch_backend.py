@@ -62,6 +62,7 @@ class PlainTorchBackend(AttentionBackend):
     """The plain torch path of the ``torch`` backend (no compiled kernels); see the module docstring."""
 
     name = "torch"
+    supports_padding_slots = True  # -1 in out_cache_loc: no KV written (docs/porting.md)
     dtypes = frozenset({"fp32", "bf16"})
     kv_cache_dtypes = frozenset({"fp32", "bf16", "fp8_e4m3", "fp8_e5m2"})
     supports_mla = True

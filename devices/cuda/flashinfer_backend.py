@@ -370,6 +370,7 @@ class FlashInferBackend(AttentionBackend):
     """
 
     name = "flashinfer"
+    supports_padding_slots = True  # -1 in out_cache_loc: no KV written (docs/porting.md)
     dtypes = frozenset({"fp16", "bf16"})
     kv_cache_dtypes = frozenset({"fp16", "bf16", "fp8_e4m3", "fp8_e5m2"})  # kv_data_type, run(k_scale, v_scale)
     page_sizes = None  # any power of two: FlashInfer takes page_size at plan time

@@ -225,9 +225,19 @@ class NpuGraph(TorchGraph):
         super().replay()
 
 
-# The case families whose ops differ per generation (routes, MLA and sinks support, graph ops): each other
-# generation's emulated path reruns these.
-GENERATION_FAMILIES = ("basic", "paged", "head_dim", "window", "non_causal_window", "mla", "sinks", "graph")
+# The case families whose ops differ per generation (routes, MLA and sinks support, graph ops, the KV-write op that
+# padding slots reach): each other generation's emulated path reruns these.
+GENERATION_FAMILIES = (
+    "basic",
+    "paged",
+    "head_dim",
+    "window",
+    "non_causal_window",
+    "mla",
+    "sinks",
+    "graph",
+    "padding_slots",
+)
 
 
 class NpuDevice(Device):

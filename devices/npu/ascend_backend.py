@@ -163,6 +163,7 @@ def _relayout(
 
 class AscendBackend(AscendRouting, NpuGraphTasks, AttentionBackend):
     name = "ascend"
+    supports_padding_slots = True  # -1 in out_cache_loc: no KV written (docs/porting.md)
     dtypes = frozenset({"fp16", "bf16", "fp32"})  # fp32: the emulation only (validate says why)
     page_sizes = frozenset({16, 32, 64, 128, 256, 512})  # multiples of 16 (ATB), <= 512 (FIA)
     supports_logit_cap = False  # neither ATB PagedAttention nor FIA takes a soft cap
@@ -385,8 +386,9 @@ class AscendBackend(AscendRouting, NpuGraphTasks, AttentionBackend):
         ReshapeAndCache skips a negative slot and forbids a repeated one, so its padding (negative, and a captured
         graph's padding requests, which all target the padding slot) is passed as -1. ``npu_scatter_pa_kv_cache``
         and ``npu_scatter_nd_update_`` take no negative or out-of-range slot, so padding is redirected to the pool's
-        padding slot; several padding rows may land there ("重复时不保证正确性": unspecified content) and nothing
-        reads that slot.
+        padding slot; a -1 row (a padding token: hal's contract writes no KV for it) carries that slot's own content,
+        so the slot keeps it whichever of the repeated writes lands ("重复时不保证正确性"); a captured graph's
+        padding requests (slot 0) leave it unspecified, and nothing reads it.
         """
         pool = fb.token_to_kv_pool
         split = _split_mla(pool, layer)
@@ -398,7 +400,12 @@ class AscendBackend(AscendRouting, NpuGraphTasks, AttentionBackend):
             npu_ops.write_latent(self.ops, k, cache.view(-1, pool.page_size, *cache.shape[1:]), slots)
             self._took("_npu_reshape_and_cache_siso", "kv_write")
             return
+        skip = (slots < 0)[:, None, None]
         slots = torch.where(slots < 0, padding, slots)
+
+        def kept(buffer: torch.Tensor, new: torch.Tensor) -> torch.Tensor:  # -1 rows: the padding slot's own bytes
+            return torch.where(skip, buffer[padding].to(new.dtype), new)
+
         if layer.is_mla or self.generation == "310P":  # rows into the pool's ND buffers
             rows = [(pool.get_key_buffer(layer.layer_id), k)]
             if split:
@@ -410,10 +417,11 @@ class AscendBackend(AscendRouting, NpuGraphTasks, AttentionBackend):
             elif not layer.is_mla:
                 rows.append((pool.get_value_buffer(layer.layer_id), v))
             for buffer, new in rows:
-                npu_ops.scatter_rows(self.ops, buffer, slots, new)
+                npu_ops.scatter_rows(self.ops, buffer, slots, kept(buffer, new))
             self._took("npu_scatter_nd_update_", "kv_write")
             return
         k_cache, v_cache = paged_view(pool, layer.layer_id)
+        k, v = kept(pool.get_key_buffer(layer.layer_id), k), kept(pool.get_value_buffer(layer.layer_id), v)
         npu_ops.write_kv(self.ops, k, v, k_cache, v_cache, slots, scatter=True)
         self._took("npu_scatter_pa_kv_cache", "kv_write")
 

@@ -32,6 +32,12 @@ from hal.conformance.cases import (
     graph_replays,
     sub_batch,
 )
+from hal.conformance.padding import (  # noqa: F401 (collected as this suite's tests)
+    test_bad_padding_slot_is_rejected,
+    test_padding_slots_in_a_graph_replay,
+    test_padding_slots_write_nothing,
+    test_padding_slots_write_nothing_mla,
+)
 from hal.errors import InvalidBatchError, KVCacheError
 from hal.graph import GraphRunner
 from hal.kernels import reference

@@ -1476,8 +1476,8 @@ at::Tensor write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::
   const int32_t* loc_i = loc64 ? nullptr : loc.data_ptr<int32_t>();
   for (int64_t t = 0; t < T; ++t) {
     const int64_t s = loc64 ? loc_l[t * loc_s] : int64_t(loc_i[t * loc_s]);
-    TORCH_CHECK(s >= 0 && s < P.num_slots, "hal: out_cache_loc[", t, "] = ", s, ": expected a slot in [0, ",
-                P.num_slots, ")");
+    TORCH_CHECK(s >= -1 && s < P.num_slots, "hal: out_cache_loc[", t, "] = ", s, ": expected a slot in [0, ",
+                P.num_slots, ") or -1 (a padding token: nothing written)");
     slots[t] = s;
   }
   const int64_t elt = bf16 ? 2 : 4;
@@ -1487,6 +1487,7 @@ at::Tensor write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::
   const char* vin = static_cast<const char*>(v.data_ptr());
   at::parallel_for(0, T, 256, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
+      if (slots[t] < 0) continue;  // -1: a padding token, whose KV is written nowhere
       for (int64_t h = 0; h < kv_heads; ++h) {
         std::memcpy(K + (slots[t] * P.k_s0 + h * P.k_s1) * elt, kin + (t * ks0 + h * ks1) * elt, head_dim * elt);
         std::memcpy(V + (slots[t] * P.v_s0 + h * P.v_s1) * elt, vin + (t * vs0 + h * vs1) * elt, v_head_dim * elt);

@@ -35,6 +35,9 @@ Semantics shared by every backend (SGLang's conventions):
   (saturating, as vLLM's ``scaled_fp8_quant``), a read gives ``stored.float() * scale``, with the
   layer's ``k_scale`` for keys and ``v_scale`` for values (None: 1.0). A cache in a model dtype
   ignores the scales. Queries stay in the model dtype.
+* Padding tokens: a query token whose ``out_cache_loc`` is -1 writes no KV (:func:`store` skips negative
+  slots); its output row is unspecified and the caller ignores it. It belongs to a padding request (all of
+  whose query tokens are padding), which reads in-pool slots only (hal's padding row 0: the padding slot).
 * MLA (latent attention): the value buffer is a view of the key buffer's first
   ``kv_lora_rank`` columns (the latent); a write stores the key only (latent and rope
   part) and the value is read through the view. Nothing else about it is special: it is
@@ -234,12 +237,16 @@ def write_kv(
 
 
 def store(buffer: torch.Tensor, loc: torch.Tensor, values: torch.Tensor) -> None:
-    """``buffer[loc] = values`` (already in ``buffer.dtype``); a one-byte float (fp8) as bytes, as SGLang's pools
-    do: some devices and torch versions have no fp8 index_put."""
+    """``buffer[loc[i]] = values[i]`` (already in ``buffer.dtype``) for every ``loc[i] >= 0``; a negative slot (-1, a
+    padding token) writes nothing: its row goes to slot 0 carrying slot 0's own bytes, so every slot keeps its
+    content and no shape depends on the data (graph-recordable, no host sync). A one-byte float (fp8) is written as
+    bytes, as SGLang's pools do: some devices and torch versions have no fp8 index_put. (vLLM's cache kernels skip
+    ``slot_idx < 0`` the same way: vllm-project/vllm ``csrc/cache_kernels.cu``, ``PAD_SLOT_ID = -1``.)"""
     if buffer.dtype.is_floating_point and buffer.dtype.itemsize == 1:
-        buffer.view(torch.uint8)[loc.long()] = values.view(torch.uint8)
-    else:
-        buffer[loc.long()] = values
+        buffer, values = buffer.view(torch.uint8), values.view(torch.uint8)
+    loc = loc.long()
+    skip = (loc < 0).view(-1, *[1] * (values.dim() - 1))
+    buffer[loc.clamp(min=0)] = torch.where(skip, buffer[:1], values)
 
 
 def build_kv_indices(

@@ -51,7 +51,7 @@ def _write_kv_kernel(
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(loc_ptr + t).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask_h = offs_h < kv_heads
+    mask_h = (offs_h < kv_heads) & (slot >= 0)  # a negative slot (-1, a padding token) writes nothing
 
     offs_d = tl.arange(0, BLOCK_D)
     mask = mask_h[:, None] & (offs_d < head_dim)[None, :]
@@ -93,12 +93,13 @@ def write_kv(
     to nearest even (``v`` with ``v_scale``), exactly as torch's cast. An MLA pool
     (``v_buffer`` a view of ``k_buffer``'s first columns) stores the key only; ``v`` may then
     be None. Slots in ``loc`` must be distinct (a repeated slot gets one of the writes,
-    unspecified which).
+    unspecified which); a negative slot (-1, a padding token) writes nothing, as vLLM's
+    ``reshape_and_cache`` skips ``PAD_SLOT_ID``.
 
     Args:
         k_buffer: ``[num_slots, kv_heads, head_dim]``, fp32/fp16/bf16 or fp8, written in place.
         v_buffer: ``[num_slots, kv_heads, v_head_dim]``, same dtype, written in place.
-        loc: int32/int64 ``[n]``, destination slots.
+        loc: int32/int64 ``[n]``, destination slots (-1: skip the row).
         k: ``[n, kv_heads, head_dim]``, fp32/fp16/bf16.
         v: ``[n, kv_heads, v_head_dim]`` (None for an MLA pool).
         k_scale, v_scale: quantisation scales of an fp8 pool (ignored for other dtypes).

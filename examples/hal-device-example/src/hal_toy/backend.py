@@ -47,6 +47,9 @@ class ToyBackend(AttentionBackend):
     page_sizes = frozenset({16, 64})
     supports_mla = True  # v_head_dim != head_dim
     requires_page_aligned_slots = False  # slots are read one by one; pages need not be whole
+    # hal >= 0.3: out_cache_loc may hold -1 (a padding token, no KV written). The base class's KV write skips it and
+    # this backend reads slots through req_to_token only, never out_cache_loc; hal 0.2 ignores the attribute.
+    supports_padding_slots = True
     reads_new_kv = False  # reads every key from the cache: k/v may stay None with save_kv_cache=False
     needs_cpu_seq_lens = True
 
