@@ -1,13 +1,16 @@
 """vLLM's engine on hal against vLLM's own ``CPU_ATTN``, same model, one run; the per-step translation apart.
 
     python bench/vllm_engine.py [--out bench/results/vllm_engine.json] [--prompts 8] [--prompt-len 256]
-        [--gen-requests 16] [--gen-tokens 64] [--dtype float32] [--translate-only]
+        [--gen-requests 16] [--gen-tokens 64] [--dtype float32] [--repeats 3] [--rounds 2] [--translate-only]
 
 Needs vLLM (docs/vllm.md: the ``vllm-engine`` env or ``/work/venvs/vllm``). For each backend a fresh engine
 (``ci/vllm_engine.py``, its own process) serves two phases on a random Llama (``ci/vllm_model.py``: 4 layers,
 hidden 256, 8/2 heads of dim 32): **prompt** (``--prompts`` prompts of ``--prompt-len`` tokens, one output
 token each: prompt tokens per second) and **generation** (``--gen-requests`` short prompts decoding
-``--gen-tokens`` tokens each, all in one batch: generated tokens per second). Then, in this process, the
+``--gen-tokens`` tokens each, all in one batch: generated tokens per second), after an untimed warm-up (an
+engine's first batch pays one-off costs: oneDNN primitives for new shapes, first-touch of the KV cache), each
+phase ``--repeats`` times (median and best reported). The engines run ``--rounds`` times alternately (hal,
+CPU_ATTN, hal, ...) with the load average recorded per engine, so a load change shows. Then, in this process, the
 per-step translation alone (:class:`hal.integrations.vllm_steps.StepTranslator` plus hal's
 ``init_forward_metadata``: what hal adds per step, not per layer) on a decode step and a mixed step of the
 generation phase's shape, median of many. JSON out with the machine (CPU features, load average): compare
@@ -35,7 +38,8 @@ import vllm_model  # noqa: E402
 ENGINE_ARGS = {"block_size": 128, "max_num_seqs": 16, "max_num_batched_tokens": 512, "enable_prefix_caching": False}
 
 
-def _workload(args) -> list[list[dict]]:
+def _phases(args) -> tuple[list[dict], list[dict]]:
+    """The prompt phase's and the generation phase's requests."""
     low = 8
     prompt = [
         {"prompt_token_ids": [low + (i * 7 + j) % 400 for j in range(args.prompt_len)], "max_tokens": 1}
@@ -45,23 +49,34 @@ def _workload(args) -> list[list[dict]]:
         {"prompt_token_ids": [low + (i * 13 + j) % 400 for j in range(16)], "max_tokens": args.gen_tokens}
         for i in range(args.gen_requests)
     ]
-    return [prompt, gen]
+    return prompt, gen
 
 
-def engine_throughput(model: str, attention: str, workload, workdir: str, dtype: str) -> dict:
-    run = vllm_engine.run_in_subprocess(model, attention, workload, workdir, {**ENGINE_ARGS, "dtype": dtype})
-    prompt_s, gen_s = run["phase_s"]
-    prompt_tokens = sum(len(r["prompt_token_ids"]) for r in workload[0])
-    generated = sum(r["max_tokens"] for r in workload[1])
+def engine_throughput(model: str, attention: str, args, workdir: str) -> dict:
+    """One engine serving the warm-up, then ``args.repeats`` x (prompt phase, generation phase)."""
+    prompt, gen = _phases(args)
+    warm = [dict(r, max_tokens=2) for r in prompt[:2]] + gen[:2]
+    workload = [warm] + [prompt, gen] * args.repeats
+    load = os.getloadavg()[0]
+    run = vllm_engine.run_in_subprocess(
+        model, attention, workload, workdir, {**ENGINE_ARGS, "dtype": args.dtype}, timeout=3000
+    )
+    prompt_s, gen_s = run["phase_s"][1::2], run["phase_s"][2::2]
+    prompt_tokens = sum(len(r["prompt_token_ids"]) for r in prompt)
+    generated = sum(r["max_tokens"] for r in gen)
     served = [x for x in run["log"].splitlines() if "serves vLLM's attention" in x]
     return {
         "attention": attention,
         "served_by": served[0].split("serves vLLM's attention", 1)[1].strip() if served else "vLLM's CPU_ATTN",
+        "load_average_1min": [round(load, 2), round(os.getloadavg()[0], 2)],
         "engine_start_s": round(run["start_s"], 2),
-        "prompt_s": round(prompt_s, 3),
-        "prompt_tokens_per_s": round(prompt_tokens / prompt_s, 1),
-        "generation_s": round(gen_s, 3),
-        "generated_tokens_per_s": round(generated / gen_s, 1),
+        "warm_up_s": round(run["phase_s"][0], 3),
+        "prompt_s": [round(x, 3) for x in prompt_s],
+        "prompt_tokens_per_s": round(prompt_tokens / statistics.median(prompt_s), 1),
+        "prompt_tokens_per_s_best": round(prompt_tokens / min(prompt_s), 1),
+        "generation_s": [round(x, 3) for x in gen_s],
+        "generated_tokens_per_s": round(generated / statistics.median(gen_s), 1),
+        "generated_tokens_per_s_best": round(generated / min(gen_s), 1),
     }
 
 
@@ -147,18 +162,21 @@ def main(argv=None) -> None:
     parser.add_argument("--gen-requests", type=int, default=16)
     parser.add_argument("--gen-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--repeats", type=int, default=3, help="timed repeats of each phase per engine")
+    parser.add_argument("--rounds", type=int, default=2, help="engines per backend, alternating")
     parser.add_argument("--translate-only", action="store_true", help="only the per-step translation cost")
     args = parser.parse_args(argv)
     result = {"machine": machine(), "args": vars(args)}
     if not args.translate_only:
         with tempfile.TemporaryDirectory() as work:
             model = vllm_model.build_model(os.path.join(work, "llama"), "llama", seed=0)
-            workload = _workload(args)
-            result["engine"] = [engine_throughput(model, a, workload, work, args.dtype) for a in ("hal", "CPU_ATTN")]
-        hal_run, ref = result["engine"]
-        result["hal_over_cpu_attn"] = {
-            key: round(hal_run[key] / ref[key], 3) for key in ("prompt_tokens_per_s", "generated_tokens_per_s")
-        }
+            runs = [engine_throughput(model, a, args, work) for _ in range(args.rounds) for a in ("hal", "CPU_ATTN")]
+        result["engine"] = runs
+        keys = ("prompt_tokens_per_s", "generated_tokens_per_s")
+        # each hal engine over the CPU_ATTN engine that ran next to it, then the median of those rounds
+        rounds = [{k: hal_run[k] / ref[k] for k in keys} for hal_run, ref in zip(runs[0::2], runs[1::2])]
+        result["hal_over_cpu_attn"] = {k: round(statistics.median(r[k] for r in rounds), 3) for k in keys}
+        result["hal_over_cpu_attn_per_round"] = [{k: round(v, 3) for k, v in r.items()} for r in rounds]
     result["translation"] = translation_cost(args.gen_requests, 16 + args.gen_tokens, args.prompt_len)
     result["machine"]["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     text = json.dumps(result, indent=2)

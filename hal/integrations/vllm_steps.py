@@ -29,6 +29,7 @@ from hal.errors import InvalidBatchError, KVCacheError, UnsupportedError, descri
 from hal.kernels.reference import kv_scales, write_kv
 from hal.kv_cache import check_kv_inputs
 from hal.modes import ForwardMode
+from hal.validation import BATCH_FIELDS
 
 __all__ = [
     "VLLM_KV_CACHE_DTYPES",
@@ -229,24 +230,9 @@ class VllmStep:
     ``num_tokens``: the step's real query tokens (vLLM may pad the token count: those rows are not served).
     """
 
-    __slots__ = (
-        "forward_mode",
-        "batch_size",
-        "req_pool_indices",
-        "seq_lens",
-        "seq_lens_cpu",
-        "seq_lens_sum",
-        "out_cache_loc",
-        "positions",
+    # hal's batch fields (the one list of them: ``hal.validation.BATCH_FIELDS``), then the step's own
+    __slots__ = tuple(field.name for field in BATCH_FIELDS) + (
         "extend_num_tokens",
-        "extend_seq_lens",
-        "extend_prefix_lens",
-        "extend_start_loc",
-        "extend_seq_lens_cpu",
-        "extend_prefix_lens_cpu",
-        "req_to_token_pool",
-        "token_to_kv_pool",
-        "spec_info",
         "num_tokens",
         "causal",
         "_hal_metadata_step",
