@@ -179,11 +179,22 @@ def test_the_cache_key_covers_everything_that_changes_the_binary(monkeypatch):
     base = cpu_kernels.cache_state(name)["module"]
     assert cpu_kernels.cache_state(name)["module"] == base
     key = cpu_kernels.build_key(name)
-    assert {"isa", "source_sha256", "torch", "torch_git", "cxx11_abi", "python", "compiler", "flags"} <= set(key)
+    assert {
+        "isa",
+        "source_sha256",
+        "torch",
+        "torch_git",
+        "torch_root",
+        "cxx11_abi",
+        "python",
+        "compiler",
+        "flags",
+    } <= set(key)
     assert any(flag.startswith("-DHAL_ISA=") for flag in key["flags"])
     changes = [  # (object, attribute, value) each of which changes the binary
         (torch, "__version__", torch.__version__ + "+other"),
         (torch.version, "git_version", "0" * 40),
+        (torch, "__file__", "/other/venv/lib/python3/site-packages/torch/__init__.py"),  # another venv, same torch
         (torch._C, "_GLIBCXX_USE_CXX11_ABI", not torch._C._GLIBCXX_USE_CXX11_ABI),
         (cpu_kernels, "_compiler_version", lambda cxx: "g++ (other) 99.1"),
         (cpu_kernels, "_compiler", lambda: "/opt/other/bin/clang++"),

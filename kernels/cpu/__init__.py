@@ -16,7 +16,7 @@ first time a kernel is asked for, for the best x86 generation this CPU has (:dat
 AVX-512 with AVX512-BF16 dot products, AVX-512, AVX2+FMA, or plain loops), chosen from
 its features at run time (``HAL_CPU_ISA`` picks a lower one); a path whose instructions
 the CPU lacks is never built or run. Each build is cached per user under a key of
-everything that changes the binary (:func:`build_key`: source, torch version, git hash
+everything that changes the binary (:func:`build_key`: source, torch version, install, git hash
 and C++ ABI, Python, compiler and its version, flags, ISA), so environments sharing
 ``~/.cache/hal`` never rebuild each other's kernels; :func:`cache_state` says, without
 building, whether the first use here is a cache hit. The entry points are
@@ -199,6 +199,8 @@ def build_key(name: str | None = None) -> dict:
         "source_sha256": hashlib.sha256(SOURCE.read_bytes()).hexdigest(),
         "torch": torch.__version__,
         "torch_git": getattr(torch.version, "git_version", "unknown"),
+        # Two venvs with the same torch differ in include paths, so ninja would rebuild one shared folder in turn.
+        "torch_root": str(Path(torch.__file__).resolve().parent),
         "cxx11_abi": bool(torch._C._GLIBCXX_USE_CXX11_ABI),
         "python": f"{sys.implementation.cache_tag}-{platform.machine()}",
         "compiler": f"{cxx}: {_compiler_version(cxx)}",
@@ -314,7 +316,7 @@ def describe() -> str:
     how = (
         "hit: loads without compiling"
         if cache["hit"]
-        else "miss: the first use compiles it (a minute or two, once per CPU kind, torch build and compiler)"
+        else "miss: the first use compiles it (a minute or two, once per CPU kind, torch install and compiler)"
     )
     return (
         f"compiled kernels, {cache['isa']} path (this CPU runs {', '.join(runnable_isas())}); "
