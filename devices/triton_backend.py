@@ -30,7 +30,16 @@ from hal.batch import ForwardBatch, device_lens, host_lens
 from hal.capability import DTYPE_NAMES, DeviceCapability
 from hal.errors import GraphCaptureError
 from hal.kernels.reference import kv_scales
-from hal.kernels.triton.sizing import decode_splits, extend_blocks
+from hal.kernels.triton.sizing import (
+    TILE_CHOICES,
+    TILES_ENV,
+    UNTABLED_TILES,
+    TileChoice,
+    decode_splits,
+    extend_blocks,
+    extend_tiles_of,
+    tile_choice,
+)
 from hal.kv_dtypes import kv_scaled
 
 __all__ = ["TritonBackend"]
@@ -50,12 +59,23 @@ class TritonMetadata:
     windows: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # decode, per window
 
 
-def _extend_tiles(arch: str | None, head_dim: int, v_head_dim: int, dtype: str) -> str:
-    """The extend kernel's (BLOCK_M, BLOCK_N) for these head dims and the cache's dtype name, as
-    ``extend_attention`` picks it (dots run in 16-bit only when everything is one 16-bit dtype)."""
+def _extend_tiles(arch: str | None, head_dim: int, v_head_dim: int, dtype: str, tiles: TileChoice) -> str:
+    """The extend kernel's (BLOCK_M, BLOCK_N) for these head dims and the cache's dtype name: the forced ``tiles``,
+    else as ``extend_attention`` picks it (dots run in 16-bit only when everything is one 16-bit dtype)."""
     block = max(16, 1 << (max(head_dim, v_head_dim) - 1).bit_length())
-    block_m, block_n = extend_blocks(arch, block, dtype if dtype in ("bf16", "fp16") else "fp32")[:2]
+    block_m, block_n = tiles.extend or extend_blocks(arch, block, dtype if dtype in ("bf16", "fp16") else "fp32")[:2]
     return f"extend: {block_m}x{block_n} tiles"
+
+
+# The case families each forced choice reruns (``conformance_paths``), chosen by what the choice changes:
+# a tile changes the extend kernel's loop bounds and masks per tile (the causal bound, the window's left edge, the
+# custom mask and its blind rows, long extends across many tiles) and decode's key tile; a split count changes the
+# shares and their merge (empty shares, sinks and windows in the merge, MLA's wide rows, graphs whose split count
+# is fixed at capture). One split is what the interpreter and small batches take by themselves: its path reruns the
+# cases that split on the default path (long contexts, graphs sized by the request table's width).
+TILE_FAMILIES = ("basic", "window", "non_causal", "non_causal_window", "verify_tree", "page_boundaries")
+SPLIT_FAMILIES = ("basic", "window", "sinks", "mla", "v_head_dim", "large_logits", "page_boundaries", "graph")
+ONE_SPLIT_FAMILIES = ("paged", "graph")
 
 
 class TritonBackend(AttentionBackend):
@@ -67,8 +87,11 @@ class TritonBackend(AttentionBackend):
     supports_sinks = True
     needs_cpu_seq_lens = True  # kv_indices is sized by seq_lens_sum outside graphs
 
+    option_defaults = {"tiles": None}  # one of sizing.TILE_CHOICES (None: HAL_TRITON_TILES, else "auto")
+
     def __init__(self, capability: DeviceCapability, config=None, **options):
         super().__init__(capability, config, **options)
+        self.tiles = tile_choice(self.options["tiles"])
         self.graph_max_bs: int | None = None
         self.graph_buffers: dict[str, torch.Tensor] = {}
         # decode's split count fills the device's compute units (None, e.g. the CPU interpreter: the legacy cap)
@@ -88,12 +111,40 @@ class TritonBackend(AttentionBackend):
 
     @classmethod
     def routes(cls, config, capability: DeviceCapability) -> list[str]:
-        """Decode with one share of the keys or split-KV; the extend kernel's tile for this head dim."""
-        return [
-            "decode: one split",
-            "decode: split-KV",
-            _extend_tiles(capability.arch, config.head_dim, config.v_head_dim, config.dtype_name),
-        ]
+        """Decode with one share of the keys or split-KV; the extend kernel's tile for this head dim (the one
+        ``HAL_TRITON_TILES`` forces, under a tile path of ``hal check``)."""
+        splits = tile_choice().splits
+        decode = ["decode: one split"] if splits == 1 else ["decode: split-KV"] if splits else []
+        tiles = _extend_tiles(capability.arch, config.head_dim, config.v_head_dim, config.dtype_name, tile_choice())
+        return (decode or ["decode: one split", "decode: split-KV"]) + [tiles]
+
+    @classmethod
+    def conformance_paths(cls, capability: DeviceCapability) -> list[dict]:
+        """Every forced tile choice (``sizing.TILE_CHOICES`` but ``auto``) as a ``hal check`` path
+        (``hal.conformance.paths``) under ``HAL_TRITON_TILES``. On an architecture the sizing tables cover, a
+        ``tiles=`` choice none of its table rows holds is unreached: only tabled tiles are compiled and sized
+        for its shared memory (``hal.kernels.triton.compile_check``); the interpreter and untabled targets run
+        every one."""
+        tabled = extend_tiles_of(capability.arch)
+        paths = []
+        for name, choice in TILE_CHOICES.items():
+            if choice.splits:
+                families = ONE_SPLIT_FAMILIES if choice.splits == 1 else SPLIT_FAMILIES
+                paths.append({"name": name, "env": {TILES_ENV: name}, "families": families, "modes": ("DECODE",)})
+            elif choice.extend is None:  # auto: the default path
+                continue
+            elif tabled is not None and choice.extend not in tabled:
+                why = f"the sizing table of {capability.arch} never picks {name}: not compiled nor sized for it"
+                paths.append({"name": name, "unreached": why})
+            elif tabled is None and choice.extend in UNTABLED_TILES:
+                why = (
+                    f"not run apart: outside the sizing tables ({capability.arch or 'the interpreter'}) the default "
+                    f"path takes {name} itself (its route counts the cases)"
+                )
+                paths.append({"name": name, "unreached": why})
+            else:
+                paths.append({"name": name, "env": {TILES_ENV: name}, "families": TILE_FAMILIES})
+        return paths
 
     def route_of(self, forward_batch: ForwardBatch, layer) -> list[str]:
         mode = forward_batch.forward_mode
@@ -102,7 +153,7 @@ class TritonBackend(AttentionBackend):
         if mode.is_decode():
             return ["decode: split-KV" if self.metadata_for(forward_batch).num_kv_splits > 1 else "decode: one split"]
         dtype = DTYPE_NAMES.get(forward_batch.token_to_kv_pool.dtype, "fp32")
-        return [_extend_tiles(self.capability.arch, layer.head_dim, layer.v_head_dim, dtype)]
+        return [_extend_tiles(self.capability.arch, layer.head_dim, layer.v_head_dim, dtype, self.tiles)]
 
     def support_triton(self) -> bool:
         return True
@@ -142,14 +193,14 @@ class TritonBackend(AttentionBackend):
             }
         kv_heads = self.config.tp_k_head_num if self.config is not None else 8
         if graph:  # fixed at capture: every replay launches the same grid over buffers of the same size
-            splits = decode_splits(bs, kv_heads, width, self.sm_count) if fb.forward_mode.is_decode() else 1
+            splits = self._splits(bs, kv_heads, width) if fb.forward_mode.is_decode() else 1
             keys = bs * width
             max_extend = fb.out_cache_loc.shape[0] // bs
         else:
             lens = host_lens(fb)
             if fb.forward_mode.is_decode():
                 keys = sum(lens.kv)
-                splits = decode_splits(bs, kv_heads, max(lens.kv, default=1), self.sm_count)
+                splits = self._splits(bs, kv_heads, max(lens.kv, default=1))
             else:
                 keys, splits = sum(lens.prefix), 1
             max_extend = max(lens.query, default=0)
@@ -160,6 +211,10 @@ class TritonBackend(AttentionBackend):
             kv_indices=self._buffer(graph, "kv_indices", keys, torch.int32),
         )
         self.set_forward_metadata(meta, fb)
+
+    def _splits(self, batch: int, kv_heads: int, max_kv_len: int) -> int:
+        """Decode's share count: the forced one (``tiles``), else sized for the device's compute units."""
+        return self.tiles.splits or decode_splits(batch, kv_heads, max_kv_len, self.sm_count)
 
     def init_forward_metadata_in_graph(self, fb: ForwardBatch) -> None:
         mode = fb.forward_mode
@@ -239,6 +294,7 @@ class TritonBackend(AttentionBackend):
             k_scale=k_scale,
             v_scale=v_scale,
             arch=self.capability.arch,
+            block_n=self.tiles.decode_n,
         )
         return out
 
@@ -273,6 +329,8 @@ class TritonBackend(AttentionBackend):
             logit_cap=layer.logit_cap,
             custom_mask=meta.custom_mask,
             arch=self.capability.arch,
+            block_m=self.tiles.extend and self.tiles.extend[0],
+            block_n=self.tiles.extend and self.tiles.extend[1],
             sinks=_contiguous(kwargs.get("sinks")),
             k_scale=k_scale,
             v_scale=v_scale,

@@ -1038,3 +1038,63 @@ class CpuMutantDevice(Device):
 
     def conformance_paths(self, backend_cls, capability):
         return cpu_device.conformance_paths(backend_cls, capability)
+
+
+# ----------------------------------------------------------------------------- mutants of the Triton tile choices
+
+from hal.devices.triton_backend import TritonBackend  # noqa: E402
+from hal.kernels.triton.sizing import extend_blocks, next_power_of_2  # noqa: E402
+
+
+class ExtendGridOverBlockN(TritonBackend):
+    """The extend launch counts its grid's query blocks with BLOCK_N instead of BLOCK_M: where BLOCK_M < BLOCK_N
+    (the 16x32 tile, which the sm_80/sm_90 fp32 tables pick at head dim 256) the last query blocks of a long
+    extend are never computed. The interpreter's own tiles (64x64, 64x32) hide it: only the ``tiles=16x32`` path
+    of ``hal check`` shows it."""
+
+    path, families = "tiles=16x32", ("page_boundaries",)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        block = max(16, next_power_of_2(max(layer.head_dim, layer.v_head_dim)))
+        dots = "fp32" if q.dtype == torch.float32 else "bf16"
+        block_m, block_n = self.tiles.extend or extend_blocks(self.capability.arch, block, dots)[:2]
+        meta = self.forward_metadata
+        rows = meta.max_extend_len
+        meta.max_extend_len = min(rows, -(-rows // block_n) * block_m)  # cdiv(rows, BLOCK_N) blocks of BLOCK_M
+        try:
+            return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        finally:
+            meta.max_extend_len = rows
+
+
+class SplitKvSinksDropped(TritonBackend):
+    """Split-KV decode leaves the sinks out of the launch (the one-split launch passes them): the interpreter
+    splits only requests of 256 keys and more, which no sinks case has; the ``splits=4`` path of ``hal check``
+    splits every request."""
+
+    path, families = "splits=4", ("sinks",)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        if self.forward_metadata.num_kv_splits > 1:
+            kwargs.pop("sinks", None)
+        return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+
+TRITON_MUTANTS: dict[str, type] = {cls.__name__: cls for cls in (ExtendGridOverBlockN, SplitKvSinksDropped)}
+for _name, _cls in TRITON_MUTANTS.items():
+    _cls.name = _name.lower()
+
+
+class TritonMutantDevice(Device):
+    """A plugin device serving the Triton backend's mutants on the CPU (``TRITON_INTERPRET=1``); their paths are
+    the backend's own (its tile choices)."""
+
+    name = "triton_mutants"
+    plugin_api = 2
+    priority = 1
+
+    def probe(self) -> DeviceCapability:
+        return cpu_device.probe()
+
+    def backends(self):
+        return list(TRITON_MUTANTS.values())

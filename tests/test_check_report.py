@@ -223,3 +223,77 @@ def test_every_isa_path_the_cpu_can_run_is_judged(cpu_only):
         assert {"isa=avx2", "isa=generic"} <= {p for p, v in paths.items() if v.get("passed")}
     only = run_check(["cpu"], ["torch"], families=["basic"], paths=["isa=generic"])["results"][0]
     assert {c["path"] for c in only["cases"]} == {"isa=generic"}
+
+
+# ----------------------------------------------------------------------------- Triton tile choices as paths
+
+
+def _triton_cap(arch=None):
+    from hal.capability import DeviceCapability
+
+    return DeviceCapability(type="cpu", available=True, torch_type="cpu", arch=arch, dtypes=("fp32", "bf16"))
+
+
+@pytest.mark.parametrize("where", ["option", "env"])
+def test_a_triton_tile_choice_is_forced_or_refused_naming_the_choices(where, monkeypatch):
+    """``TritonBackend(tiles=)`` / ``HAL_TRITON_TILES`` force one tile choice; a bad one is a ConfigError that
+    lists every choice."""
+    from hal.devices.triton_backend import TritonBackend
+    from hal.errors import ConfigError
+    from hal.kernels.triton.sizing import TILE_CHOICES, TILES_ENV
+
+    def make(value):
+        if where == "env":
+            monkeypatch.setenv(TILES_ENV, value)
+            return TritonBackend(_triton_cap())
+        return TritonBackend(_triton_cap(), tiles=value)
+
+    assert make("tiles=16x32").tiles.extend == (16, 32) and make("splits=4").tiles.splits == 4
+    with pytest.raises(ConfigError) as info:
+        make("tiles=48x48")
+    assert "48x48" in str(info.value) and all(name in str(info.value) for name in TILE_CHOICES)
+    assert set(TILE_CHOICES) >= {"auto", "splits=1", "splits=4", "tiles=16x16", "tiles=16x32", "tiles=64x64"}
+
+
+def test_every_triton_tile_choice_is_a_path_or_unreached_with_the_reason():
+    """Each forced choice is a ``hal check`` path of the Triton backend (``HAL_TRITON_TILES``): every one under
+    the interpreter; on a GPU whose sizing table never picks a tile, that tile is unreached, saying so."""
+    from hal.conformance.paths import paths_for
+    from hal.devices.cpu import device as cpu_device
+    from hal.devices.triton_backend import TritonBackend
+    from hal.kernels.triton.sizing import TILE_CHOICES, TILES_ENV, UNTABLED_TILES, extend_tiles_of
+
+    interpreted = {p.name: p for p in paths_for(cpu_device, TritonBackend, _triton_cap())}
+    assert set(TILE_CHOICES) - {"auto"} <= set(interpreted)
+    for name, choice in TILE_CHOICES.items():
+        if name == "auto":
+            continue
+        path = interpreted[name]
+        if choice.extend in UNTABLED_TILES:  # the interpreter's own tiles: the default path runs them
+            assert "default path takes" in path.unreached, path
+            continue
+        assert not path.unreached and dict(path.env) == {TILES_ENV: name}
+        assert path.runs("window", "EXTEND") != name.startswith("splits=")  # splits: decode only
+        assert path.runs("page_boundaries" if name != "splits=1" else "paged", "DECODE")
+        assert not path.runs("fuzz", "DECODE")
+    assert interpreted["splits=4"].runs("sinks", "DECODE") and interpreted["splits=4"].runs("graph", "DECODE")
+    on_gpu = {p.name: p for p in paths_for(cpu_device, TritonBackend, _triton_cap("sm_86"))}
+    tabled = extend_tiles_of("sm_86")
+    for name, choice in TILE_CHOICES.items():
+        if choice.extend is not None:
+            assert bool(on_gpu[name].unreached) == (choice.extend not in tabled), on_gpu[name]
+    assert "never picks" in on_gpu["tiles=64x32"].unreached
+
+
+def test_a_path_that_judges_fewer_than_two_cases_fails():
+    """A tile choice (any path) must run at least ``ROUTE_MIN_CASES`` cases: one is one refactor away from none."""
+    from hal.conformance.runner import ROUTE_MIN_CASES, _path_failures
+
+    paths = {
+        "default": {"passed": 1, "failed": 0, "skipped": 0},
+        "tiles=16x32": {"passed": 1, "failed": 0, "skipped": 3},
+        "splits=4": {"passed": ROUTE_MIN_CASES, "failed": 0, "skipped": 0},
+        "tiles=64x32": {"unreached": "the sizing table never picks it"},
+    }
+    [failure] = _path_failures(paths)
+    assert failure["path"] == "tiles=16x32" and "ran 1 case" in failure["reason"]

@@ -18,7 +18,15 @@ from hal.conformance.runner import run_check
 from hal.registry import register_device
 
 sys.path.insert(0, str(Path(__file__).parent))
-from mutant_backends import CPU_MUTANTS, MUTANTS, CpuMutantDevice, MutantDevice, Tiled32  # noqa: E402
+from mutant_backends import (  # noqa: E402
+    CPU_MUTANTS,
+    MUTANTS,
+    TRITON_MUTANTS,
+    CpuMutantDevice,
+    MutantDevice,
+    Tiled32,
+    TritonMutantDevice,
+)
 
 CONTROLS = ("ported", "tiled32")
 ALL_MUTANTS = {**MUTANTS, **CPU_MUTANTS}
@@ -109,3 +117,34 @@ def test_hal_check_fails_the_mutant(mutant_results, name):
     assert result["failed"] > 0, f"{name} ({ALL_MUTANTS[name].__doc__}) passed hal check: the suite has a gap"
     first = result["failures"][0]
     assert len(first) > 40, f"{name}: the failure does not say what differs: {first!r}"
+
+
+def _triton_interpreted() -> bool:
+    from hal.kernels.triton import is_available
+
+    ok, why = is_available()
+    return ok and why.startswith("interpreter")
+
+
+@pytest.mark.skipif(not _triton_interpreted(), reason="needs triton under TRITON_INTERPRET=1 (tox -e triton)")
+@pytest.mark.parametrize("name", sorted(TRITON_MUTANTS))
+def test_a_tile_choice_bug_is_failed_on_its_path_only(name, summary_lines):
+    """A Triton backend with a bug that only one tile choice takes passes ``hal check`` on its default path and
+    fails it on that choice's path (``hal.conformance.paths``: the backend's ``conformance_paths``)."""
+    from hal.registry import get_registry, unregister_device
+
+    cls = TRITON_MUTANTS[name]
+    register_device(TritonMutantDevice())
+    try:
+        runs = {
+            path: run_check(["triton_mutants"], [cls.name], families=cls.families, paths=[path])
+            for path in ("default", cls.path)
+        }
+    finally:
+        unregister_device("triton_mutants")
+        get_registry(reload=True)
+    (default,), (on_path,) = (runs[p]["results"] for p in ("default", cls.path))
+    assert default["failed"] == 0 and default["passed"] >= 2, default["failures"] or default["cases"]
+    assert on_path["failed"] > 0, f"{name} ({cls.__doc__}) passed hal check on {cls.path}: the path has a gap"
+    assert {c["path"] for c in on_path["cases"] if c["outcome"] == "failed"} == {cls.path}
+    summary_lines.append(f"triton tile mutant {name}: passes the default path, fails {cls.path}")

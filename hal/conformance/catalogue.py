@@ -225,6 +225,8 @@ CASES: tuple[Case, ...] = (
     Case("mixed_sliding_window_page16", M, _EXACT_MIXED, sliding_window_size=9, page_size=16),
     Case("verify_sliding_window_page16", V, _VERIFY, sliding_window_size=7, page_size=16),
     Case("verify_blind_row_page16", V, _VERIFY, page_size=16, blind_row=True),
+    # a second blind-row case (issue 27: a route one case reaches is one refactor away from none): bf16, exact pages
+    Case("verify_blind_row_page16_bf16", V, _EXACT_VERIFY, page_size=16, dtype=torch.bfloat16, blind_row=True),
     # run at every page size the backend declares: KV lengths at and across 16/32/64/128 boundaries
     Case("decode_pages", D, ((15, 1), (63, 1), (128, 1), (0, 1), (31, 1)), sweep=True),
     Case("extend_pages", E, ((16, 16), (0, 64), (100, 29)), sweep=True),

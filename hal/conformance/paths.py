@@ -10,9 +10,12 @@ generation an NPU backend routes for. A bug in a path the suite never takes pass
   where it applies), the suite runs the ``checked`` path with the fused forward turned
   off (``hal.backend.fused_forward_disabled()`` / ``HAL_FUSED_FORWARD=0``);
 * the paths the device supplies (``device.conformance_paths(backend_cls, capability)``:
-  plain dicts ``{"name", "env", "families", "unreached"}``), e.g. ``isa=avx2`` run under
+  plain dicts ``{"name", "env", "families", "modes", "unreached"}``), e.g. ``isa=avx2`` run under
   ``HAL_CPU_ISA=avx2``; a path this machine cannot run is reported as unreached with
-  the reason instead of being run.
+  the reason instead of being run;
+* the paths the backend supplies itself, in the same dicts (``backend_cls.conformance_paths(capability)``,
+  where the class has it): a backend shared by several devices names its own kernel variants there, e.g. the
+  Triton backend's forced tile choices (``tiles=16x32`` under ``HAL_TRITON_TILES``).
 
 Each path runs with its environment set and its own capability (the device probed under
 that environment). ``hal check`` reports, per backend, which paths ran which families and
@@ -33,25 +36,29 @@ __all__ = ["DEFAULT", "Path", "forward_paths", "paths_for"]
 @dataclass(frozen=True)
 class Path:
     """One path: ``name`` (``default``, ``checked``, ``isa=avx2``...), the environment it runs under, whether the
-    fused forward is turned off, the case families it runs (None: every one), and ``unreached``: why this machine
-    cannot take it ("" where it can)."""
+    fused forward is turned off, the case families and forward modes it runs (None: every one), and
+    ``unreached``: why this machine cannot take it ("" where it can)."""
 
     name: str = "default"
     env: tuple[tuple[str, str], ...] = ()
     checked: bool = False
     families: frozenset[str] | None = None
     unreached: str = ""
+    modes: frozenset[str] | None = None
 
     @property
     def is_default(self) -> bool:
         return self.name == "default"
 
-    def runs(self, family: str) -> bool:
-        """Whether this path runs ``family``. Random batches (``--fuzz``) run on the default path only; the checked
-        path leaves out graphs, which take the checked path on every path."""
+    def runs(self, family: str, mode: str | None = None) -> bool:
+        """Whether this path runs ``family`` (in forward mode ``mode``, a ``ForwardMode`` name). Random batches
+        (``--fuzz``) run on the default path only; the checked path leaves out graphs, which take the checked path
+        on every path."""
         if family == "fuzz":
             return self.is_default
         if family == "graph" and self.checked:
+            return False
+        if self.modes is not None and mode is not None and mode not in self.modes:
             return False
         return self.families is None or family in self.families
 
@@ -85,20 +92,26 @@ def forward_paths(backend_cls, make=None) -> list[str]:
 
 def paths_for(device, backend_cls, capability, make=None) -> list[Path]:
     """Every path of ``backend_cls`` on ``device``: :data:`DEFAULT` first, then the checked path where the backend
-    also has a fused one, then the device's (``conformance_paths``), unreached ones included."""
+    also has a fused one, then the device's (``conformance_paths``), then the backend's own, unreached ones
+    included."""
     paths = [DEFAULT]
     if {"fused", "checked"} <= set(forward_paths(backend_cls, make)):
         paths.append(Path("checked", checked=True))  # every family: a refactor may move any onto it
     supplied = getattr(device, "conformance_paths", None)
-    for entry in supplied(backend_cls, capability) if supplied is not None else ():
-        families = entry.get("families")
-        paths.append(
-            Path(
-                str(entry["name"]),
-                tuple(sorted((entry.get("env") or {}).items())),
-                bool(entry.get("checked", False)),
-                None if families is None else frozenset(families),
-                str(entry.get("unreached") or ""),
-            )
-        )
-    return paths
+    entries = list(supplied(backend_cls, capability) if supplied is not None else ())
+    own = getattr(backend_cls, "conformance_paths", None)
+    entries += own(capability) if own is not None else ()
+    return paths + [_path(entry) for entry in entries]
+
+
+def _path(entry: dict) -> Path:
+    """A :class:`Path` from a ``conformance_paths`` dict."""
+    families, modes = entry.get("families"), entry.get("modes")
+    return Path(
+        str(entry["name"]),
+        tuple(sorted((entry.get("env") or {}).items())),
+        bool(entry.get("checked", False)),
+        None if families is None else frozenset(families),
+        str(entry.get("unreached") or ""),
+        None if modes is None else frozenset(modes),
+    )

@@ -171,7 +171,7 @@ def pytest_collection_modifyitems(config, items):
         record = case_record(item)
         if record is not None:
             item.user_properties.append(("hal_case", record))
-            off_path = not item.callspec.params["hal_target"].path.runs(record["family"])
+            off_path = not item.callspec.params["hal_target"].path.runs(record["family"], record["mode"])
             if (record["family"] == "fuzz" and not fuzz) or (families and record["family"] not in families) or off_path:
                 drop.append(item)
                 continue

@@ -151,6 +151,7 @@ def path_summary(target, cases: list[dict]) -> dict:
         mine = [c for c in cases if c.get("path", "default") == path.name]
         out[path.name] = {
             "families": sorted(path.families) if path.families is not None else "all" + (" but graph" * path.checked),
+            **({"modes": sorted(path.modes)} if path.modes is not None else {}),
             "env": dict(path.env) | ({"HAL_FUSED_FORWARD": "0"} if path.checked else {}),
             **{o: sum(c["outcome"] == o for c in mine) for o in ("passed", "failed", "skipped")},
         }
@@ -158,14 +159,20 @@ def path_summary(target, cases: list[dict]) -> dict:
 
 
 def _path_failures(paths: dict) -> list[dict]:
-    """A path besides the default one that was run but ran no case (every one skipped) is not judged: that fails
-    (the default path's empty run is :func:`_coverage_failures`'s)."""
-    return [
-        {"id": f"coverage:path:{name}", "family": "coverage", "mode": "ANY", "page_size": None, "dtype": None}
-        | {"path": name, "outcome": "failed", "reason": f"path {name!r} ran no case ({p['skipped']} skipped)"}
-        for name, p in paths.items()
-        if name != "default" and "unreached" not in p and p["passed"] + p["failed"] == 0 and p["skipped"]
-    ]
+    """A path besides the default one (a forced tile choice, an ISA path...) that was run but ran fewer than
+    :data:`ROUTE_MIN_CASES` cases (every one skipped, or its families reach one case) is not judged: that fails (the
+    default path's empty run is :func:`_coverage_failures`'s)."""
+    failures = []
+    for name, p in paths.items():
+        ran = p.get("passed", 0) + p.get("failed", 0)
+        if name == "default" or "unreached" in p or ran >= ROUTE_MIN_CASES:
+            continue
+        why = f"path {name!r} ran {ran} case(s) ({p['skipped']} skipped): at least {ROUTE_MIN_CASES} wanted"
+        failures.append(
+            {"id": f"coverage:path:{name}", "family": "coverage", "mode": "ANY", "page_size": None, "dtype": None}
+            | {"path": name, "outcome": "failed", "reason": why}
+        )
+    return failures
 
 
 # Cases each declared route must be reached by: one refactor away from none is not covered.
@@ -328,6 +335,7 @@ def format_report(report: dict, verbose: bool = False) -> str:
                 out.append(f"  path {name}: unreached ({p['unreached']})")
             else:
                 families = p["families"] if isinstance(p["families"], str) else ", ".join(p["families"])
+                families += f"; modes: {', '.join(p['modes'])}" if p.get("modes") else ""
                 counts = f"{p['passed']} passed, {p['failed']} failed, {p['skipped']} skipped"
                 out.append(f"  path {name}: {counts} (families: {families})")
         routes = r.get("routes") or {}

@@ -14,6 +14,10 @@
   budget; docs/triton-tiles.md is the generated record. fp32 runs its dots on CUDA cores
   (IEEE, no tensor cores) and holds twice the bytes per element, so its tiles are smaller.
 * :func:`launch_plan`: all of the above for one model shape, for ``hal info --arch``.
+* :data:`TILE_CHOICES` / :func:`tile_choice`: the tile and split choices the backend can be forced to
+  (``HAL_TRITON_TILES`` or ``TritonBackend(tiles=)``), one per tile the tables can return plus the
+  split-KV extremes, so that the conformance suite runs every one of them on any machine (each is a
+  ``hal check`` path: ``tiles=16x32``...).
 
 Architectures outside the tables (pre-Ampere NVIDIA, ROCm, the CPU interpreter) get the
 kernels' original conservative tiles; those are not compiled by the check.
@@ -21,7 +25,10 @@ kernels' original conservative tiles; those are not compiled by the check.
 
 from __future__ import annotations
 
-from hal.errors import UnsupportedError
+import os
+from dataclasses import dataclass
+
+from hal.errors import ConfigError, UnsupportedError, expect
 
 __all__ = [
     "decode_splits",
@@ -36,6 +43,12 @@ __all__ = [
     "MAX_DECODE_SPLITS",
     "SHARED_MEMORY_LIMIT",
     "ARCHS",
+    "TILES_ENV",
+    "TILE_CHOICES",
+    "TileChoice",
+    "tile_choice",
+    "extend_tiles_of",
+    "UNTABLED_TILES",
 ]
 
 LEGACY_MAX_SPLITS = 8  # the cap used when the SM count is unknown (CPU interpreter, tests)
@@ -147,6 +160,10 @@ def _lookup(table: dict, arch: str | None, head_block: int, dtype: str) -> tuple
     )
 
 
+#: The extend kernel's conservative tiles outside the tables (older NVIDIA, ROCm, the interpreter): head blocks up to
+#: 128, then wider.
+UNTABLED_TILES = ((64, 64), (64, 32))
+
 #: Elements of K (or V) one write_kv program moves: 64 heads x 256 fit in registers, 64 x 1024 spilled.
 WRITE_KV_ELEMENTS = 8192
 
@@ -187,7 +204,7 @@ def extend_blocks(arch: str | None, head_dim: int, dtype: str = "bf16") -> tuple
     """
     tiles = _lookup(EXTEND_TILES, arch, head_dim, dtype)
     if tiles is None:  # older NVIDIA, ROCm and unknown: the conservative tiles the kernel always had
-        return (64, 64, 4, 1) if head_dim <= 128 else (64, 32, 8, 1)
+        return (*UNTABLED_TILES[0], 4, 1) if head_dim <= 128 else (*UNTABLED_TILES[1], 8, 1)
     return tiles
 
 
@@ -278,3 +295,67 @@ def plan_for_config(arch: str, config: dict) -> dict:
         config["tp_q_head_num"],
         config["tp_k_head_num"],
     )
+
+
+# ----------------------------------------------------------------------------- forced tile choices
+
+#: Forces one of :data:`TILE_CHOICES` on the Triton backend (its ``tiles=`` option wins over it).
+TILES_ENV = "HAL_TRITON_TILES"
+#: decode's split count under ``splits=N``: with N shares a request of fewer than N keys has empty shares.
+FORCED_SPLITS = 4
+
+
+@dataclass(frozen=True)
+class TileChoice:
+    """What one choice forces: the extend kernel's ``(BLOCK_M, BLOCK_N)``, decode stage 1's ``BLOCK_N``, decode's
+    split count (None: what the tables and :func:`decode_splits` pick for the GPU and the batch)."""
+
+    name: str
+    extend: tuple[int, int] | None = None
+    decode_n: int | None = None
+    splits: int | None = None
+
+    @property
+    def forced(self) -> bool:
+        return self != TileChoice(self.name)
+
+
+def _tile_choices() -> dict[str, TileChoice]:
+    """``auto``, ``splits=1``, ``splits=4``, and ``tiles=MxN`` for every extend tile the tables (and the kernels'
+    conservative tiles outside them) can return; decode's ``BLOCK_N`` under a ``tiles=`` choice is the widest
+    decode table tile up to ``N``."""
+    extend = {tiles[:2] for rows in EXTEND_TILES.values() for _, tiles in rows} | set(UNTABLED_TILES)
+    decode_ns = sorted({tiles[1] for rows in DECODE_TILES.values() for _, tiles in rows} | {32})
+    choices = [TileChoice("auto"), TileChoice("splits=1", splits=1)]
+    choices.append(TileChoice(f"splits={FORCED_SPLITS}", splits=FORCED_SPLITS))
+    for m, n in sorted(extend):
+        decode_n = max([d for d in decode_ns if d <= n] or decode_ns[:1])
+        choices.append(TileChoice(f"tiles={m}x{n}", extend=(m, n), decode_n=decode_n))
+    return {c.name: c for c in choices}
+
+
+def extend_tiles_of(arch: str | None) -> set[tuple[int, int]] | None:
+    """The extend ``(BLOCK_M, BLOCK_N)`` tiles ``arch``'s table can return; None outside the tables (the
+    interpreter, ROCm, pre-Ampere: any tile of :data:`TILE_CHOICES` runs there)."""
+    family = _family(arch)
+    if family is None:
+        return None
+    return {tiles[:2] for (fam, _), rows in EXTEND_TILES.items() if fam == family for _, tiles in rows}
+
+
+#: Every choice by name (``auto``: the tables' own).
+TILE_CHOICES: dict[str, TileChoice] = _tile_choices()
+
+
+def tile_choice(name: str | None = None) -> TileChoice:
+    """The choice ``name`` (None: ``HAL_TRITON_TILES``, else ``auto``).
+
+    Raises:
+        ConfigError: a name that is not one of :data:`TILE_CHOICES` (the error lists them).
+    """
+    source, value = "tiles", name
+    if value is None:
+        source, value = TILES_ENV, os.environ.get(TILES_ENV) or "auto"
+    choice = TILE_CHOICES.get(value) if isinstance(value, str) else None
+    expect(choice is not None, ConfigError, source, value, "one of " + ", ".join(TILE_CHOICES))
+    return choice
