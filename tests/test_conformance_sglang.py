@@ -7,9 +7,9 @@ of a captured step; ``hal.integrations.sglang_pools.serve_pool`` serves SGLang's
 replay view is built the way SGLang's graph runners build it (the requests padded to the
 captured size with row 0 and the fill length, ``out_cache_loc`` the live tokens' only), the
 pool the way SGLang's NPU memory pool lays it out (``[pages + 1, page_size, heads, dim]``
-per layer). Where SGLang is not installed, its two base modules that the integration
-imports are stood in for (an empty backend registry and an empty base class), which is all
-the translation reads of SGLang itself.
+per layer). Where SGLang is not installed, the modules that the integration imports are
+stood in for (an empty backend registry, an empty base class, ``is_cpu()`` true), which is
+all the translation reads of SGLang itself.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ _STANDINS = (
     "sglang.srt.layers.attention",
     "sglang.srt.layers.attention.attention_registry",
     "sglang.srt.layers.attention.base_attn_backend",
+    "sglang.srt.utils",
 )
 
 
@@ -51,6 +52,7 @@ def sglang_integration():
     modules = {name: types.ModuleType(name) for name in _STANDINS}
     modules["sglang.srt.layers.attention.attention_registry"].ATTENTION_BACKENDS = {}
     modules["sglang.srt.layers.attention.base_attn_backend"].AttentionBackend = type("AttentionBackend", (), {})
+    modules["sglang.srt.utils"].is_cpu = lambda: True  # these cases run SGLang's CPU engine's batches
     saved = {name: sys.modules.get(name) for name in (*_STANDINS, "hal.integrations.sglang")}
     sys.modules.update(modules)
     sys.modules.pop("hal.integrations.sglang", None)
@@ -181,3 +183,24 @@ def test_npu_paged_pool_is_served_in_place(mode):
     )
     problem = check_cache(built, pool=pool_view) or check_output(built, out)
     assert problem is None, problem
+
+
+def test_sglangs_cpu_qlen_only_verify_mask_is_served_as_hals_full_mask(sglang_integration, monkeypatch):
+    """SGLang's CPU engine sends verify masks as QLEN_ONLY ``[draft, draft]`` blocks (its ``is_cpu()`` rule,
+    eagle_utils.py / ngram_worker.py): the integration hands hal the full ``[draft, seq_len + draft]`` rows, the
+    prefix visible; elsewhere (the GPU engines, the kit) SGLang's full mask passes through untouched."""
+    hal_sglang = sglang_integration
+    draft, seq = 3, [4, 0, 2]
+    qlen = torch.rand(len(seq) * draft * draft) > 0.5
+    spec = types.SimpleNamespace(custom_mask=qlen, draft_token_num=draft, topk=1)
+    batch = types.SimpleNamespace(seq_lens_cpu=torch.tensor(seq), spec_info=spec)
+    monkeypatch.setattr(hal_sglang, "_sglang_on_cpu", lambda: True)
+    served = hal_sglang._VerifyInput.full_mask(batch, spec)
+    assert served.topk == 1 and served.draft_token_num == draft and served.spec is spec
+    blocks = qlen.view(len(seq), draft, draft)
+    want = [torch.cat([torch.ones(draft, n, dtype=torch.bool), blocks[i]], 1).flatten() for i, n in enumerate(seq)]
+    assert torch.equal(served.custom_mask, torch.cat(want))
+    full = types.SimpleNamespace(custom_mask=torch.cat(want), draft_token_num=draft)
+    assert hal_sglang._VerifyInput.full_mask(batch, full) is full  # already hal's layout
+    monkeypatch.setattr(hal_sglang, "_sglang_on_cpu", lambda: False)
+    assert hal_sglang._VerifyInput.full_mask(batch, spec) is spec

@@ -607,27 +607,3 @@ def test_sglangs_support_triton_follows_the_hal_backend_built_under_the_name(kit
     assert last.tolist() == [22, -1, 39]
     built.support_triton = lambda: True  # a hal backend that allows Triton (e.g. on CUDA) is believed
     assert common.support_triton("hal_gating_test") is True
-
-
-def test_sglangs_cpu_qlen_only_verify_mask_is_served_as_hals_full_mask(monkeypatch):
-    """SGLang's CPU engine sends verify masks as QLEN_ONLY ``[draft, draft]`` blocks (its ``is_cpu()`` rule,
-    eagle_utils.py / ngram_worker.py): the integration hands hal the full ``[draft, seq_len + draft]`` rows, the
-    prefix visible; elsewhere (the GPU engines, the kit) SGLang's full mask passes through untouched."""
-    import types
-
-    import hal.integrations.sglang as hal_sglang
-
-    draft, seq = 3, [4, 0, 2]
-    qlen = torch.rand(len(seq) * draft * draft) > 0.5
-    spec = types.SimpleNamespace(custom_mask=qlen, draft_token_num=draft, topk=1)
-    batch = types.SimpleNamespace(seq_lens_cpu=torch.tensor(seq), spec_info=spec)
-    monkeypatch.setattr(hal_sglang, "_sglang_on_cpu", lambda: True)
-    served = hal_sglang._VerifyInput.full_mask(batch, spec)
-    assert served.topk == 1 and served.draft_token_num == draft and served.spec is spec
-    blocks = qlen.view(len(seq), draft, draft)
-    want = [torch.cat([torch.ones(draft, n, dtype=torch.bool), blocks[i]], 1).flatten() for i, n in enumerate(seq)]
-    assert torch.equal(served.custom_mask, torch.cat(want))
-    full = types.SimpleNamespace(custom_mask=torch.cat(want), draft_token_num=draft)
-    assert hal_sglang._VerifyInput.full_mask(batch, full) is full  # already hal's layout
-    monkeypatch.setattr(hal_sglang, "_sglang_on_cpu", lambda: False)
-    assert hal_sglang._VerifyInput.full_mask(batch, spec) is spec
