@@ -110,6 +110,16 @@ def test_fuzzing_shrinks_a_mutant_to_a_reproducible_case(restore_registry):
     assert len(case.requests) == 1 and case.sliding_window_size >= 1  # shrunk: one request, a window
 
 
+def test_fuzzing_inserts_padding_requests_and_fails_a_wrapped_minus_one(restore_registry):
+    """Fuzzed DECODE / EXTEND / MIXED steps hold -1 padding requests where a backend declares them: a port that
+    indexes the pool with -1 (writing the last slot) fails the fuzz family alone, and the reproduction names them."""
+    register_device(MutantDevice([MUTANTS["PaddingSlotWrapsToLastSlot"]]))
+    report = run_check(["mutants"], [], fuzz=40, seed=0, families=["fuzz"])
+    [fuzz] = report["results"][0]["cases"]
+    assert fuzz["outcome"] == "failed", fuzz
+    assert "padding requests (out_cache_loc -1)" in fuzz["reason"] and "with_padding(built, {" in fuzz["reason"]
+
+
 @pytest.mark.parametrize("backend", ["torch", "ascend"])
 def test_fuzz_passes_the_native_backends(backend):
     """A short fuzz run here; tox's cpu env runs 500 batches per native backend through `hal check --fuzz`."""

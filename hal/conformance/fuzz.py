@@ -6,9 +6,11 @@ page boundaries, head layouts, the page sizes and dtypes it declares, windows, l
 caps, non-causal layers, random verify trees, shuffled pages or slots scattered off
 their page offsets (where the backend does not require aligned slots), several layers
 of pools that start at layer 0 or later, and what the backend declares of MLA, attention
-sinks and fp8 KV caches. Each batch is compared with the float64
-reference and the whole pool with its canaries (only ``out_cache_loc`` of the forwarded
-layer may change). A failing batch is shrunk by hypothesis and reported as Python that
+sinks and fp8 KV caches; where it declares ``supports_padding_slots``, DECODE, EXTEND and MIXED
+steps now and then hold padding requests (every query token's ``out_cache_loc`` -1, inside the
+batch or at its end). Each batch is compared with the float64
+reference (the real tokens' rows) and the whole pool with its canaries (only the real
+tokens' ``out_cache_loc`` of the forwarded layer may change). A failing batch is shrunk by hypothesis and reported as Python that
 rebuilds it.
 """
 
@@ -25,9 +27,10 @@ from hal.batch import ForwardMode
 from hal.conformance.cases import Case, build, check_cache, check_output, describe
 from hal.kv_dtypes import KV_DTYPE_TABLE
 
-__all__ = ["cases", "run_fuzz", "check_case"]
+__all__ = ["cases", "padding_inserts", "fit_padding", "run_fuzz", "check_case"]
 
 _ANY_PAGE = (1, 2, 4, 16)
+_PADDABLE = (ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED)
 
 
 def _lengths(page: int):
@@ -126,12 +129,38 @@ def _model_features(draw, backend_cls, case: Case) -> Case:
     return dataclasses.replace(case, **changes)
 
 
-def check_case(target, backend, case: Case) -> str | None:
-    """Run ``case`` on ``backend``; None when the output and the whole pool are right, else what is wrong."""
+def padding_inserts(backend_cls):
+    """Padding requests to insert into a fuzzed case (``{before request i: query tokens}``), drawn apart from the
+    case so that shrinking the case leaves them as they were; :func:`fit_padding` fits them to the case. None
+    where the backend does not declare ``supports_padding_slots``."""
+    if not backend_cls.supports_padding_slots:
+        return st.just({})
+    inserts = st.dictionaries(st.integers(0, 4), st.integers(1, 3), min_size=1, max_size=2)
+    return st.one_of(st.just({}), inserts)
+
+
+def fit_padding(case: Case, inserts: dict[int, int]) -> dict[int, int]:
+    """``inserts`` as :func:`hal.conformance.padding.with_padding` takes them for ``case``: none in verify and draft
+    steps (they carry no padding requests), one token each in DECODE, positions past the batch at its end."""
+    if case.mode not in _PADDABLE:
+        return {}
+    fitted: dict[int, int] = {}
+    for i, n in sorted(inserts.items()):
+        at = min(i, len(case.requests))
+        fitted[at] = 1 if case.mode.is_decode() else fitted.get(at, 0) + n
+    return fitted
+
+
+def check_case(target, backend, case: Case, padding: dict[int, int] | None = None) -> str | None:
+    """Run ``case`` on ``backend`` (with the ``padding`` requests of :func:`fit_padding` inserted); None when the
+    real tokens' outputs and the whole pool are right, else what is wrong."""
+    from hal.conformance.padding import with_padding  # a pytest module: imported where the fuzz runs, under pytest
+
     built = build(case, target.capability.torch_device)
-    backend.init_forward_metadata(built.batch)
-    out = backend.forward(built.q, built.k, built.v, built.layer, built.batch, **built.forward_kwargs)
-    return check_cache(built) or check_output(built, out)
+    fb, q, k, v, real = with_padding(built, padding) if padding else (built.batch, built.q, built.k, built.v, None)
+    backend.init_forward_metadata(fb)
+    out = backend.forward(q, k, v, built.layer, fb, **built.forward_kwargs)
+    return check_cache(built) or check_output(built, out if real is None else out[real])
 
 
 def run_fuzz(target, examples: int, seed: int = 0) -> int:
@@ -148,25 +177,32 @@ def run_fuzz(target, examples: int, seed: int = 0) -> int:
         suppress_health_check=list(HealthCheck),
         print_blob=False,
     )
-    @given(case=cases(target.backend, target.capability))
-    def property_(case):
+    @given(padding=padding_inserts(target.backend), case=cases(target.backend, target.capability))
+    def property_(padding, case):
         reasons = target.backend.unsupported_reasons(case.config(), target.capability)
         if reasons:
             from hypothesis import reject
 
             reject()
         counted["ran"] += 1
+        padding = fit_padding(case, padding)
         try:
-            problem = check_case(target, backend, case)
+            problem = check_case(target, backend, case, padding)
         except Exception as exc:  # an exception is a failure like any other, with the case that raised it
             problem = f"{type(exc).__name__}: {exc}"
+        padded = f" with padding requests (out_cache_loc -1) {padding}" if padding else ""
+        step = (
+            f"  from hal.conformance.padding import with_padding\n  fb, q, k, v, real = with_padding(built, {padding})\n"
+            if padding
+            else "  fb, q, k, v, real = built.batch, built.q, built.k, built.v, slice(None)\n"
+        )
         assert problem is None, (
-            f"{describe(case)}\n{problem}\nreproduce:\n  from hal.batch import ForwardMode\n"
+            f"{describe(case)}{padded}\n{problem}\nreproduce:\n  from hal.batch import ForwardMode\n"
             f"  from hal.conformance.cases import Case, build\n  import torch\n  case = {case.source()}\n"
-            f"  built = build(case)  # then, with your backend:\n"
-            "  backend.init_forward_metadata(built.batch)\n"
-            "  out = backend.forward(built.q, built.k, built.v, built.layer, built.batch, **built.forward_kwargs)\n"
-            "  # compare: hal.conformance.cases.check_cache(built), check_output(built, out)"
+            f"  built = build(case)  # then, with your backend:\n{step}"
+            "  backend.init_forward_metadata(fb)\n"
+            "  out = backend.forward(q, k, v, built.layer, fb, **built.forward_kwargs)\n"
+            "  # compare: hal.conformance.cases.check_cache(built), check_output(built, out[real])"
         )
 
     property_()
