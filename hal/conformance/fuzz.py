@@ -10,8 +10,8 @@ sinks and fp8 KV caches; where it declares ``supports_padding_slots``, DECODE, E
 steps now and then hold padding requests (every query token's ``out_cache_loc`` -1, inside the
 batch or at its end). Each batch is compared with the float64
 reference (the real tokens' rows) and the whole pool with its canaries (only the real
-tokens' ``out_cache_loc`` of the forwarded layer may change). A failing batch is shrunk by hypothesis and reported as Python that
-rebuilds it.
+tokens' ``out_cache_loc`` of the forwarded layer may change). A failing batch is shrunk
+by hypothesis and reported as Python that rebuilds it.
 """
 
 from __future__ import annotations
@@ -192,7 +192,8 @@ def run_fuzz(target, examples: int, seed: int = 0) -> int:
             problem = f"{type(exc).__name__}: {exc}"
         padded = f" with padding requests (out_cache_loc -1) {padding}" if padding else ""
         step = (
-            f"  from hal.conformance.padding import with_padding\n  fb, q, k, v, real = with_padding(built, {padding})\n"
+            "  from hal.conformance.padding import with_padding\n"
+            f"  fb, q, k, v, real = with_padding(built, {padding})\n"
             if padding
             else "  fb, q, k, v, real = built.batch, built.q, built.k, built.v, slice(None)\n"
         )
