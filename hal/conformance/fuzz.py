@@ -131,8 +131,8 @@ def _model_features(draw, backend_cls, case: Case) -> Case:
 
 def padding_inserts(backend_cls):
     """Padding requests to insert into a fuzzed case (``{before request i: query tokens}``), drawn apart from the
-    case so that shrinking the case leaves them as they were; :func:`fit_padding` fits them to the case. None
-    where the backend does not declare ``supports_padding_slots``."""
+    case so that shrinking the case leaves them as they were; :func:`fit_padding` fits them to the case. Always
+    ``{}`` where the backend does not declare ``supports_padding_slots``."""
     if not backend_cls.supports_padding_slots:
         return st.just({})
     inserts = st.dictionaries(st.integers(0, 4), st.integers(1, 3), min_size=1, max_size=2)
