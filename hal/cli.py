@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -118,6 +119,19 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, e.g. 1,2") from None
 
 
+def _jobs(text: str) -> int:
+    """``"auto"`` -> the machine's cores, ``"3"`` -> 3 (argparse type: ``hal check --jobs``)."""
+    if text.strip() == "auto":
+        return os.cpu_count() or 1
+    try:
+        jobs = int(text)
+    except ValueError:
+        jobs = 0
+    if jobs < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of processes >= 1, or auto")
+    return jobs
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hal", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -150,6 +164,15 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME",
         help="only these of a backend's paths (repeatable): default, checked, isa=avx2, generation=A5... "
         "(default: every path it can take here)",
+    )
+    p_check.add_argument(
+        "-j",
+        "--jobs",
+        type=_jobs,
+        default=1,
+        metavar="N",
+        help="run the cases in N processes (pytest-xdist; auto: one per core), each with its share of the cores; "
+        "the report is the same",
     )
     from hal.conformance.features import FEATURES, PROFILES
 
@@ -250,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.family,
                 require=required,
                 paths=args.path,
+                jobs=args.jobs,
             )
             if args.json:
                 print(json.dumps({k: report[k] for k in ("results", "exit_code", "errors")}, indent=2))

@@ -47,6 +47,35 @@ def test_records_carry_machine_versions_and_cases(cpu_only):
     assert "mode" in text and "family" in text and "bad_input" in text and "path checked:" in text
 
 
+def test_jobs_share_the_cases_and_give_the_same_report(cpu_only):
+    """``hal check --jobs 2``: the cases run in two pytest-xdist workers, and every record is what one process
+    gives."""
+    families = ["idle", "validation", "bad_input"]
+    one = run_check(["cpu"], ["torch"], families=families)
+    two = run_check(["cpu"], ["torch"], families=families, jobs=2)
+
+    def outcomes(report):
+        [result] = report["results"]
+        return sorted((c["id"], c["path"], c["family"], c["mode"], c["outcome"]) for c in result["cases"])
+
+    assert two["exit_code"] == 0 and outcomes(two) == outcomes(one) and len(outcomes(one)) > 10
+    assert two["workers"] == ["gw0", "gw1"] and one["workers"] == []
+    assert format_report(two) == format_report(one)
+
+
+@pytest.mark.parametrize("how", ["zero", "plugins", "registered_device"])
+def test_jobs_are_refused_where_workers_cannot_see_the_run(how, restore_registry):
+    from hal.errors import ConfigError
+
+    kwargs = {"jobs": 0} if how == "zero" else {"jobs": 2}
+    if how == "plugins":
+        kwargs["plugins"] = [object()]
+    if how == "registered_device":
+        register_device(MutantDevice([Ported]))
+    with pytest.raises(ConfigError, match="jobs"):
+        run_check(["cpu"], ["torch"], families=["idle"], **kwargs)
+
+
 def test_a_backend_that_runs_no_case_fails(restore_registry):
     register_device(MutantDevice([Fp16Only]))
     report = run_check(["mutants"], [], families=[])

@@ -7,7 +7,9 @@ merges. A backend that ran no case, or that ran no case of a mode it claims, fai
 
 from __future__ import annotations
 
+import importlib.util
 import io
+import os
 import platform
 import socket
 from collections import defaultdict
@@ -16,6 +18,7 @@ from contextlib import redirect_stdout
 import pytest
 
 from hal.conformance.features import case_features, declared_off
+from hal.errors import ConfigError, expect
 
 CLAIMED_MODES = ("DECODE", "EXTEND", "MIXED", "DRAFT_EXTEND", "TARGET_VERIFY")
 
@@ -64,6 +67,7 @@ class _Collector:
         self.target_objs: dict[tuple[str, str], object] = {}
         self.needs: dict[str, set[str]] = {}
         self.errors: list[str] = []
+        self.workers: set[str] = set()  # the pytest-xdist workers that ran cases (--jobs)
 
     def pytest_collection_modifyitems(self, items):
         for item in items:
@@ -82,6 +86,9 @@ class _Collector:
         key = self.targets.get(report.nodeid)
         if key is None:
             return
+        worker = getattr(getattr(report, "node", None), "gateway", None)  # a pytest-xdist worker's report
+        if worker is not None:
+            self.workers.add(worker.id)
         props = dict(report.user_properties)
         record = self.records.get(report.nodeid)
         if record is None:
@@ -108,6 +115,42 @@ class _Collector:
     def pytest_collectreport(self, report):
         if report.failed:
             self.errors.append(str(report.longrepr))
+
+
+def _run_in_workers(args: list[str], jobs: int, collector: _Collector, plugins) -> int:
+    """``pytest -n jobs``: collected here first (the workers' items never reach this process's hooks, their
+    reports do), then run by pytest-xdist's workers, each with ``cores / jobs`` torch threads."""
+    from hal.registry import get_registry
+
+    expect(not plugins, ConfigError, "jobs", jobs, "1 when in-process pytest plugins are given (workers lack them)")
+    in_process = sorted(get_registry().extra)
+    expect(
+        not in_process,
+        ConfigError,
+        "jobs",
+        jobs,
+        f"1 while devices are registered in this process only ({', '.join(in_process)}): workers load devices "
+        "from the installed plugins",
+    )
+    if importlib.util.find_spec("xdist") is None:
+        raise ConfigError("hal check --jobs N needs pytest-xdist: pip install pytest-xdist (or run with --jobs 1)")
+    listing = io.StringIO()
+    with redirect_stdout(listing):  # the collected ids: printed only where collecting failed
+        exit_code = pytest.main([*args, "--collect-only"], plugins=[collector])
+    if exit_code != 0:
+        print(listing.getvalue(), end="")
+        return exit_code
+    collector.errors.clear()
+    threads = str(max(1, (os.cpu_count() or 1) // jobs))
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = threads  # the workers' torch reads it at import
+    try:
+        return pytest.main([*args, "-n", str(jobs)], plugins=[collector])
+    finally:
+        if saved is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
 
 
 def _coverage_failures(target, cases: list[dict], declared_off: dict | None = None) -> list[dict]:
@@ -259,11 +302,16 @@ def run_check(
     plugins: list | tuple = (),
     require: list[str] | tuple = (),
     paths: list[str] | tuple = (),
+    jobs: int = 1,
 ) -> dict:
-    """Run ``hal.conformance.suite``; returns ``{results: [...], exit_code, errors, log}``.
+    """Run ``hal.conformance.suite``; returns ``{results: [...], exit_code, errors, log, workers}``.
 
     ``require``: features (of :data:`FEATURES`) every backend must serve; one it declares off fails it.
-    ``paths``: only these of each backend's paths (``hal.conformance.paths``; default: every one)."""
+    ``paths``: only these of each backend's paths (``hal.conformance.paths``; default: every one).
+    ``jobs``: processes that share the cases (pytest-xdist); each one's torch takes ``cores / jobs`` threads.
+    The cases are collected here first, so the report is the same as one process gives. In-process
+    ``plugins`` reach only this process: with them ``jobs`` must be 1."""
+    expect(isinstance(jobs, int) and jobs >= 1, ConfigError, "jobs", jobs, "an integer >= 1")
     args = ["--pyargs", "hal.conformance.suite", "-p", "no:cacheprovider", "-q" if not verbose else "-v"]
     args += ["-W", "ignore::pytest.PytestUnknownMarkWarning"]
     for d in devices:
@@ -280,7 +328,10 @@ def run_check(
     collector = _Collector()
     buffer = io.StringIO()
     with redirect_stdout(buffer):
-        exit_code = pytest.main(args, plugins=[collector, *plugins])
+        if jobs > 1:
+            exit_code = _run_in_workers(args, jobs, collector, plugins)
+        else:
+            exit_code = pytest.main(args, plugins=[collector, *plugins])
     by_target: dict = defaultdict(list)
     for record in collector.records.values():
         key = record.pop("key")
@@ -314,7 +365,13 @@ def run_check(
                 "cases": cases,
             }
         )
-    return {"results": results, "exit_code": int(exit_code), "errors": collector.errors, "log": buffer.getvalue()}
+    return {
+        "results": results,
+        "exit_code": int(exit_code),
+        "errors": collector.errors,
+        "log": buffer.getvalue(),
+        "workers": sorted(collector.workers),
+    }
 
 
 def format_report(report: dict, verbose: bool = False) -> str:
