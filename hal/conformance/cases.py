@@ -23,7 +23,7 @@ import torch
 from hal.batch import ForwardMode
 from hal.conformance.builder import Built, build, sub_batch, to_device
 from hal.conformance.case import LARGE_LOGITS_Q_SCALE, Case
-from hal.conformance.catalogue import CASES, GRAPH_CASES, cases_for, graph_replays
+from hal.conformance.catalogue import CASES, GRAPH_CASES, cases_for, graph_capture_sizes, graph_replays
 from hal.conformance.compare import check_cache, check_output, describe, tolerance
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "check_cache",
     "check_output",
     "describe",
+    "graph_capture_sizes",
     "graph_replays",
     "sub_batch",
     "to_device",

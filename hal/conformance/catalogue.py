@@ -11,7 +11,7 @@ import torch
 from hal.batch import ForwardMode
 from hal.conformance.case import LARGE_LOGITS_Q_SCALE, Case
 
-__all__ = ["CASES", "GRAPH_CASES", "cases_for", "graph_replays"]
+__all__ = ["CASES", "GRAPH_CASES", "cases_for", "graph_capture_sizes", "graph_replays"]
 
 
 def _nearest(page_size: int, declared) -> int:
@@ -433,6 +433,16 @@ GRAPH_CASES: tuple[Case, ...] = (
     ),
     Case("graph_verify_start_layer", V, ((3, 4), (20, 4), (9, 4)), layer_num=2, start_layer=2, layer_id=2),
 )
+
+
+def graph_capture_sizes(num_requests: int) -> tuple[int, ...]:
+    """The batch sizes a graph test captures: powers of two up to the first >= ``num_requests`` (3 requests:
+    1, 2, 4, the replay of all three padded to 4), so every replay of :func:`graph_replays` has a captured size;
+    a larger one would never be replayed, and capturing it under an interpreter costs the most."""
+    sizes = [1]
+    while sizes[-1] < num_requests:
+        sizes.append(sizes[-1] * 2)
+    return tuple(sizes)
 
 
 def graph_replays(num_requests: int) -> list[list[int]]:

@@ -29,6 +29,7 @@ from hal.conformance.cases import (
     check_cache,
     check_output,
     describe,
+    graph_capture_sizes,
     graph_replays,
     sub_batch,
 )
@@ -183,7 +184,8 @@ def test_save_kv_cache_false_with_k_v_none(hal_target, mode, request):
 
 @pytest.mark.hal_cases("graph")
 def test_graph_replay_matches_reference(hal_target, hal_case):
-    """Captured at batch sizes 1/2/4/8, replayed padded for several different batches in a row, every layer.
+    """Captured at batch sizes 1, 2, 4... up to the first that holds every request (largest first, one shared
+    pool), replayed padded for several different batches in a row, every layer.
 
     DECODE cases capture decode steps; TARGET_VERIFY cases capture verify steps of their (fixed) draft count.
     """
@@ -199,7 +201,7 @@ def test_graph_replay_matches_reference(hal_target, hal_case):
         fb.req_to_token_pool,
         pool,
         make_graph=lambda: hal_target.device.make_graph(hal_target.capability),
-        capture_bs=(1, 2, 4, 8),
+        capture_bs=graph_capture_sizes(len(case.requests)),
         dtype=case.dtype,
         draft_token_num=case.requests[0][1] if case.mode.is_target_verify() else None,
         sinks=None if built.sinks is None else [built.sinks] * len(layers),

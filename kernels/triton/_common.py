@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -18,6 +20,25 @@ def _probe():
 #: (``TRITON_INTERPRET=1`` was set before this module was imported). Decided by what
 #: ``triton.jit`` actually produced, so it cannot disagree with how kernels run.
 INTERPRETING: bool = type(_probe).__name__ == "InterpretedFunction"
+
+
+def device_function(fn):
+    """``triton.jit`` for a function the kernels call (never launched itself).
+
+    Compiled, it is ``triton.jit(fn)``. Under the interpreter, Triton re-patches ``triton.language`` at every
+    call of a jitted device function (``InterpretedFunction.__call__``: a few ms a call, the largest part of an
+    interpreted step); the launching kernel has patched it for its whole grid already, so the interpreted body
+    (Triton's own rewrite of ``fn``) is called directly."""
+    jitted = triton.jit(fn)
+    if not INTERPRETING:
+        return jitted
+
+    @functools.wraps(fn)
+    def interpreted(*args, **kwargs):
+        return jitted.rewrite()(*args, **kwargs)
+
+    return interpreted
+
 
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
@@ -46,7 +67,7 @@ def check_float(name: str, t: torch.Tensor) -> None:
         raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
 
 
-@triton.jit
+@device_function
 def dot(a, b, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
     """``a @ b`` with operands cast to ``DOT_DTYPE``, accumulated in fp32."""
     if IEEE:
@@ -55,7 +76,7 @@ def dot(a, b, DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr):
         return tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE))
 
 
-@triton.jit
+@device_function
 def soft_cap(s, cap):
     """``cap * tanh(s / cap)`` in fp32, through ``exp`` of a non-positive argument only."""
     x = s / cap
@@ -113,7 +134,7 @@ def split_head_dim(head_dim: int) -> tuple[int, int]:
     return main, 0 if rest <= 0 else max(16, triton.next_power_of_2(rest))
 
 
-@triton.jit
+@device_function
 def fp8_to_f32(bits, KV_FP8: tl.constexpr):
     """fp8 bytes (any int tile) -> their exact fp32 values (subnormals, signed zeros, NaN; e5m2's inf)."""
     b = bits.to(tl.int32) & 0xFF
@@ -129,7 +150,7 @@ def fp8_to_f32(bits, KV_FP8: tl.constexpr):
     return (v.to(tl.int32, bitcast=True) | ((b >> 7) << 31)).to(tl.float32, bitcast=True)
 
 
-@triton.jit
+@device_function
 def f32_to_fp8(x, KV_FP8: tl.constexpr):
     """fp32 -> fp8 bytes (uint8), saturating at the format's largest finite value, rounding to nearest
     even: torch's ``x.clamp(-max, max).to(float8_*)``."""
@@ -156,7 +177,7 @@ def f32_to_fp8(x, KV_FP8: tl.constexpr):
     return bits.to(tl.uint8)
 
 
-@triton.jit
+@device_function
 def load_kv(ptrs, mask, KV_FP8: tl.constexpr, scale):
     """A tile of a KV pool as fp32: a plain pool as is, an fp8 one (bytes) decoded and times ``scale``."""
     if KV_FP8 == 0:
@@ -165,7 +186,7 @@ def load_kv(ptrs, mask, KV_FP8: tl.constexpr, scale):
         return fp8_to_f32(tl.load(ptrs, mask=mask, other=0), KV_FP8) * scale
 
 
-@triton.jit
+@device_function
 def score_tile(
     q,
     q_pe,

@@ -23,6 +23,7 @@ from ._common import (
     check_float,
     check_kv,
     check_sinks,
+    device_function,
     dot,
     dot_config,
     kv_format,
@@ -38,7 +39,7 @@ from .sizing import extend_blocks
 __all__ = ["extend_attention"]
 
 
-@triton.jit
+@device_function
 def _online_softmax_step(s, visible, v, m_i, l_i, acc, PV_DTYPE: tl.constexpr, PV_IEEE: tl.constexpr):
     """Fold one tile of scores ``s`` [M, N] (``visible`` [M, N]) and values ``v`` [N, DV] in.
 

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_float, check_kv, f32_to_fp8, kv_format, kv_storage
+from ._common import check_float, check_kv, device_function, f32_to_fp8, kv_format, kv_storage
 from .sizing import write_kv_heads
 
 __all__ = ["write_kv", "build_kv_indices", "compute_positions"]
@@ -67,7 +67,7 @@ def _write_kv_kernel(
         tl.store(dst, _stored(v, v_buf_ptr, KV_FP8, v_scale), mask=mask)
 
 
-@triton.jit
+@device_function
 def _stored(x, buf_ptr, KV_FP8: tl.constexpr, scale):
     """``x`` as the pool stores it: fp8 bytes of ``x / scale`` (saturating), else ``x`` in the pool's dtype."""
     if KV_FP8 == 0:
