@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+
 import pytest
+import torch
 
 from hal.registry import get_registry, unregister_device
 
@@ -33,16 +37,32 @@ def cpu_only(clean_hal_env, monkeypatch):
     assert sorted(get_registry(reload=True).devices) == ["cpu"]
 
 
-# Lines a test wants printed at the end of the run (tests/test_mutants.py: the mutation score).
-SUMMARY_LINES = pytest.StashKey[list]()
+def pytest_configure(config):
+    """Under pytest-xdist each worker's torch takes its share of the cores, not all of them: two workers of two
+    threads each on two cores run slower than one worker."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+
+
+# Lines a test wants printed at the end of the run (tests/test_mutants.py: the mutation score). They travel in the
+# test's report (user_properties), so they reach the terminal from a pytest-xdist worker too.
+_SUMMARY: list[str] = []
 
 
 @pytest.fixture
-def summary_lines(request) -> list[str]:
+def summary_lines(request) -> Iterator[list[str]]:
     """Append a line here to have it printed in the run's terminal summary."""
-    return request.config.stash.setdefault(SUMMARY_LINES, [])
+    lines: list[str] = []
+    yield lines
+    request.node.user_properties.extend(("hal_summary", line) for line in lines)
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "teardown":
+        _SUMMARY.extend(value for name, value in report.user_properties if name == "hal_summary")
 
 
 def pytest_terminal_summary(terminalreporter, config):
-    for line in config.stash.get(SUMMARY_LINES, []):
+    for line in _SUMMARY:
         terminalreporter.write_line(line)

@@ -62,6 +62,10 @@ class FailFast:
             self.failed.add(self.backend_of.get(report.nodeid, "?"))
 
 
+# The tests that read mutant_results run in one pytest-xdist worker (--dist loadgroup), which builds it once.
+one_worker = pytest.mark.xdist_group("mutant_results")
+
+
 @pytest.fixture(scope="module")
 def mutant_results():
     """One ``hal check`` over the control and every mutant: ``{backend name: result}``."""
@@ -79,6 +83,7 @@ def mutant_results():
     return {r["backend"]: r for r in report["results"]}
 
 
+@one_worker
 def test_the_control_port_passes_everything(mutant_results):
     result = mutant_results["ported"]
     assert result["failed"] == 0, "\n".join(result["failures"])
@@ -87,6 +92,7 @@ def test_the_control_port_passes_everything(mutant_results):
     assert {"DECODE", "EXTEND", "MIXED", "TARGET_VERIFY", "DRAFT_EXTEND", "IDLE"} <= modes
 
 
+@one_worker
 def test_the_tiled_control_port_passes_with_every_feature(mutant_results):
     """A correct port whose kernels tile head dims by 32 passes, and still runs v_head_dim != head_dim in every
     mode: the cases follow its declared head dims instead of being skipped."""
@@ -100,6 +106,7 @@ def test_there_are_enough_mutants():
     assert len(MUTANTS) >= 45 and len(CPU_MUTANTS) >= 3
 
 
+@one_worker
 def test_mutation_score_is_every_mutant(mutant_results, summary_lines):
     """The suite's strength, printed at the end of the run (``mutation score: killed/total``): every mutant dies."""
     survivors = sorted(name for name in ALL_MUTANTS if mutant_results[name.lower()]["failed"] == 0)
@@ -111,6 +118,7 @@ def test_mutation_score_is_every_mutant(mutant_results, summary_lines):
     assert not survivors, f"mutants that passed hal check: {survivors}"
 
 
+@one_worker
 @pytest.mark.parametrize("name", sorted(ALL_MUTANTS))
 def test_hal_check_fails_the_mutant(mutant_results, name):
     result = mutant_results[name.lower()]
