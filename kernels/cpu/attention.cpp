@@ -465,6 +465,144 @@ inline void pv_any(int nr, const float* p, int64_t ld, const T* const* vp, int64
   }
 }
 
+// ---- AVX2: bf16 rows widened as pairs ----------------------------------------------------------
+// Sixteen bf16 values loaded as one 256-bit vector hold in 32-bit lane i the pair (x[2i], x[2i + 1]): x[2i + 1]
+// is the lane with its low half cleared, x[2i] the lane shifted left by 16. Two integer ops widen sixteen
+// values where vpmovzxwd + vpslld take four, and these are what bounds AVX2's bf16 decode (Zen 1: a bf16 step
+// took 1.4x an fp32 one with the K/V rows in cache). The other operand keeps the same order: the query rows
+// and P . V's accumulators hold each full 16 dims as their 8 even dims, then their 8 odd ones ("pairs order").
+#if defined(HAL_VEC) && HAL_VEC == 8
+constexpr bool kBf16Pairs = true;
+inline void bf16_pairs(const at::BFloat16* p, vf& even, vf& odd) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(int(0xffff0000u))));
+}
+
+// Rows [R x D] put in pairs order in place (dims past the last multiple of 16 stay as they are).
+inline void to_pairs_order(float* x, int64_t R, int64_t D) {
+  float t[16];
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t d = 0; d + 16 <= D; d += 16) {
+      float* c = x + r * D + d;
+      for (int i = 0; i < 8; ++i) {
+        t[i] = c[2 * i];
+        t[8 + i] = c[2 * i + 1];
+      }
+      std::memcpy(c, t, sizeof t);
+    }
+  }
+}
+
+// qk_rows for bf16 keys, the query rows in pairs order.
+template <int NR>
+inline void qk_rows_pairs(const float* q, int64_t D, const at::BFloat16* const* kp, int64_t nk, float* s, int64_t ld,
+                          float post) {
+  constexpr int NK = qk_keys<NR>();
+  const int64_t D16 = D & ~int64_t(15);
+  auto tail = [&](int r, const at::BFloat16* k) {
+    float x = 0.f;
+    for (int64_t d = D16; d < D; ++d) x += q[r * D + d] * to_float(k[d]);
+    return x;
+  };
+  int64_t j = 0;
+  for (; j + NK <= nk; j += NK) {
+    vf acc[NR * NK];
+    for (int i = 0; i < NR * NK; ++i) acc[i] = vzero();
+    for (int64_t d = 0; d < D16; d += 16) {
+      for (int c = 0; c < NK; ++c) {
+        vf ke, ko;
+        bf16_pairs(kp[j + c] + d, ke, ko);
+        for (int r = 0; r < NR; ++r) {
+          acc[r * NK + c] = vfma(vload(q + r * D + d), ke, acc[r * NK + c]);
+          acc[r * NK + c] = vfma(vload(q + r * D + d + 8), ko, acc[r * NK + c]);
+        }
+      }
+    }
+    float sums[NR * NK];
+    if constexpr (NR * NK == 8) {
+      vstore(sums, hsum8(acc));
+    } else {
+      for (int i = 0; i < NR * NK; ++i) sums[i] = hsum(acc[i]);
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < NK; ++c) s[r * ld + j + c] = (sums[r * NK + c] + tail(r, kp[j + c])) * post;
+  }
+  for (; j < nk; ++j) {  // the block's last keys, one at a time
+    for (int r = 0; r < NR; ++r) {
+      vf acc = vzero();
+      for (int64_t d = 0; d < D16; d += 16) {
+        vf ke, ko;
+        bf16_pairs(kp[j] + d, ke, ko);
+        acc = vfma(vload(q + r * D + d + 8), ko, vfma(vload(q + r * D + d), ke, acc));
+      }
+      s[r * ld + j] = (hsum(acc) + tail(r, kp[j])) * post;
+    }
+  }
+}
+
+// pv_rows for bf16 values, the accumulators in pairs order.
+template <int NR>
+inline void pv_rows_pairs(const float* p, int64_t ld, const at::BFloat16* const* vp, int64_t nk, float* acc,
+                          int64_t Dv) {
+  const int64_t D16 = Dv & ~int64_t(15);
+  for (int64_t d = 0; d < D16; d += 16) {
+    vf ae[NR], ao[NR];
+    for (int r = 0; r < NR; ++r) {
+      ae[r] = vload(acc + r * Dv + d);
+      ao[r] = vload(acc + r * Dv + d + 8);
+    }
+    for (int64_t j = 0; j < nk; ++j) {
+      vf ve, vo;
+      bf16_pairs(vp[j] + d, ve, vo);
+      for (int r = 0; r < NR; ++r) {
+        const vf w = vset(p[r * ld + j]);
+        ae[r] = vfma(w, ve, ae[r]);
+        ao[r] = vfma(w, vo, ao[r]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      vstore(acc + r * Dv + d, ae[r]);
+      vstore(acc + r * Dv + d + 8, ao[r]);
+    }
+  }
+  for (int64_t d = D16; d < Dv; ++d) {
+    for (int r = 0; r < NR; ++r) {
+      float x = acc[r * Dv + d];
+      for (int64_t j = 0; j < nk; ++j) x += p[r * ld + j] * to_float(vp[j][d]);
+      acc[r * Dv + d] = x;
+    }
+  }
+}
+
+inline void qk_pairs_any(int nr, const float* q, int64_t D, const at::BFloat16* const* kp, int64_t nk, float* s,
+                         int64_t ld, float post) {
+  switch (nr) {
+    case 4: return qk_rows_pairs<4>(q, D, kp, nk, s, ld, post);
+    case 3: return qk_rows_pairs<3>(q, D, kp, nk, s, ld, post);
+    case 2: return qk_rows_pairs<2>(q, D, kp, nk, s, ld, post);
+    default: return qk_rows_pairs<1>(q, D, kp, nk, s, ld, post);
+  }
+}
+inline void pv_pairs_any(int nr, const float* p, int64_t ld, const at::BFloat16* const* vp, int64_t nk, float* acc,
+                         int64_t Dv) {
+  switch (nr) {
+    case 4: return pv_rows_pairs<4>(p, ld, vp, nk, acc, Dv);
+    case 3: return pv_rows_pairs<3>(p, ld, vp, nk, acc, Dv);
+    case 2: return pv_rows_pairs<2>(p, ld, vp, nk, acc, Dv);
+    default: return pv_rows_pairs<1>(p, ld, vp, nk, acc, Dv);
+  }
+}
+#else
+constexpr bool kBf16Pairs = false;
+#endif
+
+// Where dim d of a row of D dims is stored: pairs order (paired) or as is.
+inline int64_t stored_dim(int64_t d, int64_t D, bool paired) {
+  if (!paired || d >= (D & ~int64_t(15))) return d;
+  return (d & ~int64_t(15)) + ((d & 1) ? 8 : 0) + ((d & 15) >> 1);
+}
+
 // ---- problem description -----------------------------------------------------------------
 struct Problem {
   const float* q;  // [T, Hq, D], float32
@@ -583,13 +721,19 @@ inline bool fold_block(const Problem& P, int64_t b, int64_t i0, int64_t R, int64
   return any;
 }
 
+// acc: [R x Dv] float32, in pairs order where `paired` (the AVX2 bf16 row path).
 inline void write_rows(const Problem& P, int64_t b, int64_t h, int64_t i0, int64_t R, const float* acc,
-                       const float* l) {
+                       const float* l, bool paired = false) {
   for (int64_t r = 0; r < R; ++r) {
     const int64_t t = P.q_start[b] + i0 + r / P.G, head = h * P.G + r % P.G;
     float* o = P.out + t * P.o_s0 + head * P.o_s1;
     const float f = std::isnan(l[r]) ? l[r] : (l[r] > 0.f ? 1.f / l[r] : 0.f);
-    for (int64_t d = 0; d < P.Dv; ++d) o[d] = acc[r * P.Dv + d] * f;
+    const float* a = acc + r * P.Dv;
+    if (paired) {
+      for (int64_t d = 0; d < P.Dv; ++d) o[d] = a[stored_dim(d, P.Dv, true)] * f;
+    } else {
+      for (int64_t d = 0; d < P.Dv; ++d) o[d] = a[d] * f;
+    }
   }
 }
 
@@ -640,12 +784,16 @@ void run_rows(const Problem& P, const Task& task) {
 #else
   constexpr bool dot = false;
 #endif
+  constexpr bool pairs = kBf16Pairs && std::is_same_v<T, at::BFloat16>;  // AVX2: bf16 rows widened as pairs
   for (int64_t hh = 0; hh < nh; ++hh) {
     float* qs = state + hh * per_head;
     Task head = task;
     head.h = task.h + hh;
     start_task(P, head, R, lo.data(), hi.data(), LO, HI, qs, qs + R * D, qs + R * D + R * Dv,
                qs + R * D + R * Dv + R, !dot);
+#if defined(HAL_VEC) && HAL_VEC == 8
+    if constexpr (pairs) to_pairs_order(qs, R, D);
+#endif
   }
   // bf16 halves of every head's (unscaled) query rows, where bf16 keys are dotted without widening: a bf16
   // query is exact in its hi half and takes one pass of dots, the scale applied to the scores
@@ -702,19 +850,34 @@ void run_rows(const Problem& P, const Task& task) {
       float* acc = qs + R * D;
       float* m = acc + R * Dv;
       float* l = m + R;
-      for (int64_t r = 0; r < R; r += 4)
-        qk_any<T>(int(std::min<int64_t>(4, R - r)), qs + r * D, qb ? qb + (hh * R + r) * 2 * D : nullptr, qlo, D, kp,
-                  nk, s + r * blk, blk, post);
+      for (int64_t r = 0; r < R; r += 4) {
+        const int nr = int(std::min<int64_t>(4, R - r));
+#if defined(HAL_VEC) && HAL_VEC == 8
+        if constexpr (pairs) {
+          qk_pairs_any(nr, qs + r * D, D, kp, nk, s + r * blk, blk, post);
+          continue;
+        }
+#endif
+        qk_any<T>(nr, qs + r * D, qb ? qb + (hh * R + r) * 2 * D : nullptr, qlo, D, kp, nk, s + r * blk, blk, post);
+      }
       if (fold_block(P, b, i0, R, j0, nk, s, blk, m, l, acc, Dv, lo.data(), hi.data())) {
-        for (int64_t r = 0; r < R; r += 4)
-          pv_any<T>(int(std::min<int64_t>(4, R - r)), s + r * blk, blk, vp, nk, acc + r * Dv, Dv);
+        for (int64_t r = 0; r < R; r += 4) {
+          const int nr = int(std::min<int64_t>(4, R - r));
+#if defined(HAL_VEC) && HAL_VEC == 8
+          if constexpr (pairs) {
+            pv_pairs_any(nr, s + r * blk, blk, vp, nk, acc + r * Dv, Dv);
+            continue;
+          }
+#endif
+          pv_any<T>(nr, s + r * blk, blk, vp, nk, acc + r * Dv, Dv);
+        }
       }
     }
     std::swap(cur, nxt);
   }
   for (int64_t hh = 0; hh < nh; ++hh) {
     float* qs = state + hh * per_head;
-    write_rows(P, b, task.h + hh, i0, R, qs + R * D, qs + R * D + R * Dv + R);
+    write_rows(P, b, task.h + hh, i0, R, qs + R * D, qs + R * D + R * Dv + R, pairs);
   }
 }
 
