@@ -157,7 +157,12 @@ def test_scattered_long_decode_and_extend_match_the_reference(isa, head_dim, til
         torch.testing.assert_close(out.float(), expected.float(), **tolerance(dtype))
 
 
+# The tests that remove or inspect the shared build run in one pytest-xdist worker, one after the other.
+one_worker = pytest.mark.xdist_group("kernel_cache")
+
+
 @needs_kernels
+@one_worker
 def test_a_build_killed_midway_does_not_block_the_next_one():
     """torch's build lock is a plain file; a killed build leaves it behind. The next load must not wait on it."""
     import pathlib
@@ -165,12 +170,14 @@ def test_a_build_killed_midway_does_not_block_the_next_one():
     import sys
 
     cpu_kernels.load()
-    stale = pathlib.Path(cpu_kernels.build_record()["path"]) / "lock"
+    folder = pathlib.Path(cpu_kernels.build_record()["path"])
+    stale = cpu_kernels._ninja_dir(folder) / "lock"
     stale.touch()
+    (folder / f"{cpu_kernels.cache_state()['module']}.so").unlink()  # the next load builds (ninja: relinks at most)
     code = "from hal.kernels import cpu; cpu.load(); print('loaded')"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0 and "loaded" in proc.stdout, proc.stderr
-    assert not stale.exists()
+    assert not stale.exists() and cpu_kernels.cache_state()["hit"]
 
 
 def test_the_cache_key_covers_everything_that_changes_the_binary(monkeypatch):
@@ -184,7 +191,6 @@ def test_the_cache_key_covers_everything_that_changes_the_binary(monkeypatch):
         "source_sha256",
         "torch",
         "torch_git",
-        "torch_root",
         "cxx11_abi",
         "python",
         "compiler",
@@ -194,7 +200,6 @@ def test_the_cache_key_covers_everything_that_changes_the_binary(monkeypatch):
     changes = [  # (object, attribute, value) each of which changes the binary
         (torch, "__version__", torch.__version__ + "+other"),
         (torch.version, "git_version", "0" * 40),
-        (torch, "__file__", "/other/venv/lib/python3/site-packages/torch/__init__.py"),  # another venv, same torch
         (torch._C, "_GLIBCXX_USE_CXX11_ABI", not torch._C._GLIBCXX_USE_CXX11_ABI),
         (cpu_kernels, "_compiler_version", lambda cxx: "g++ (other) 99.1"),
         (cpu_kernels, "_compiler", lambda: "/opt/other/bin/clang++"),
@@ -207,10 +212,18 @@ def test_the_cache_key_covers_everything_that_changes_the_binary(monkeypatch):
             patch.setattr(obj, attr, value)
             seen.add(cpu_kernels.cache_state(name)["module"])
     assert len(seen) == len(changes) + 1, "a change of torch, ABI, compiler, flags or source kept the same build"
+    # another venv with the same torch: the same binary, shared; its own ninja folder (its include paths differ)
+    folder = Path(cpu_kernels.cache_state(name)["path"])
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "__file__", "/other/venv/lib/python3/site-packages/torch/__init__.py")
+        assert cpu_kernels.cache_state(name)["module"] == base
+        other = cpu_kernels._ninja_dir(folder)
+    assert other != cpu_kernels._ninja_dir(folder) and other.parent == folder
     assert len({cpu_kernels.cache_state(isa)["module"] for isa in cpu_kernels.ISAS}) == len(cpu_kernels.ISAS)
 
 
 @needs_kernels
+@one_worker
 def test_a_cache_hit_or_miss_shows_in_hal_info(tmp_path):
     """``hal info`` says, before anything is built, whether the first use compiles; after, how the kernels loaded."""
     import os

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib.util
 import json
 import os
 import platform
@@ -199,8 +200,6 @@ def build_key(name: str | None = None) -> dict:
         "source_sha256": hashlib.sha256(SOURCE.read_bytes()).hexdigest(),
         "torch": torch.__version__,
         "torch_git": getattr(torch.version, "git_version", "unknown"),
-        # Two venvs with the same torch differ in include paths, so ninja would rebuild one shared folder in turn.
-        "torch_root": str(Path(torch.__file__).resolve().parent),
         "cxx11_abi": bool(torch._C._GLIBCXX_USE_CXX11_ABI),
         "python": f"{sys.implementation.cache_tag}-{platform.machine()}",
         "compiler": f"{cxx}: {_compiler_version(cxx)}",
@@ -211,6 +210,14 @@ def build_key(name: str | None = None) -> dict:
 def _module_name(key: dict) -> str:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return f"hal_cpu_attention_{key['isa']}_{digest}"
+
+
+def _ninja_dir(path: Path) -> Path:
+    """Where this torch install builds the module of ``path``. Two venvs with the same torch build one binary
+    (shared as ``path/<module>.so``), but their include paths differ: one ninja folder each, or ninja would
+    rebuild a shared one in turn."""
+    root = str(Path(torch.__file__).resolve().parent)
+    return path / f"build-{hashlib.sha256(root.encode()).hexdigest()[:12]}"
 
 
 def _ninja() -> bool:
@@ -285,12 +292,21 @@ def _cache_root() -> Path:
 def cache_state(name: str | None = None) -> dict:
     """Whether path ``name``'s build (default :func:`isa`) is in the cache, without building anything.
 
-    ``{"isa", "module", "path", "hit"}``: ``hit`` is True when loading it needs no compiler run.
+    ``{"isa", "module", "path", "hit"}``: ``hit`` is True when loading it needs no compiler run. The build is
+    shared by every venv with the same torch, compiler and flags (:func:`build_key`).
     """
     key = build_key(name)
     module = _module_name(key)
     path = _cache_root() / module
     return {"isa": key["isa"], "module": module, "path": str(path), "hit": (path / f"{module}.so").is_file()}
+
+
+def _import_built(module: str, so: Path):
+    """Import the extension module ``module`` from ``so`` (its ops register with torch as it loads)."""
+    spec = importlib.util.spec_from_file_location(module, so)
+    loaded = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loaded)
+    return loaded
 
 
 def build_record() -> dict | None:
@@ -341,20 +357,27 @@ def load() -> Kernels:
             raise KernelBuildError(why)
         key = build_key(name)
         state = cache_state(name)
-        build_dir = Path(state["path"])
+        shared = Path(state["path"]) / f"{state['module']}.so"
+        build_dir = _ninja_dir(Path(state["path"]))
         start = time.perf_counter()
         try:
-            from torch.utils.cpp_extension import load as build
+            if state["hit"]:
+                module = _import_built(state["module"], shared)
+            else:
+                from torch.utils.cpp_extension import load as build
 
-            with _build_lock(build_dir):
-                module = build(
-                    name=state["module"],
-                    sources=[str(SOURCE)],
-                    extra_cflags=key["flags"],
-                    extra_ldflags=["-fopenmp"],
-                    build_directory=str(build_dir),
-                    verbose=False,
-                )
+                with _build_lock(build_dir):
+                    module = build(
+                        name=state["module"],
+                        sources=[str(SOURCE)],
+                        extra_cflags=key["flags"],
+                        extra_ldflags=["-fopenmp"],
+                        build_directory=str(build_dir),
+                        verbose=False,
+                    )
+                    partial = shared.with_name(f"{shared.name}.{os.getpid()}")
+                    shutil.copy2(build_dir / shared.name, partial)
+                    partial.replace(shared)  # atomic: another process sees the whole file or none
             kernels = Kernels(
                 isa=name,
                 paged_attention=getattr(torch.ops.hal, f"paged_attention_{name}").default,
@@ -374,7 +397,7 @@ def load() -> Kernels:
             "seconds": round(time.perf_counter() - start, 3),
             "compiled": not state["hit"],
             "cache": "hit" if state["hit"] else "miss (compiled)",
-            "path": str(build_dir),
+            "path": str(shared.parent),
             "build_info": kernels.build_info,
         }
         _STATE["loaded"][name] = kernels
