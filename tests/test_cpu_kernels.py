@@ -172,6 +172,7 @@ def test_a_build_killed_midway_does_not_block_the_next_one():
     cpu_kernels.load()
     folder = pathlib.Path(cpu_kernels.build_record()["path"])
     stale = cpu_kernels._ninja_dir(folder) / "lock"
+    stale.parent.mkdir(parents=True, exist_ok=True)  # absent where another venv built the shared .so
     stale.touch()
     (folder / f"{cpu_kernels.cache_state()['module']}.so").unlink()  # the next load builds (ninja: relinks at most)
     code = "from hal.kernels import cpu; cpu.load(); print('loaded')"
