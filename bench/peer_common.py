@@ -1,15 +1,27 @@
-"""What the peer harnesses (``sglang_peer.py``, ``vllm_peer.py``) share: the float64 oracle and the timer.
+"""What the peer harnesses (``sglang_peer.py``, ``vllm_peer.py``) share: the float64 oracle, the timer, the
+shape options and the two ways a harness runs (:func:`run`): on its own, timing every workload and printing one
+JSON report, or as ``hal bench``'s server (``--serve``), timing one call at a time when asked so that hal's calls
+and the peer's alternate.
 
-Imports torch only, so it runs in any peer's venv (the harnesses put ``bench/`` on ``sys.path``).
+A harness supplies ``prepare(mode, dtype_name)`` -> ``{variant: (step, facts)}``: its timed calls on that
+workload (``step()`` writes the step's K/V and attends, as the engine's layer does) and what it checked
+(:func:`first_call`). Imports torch only, so it runs in any peer's venv (the harnesses put ``bench/`` on
+``sys.path``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import sys
 import time
+from collections.abc import Callable
 
 import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def expected(q, k_all, v_all, prefix: int, new: int, heads) -> torch.Tensor:
@@ -49,9 +61,83 @@ def check(out: torch.Tensor, q, k_all, v_all, prefix: int, new: int, heads) -> d
     return {"max_abs_err": err, "correct": err <= (1e-4 if out.dtype == torch.float32 else 3e-2)}
 
 
+def first_call(step, q, k_all, v_all, prefix: int, new: int, heads) -> dict:
+    """``step()`` run once: its milliseconds (``first_ms``) and :func:`check` of its output."""
+    start = time.perf_counter()
+    out = step()
+    first_ms = 1e3 * (time.perf_counter() - start)
+    return {"first_ms": first_ms, **check(out, q, k_all, v_all, prefix, new, heads)}
+
+
+def shapes(args) -> dict:
+    """mode -> (requests, prefix, new tokens) from the shape options."""
+    return {
+        "decode": (args.decode_batch, args.decode_ctx - 1, 1),
+        "extend": (args.extend_batch, args.extend_prefix, args.extend_new),
+    }
+
+
+def run(args, meta: dict, prepare: Callable[[str, str], dict], tag: str) -> int:
+    """The harness's main: :func:`serve` with ``--serve``, else every ``--modes`` x ``--dtypes`` workload timed
+    and one JSON object printed, ``{"meta", mode: {dtype: {variant: facts + timing}}}``; exit 1 if any
+    variant's output was wrong."""
+    if args.serve:
+        return serve(meta, prepare)
+    report, ok = {"meta": meta}, True
+    for mode in filter(None, args.modes.split(",")):
+        report[mode] = {}
+        for name in filter(None, args.dtypes.split(",")):
+            print(f"[{tag} peer] {mode} {name}", file=sys.stderr, flush=True)
+            variants = prepare(mode, name)
+            report[mode][name] = {
+                v: {**facts, **time_ms(step, args.warmup, args.repeats)} for v, (step, facts) in variants.items()
+            }
+            ok &= all(facts["correct"] for _, facts in variants.values())
+    print(json.dumps(report, indent=2))
+    return 0 if ok else 1
+
+
+def serve(meta: dict, prepare: Callable[[str, str], dict]) -> int:
+    """Serve ``hal bench``: one JSON request per line on stdin, one JSON answer per line on stdout.
+
+    The first answer is ``{"meta": meta}``. Requests:
+
+    * ``{"prepare": [mode, dtype]}`` -> ``{"variants": {name: facts}}``: that workload built (the last one
+      dropped: one workload's pools at a time) and each variant run once and checked (:func:`first_call`);
+    * ``{"call": name}`` -> ``{"ms": t}``: one call of that variant of the prepared workload, timed here;
+    * a request that fails -> ``{"error": message}``. End of input ends the process.
+
+    Anything the engine prints (to Python's or the C library's stdout) goes to stderr: stdout carries answers only.
+    """
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    print(json.dumps({"meta": meta}), file=answers)
+    variants: dict = {}
+    for line in sys.stdin:
+        try:
+            request = json.loads(line)
+            if "prepare" in request:
+                variants = {}
+                variants = prepare(*request["prepare"])
+                answer = {"variants": {name: facts for name, (_, facts) in variants.items()}}
+            elif "call" in request:
+                step = variants[request["call"]][0]
+                start = time.perf_counter()
+                step()
+                answer = {"ms": 1e3 * (time.perf_counter() - start)}
+            else:
+                answer = {"error": f"unknown request {sorted(request)}: expected prepare or call"}
+        except Exception as exc:  # answered, so hal bench reports it and goes on
+            answer = {"error": f"{type(exc).__name__}: {str(exc).strip()[:500]}"}
+        print(json.dumps(answer), file=answers)
+    return 0
+
+
 def shape_arguments(ap: argparse.ArgumentParser) -> None:
     """The options every harness takes from ``hal bench``: threads, timing, dtypes, modes and the shapes."""
     ap.add_argument("--json", action="store_true", help="(the output is always JSON; kept for hal bench)")
+    ap.add_argument("--serve", action="store_true", help="serve hal bench call by call (see peer_common.serve)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)

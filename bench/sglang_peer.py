@@ -4,7 +4,8 @@
 Run by ``hal bench --peer-python PYTHON`` with the interpreter of any venv that has SGLang
 (tested: 0.5.21 with torch 2.13.0+cpu, installed ``--no-deps`` plus what its import chain
 needs; see bench/README.md). It imports SGLang only; hal is not needed. Prints one JSON
-object: ``{"meta": ..., "decode": {"fp32": {"torch_native_backend": {"median_ms": ...}, "correct": ...}}, ...}``.
+object: ``{"meta": ..., "decode": {"fp32": {"sglang": {"median_ms": ..., "correct": ...}}}, ...}``; with
+``--serve`` it answers ``hal bench`` call by call instead (``peer_common.serve``).
 
 What is SGLang's own code: ``TorchNativeAttnBackend``, ``MHATokenToKVPool`` (page size 1,
 CPU), ``ReqToTokenPool``, ``RadixAttention`` (the layer descriptor) and ``ForwardMode``.
@@ -25,7 +26,6 @@ import contextlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
-import json
 import platform
 import sys
 import time
@@ -33,7 +33,7 @@ import types
 from types import SimpleNamespace
 
 import torch
-from peer_common import check, shape_arguments, time_ms
+from peer_common import DTYPES, first_call, run, shape_arguments, shapes
 
 
 class _Missing:
@@ -162,45 +162,32 @@ def main() -> int:
     start = time.perf_counter()
     sg = _sglang()
     heads = (32, 8, 128)
-    shapes = {
-        "decode": (args.decode_batch, args.decode_ctx - 1, 1),
-        "extend": (args.extend_batch, args.extend_prefix, args.extend_new),
+    meta = {
+        "sglang": sg.version,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "threads": torch.get_num_threads(),
+        "torchvision": sg.torchvision,
+        "import_s": round(time.perf_counter() - start, 2),
+        "backend": "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend",
     }
-    report = {
-        "meta": {
-            "sglang": sg.version,
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "threads": torch.get_num_threads(),
-            "torchvision": sg.torchvision,
-            "import_s": round(time.perf_counter() - start, 2),
-            "backend": "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend",
-        }
-    }
-    ok = True
-    for mode in filter(None, args.modes.split(",")):
-        report[mode] = {}
-        batch, prefix, new = shapes[mode]
-        for name in filter(None, args.dtypes.split(",")):
-            dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
-            print(f"[sglang peer] {mode} {name}", file=sys.stderr, flush=True)
-            backend, layer, fb, (q, k, v), (k_all, v_all) = _batch(
-                sg, mode, dtype, batch, prefix, new, heads, args.seed
-            )
 
-            def step(backend=backend, layer=layer, fb=fb, q=q, k=k, v=v):
-                backend.init_forward_metadata(fb)
-                return backend.forward(q, k, v, layer, fb, save_kv_cache=True)
+    def prepare(mode: str, name: str) -> dict:
+        """One variant, ``sglang``: its pool has page size 1, so it is compared with hal's page-1 rows only."""
+        batch, prefix, new = shapes(args)[mode]
+        backend, layer, fb, (q, k, v), (k_all, v_all) = _batch(
+            sg, mode, DTYPES[name], batch, prefix, new, heads, args.seed
+        )
 
-            verdict = check(step(), q, k_all, v_all, prefix, new, heads)
-            ok &= verdict["correct"]
-            report[mode][name] = {
-                "shape": {"batch": batch, "prefix": prefix, "new": new, "heads": heads},
-                "torch_native_backend": time_ms(step, args.warmup, args.repeats),
-                **verdict,
-            }
-    print(json.dumps(report, indent=2))
-    return 0 if ok else 1
+        def step():
+            backend.init_forward_metadata(fb)
+            return backend.forward(q, k, v, layer, fb, save_kv_cache=True)
+
+        shape = {"batch": batch, "prefix": prefix, "new": new, "heads": heads}
+        facts = {"shape": shape, "page_size": 1, **first_call(step, q, k_all, v_all, prefix, new, heads)}
+        return {"sglang": (step, facts)}
+
+    return run(args, meta, prepare, "sglang")
 
 
 if __name__ == "__main__":

@@ -15,20 +15,19 @@ as hal's ``init_forward_metadata`` is), ``cpu_attn_reshape_and_cache`` (the step
 CPU has AMX tiles). What is stood in: the model runner. The KV cache has vLLM's layout
 ``[blocks, kv_heads, block_size, 2 * head_dim]`` (K then V per block row), and each request's blocks are a
 random permutation of the pool, as a serving engine leaves them. Block sizes: 128 (vLLM's CPU default) and
-16 (hal's page 16).
+16 (hal's page 16). With ``--serve`` it answers ``hal bench`` call by call instead (``peer_common.serve``).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import platform
 import sys
 import time
 
 import torch
-from peer_common import check, shape_arguments, time_ms
+from peer_common import DTYPES, first_call, run, shape_arguments, shapes
 
 
 def _vllm():
@@ -128,42 +127,30 @@ def main() -> int:
     start = time.perf_counter()
     vllm, ops, isa_of = _vllm()
     heads = (32, 8, 128)
-    shapes = {
-        "decode": (args.decode_batch, args.decode_ctx - 1, 1),
-        "extend": (args.extend_batch, args.extend_prefix, args.extend_new),
+    meta = {
+        "vllm": getattr(vllm, "__version__", "?"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "threads": torch.get_num_threads(),
+        "import_s": round(time.perf_counter() - start, 2),
+        "ops": "vllm._custom_ops: cpu_attn_get_scheduler_metadata + cpu_attn_reshape_and_cache + "
+        "cpu_attention_with_kv_cache (CPU_ATTN's per-step calls)",
     }
-    report = {
-        "meta": {
-            "vllm": getattr(vllm, "__version__", "?"),
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "threads": torch.get_num_threads(),
-            "import_s": round(time.perf_counter() - start, 2),
-            "ops": "vllm._custom_ops: cpu_attn_get_scheduler_metadata + cpu_attn_reshape_and_cache + "
-            "cpu_attention_with_kv_cache (CPU_ATTN's per-step calls)",
-        }
-    }
-    ok = True
-    for mode in filter(None, args.modes.split(",")):
-        report[mode] = {}
-        batch, prefix, new = shapes[mode]
-        for name in filter(None, args.dtypes.split(",")):
-            dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
-            report[mode][name] = {}
-            for block in (int(b) for b in args.blocks.split(",") if b):
-                print(f"[vllm peer] {mode} {name} block {block}", file=sys.stderr, flush=True)
-                shape = (batch, prefix, new, heads, args.seed)
-                step, q, k_all, v_all, isa = _case(ops, isa_of, mode, dtype, block, *shape)
-                verdict = check(step(), q, k_all, v_all, prefix, new, heads)
-                ok &= verdict["correct"]
-                report[mode][name][f"vllm_cpu_attn_b{block}"] = {
-                    "shape": {"batch": batch, "prefix": prefix, "new": new, "heads": heads, "block": block},
-                    "isa": isa,
-                    **time_ms(step, args.warmup, args.repeats),
-                    **verdict,
-                }
-    print(json.dumps(report, indent=2))
-    return 0 if ok else 1
+
+    def prepare(mode: str, name: str) -> dict:
+        """One variant per block size, ``vllm_cpu_attn_b<block>``: vLLM's own layout, compared with every hal page."""
+        batch, prefix, new = shapes(args)[mode]
+        variants = {}
+        for block in (int(b) for b in args.blocks.split(",") if b):
+            step, q, k_all, v_all, isa = _case(
+                ops, isa_of, mode, DTYPES[name], block, batch, prefix, new, heads, args.seed
+            )
+            shape = {"batch": batch, "prefix": prefix, "new": new, "heads": heads, "block": block}
+            facts = {"shape": shape, "isa": isa, **first_call(step, q, k_all, v_all, prefix, new, heads)}
+            variants[f"vllm_cpu_attn_b{block}"] = (step, facts)
+        return variants
+
+    return run(args, meta, prepare, "vllm")
 
 
 if __name__ == "__main__":

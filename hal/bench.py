@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import json
 import os
+import select as io_select
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -226,15 +228,49 @@ def _time_boxed(fn, device, repeats: int, warmup: int):
     _sync(device)
     first_ms = 1e3 * (time.perf_counter() - start)
     if first_ms > 1e3 * SLOW_CALL_S:
-        return out, {"median_ms": first_ms, "min_ms": first_ms, "max_ms": first_ms, "repeats": 1, "time_boxed": True}
+        return out, _single(first_ms)
     return out, time_ms(fn, device, repeats, warmup)
 
 
-def _measure(step, built, device, repeats: int, warmup: int) -> dict:
-    out, timing = _time_boxed(step, device, repeats, warmup)
+def _single(ms: float) -> dict:
+    return {"median_ms": ms, "min_ms": ms, "max_ms": ms, "repeats": 1, "time_boxed": True}
+
+
+def _first_call(step, built, device) -> tuple[Callable[[], float], dict]:
+    """``step`` run once and checked: ``(its one-call timer in ms, {"first_ms", "max_abs_err", "correct"})``."""
+
+    def call() -> float:
+        start = time.perf_counter()
+        step()
+        _sync(device)
+        return 1e3 * (time.perf_counter() - start)
+
+    start = time.perf_counter()
+    out = step()
+    _sync(device)
+    first_ms = 1e3 * (time.perf_counter() - start)
     err = (out.float() - built.expected.float()).abs().max().item()
     correct = torch.allclose(out.float(), built.expected.float(), **tolerance(built.case.dtype))
-    return {**timing, "max_abs_err": err, "correct": correct}
+    return call, {"first_ms": first_ms, "max_abs_err": err, "correct": correct}
+
+
+def _interleaved(calls: dict[str, Callable[[], float]], first_ms: dict[str, float], repeats: int, warmup: int) -> dict:
+    """``{name: timing}`` of one-call timers taken in turns: after ``warmup`` rounds, ``repeats`` rounds in
+    which every call runs once (the order rotating by one each round). A host that slows or quickens during
+    the workload then moves every contender alike: their ratios hold where their absolute times drift. A call
+    whose first run took over :data:`SLOW_CALL_S` is not run again (its first run is its timing)."""
+    timed = [name for name in calls if first_ms[name] <= 1e3 * SLOW_CALL_S]
+    times: dict[str, list[float]] = {name: [] for name in timed}
+    for round_ in range(warmup + repeats):
+        for i in range(len(timed)):
+            name = timed[(round_ + i) % len(timed)]
+            ms = calls[name]()
+            if round_ >= warmup:
+                times[name].append(ms)
+    report = {name: _single(first_ms[name]) for name in calls if name not in times}
+    for name, ms in times.items():
+        report[name] = {"median_ms": statistics.median(ms), "min_ms": min(ms), "max_ms": max(ms), "repeats": repeats}
+    return report
 
 
 def _engines(python: str) -> list[str]:
@@ -244,48 +280,113 @@ def _engines(python: str) -> list[str]:
     return done.stdout.split() if done.returncode == 0 else []
 
 
-def _external_peers(pythons, quick: bool, threads: int, dtypes: list[str] | None, modes: list[str]) -> dict:
-    """Each engine's harness run in each ``--peer-python`` that has it: ``{engine: its JSON or {"error"}}``."""
-    reports: dict = {}
+class PeerFailed(Exception):
+    """A peer harness that did not answer as ``bench/peer_common.serve`` does (reported, never fatal)."""
+
+
+class PeerServer:
+    """An engine's harness serving this run (``PYTHON SCRIPT --serve``, see ``bench/peer_common.py``): it builds
+    one workload at a time in its own venv and times one call when asked, so its calls alternate with hal's.
+
+    ``meta``: what the harness reports of itself (engine and torch versions, threads)."""
+
+    START_S = 600.0  # importing an engine, building a workload's pools
+    CALL_S = 600.0
+
+    def __init__(self, engine: str, args: list[str]):
+        self.engine = engine
+        self._log = tempfile.TemporaryFile(mode="w+")
+        self._proc = subprocess.Popen(
+            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1
+        )
+        self._workload: tuple[str, str] | None = None
+        self._variants: dict = {}
+        self.meta = self._ask(None, self.START_S)["meta"]
+
+    def _ask(self, request: dict | None, timeout: float) -> dict:
+        line, ready = "", True
+        if self._proc.poll() is None:
+            try:
+                if request is not None:
+                    self._proc.stdin.write(json.dumps(request) + "\n")
+                    self._proc.stdin.flush()
+                ready = bool(io_select.select([self._proc.stdout], [], [], timeout)[0])
+                line = self._proc.stdout.readline() if ready else ""
+            except (OSError, ValueError):  # the pipe closed at its end (it died) or at ours (closed after a failure)
+                line, ready = "", True
+        if not line:
+            self.close()
+            why = f"no answer in {timeout:.0f} s" if not ready else f"exited with {self._proc.returncode}"
+            raise PeerFailed(f"the {self.engine} peer {why}: {self._stderr_tail()}")
+        answer = json.loads(line)
+        if "error" in answer:
+            raise PeerFailed(answer["error"])
+        return answer
+
+    def _stderr_tail(self) -> str:
+        self._log.seek(0)
+        return self._log.read()[-1500:].strip() or "(nothing on stderr)"
+
+    def variants(self, mode: str, dtype: str) -> dict:
+        """``{variant: facts}`` of workload (mode, dtype), built on first ask (the previous one dropped)."""
+        if self._workload != (mode, dtype):
+            self._workload, self._variants = (mode, dtype), {}
+            self._variants = self._ask({"prepare": [mode, dtype]}, self.START_S)["variants"]
+        return self._variants
+
+    def call(self, variant: str) -> float:
+        """One call of ``variant`` of the current workload: milliseconds, timed in the peer's process."""
+        return self._ask({"call": variant}, self.CALL_S)["ms"]
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.stdin.close()
+            try:
+                self._proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+
+
+def _start_peers(pythons, quick: bool, threads: int) -> tuple[list[PeerServer], dict]:
+    """A :class:`PeerServer` per engine found in each ``--peer-python``, and ``{name: error}`` for the rest."""
+    servers, errors = [], {}
     for python in [pythons] if isinstance(pythons, str) else pythons or []:
         engines = _engines(python)
         if not engines:
-            reports[python] = {"error": f"{python} imports none of {', '.join(PEER_SCRIPTS)}"}
+            errors[python] = f"{python} imports none of {', '.join(PEER_SCRIPTS)}"
         for engine in engines:
             script = PEER_SCRIPTS[engine]
             if not script.is_file():
-                reports[engine] = {"error": f"the peer harness is not at {script}: run hal bench from a checkout"}
+                errors[engine] = f"the peer harness is not at {script}: run hal bench from a checkout"
                 continue
-            args = [python, str(script), "--json", "--threads", str(threads)]
-            args += ["--dtypes", ",".join(dtypes or DTYPES), "--modes", ",".join(modes)]
+            args = [python, str(script), "--serve", "--threads", str(threads)]
             if quick:
                 args += ["--decode-batch", "8", "--decode-ctx", "512", "--extend-batch", "2"]
                 args += ["--extend-prefix", "128", "--extend-new", "128"]
             _progress(f"{engine} peer: {' '.join(args)}")
-            done = subprocess.run(args, capture_output=True, text=True, check=False)
             try:
-                reports[engine] = json.loads(done.stdout)
-            except json.JSONDecodeError:
-                reports[engine] = {"error": done.stderr[-2000:] or f"exit {done.returncode}, no output"}
-    return reports
+                servers.append(PeerServer(engine, args))
+            except PeerFailed as exc:
+                errors[engine] = str(exc)
+    return servers, errors
 
 
-def _external_rows(reports: dict, mode: str, dtype: str, page_size: int) -> dict:
-    """The external peers' results for one workload row, by peer name (SGLang's: page size 1 rows only)."""
-    rows: dict = {}
-    for engine, report in reports.items():
-        if "error" in report:
+def _peer_calls(servers: list[PeerServer], mode: str, dtype: str, page_size: int) -> tuple[dict, dict]:
+    """The engines' variants that compare with one workload row: ``({name: one-call timer}, {name: facts or
+    {"error"}})``. A variant that states a ``page_size`` (SGLang's pool: 1) lands on rows of that page only."""
+    calls, facts = {}, {}
+    for server in servers:
+        try:
+            variants = server.variants(mode, dtype)
+        except PeerFailed as exc:
+            facts[server.engine] = {"error": str(exc)}
             continue
-        for name, result in report.get(mode, {}).get(dtype, {}).items():
-            if engine == "sglang":  # {"torch_native_backend": timing, "correct": ...}: its pool has page size 1
-                if name == "torch_native_backend" and page_size == 1:
-                    entry = report[mode][dtype]
-                    rows["sglang"] = {**result, "correct": entry["correct"], "max_abs_err": entry["max_abs_err"]}
-            elif isinstance(result, dict) and "median_ms" in result:
-                rows[name] = dict(result)
-    for result in rows.values():
-        result["process"] = "peer venv, same run"
-    return rows
+        for name, known in variants.items():
+            if known.get("page_size", page_size) == page_size:
+                calls[name] = lambda server=server, name=name: server.call(name)
+                facts[name] = {**known, "process": "peer venv, same run, alternated call by call with hal's"}
+    return calls, facts
 
 
 def run_bench(
@@ -349,8 +450,9 @@ def run_bench(
     finally:
         torch.set_num_threads(initial_threads)
     report = {"meta": meta, "machine": runs[-1]["machine"], "workloads": runs[-1]["workloads"]}
-    if runs[-1].get("peer_errors"):
-        report["peer_errors"] = runs[-1]["peer_errors"]
+    for key in ("peer_meta", "peer_errors"):  # the engines' versions, and the harnesses that failed
+        if runs[-1].get(key):
+            report[key] = runs[-1][key]
     if len(runs) > 1:
         report["by_threads"] = runs
         report["scaling"] = _scaling(runs)
@@ -367,69 +469,103 @@ def run_bench(
 
 
 def _run_at(threads: int, cap, facts, classes, cases, peers, quick, repeats, peer_python, dtypes) -> dict:
-    """One pass over ``cases`` at ``threads`` torch threads: ``{"threads", "machine", "workloads"}``."""
+    """One pass over ``cases`` at ``threads`` torch threads: ``{"threads", "machine", "workloads"}``.
+
+    Per workload, every backend and peer is run once and checked, then all are timed in turns
+    (:func:`_interleaved`): the engines' harnesses in their own venvs (:class:`PeerServer`) call by call too."""
     torch_device = cap.torch_device
     modes = sorted({c.name.split("_")[0] for c in cases} & {"decode", "extend"})
-    external = _external_peers(peer_python, quick, threads, dtypes, modes) if peer_python and modes else {}
-    _progress("machine limits")
-    limits = Limits(torch_device, quick, facts)
-    limits.sample()
-    parts: dict[str, float] = {}
-    rows = []
-    for index, case in enumerate(cases):
-        _progress(f"[{index + 1}/{len(cases)}] {case.name}: building")
-        built = build(case, torch_device)
-        kv_bytes, flops = _work(case)
-        row = {
-            "name": case.name,
-            "dtype": case.config().dtype_name,
-            "page_size": case.page_size,
-            "requests": len(case.requests),
-            "kv_bytes": kv_bytes,
-            "flops": flops,
-            "results": {},
-            "skipped": {},
-            "peers": {},
-        }
-        for cls in classes:
-            reasons = cls.unsupported_reasons(case.config(), cap) + (
-                ["Triton runs interpreted here"] if cap.triton_interpreted and cls.name == "triton" else []
-            )
-            if reasons:
-                row["skipped"][cls.name] = reasons
-                continue
-            _progress(f"[{index + 1}/{len(cases)}] {case.name}: {cls.name}")
-            row["results"][cls.name] = _measure(_backend_step(cls(cap), built), built, torch_device, repeats, 2)
-        row["peers"].update(_external_rows(external, case.name.split("_")[0], row["dtype"], case.page_size))
-        for name in peers:
-            _progress(f"[{index + 1}/{len(cases)}] {case.name}: peer {name}")
-            try:
-                step, prep = peer_step(name, built)
-                row["peers"][name] = {**prep, **_measure(step, built, torch_device, repeats, 2)}
-            except Exception as exc:  # a peer that cannot run here is reported, not fatal
-                row["peers"][name] = {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"}
-        # the oracle's speed, for scale: fp32 decodes only (its bf16 loops take minutes at these shapes)
-        if case.mode.is_decode() and facts["time_reference"] and "part" not in case.name and row["dtype"] == "fp32":
-            _progress(f"[{index + 1}/{len(cases)}] {case.name}: reference")
-            buffers = built.batch.token_to_kv_pool.get_kv_buffer(0)
-            row["reference"] = _time_boxed(
-                lambda built=built, buffers=buffers: batch_attention(built.q, *buffers, built.layer, built.batch),
-                torch_device,
-                3,
-                1,
-            )[1]
-        rows.append(row)
-        del built
-        limits.sample()  # interleaved: a busy moment during one sample cannot lower the ceiling
+    servers, errors = _start_peers(peer_python, quick, threads) if peer_python and modes else ([], {})
+    try:
+        _progress("machine limits")
+        limits = Limits(torch_device, quick, facts)
+        limits.sample()
+        rows = [
+            _row(f"[{index + 1}/{len(cases)}] {case.name}", case, cap, facts, classes, peers, servers, repeats, limits)
+            for index, case in enumerate(cases)
+        ]
+    finally:
+        for server in servers:
+            server.close()
     machine = {**limits.report(), "ceiling_for_dtype": facts["ceiling_for_dtype"]}
+    parts: dict[str, float] = {}
     for row in rows:
         _derive(row, machine, parts)
     run = {"threads": threads, "machine": machine, "workloads": rows}
-    errors = {name: r["error"] for name, r in external.items() if "error" in r}
     if errors:
         run["peer_errors"] = errors
-    run["peer_meta"] = {name: r.get("meta") for name, r in external.items() if "error" not in r}
+    run["peer_meta"] = {server.engine: server.meta for server in servers}
     return run
+
+
+def _row(where: str, case: Case, cap, facts, classes, peers, servers, repeats, limits) -> dict:
+    """One workload (``where``: its progress label): its backends and peers run once and checked, then timed in
+    turns; the reference timed apart."""
+    torch_device = cap.torch_device
+    _progress(f"{where}: building")
+    built = build(case, torch_device)
+    kv_bytes, flops = _work(case)
+    row = {
+        "name": case.name,
+        "dtype": case.config().dtype_name,
+        "page_size": case.page_size,
+        "requests": len(case.requests),
+        "kv_bytes": kv_bytes,
+        "flops": flops,
+        "results": {},
+        "skipped": {},
+        "peers": {},
+    }
+    calls, checked = {}, {}  # (kind, name) -> one-call timer / facts of its first call
+    for cls in classes:
+        reasons = cls.unsupported_reasons(case.config(), cap) + (
+            ["Triton runs interpreted here"] if cap.triton_interpreted and cls.name == "triton" else []
+        )
+        if reasons:
+            row["skipped"][cls.name] = reasons
+            continue
+        _progress(f"{where}: {cls.name}")
+        calls["results", cls.name], checked["results", cls.name] = _first_call(
+            _backend_step(cls(cap), built), built, torch_device
+        )
+    for name in peers:
+        _progress(f"{where}: peer {name}")
+        try:
+            step, prep = peer_step(name, built)
+            calls["peers", name], first = _first_call(step, built, torch_device)
+            checked["peers", name] = {**prep, **first}
+        except Exception as exc:  # a peer that cannot run here is reported, not fatal
+            row["peers"][name] = {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"}
+    mode = case.name.split("_")[0]
+    if servers and mode in ("decode", "extend"):
+        _progress(f"{where}: engine peers")
+        external, external_facts = _peer_calls(servers, mode, row["dtype"], case.page_size)
+        calls.update({("peers", name): call for name, call in external.items()})
+        for name, known in external_facts.items():
+            if "error" in known:
+                row["peers"][name] = known
+            else:
+                checked["peers", name] = known
+    _progress(f"{where}: timing {', '.join(name for _, name in calls)} in turns")
+    first_ms = {key: known["first_ms"] for key, known in checked.items()}
+    try:
+        timings = _interleaved(calls, first_ms, repeats, 2)
+    except PeerFailed as exc:  # an engine's harness died mid-workload: the others are timed without it
+        for key in [key for key in calls if key[1] in external]:
+            row["peers"][key[1]] = {"error": str(exc)}
+            del calls[key], checked[key]
+        timings = _interleaved(calls, first_ms, repeats, 2)
+    for (kind, name), known in checked.items():
+        row[kind][name] = {**known, **timings[kind, name]}
+    # the oracle's speed, for scale: fp32 decodes only (its bf16 loops take minutes at these shapes)
+    if case.mode.is_decode() and facts["time_reference"] and "part" not in case.name and row["dtype"] == "fp32":
+        _progress(f"{where}: reference")
+        buffers = built.batch.token_to_kv_pool.get_kv_buffer(0)
+        row["reference"] = _time_boxed(
+            lambda: batch_attention(built.q, *buffers, built.layer, built.batch), torch_device, 3, 1
+        )[1]
+    limits.sample()  # interleaved: a busy moment during one sample cannot lower the ceiling
+    return row
 
 
 def _scaling(runs: list[dict]) -> dict:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hal.bench import FACT_DEFAULTS, PEER_SCRIPTS, _external_rows, device_facts
+from hal.bench import FACT_DEFAULTS, PEER_SCRIPTS, device_facts
 from hal.bench_peers import DEFAULT_PEERS, PEERS
 from hal.devices.cpu import device as cpu_device
 
@@ -57,25 +57,101 @@ def test_flex_attention_is_opt_in():
     assert set(DEFAULT_PEERS) <= set(PEERS) and "flex_attention" not in DEFAULT_PEERS
 
 
-def test_external_peers_land_on_the_rows_they_measured():
-    timing = {"median_ms": 5.0, "min_ms": 4.0, "max_ms": 6.0, "repeats": 3}
-    reports = {
-        "sglang": {"decode": {"fp32": {"torch_native_backend": timing, "correct": True, "max_abs_err": 1e-6}}},
-        "vllm": {
-            "decode": {
-                "fp32": {
-                    "vllm_cpu_attn_b128": {**timing, "correct": True},
-                    "vllm_cpu_attn_b16": {**timing, "median_ms": 7.0, "correct": False},
-                }
-            }
-        },
-        "/bad/python": {"error": "imports none"},
-    }
-    page1 = _external_rows(reports, "decode", "fp32", 1)
-    assert set(page1) == {"sglang", "vllm_cpu_attn_b128", "vllm_cpu_attn_b16"}
-    assert page1["sglang"]["median_ms"] == 5.0 and page1["vllm_cpu_attn_b16"]["correct"] is False
-    assert set(_external_rows(reports, "decode", "fp32", 16)) == {"vllm_cpu_attn_b128", "vllm_cpu_attn_b16"}
-    assert _external_rows(reports, "extend", "fp32", 1) == {} and _external_rows(reports, "decode", "bf16", 1) == {}
+def test_contenders_are_timed_in_turns():
+    """Every round runs each contender once, the order rotating: a host that slows mid-run moves them alike."""
+    import hal.bench as bench
+
+    order = []
+    calls = {name: (lambda name=name: order.append(name) or 1.0) for name in ("hal", "vllm", "sglang")}
+    timings = bench._interleaved(calls, {"hal": 1.0, "vllm": 1.0, "sglang": 1.0}, repeats=3, warmup=1)
+    assert order == ["hal", "vllm", "sglang", "vllm", "sglang", "hal", "sglang", "hal", "vllm", "hal", "vllm", "sglang"]
+    assert all(t["repeats"] == 3 and t["median_ms"] == 1.0 for t in timings.values())
+    slow = bench._interleaved({"oracle": lambda: pytest.fail("run again")}, {"oracle": 5e3}, repeats=3, warmup=1)
+    assert slow["oracle"] == {"median_ms": 5e3, "min_ms": 5e3, "max_ms": 5e3, "repeats": 1, "time_boxed": True}
+
+
+FAKE_HARNESS = """
+import os, sys, time
+sys.path.insert(0, {bench!r})
+import peer_common
+
+def prepare(mode, dtype):
+    if dtype == "bad":
+        raise ValueError("no bad dtype here")
+    if dtype == "die":
+        os._exit(3)
+    def step():
+        print("an engine's log line")  # Python's stdout and the C library's: neither may reach hal's pipe
+        os.write(1, b"a kernel's log line\\n")
+        time.sleep(0.002)
+    facts = {{"first_ms": 2.0, "correct": True, "max_abs_err": 0.0}}
+    return {{"fake_b16": (step, facts), "fake_page1": (step, {{**facts, "page_size": 1}})}}
+
+sys.exit(peer_common.serve({{"engine": "fake", "mode_seen": sys.argv[1:]}}, prepare))
+"""
+
+
+def _fake_harness(tmp_path) -> Path:
+    script = tmp_path / "fake_peer.py"
+    script.write_text(FAKE_HARNESS.format(bench=str(ROOT / "bench")))
+    return script
+
+
+def test_an_engine_peer_serves_call_by_call(tmp_path):
+    """The --serve protocol: meta first, a workload's variants on prepare, one timed call per ask, errors answered;
+    the engine's prints (Python's and the C library's) never reach the answers; a dead harness is reported."""
+    import hal.bench as bench
+
+    server = bench.PeerServer("fake", [sys.executable, str(_fake_harness(tmp_path)), "--serve"])
+    try:
+        assert server.meta == {"engine": "fake", "mode_seen": ["--serve"]}
+        calls, facts = bench._peer_calls([server], "decode", "fp32", 16)
+        assert set(calls) == {"fake_b16"} and facts["fake_b16"]["correct"]  # fake_page1 lands on page-1 rows only
+        assert set(bench._peer_calls([server], "decode", "fp32", 1)[0]) == {"fake_b16", "fake_page1"}
+        assert all(calls["fake_b16"]() >= 2.0 for _ in range(3))
+        calls, facts = bench._peer_calls([server], "decode", "bad", 1)
+        assert calls == {} and "no bad dtype here" in facts["fake"]["error"]
+        with pytest.raises(bench.PeerFailed, match="unknown request"):
+            server._ask({"what": 1}, 60)
+        calls, facts = bench._peer_calls([server], "decode", "die", 1)
+        assert calls == {} and "exited with 3" in facts["fake"]["error"]
+        with pytest.raises(bench.PeerFailed, match="exited"):
+            server.call("fake_b16")
+    finally:
+        server.close()
+
+
+def test_a_bench_run_alternates_with_its_engine_peers(tmp_path, monkeypatch, capsys):
+    """hal bench end to end with a harness in another process: its variants land on the rows they compare with,
+    timed in turns with hal's backend, and the speed-ups against them are derived."""
+    import json
+
+    import hal.bench as bench
+
+    monkeypatch.setitem(bench.PEER_SCRIPTS, "fake", _fake_harness(tmp_path))
+    monkeypatch.setattr(bench, "_engines", lambda python: ["fake"])
+    code = bench.run_bench(
+        "cpu",
+        ["torch"],
+        quick=True,
+        as_json=True,
+        peer_python=sys.executable,
+        repeats=3,
+        workload_names=["decode"],
+        dtypes=["fp32"],
+        page_sizes=[1, 16],
+    )
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and "peer_errors" not in report
+    page1, page16 = report["workloads"]
+    assert set(page1["peers"]) >= {"fake_b16", "fake_page1"} and "fake_page1" not in page16["peers"]
+    for row in (page1, page16):
+        peer = row["peers"]["fake_b16"]
+        assert peer["repeats"] == 3 and peer["median_ms"] >= 2.0 and "alternated" in peer["process"]
+        assert (
+            row["results"]["torch"]["speedup_vs_fake_b16"] == peer["median_ms"] / row["results"]["torch"]["median_ms"]
+        )
+    assert report["peer_meta"]["fake"]["engine"] == "fake"
 
 
 VLLM_PYTHON = os.environ.get("HAL_VLLM_PYTHON", "")
@@ -94,6 +170,16 @@ def test_the_vllm_peer_matches_the_oracle():
     report = json.loads(done.stdout)
     results = [r for mode in ("decode", "extend") for d in report[mode].values() for r in d.values()]
     assert len(results) == 8 and all(r["correct"] for r in results)
+    import hal.bench as bench  # the same harness serving hal bench call by call
+
+    server = bench.PeerServer("vllm", [*args[:2], "--serve", *args[2:]])
+    try:
+        assert server.meta["vllm"] and server.meta["threads"] == 1
+        calls, facts = bench._peer_calls([server], "extend", "bf16", 16)
+        assert set(calls) == {"vllm_cpu_attn_b32", "vllm_cpu_attn_b16"} and all(f["correct"] for f in facts.values())
+        assert calls["vllm_cpu_attn_b16"]() > 0
+    finally:
+        server.close()
 
 
 def test_the_peer_harnesses_run_without_hal():
