@@ -446,7 +446,7 @@ def run_bench(
         for count in counts:
             torch.set_num_threads(count)
             _progress(f"{count} threads")
-            runs.append(_run_at(count, cap, facts, classes, cases, peers, quick, repeats, peer_python, dtypes))
+            runs.append(_run_at(count, cap, facts, classes, cases, peers, quick, repeats, peer_python))
     finally:
         torch.set_num_threads(initial_threads)
     report = {"meta": meta, "machine": runs[-1]["machine"], "workloads": runs[-1]["workloads"]}
@@ -468,7 +468,7 @@ def run_bench(
     return 0 if all(r.get("correct", True) for r in everything) else 1
 
 
-def _run_at(threads: int, cap, facts, classes, cases, peers, quick, repeats, peer_python, dtypes) -> dict:
+def _run_at(threads: int, cap, facts, classes, cases, peers, quick, repeats, peer_python) -> dict:
     """One pass over ``cases`` at ``threads`` torch threads: ``{"threads", "machine", "workloads"}``.
 
     Per workload, every backend and peer is run once and checked, then all are timed in turns
@@ -550,7 +550,8 @@ def _row(where: str, case: Case, cap, facts, classes, peers, servers, repeats, l
     first_ms = {key: known["first_ms"] for key, known in checked.items()}
     try:
         timings = _interleaved(calls, first_ms, repeats, 2)
-    except PeerFailed as exc:  # an engine's harness died mid-workload: the others are timed without it
+    except PeerFailed as exc:
+        # a harness died mid-workload: hal and the in-process peers are timed again, without the engines' peers
         for key in [key for key in calls if key[1] in external]:
             row["peers"][key[1]] = {"error": str(exc)}
             del calls[key], checked[key]
