@@ -118,7 +118,7 @@ def serve(meta: dict, prepare: Callable[[str, str], dict]) -> int:
         try:
             request = json.loads(line)
             if "prepare" in request:
-                variants = {}
+                variants = {}  # the last workload's pools freed before the next one is built
                 variants = prepare(*request["prepare"])
                 answer = {"variants": {name: facts for name, (_, facts) in variants.items()}}
             elif "call" in request:
