@@ -221,15 +221,12 @@ def _backend_step(backend, built) -> Callable[[], torch.Tensor]:
 SLOW_CALL_S = 3.0
 
 
-def _time_boxed(fn, device, repeats: int, warmup: int):
-    """``(first output, timing)``: a first call slower than :data:`SLOW_CALL_S` is the only one timed."""
+def _run_timed(step, device):
+    """``(output, milliseconds)`` of one call of ``step``, the device synchronised."""
     start = time.perf_counter()
-    out = fn()
+    out = step()
     _sync(device)
-    first_ms = 1e3 * (time.perf_counter() - start)
-    if first_ms > 1e3 * SLOW_CALL_S:
-        return out, _single(first_ms)
-    return out, time_ms(fn, device, repeats, warmup)
+    return out, 1e3 * (time.perf_counter() - start)
 
 
 def _single(ms: float) -> dict:
@@ -238,20 +235,10 @@ def _single(ms: float) -> dict:
 
 def _first_call(step, built, device) -> tuple[Callable[[], float], dict]:
     """``step`` run once and checked: ``(its one-call timer in ms, {"first_ms", "max_abs_err", "correct"})``."""
-
-    def call() -> float:
-        start = time.perf_counter()
-        step()
-        _sync(device)
-        return 1e3 * (time.perf_counter() - start)
-
-    start = time.perf_counter()
-    out = step()
-    _sync(device)
-    first_ms = 1e3 * (time.perf_counter() - start)
+    out, first_ms = _run_timed(step, device)
     err = (out.float() - built.expected.float()).abs().max().item()
     correct = torch.allclose(out.float(), built.expected.float(), **tolerance(built.case.dtype))
-    return call, {"first_ms": first_ms, "max_abs_err": err, "correct": correct}
+    return lambda: _run_timed(step, device)[1], {"first_ms": first_ms, "max_abs_err": err, "correct": correct}
 
 
 def _interleaved(calls: dict[str, Callable[[], float]], first_ms: dict[str, float], repeats: int, warmup: int) -> dict:
@@ -562,9 +549,11 @@ def _row(where: str, case: Case, cap, facts, classes, peers, servers, repeats, l
     if case.mode.is_decode() and facts["time_reference"] and "part" not in case.name and row["dtype"] == "fp32":
         _progress(f"{where}: reference")
         buffers = built.batch.token_to_kv_pool.get_kv_buffer(0)
-        row["reference"] = _time_boxed(
-            lambda: batch_attention(built.q, *buffers, built.layer, built.batch), torch_device, 3, 1
-        )[1]
+
+        def oracle() -> float:
+            return _run_timed(lambda: batch_attention(built.q, *buffers, built.layer, built.batch), torch_device)[1]
+
+        row["reference"] = _interleaved({"oracle": oracle}, {"oracle": oracle()}, 3, 1)["oracle"]
     limits.sample()  # interleaved: a busy moment during one sample cannot lower the ceiling
     return row
 
