@@ -15,6 +15,7 @@ from torch.overrides import TorchFunctionMode
 
 from hal.backend import fused_forward_disabled
 from hal.conformance.cases import CASES, build, tolerance
+from hal.conformance.cases_models import MODEL_CASES
 from hal.devices.cpu import CompiledBackend
 from hal.devices.cpu.capability import cpu_capability
 from hal.errors import InvalidBatchError, KVCacheError
@@ -23,9 +24,9 @@ from hal.kernels import cpu as cpu_kernels
 CAP = cpu_capability()
 BUILDABLE, WHY_NOT = cpu_kernels.status()
 pytestmark = pytest.mark.skipif(not BUILDABLE, reason=f"no compiled CPU kernels here: {WHY_NOT}")
-CPU_CASES = [c for c in CASES if not CompiledBackend.unsupported_reasons(c.config(), CAP)]
-# The cases the fused call serves: no sinks, no fp8 pool, no MLA latent value.
-FUSED_CASES = [c for c in CPU_CASES if not c.sinks and not c.kv_cache_dtype and not c.kv_lora_rank]
+CPU_CASES = [c for c in CASES + MODEL_CASES if not CompiledBackend.unsupported_reasons(c.config(), CAP)]
+# The cases the fused call serves (attention sinks included): no fp8 pool, no MLA latent value.
+FUSED_CASES = [c for c in CPU_CASES if not c.kv_cache_dtype and not c.kv_lora_rank]
 
 
 @pytest.fixture
@@ -61,7 +62,7 @@ def test_the_fused_forward_matches_the_reference_and_writes_exactly_the_new_kv(c
         k = k.unflatten(1, (layer.tp_k_head_num, layer.head_dim))
         v = v.unflatten(1, (layer.tp_v_head_num, layer.v_head_dim))
     backend.init_forward_metadata(built.batch)
-    out = backend.forward(q, k, v, layer, built.batch)
+    out = backend.forward(q, k, v, layer, built.batch, **built.forward_kwargs)
     assert backend.checked_calls == [], "the fused call served this case"
     assert out.dtype == built.q.dtype and out.shape == built.expected.shape
     torch.testing.assert_close(out.float(), built.expected.float(), **tolerance(case.dtype))

@@ -8,6 +8,7 @@ kernels can be built. Nothing here is timed: speed is ``hal bench``'s business.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 
 from hal.batch import host_lens
 from hal.conformance.cases import CASES, build, tolerance
+from hal.conformance.cases_models import MODEL_CASES
 from hal.devices.cpu import CompiledBackend, PlainTorchBackend, device
 from hal.devices.cpu.capability import cpu_capability
 from hal.errors import ConfigError, KVCacheError
@@ -23,7 +25,9 @@ from hal.kernels import cpu as cpu_kernels
 CAP = cpu_capability()
 BUILDABLE, WHY_NOT = cpu_kernels.status()
 needs_kernels = pytest.mark.skipif(not BUILDABLE, reason=f"no compiled CPU kernels here: {WHY_NOT}")
-CPU_CASES = [c for c in CASES if not CompiledBackend.unsupported_reasons(c.config(), CAP)]
+# Llama-shaped cases and the attention-sink ones (gpt-oss) the kernels read (an fp8 pool takes the plain path).
+KERNEL_SINK_CASES = [c for c in MODEL_CASES if c.sinks and c.kv_cache_dtype is None]
+CPU_CASES = [c for c in CASES + tuple(KERNEL_SINK_CASES) if not CompiledBackend.unsupported_reasons(c.config(), CAP)]
 
 
 def _kernel_out(built, tile_rows):
@@ -45,6 +49,7 @@ def _kernel_out(built, tile_rows):
         sliding_window=layer.sliding_window_size,
         causal=layer.causal,
         custom_mask=fb.spec_info.custom_mask if fb.forward_mode.is_target_verify() else None,
+        sinks=built.sinks,
         tile_rows=tile_rows,
     )
     return out.reshape(lens.num_tokens, -1)
@@ -77,7 +82,7 @@ def test_plain_torch_path_matches_reference(case):
     built = build(case)
     backend = PlainTorchBackend(CAP)
     backend.init_forward_metadata(built.batch)
-    out = backend.forward(built.q, built.k, built.v, built.layer, built.batch)
+    out = backend.forward(built.q, built.k, built.v, built.layer, built.batch, **built.forward_kwargs)
     torch.testing.assert_close(out.float(), built.expected.float(), **tolerance(case.dtype))
 
 
@@ -155,6 +160,57 @@ def test_scattered_long_decode_and_extend_match_the_reference(isa, head_dim, til
         out = cpu_kernels.paged_attention(*args, scale=0.125, sliding_window=400, tile_rows=tile_rows)
         expected = reference.paged_attention(*args, scale=0.125, sliding_window=400)
         torch.testing.assert_close(out.float(), expected.float(), **tolerance(dtype))
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("tile_rows", [0, 16], ids=["rows", "tiles"])  # 16: the extend's tiles fill vectors
+def test_the_logit_cap_holds_at_every_score_magnitude(isa, tile_rows, monkeypatch):
+    """The vectorised cap (cap * tanh(s / cap)) against torch.tanh over scores from ~1e-3 to ~1e4 (saturated),
+    both signs; an infinite key saturates at +-cap; a NaN key reaches only its own request's output."""
+    from hal.kernels import reference
+
+    monkeypatch.setenv("HAL_CPU_ISA", isa)
+    gen = torch.Generator().manual_seed(5)
+    req_to_token = torch.randperm(900, generator=gen)[:800].view(2, 400).to(torch.int32)
+    rows, seq, ext = torch.tensor([1, 0]), torch.tensor([390, 260]), torch.tensor([1, 21])
+    magnitudes = torch.logspace(-4, 3, 8)  # one query head per magnitude: scores ~1e-3 .. ~1e4
+    for dtype in (torch.float32, torch.bfloat16):
+        k_buffer = torch.randn(900, 2, 64, generator=gen).to(dtype)
+        v_buffer = torch.randn(900, 2, 64, generator=gen).to(dtype)
+        q = (torch.randn(int(ext.sum()), 8, 64, generator=gen) * magnitudes[:, None]).to(dtype)
+        args = (q, k_buffer, v_buffer, req_to_token, rows, seq, ext)
+        out = cpu_kernels.paged_attention(*args, scale=0.125, logit_cap=30.0, tile_rows=tile_rows)
+        expected = reference.paged_attention(*args, scale=0.125, logit_cap=30.0)
+        torch.testing.assert_close(out.float(), expected.float(), **tolerance(dtype))
+    k_buffer[int(req_to_token[1, 5]), 0, 3] = float("inf")  # request 0 (row 1) sees +-inf scores at KV head 0
+    k_buffer[int(req_to_token[0, 7]), 1, 0] = float("nan")  # request 1 (row 0) a NaN score at KV head 1
+    k_buffer, v_buffer = k_buffer.float(), v_buffer.float()
+    q = torch.randn(int(ext.sum()), 8, 64, generator=gen)
+    args = (q, k_buffer, v_buffer, req_to_token, rows, seq, ext)
+    out = cpu_kernels.paged_attention(*args, scale=0.125, logit_cap=30.0, tile_rows=tile_rows)
+    expected = reference.paged_attention(*args, scale=0.125, logit_cap=30.0)
+    assert expected[0].isfinite().all() and out[0].isfinite().all(), "an infinite score is capped, not NaN"
+    assert out[1:, 4:].isnan().all() and not out[1:, :4].isnan().any(), "NaN reaches only KV head 1's queries"
+    torch.testing.assert_close(out[0], expected[0], **tolerance(torch.float32))
+
+
+@needs_kernels
+def test_sinks_that_are_not_one_per_q_head_are_refused_by_name():
+    """The kernels' wrapper names bad sinks; the fused forward leaves them (nothing written) to the checked
+    prologue, which names them too."""
+    from hal.errors import InvalidBatchError
+
+    built = build(next(c for c in KERNEL_SINK_CASES if c.mode.is_decode()))
+    with pytest.raises(KVCacheError, match="one sink logit per q head"):
+        _kernel_out(replace(built, sinks=built.sinks[:-1]), 0)
+    backend = CompiledBackend(CAP)
+    backend.init_forward_metadata(built.batch)
+    pool = built.batch.token_to_kv_pool
+    before = [b.clone() for b in pool.k_buffer + pool.v_buffer]
+    with pytest.raises(InvalidBatchError, match="sinks"):
+        backend.forward(built.q, built.k, built.v, built.layer, built.batch, sinks=built.sinks[:-1])
+    assert all(torch.equal(a, b) for a, b in zip(before, pool.k_buffer + pool.v_buffer)), "cache was touched"
 
 
 # The tests that remove or inspect the shared build run in one pytest-xdist worker, one after the other.
@@ -295,7 +351,7 @@ def test_the_kernel_is_a_dispatcher_op_that_sees_every_tensor():
     with Calls() as mode:
         _kernel_out(built, 0)
     kernel = [tensors for name, tensors in mode.calls if name.startswith(f"hal.paged_attention_{cpu_kernels.isa()}")]
-    assert len(kernel) == 1 and len(kernel[0]) == 11
+    assert len(kernel) == 1 and len(kernel[0]) == 12  # sinks (empty here) and the output included
     assert any(t.data_ptr() == req_to_token.data_ptr() for t in kernel[0])
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import hal
+from hal.backend import fused_forward_disabled
 from hal.batch import ForwardMode
 from hal.conformance.cases import Case, build
 from hal.devices.cpu import CompiledBackend, PlainTorchBackend
@@ -178,13 +179,21 @@ def test_mla_value_may_be_none(backend_cls, mode):
     torch.testing.assert_close(out, built.expected.float(), **reference.tolerance(torch.float32))
 
 
-def test_compiled_backend_routes_sinks_and_fp8_to_the_plain_path():
+def test_compiled_backend_runs_sinks_and_mla_in_the_kernels_and_fp8_on_the_plain_path():
     backend = CompiledBackend(cpu_capability(), hal.AttentionConfig(dtype="fp32", attention_sinks=True))
     if backend.kernels is None:
         pytest.skip("the compiled CPU kernels are not built here")
-    plain = build(Case("s", ForwardMode.DECODE, ((3, 1),), sinks=True))
-    backend.init_forward_metadata(plain.batch)
-    assert isinstance(backend.forward_metadata, TorchMetadata)
+    sinks = build(Case("s", ForwardMode.DECODE, ((3, 1), (40, 1)), sinks=True))
+    for config in (backend.config, None):  # announced by the config, or not: the kernels take sinks= either way
+        kernels = CompiledBackend(cpu_capability(), config)
+        kernels.init_forward_metadata(sinks.batch)
+        assert not isinstance(kernels.forward_metadata, TorchMetadata)
+        assert kernels.route_of(sinks.batch, sinks.layer) == ["rows/one_head"]
+        with fused_forward_disabled():  # the checked prologue, then paged_attention
+            checked = kernels.forward(sinks.q, sinks.k, sinks.v, sinks.layer, sinks.batch, sinks=sinks.sinks)
+        fused = kernels.forward(sinks.q, sinks.k, sinks.v, sinks.layer, sinks.batch, sinks=sinks.sinks)
+        for out in (checked, fused):  # write_and_attend (the fused forward) with sinks
+            torch.testing.assert_close(out, sinks.expected.float(), **reference.tolerance(torch.float32))
     fp8 = build(Case("f", ForwardMode.DECODE, ((3, 1),), kv_cache_dtype=torch.float8_e4m3fn))
     unconfigured = CompiledBackend(cpu_capability())
     unconfigured.init_forward_metadata(fp8.batch)
@@ -193,10 +202,7 @@ def test_compiled_backend_routes_sinks_and_fp8_to_the_plain_path():
                      qk_rope_head_dim=16))  # fmt: skip
     unconfigured.init_forward_metadata(mla.batch)
     assert not isinstance(unconfigured.forward_metadata, TorchMetadata)  # MLA runs in the kernels
-    unconfigured.init_forward_metadata(plain.batch)  # sinks the config did not announce: this step switches
-    out = unconfigured.forward(plain.q, plain.k, plain.v, plain.layer, plain.batch, sinks=plain.sinks)
-    torch.testing.assert_close(out, plain.expected.float(), **reference.tolerance(torch.float32))
-    assert any("plain torch path" in note for note in CompiledBackend.notes(cpu_capability()))
+    assert any("fp8 KV caches run the plain torch path" in note for note in CompiledBackend.notes(cpu_capability()))
 
 
 def test_fp8_tolerance_is_the_query_dtypes_against_the_same_cache():

@@ -20,9 +20,9 @@ __getattr__ = moved_names(__name__, {"TorchBackend": "hal.devices.cpu.compiled_b
 
 # The case families an ISA path reruns: those whose forwards reach the kernels' vector code in the shapes it
 # branches on (fp32 and bf16 dots, head dims and their tails up to 256, task shapes: rows of one or every KV head
-# and query tiles, caps, windows, v_head_dim != head_dim); about 70 cases a path. Sinks and fp8 caches run the
+# and query tiles, caps, windows, v_head_dim != head_dim, sinks); about 90 cases a path. fp8 caches run the
 # plain torch path; refusals, metadata and graphs run the same kernels as these.
-KERNEL_FAMILIES = ("basic", "head_dim", "task_shape", "logit_cap", "window", "v_head_dim")
+KERNEL_FAMILIES = ("basic", "head_dim", "task_shape", "logit_cap", "window", "v_head_dim", "sinks")
 
 
 class CpuDevice(Device):

@@ -12,11 +12,11 @@ compiled at first use; where that cannot happen (no compiler or ninja,
 this class extends) serves, with a warning when a build was tried and failed, and ``hal
 info`` says which path runs and why.
 
-MLA runs in the kernels (one latent KV head, ``head_dim`` 576 / ``v_head_dim`` 512 or any
-other: they read the value through the pool's strided latent view). The kernels have no
-attention sinks and read no fp8: a step over an fp8 pool, or of a backend created for a
-config with ``attention_sinks``, runs the plain torch path, chosen when its metadata is
-prepared; ``sinks=`` arriving at a step prepared for the kernels switches that step to it.
+MLA and attention sinks run in the kernels (MLA: one latent KV head, ``head_dim`` 576 /
+``v_head_dim`` 512 or any other, the value read through the pool's strided latent view;
+sinks: ``sinks=`` ``[q_heads]``, one more logit per row in the softmax's sum). The kernels
+read no fp8: a step over an fp8 pool runs the plain torch path, chosen when its metadata is
+prepared.
 """
 
 from __future__ import annotations
@@ -110,8 +110,8 @@ class CompiledBackend(PlainTorchBackend):
     @classmethod
     def notes(cls, capability) -> list[str]:
         return super().notes(capability) + [
-            "attention sinks and fp8 KV caches run the plain torch path (the compiled kernels have neither); "
-            "MLA runs in the compiled kernels",
+            "fp8 KV caches run the plain torch path (the compiled kernels read none); "
+            "MLA and attention sinks run in the compiled kernels",
             cpu_kernels.describe(),
         ]
 
@@ -119,10 +119,10 @@ class CompiledBackend(PlainTorchBackend):
     @classmethod
     def routes(cls, config, capability) -> list[str]:
         """The kernel's task shapes: query tiles, row tasks of one KV head, row tasks of every KV head; and the
-        plain torch path where the config has attention sinks or an fp8 cache."""
+        plain torch path where the config has an fp8 cache."""
         if not cpu_kernels.status()[0]:
             return []
-        plain = ["plain_torch"] if config.attention_sinks or kv_dtype(config.kv_cache_dtype_name).scaled else []
+        plain = ["plain_torch"] if kv_dtype(config.kv_cache_dtype_name).scaled else []
         return ["tiles", "rows/one_head"] + (["rows/all_heads"] if config.tp_k_head_num > 1 else []) + plain
 
     def route_of(self, fb, layer) -> list[str]:
@@ -131,7 +131,7 @@ class CompiledBackend(PlainTorchBackend):
         head at once when there are at least 4 per thread (``HAL_HEADS_PER_TASK`` overrides)."""
         if self.kernels is None or fb.forward_mode.is_idle():
             return []
-        if not isinstance(self.forward_metadata, CompiledMetadata):  # sinks or an fp8 cache: the plain path
+        if not isinstance(self.forward_metadata, CompiledMetadata):  # an fp8 cache: the plain path
             return ["plain_torch"]
         group = layer.tp_q_head_num // layer.tp_k_head_num
         query = host_lens(fb).query
@@ -147,9 +147,8 @@ class CompiledBackend(PlainTorchBackend):
 
     # -- metadata ----------------------------------------------------------------------
     def plain_path(self, fb) -> bool:
-        """Whether ``fb``'s step runs the plain torch path: no kernels, an fp8 pool, or a model with sinks."""
-        sinks = self.config is not None and self.config.attention_sinks
-        return self.kernels is None or sinks or kv_scaled(fb.token_to_kv_pool.dtype)
+        """Whether ``fb``'s step runs the plain torch path: no kernels, or an fp8 pool."""
+        return self.kernels is None or kv_scaled(fb.token_to_kv_pool.dtype)
 
     def init_forward_metadata_out_graph(self, fb, in_capture: bool = False) -> None:
         self.check_batch(fb)
@@ -177,15 +176,16 @@ class CompiledBackend(PlainTorchBackend):
 
     # -- forward -----------------------------------------------------------------------
     # The base class's prologue takes forward_fused (write_and_attend: the whole forward in one kernel call) where
-    # it may; everything else (sinks, save_kv_cache=False, other dtypes or layouts, bad input, a torch mode
+    # it may; everything else (save_kv_cache=False, other dtypes or layouts, bad input, a torch mode
     # watching, a subclass overriding a hook) takes the checked prologue and _forward, which name what is wrong.
     fused_forward_covers = ("_forward",)
 
     def forward_fused(self, q, k, v, layer, fb, save_kv_cache=True, **kwargs) -> torch.Tensor | None:
         """One layer's forward as one kernel call (:func:`hal.kernels.cpu.write_and_attend`: checks ``q``/``k``/``v``
         against the layer and pool, writes the new tokens' KV, attends); ``[T, q_heads * v_head_dim]``, or None
-        (nothing written) for a step of the plain path, ``sinks=`` or inputs the kernel does not take."""
+        (nothing written) for a step of the plain path or inputs the kernel does not take."""
         meta = self.forward_metadata
+        sinks = kwargs.pop("sinks", None)
         if not isinstance(meta, CompiledMetadata) or any(value is not None for value in kwargs.values()):
             return None
         pool = fb.token_to_kv_pool
@@ -208,14 +208,11 @@ class CompiledBackend(PlainTorchBackend):
             layer.causal,
             meta.custom_mask,
             meta.mask_start,
+            sinks=sinks,
         )
 
     def _forward(self, q, k, v, layer, fb, save_kv_cache: bool, sinks=None) -> torch.Tensor:
         meta = self.forward_metadata
-        if sinks is not None and isinstance(meta, CompiledMetadata):  # sinks the config did not announce
-            PlainTorchBackend.plan(self, fb)  # fb was checked when the kernels' metadata was prepared
-            PlainTorchBackend.init_forward_metadata_in_graph(self, fb)
-            meta = self.forward_metadata
         if not isinstance(meta, CompiledMetadata):
             return super()._forward(q, k, v, layer, fb, save_kv_cache, sinks)
         pool = fb.token_to_kv_pool
@@ -235,5 +232,6 @@ class CompiledBackend(PlainTorchBackend):
             custom_mask=meta.custom_mask,
             q_start=meta.q_start,
             mask_start=meta.mask_start,
+            sinks=sinks,
         )
         return out

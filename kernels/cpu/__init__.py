@@ -476,13 +476,15 @@ def paged_attention(
     custom_mask: torch.Tensor | None = None,
     q_start: torch.Tensor | None = None,
     mask_start: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
     tile_rows: int = TILE_ROWS,
 ) -> torch.Tensor:
     """The reference's ``paged_attention``, compiled: ``[T, Hq, D]`` queries -> ``[T, Hq, Dv]`` in ``q.dtype``.
 
     ``seq_lens`` are the keys each request attends over (its query tokens included),
     ``extend_lens`` its query tokens; ``q_start`` / ``mask_start`` (int64 ``[B]``, each
-    request's first query row and custom-mask entry) are derived when not given. Reads
+    request's first query row and custom-mask entry) are derived when not given;
+    ``sinks``: ``[Hq]`` sink logits (gpt-oss's attention sinks, any float dtype), or None. Reads
     no tensor on the host (graph-safe); out-of-range rows, lengths or slots raise
     :class:`~hal.errors.KVCacheError` from the kernel's own checks, before or instead of
     any out-of-bounds read.
@@ -513,6 +515,10 @@ def paged_attention(
             sizes = q_lens * kv_lens
             mask_start = torch.cumsum(sizes, 0) - sizes
     mask_start = _index(mask_start) if mask_start is not None else torch.empty(0, dtype=torch.int64)
+    sink_logits = _NO_SINKS if sinks is None else _sinks(sinks, q_heads)
+    if sink_logits is None:
+        shape = list(sinks.shape) if isinstance(sinks, torch.Tensor) else repr(sinks)
+        raise KVCacheError(f"sinks {shape}: expected a tensor of one sink logit per q head ({q_heads})")
     qf = q if q.dtype == torch.float32 and q.stride(2) == 1 else q.float().contiguous()
     out = torch.empty(tokens, q_heads, v_buffer.shape[2], dtype=torch.float32)
     try:
@@ -527,6 +533,7 @@ def paged_attention(
             q_start,
             mask,
             mask_start,
+            sink_logits,
             out,
             float(scale),
             float(logit_cap),
@@ -557,6 +564,15 @@ def _raise_hal_error(exc: RuntimeError):
 
 _NO_MASK = torch.empty(0, dtype=torch.bool)
 _NO_STARTS = torch.empty(0, dtype=torch.int64)
+_NO_SINKS = torch.empty(0, dtype=torch.float32)
+
+
+def _sinks(sinks, q_heads: int) -> torch.Tensor | None:
+    """``sinks`` as the kernels read them: float32 ``[q_heads]``, contiguous, on the CPU; None where ``sinks`` is
+    no tensor of one logit per q head."""
+    if not isinstance(sinks, torch.Tensor) or sinks.numel() != q_heads:
+        return None
+    return sinks.reshape(-1).to("cpu", torch.float32).contiguous()
 
 
 def write_and_attend(
@@ -579,6 +595,7 @@ def write_and_attend(
     custom_mask: torch.Tensor | None = None,
     mask_start: torch.Tensor | None = None,
     tile_rows: int = TILE_ROWS,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """One layer's forward in one kernel call: the new tokens' ``k``/``v`` written at ``out_cache_loc``, then
     :func:`paged_attention`; returns ``[T, q_heads * v_head_dim]`` in the pool's dtype.
@@ -586,13 +603,17 @@ def write_and_attend(
     ``q``/``k``/``v``: ``[T, heads * dim]`` or ``[T, heads, dim]`` in the pool's dtype (float32 or bfloat16);
     ``heads``: the layer's ``(q_heads, kv_heads, v_heads, head_dim, v_head_dim)``; the per-request tensors are
     int64 ``[B]`` contiguous (``q_start`` each request's first query row), ``custom_mask`` flat bool with
-    ``mask_start`` (TARGET_VERIFY) or None. Returns None, having written nothing, for inputs this path does not
-    take (another layout, dtype or device, shapes that do not match the layer or pool, an MLA pool, a torch mode
-    watching): the caller's checked path then serves them or names what is wrong. Out-of-range request rows,
-    lengths or ``out_cache_loc`` slots raise :class:`~hal.errors.KVCacheError` before anything is written.
+    ``mask_start`` (TARGET_VERIFY) or None; ``sinks`` ``[q_heads]`` on the CPU, or None. Returns None, having
+    written nothing, for inputs this path does not take (another layout, dtype or device, shapes that do not match
+    the layer or pool, an MLA pool, a torch mode watching): the caller's checked path then serves them or names
+    what is wrong. Out-of-range request rows, lengths or ``out_cache_loc`` slots raise
+    :class:`~hal.errors.KVCacheError` before anything is written.
     """
     kernels = load()
     if kernels.write_and_attend is None or watched():
+        return None
+    sink_logits = _NO_SINKS if sinks is None else _sinks(sinks, heads[0])
+    if sink_logits is None or (sinks is not None and sinks.device.type != "cpu"):
         return None
     try:
         return kernels.write_and_attend(
@@ -609,6 +630,7 @@ def write_and_attend(
             q_start,
             _NO_MASK if custom_mask is None else custom_mask,
             _NO_STARTS if mask_start is None else mask_start,
+            sink_logits,
             *heads,
             scale,
             logit_cap,

@@ -105,6 +105,9 @@ inline vf vvisible(vf j, vf lo, vf hi, vf x) {
   return _mm512_mask_mov_ps(vset(kNegInf), k, x);
 }
 inline vf vnan_or(vf acc, vf x) { return _mm512_mask_mov_ps(acc, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x); }
+inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+inline vf vabs(vf x) { return _mm512_abs_ps(x); }
+inline vf vwith_sign_of(vf mag, vf x) { return _mm512_or_ps(mag, _mm512_and_ps(vset(-0.f), x)); }  // mag >= 0
 #else
 using vf = __m256;
 inline vf vzero() { return _mm256_setzero_ps(); }
@@ -132,6 +135,9 @@ inline vf vvisible(vf j, vf lo, vf hi, vf x) {
   return _mm256_blendv_ps(vset(kNegInf), x, _mm256_and_ps(_mm256_cmp_ps(j, lo, _CMP_GE_OQ), _mm256_cmp_ps(j, hi, _CMP_LT_OQ)));
 }
 inline vf vnan_or(vf acc, vf x) { return _mm256_blendv_ps(acc, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q)); }
+inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+inline vf vabs(vf x) { return _mm256_andnot_ps(vset(-0.f), x); }
+inline vf vwith_sign_of(vf mag, vf x) { return _mm256_or_ps(mag, _mm256_and_ps(vset(-0.f), x)); }  // mag >= 0
 inline float hsum(vf v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -180,6 +186,22 @@ inline float exp_sub_sum(float* s, int64_t n, float m) {
     total += s[i];
   }
   return total;
+}
+
+// The logit cap: s[i] = cap * tanh(s[i] / cap) for i < n (cap > 0), as sign(x) * (1 - e) / (1 + e) with
+// e = exp(-2|x| / cap), which neither overflows nor loses the sign; NaN stays NaN, +-inf goes to +-cap.
+inline void soft_cap(float* s, int64_t n, float cap) {
+  int64_t i = 0;
+#ifdef HAL_VEC
+  const vf k = vset(-2.f / cap), one = vset(1.f), vcap = vset(cap);
+  for (; i + kW <= n; i += kW) {
+    const vf x = vload(s + i);
+    const vf e = vexp(vmul(vabs(x), k));
+    const vf t = vdiv(vsub(one, e), vadd(one, e));
+    vstore(s + i, vnan_or(vmul(vwith_sign_of(t, x), vcap), x));
+  }
+#endif
+  for (; i < n; ++i) s[i] = cap * std::tanh(s[i] / cap);
 }
 
 // Largest of s[0, n), or NaN when any is NaN (NaN in q or K must reach the output).
@@ -622,6 +644,7 @@ struct Problem {
   const int64_t* q_start;  // [B]
   const bool* cmask;       // flat, or null
   const int64_t* m_start;  // [B], or null
+  const float* sinks;      // [Hq] sink logits (attention sinks), or null
   float* out;              // [T, Hq, Dv]
   int64_t o_s0, o_s1;
   int64_t Hq, Hkv, G, D, Dv;
@@ -687,9 +710,7 @@ inline bool fold_block(const Problem& P, int64_t b, int64_t i0, int64_t R, int64
       for (int64_t j = 0; j < nk; ++j) sr[j] = 0.f;
       continue;
     }
-    if (P.cap > 0.f) {
-      for (int64_t j = 0; j < nk; ++j) sr[j] = P.cap * std::tanh(sr[j] / P.cap);
-    }
+    if (P.cap > 0.f) soft_cap(sr, nk, P.cap);
     if (rlo > j0 || rhi < j0 + nk) {
       for (int64_t j = 0; j < nk; ++j) {
         if (j0 + j < rlo || j0 + j >= rhi) sr[j] = kNegInf;
@@ -724,13 +745,17 @@ inline bool fold_block(const Problem& P, int64_t b, int64_t i0, int64_t R, int64
   return any;
 }
 
-// acc: [R x Dv] float32, in pairs order where `paired` (the AVX2 bf16 row path).
+// The rows' outputs acc / l, l gaining exp(sink - m) where the layer has sinks (the sink is one more logit
+// whose value is zero: a row that saw no key outputs zeros). acc: [R x Dv] float32, in pairs order where
+// `paired` (the AVX2 bf16 row path); m, l: [R], the rows' running max and sum.
 inline void write_rows(const Problem& P, int64_t b, int64_t h, int64_t i0, int64_t R, const float* acc,
-                       const float* l, bool paired = false) {
+                       const float* m, const float* l, bool paired = false) {
   for (int64_t r = 0; r < R; ++r) {
     const int64_t t = P.q_start[b] + i0 + r / P.G, head = h * P.G + r % P.G;
     float* o = P.out + t * P.o_s0 + head * P.o_s1;
-    const float f = std::isnan(l[r]) ? l[r] : (l[r] > 0.f ? 1.f / l[r] : 0.f);
+    double sum = l[r];
+    if (P.sinks) sum += std::exp(double(P.sinks[head]) - double(m[r]));  // m = -inf (no key): +inf, f = 0
+    const float f = std::isnan(sum) ? float(sum) : (sum > 0. ? float(1. / sum) : 0.f);
     const float* a = acc + r * P.Dv;
     if (paired) {
       for (int64_t d = 0; d < P.Dv; ++d) o[d] = a[stored_dim(d, P.Dv, true)] * f;
@@ -839,7 +864,12 @@ void run_rows(const Problem& P, const Task& task) {
     if (nn && !read_slots(j1, nn, nxt)) return;
     for (int64_t hh = 0; hh < nh; ++hh) {
       const int64_t h = task.h + hh;
-      for (int64_t j = 0; j < nn; ++j) {  // the next block's rows of this head, while this one computes
+      // The next block's rows of this head, while this one computes. On a Zen 1 (A/B in one process, hal's bench
+      // decode) this gains ~8% cold; spreading the same prefetches over the dots lost 10-14% and fetching one
+      // head-step ahead instead was within +-5%. The cold decode there costs about its hot (cached) time plus
+      // the time to demand-read its rows (~12 GB/s in this pattern of a 20 GB/s sequential read): the misses
+      // do not overlap the arithmetic, which is what stands between it and the read bandwidth.
+      for (int64_t j = 0; j < nn; ++j) {
         const char* kc = reinterpret_cast<const char*>(K + nxt[j] * P.k_s0 + h * P.k_s1);
         const char* vc = reinterpret_cast<const char*>(V + nxt[j] * P.v_s0 + h * P.v_s1);
         for (int64_t o = 0; o < int64_t(D * sizeof(T)); o += 64) __builtin_prefetch(kc + o, 0, 1);
@@ -880,7 +910,7 @@ void run_rows(const Problem& P, const Task& task) {
   }
   for (int64_t hh = 0; hh < nh; ++hh) {
     float* qs = state + hh * per_head;
-    write_rows(P, b, task.h + hh, i0, R, qs + R * D, qs + R * D + R * Dv + R, pairs);
+    write_rows(P, b, task.h + hh, i0, R, qs + R * D, qs + R * D + R * Dv, qs + R * D + R * Dv + R, pairs);
   }
 }
 
@@ -1042,7 +1072,7 @@ void run_tile_amx(const Problem& P, const Task& task) {
                  Dv * 4, true);
   }
   amx_end();
-  write_rows(P, b, h, i0, R, acc, l);
+  write_rows(P, b, h, i0, R, acc, m, l);
 }
 #endif
 
@@ -1164,8 +1194,7 @@ inline bool fold_block_t(const Problem& P, int64_t b, int64_t i0, int64_t R, int
                          float* st, float* m, float* l, float* acc, int64_t Dv, const float* flo, const float* fhi) {
   const int64_t ldr = Rp;
   if (P.cap > 0.f) {
-    for (int64_t j = 0; j < nk; ++j)
-      for (int64_t r = 0; r < R; ++r) st[j * ldr + r] = P.cap * std::tanh(st[j * ldr + r] / P.cap);
+    for (int64_t j = 0; j < nk; ++j) soft_cap(st + j * ldr, R, P.cap);
   }
   if (P.cmask) {
     const int64_t kv = P.kv_lens[b];
@@ -1373,7 +1402,7 @@ void run_tile_vec(const Problem& P, const Task& task) {
       }
     }
   }
-  write_rows(P, b, task.h, i0, R, acc, l);
+  write_rows(P, b, task.h, i0, R, acc, m, l);
 }
 #endif
 
@@ -1426,7 +1455,7 @@ void run_tile(const Problem& P, const Task& task) {
       for (int64_t d = 0; d < Dv; ++d) vs[j * Dv + d] = to_float(vp[j][d]);
     acc_t.addmm_(s_t, at::from_blob(vs, {nk, Dv}, opts));
   }
-  write_rows(P, b, h, i0, R, acc, l);
+  write_rows(P, b, h, i0, R, acc, m, l);
 }
 
 // The pool's buffers: [S, Hkv, D] keys and [S, Hkv, Dv] values (last dims contiguous).
@@ -1537,6 +1566,17 @@ void run_tasks(Problem& P, int64_t B, int64_t tile_rows, bool bf16) {
               P.num_slots, ")");
 }
 
+// The layer's sink logits (P.Hq float32, contiguous, on the CPU), or none (an empty tensor); false: not these.
+bool bind_sinks(Problem& P, const at::Tensor& sinks) {
+  P.sinks = nullptr;
+  if (sinks.numel() == 0) return true;
+  if (sinks.scalar_type() != at::kFloat || !sinks.is_contiguous() || !sinks.device().is_cpu() ||
+      sinks.numel() != P.Hq)
+    return false;
+  P.sinks = sinks.data_ptr<float>();
+  return true;
+}
+
 void set_layer(Problem& P, int64_t Hq, int64_t D, double scale, double logit_cap, int64_t window, bool causal) {
   P.Hq = Hq;
   P.G = P.Hkv > 0 ? Hq / P.Hkv : 0;
@@ -1576,8 +1616,8 @@ bool index_vector(const at::Tensor& t) {
 void paged_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
                      const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& kv_lens,
                      const at::Tensor& q_lens, const at::Tensor& q_start, const at::Tensor& custom_mask,
-                     const at::Tensor& mask_start, const at::Tensor& out, double scale, double logit_cap,
-                     int64_t window, bool causal, int64_t tile_rows) {
+                     const at::Tensor& mask_start, const at::Tensor& sinks, const at::Tensor& out, double scale,
+                     double logit_cap, int64_t window, bool causal, int64_t tile_rows) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "q and out must be float32");
   TORCH_CHECK(k_buffer.scalar_type() == v_buffer.scalar_type(), "k and v buffers differ in dtype");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_buffer.stride(2) == 1 && v_buffer.stride(2) == 1,
@@ -1588,6 +1628,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::
   Problem P;
   bind_buffers(P, k_buffer, v_buffer);
   set_layer(P, q.size(1), q.size(2), scale, logit_cap, window, causal);
+  TORCH_CHECK(bind_sinks(P, sinks), "hal: sinks must be float32, contiguous, one per q head (", P.Hq, ")");
   P.q = q.data_ptr<float>();
   P.q_s0 = q.stride(0);
   P.q_s1 = q.stride(1);
@@ -1608,7 +1649,7 @@ at::Tensor write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::
                             const at::Tensor& k_buffer, const at::Tensor& v_buffer, const at::Tensor& req_to_token,
                             const at::Tensor& rows, const at::Tensor& kv_lens, const at::Tensor& q_lens,
                             const at::Tensor& q_start, const at::Tensor& custom_mask, const at::Tensor& mask_start,
-                            int64_t q_heads, int64_t kv_heads, int64_t v_heads, int64_t head_dim, int64_t v_head_dim,
+                            const at::Tensor& sinks, int64_t q_heads, int64_t kv_heads, int64_t v_heads, int64_t head_dim, int64_t v_head_dim,
                             double scale, double logit_cap, int64_t window, bool causal, int64_t tile_rows) {
   const at::ScalarType dt = k_buffer.scalar_type();
   const bool bf16 = dt == at::kBFloat16;
@@ -1634,6 +1675,7 @@ at::Tensor write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::
   Problem P;
   bind_buffers(P, k_buffer, v_buffer);
   set_layer(P, q_heads, head_dim, scale, logit_cap, window, causal);
+  if (!bind_sinks(P, sinks)) return {};
   const int64_t B = bind_step(P, req_to_token, rows, kv_lens, q_lens, q_start, custom_mask, mask_start, T);
   std::vector<int64_t> slots(T);
   const int64_t loc_s = loc.stride(0);
@@ -1757,8 +1799,8 @@ std::string build_info() {
 TORCH_LIBRARY_FRAGMENT(hal, m) {
   m.def(HAL_OP(paged_attention)
         "(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, Tensor rows, Tensor kv_lens, "
-        "Tensor q_lens, Tensor q_start, Tensor custom_mask, Tensor mask_start, Tensor(a!) out, float scale, "
-        "float logit_cap, int window, bool causal, int tile_rows) -> ()");
+        "Tensor q_lens, Tensor q_start, Tensor custom_mask, Tensor mask_start, Tensor sinks, Tensor(a!) out, "
+        "float scale, float logit_cap, int window, bool causal, int tile_rows) -> ()");
   m.def(HAL_OP(build_info) "() -> str", &build_info);
 }
 TORCH_LIBRARY_IMPL(hal, CPU, m) { m.impl(HAL_OP(paged_attention), &paged_attention); }
