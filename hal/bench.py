@@ -77,7 +77,9 @@ def _sync(device: torch.device) -> None:
 FACT_DEFAULTS: dict = {
     "meta": {},  # recorded in the report's meta (e.g. CPU features, kernel path, results file name)
     "ceilings": None,  # () -> {name: GFLOP/s}: arithmetic peaks of the path that serves, sampled like the limits
-    "ceiling_for_dtype": {},  # dtype tag ("fp32", "bf16") -> the ceiling its kernels can reach
+    # dtype tag ("fp32", "bf16") -> the ceiling its kernels can reach; "<kind>_<dtype>" ("extend_bf16") overrides it
+    # for one kind of workload (decode, extend, mixed, mixed_part_extend...)
+    "ceiling_for_dtype": {},
     "in_process_peers": False,  # whether hal.bench_peers' torch peers mean something here
     "time_reference": False,  # whether timing hal.kernels.reference (decode) means something here
     "matmul_size": 8192,  # side of the square matmul that measures the matmul rates
@@ -581,7 +583,10 @@ def _scaling(runs: list[dict]) -> dict:
 def _derive(row: dict, machine: dict, parts: dict) -> None:
     """Ratios of one workload's results (and peers') to the limits, the reference, the peers and (mixed) its parts."""
     matmul = machine["matmul_TFLOPs"].get(row["dtype"])
-    peak = machine.get("peak_GFLOPs", {}).get(machine.get("ceiling_for_dtype", {}).get(row["dtype"], ""))
+    ceilings = machine.get("ceiling_for_dtype", {})
+    kind = row["name"].split(f"_{row['dtype']}")[0]  # decode, extend, mixed, mixed_part_extend...
+    ceiling = ceilings.get(f"{kind}_{row['dtype']}", ceilings.get(f"{kind.split('_')[-1]}_{row['dtype']}"))
+    peak = machine.get("peak_GFLOPs", {}).get(ceiling or ceilings.get(row["dtype"], ""))
     timed = {**row["results"], **{n: r for n, r in row["peers"].items() if "median_ms" in r}}
     for name, result in timed.items():
         seconds = result["median_ms"] / 1e3

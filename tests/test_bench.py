@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hal.bench import FACT_DEFAULTS, PEER_SCRIPTS, device_facts
+from hal.bench import FACT_DEFAULTS, PEER_SCRIPTS, _derive, device_facts
 from hal.bench_peers import DEFAULT_PEERS, PEERS
 from hal.devices.cpu import device as cpu_device
 
@@ -38,7 +38,34 @@ def test_the_cpu_device_supplies_its_record_and_ceilings():
     if meta["kernels"]["available"]:
         peaks = facts["ceilings"]()
         assert peaks["fma"] > 0
-        assert facts["ceiling_for_dtype"]["bf16"] in peaks
+        assert set(facts["ceiling_for_dtype"].values()) <= set(peaks)  # every ceiling named is measured
+        if meta["kernels"]["isa"] == "amx":
+            assert facts["ceiling_for_dtype"]["extend_bf16"] == "amx_bf16" and peaks["amx_bf16"] > peaks["fma"]
+
+
+@pytest.mark.parametrize(
+    "name, ceiling",
+    [
+        ("decode_bf16_p16", "bf16_dot"),
+        ("extend_bf16", "amx_bf16"),
+        ("extend_bf16_p128", "amx_bf16"),
+        ("mixed_part_extend_bf16", "amx_bf16"),
+        ("mixed_bf16", "bf16_dot"),
+    ],
+)
+def test_each_workload_is_judged_against_the_ceiling_its_kernels_run_on(name, ceiling):
+    """ceiling_for_dtype's "<kind>_<dtype>" entries override the dtype's ceiling for that kind of workload."""
+    peaks = {"fma": 400.0, "bf16_dot": 200.0, "amx_bf16": 6000.0}
+    machine = {
+        "matmul_TFLOPs": {"bf16": 1.0},
+        "read_GBps": 10.0,
+        "peak_GFLOPs": peaks,
+        "ceiling_for_dtype": {"fp32": "fma", "bf16": "bf16_dot", "extend_bf16": "amx_bf16"},
+    }
+    row = {"name": name, "dtype": "bf16", "kv_bytes": 1e9, "flops": 1e9, "results": {"hal": {"median_ms": 1.0}}}
+    row["peers"] = {}
+    _derive(row, machine, {})
+    assert row["results"]["hal"]["fraction_of_peak"] == pytest.approx(1e3 / peaks[ceiling])
 
 
 @pytest.mark.parametrize("module", ["bench.py", "step_bench.py"])

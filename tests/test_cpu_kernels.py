@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hal.batch import host_lens
+from hal.batch import ForwardMode, host_lens
+from hal.conformance.case import Case
 from hal.conformance.cases import CASES, build, tolerance
 from hal.conformance.cases_models import MODEL_CASES
 from hal.devices.cpu import CompiledBackend, PlainTorchBackend, device
@@ -73,6 +74,35 @@ def test_kernel_matches_reference_on_every_path(case, tile_rows, heads_per_task,
     built = build(case)
     out = _kernel_out(built, tile_rows)
     assert out.dtype == built.q.dtype
+    torch.testing.assert_close(out.float(), built.expected.float(), **tolerance(case.dtype))
+
+
+# Extends longer than one 256-key block, so an AMX task that takes several tiles of a request's rows packs
+# more keys tile after tile (windowed: its first keys drop out), in bf16 and float32 queries.
+LONG_EXTENDS = [
+    Case(f"long_extend_{name}", ForwardMode.EXTEND, ((300, 200), (0, 290)), dtype=dtype, head_dim=64, **kw)
+    for name, dtype, kw in [
+        ("bf16", torch.bfloat16, {}),
+        ("bf16_window", torch.bfloat16, {"sliding_window_size": 150}),
+        ("bf16_cap", torch.bfloat16, {"logit_cap": 20.0, "q_scale": 8.0}),
+        ("fp32", torch.float32, {}),
+    ]
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("case", LONG_EXTENDS, ids=[c.name for c in LONG_EXTENDS])
+def test_long_extends_match_the_reference_on_the_tile_paths(case, threads, isa, monkeypatch):
+    monkeypatch.setenv("HAL_CPU_ISA", isa)
+    built = build(case)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = _kernel_out(built, 16)
+    finally:
+        torch.set_num_threads(before)
     torch.testing.assert_close(out.float(), built.expected.float(), **tolerance(case.dtype))
 
 

@@ -2,7 +2,7 @@
 
 The bench core names no device: it records what the device says (``meta``: the CPU's features, the
 kernel path that serves and how it was loaded, the results file name), samples the ceilings the device
-measures (``ceilings``: this kernel path's float32 FMA and bf16-dot peaks, beside the bench's own read
+measures (``ceilings``: this kernel path's float32 FMA, bf16-dot and AMX peaks, beside the bench's own read
 bandwidth and torch matmul rates), and runs what the device says is meaningful here (in-process peers,
 the reference's timing, the matmul size, no device-to-device copy).
 """
@@ -47,18 +47,24 @@ def _ceilings() -> dict:
         found = cpu_kernels.ceilings()
     except (cpu_kernels.KernelBuildError, RuntimeError):
         return {}
-    return {name: found[f"{name}_GFLOPs"] for name in ("fma", "bf16_dot") if found.get(f"{name}_GFLOPs")}
+    names = ("fma", "bf16_dot", "amx_bf16")
+    return {name: found[f"{name}_GFLOPs"] for name in names if found.get(f"{name}_GFLOPs")}
 
 
 def bench_facts() -> dict:
     """The CPU's answers to ``hal bench`` (see :func:`hal.bench.device_facts` for the keys)."""
     meta = cpu_meta()
-    bf16_dot = "avx512_bf16" in meta["kernels"]["isa"] or meta["kernels"]["isa"] == "amx"
+    isa = meta["kernels"]["isa"]
+    bf16_dot = "avx512_bf16" in isa or isa == "amx"
+    # the ceiling each dtype's kernels can reach on this path: bf16 is dotted as bf16 only where it has them,
+    # and bf16 extend tiles run on AMX where the path has it (decode rows stay on the vector units)
+    ceiling_for_dtype = {"fp32": "fma", "bf16": "bf16_dot" if bf16_dot else "fma"}
+    if isa == "amx":
+        ceiling_for_dtype["extend_bf16"] = "amx_bf16"
     return {
         "meta": meta,
         "ceilings": _ceilings if meta["kernels"]["available"] else None,
-        # the ceiling each dtype's kernels can reach on this path: bf16 is dotted as bf16 only where it has them
-        "ceiling_for_dtype": {"fp32": "fma", "bf16": "bf16_dot" if bf16_dot else "fma"},
+        "ceiling_for_dtype": ceiling_for_dtype,
         "in_process_peers": True,
         "time_reference": True,
         "matmul_size": 1024,

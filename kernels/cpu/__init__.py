@@ -436,20 +436,22 @@ def compile_only(name: str) -> dict:
 def ceilings(seconds: float = 0.05) -> dict:
     """This path's arithmetic ceilings, measured now over all torch threads, in GFLOP/s.
 
-    ``{"isa", "fma_GFLOPs", "bf16_dot_GFLOPs"}``: float32 multiply-adds at the path's vector width
-    (``fma``), and bf16 dot products (``vdpbf16ps``; None on a path without them), each from registers
-    for about ``seconds``. Against them a kernel's rate says how much of what *this path* can reach it
+    ``{"isa", "fma_GFLOPs", "bf16_dot_GFLOPs", "amx_bf16_GFLOPs"}``: float32 multiply-adds at the path's
+    vector width (``fma``), bf16 dot products (``vdpbf16ps``) and AMX bf16 tile products (``tdpbf16ps``,
+    four independent 16 x 16 accumulators; None on a path without them), each from registers for about
+    ``seconds``. Against them a kernel's rate says how much of what *this path* can reach it
     gets (a bf16 matmul rate measured by torch may use instructions the path does not). Raises
     :class:`KernelBuildError` where the kernels cannot be built.
     """
     kernels = load()
     out: dict = {"isa": kernels.isa}
-    for kind in ("fma", "bf16_dot"):
+    for kind in ("fma", "bf16_dot", "amx_bf16"):
         rate = kernels.peak_gflops(kind, 1000)  # a first short run: sizes the timed one
         if rate <= 0:
             out[f"{kind}_GFLOPs"] = None
             continue
-        flops_per_iter = (64.0 if kind == "bf16_dot" else 32.0) * 16 * max(1, torch.get_num_threads())
+        flops_per_iter = {"fma": 32.0 * 16, "bf16_dot": 64.0 * 16, "amx_bf16": 4 * 16 * 16 * 32 * 2.0}[kind]
+        flops_per_iter *= max(1, torch.get_num_threads())
         iters = max(1000, int(seconds * rate * 1e9 / flops_per_iter))
         out[f"{kind}_GFLOPs"] = max(kernels.peak_gflops(kind, iters) for _ in range(2))
     return out

@@ -168,21 +168,21 @@ inline vf vexp(vf x0) {
 }
 #endif
 
-// p[i] = exp(s[i] - m) for i < n; returns the sum.
-inline float exp_sub_sum(float* s, int64_t n, float m) {
+// p[i] = exp(s[i] f - m) for i < n (f > 0: scores not yet scaled); returns the sum.
+inline float exp_sub_sum(float* s, int64_t n, float m, float f = 1.f) {
   int64_t i = 0;
   float total = 0.f;
 #ifdef HAL_VEC
-  vf acc = vzero(), vm = vset(m);
+  vf acc = vzero(), vm = vset(-m), vf_ = vset(f);
   for (; i + kW <= n; i += kW) {
-    vf p = vexp(vsub(vload(s + i), vm));
+    vf p = vexp(vfma(vload(s + i), vf_, vm));
     vstore(s + i, p);
     acc = vadd(acc, p);
   }
   total = hsum(acc);
 #endif
   for (; i < n; ++i) {
-    s[i] = s[i] == kNegInf ? 0.f : std::exp(s[i] - m);
+    s[i] = s[i] == kNegInf ? 0.f : std::exp(s[i] * f - m);
     total += s[i];
   }
   return total;
@@ -630,7 +630,8 @@ inline int64_t stored_dim(int64_t d, int64_t D, bool paired) {
 
 // ---- problem description -----------------------------------------------------------------
 struct Problem {
-  const float* q;  // [T, Hq, D], float32
+  const float* q;  // [T, Hq, D], float32; or
+  const at::BFloat16* q_bf16 = nullptr;  // the same in bf16 (the fused path of a bf16 pool: no float32 copy)
   int64_t q_s0, q_s1;
   const void* k;
   const void* v;
@@ -645,7 +646,8 @@ struct Problem {
   const bool* cmask;       // flat, or null
   const int64_t* m_start;  // [B], or null
   const float* sinks;      // [Hq] sink logits (attention sinks), or null
-  float* out;              // [T, Hq, Dv]
+  float* out;              // [T, Hq, Dv]; or
+  at::BFloat16* out_bf16 = nullptr;  // the same in bf16, rounded once from the float32 result
   int64_t o_s0, o_s1;
   int64_t Hq, Hkv, G, D, Dv;
   float scale, cap;
@@ -660,6 +662,7 @@ struct Task {
   int64_t nh;            // KV heads [h, h + nh) (row tasks; tiles take one)
   double cost;
   bool tile;
+  int64_t sub = 0;       // AMX tiles: query rows per tile, [i0, i1) taken sub at a time over K/V packed once
 };
 
 // Visible key range of query i of request b (the custom mask narrows it further).
@@ -696,9 +699,11 @@ inline bool slot_ptrs(const Problem& P, const int32_t* r2t_row, int64_t j0, int6
 }
 
 // Fold one block of scores s[R x ld] (keys [j0, j0 + nk)) into the rows' softmax state; returns
-// whether any row saw a key. Masks by range / custom mask, applies the logit cap.
+// whether any row saw a key. Masks by range / custom mask, applies the logit cap. `f` > 0: the scores are
+// still to be multiplied by f (the softmax scale of an unscaled query), done inside the exp.
 inline bool fold_block(const Problem& P, int64_t b, int64_t i0, int64_t R, int64_t j0, int64_t nk, float* s,
-                       int64_t ld, float* m, float* l, float* acc, int64_t Dv, const int64_t* lo, const int64_t* hi) {
+                       int64_t ld, float* m, float* l, float* acc, int64_t Dv, const int64_t* lo, const int64_t* hi,
+                       float f = 1.f) {
   const int64_t G = P.G;
   const int64_t kv = P.kv_lens[b];
   bool any = false;
@@ -710,7 +715,12 @@ inline bool fold_block(const Problem& P, int64_t b, int64_t i0, int64_t R, int64
       for (int64_t j = 0; j < nk; ++j) sr[j] = 0.f;
       continue;
     }
-    if (P.cap > 0.f) soft_cap(sr, nk, P.cap);
+    float fr = f;
+    if (P.cap > 0.f) {
+      if (f != 1.f) scale_row(sr, nk, f);
+      soft_cap(sr, nk, P.cap);
+      fr = 1.f;
+    }
     if (rlo > j0 || rhi < j0 + nk) {
       for (int64_t j = 0; j < nk; ++j) {
         if (j0 + j < rlo || j0 + j >= rhi) sr[j] = kNegInf;
@@ -722,7 +732,7 @@ inline bool fold_block(const Problem& P, int64_t b, int64_t i0, int64_t R, int64
         if (!mk[j]) sr[j] = kNegInf;
       }
     }
-    const float bm = max_of(sr, nk);
+    const float bm = max_of(sr, nk) * fr;
     if (std::isnan(bm)) {  // the row's output is NaN (l = NaN marks it), as the reference's would be
       l[r] = std::numeric_limits<float>::quiet_NaN();
       for (int64_t j = 0; j < nk; ++j) sr[j] = 0.f;
@@ -740,7 +750,7 @@ inline bool fold_block(const Problem& P, int64_t b, int64_t i0, int64_t R, int64
       scale_row(acc + r * Dv, Dv, alpha);
     }
     m[r] = mn;
-    l[r] += exp_sub_sum(sr, nk, mn);
+    l[r] += exp_sub_sum(sr, nk, mn, fr);
   }
   return any;
 }
@@ -752,15 +762,18 @@ inline void write_rows(const Problem& P, int64_t b, int64_t h, int64_t i0, int64
                        const float* m, const float* l, bool paired = false) {
   for (int64_t r = 0; r < R; ++r) {
     const int64_t t = P.q_start[b] + i0 + r / P.G, head = h * P.G + r % P.G;
-    float* o = P.out + t * P.o_s0 + head * P.o_s1;
     double sum = l[r];
     if (P.sinks) sum += std::exp(double(P.sinks[head]) - double(m[r]));  // m = -inf (no key): +inf, f = 0
     const float f = std::isnan(sum) ? float(sum) : (sum > 0. ? float(1. / sum) : 0.f);
     const float* a = acc + r * P.Dv;
-    if (paired) {
-      for (int64_t d = 0; d < P.Dv; ++d) o[d] = a[stored_dim(d, P.Dv, true)] * f;
+    const int64_t at_o = t * P.o_s0 + head * P.o_s1;
+    if (P.out_bf16) {
+      at::BFloat16* o = P.out_bf16 + at_o;
+      for (int64_t d = 0; d < P.Dv; ++d) o[d] = at::BFloat16(a[stored_dim(d, P.Dv, paired)] * f);
+    } else if (paired) {
+      for (int64_t d = 0; d < P.Dv; ++d) P.out[at_o + d] = a[stored_dim(d, P.Dv, true)] * f;
     } else {
-      for (int64_t d = 0; d < P.Dv; ++d) o[d] = a[d] * f;
+      for (int64_t d = 0; d < P.Dv; ++d) P.out[at_o + d] = a[d] * f;
     }
   }
 }
@@ -771,8 +784,12 @@ inline void load_q(const Problem& P, int64_t b, int64_t h, int64_t i0, int64_t i
   for (int64_t i = i0; i < i1; ++i) {
     const int64_t t = P.q_start[b] + i;
     for (int64_t g = 0; g < P.G; ++g, ++r) {
-      const float* src = P.q + t * P.q_s0 + (h * P.G + g) * P.q_s1;
-      for (int64_t d = 0; d < P.D; ++d) qs[r * P.D + d] = src[d] * f;
+      const int64_t at_q = t * P.q_s0 + (h * P.G + g) * P.q_s1;
+      if (P.q_bf16) {
+        for (int64_t d = 0; d < P.D; ++d) qs[r * P.D + d] = to_float(P.q_bf16[at_q + d]) * f;
+      } else {
+        for (int64_t d = 0; d < P.D; ++d) qs[r * P.D + d] = P.q[at_q + d] * f;
+      }
     }
   }
 }
@@ -928,36 +945,45 @@ inline TileState tile_state(int64_t R, int64_t Rp, int64_t D, int64_t Dv, int64_
 
 #ifdef HAL_AMX
 // ---- AMX tile path (bf16 pools) ------------------------------------------------------------
-// One 16 x 16 float32 tile C (tmm0) += A (tmm1: 16 rows x 32 bf16) . B (tmm2: 16 rows of 16 bf16 pairs, the
-// "VNNI" layout: B[k / 2][n][k % 2]), over `chunks` consecutive 16 x 32 B blocks. A is given twice, as the
-// bf16 hi and lo halves of float32 rows, so products keep (nearly) float32 accuracy, as split_bf16 does.
+// Eight tiles of 16 rows x 64 bytes: C (tmm0-3, 2 x 2 blocks of 16 x 16 float32), A (tmm4-5: 16 rows x 32 bf16)
+// and B (tmm6-7: 16 rows of 16 bf16 pairs, the "VNNI" layout B[k / 2][n][k % 2]). tile_dp(c, a, b) is
+// C[m][n] += sum_k A[m][k] B[k][n] over the 32 k of one A row.
 #if defined(HAL_AMX_EMULATE)
 inline bool amx_ready() { return true; }
 inline void amx_begin() {}
 inline void amx_end() {}
-inline void amx_gemm(const uint16_t* a_hi, const uint16_t* a_lo, int64_t a_stride, const uint16_t* b, int64_t chunks,
-                     float* c, int64_t c_stride, bool accumulate) {
-  auto f = [](uint16_t x) {
-    const uint32_t u = uint32_t(x) << 16;
-    float y;
-    std::memcpy(&y, &u, 4);
-    return y;
-  };
-  for (int i = 0; i < 16; ++i) {
-    float* row = reinterpret_cast<float*>(reinterpret_cast<char*>(c) + i * c_stride);
+thread_local uint8_t t_tmm[8][16][64];  // scalar stand-ins of the tile registers
+inline float bf16_value(uint16_t x) {
+  const uint32_t u = uint32_t(x) << 16;
+  float y;
+  std::memcpy(&y, &u, 4);
+  return y;
+}
+inline void tile_zero(int t) { std::memset(t_tmm[t], 0, sizeof(t_tmm[t])); }
+inline void tile_load(int t, const void* p, int64_t stride) {
+  for (int i = 0; i < 16; ++i) std::memcpy(t_tmm[t][i], static_cast<const char*>(p) + i * stride, 64);
+}
+inline void tile_store(int t, void* p, int64_t stride) {
+  for (int i = 0; i < 16; ++i) std::memcpy(static_cast<char*>(p) + i * stride, t_tmm[t][i], 64);
+}
+inline void tile_dp(int c, int a, int b) {
+  for (int m = 0; m < 16; ++m) {
+    float* row = reinterpret_cast<float*>(t_tmm[c][m]);
+    const uint16_t* ar = reinterpret_cast<const uint16_t*>(t_tmm[a][m]);
     for (int n = 0; n < 16; ++n) {
-      float x = accumulate ? row[n] : 0.f;
-      for (int64_t k = 0; k < chunks; ++k) {
-        for (const uint16_t* a : {a_hi, a_lo}) {
-          const uint16_t* ar = reinterpret_cast<const uint16_t*>(reinterpret_cast<const char*>(a) + i * a_stride);
-          for (int kk = 0; kk < 16; ++kk)
-            for (int p = 0; p < 2; ++p) x += f(ar[k * 32 + 2 * kk + p]) * f(b[k * 512 + kk * 32 + 2 * n + p]);
-        }
+      float x = row[n];
+      for (int k = 0; k < 16; ++k) {
+        const uint16_t* br = reinterpret_cast<const uint16_t*>(t_tmm[b][k]);
+        x += bf16_value(ar[2 * k]) * bf16_value(br[2 * n]) + bf16_value(ar[2 * k + 1]) * bf16_value(br[2 * n + 1]);
       }
       row[n] = x;
     }
   }
 }
+#define HAL_TILE_ZERO(t) tile_zero(t)
+#define HAL_TILE_LOAD(t, p, s) tile_load(t, p, s)
+#define HAL_TILE_STORE(t, p, s) tile_store(t, p, s)
+#define HAL_TILE_DP(c, a, b) tile_dp(c, a, b)
 #else
 // Linux hands out the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
 inline bool amx_ready() {
@@ -969,110 +995,276 @@ struct alignas(64) TileConfig {
   uint16_t colsb[16];
   uint8_t rows[16];
 };
-inline void amx_begin() {  // three tiles of 16 rows x 64 bytes, per thread
+inline void amx_begin() {
   TileConfig config{};
   config.palette = 1;
-  for (int t = 0; t < 3; ++t) {
+  for (int t = 0; t < 8; ++t) {
     config.rows[t] = 16;
     config.colsb[t] = 64;
   }
   _tile_loadconfig(&config);
 }
 inline void amx_end() { _tile_release(); }
-inline void amx_gemm(const uint16_t* a_hi, const uint16_t* a_lo, int64_t a_stride, const uint16_t* b, int64_t chunks,
-                     float* c, int64_t c_stride, bool accumulate) {
-  if (accumulate) {
-    _tile_loadd(0, c, c_stride);
-  } else {
-    _tile_zero(0);
-  }
-  for (int64_t k = 0; k < chunks; ++k) {
-    _tile_loadd(2, b + k * 512, 64);
-    _tile_loadd(1, a_hi + k * 32, a_stride);
-    _tile_dpbf16ps(0, 1, 2);
-    _tile_loadd(1, a_lo + k * 32, a_stride);
-    _tile_dpbf16ps(0, 1, 2);
-  }
-  _tile_stored(0, c, c_stride);
-}
+#define HAL_TILE_ZERO(t) _tile_zero(t)
+#define HAL_TILE_LOAD(t, p, s) _tile_loadd(t, p, s)
+#define HAL_TILE_STORE(t, p, s) _tile_stored(t, p, s)
+#define HAL_TILE_DP(c, a, b) _tile_dpbf16ps(c, a, b)
 #endif
 
-inline uint16_t bf16_bits(const at::BFloat16& x) { return x.x; }
-
-// The extend tile of run_tile for bf16 pools with D % 32 == 0 and Dv % 16 == 0: rows padded to 16, keys
-// of a block padded to 32 (zeros), K and V of each block packed once into the VNNI layout.
-void run_tile_amx(const Problem& P, const Task& task) {
-  const int64_t b = task.b, h = task.h, i0 = task.i0, nq = task.i1 - task.i0;
-  const int64_t R = nq * P.G, Rp = (R + 15) / 16 * 16, D = P.D, Dv = P.Dv, BK = kGemmBlock;
-  const auto [qs, acc, s, m, l] = tile_state(R, Rp, D, Dv, BK);
-  thread_local std::vector<uint16_t> t_bf16;
-  const int64_t need = 2 * Rp * D + BK * D + 2 * Rp * BK + BK * Dv;
-  if (int64_t(t_bf16.size()) < need) t_bf16.resize(need);
-  uint16_t* qhi = t_bf16.data();
-  uint16_t* qlo = qhi + Rp * D;
-  uint16_t* kpack = qlo + Rp * D;  // [key group of 16][D / 32] blocks of 16 x 32
-  uint16_t* phi = kpack + BK * D;
-  uint16_t* plo = phi + Rp * BK;
-  uint16_t* vpack = plo + Rp * BK;  // [Dv / 16][key chunk of 32] blocks of 16 x 32
-  std::vector<int64_t> lo(nq), hi(nq);
-  int64_t LO, HI;
-  start_task(P, task, R, lo.data(), hi.data(), LO, HI, qs, acc, m, l);
-  std::fill(acc + R * Dv, acc + Rp * Dv, 0.f);
-  for (int64_t r = 0; r < Rp; ++r) {
-    for (int64_t d = 0; d < D; ++d) {
-      const float x = r < R ? qs[r * D + d] : 0.f;
-      const at::BFloat16 top(x);
-      qhi[r * D + d] = bf16_bits(top);
-      qlo[r * D + d] = bf16_bits(at::BFloat16(x - to_float(top)));
+// C (NR x NC tiles of 16 x 16 float32 at c, row stride ldc bytes) = (accumulate ? C : 0) + A . B over `chunks`
+// chunks of 32 k. A: rows of bf16, row stride lda bytes, chunk k at a + 32 k, the second row tile 16 rows down;
+// a_lo, where given, a second A (the low bf16 halves of float32 rows) dotted with the same B. B: VNNI blocks
+// of 16 x 32 bf16, chunk k of column tile n at b + n * b_col + k * b_chunk.
+template <int NR, int NC>
+inline void amx_mm(const uint16_t* a, const uint16_t* a_lo, int64_t lda, const uint16_t* b, int64_t b_col,
+                   int64_t b_chunk, int64_t chunks, float* c, int64_t ldc, bool accumulate) {
+  const int64_t a_row = 16 * lda / 2;  // elements to the second row tile
+  char* c0 = reinterpret_cast<char*>(c);
+  if (accumulate) {
+    HAL_TILE_LOAD(0, c0, ldc);
+    if constexpr (NC > 1) HAL_TILE_LOAD(1, c0 + 64, ldc);
+    if constexpr (NR > 1) HAL_TILE_LOAD(2, c0 + 16 * ldc, ldc);
+    if constexpr (NR > 1 && NC > 1) HAL_TILE_LOAD(3, c0 + 16 * ldc + 64, ldc);
+  } else {
+    HAL_TILE_ZERO(0);
+    if constexpr (NC > 1) HAL_TILE_ZERO(1);
+    if constexpr (NR > 1) HAL_TILE_ZERO(2);
+    if constexpr (NR > 1 && NC > 1) HAL_TILE_ZERO(3);
+  }
+  for (int64_t k = 0; k < chunks; ++k) {
+    HAL_TILE_LOAD(6, b + b_chunk * k, 64);
+    if constexpr (NC > 1) HAL_TILE_LOAD(7, b + b_col + b_chunk * k, 64);
+    for (const uint16_t* x : {a, a_lo}) {
+      if (!x) continue;
+      HAL_TILE_LOAD(4, x + 32 * k, lda);
+      if constexpr (NR > 1) HAL_TILE_LOAD(5, x + a_row + 32 * k, lda);
+      HAL_TILE_DP(0, 4, 6);
+      if constexpr (NC > 1) HAL_TILE_DP(1, 4, 7);
+      if constexpr (NR > 1) HAL_TILE_DP(2, 5, 6);
+      if constexpr (NR > 1 && NC > 1) HAL_TILE_DP(3, 5, 7);
     }
   }
+  HAL_TILE_STORE(0, c0, ldc);
+  if constexpr (NC > 1) HAL_TILE_STORE(1, c0 + 64, ldc);
+  if constexpr (NR > 1) HAL_TILE_STORE(2, c0 + 16 * ldc, ldc);
+  if constexpr (NR > 1 && NC > 1) HAL_TILE_STORE(3, c0 + 16 * ldc + 64, ldc);
+}
+
+// C [rows x cols] (rows, cols multiples of 16) by amx_mm over 2 x 2 tile blocks, single tiles at the edges.
+inline void amx_gemm(const uint16_t* a, const uint16_t* a_lo, int64_t lda, int64_t rows, const uint16_t* b,
+                     int64_t b_col, int64_t b_chunk, int64_t cols, int64_t chunks, float* c, int64_t ldc,
+                     bool accumulate) {
+  const int64_t a_row = 16 * lda / 2, c_row = 16 * ldc / 4;
+  for (int64_t r = 0; r < rows; r += 32) {
+    const uint16_t* ar = a + r / 16 * a_row;
+    const uint16_t* lr = a_lo ? a_lo + r / 16 * a_row : nullptr;
+    const bool two_rows = r + 32 <= rows;
+    for (int64_t n = 0; n < cols; n += 32) {
+      const uint16_t* bn = b + n / 16 * b_col;
+      float* cn = c + r / 16 * c_row + n;
+      if (n + 32 <= cols) {
+        two_rows ? amx_mm<2, 2>(ar, lr, lda, bn, b_col, b_chunk, chunks, cn, ldc, accumulate)
+                 : amx_mm<1, 2>(ar, lr, lda, bn, b_col, b_chunk, chunks, cn, ldc, accumulate);
+      } else {
+        two_rows ? amx_mm<2, 1>(ar, lr, lda, bn, b_col, b_chunk, chunks, cn, ldc, accumulate)
+                 : amx_mm<1, 1>(ar, lr, lda, bn, b_col, b_chunk, chunks, cn, ldc, accumulate);
+      }
+    }
+  }
+}
+
+inline uint16_t bf16_bits(float x) { return at::BFloat16(x).x; }
+
+// dst_hi[i] = x[i] rounded to bf16 and dst_lo[i] = the rest (x[i] - hi) rounded to bf16, for i < n (n % 32 ==
+// 0); zeros for i >= valid. dst_lo null: the high halves only. Returns whether any rest is nonzero.
+inline bool to_bf16_halves(const float* x, int64_t valid, int64_t n, uint16_t* dst_hi, uint16_t* dst_lo) {
+  bool rest = false;
+  int64_t i = 0;
+#ifdef HAL_BF16DOT
+  __m512i any = _mm512_setzero_si512();
+  for (; i + 32 <= valid; i += 32) {
+    const __m512 x0 = _mm512_loadu_ps(x + i), x1 = _mm512_loadu_ps(x + i + 16);
+    const __m512bh hi = _mm512_cvtne2ps_pbh(x1, x0);
+    _mm512_storeu_si512(dst_hi + i, (__m512i)hi);
+    if (!dst_lo) continue;
+    const __m512 h0 = _mm512_cvtpbh_ps((__m256bh)_mm512_castsi512_si256((__m512i)hi));
+    const __m512 h1 = _mm512_cvtpbh_ps((__m256bh)_mm512_extracti64x4_epi64((__m512i)hi, 1));
+    const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(x1, h1), _mm512_sub_ps(x0, h0));
+    _mm512_storeu_si512(dst_lo + i, lo);
+    any = _mm512_or_si512(any, _mm512_and_si512(lo, _mm512_set1_epi16(0x7fff)));
+  }
+  rest = _mm512_test_epi64_mask(any, any) != 0;
+#endif
+  for (; i < n; ++i) {
+    const float v = i < valid ? x[i] : 0.f;
+    const at::BFloat16 top(v);
+    dst_hi[i] = top.x;
+    if (!dst_lo) continue;
+    dst_lo[i] = bf16_bits(v - to_float(top));
+    rest |= (dst_lo[i] & 0x7fff) != 0;
+  }
+  return rest;
+}
+
+// Keys [16 g, 16 g + 16) of a block (kp[j], j < nk; zeros past nk), D dims, into the VNNI blocks of B = K^T:
+// block (g, c) at dst + (g * D / 32 + c) * 512, row kk, column j % 16, pair p = K[j][32 c + 2 kk + p]. Each
+// block is a 16 x 16 transpose of 32-bit dim pairs.
+inline void pack_keys(const at::BFloat16* const* kp, int64_t g, int64_t nk, int64_t D, uint16_t* dst) {
+  const int64_t dchunks = D / 32;
+#ifdef HAL_BF16DOT
+  for (int64_t c = 0; c < dchunks; ++c) {
+    __m512i r[16];
+    for (int j = 0; j < 16; ++j) {
+      const int64_t key = 16 * g + j;
+      r[j] = key < nk ? _mm512_loadu_si512(kp[key] + 32 * c) : _mm512_setzero_si512();
+    }
+    // 16 x 16 transpose of 32-bit elements: r[j] holds key j's 16 pairs; out row kk holds pair kk of each key
+    __m512i t[16];
+    for (int j = 0; j < 16; j += 2) {
+      t[j] = _mm512_unpacklo_epi32(r[j], r[j + 1]);
+      t[j + 1] = _mm512_unpackhi_epi32(r[j], r[j + 1]);
+    }
+    for (int j = 0; j < 16; j += 4) {
+      r[j] = _mm512_unpacklo_epi64(t[j], t[j + 2]);
+      r[j + 1] = _mm512_unpackhi_epi64(t[j], t[j + 2]);
+      r[j + 2] = _mm512_unpacklo_epi64(t[j + 1], t[j + 3]);
+      r[j + 3] = _mm512_unpackhi_epi64(t[j + 1], t[j + 3]);
+    }
+    for (int j = 0; j < 4; ++j) {  // 128-bit lanes: rows 4 q + j, q = 0..3, gathered across the four groups
+      t[j] = _mm512_shuffle_i32x4(r[j], r[j + 4], 0x88);
+      t[j + 4] = _mm512_shuffle_i32x4(r[j], r[j + 4], 0xdd);
+      t[j + 8] = _mm512_shuffle_i32x4(r[j + 8], r[j + 12], 0x88);
+      t[j + 12] = _mm512_shuffle_i32x4(r[j + 8], r[j + 12], 0xdd);
+    }
+    uint16_t* blk = dst + (g * dchunks + c) * 512;
+    for (int j = 0; j < 4; ++j) {
+      _mm512_storeu_si512(blk + (j + 0) * 32, _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88));
+      _mm512_storeu_si512(blk + (j + 8) * 32, _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd));
+      _mm512_storeu_si512(blk + (j + 4) * 32, _mm512_shuffle_i32x4(t[j + 4], t[j + 12], 0x88));
+      _mm512_storeu_si512(blk + (j + 12) * 32, _mm512_shuffle_i32x4(t[j + 4], t[j + 12], 0xdd));
+    }
+  }
+#else
+  for (int64_t j = 0; j < 16; ++j) {
+    const int64_t key = 16 * g + j;
+    const uint16_t* krow = key < nk ? reinterpret_cast<const uint16_t*>(kp[key]) : nullptr;
+    for (int64_t c = 0; c < dchunks; ++c) {
+      uint16_t* blk = dst + (g * dchunks + c) * 512 + 2 * j;
+      for (int64_t kk = 0; kk < 16; ++kk) {
+        blk[kk * 32] = krow ? krow[c * 32 + 2 * kk] : 0;
+        blk[kk * 32 + 1] = krow ? krow[c * 32 + 2 * kk + 1] : 0;
+      }
+    }
+  }
+#endif
+}
+
+// Keys [0, nk32) of V rows (vp[j], j < nk; zeros past nk), Dv dims, into the VNNI blocks of B = V: block
+// (q, e) at dst + (q * Dv / 16 + e) * 512, row (j % 32) / 2, column n, pair j % 2 = V[32 q + j % 32][16 e + n].
+inline void pack_values(const at::BFloat16* const* vp, int64_t nk, int64_t nk32, int64_t Dv, uint16_t* dst) {
+  const int64_t vgroups = Dv / 16;
+  for (int64_t j = 0; j < nk32; j += 2) {
+    const uint16_t* v0 = j < nk ? reinterpret_cast<const uint16_t*>(vp[j]) : nullptr;
+    const uint16_t* v1 = j + 1 < nk ? reinterpret_cast<const uint16_t*>(vp[j + 1]) : nullptr;
+    uint16_t* row = dst + (j / 32) * vgroups * 512 + ((j % 32) / 2) * 32;
+    int64_t e = 0;
+#ifdef HAL_BF16DOT
+    const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
+                                            6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+    for (; e + 2 <= vgroups; e += 2) {  // two groups of 16 dims: 32 bf16 of each key
+      const __m512i a = v0 ? _mm512_loadu_si512(v0 + 16 * e) : _mm512_setzero_si512();
+      const __m512i b = v1 ? _mm512_loadu_si512(v1 + 16 * e) : _mm512_setzero_si512();
+      _mm512_storeu_si512(row + e * 512, _mm512_permutex2var_epi16(a, lo_idx, b));
+      _mm512_storeu_si512(row + (e + 1) * 512, _mm512_permutex2var_epi16(a, hi_idx, b));
+    }
+#endif
+    for (; e < vgroups; ++e) {
+      uint16_t* blk = row + e * 512;
+      for (int64_t n = 0; n < 16; ++n) {
+        blk[2 * n] = v0 ? v0[16 * e + n] : 0;
+        blk[2 * n + 1] = v1 ? v1[16 * e + n] : 0;
+      }
+    }
+  }
+}
+
+// The extend tiles of run_tile for bf16 pools with D % 32 == 0 and Dv % 16 == 0. The task's query rows
+// [i0, i1) are taken task.sub at a time (rows padded to 16), over K and V packed once per task into the VNNI
+// layout (keys in groups of 32 from a multiple of 32, zeros past the last): every tile of the task reads the
+// same packed keys. Q and P are bf16. Q is taken unscaled (the scale goes inside fold_block's exp), so a bf16
+// query is exact in one bf16 pass; a float32 one that is not also gets a second pass over its low halves, and
+// so does P: float32 accuracy for float32 queries, while a bf16 query (a bf16 model, whose output is rounded
+// to bf16) rounds P to bf16, as FlashAttention and vLLM do.
+void run_tile_amx(const Problem& P, const Task& task) {
+  const int64_t b = task.b, h = task.h, D = P.D, Dv = P.Dv, BK = kGemmBlock;
+  const int64_t sub = task.sub > 0 ? task.sub : task.i1 - task.i0;
+  const int64_t Rmax = sub * P.G, Rp_max = (Rmax + 15) / 16 * 16, dchunks = D / 32, vgroups = Dv / 16;
+  // The task's keys: [base, top), base a multiple of 32 (the first tile's LO rounded down; windows move forward)
+  int64_t base = std::numeric_limits<int64_t>::max(), top = 0;
+  for (int64_t i = task.i0; i < task.i1; ++i) {
+    int64_t lo, hi;
+    key_range(P, b, i, lo, hi);
+    if (hi > lo) {
+      base = std::min(base, lo);
+      top = std::max(top, hi);
+    }
+  }
+  if (top == 0) base = 0;
+  base = base / 32 * 32;
+  const int64_t span = (std::max<int64_t>(top - base, 0) + 31) / 32 * 32;
+  const auto [qs, acc, s, m, l] = tile_state(Rmax, Rp_max, D, Dv, BK);
+  thread_local std::vector<uint16_t> t_bf16;
+  const int64_t need = 2 * Rp_max * D + 2 * Rp_max * BK + span * (D + Dv);
+  if (int64_t(t_bf16.size()) < need) t_bf16.resize(need);
+  uint16_t* qhi = t_bf16.data();
+  uint16_t* qlo = qhi + Rp_max * D;
+  uint16_t* phi = qlo + Rp_max * D;
+  uint16_t* plo = phi + Rp_max * BK;
+  uint16_t* kpack = plo + Rp_max * BK;  // [key group of 16][D / 32] blocks of 16 x 32, key base first
+  uint16_t* vpack = kpack + span * D;   // [key chunk of 32][Dv / 16] blocks of 16 x 32
   if (int64_t(t_ptrs.size()) < 2 * BK) t_ptrs.resize(2 * BK);
   const at::BFloat16** kp = reinterpret_cast<const at::BFloat16**>(t_ptrs.data());
   const at::BFloat16** vp = kp + BK;
   const int32_t* r2t_row = P.r2t + P.rows[b] * P.r2t_s0;
-  const int64_t dchunks = D / 32, vgroups = Dv / 16;
+  int64_t packed = base;  // keys [base, packed) are packed
+  const float post = P.scale > 0.f ? P.scale : 1.f;  // the scale, inside fold_block's exp
+  std::vector<int64_t> lo(sub), hi(sub);
   amx_begin();
-  for (int64_t j0 = LO; j0 < HI; j0 += BK) {
-    const int64_t nk = std::min(BK, HI - j0), nk32 = (nk + 31) / 32 * 32;
-    if (!slot_ptrs<at::BFloat16>(P, r2t_row, j0, nk, h, kp, vp)) break;
-    for (int64_t j = 0; j < nk32; ++j) {  // K block -> VNNI: block (j / 16, c), row kk, column j % 16, pair p
-      const uint16_t* krow = j < nk ? reinterpret_cast<const uint16_t*>(kp[j]) : nullptr;
-      for (int64_t c = 0; c < dchunks; ++c) {
-        uint16_t* blk = kpack + ((j / 16) * dchunks + c) * 512 + 2 * (j % 16);
-        for (int64_t kk = 0; kk < 16; ++kk) {
-          blk[kk * 32] = krow ? krow[c * 32 + 2 * kk] : 0;
-          blk[kk * 32 + 1] = krow ? krow[c * 32 + 2 * kk + 1] : 0;
-        }
+  for (int64_t i0 = task.i0; i0 < task.i1; i0 += sub) {
+    const Task tile{b, h, i0, std::min(task.i1, i0 + sub), 1, 0., true};
+    const int64_t R = (tile.i1 - i0) * P.G, Rp = (R + 15) / 16 * 16;
+    int64_t LO, HI;
+    start_task(P, tile, R, lo.data(), hi.data(), LO, HI, qs, acc, m, l, false);
+    std::fill(acc + R * Dv, acc + Rp * Dv, 0.f);
+    bool two_pass = false;
+    for (int64_t r = 0; r < Rp; ++r)
+      two_pass |= to_bf16_halves(qs + r * D, r < R ? D : 0, D, qhi + r * D, qlo + r * D);
+    LO = std::max(base, LO / 32 * 32);
+    for (; packed < HI; packed += BK) {  // the keys this tile reaches first
+      const int64_t nk = std::min(BK, top - packed), nk32 = (nk + 31) / 32 * 32;
+      if (!slot_ptrs<at::BFloat16>(P, r2t_row, packed, nk, h, kp, vp)) {
+        amx_end();
+        return;
       }
+      for (int64_t g = 0; g < nk32 / 16; ++g) pack_keys(kp, g, nk, D, kpack + (packed - base) * D);
+      pack_values(vp, nk, nk32, Dv, vpack + (packed - base) * Dv);
     }
-    for (int64_t rg = 0; rg < Rp; rg += 16)
-      for (int64_t g = 0; g < nk32 / 16; ++g)
-        amx_gemm(qhi + rg * D, qlo + rg * D, D * 2, kpack + g * dchunks * 512, dchunks, s + rg * BK + g * 16, BK * 4,
-                 false);
-    if (!fold_block(P, b, i0, R, j0, nk, s, BK, m, l, acc, Dv, lo.data(), hi.data())) continue;
-    for (int64_t r = 0; r < Rp; ++r) {
-      for (int64_t j = 0; j < nk32; ++j) {
-        const float x = r < R && j < nk ? s[r * BK + j] : 0.f;
-        const at::BFloat16 top(x);
-        phi[r * BK + j] = bf16_bits(top);
-        plo[r * BK + j] = bf16_bits(at::BFloat16(x - to_float(top)));
-      }
+    for (int64_t j0 = LO; j0 < HI; j0 += BK) {
+      const int64_t nk = std::min(BK, HI - j0), nk32 = (nk + 31) / 32 * 32;
+      amx_gemm(qhi, two_pass ? qlo : nullptr, D * 2, Rp, kpack + (j0 - base) * D, dchunks * 512, 512, nk32, dchunks,
+               s, BK * 4, false);
+      if (post == 1.f)
+        for (int64_t r = 0; r < R; ++r) scale_row(s + r * BK, nk, P.scale);
+      if (!fold_block(P, b, i0, R, j0, nk, s, BK, m, l, acc, Dv, lo.data(), hi.data(), post)) continue;
+      for (int64_t r = 0; r < Rp; ++r)
+        to_bf16_halves(s + r * BK, r < R ? nk : 0, nk32, phi + r * BK, two_pass ? plo + r * BK : nullptr);
+      amx_gemm(phi, two_pass ? plo : nullptr, BK * 2, Rp, vpack + (j0 - base) * Dv, 512, vgroups * 512, Dv,
+               nk32 / 32, acc, Dv * 4, true);
     }
-    const int64_t kchunks = nk32 / 32;
-    for (int64_t j = 0; j < nk32; ++j) {  // V block -> VNNI: block (e, j / 32), row (j % 32) / 2, column n, pair j % 2
-      const uint16_t* vrow = j < nk ? reinterpret_cast<const uint16_t*>(vp[j]) : nullptr;
-      for (int64_t e = 0; e < vgroups; ++e) {
-        uint16_t* blk = vpack + (e * kchunks + j / 32) * 512 + ((j % 32) / 2) * 32 + j % 2;
-        for (int64_t n = 0; n < 16; ++n) blk[2 * n] = vrow ? vrow[e * 16 + n] : 0;
-      }
-    }
-    for (int64_t rg = 0; rg < Rp; rg += 16)
-      for (int64_t e = 0; e < vgroups; ++e)
-        amx_gemm(phi + rg * BK, plo + rg * BK, BK * 2, vpack + e * kchunks * 512, kchunks, acc + rg * Dv + e * 16,
-                 Dv * 4, true);
+    write_rows(P, b, h, i0, R, acc, m, l);
   }
   amx_end();
-  write_rows(P, b, h, i0, R, acc, m, l);
 }
 #endif
 
@@ -1408,11 +1600,20 @@ void run_tile_vec(const Problem& P, const Task& task) {
 
 // Extend tiles: AMX or the vector path where built; plain loops: scores and values through at::mm over blocks
 // of kGemmBlock keys, widened to float32.
+// Whether run_tile takes the AMX path (bf16 pools).
+inline bool amx_tiles(const Problem& P, bool bf16) {
+#ifdef HAL_AMX
+  return bf16 && P.D % 32 == 0 && P.Dv % 16 == 0 && amx_ready();
+#else
+  return false;
+#endif
+}
+
 template <typename T>
 void run_tile(const Problem& P, const Task& task) {
 #ifdef HAL_AMX
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (P.D % 32 == 0 && P.Dv % 16 == 0 && amx_ready()) return run_tile_amx(P, task);
+    if (amx_tiles(P, true)) return run_tile_amx(P, task);
   }
 #endif
 #ifdef HAL_BF16DOT
@@ -1521,12 +1722,22 @@ void run_tasks(Problem& P, int64_t B, int64_t tile_rows, bool bf16) {
   for (int64_t b = 0; b < B; ++b) row_requests += P.q_lens[b] > 0 && !(tile_rows > 0 && P.q_lens[b] * P.G >= tile_rows);
   int64_t heads_per_task = row_requests >= 4 * at::get_num_threads() ? P.Hkv : 1;
   if (const char* env = std::getenv("HAL_HEADS_PER_TASK")) heads_per_task = std::max<int64_t>(1, std::atoll(env));
+  // AMX tiles pack K and V per task, so a task takes several tiles of a request's rows (one packing for all)
+  // where there are tiles enough to leave each thread 4 tasks.
+  const int64_t tile_step = std::max<int64_t>(1, tile_rows / std::max<int64_t>(P.G, 1));
+  int64_t tiles_per_task = 1;
+  if (tile_rows > 0 && amx_tiles(P, bf16)) {
+    int64_t tiles = 0;
+    for (int64_t b = 0; b < B; ++b)
+      if (P.q_lens[b] * P.G >= tile_rows) tiles += (P.q_lens[b] + tile_step - 1) / tile_step * P.Hkv;
+    tiles_per_task = std::max<int64_t>(1, tiles / (4 * at::get_num_threads()));
+  }
   tasks.reserve(B);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t nq = P.q_lens[b], kv = P.kv_lens[b];
     if (nq <= 0) continue;
     const bool tile = tile_rows > 0 && nq * P.G >= tile_rows;
-    const int64_t step = tile ? std::max<int64_t>(1, tile_rows / P.G) : nq;
+    const int64_t step = tile ? tile_step * tiles_per_task : nq;
     const int64_t hstep = tile ? 1 : std::min(heads_per_task, P.Hkv);
     for (int64_t h = 0; h < P.Hkv; h += hstep) {
       const int64_t nh = std::min(hstep, P.Hkv - h);
@@ -1535,7 +1746,8 @@ void run_tasks(Problem& P, int64_t B, int64_t tile_rows, bool bf16) {
         int64_t keys = kv;  // upper bound on keys the tile reads
         if (P.causal && !P.cmask) keys = kv - nq + i1;
         if (P.window >= 0) keys = std::min<int64_t>(keys, P.window + (i1 - i0));
-        tasks.push_back({b, h, i0, i1, nh, double(keys) * double(nh) * double(i1 - i0 + (tile ? 0 : 8)), tile});
+        tasks.push_back({b, h, i0, i1, nh, double(keys) * double(nh) * double(i1 - i0 + (tile ? 0 : 8)), tile,
+                         tile ? tile_step : 0});
       }
     }
   }
@@ -1702,29 +1914,28 @@ at::Tensor write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::
       }
     }
   });
-  at::Tensor qf;
-  if (bf16) {
-    qf = (q.dim() == 2 ? q.view({T, q_heads, head_dim}) : q).to(at::kFloat);
-    P.q = qf.data_ptr<float>();
-    P.q_s0 = qf.stride(0);
-    P.q_s1 = qf.stride(1);
-  } else {
-    P.q = q.data_ptr<float>();
-    P.q_s0 = qs0;
-    P.q_s1 = qs1;
-  }
-  at::Tensor out = at::empty({T, q_heads * v_head_dim}, at::TensorOptions().dtype(at::kFloat));
-  P.out = out.data_ptr<float>();
+  P.q_s0 = qs0;
+  P.q_s1 = qs1;
+  at::Tensor out = at::empty({T, q_heads * v_head_dim}, at::TensorOptions().dtype(dt));
   P.o_s0 = q_heads * v_head_dim;
   P.o_s1 = v_head_dim;
+  if (bf16) {
+    P.q_bf16 = q.data_ptr<at::BFloat16>();
+    P.out_bf16 = out.data_ptr<at::BFloat16>();
+  } else {
+    P.q = q.data_ptr<float>();
+    P.out = out.data_ptr<float>();
+  }
   run_tasks(P, B, tile_rows, bf16);
-  return bf16 ? out.to(at::kBFloat16) : out;
+  return out;
 }
 
 // This path's arithmetic ceiling, GFLOP/s over all torch threads: `kind` "fma" (float32 multiply-adds at the
 // path's vector width: 16 lanes under AVX-512, 8 under AVX2, whatever the compiler makes of plain loops) or
-// "bf16_dot" (_mm512_dpbf16_ps, 64 flops each; -1 where the path has none). Each thread runs `iters` rounds
-// of 16 independent chains (enough to cover the latency of two pipes), from registers: no memory traffic.
+// "bf16_dot" (_mm512_dpbf16_ps, 64 flops each) or "amx_bf16" (tdpbf16ps, 16 x 16 x 32 x 2 flops each; -1 where
+// the path has none, or the OS does not grant the tile state). Each thread runs `iters` rounds
+// of 16 independent chains (4 tiles for AMX; enough to cover the latency of two pipes), from registers: no
+// memory traffic.
 double peak_gflops(const std::string& kind, int64_t iters) {
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   std::atomic<double> flops(0);
@@ -1758,6 +1969,30 @@ double peak_gflops(const std::string& kind, int64_t iters) {
         for (int i = 0; i < 16; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, a);
       for (int i = 0; i < 16; ++i) sink += _mm512_reduce_add_ps(acc[i]);
       done = 64.0 * 16 * iters;
+    }
+#endif
+#ifdef HAL_AMX
+    if (kind == "amx_bf16" && amx_ready()) {  // 4 independent C tiles, A and B from tile registers
+      alignas(64) static const uint16_t ones[16 * 32] = {};
+      alignas(64) float c[16 * 16];
+      amx_begin();
+      HAL_TILE_LOAD(4, ones, 64);
+      HAL_TILE_LOAD(6, ones, 64);
+      HAL_TILE_LOAD(7, ones, 64);
+      HAL_TILE_ZERO(0);
+      HAL_TILE_ZERO(1);
+      HAL_TILE_ZERO(2);
+      HAL_TILE_ZERO(3);
+      for (int64_t it = 0; it < iters; ++it) {
+        HAL_TILE_DP(0, 4, 6);
+        HAL_TILE_DP(1, 4, 7);
+        HAL_TILE_DP(2, 4, 6);
+        HAL_TILE_DP(3, 4, 7);
+      }
+      HAL_TILE_STORE(0, c, 64);
+      amx_end();
+      sink += c[0];
+      done = 4.0 * 16 * 16 * 32 * 2 * iters;
     }
 #endif
     volatile float keep = sink;  // the chains' result is used: the loops stay
