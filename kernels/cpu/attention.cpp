@@ -168,22 +168,47 @@ inline vf vexp(vf x0) {
 }
 #endif
 
-// p[i] = exp(s[i] f - m) for i < n (f > 0: scores not yet scaled); returns the sum.
-inline float exp_sub_sum(float* s, int64_t n, float m, float f = 1.f) {
+inline uint16_t bf16_bits(float x) { return at::BFloat16(x).x; }
+
+#ifdef HAL_VEC
+// x rounded to bf16 (nearest even), kW of them at p.
+inline void vstore_bf16(uint16_t* p, vf x) {
+#ifdef HAL_BF16DOT
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
+#else
+  alignas(64) float lanes[kW];
+  vstore(lanes, x);
+  for (int64_t k = 0; k < kW; ++k) p[k] = bf16_bits(lanes[k]);
+#endif
+}
+#endif
+
+// p[i] = exp(s[i] f - m) for i < n (f > 0: scores not yet scaled), into s, or rounded to bf16 into pb where
+// given (s is then only read); returns the sum of the float32 p.
+inline float exp_sub_sum(float* s, int64_t n, float m, float f = 1.f, uint16_t* pb = nullptr) {
   int64_t i = 0;
   float total = 0.f;
 #ifdef HAL_VEC
   vf acc = vzero(), vm = vset(-m), vf_ = vset(f);
   for (; i + kW <= n; i += kW) {
     vf p = vexp(vfma(vload(s + i), vf_, vm));
-    vstore(s + i, p);
     acc = vadd(acc, p);
+    if (pb) {
+      vstore_bf16(pb + i, p);
+    } else {
+      vstore(s + i, p);
+    }
   }
   total = hsum(acc);
 #endif
   for (; i < n; ++i) {
-    s[i] = s[i] == kNegInf ? 0.f : std::exp(s[i] * f - m);
-    total += s[i];
+    const float p = s[i] == kNegInf ? 0.f : std::exp(s[i] * f - m);
+    total += p;
+    if (pb) {
+      pb[i] = bf16_bits(p);
+    } else {
+      s[i] = p;
+    }
   }
   return total;
 }
@@ -210,13 +235,14 @@ inline float max_of(const float* s, int64_t n) {
   bool nan = false;
   int64_t i = 0;
 #ifdef HAL_VEC
-  vf vm = vset(kNegInf);
+  vf vm = vset(kNegInf), vn = vzero();  // vn: a NaN in each lane that saw one
   for (; i + kW <= n; i += kW) {
     vf x = vload(s + i);
-    nan |= vany_nan(x);
+    vn = vnan_or(vn, x);
     vm = vmax(vm, x);
   }
   m = hmax(vm);
+  nan = vany_nan(vn);
 #endif
   for (; i < n; ++i) {
     nan |= std::isnan(s[i]);
@@ -700,19 +726,28 @@ inline bool slot_ptrs(const Problem& P, const int32_t* r2t_row, int64_t j0, int6
 
 // Fold one block of scores s[R x ld] (keys [j0, j0 + nk)) into the rows' softmax state; returns
 // whether any row saw a key. Masks by range / custom mask, applies the logit cap. `f` > 0: the scores are
-// still to be multiplied by f (the softmax scale of an unscaled query), done inside the exp.
+// still to be multiplied by f (the softmax scale of an unscaled query), done inside the exp. The block's
+// probabilities replace the scores, or go to pb [R x ldp] as bf16 where given.
 inline bool fold_block(const Problem& P, int64_t b, int64_t i0, int64_t R, int64_t j0, int64_t nk, float* s,
                        int64_t ld, float* m, float* l, float* acc, int64_t Dv, const int64_t* lo, const int64_t* hi,
-                       float f = 1.f) {
+                       float f = 1.f, uint16_t* pb = nullptr, int64_t ldp = 0) {
   const int64_t G = P.G;
   const int64_t kv = P.kv_lens[b];
   bool any = false;
   for (int64_t r = 0; r < R; ++r) {
     float* sr = s + r * ld;
+    uint16_t* pr = pb ? pb + r * ldp : nullptr;
+    auto none = [&] {  // the row takes nothing from this block
+      if (pr) {
+        std::fill(pr, pr + nk, uint16_t(0));
+      } else {
+        std::fill(sr, sr + nk, 0.f);
+      }
+    };
     const int64_t qi = r / G;
     const int64_t rlo = lo[qi], rhi = hi[qi];
     if (rhi <= j0 || rlo >= j0 + nk) {  // nothing visible in this block
-      for (int64_t j = 0; j < nk; ++j) sr[j] = 0.f;
+      none();
       continue;
     }
     float fr = f;
@@ -735,11 +770,11 @@ inline bool fold_block(const Problem& P, int64_t b, int64_t i0, int64_t R, int64
     const float bm = max_of(sr, nk) * fr;
     if (std::isnan(bm)) {  // the row's output is NaN (l = NaN marks it), as the reference's would be
       l[r] = std::numeric_limits<float>::quiet_NaN();
-      for (int64_t j = 0; j < nk; ++j) sr[j] = 0.f;
+      none();
       continue;
     }
     if (bm == kNegInf) {
-      for (int64_t j = 0; j < nk; ++j) sr[j] = 0.f;
+      none();
       continue;
     }
     any = true;
@@ -750,7 +785,7 @@ inline bool fold_block(const Problem& P, int64_t b, int64_t i0, int64_t R, int64
       scale_row(acc + r * Dv, Dv, alpha);
     }
     m[r] = mn;
-    l[r] += exp_sub_sum(sr, nk, mn, fr);
+    l[r] += exp_sub_sum(sr, nk, mn, fr, pr);
   }
   return any;
 }
@@ -768,8 +803,12 @@ inline void write_rows(const Problem& P, int64_t b, int64_t h, int64_t i0, int64
     const float* a = acc + r * P.Dv;
     const int64_t at_o = t * P.o_s0 + head * P.o_s1;
     if (P.out_bf16) {
-      at::BFloat16* o = P.out_bf16 + at_o;
-      for (int64_t d = 0; d < P.Dv; ++d) o[d] = at::BFloat16(a[stored_dim(d, P.Dv, paired)] * f);
+      uint16_t* o = reinterpret_cast<uint16_t*>(P.out_bf16 + at_o);
+      int64_t d = 0;
+#ifdef HAL_VEC
+      for (; !paired && d + kW <= P.Dv; d += kW) vstore_bf16(o + d, vmul(vload(a + d), vset(f)));
+#endif
+      for (; d < P.Dv; ++d) o[d] = bf16_bits(a[stored_dim(d, P.Dv, paired)] * f);
     } else if (paired) {
       for (int64_t d = 0; d < P.Dv; ++d) P.out[at_o + d] = a[stored_dim(d, P.Dv, true)] * f;
     } else {
@@ -1073,8 +1112,6 @@ inline void amx_gemm(const uint16_t* a, const uint16_t* a_lo, int64_t lda, int64
   }
 }
 
-inline uint16_t bf16_bits(float x) { return at::BFloat16(x).x; }
-
 // dst_hi[i] = x[i] rounded to bf16 and dst_lo[i] = the rest (x[i] - hi) rounded to bf16, for i < n (n % 32 ==
 // 0); zeros for i >= valid. dst_lo null: the high halves only. Returns whether any rest is nonzero.
 inline bool to_bf16_halves(const float* x, int64_t valid, int64_t n, uint16_t* dst_hi, uint16_t* dst_lo) {
@@ -1240,6 +1277,7 @@ void run_tile_amx(const Problem& P, const Task& task) {
     bool two_pass = false;
     for (int64_t r = 0; r < Rp; ++r)
       two_pass |= to_bf16_halves(qs + r * D, r < R ? D : 0, D, qhi + r * D, qlo + r * D);
+    std::fill(phi + R * BK, phi + Rp * BK, uint16_t(0));  // padding rows: no probabilities
     LO = std::max(base, LO / 32 * 32);
     for (; packed < HI; packed += BK) {  // the keys this tile reaches first
       const int64_t nk = std::min(BK, top - packed), nk32 = (nk + 31) / 32 * 32;
@@ -1256,9 +1294,14 @@ void run_tile_amx(const Problem& P, const Task& task) {
                s, BK * 4, false);
       if (post == 1.f)
         for (int64_t r = 0; r < R; ++r) scale_row(s + r * BK, nk, P.scale);
-      if (!fold_block(P, b, i0, R, j0, nk, s, BK, m, l, acc, Dv, lo.data(), hi.data(), post)) continue;
-      for (int64_t r = 0; r < Rp; ++r)
-        to_bf16_halves(s + r * BK, r < R ? nk : 0, nk32, phi + r * BK, two_pass ? plo + r * BK : nullptr);
+      if (!fold_block(P, b, i0, R, j0, nk, s, BK, m, l, acc, Dv, lo.data(), hi.data(), post,
+                      two_pass ? nullptr : phi, BK))
+        continue;
+      if (two_pass) {
+        for (int64_t r = 0; r < Rp; ++r) to_bf16_halves(s + r * BK, r < R ? nk : 0, nk32, phi + r * BK, plo + r * BK);
+      } else if (nk < nk32) {
+        for (int64_t r = 0; r < R; ++r) std::fill(phi + r * BK + nk, phi + r * BK + nk32, uint16_t(0));
+      }
       amx_gemm(phi, two_pass ? plo : nullptr, BK * 2, Rp, vpack + (j0 - base) * Dv, 512, vgroups * 512, Dv,
                nk32 / 32, acc, Dv * 4, true);
     }
