@@ -45,6 +45,11 @@ def _vllm():
                     return "amx"
                 return "vec" if block_size % 32 == 0 else "vec16"
 
+    # vLLM's AMX kernels need the tile state the kernel grants on request (arch_prctl ARCH_REQ_XCOMP_PERM): a
+    # serving process has it from its first oneDNN bf16 matmul; a harness that only calls attention asks here
+    # (without it the first AMX call is a SIGILL)
+    if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
+        torch.cpu._init_amx()
     return vllm, ops, _get_attn_isa
 
 

@@ -425,6 +425,8 @@ def run_bench(
         "repeats": repeats,
         "peers": peers,
         "loadavg_at_start": os.getloadavg(),
+        # idle OpenMP workers of one process spin while another (an engine peer) runs: PASSIVE stops that
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
     }
     _progress(f"{dev_name}: what the device records (kernels load here, compiled at first use)")
     meta.update(facts["meta"])

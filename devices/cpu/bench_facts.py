@@ -57,10 +57,11 @@ def bench_facts() -> dict:
     isa = meta["kernels"]["isa"]
     bf16_dot = "avx512_bf16" in isa or isa == "amx"
     # the ceiling each dtype's kernels can reach on this path: bf16 is dotted as bf16 only where it has them,
-    # and bf16 extend tiles run on AMX where the path has it (decode rows stay on the vector units)
+    # and bf16 extend tiles run on AMX where the path has it (decode rows stay on the vector units; a mixed
+    # batch's flops are its extends')
     ceiling_for_dtype = {"fp32": "fma", "bf16": "bf16_dot" if bf16_dot else "fma"}
     if isa == "amx":
-        ceiling_for_dtype["extend_bf16"] = "amx_bf16"
+        ceiling_for_dtype.update(extend_bf16="amx_bf16", mixed_bf16="amx_bf16")
     return {
         "meta": meta,
         "ceilings": _ceilings if meta["kernels"]["available"] else None,
