@@ -417,20 +417,42 @@ inline void qk_rows_bf16dot(const uint16_t* qb, const float* q, int64_t D, const
 }
 #endif
 
+// dst_hi[i] = x[i] rounded to bf16 (nearest even) and dst_lo[i] = the rest (x[i] - hi) rounded to bf16, for
+// i < n; zeros for i >= valid. dst_lo null: the high halves only. Returns whether any rest is nonzero.
+inline bool to_bf16_halves(const float* x, int64_t valid, int64_t n, uint16_t* dst_hi, uint16_t* dst_lo) {
+  bool rest = false;
+  int64_t i = 0;
+#ifdef HAL_BF16DOT
+  __m512i any = _mm512_setzero_si512();
+  for (; i + 32 <= valid; i += 32) {
+    const __m512 x0 = _mm512_loadu_ps(x + i), x1 = _mm512_loadu_ps(x + i + 16);
+    const __m512bh hi = _mm512_cvtne2ps_pbh(x1, x0);
+    _mm512_storeu_si512(dst_hi + i, (__m512i)hi);
+    if (!dst_lo) continue;
+    const __m512 h0 = _mm512_cvtpbh_ps((__m256bh)_mm512_castsi512_si256((__m512i)hi));
+    const __m512 h1 = _mm512_cvtpbh_ps((__m256bh)_mm512_extracti64x4_epi64((__m512i)hi, 1));
+    const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(x1, h1), _mm512_sub_ps(x0, h0));
+    _mm512_storeu_si512(dst_lo + i, lo);
+    any = _mm512_or_si512(any, _mm512_and_si512(lo, _mm512_set1_epi16(0x7fff)));
+  }
+  rest = _mm512_test_epi64_mask(any, any) != 0;
+#endif
+  for (; i < n; ++i) {
+    const float v = i < valid ? x[i] : 0.f;
+    const at::BFloat16 top(v);
+    dst_hi[i] = top.x;
+    if (!dst_lo) continue;
+    dst_lo[i] = bf16_bits(v - to_float(top));
+    rest |= (dst_lo[i] & 0x7fff) != 0;
+  }
+  return rest;
+}
+
 // bf16 hi and lo halves of R float rows of D (the layout qk_rows_bf16dot reads); returns whether any lo is
 // nonzero (false: the rows are exact in bf16, and one pass of bf16 dots scores them exactly).
 inline bool split_bf16(const float* q, int64_t R, int64_t D, uint16_t* qb) {
   bool lo_any = false;
-  for (int64_t r = 0; r < R; ++r) {
-    for (int64_t d = 0; d < D; ++d) {
-      const float x = q[r * D + d];
-      const at::BFloat16 hi(x);  // round to nearest even
-      const at::BFloat16 lo(x - to_float(hi));
-      qb[r * 2 * D + d] = hi.x;
-      qb[r * 2 * D + D + d] = lo.x;
-      lo_any |= (lo.x & 0x7fff) != 0;
-    }
-  }
+  for (int64_t r = 0; r < R; ++r) lo_any |= to_bf16_halves(q + r * D, D, D, qb + r * 2 * D, qb + r * 2 * D + D);
   return lo_any;
 }
 
@@ -1115,37 +1137,6 @@ inline void amx_gemm(const uint16_t* a, const uint16_t* a_lo, int64_t lda, int64
   }
 }
 
-// dst_hi[i] = x[i] rounded to bf16 and dst_lo[i] = the rest (x[i] - hi) rounded to bf16, for i < n (n % 32 ==
-// 0); zeros for i >= valid. dst_lo null: the high halves only. Returns whether any rest is nonzero.
-inline bool to_bf16_halves(const float* x, int64_t valid, int64_t n, uint16_t* dst_hi, uint16_t* dst_lo) {
-  bool rest = false;
-  int64_t i = 0;
-#ifdef HAL_BF16DOT
-  __m512i any = _mm512_setzero_si512();
-  for (; i + 32 <= valid; i += 32) {
-    const __m512 x0 = _mm512_loadu_ps(x + i), x1 = _mm512_loadu_ps(x + i + 16);
-    const __m512bh hi = _mm512_cvtne2ps_pbh(x1, x0);
-    _mm512_storeu_si512(dst_hi + i, (__m512i)hi);
-    if (!dst_lo) continue;
-    const __m512 h0 = _mm512_cvtpbh_ps((__m256bh)_mm512_castsi512_si256((__m512i)hi));
-    const __m512 h1 = _mm512_cvtpbh_ps((__m256bh)_mm512_extracti64x4_epi64((__m512i)hi, 1));
-    const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(x1, h1), _mm512_sub_ps(x0, h0));
-    _mm512_storeu_si512(dst_lo + i, lo);
-    any = _mm512_or_si512(any, _mm512_and_si512(lo, _mm512_set1_epi16(0x7fff)));
-  }
-  rest = _mm512_test_epi64_mask(any, any) != 0;
-#endif
-  for (; i < n; ++i) {
-    const float v = i < valid ? x[i] : 0.f;
-    const at::BFloat16 top(v);
-    dst_hi[i] = top.x;
-    if (!dst_lo) continue;
-    dst_lo[i] = bf16_bits(v - to_float(top));
-    rest |= (dst_lo[i] & 0x7fff) != 0;
-  }
-  return rest;
-}
-
 // Keys [16 g, 16 g + 16) of a block (kp[j], j < nk; zeros past nk), D dims, into the VNNI blocks of B = K^T:
 // block (g, c) at dst + (g * D / 32 + c) * 512, row kk, column j % 16, pair p = K[j][32 c + 2 kk + p]. Each
 // block is a 16 x 16 transpose of 32-bit dim pairs.
@@ -1268,7 +1259,7 @@ void run_tile_amx(const Problem& P, const Task& task) {
   const at::BFloat16** vp = kp + BK;
   const int32_t* r2t_row = P.r2t + P.rows[b] * P.r2t_s0;
   int64_t packed = base;  // keys [base, packed) are packed
-  const float post = P.scale > 0.f ? P.scale : 1.f;  // the scale, inside fold_block's exp
+  const bool scale_in_exp = P.scale > 0.f;  // fold_block scales inside its exp (a positive scale only)
   std::vector<int64_t> lo(sub), hi(sub);
   amx_begin();
   for (int64_t i0 = task.i0; i0 < task.i1; i0 += sub) {
@@ -1295,9 +1286,9 @@ void run_tile_amx(const Problem& P, const Task& task) {
       }
       amx_gemm(qhi, two_pass ? qlo : nullptr, D * 2, Rp, kpack + (j0 - base) * D, dchunks * 512, 512, nk32, dchunks,
                s, BK * 4, false);
-      if (post == 1.f)
+      if (!scale_in_exp)
         for (int64_t r = 0; r < R; ++r) scale_row(s + r * BK, nk, P.scale);
-      if (!fold_block(P, b, i0, R, j0, nk, s, BK, m, l, acc, Dv, lo.data(), hi.data(), post,
+      if (!fold_block(P, b, i0, R, j0, nk, s, BK, m, l, acc, Dv, lo.data(), hi.data(), scale_in_exp ? P.scale : 1.f,
                       two_pass ? nullptr : phi, BK))
         continue;
       if (two_pass) {
