@@ -284,6 +284,25 @@ inline vf hsum16(const vf* a) {
 }
 #endif
 
+// The next block's rows of one head (its K or its V rows), fetched into L2 by the row kernels a few at a time as
+// they work through the current block: one burst of a block's prefetches fills the core's line fill buffers
+// and stalls it until memory answers, so the arithmetic and the reads ran one after the other. Spread
+// over the work, the reads run under it (AMX Xeon, bf16 decode at 2 threads: 1.15-1.25x over one burst per
+// head and block).
+struct Ahead {
+  const char* const* rows = nullptr;  // rows[j] for j < n
+  int64_t n = 0;
+  int64_t bytes = 0;  // of each row
+  // bytes [b0, b1) of rows [j0, j1) (clipped to the rows there are)
+  void fetch(int64_t j0, int64_t j1, int64_t b0, int64_t b1) const {
+    j1 = std::min(j1, n);
+    b1 = std::min(b1, bytes);
+    for (int64_t j = j0; j < j1; ++j)
+      for (int64_t o = b0; o < b1; o += 64) __builtin_prefetch(rows[j] + o, 0, 1);
+  }
+  void fetch_all() const { fetch(0, n, 0, bytes); }
+};
+
 // Keys scored together by qk_rows for NR query rows: NR x NK accumulators, reduced together (hsum8 under AVX2:
 // 8; hsum16 under AVX-512: 16, 12 for 3 rows).
 template <int NR>
@@ -295,14 +314,17 @@ constexpr int qk_keys() {
 #endif
 }
 
-// scores[r * ld + j] = post * dot(q[r], k[j]) for NR rows and the keys of a block, qk_keys<NR>() keys at a time.
+// scores[r * ld + j] = post * dot(q[r], k[j]) for NR rows and the keys of a block, qk_keys<NR>() keys at a time;
+// the next block's K rows fetched alongside (next.rows[j] with key j).
 template <int NR, typename T>
-inline void qk_rows(const float* q, int64_t D, const T* const* kp, int64_t nk, float* s, int64_t ld, float post) {
+inline void qk_rows(const float* q, int64_t D, const T* const* kp, int64_t nk, float* s, int64_t ld, float post,
+                    const Ahead& next) {
   int64_t j = 0;
 #ifdef HAL_VEC
   constexpr int NK = qk_keys<NR>();
   const int64_t DW = D & ~(kW - 1);
   for (; j + NK <= nk; j += NK) {
+    next.fetch(j, j + NK, 0, next.bytes);
 #if HAL_VEC == 16
     vf acc[16];
     for (int i = 0; i < 16; ++i) acc[i] = vzero();
@@ -340,6 +362,7 @@ inline void qk_rows(const float* q, int64_t D, const T* const* kp, int64_t nk, f
     }
   }
   for (; j < nk; ++j) {  // the block's last keys, one at a time
+    next.fetch(j, j + 1, 0, next.bytes);
     for (int r = 0; r < NR; ++r) {
       vf acc = vzero();
       for (int64_t d = 0; d < DW; d += kW) acc = vfma(vload(q + r * D + d), vload(kp[j] + d), acc);
@@ -349,6 +372,7 @@ inline void qk_rows(const float* q, int64_t D, const T* const* kp, int64_t nk, f
     }
   }
 #endif
+  next.fetch(j, next.n, 0, next.bytes);
   for (; j < nk; ++j) {
     const T* k0 = kp[j];
     for (int r = 0; r < NR; ++r) {
@@ -365,11 +389,12 @@ inline void qk_rows(const float* q, int64_t D, const T* const* kp, int64_t nk, f
 // (nearly) float32 accuracy; a bf16 query (lo = 0) takes one pass. Dims past a multiple of 32: float32 q.
 template <int NR, bool LO>
 inline void qk_rows_bf16dot(const uint16_t* qb, const float* q, int64_t D, const at::BFloat16* const* kp, int64_t nk,
-                            float* s, int64_t ld, float post) {
+                            float* s, int64_t ld, float post, const Ahead& next) {
   constexpr int NK = qk_keys<NR>();
   const int64_t D32 = D & ~int64_t(31);
   int64_t j = 0;
   for (; j + NK <= nk; j += NK) {
+    next.fetch(j, j + NK, 0, next.bytes);
     __m512 acc[16];
     for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t d = 0; d < D32; d += 32) {
@@ -396,6 +421,7 @@ inline void qk_rows_bf16dot(const uint16_t* qb, const float* q, int64_t D, const
       }
     }
   }
+  next.fetch(j, next.n, 0, next.bytes);
   for (; j < nk; ++j) {
     __m512 acc[NR];
     for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
@@ -456,9 +482,11 @@ inline bool split_bf16(const float* q, int64_t R, int64_t D, uint16_t* qb) {
   return lo_any;
 }
 
-// acc[r] += sum_j p[r * ld + j] * v[j] for NR rows, NV vectors of Dv at a time (NR x NV accumulators).
+// acc[r] += sum_j p[r * ld + j] * v[j] for NR rows, NV vectors of Dv at a time (NR x NV accumulators); the next
+// block's V rows fetched alongside, each span as the same span of the current rows is read.
 template <int NR, typename T>
-inline void pv_rows(const float* p, int64_t ld, const T* const* vp, int64_t nk, float* acc, int64_t Dv) {
+inline void pv_rows(const float* p, int64_t ld, const T* const* vp, int64_t nk, float* acc, int64_t Dv,
+                    const Ahead& next) {
   int64_t d = 0;
 #ifdef HAL_VEC
   constexpr int NV = kW == 16 ? 4 : 2;  // AVX2 has 16 registers, AVX-512 32
@@ -467,6 +495,7 @@ inline void pv_rows(const float* p, int64_t ld, const T* const* vp, int64_t nk, 
     for (int r = 0; r < NR; ++r)
       for (int v = 0; v < NV; ++v) a[r][v] = vload(acc + r * Dv + d + v * kW);
     for (int64_t j = 0; j < nk; ++j) {
+      next.fetch(j, j + 1, d * sizeof(T), (d + NV * kW) * sizeof(T));
       vf x[NV];
       for (int v = 0; v < NV; ++v) x[v] = vload(vp[j] + d + v * kW);
       for (int r = 0; r < NR; ++r) {
@@ -474,6 +503,7 @@ inline void pv_rows(const float* p, int64_t ld, const T* const* vp, int64_t nk, 
         for (int v = 0; v < NV; ++v) a[r][v] = vfma(w, x[v], a[r][v]);
       }
     }
+    next.fetch(nk, next.n, d * sizeof(T), (d + NV * kW) * sizeof(T));
     for (int r = 0; r < NR; ++r)
       for (int v = 0; v < NV; ++v) vstore(acc + r * Dv + d + v * kW, a[r][v]);
   }
@@ -481,12 +511,15 @@ inline void pv_rows(const float* p, int64_t ld, const T* const* vp, int64_t nk, 
     vf a0[NR];
     for (int r = 0; r < NR; ++r) a0[r] = vload(acc + r * Dv + d);
     for (int64_t j = 0; j < nk; ++j) {
+      next.fetch(j, j + 1, d * sizeof(T), (d + kW) * sizeof(T));
       vf x = vload(vp[j] + d);
       for (int r = 0; r < NR; ++r) a0[r] = vfma(vset(p[r * ld + j]), x, a0[r]);
     }
+    next.fetch(nk, next.n, d * sizeof(T), (d + kW) * sizeof(T));
     for (int r = 0; r < NR; ++r) vstore(acc + r * Dv + d, a0[r]);
   }
 #endif
+  next.fetch(0, next.n, d * sizeof(T), next.bytes);
   for (; d < Dv; ++d) {
     for (int r = 0; r < NR; ++r) {
       float x = acc[r * Dv + d];
@@ -500,41 +533,42 @@ inline void pv_rows(const float* p, int64_t ld, const T* const* vp, int64_t nk, 
 // halves count), read where bf16 keys have a bf16 dot.
 template <typename T>
 inline void qk_any(int nr, const float* q, const uint16_t* qb, bool lo, int64_t D, const T* const* kp, int64_t nk,
-                   float* s, int64_t ld, float post) {
+                   float* s, int64_t ld, float post, const Ahead& next) {
 #ifdef HAL_BF16DOT
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     if (lo) {
       switch (nr) {
-        case 4: return qk_rows_bf16dot<4, true>(qb, q, D, kp, nk, s, ld, post);
-        case 3: return qk_rows_bf16dot<3, true>(qb, q, D, kp, nk, s, ld, post);
-        case 2: return qk_rows_bf16dot<2, true>(qb, q, D, kp, nk, s, ld, post);
-        default: return qk_rows_bf16dot<1, true>(qb, q, D, kp, nk, s, ld, post);
+        case 4: return qk_rows_bf16dot<4, true>(qb, q, D, kp, nk, s, ld, post, next);
+        case 3: return qk_rows_bf16dot<3, true>(qb, q, D, kp, nk, s, ld, post, next);
+        case 2: return qk_rows_bf16dot<2, true>(qb, q, D, kp, nk, s, ld, post, next);
+        default: return qk_rows_bf16dot<1, true>(qb, q, D, kp, nk, s, ld, post, next);
       }
     }
     switch (nr) {
-      case 4: return qk_rows_bf16dot<4, false>(qb, q, D, kp, nk, s, ld, post);
-      case 3: return qk_rows_bf16dot<3, false>(qb, q, D, kp, nk, s, ld, post);
-      case 2: return qk_rows_bf16dot<2, false>(qb, q, D, kp, nk, s, ld, post);
-      default: return qk_rows_bf16dot<1, false>(qb, q, D, kp, nk, s, ld, post);
+      case 4: return qk_rows_bf16dot<4, false>(qb, q, D, kp, nk, s, ld, post, next);
+      case 3: return qk_rows_bf16dot<3, false>(qb, q, D, kp, nk, s, ld, post, next);
+      case 2: return qk_rows_bf16dot<2, false>(qb, q, D, kp, nk, s, ld, post, next);
+      default: return qk_rows_bf16dot<1, false>(qb, q, D, kp, nk, s, ld, post, next);
     }
   }
 #endif
   (void)qb;
   (void)lo;
   switch (nr) {
-    case 4: return qk_rows<4>(q, D, kp, nk, s, ld, post);
-    case 3: return qk_rows<3>(q, D, kp, nk, s, ld, post);
-    case 2: return qk_rows<2>(q, D, kp, nk, s, ld, post);
-    default: return qk_rows<1>(q, D, kp, nk, s, ld, post);
+    case 4: return qk_rows<4>(q, D, kp, nk, s, ld, post, next);
+    case 3: return qk_rows<3>(q, D, kp, nk, s, ld, post, next);
+    case 2: return qk_rows<2>(q, D, kp, nk, s, ld, post, next);
+    default: return qk_rows<1>(q, D, kp, nk, s, ld, post, next);
   }
 }
 template <typename T>
-inline void pv_any(int nr, const float* p, int64_t ld, const T* const* vp, int64_t nk, float* acc, int64_t Dv) {
+inline void pv_any(int nr, const float* p, int64_t ld, const T* const* vp, int64_t nk, float* acc, int64_t Dv,
+                   const Ahead& next) {
   switch (nr) {
-    case 4: return pv_rows<4>(p, ld, vp, nk, acc, Dv);
-    case 3: return pv_rows<3>(p, ld, vp, nk, acc, Dv);
-    case 2: return pv_rows<2>(p, ld, vp, nk, acc, Dv);
-    default: return pv_rows<1>(p, ld, vp, nk, acc, Dv);
+    case 4: return pv_rows<4>(p, ld, vp, nk, acc, Dv, next);
+    case 3: return pv_rows<3>(p, ld, vp, nk, acc, Dv, next);
+    case 2: return pv_rows<2>(p, ld, vp, nk, acc, Dv, next);
+    default: return pv_rows<1>(p, ld, vp, nk, acc, Dv, next);
   }
 }
 
@@ -570,7 +604,7 @@ inline void to_pairs_order(float* x, int64_t R, int64_t D) {
 // qk_rows for bf16 keys, the query rows in pairs order.
 template <int NR>
 inline void qk_rows_pairs(const float* q, int64_t D, const at::BFloat16* const* kp, int64_t nk, float* s, int64_t ld,
-                          float post) {
+                          float post, const Ahead& next) {
   constexpr int NK = qk_keys<NR>();
   const int64_t D16 = D & ~int64_t(15);
   auto tail = [&](int r, const at::BFloat16* k) {
@@ -580,6 +614,7 @@ inline void qk_rows_pairs(const float* q, int64_t D, const at::BFloat16* const* 
   };
   int64_t j = 0;
   for (; j + NK <= nk; j += NK) {
+    next.fetch(j, j + NK, 0, next.bytes);
     vf acc[NR * NK];
     for (int i = 0; i < NR * NK; ++i) acc[i] = vzero();
     for (int64_t d = 0; d < D16; d += 16) {
@@ -601,6 +636,7 @@ inline void qk_rows_pairs(const float* q, int64_t D, const at::BFloat16* const* 
     for (int r = 0; r < NR; ++r)
       for (int c = 0; c < NK; ++c) s[r * ld + j + c] = (sums[r * NK + c] + tail(r, kp[j + c])) * post;
   }
+  next.fetch(j, next.n, 0, next.bytes);
   for (; j < nk; ++j) {  // the block's last keys, one at a time
     for (int r = 0; r < NR; ++r) {
       vf acc = vzero();
@@ -617,7 +653,7 @@ inline void qk_rows_pairs(const float* q, int64_t D, const at::BFloat16* const* 
 // pv_rows for bf16 values, the accumulators in pairs order.
 template <int NR>
 inline void pv_rows_pairs(const float* p, int64_t ld, const at::BFloat16* const* vp, int64_t nk, float* acc,
-                          int64_t Dv) {
+                          int64_t Dv, const Ahead& next) {
   const int64_t D16 = Dv & ~int64_t(15);
   for (int64_t d = 0; d < D16; d += 16) {
     vf ae[NR], ao[NR];
@@ -626,6 +662,7 @@ inline void pv_rows_pairs(const float* p, int64_t ld, const at::BFloat16* const*
       ao[r] = vload(acc + r * Dv + d + 8);
     }
     for (int64_t j = 0; j < nk; ++j) {
+      next.fetch(j, j + 1, d * 2, (d + 16) * 2);
       vf ve, vo;
       bf16_pairs(vp[j] + d, ve, vo);
       for (int r = 0; r < NR; ++r) {
@@ -638,7 +675,9 @@ inline void pv_rows_pairs(const float* p, int64_t ld, const at::BFloat16* const*
       vstore(acc + r * Dv + d, ae[r]);
       vstore(acc + r * Dv + d + 8, ao[r]);
     }
+    next.fetch(nk, next.n, d * 2, (d + 16) * 2);
   }
+  next.fetch(0, next.n, D16 * 2, next.bytes);
   for (int64_t d = D16; d < Dv; ++d) {
     for (int r = 0; r < NR; ++r) {
       float x = acc[r * Dv + d];
@@ -649,21 +688,21 @@ inline void pv_rows_pairs(const float* p, int64_t ld, const at::BFloat16* const*
 }
 
 inline void qk_pairs_any(int nr, const float* q, int64_t D, const at::BFloat16* const* kp, int64_t nk, float* s,
-                         int64_t ld, float post) {
+                         int64_t ld, float post, const Ahead& next) {
   switch (nr) {
-    case 4: return qk_rows_pairs<4>(q, D, kp, nk, s, ld, post);
-    case 3: return qk_rows_pairs<3>(q, D, kp, nk, s, ld, post);
-    case 2: return qk_rows_pairs<2>(q, D, kp, nk, s, ld, post);
-    default: return qk_rows_pairs<1>(q, D, kp, nk, s, ld, post);
+    case 4: return qk_rows_pairs<4>(q, D, kp, nk, s, ld, post, next);
+    case 3: return qk_rows_pairs<3>(q, D, kp, nk, s, ld, post, next);
+    case 2: return qk_rows_pairs<2>(q, D, kp, nk, s, ld, post, next);
+    default: return qk_rows_pairs<1>(q, D, kp, nk, s, ld, post, next);
   }
 }
 inline void pv_pairs_any(int nr, const float* p, int64_t ld, const at::BFloat16* const* vp, int64_t nk, float* acc,
-                         int64_t Dv) {
+                         int64_t Dv, const Ahead& next) {
   switch (nr) {
-    case 4: return pv_rows_pairs<4>(p, ld, vp, nk, acc, Dv);
-    case 3: return pv_rows_pairs<3>(p, ld, vp, nk, acc, Dv);
-    case 2: return pv_rows_pairs<2>(p, ld, vp, nk, acc, Dv);
-    default: return pv_rows_pairs<1>(p, ld, vp, nk, acc, Dv);
+    case 4: return pv_rows_pairs<4>(p, ld, vp, nk, acc, Dv, next);
+    case 3: return pv_rows_pairs<3>(p, ld, vp, nk, acc, Dv, next);
+    case 2: return pv_rows_pairs<2>(p, ld, vp, nk, acc, Dv, next);
+    default: return pv_rows_pairs<1>(p, ld, vp, nk, acc, Dv, next);
   }
 }
 #else
@@ -912,9 +951,11 @@ void run_rows(const Problem& P, const Task& task) {
     qb = t_qb.data();
     for (int64_t hh = 0; hh < nh; ++hh) qlo |= split_bf16(state + hh * per_head, R, D, qb + hh * 2 * R * D);
   }
-  if (int64_t(t_ptrs.size()) < 2 * blk) t_ptrs.resize(2 * blk);
+  if (int64_t(t_ptrs.size()) < 4 * blk) t_ptrs.resize(4 * blk);
   const T** kp = reinterpret_cast<const T**>(t_ptrs.data());
   const T** vp = kp + blk;
+  const char** next_k = reinterpret_cast<const char**>(vp + blk);  // the next block's rows of the head at hand
+  const char** next_v = next_k + blk;
   thread_local std::vector<int64_t> t_slots;
   if (int64_t(t_slots.size()) < 2 * blk) t_slots.resize(2 * blk);
   int64_t* cur = t_slots.data();
@@ -942,20 +983,18 @@ void run_rows(const Problem& P, const Task& task) {
     if (nn && !read_slots(j1, nn, nxt)) return;
     for (int64_t hh = 0; hh < nh; ++hh) {
       const int64_t h = task.h + hh;
-      // The next block's rows of this head, while this one computes: its K rows here, its V rows before the
-      // fold. A/B in one process, hal's bench decode: on a Zen 1 the prefetch gains ~8% cold (spreading it over
-      // the dots lost 10-14%, one head-step ahead was within +-5%, two or three blocks ahead lost on the Xeon
-      // too); on an AMX Xeon, where a burst of prefetches stalls once the fill buffers are full, the two halves
-      // apart gain 8-10% (bf16) and 2% (fp32) over one burst. (The same loops as a lambda ran 1.6x slower there.)
-      // The cold decode costs about its hot (cached) time plus the time to demand-read its rows.
-      for (int64_t j = 0; j < nn; ++j) {
-        const char* kc = reinterpret_cast<const char*>(K + nxt[j] * P.k_s0 + h * P.k_s1);
-        for (int64_t o = 0; o < int64_t(D * sizeof(T)); o += 64) __builtin_prefetch(kc + o, 0, 1);
-      }
       for (int64_t j = 0; j < nk; ++j) {
         kp[j] = K + cur[j] * P.k_s0 + h * P.k_s1;
         vp[j] = V + cur[j] * P.v_s0 + h * P.v_s1;
       }
+      // The next block's rows of this head go to L2 while this one computes, spread over the dots (K) and
+      // P . V (V) by the first group of rows (see Ahead). Two or three blocks ahead lost on the Zen 1 and the
+      // Xeon; one head-step ahead was within noise.
+      for (int64_t j = 0; j < nn; ++j) {
+        next_k[j] = reinterpret_cast<const char*>(K + nxt[j] * P.k_s0 + h * P.k_s1);
+        next_v[j] = reinterpret_cast<const char*>(V + nxt[j] * P.v_s0 + h * P.v_s1);
+      }
+      const Ahead ahead_k{next_k, nn, int64_t(D * sizeof(T))}, ahead_v{next_v, nn, int64_t(Dv * sizeof(T))};
       float* qs = state + hh * per_head;
       float* acc = qs + R * D;
       float* m = acc + R * Dv;
@@ -964,26 +1003,25 @@ void run_rows(const Problem& P, const Task& task) {
         const int nr = int(std::min<int64_t>(4, R - r));
 #if defined(HAL_VEC) && HAL_VEC == 8
         if constexpr (pairs) {
-          qk_pairs_any(nr, qs + r * D, D, kp, nk, s + r * blk, blk, post);
+          qk_pairs_any(nr, qs + r * D, D, kp, nk, s + r * blk, blk, post, r ? Ahead{} : ahead_k);
           continue;
         }
 #endif
-        qk_any<T>(nr, qs + r * D, qb ? qb + (hh * R + r) * 2 * D : nullptr, qlo, D, kp, nk, s + r * blk, blk, post);
+        qk_any<T>(nr, qs + r * D, qb ? qb + (hh * R + r) * 2 * D : nullptr, qlo, D, kp, nk, s + r * blk, blk, post,
+                  r ? Ahead{} : ahead_k);
       }
-      for (int64_t j = 0; j < nn; ++j) {
-        const char* vc = reinterpret_cast<const char*>(V + nxt[j] * P.v_s0 + h * P.v_s1);
-        for (int64_t o = 0; o < int64_t(Dv * sizeof(T)); o += 64) __builtin_prefetch(vc + o, 0, 1);
-      }
-      if (fold_block(P, b, i0, R, j0, nk, s, blk, m, l, acc, Dv, lo.data(), hi.data())) {
+      if (!fold_block(P, b, i0, R, j0, nk, s, blk, m, l, acc, Dv, lo.data(), hi.data())) {
+        ahead_v.fetch_all();  // no P . V to spread them over
+      } else {
         for (int64_t r = 0; r < R; r += 4) {
           const int nr = int(std::min<int64_t>(4, R - r));
 #if defined(HAL_VEC) && HAL_VEC == 8
           if constexpr (pairs) {
-            pv_pairs_any(nr, s + r * blk, blk, vp, nk, acc + r * Dv, Dv);
+            pv_pairs_any(nr, s + r * blk, blk, vp, nk, acc + r * Dv, Dv, r ? Ahead{} : ahead_v);
             continue;
           }
 #endif
-          pv_any<T>(nr, s + r * blk, blk, vp, nk, acc + r * Dv, Dv);
+          pv_any<T>(nr, s + r * blk, blk, vp, nk, acc + r * Dv, Dv, r ? Ahead{} : ahead_v);
         }
       }
     }
