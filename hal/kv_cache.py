@@ -17,6 +17,9 @@ written nowhere: every slot, page 0 included, keeps its content.
 
 from __future__ import annotations
 
+import ctypes
+import os
+import sys
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
@@ -24,7 +27,7 @@ import torch
 
 from hal.capability import resolve_device
 from hal.deprecation import accept_renamed_kwargs
-from hal.errors import KVCacheError, describe, expect
+from hal.errors import ConfigError, KVCacheError, describe, expect
 from hal.kernels.reference import kv_scales, quantize_kv, store
 from hal.kv_dtypes import KV_DTYPE_TABLE, kv_dtype
 
@@ -54,6 +57,41 @@ KV_DTYPES = tuple(KV_CACHE_DTYPES.values())
 def kv_cache_dtype_name(dtype: torch.dtype) -> str:
     """The name of a KV cache dtype (``"bf16"``, ``"fp8_e4m3"`` ...); ``KVCacheError`` for any other dtype."""
     return kv_dtype(dtype, KVCacheError).name
+
+
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # linux/mman.h
+
+
+def huge_pages_env() -> bool:
+    """``HAL_KV_HUGE_PAGES``: ``1`` (or unset) backs hal's host KV pools with transparent huge pages where
+    Linux offers them, ``0`` leaves them to the allocator's 4 KiB pages."""
+    raw = os.environ.get("HAL_KV_HUGE_PAGES", "").strip()
+    expect(raw in ("", "0", "1"), ConfigError, "HAL_KV_HUGE_PAGES", raw, "0 (4 KiB pages) or 1 (default)")
+    return raw != "0"
+
+
+def pool_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed KV buffer. On a Linux host, a buffer of 4 MiB or more asks for transparent huge pages
+    (``madvise(MADV_HUGEPAGE)`` before its pages are first touched) unless ``HAL_KV_HUGE_PAGES=0``: a decode
+    step reads every slot of every request, slots scattered over the pool, and with 4 KiB pages nearly each
+    slot's rows cost a page walk (hal bench decode bf16 at page 1, 2-core Xeon: 1.15-1.2x with huge pages).
+    Where the kernel says no (THP ``never``, no memory to spare) the pages stay 4 KiB; the contents are the
+    same either way."""
+    buf = torch.empty(shape, dtype=dtype, device=device)
+    nbytes = buf.numel() * buf.element_size()
+    if device.type == "cpu" and sys.platform.startswith("linux") and nbytes >= 2 * _HUGE_PAGE and huge_pages_env():
+        start = -(-buf.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE  # the whole huge pages inside the buffer
+        length = (buf.data_ptr() + nbytes - start) // _HUGE_PAGE * _HUGE_PAGE
+        if length > 0:
+            _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_HUGEPAGE)
+    return buf.zero_()
+
+
+def _libc():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
 
 
 @runtime_checkable
@@ -193,9 +231,9 @@ class PagedKVPool:
         expect(dtype in KV_DTYPES, KVCacheError, "dtype", dtype, f"one of {KV_DTYPES}")
         device = resolve_device(device)
         num_slots = (num_pages + 1) * page_size
-        k = [torch.zeros(num_slots, head_num, head_dim, dtype=dtype, device=device) for _ in range(layer_num)]
+        k = [pool_buffer((num_slots, head_num, head_dim), dtype, device) for _ in range(layer_num)]
         v_dim = v_head_dim or head_dim
-        v = [torch.zeros(num_slots, head_num, v_dim, dtype=dtype, device=device) for _ in range(layer_num)]
+        v = [pool_buffer((num_slots, head_num, v_dim), dtype, device) for _ in range(layer_num)]
         self._attach(k, v, page_size, start_layer)
 
     @classmethod
@@ -385,7 +423,7 @@ class MLAKVPool(PagedKVPool):
         _check_page_size(page_size)
         expect(dtype in KV_DTYPES, KVCacheError, "dtype", dtype, f"one of {KV_DTYPES}")
         slots, dim, device = (num_pages + 1) * page_size, kv_lora_rank + qk_rope_head_dim, resolve_device(device)
-        buffers = [torch.zeros(slots, 1, dim, dtype=dtype, device=device) for _ in range(layer_num)]
+        buffers = [pool_buffer((slots, 1, dim), dtype, device) for _ in range(layer_num)]
         self._attach_latent(buffers, kv_lora_rank, page_size, start_layer)
 
     @classmethod

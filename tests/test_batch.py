@@ -317,6 +317,39 @@ def test_pools_wrap_an_engines_tensors_without_a_copy():
         hal.ReqToTokenPool.from_tensor(table.long())
 
 
+def test_large_host_pools_ask_for_huge_pages(monkeypatch):
+    """A host pool of 4 MiB or more madvises the whole huge pages inside each buffer before zeroing it;
+    HAL_KV_HUGE_PAGES=0 (and a small pool) leaves the pages alone; another value is refused by name."""
+    from hal import kv_cache
+
+    calls = []
+
+    class FakeLibc:
+        def madvise(self, addr, length, advice):
+            calls.append((addr.value, length.value, advice))
+            return 0
+
+    monkeypatch.setattr(kv_cache, "_libc", FakeLibc)
+    monkeypatch.setattr(kv_cache.sys, "platform", "linux")
+    huge = 2 << 20
+    pool = hal.PagedKVPool(1023, 16, 1, 8, 128, dtype=torch.bfloat16)  # 1024 * 16 slots x 2 KiB: 32 MiB a buffer
+    buffers = pool.k_buffer + pool.v_buffer
+    assert len(calls) == len(buffers) and all(buf.eq(0).all() for buf in buffers)
+    for buf, (start, length, advice) in zip(buffers, calls):
+        end = buf.data_ptr() + buf.numel() * buf.element_size()
+        assert advice == 14 and start % huge == 0 and length % huge == 0 and length > 0
+        assert buf.data_ptr() <= start and start + length <= end and end - (start + length) < huge
+    calls.clear()
+    monkeypatch.setenv("HAL_KV_HUGE_PAGES", "0")
+    hal.PagedKVPool(1023, 16, 1, 8, 128, dtype=torch.bfloat16)
+    monkeypatch.setenv("HAL_KV_HUGE_PAGES", "1")
+    hal.PagedKVPool(4, 16, 1, 2, 8)  # 5 KiB
+    assert calls == []
+    monkeypatch.setenv("HAL_KV_HUGE_PAGES", "yes")
+    with pytest.raises(ConfigError, match="HAL_KV_HUGE_PAGES"):
+        hal.PagedKVPool(1023, 16, 1, 8, 128, dtype=torch.bfloat16)
+
+
 def test_devices_are_normalised():
     assert hal.resolve_device("cpu:0") == torch.device("cpu") == hal.resolve_device(torch.device("cpu"))
     pool = hal.PagedKVPool(2, 16, 1, 2, 8, device="cpu:0")
