@@ -214,3 +214,22 @@ def test_the_peer_harnesses_run_without_hal():
     code = f"import sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import peer_common; print('hal' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
+
+
+def test_engine_harnesses_get_huge_pages_where_hal_pools_do(monkeypatch):
+    """Both sides of a comparison read their KV caches on the same kind of pages: torch's THP_MEM_ALLOC_ENABLE
+    for the engine's harness follows HAL_KV_HUGE_PAGES (on Linux), and a value the user set is kept."""
+    from hal import bench
+
+    monkeypatch.setattr(bench.sys, "platform", "linux")
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    monkeypatch.delenv("HAL_KV_HUGE_PAGES", raising=False)
+    assert bench.peer_env()["THP_MEM_ALLOC_ENABLE"] == "1"
+    monkeypatch.setenv("HAL_KV_HUGE_PAGES", "0")
+    assert "THP_MEM_ALLOC_ENABLE" not in bench.peer_env()
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
+    monkeypatch.setenv("HAL_KV_HUGE_PAGES", "1")
+    assert bench.peer_env()["THP_MEM_ALLOC_ENABLE"] == "0"
+    monkeypatch.setattr(bench.sys, "platform", "darwin")
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE")
+    assert "THP_MEM_ALLOC_ENABLE" not in bench.peer_env()
