@@ -59,6 +59,7 @@ def kv_cache_dtype_name(dtype: torch.dtype) -> str:
     return kv_dtype(dtype, KVCacheError).name
 
 
+_HOST = torch.empty(0).device  # host memory: the pages madvise speaks of
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # linux/mman.h
 
@@ -80,7 +81,7 @@ def pool_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     same either way."""
     buf = torch.empty(shape, dtype=dtype, device=device)
     nbytes = buf.numel() * buf.element_size()
-    if device.type == "cpu" and sys.platform.startswith("linux") and nbytes >= 2 * _HUGE_PAGE and huge_pages_env():
+    if buf.device == _HOST and sys.platform.startswith("linux") and nbytes >= 2 * _HUGE_PAGE and huge_pages_env():
         start = -(-buf.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE  # the whole huge pages inside the buffer
         length = (buf.data_ptr() + nbytes - start) // _HUGE_PAGE * _HUGE_PAGE
         if length > 0:
