@@ -48,7 +48,7 @@ from hal.bench_peers import DEFAULT_PEERS, PEERS, peer_step
 from hal.conformance import Case, build  # the suite's public batch builder: realistic scattered layouts
 from hal.errors import ConfigError
 from hal.kernels.reference import batch_attention, tolerance
-from hal.kv_cache import huge_pages_env
+from hal.kv_cache import host_huge_pages
 from hal.registry import device_backends, get_registry
 from hal.selection import select
 
@@ -274,16 +274,12 @@ class PeerFailed(Exception):
     """A peer harness that did not answer as ``bench/peer_common.serve`` does (reported, never fatal)."""
 
 
-def _hal_huge_pages() -> bool:
-    return sys.platform.startswith("linux") and huge_pages_env()
-
-
 def peer_env() -> dict[str, str]:
     """The environment of an engine's harness: this one, and where hal's host KV pools take huge pages
-    (:func:`hal.kv_cache.huge_pages_env`), torch's ``THP_MEM_ALLOC_ENABLE=1`` so that the engine's KV cache does
+    (:func:`hal.kv_cache.host_huge_pages`), torch's ``THP_MEM_ALLOC_ENABLE=1`` so that the engine's KV cache does
     too (both sides read their caches on the same pages; a value already set is kept)."""
     env = dict(os.environ)
-    if _hal_huge_pages():
+    if host_huge_pages():
         env.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     return env
 
@@ -443,7 +439,7 @@ def run_bench(
         # idle OpenMP workers of one process spin while another (an engine peer) runs: PASSIVE stops that
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         # hal's host KV pools on transparent huge pages, and the engines' (their THP_MEM_ALLOC_ENABLE)
-        "kv_huge_pages": {"hal": _hal_huge_pages(), "peers": peer_env().get("THP_MEM_ALLOC_ENABLE")},
+        "kv_huge_pages": {"hal": host_huge_pages(), "peers": peer_env().get("THP_MEM_ALLOC_ENABLE")},
     }
     _progress(f"{dev_name}: what the device records (kernels load here, compiled at first use)")
     meta.update(facts["meta"])

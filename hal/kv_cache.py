@@ -72,16 +72,21 @@ def huge_pages_env() -> bool:
     return raw != "0"
 
 
+def host_huge_pages() -> bool:
+    """Whether hal's host KV pools ask for huge pages here: on Linux, unless ``HAL_KV_HUGE_PAGES=0``."""
+    return sys.platform.startswith("linux") and huge_pages_env()
+
+
 def pool_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zeroed KV buffer. On a Linux host, a buffer of 4 MiB or more asks for transparent huge pages
     (``madvise(MADV_HUGEPAGE)`` before its pages are first touched) unless ``HAL_KV_HUGE_PAGES=0``: a decode
     step reads every slot of every request, slots scattered over the pool, and with 4 KiB pages nearly each
-    slot's rows cost a page walk (hal bench decode bf16 at page 1, 2-core Xeon: 1.15-1.2x with huge pages).
+    slot's rows cost a page walk (hal bench decode bf16 at page 1, 2-core Xeon: 1.07-1.18x with huge pages).
     Where the kernel says no (THP ``never``, no memory to spare) the pages stay 4 KiB; the contents are the
     same either way."""
     buf = torch.empty(shape, dtype=dtype, device=device)
     nbytes = buf.numel() * buf.element_size()
-    if buf.device == _HOST and sys.platform.startswith("linux") and nbytes >= 2 * _HUGE_PAGE and huge_pages_env():
+    if buf.device == _HOST and nbytes >= 2 * _HUGE_PAGE and host_huge_pages():
         start = -(-buf.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE  # the whole huge pages inside the buffer
         length = (buf.data_ptr() + nbytes - start) // _HUGE_PAGE * _HUGE_PAGE
         if length > 0:

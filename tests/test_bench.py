@@ -39,8 +39,8 @@ def test_the_cpu_device_supplies_its_record_and_ceilings():
         peaks = facts["ceilings"]()
         assert peaks["fma"] > 0
         assert set(facts["ceiling_for_dtype"].values()) <= set(peaks)  # every ceiling named is measured
-        if meta["kernels"]["isa"] == "amx":
-            assert facts["ceiling_for_dtype"]["extend_bf16"] == "amx_bf16" and peaks["amx_bf16"] > peaks["fma"]
+        if meta["kernels"]["isa"] == "amx":  # measured (> 0: the OS granted the tile state); how fast is the bench's
+            assert facts["ceiling_for_dtype"]["extend_bf16"] == "amx_bf16" and peaks["amx_bf16"] > 0
 
 
 @pytest.mark.parametrize(
@@ -219,9 +219,9 @@ def test_the_peer_harnesses_run_without_hal():
 def test_engine_harnesses_get_huge_pages_where_hal_pools_do(monkeypatch):
     """Both sides of a comparison read their KV caches on the same kind of pages: torch's THP_MEM_ALLOC_ENABLE
     for the engine's harness follows HAL_KV_HUGE_PAGES (on Linux), and a value the user set is kept."""
-    from hal import bench
+    from hal import bench, kv_cache
 
-    monkeypatch.setattr(bench.sys, "platform", "linux")
+    monkeypatch.setattr(kv_cache.sys, "platform", "linux")
     monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
     monkeypatch.delenv("HAL_KV_HUGE_PAGES", raising=False)
     assert bench.peer_env()["THP_MEM_ALLOC_ENABLE"] == "1"
@@ -230,6 +230,6 @@ def test_engine_harnesses_get_huge_pages_where_hal_pools_do(monkeypatch):
     monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
     monkeypatch.setenv("HAL_KV_HUGE_PAGES", "1")
     assert bench.peer_env()["THP_MEM_ALLOC_ENABLE"] == "0"
-    monkeypatch.setattr(bench.sys, "platform", "darwin")
+    monkeypatch.setattr(kv_cache.sys, "platform", "darwin")
     monkeypatch.delenv("THP_MEM_ALLOC_ENABLE")
     assert "THP_MEM_ALLOC_ENABLE" not in bench.peer_env()
