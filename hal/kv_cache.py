@@ -18,6 +18,7 @@ written nowhere: every slot, page 0 included, keeps its content.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 from collections.abc import Sequence
@@ -94,6 +95,7 @@ def pool_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     return buf.zero_()
 
 
+@functools.cache
 def _libc():
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]

@@ -303,6 +303,11 @@ struct Ahead {
       for (int64_t o = b0; o < b1; o += 64) __builtin_prefetch(rows[j] + o, 0, 1);
   }
   void fetch_all() const { fetch(0, n, 0, bytes); }
+  // rows [j, j + count) of these (as many as there are), for a kernel that starts at key j
+  Ahead from(int64_t j, int64_t count) const {
+    j = std::min(j, n);
+    return {rows + j, std::min(count, n - j), bytes};
+  }
 };
 
 // Keys scored together by qk_rows for NR query rows: NR x NK accumulators, reduced together (hsum8 under AVX2:
@@ -1049,13 +1054,12 @@ void run_rows(const Problem& P, const Task& task) {
 #ifdef HAL_AMX
       if constexpr (std::is_same_v<T, at::BFloat16>) {
         for (; amx_qk && tiled + 16 <= nk && evenly_spaced(kp + tiled, 16, P.k_s0); tiled += 16) {
-          const Ahead next{next_k + std::min(tiled, nn), std::max<int64_t>(0, std::min<int64_t>(16, nn - tiled)),
-                           ahead_k.bytes};
-          qk_tile_amx(qt + hh * 16 * D, R, D, kp[tiled], P.k_s0 * int64_t(sizeof(T)), s + tiled, blk, post, next);
+          qk_tile_amx(qt + hh * 16 * D, R, D, kp[tiled], P.k_s0 * int64_t(sizeof(T)), s + tiled, blk, post,
+                      ahead_k.from(tiled, 16));
         }
       }
 #endif
-      const Ahead rest_k{next_k + std::min(tiled, nn), std::max<int64_t>(0, nn - tiled), ahead_k.bytes};
+      const Ahead rest_k = ahead_k.from(tiled, nn);
       for (int64_t r = 0; r < R && tiled < nk; r += 4) {
         const int nr = int(std::min<int64_t>(4, R - r));
 #if defined(HAL_VEC) && HAL_VEC == 8
