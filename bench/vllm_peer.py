@@ -12,8 +12,9 @@ What is vLLM's own code: the three ops its ``CPU_ATTN`` backend
 as hal's ``init_forward_metadata`` is), ``cpu_attn_reshape_and_cache`` (the step's new K/V written, its
 ``do_kv_cache_update``) and ``cpu_attention_with_kv_cache`` (its ``forward``), and its kernel-path choice
 ``_get_attn_isa`` (``vec`` for blocks of a multiple of 32, ``vec16`` otherwise, ``amx`` for bf16 where the
-CPU has AMX tiles). What is stood in: the model runner. The KV cache has vLLM's layout
-``[blocks, kv_heads, block_size, 2 * head_dim]`` (K then V per block row), and each request's blocks are a
+CPU has AMX tiles); the output tensor is made per call, as its ``Attention.forward`` does
+(``vllm/model_executor/layers/attention/attention.py``). What is stood in: the model runner. The KV cache has
+vLLM's layout ``[blocks, kv_heads, block_size, 2 * head_dim]`` (K then V per block row), and each request's blocks are a
 random permutation of the pool, as a serving engine leaves them. Block sizes: 128 (vLLM's CPU default) and
 16 (hal's page 16). With ``--serve`` it answers ``hal bench`` call by call instead (``peer_common.serve``).
 """
@@ -84,10 +85,13 @@ def _case(ops, isa_of, mode, dtype, block, batch, prefix, new, heads, seed):
     slot_mapping = slots[:, prefix:].reshape(-1).contiguous()
     query_start_loc = torch.arange(0, batch * new + 1, new, dtype=torch.int32)
     seq_lens = torch.full((batch,), total, dtype=torch.int32)
-    out = torch.empty(batch * new, q_heads, dim, dtype=dtype)
     scale = dim**-0.5
 
     def step():
+        # a fresh output per call, as vLLM's Attention.forward allocates one per layer and step (hal's forward
+        # returns a new tensor too): a buffer made once outside the step would skip the first-touch page faults
+        # of up to 32 MB (extend fp32) that both engines pay
+        out = torch.empty(batch * new, q_heads, dim, dtype=dtype)
         metadata = ops.cpu_attn_get_scheduler_metadata(
             num_reqs=batch,
             num_heads=q_heads,

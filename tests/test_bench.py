@@ -233,3 +233,46 @@ def test_engine_harnesses_get_huge_pages_where_hal_pools_do(monkeypatch):
     monkeypatch.setattr(kv_cache.sys, "platform", "darwin")
     monkeypatch.delenv("THP_MEM_ALLOC_ENABLE")
     assert "THP_MEM_ALLOC_ENABLE" not in bench.peer_env()
+
+
+def _kernel_ab():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kernel_ab", ROOT / "bench" / "kernel_ab.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_kernel_ab_lays_out_pools_as_the_bench_does():
+    """bench/kernel_ab.py's slot tables: every slot once over the requests, in page order inside a page (page 16),
+    scattered one by one at page 1; its arguments are the kernel's (one output per query token)."""
+    import torch
+
+    ab = _kernel_ab()
+    gen = torch.Generator().manual_seed(1)
+    paged = ab.slot_table(3, 40, 16, gen)
+    assert paged.shape == (3, 40) and paged.dtype == torch.int32
+    assert len(set(paged.flatten().tolist())) == 120
+    assert all(paged[r, 16 * p + 15] - paged[r, 16 * p] == 15 for r in range(3) for p in range(2))
+    assert all(paged[r, 16 * p] % 16 == 0 for r in range(3) for p in range(3))
+    single = ab.slot_table(3, 40, 1, gen)
+    assert sorted(single.flatten().tolist()) == list(range(120))
+    assert not all(single[0, j + 1] - single[0, j] == 1 for j in range(39))
+    args = ab.inputs("extend", torch.bfloat16, 16, quick=True)
+    q, k, out = args[0], args[1], args[-1]
+    assert q.dtype == torch.float32 and torch.equal(q, q.bfloat16().float()) and k.dtype == torch.bfloat16
+    assert out.shape == q.shape
+
+
+def test_kernel_ab_refuses_what_it_cannot_compare(tmp_path):
+    """A missing source, too few rounds or a bad page size stop it with a message, before anything compiles."""
+    ab = _kernel_ab()
+    source = tmp_path / "a.cpp"
+    source.write_text("// not built")
+    with pytest.raises(SystemExit, match="is not a file"):
+        ab.main([str(source), str(tmp_path / "missing.cpp")])
+    with pytest.raises(SystemExit, match="at least 2"):
+        ab.main([str(source), str(source), "--rounds", "1"])
+    with pytest.raises(SystemExit):
+        ab.main([str(source), str(source), "--page-size", "0"])

@@ -1,0 +1,151 @@
+#!/usr/bin/env python
+"""Two versions of the compiled CPU kernels' source timed against each other in one process.
+
+    git show HEAD:kernels/cpu/attention.cpp > /tmp/before.cpp
+    python bench/kernel_ab.py /tmp/before.cpp kernels/cpu/attention.cpp --workload decode --dtype bf16 --page-size 16
+
+A kernel change worth a few percent is lost in the drift of a shared host between two runs (10-30% on the
+machines hal is measured on, minute to minute). Here both sources are built side by side (each under an ISA tag
+of its own, so their ops coexist) and called in turns on the same inputs, the order swapped every round, so both
+see the same host; the medians and their ratio are what to read. The outputs of the two are compared too: a
+change meant to be a pure speed-up shows 0 (or rounding) there.
+
+Shapes are ``hal bench``'s defaults: decode 32 requests x 2048 keys, extend 4 x (512 cached + 512 new), 32
+query heads over 8 KV heads of 128 dims; ``--page-size 1`` scatters each request's slots over the pool, a larger
+page keeps slots in page order with the pages scattered. The kernel entry is the one hal's CPU forward calls
+(``paged_attention``, float32 queries, bf16-exact for a bf16 pool, output reused). Prints one JSON object.
+Both builds are cached under ``$TMPDIR/hal-kernel-ab`` by their source and flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from hal.kernels import cpu as cpu_kernels
+
+HEADS = (32, 8, 128)  # query heads, KV heads, head dim: hal bench's
+SHAPES = {"decode": (32, 2047, 1), "extend": (4, 512, 512)}  # requests, cached keys, new tokens
+QUICK_SHAPES = {"decode": (8, 511, 1), "extend": (2, 128, 128)}
+
+
+def build(source: Path, isa: str):
+    """``source`` compiled for path ``isa`` as a module of its own (ops ``hal::paged_attention_ab<digest>``)."""
+    from torch.utils.cpp_extension import load
+
+    flags = [f for f in cpu_kernels.build_key(isa)["flags"] if not f.startswith("-DHAL_ISA=")]
+    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+    name = f"ab{digest}"
+    where = Path(tempfile.gettempdir()) / "hal-kernel-ab" / name
+    where.mkdir(parents=True, exist_ok=True)
+    return load(
+        name=f"hal_kernel_ab_{name}",
+        sources=[str(source)],
+        extra_cflags=[*flags, f"-DHAL_ISA={name}"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(where),
+        verbose=False,
+    )
+
+
+def slot_table(requests: int, context: int, page_size: int, gen: torch.Generator) -> torch.Tensor:
+    """int32 ``[requests, context]``: each request's slots, distinct over the pool. Page 1: a random permutation
+    of the slots; page P: of the pages, slots in order inside each (P consecutive slots)."""
+    pages_per = -(-context // page_size)
+    pages = torch.randperm(requests * pages_per, generator=gen).view(requests, pages_per, 1)
+    slots = pages * page_size + torch.arange(page_size).view(1, 1, page_size)
+    return slots.view(requests, -1)[:, :context].to(torch.int32).contiguous()
+
+
+def inputs(workload: str, dtype: torch.dtype, page_size: int, quick: bool, seed: int = 0) -> tuple:
+    """The kernel's arguments for ``workload``: ``paged_attention``'s, in its order (the output last but the
+    layer's scalars)."""
+    requests, cached, new = (QUICK_SHAPES if quick else SHAPES)[workload]
+    q_heads, kv_heads, dim = HEADS
+    gen = torch.Generator().manual_seed(seed)
+    context = cached + new
+    table = slot_table(requests, context, page_size, gen)
+    slots = requests * -(-context // page_size) * page_size
+    k = torch.randn(slots, kv_heads, dim, generator=gen).to(dtype)
+    v = torch.randn(slots, kv_heads, dim, generator=gen).to(dtype)
+    q = torch.randn(requests * new, q_heads, dim, generator=gen).to(dtype).float()
+    rows = torch.arange(requests)
+    kv_lens = torch.full((requests,), context)
+    q_lens = torch.full((requests,), new)
+    q_start = torch.cumsum(q_lens, 0) - q_lens
+    out = torch.empty(requests * new, q_heads, dim)
+    no_mask, no_start = torch.empty(0, dtype=torch.bool), torch.empty(0, dtype=torch.int64)
+    return (q, k, v, table, rows, kv_lens, q_lens, q_start, no_mask, no_start, cpu_kernels._NO_SINKS, out)
+
+
+def run(before: Path, after: Path, workload: str, dtype: str, page_size: int, rounds: int, isa: str, quick: bool):
+    """Both builds timed in turns: the report as a dict."""
+    for source in (before, after):
+        if not source.is_file():
+            raise SystemExit(f"kernel_ab: {source} is not a file")
+    if rounds < 2:
+        raise SystemExit(f"kernel_ab: --rounds {rounds}: expected at least 2")
+    modules = [build(before, isa), build(after, isa)]
+    args = inputs(workload, {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype], page_size, quick)
+    outs = [args[-1], args[-1].clone()]
+    scale = HEADS[2] ** -0.5
+
+    def call(i: int) -> float:
+        start = time.perf_counter()
+        modules[i].paged_attention(*args[:-1], outs[i], scale, 0.0, -1, True, cpu_kernels.TILE_ROWS)
+        return time.perf_counter() - start
+
+    for i in (0, 1, 0, 1):  # warm-up
+        call(i)
+    times: list[list[float]] = [[], []]
+    for r in range(rounds):
+        for i in (0, 1) if r % 2 == 0 else (1, 0):
+            times[i].append(call(i))
+    medians = [statistics.median(t) for t in times]
+    return {
+        "workload": workload,
+        "dtype": dtype,
+        "page_size": page_size,
+        "isa": isa,
+        "threads": torch.get_num_threads(),
+        "rounds": rounds,
+        "before": {"source": str(before), "median_ms": 1e3 * medians[0], "min_ms": 1e3 * min(times[0])},
+        "after": {"source": str(after), "median_ms": 1e3 * medians[1], "min_ms": 1e3 * min(times[1])},
+        "speedup": medians[0] / medians[1],
+        "max_abs_diff": (outs[0] - outs[1]).abs().max().item(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("before", type=Path, help="the source to compare against (e.g. the committed one)")
+    parser.add_argument("after", type=Path, help="the changed source")
+    parser.add_argument("--workload", choices=sorted(SHAPES), default="decode")
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument("--page-size", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=30, help="calls of each version, in turns")
+    parser.add_argument("--isa", default=None, help="kernel path to build both for (default: this CPU's best)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--quick", action="store_true", help="small shapes (a smoke run)")
+    args = parser.parse_args(argv)
+    if args.page_size < 1:
+        parser.error(f"--page-size {args.page_size}: expected a positive page size")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    isa = cpu_kernels.isa() if args.isa is None else cpu_kernels._isa(args.isa)
+    report = run(args.before, args.after, args.workload, args.dtype, args.page_size, args.rounds, isa, args.quick)
+    report["cpu"] = cpu_kernels.cpu_features()
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
