@@ -766,13 +766,24 @@ inline void key_range(const Problem& P, int64_t b, int64_t i, int64_t& lo, int64
   lo = P.window >= 0 ? std::max<int64_t>(0, pos - P.window) : 0;
 }
 
+// n elements of a thread's buffer `buf`, from a 64-byte boundary. Every working buffer of the kernels starts on
+// one, and so does each part of it (sizes rounded with up16): a vector or tile row that straddles two cache lines
+// costs two, and where a std::vector's data fell decided it process by process (the AMX extend ran 30 or 38 ms
+// from one process to the next on the same inputs).
+template <typename T>
+T* aligned(std::vector<T>& buf, int64_t n) {
+  constexpr int64_t pad = 64 / sizeof(T);
+  if (int64_t(buf.size()) < n + pad) buf.resize(n + pad);
+  const uintptr_t at = reinterpret_cast<uintptr_t>(buf.data());
+  return reinterpret_cast<T*>((at + 63) & ~uintptr_t(63));
+}
+// n rounded up to a multiple of 16 (elements of 4 bytes: a cache line)
+constexpr int64_t up16(int64_t n) { return (n + 15) / 16 * 16; }
+
 thread_local std::vector<float> t_scratch;
 thread_local std::vector<const void*> t_ptrs;
 
-float* scratch(int64_t n) {
-  if (int64_t(t_scratch.size()) < n) t_scratch.resize(n);
-  return t_scratch.data();
-}
+float* scratch(int64_t n) { return aligned(t_scratch, n); }
 
 template <typename T>
 inline bool slot_ptrs(const Problem& P, const int32_t* r2t_row, int64_t j0, int64_t nk, int64_t h, const T** kp,
@@ -943,9 +954,9 @@ void run_rows(const Problem& P, const Task& task) {
   const int64_t b = task.b, i0 = task.i0, nq = task.i1 - task.i0, nh = task.nh;
   const int64_t R = nq * P.G, D = P.D, Dv = P.Dv;
   const int64_t blk = nh > 1 ? kBlock / 2 : kBlock;
-  const int64_t per_head = R * D + R * Dv + 2 * R;
-  float* s = scratch(R * blk + nh * per_head);
-  float* state = s + R * blk;
+  const int64_t per_head = up16(R * D + R * Dv + 2 * R);
+  float* s = scratch(up16(R * blk) + nh * per_head);
+  float* state = s + up16(R * blk);
   std::vector<int64_t> lo(nq), hi(nq);
   int64_t LO = 0, HI = 0;
 #ifdef HAL_BF16DOT
@@ -971,8 +982,7 @@ void run_rows(const Problem& P, const Task& task) {
   bool qlo = false;
   const float post = dot ? P.scale : 1.f;
   if constexpr (dot) {
-    if (int64_t(t_qb.size()) < nh * 2 * R * D) t_qb.resize(nh * 2 * R * D);
-    qb = t_qb.data();
+    qb = aligned(t_qb, nh * 2 * R * D);
     for (int64_t hh = 0; hh < nh; ++hh) qlo |= split_bf16(state + hh * per_head, R, D, qb + hh * 2 * R * D);
   }
   // With AMX, bf16-exact queries of at most 16 rows score every 16 keys whose K rows lie evenly apart in the pool
@@ -985,8 +995,7 @@ void run_rows(const Problem& P, const Task& task) {
   thread_local std::vector<uint16_t> t_qt;
   amx_qk = dot && !qlo && R <= 16 && D % 32 == 0 && amx_ready();
   if (amx_qk) {
-    if (int64_t(t_qt.size()) < nh * 16 * D) t_qt.resize(nh * 16 * D);
-    qt = t_qt.data();
+    qt = aligned(t_qt, nh * 16 * D);
     const at::BFloat16* rows[16];
     for (int64_t hh = 0; hh < nh; ++hh) {
       for (int64_t r = 0; r < R; ++r) rows[r] = reinterpret_cast<const at::BFloat16*>(qb + (hh * R + r) * 2 * D);
@@ -1101,10 +1110,10 @@ struct TileState {
   float *qs, *acc, *s, *m, *l;
 };
 inline TileState tile_state(int64_t R, int64_t Rp, int64_t D, int64_t Dv, int64_t BK) {
-  float* qs = scratch(R * D + Rp * Dv + Rp * BK + 2 * R);
-  float* acc = qs + R * D;
-  float* s = acc + Rp * Dv;
-  return {qs, acc, s, s + Rp * BK, s + Rp * BK + R};
+  float* qs = scratch(up16(R * D) + up16(Rp * Dv) + up16(Rp * BK) + 2 * R);
+  float* acc = qs + up16(R * D);
+  float* s = acc + up16(Rp * Dv);
+  return {qs, acc, s, s + up16(Rp * BK), s + up16(Rp * BK) + R};
 }
 
 #ifdef HAL_AMX
@@ -1373,9 +1382,8 @@ void run_tile_amx(const Problem& P, const Task& task) {
   const int64_t span = (std::max<int64_t>(top - base, 0) + 31) / 32 * 32;
   const auto [qs, acc, s, m, l] = tile_state(Rmax, Rp_max, D, Dv, BK);
   thread_local std::vector<uint16_t> t_bf16;
-  const int64_t need = 2 * Rp_max * D + 2 * Rp_max * BK + span * (D + Dv);
-  if (int64_t(t_bf16.size()) < need) t_bf16.resize(need);
-  uint16_t* qhi = t_bf16.data();
+  // (every part a multiple of 32 elements: Rp_max of 16, D and BK of 32, span of 32)
+  uint16_t* qhi = aligned(t_bf16, 2 * Rp_max * D + 2 * Rp_max * BK + span * (D + Dv));
   uint16_t* qlo = qhi + Rp_max * D;
   uint16_t* phi = qlo + Rp_max * D;
   uint16_t* plo = phi + Rp_max * BK;
@@ -1612,8 +1620,8 @@ void run_tile_vec(const Problem& P, const Task& task) {
   const int64_t b = task.b, i0 = task.i0, nq = task.i1 - task.i0, G = P.G;
   const int64_t R = nq * G, Rp = (R + kTileRowsPad - 1) / kTileRowsPad * kTileRowsPad, D = P.D, Dv = P.Dv;
   const int64_t BK = kTileKeys, ldr = Rp, D2 = D / 2;
-  float* qs = scratch(R * D + Rp * Dv + (BK + kStKeys) * Rp + 4 * Rp + (DOT ? 0 : D * Rp));
-  float* acc = qs + R * D;
+  float* qs = scratch(up16(R * D) + Rp * Dv + (BK + kStKeys) * Rp + 4 * Rp + (DOT ? 0 : D * Rp));
+  float* acc = qs + up16(R * D);  // (the parts after it: multiples of Rp, itself of 16)
   float* st = acc + Rp * Dv;
   float* m = st + (BK + kStKeys) * Rp;
   float* l = m + Rp;
@@ -1636,9 +1644,7 @@ void run_tile_vec(const Problem& P, const Task& task) {
   bool qlo = false;
   const int64_t BK2 = BK / 2;
   if constexpr (DOT) {  // Q^T pairs, hi then lo [D / 2][Rp]; P^T pairs, hi then lo [BK / 2][Rp]; V pairs [BK / 2][Dv]
-    const int64_t need = 2 * D2 * Rp + 2 * BK2 * Rp + BK2 * Dv;
-    if (int64_t(t_pairs.size()) < need) t_pairs.resize(need);
-    qt2 = t_pairs.data();
+    qt2 = aligned(t_pairs, 2 * D2 * Rp + 2 * BK2 * Rp + BK2 * Dv);  // parts of whole cache lines (Rp % 16 == 0)
     p2 = qt2 + 2 * D2 * Rp;
     vpack = p2 + 2 * BK2 * Rp;
     for (int64_t r = 0; r < Rp; ++r) {
