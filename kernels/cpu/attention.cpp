@@ -1455,6 +1455,10 @@ constexpr int kPvVecs = kW == 16 ? 4 : 2;     // Dv vectors of a P . V micro-til
 constexpr int64_t kTileRowsPad = kStVecs * kW;  // a tile's rows are padded to this (masked: never seen)
 constexpr int64_t kTileKeys = 128;            // keys per block
 constexpr int64_t kPvChunk = 64;              // keys per P . V pass (its V rows stay in L1)
+// Floats past a tile's rows in each row of S^T, Q^T and P^T: rows a multiple of 512 B apart all fall in a few of
+// the L1's sets (8 of 64 for 128 rows) and evict each other; 64 B more moves each row to the next set (AMX Xeon,
+// extend bf16: the avx2 path 1.06-1.07x, avx512_bf16 1.04x; fp32 1.0-1.025x).
+constexpr int64_t kRowPad = 16;
 
 // st[m * ldr + r] = post * sum_d K[m][d] . qt[d * ldr + r]: MR keys (rows kp[m]) x NV vectors of rows.
 template <int MR, int NV, typename T>
@@ -1550,13 +1554,13 @@ inline void pv_tile(const float* pt, int64_t ldr, const T* const* vp, int64_t d0
     for (int v = 0; v < NV; ++v) vstore(acc + m * Dv + d0 + v * kW, a[m][v]);
 }
 
-// Fold keys [j0, j0 + nk) of S^T (st[j * ldr + r], ldr = Rp rows) into the rows' online softmax: the logit cap
+// Fold keys [j0, j0 + nk) of S^T (st[j * ldr + r], Rp rows, ldr >= Rp) into the rows' online softmax: the logit cap
 // and the custom mask applied, keys outside each row's [flo, fhi) masked, st turned into P^T (zeros where
 // masked), m / l updated (l NaN for a row that saw a NaN score), acc's rows rescaled. Returns whether any row
 // saw a key.
-inline bool fold_block_t(const Problem& P, int64_t b, int64_t i0, int64_t R, int64_t Rp, int64_t j0, int64_t nk,
-                         float* st, float* m, float* l, float* acc, int64_t Dv, const float* flo, const float* fhi) {
-  const int64_t ldr = Rp;
+inline bool fold_block_t(const Problem& P, int64_t b, int64_t i0, int64_t R, int64_t Rp, int64_t ldr, int64_t j0,
+                         int64_t nk, float* st, float* m, float* l, float* acc, int64_t Dv, const float* flo,
+                         const float* fhi) {
   if (P.cap > 0.f) {
     for (int64_t j = 0; j < nk; ++j) soft_cap(st + j * ldr, R, P.cap);
   }
@@ -1619,15 +1623,15 @@ template <typename T, bool DOT>
 void run_tile_vec(const Problem& P, const Task& task) {
   const int64_t b = task.b, i0 = task.i0, nq = task.i1 - task.i0, G = P.G;
   const int64_t R = nq * G, Rp = (R + kTileRowsPad - 1) / kTileRowsPad * kTileRowsPad, D = P.D, Dv = P.Dv;
-  const int64_t BK = kTileKeys, ldr = Rp, D2 = D / 2;
-  float* qs = scratch(up16(R * D) + Rp * Dv + (BK + kStKeys) * Rp + 4 * Rp + (DOT ? 0 : D * Rp));
-  float* acc = qs + up16(R * D);  // (the parts after it: multiples of Rp, itself of 16)
+  const int64_t BK = kTileKeys, ldr = Rp + kRowPad, D2 = D / 2;
+  float* qs = scratch(up16(R * D) + Rp * Dv + (BK + kStKeys) * ldr + 4 * Rp + (DOT ? 0 : D * ldr));
+  float* acc = qs + up16(R * D);  // (the parts after it: multiples of Rp or ldr, themselves of 16)
   float* st = acc + Rp * Dv;
-  float* m = st + (BK + kStKeys) * Rp;
+  float* m = st + (BK + kStKeys) * ldr;
   float* l = m + Rp;
   float* flo = l + Rp;
   float* fhi = flo + Rp;
-  float* qt = fhi + Rp;  // [D][Rp] (float path)
+  float* qt = fhi + Rp;  // [D][ldr] (float path)
   std::vector<int64_t> lo(nq), hi(nq);
   int64_t LO, HI;
   start_task(P, task, R, lo.data(), hi.data(), LO, HI, qs, acc, m, l, !DOT);
@@ -1643,17 +1647,17 @@ void run_tile_vec(const Problem& P, const Task& task) {
   uint32_t *qt2 = nullptr, *p2 = nullptr, *vpack = nullptr;
   bool qlo = false;
   const int64_t BK2 = BK / 2;
-  if constexpr (DOT) {  // Q^T pairs, hi then lo [D / 2][Rp]; P^T pairs, hi then lo [BK / 2][Rp]; V pairs [BK / 2][Dv]
-    qt2 = aligned(t_pairs, 2 * D2 * Rp + 2 * BK2 * Rp + BK2 * Dv);  // parts of whole cache lines (Rp % 16 == 0)
-    p2 = qt2 + 2 * D2 * Rp;
-    vpack = p2 + 2 * BK2 * Rp;
+  if constexpr (DOT) {  // Q^T pairs, hi then lo [D / 2][ldr]; P^T pairs, hi then lo [BK / 2][ldr]; V pairs [BK / 2][Dv]
+    qt2 = aligned(t_pairs, 2 * D2 * ldr + 2 * BK2 * ldr + BK2 * Dv);  // parts of whole cache lines (ldr % 16 == 0)
+    p2 = qt2 + 2 * D2 * ldr;
+    vpack = p2 + 2 * BK2 * ldr;
     for (int64_t r = 0; r < Rp; ++r) {
       for (int64_t d = 0; d < D; ++d) {
         const float x = r < R ? qs[r * D + d] : 0.f;
         const at::BFloat16 top(x);
         const at::BFloat16 rest(x - to_float(top));
-        reinterpret_cast<uint16_t*>(qt2 + (d / 2) * Rp + r)[d % 2] = top.x;
-        reinterpret_cast<uint16_t*>(qt2 + D2 * Rp + (d / 2) * Rp + r)[d % 2] = rest.x;
+        reinterpret_cast<uint16_t*>(qt2 + (d / 2) * ldr + r)[d % 2] = top.x;
+        reinterpret_cast<uint16_t*>(qt2 + D2 * ldr + (d / 2) * ldr + r)[d % 2] = rest.x;
         qlo |= (rest.x & 0x7fff) != 0;
       }
     }
@@ -1661,7 +1665,7 @@ void run_tile_vec(const Problem& P, const Task& task) {
 #endif
   if constexpr (!DOT) {
     for (int64_t d = 0; d < D; ++d)
-      for (int64_t r = 0; r < Rp; ++r) qt[d * Rp + r] = r < R ? qs[r * D + d] : 0.f;
+      for (int64_t r = 0; r < Rp; ++r) qt[d * ldr + r] = r < R ? qs[r * D + d] : 0.f;
   }
   if (int64_t(t_ptrs.size()) < 2 * (BK + kStKeys)) t_ptrs.resize(2 * (BK + kStKeys));
   const T** kp = reinterpret_cast<const T**>(t_ptrs.data());
@@ -1689,7 +1693,7 @@ void run_tile_vec(const Problem& P, const Task& task) {
 #ifdef HAL_BF16DOT
         if constexpr (DOT) {
           if (qlo) {
-            st_tile_dot<kStKeys, kStVecs, true>(kp + j, qt2 + r0, D2 * Rp, ldr, D2, st + j * ldr + r0, P.scale);
+            st_tile_dot<kStKeys, kStVecs, true>(kp + j, qt2 + r0, D2 * ldr, ldr, D2, st + j * ldr + r0, P.scale);
           } else {
             st_tile_dot<kStKeys, kStVecs, false>(kp + j, qt2 + r0, 0, ldr, D2, st + j * ldr + r0, P.scale);
           }
@@ -1699,7 +1703,7 @@ void run_tile_vec(const Problem& P, const Task& task) {
         if constexpr (!DOT) st_tile<kStKeys, kStVecs>(kp + j, qt + r0, ldr, D, st + j * ldr + r0);
       }
     }
-    if (!fold_block_t(P, b, i0, R, Rp, j0, nk, st, m, l, acc, Dv, flo, fhi)) continue;
+    if (!fold_block_t(P, b, i0, R, Rp, ldr, j0, nk, st, m, l, acc, Dv, flo, fhi)) continue;
 #ifdef HAL_BF16DOT
     if constexpr (DOT) {
       const int64_t nk2 = (nk + 1) / 2;
@@ -1709,11 +1713,11 @@ void run_tile_vec(const Problem& P, const Task& task) {
         for (int64_t r = 0; r < Rp; r += 16) {
           const __m512 x = _mm512_loadu_ps(a + r), y = c ? _mm512_loadu_ps(c + r) : _mm512_setzero_ps();
           const __m512i hi2 = bf16_pairs(x, y);
-          _mm512_storeu_si512(p2 + j2 * Rp + r, hi2);
+          _mm512_storeu_si512(p2 + j2 * ldr + r, hi2);
           if (qlo) {
             const __m512 xh = _mm512_castsi512_ps(_mm512_slli_epi32(hi2, 16));
             const __m512 yh = _mm512_castsi512_ps(_mm512_and_si512(hi2, _mm512_set1_epi32(int32_t(0xffff0000u))));
-            _mm512_storeu_si512(p2 + BK2 * Rp + j2 * Rp + r, bf16_pairs(_mm512_sub_ps(x, xh), _mm512_sub_ps(y, yh)));
+            _mm512_storeu_si512(p2 + BK2 * ldr + j2 * ldr + r, bf16_pairs(_mm512_sub_ps(x, xh), _mm512_sub_ps(y, yh)));
           }
         }
         const uint16_t* v0 = reinterpret_cast<const uint16_t*>(vp[2 * j2]);
@@ -1731,10 +1735,10 @@ void run_tile_vec(const Problem& P, const Task& task) {
         const int64_t jb = (std::min<int64_t>(nk, int64_t(phi_[g]) - j0) + 1) / 2;
         if (ja >= jb) continue;
         for (int pass = 0; pass < (qlo ? 2 : 1); ++pass) {
-          const uint32_t* pp = p2 + pass * BK2 * Rp + r0;
+          const uint32_t* pp = p2 + pass * BK2 * ldr + r0;
           int64_t d0 = 0;
-          for (; d0 + 64 <= Dv; d0 += 64) pv_tile_dot<kPvRows, 4>(pp, Rp, vpack + d0, Dv, ja, jb, acc + r0 * Dv + d0);
-          for (; d0 < Dv; d0 += 16) pv_tile_dot<kPvRows, 1>(pp, Rp, vpack + d0, Dv, ja, jb, acc + r0 * Dv + d0);
+          for (; d0 + 64 <= Dv; d0 += 64) pv_tile_dot<kPvRows, 4>(pp, ldr, vpack + d0, Dv, ja, jb, acc + r0 * Dv + d0);
+          for (; d0 < Dv; d0 += 16) pv_tile_dot<kPvRows, 1>(pp, ldr, vpack + d0, Dv, ja, jb, acc + r0 * Dv + d0);
         }
       }
       continue;
