@@ -1457,7 +1457,7 @@ constexpr int64_t kTileKeys = 128;            // keys per block
 constexpr int64_t kPvChunk = 64;              // keys per P . V pass (its V rows stay in L1)
 // Floats past a tile's rows in each row of S^T, Q^T and P^T: rows a multiple of 512 B apart all fall in a few of
 // the L1's sets (8 of 64 for 128 rows) and evict each other; 64 B more moves each row to the next set (AMX Xeon,
-// extend bf16: the avx2 path 1.06-1.07x, avx512_bf16 1.04x; fp32 1.0-1.025x).
+// extend bf16: the avx2 path 1.055-1.07x, avx512_bf16 1.04x; fp32 0.98-1.025x).
 constexpr int64_t kRowPad = 16;
 
 // st[m * ldr + r] = post * sum_d K[m][d] . qt[d * ldr + r]: MR keys (rows kp[m]) x NV vectors of rows.
