@@ -46,6 +46,7 @@ import torch
 from hal.batch import ForwardMode
 from hal.bench_peers import DEFAULT_PEERS, PEERS, peer_step
 from hal.conformance import Case, build  # the suite's public batch builder: realistic scattered layouts
+from hal.conformance.builder import sub_batch
 from hal.errors import ConfigError
 from hal.kernels.reference import batch_attention, tolerance
 from hal.kv_cache import host_huge_pages
@@ -242,6 +243,28 @@ def _first_call(step, built, device) -> tuple[Callable[[], float], dict]:
     err = (out.float() - built.expected.float()).abs().max().item()
     correct = torch.allclose(out.float(), built.expected.float(), **tolerance(built.case.dtype))
     return lambda: _run_timed(step, device)[1], {"first_ms": first_ms, "max_abs_err": err, "correct": correct}
+
+
+def _parts_call(cls, cap, built, parts: list[Case]) -> tuple[Callable[[], float], bool]:
+    """The mixed batch ``built`` run as its ``parts`` (the cases its requests list, in order), one forward each,
+    one after the other, over the mixed batch's own pool: what a server that did not mix would run.
+    ``(its one-call timer in ms, whether every part's output matched the oracle's)``."""
+    steps, start, correct = [], 0, True
+    for part in parts:
+        requests = list(range(start, start + len(part.requests)))
+        start += len(part.requests)
+        if [built.case.requests[r] for r in requests] != list(part.requests):
+            raise ValueError(f"{part.name}: not the requests {requests} of {built.case.name}")
+        fb, q, k, v, tokens = sub_batch(built, requests, part.mode)
+        backend = cls(cap)
+
+        def step(backend=backend, fb=fb, q=q, k=k, v=v):
+            backend.init_forward_metadata(fb)
+            return backend.forward(q, k, v, built.layer, fb)
+
+        correct &= torch.allclose(step().float(), built.expected[tokens].float(), **tolerance(part.dtype))
+        steps.append(step)
+    return lambda: _run_timed(lambda: [step() for step in steps], cap.torch_device)[1], correct
 
 
 def _interleaved(calls: dict[str, Callable[[], float]], first_ms: dict[str, float], repeats: int, warmup: int) -> dict:
@@ -469,7 +492,7 @@ def run_bench(
         if "scaling" in report:
             _print_scaling(report["scaling"])
     everything = [r for run in runs for w in run["workloads"] for r in (*w["results"].values(), *w["peers"].values())]
-    return 0 if all(r.get("correct", True) for r in everything) else 1
+    return 0 if all(r.get("correct", True) and r.get("parts_correct", True) for r in everything) else 1
 
 
 def _run_at(threads: int, cap, facts, classes, cases, peers, quick, repeats, peer_python) -> dict:
@@ -484,17 +507,20 @@ def _run_at(threads: int, cap, facts, classes, cases, peers, quick, repeats, pee
         _progress("machine limits")
         limits = Limits(torch_device, quick, facts)
         limits.sample()
-        rows = [
-            _row(f"[{index + 1}/{len(cases)}] {case.name}", case, cap, facts, classes, peers, servers, repeats, limits)
-            for index, case in enumerate(cases)
-        ]
+        rows, parts_of = [], {}  # (dtype, page size) -> the mixed parts seen, for the mixed case after them
+        for index, case in enumerate(cases):
+            key = (case.dtype, case.page_size)
+            if case.name.startswith("mixed_part"):
+                parts_of.setdefault(key, []).append(case)
+            parts = parts_of.pop(key, None) if case.mode == ForwardMode.MIXED else None
+            where = f"[{index + 1}/{len(cases)}] {case.name}"
+            rows.append(_row(where, case, cap, facts, classes, peers, servers, repeats, limits, parts))
     finally:
         for server in servers:
             server.close()
     machine = {**limits.report(), "ceiling_for_dtype": facts["ceiling_for_dtype"]}
-    parts: dict[str, float] = {}
     for row in rows:
-        _derive(row, machine, parts)
+        _derive(row, machine)
     run = {"threads": threads, "machine": machine, "workloads": rows}
     if errors:
         run["peer_errors"] = errors
@@ -502,9 +528,15 @@ def _run_at(threads: int, cap, facts, classes, cases, peers, quick, repeats, pee
     return run
 
 
-def _row(where: str, case: Case, cap, facts, classes, peers, servers, repeats, limits) -> dict:
+def _row(where: str, case: Case, cap, facts, classes, peers, servers, repeats, limits, parts=None) -> dict:
     """One workload (``where``: its progress label): its backends and peers run once and checked, then timed in
-    turns; the reference timed apart."""
+    turns; the reference timed apart.
+
+    ``parts`` (a mixed batch's): the cases it is made of. Each backend then also runs them one after the other,
+    as a server that did not mix would, timed in the same turns as the mixed call: ``parts_ms`` and
+    ``ratio_to_parts``. (Timed each in its own block of calls instead, a part runs after itself: on the AMX Xeon
+    a decode run after any other work, a sleep included, took 1.08-1.10x what it took right after a decode,
+    which made a mixed call read 1.04x its parts where, call for call, it took 0.996x.)"""
     torch_device = cap.torch_device
     _progress(f"{where}: building")
     built = build(case, torch_device)
@@ -521,6 +553,7 @@ def _row(where: str, case: Case, cap, facts, classes, peers, servers, repeats, l
         "peers": {},
     }
     calls, checked = {}, {}  # (kind, name) -> one-call timer / facts of its first call
+    parts_correct: dict[str, bool] = {}  # backend -> whether the mixed batch's parts were right
     for cls in classes:
         reasons = cls.unsupported_reasons(case.config(), cap) + (
             ["Triton runs interpreted here"] if cap.triton_interpreted and cls.name == "triton" else []
@@ -532,6 +565,8 @@ def _row(where: str, case: Case, cap, facts, classes, peers, servers, repeats, l
         calls["results", cls.name], checked["results", cls.name] = _first_call(
             _backend_step(cls(cap), built), built, torch_device
         )
+        if parts:
+            calls["parts", cls.name], parts_correct[cls.name] = _parts_call(cls, cap, built, parts)
     for name in peers:
         _progress(f"{where}: peer {name}")
         try:
@@ -552,6 +587,7 @@ def _row(where: str, case: Case, cap, facts, classes, peers, servers, repeats, l
                 checked["peers", name] = known
     _progress(f"{where}: timing {', '.join(name for _, name in calls)} in turns")
     first_ms = {key: known["first_ms"] for key, known in checked.items()}
+    first_ms.update({key: calls[key]() for key in calls if key[0] == "parts"})
     try:
         timings = _interleaved(calls, first_ms, repeats, 2)
     except PeerFailed as exc:
@@ -562,6 +598,11 @@ def _row(where: str, case: Case, cap, facts, classes, peers, servers, repeats, l
         timings = _interleaved(calls, first_ms, repeats, 2)
     for (kind, name), known in checked.items():
         row[kind][name] = {**known, **timings[kind, name]}
+    for name, result in row["results"].items():
+        if ("parts", name) in timings:
+            result["parts_ms"] = timings["parts", name]["median_ms"]
+            result["parts_correct"] = parts_correct[name]
+            result["ratio_to_parts"] = result["median_ms"] / result["parts_ms"]
     # the oracle's speed, for scale: fp32 decodes only (its bf16 loops take minutes at these shapes)
     if case.mode.is_decode() and facts["time_reference"] and "part" not in case.name and row["dtype"] == "fp32":
         _progress(f"{where}: reference")
@@ -595,15 +636,15 @@ def _scaling(runs: list[dict]) -> dict:
     return out
 
 
-def _derive(row: dict, machine: dict, parts: dict) -> None:
-    """Ratios of one workload's results (and peers') to the limits, the reference, the peers and (mixed) its parts."""
+def _derive(row: dict, machine: dict) -> None:
+    """Ratios of one workload's results (and peers') to the limits, the reference and the peers."""
     matmul = machine["matmul_TFLOPs"].get(row["dtype"])
     ceilings = machine.get("ceiling_for_dtype", {})
     kind = row["name"].split(f"_{row['dtype']}")[0]  # decode, extend, mixed, mixed_part_extend...
     ceiling = ceilings.get(f"{kind}_{row['dtype']}", ceilings.get(f"{kind.split('_')[-1]}_{row['dtype']}"))
     peak = machine.get("peak_GFLOPs", {}).get(ceiling or ceilings.get(row["dtype"], ""))
     timed = {**row["results"], **{n: r for n, r in row["peers"].items() if "median_ms" in r}}
-    for name, result in timed.items():
+    for result in timed.values():
         seconds = result["median_ms"] / 1e3
         result["kv_GBps"] = row["kv_bytes"] / seconds / 1e9
         result["fraction_of_read_bw"] = result["kv_GBps"] / machine["read_GBps"]
@@ -615,11 +656,6 @@ def _derive(row: dict, machine: dict, parts: dict) -> None:
             result["fraction_of_peak"] = result["GFLOPs"] / peak
         if "reference" in row:
             result["speedup_vs_reference"] = row["reference"]["median_ms"] / result["median_ms"]
-        if row["name"].startswith("mixed_part"):
-            parts[f"{row['dtype']}/{name}"] = parts.get(f"{row['dtype']}/{name}", 0.0) + result["median_ms"]
-        elif row["name"].startswith("mixed") and f"{row['dtype']}/{name}" in parts:
-            result["parts_ms"] = parts[f"{row['dtype']}/{name}"]
-            result["ratio_to_parts"] = result["median_ms"] / result["parts_ms"]
     for result in row["results"].values():
         for name, peer_result in row["peers"].items():
             if "median_ms" in peer_result:

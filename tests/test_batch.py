@@ -357,3 +357,20 @@ def test_devices_are_normalised():
     assert pool.device == req.device == torch.device("cpu") == pool.k_buffer[0].device
     with pytest.raises(ConfigError, match="device"):
         hal.resolve_device("gpu-ish")
+
+
+def test_a_mixed_batch_splits_into_its_extends_and_its_decodes_over_the_same_pool():
+    """sub_batch takes a MIXED batch's extends (EXTEND) or decodes (DECODE): each part alone over the mixed
+    batch's pool attends as the mixed batch did for those requests (what the bench times a mixed call against)."""
+    from hal.conformance.builder import sub_batch
+    from hal.conformance.case import Case
+    from hal.kernels import reference
+
+    built = build(Case("mixed", ForwardMode.MIXED, ((5, 7), (9, 4), (12, 1), (3, 1), (30, 1))))
+    k_pool, v_pool = built.expected_k, built.expected_v  # the pool with every new token written
+    for requests, mode in (([0, 1], ForwardMode.EXTEND), ([2, 3, 4], ForwardMode.DECODE)):
+        fb, q, _, _, tokens = sub_batch(built, requests, mode)
+        assert fb.forward_mode == mode and fb.batch_size == len(requests)
+        assert len(tokens) == sum(built.case.requests[r][1] for r in requests)
+        out = reference.batch_attention(q, k_pool, v_pool, built.layer, fb, acc_dtype=torch.float64)
+        torch.testing.assert_close(out, built.expected[tokens], rtol=1e-5, atol=1e-5)

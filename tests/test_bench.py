@@ -64,7 +64,7 @@ def test_each_workload_is_judged_against_the_ceiling_its_kernels_run_on(name, ce
     }
     row = {"name": name, "dtype": "bf16", "kv_bytes": 1e9, "flops": 1e9, "results": {"hal": {"median_ms": 1.0}}}
     row["peers"] = {}
-    _derive(row, machine, {})
+    _derive(row, machine)
     assert row["results"]["hal"]["fraction_of_peak"] == pytest.approx(1e3 / peaks[ceiling])
 
 
@@ -179,6 +179,34 @@ def test_a_bench_run_alternates_with_its_engine_peers(tmp_path, monkeypatch, cap
             row["results"]["torch"]["speedup_vs_fake_b16"] == peer["median_ms"] / row["results"]["torch"]["median_ms"]
         )
     assert report["peer_meta"]["fake"]["engine"] == "fake"
+
+
+def test_a_mixed_batch_is_timed_against_its_parts_in_the_same_turns(monkeypatch, capsys):
+    """The mixed row's parts_ms is its backend running both parts one after the other, timed in turns with the
+    mixed call (not the sum of the part rows, each timed in a block of its own), and ratio_to_parts is the
+    quotient of the two medians."""
+    import json
+
+    import hal.bench as bench
+
+    timed = []
+    interleaved = bench._interleaved
+    monkeypatch.setattr(bench, "_interleaved", lambda calls, *a: timed.append(sorted(calls)) or interleaved(calls, *a))
+    code = bench.run_bench(
+        "cpu", ["torch"], quick=True, as_json=True, repeats=3, workload_names=["mixed"], dtypes=["fp32"], peers=[]
+    )
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0
+    extend, decode, mixed = report["workloads"]
+    assert [extend["name"], decode["name"], mixed["name"]] == [
+        "mixed_part_extend_fp32",
+        "mixed_part_decode_fp32",
+        "mixed_fp32",
+    ]
+    assert timed == [[("results", "torch")], [("results", "torch")], [("parts", "torch"), ("results", "torch")]]
+    hal_mixed = mixed["results"]["torch"]
+    assert hal_mixed["parts_correct"] and hal_mixed["parts_ms"] > 0 and hal_mixed["ratio_to_parts"] == hal_mixed["median_ms"] / hal_mixed["parts_ms"]
+    assert "parts_ms" not in extend["results"]["torch"] and "parts_ms" not in decode["results"]["torch"]
 
 
 VLLM_PYTHON = os.environ.get("HAL_VLLM_PYTHON", "")

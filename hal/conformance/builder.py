@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from hal.batch import ForwardBatch, SpecInfo
+from hal.batch import ForwardBatch, ForwardMode, SpecInfo
 from hal.capability import resolve_device
 from hal.conformance.case import Case
 from hal.kernels import reference
@@ -241,17 +241,26 @@ def to_device(built: Built, device: torch.device) -> Built:
     )
 
 
-def sub_batch(built: Built, requests: list[int]):
-    """A batch of some of ``built``'s requests (a DECODE or TARGET_VERIFY case) over the same pools.
+def sub_batch(built: Built, requests: list[int], mode: ForwardMode | None = None):
+    """A batch of some of ``built``'s requests over the same pools: of a DECODE or TARGET_VERIFY case, or, with
+    ``mode`` EXTEND or DECODE, a MIXED case's extends or decodes (what a server that did not mix would run).
 
     Returns ``(fb, q, k, v, tokens)``; ``tokens`` are the rows of ``built``'s inputs it takes.
     """
     fb = built.batch
+    mode = mode or fb.forward_mode
     device = fb.req_pool_indices.device
     tokens = [t for r in requests for t, (req, _) in enumerate(built.token_origin) if req == r]
     idx = torch.tensor(requests, dtype=torch.long, device=device)
     rows = torch.tensor(tokens, dtype=torch.long, device=device)
     kw: dict = {}
+    if fb.extend_seq_lens is not None and not mode.is_decode():
+        kw.update(
+            extend_prefix_lens=fb.extend_prefix_lens[idx],
+            extend_seq_lens=fb.extend_seq_lens[idx],
+            extend_prefix_lens_cpu=[fb.extend_prefix_lens_cpu[r] for r in requests],
+            extend_seq_lens_cpu=[fb.extend_seq_lens_cpu[r] for r in requests],
+        )
     if fb.forward_mode.is_target_verify():
         draft = fb.spec_info.draft_token_num
         sizes = [draft * (int(n) + draft) for n in fb.seq_lens_cpu.tolist()]
@@ -259,7 +268,7 @@ def sub_batch(built: Built, requests: list[int]):
         mask = fb.spec_info.custom_mask
         kw["spec_info"] = SpecInfo(draft, torch.cat([mask[starts[r] : starts[r] + sizes[r]] for r in requests]))
     sub = ForwardBatch(
-        forward_mode=fb.forward_mode,
+        forward_mode=mode,
         batch_size=len(requests),
         req_pool_indices=fb.req_pool_indices[idx],
         seq_lens=fb.seq_lens[idx],
