@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from hal.kernels import cpu as cpu_kernels
+from hal.kv_cache import pool_buffer
 
 HEADS = (32, 8, 128)  # query heads, KV heads, head dim: hal bench's
 SHAPES = {"decode": (32, 2047, 1), "extend": (4, 512, 512)}  # requests, cached keys, new tokens
@@ -74,8 +75,11 @@ def inputs(workload: str, dtype: torch.dtype, page_size: int, quick: bool, seed:
     context = cached + new
     table = slot_table(requests, context, page_size, gen)
     slots = requests * -(-context // page_size) * page_size
-    k = torch.randn(slots, kv_heads, dim, generator=gen).to(dtype)
-    v = torch.randn(slots, kv_heads, dim, generator=gen).to(dtype)
+    # hal's own pool buffers (transparent huge pages where the host grants them), as hal bench and a server read
+    k = pool_buffer((slots, kv_heads, dim), dtype, torch.device("cpu"))
+    v = pool_buffer((slots, kv_heads, dim), dtype, torch.device("cpu"))
+    k.copy_(torch.randn(slots, kv_heads, dim, generator=gen))
+    v.copy_(torch.randn(slots, kv_heads, dim, generator=gen))
     q = torch.randn(requests * new, q_heads, dim, generator=gen).to(dtype).float()
     rows = torch.arange(requests)
     kv_lens = torch.full((requests,), context)
