@@ -52,7 +52,7 @@
 #define HAL_BF16DOT 1  // bf16 K rows are dotted with _mm512_dpbf16_ps, no widening
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define HAL_AMX 1  // bf16 extend / verify tiles, and a bf16 decode's scores over page-ordered keys, through AMX
+#define HAL_AMX 1  // bf16 extend / verify tiles through AMX
 #include <sys/syscall.h>
 #include <unistd.h>
 #elif defined(HAL_AMX_EMULATE)
@@ -63,6 +63,7 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kBlock = 32;       // keys per block on the row path
+constexpr int64_t kScoresBytes = 16 << 10;  // the row path's scores of one block, all heads at once, at most
 constexpr int64_t kGemmBlock = 256;  // keys per block on the tile path
 
 inline float to_float(float x) { return x; }
@@ -929,34 +930,20 @@ inline void start_task(const Problem& P, const Task& task, int64_t R, int64_t* l
   std::fill(l, l + R, 0.f);
 }
 
-#ifdef HAL_AMX
-inline bool amx_ready();
-inline void amx_begin();
-inline void amx_end();
-inline void pack_keys(const at::BFloat16* const* kp, int64_t g, int64_t nk, int64_t D, uint16_t* dst);
-inline void qk_tile_amx(const uint16_t* qt, int64_t R, int64_t D, const at::BFloat16* k0, int64_t k_stride, float* s,
-                        int64_t ld, float post, const Ahead& next);
-#endif
-
-// Whether the n rows at kp lie `stride` elements apart (slots in page order).
-template <typename T>
-inline bool evenly_spaced(const T* const* kp, int64_t n, int64_t stride) {
-  for (int64_t j = 1; j < n; ++j)
-    if (kp[j] != kp[0] + j * stride) return false;
-  return true;
-}
-
 // Decode / verify / short extend: every row of the task, for KV heads [h, h + nh), over blocks of keys.
-// With several heads a block's slots are read head after head: each slot's K (and V) rows of all
-// heads are adjacent, so a block costs one TLB walk and one DRAM page per slot, not one per head.
+// With several heads a block's slots serve them all (its K rows for every head's scores, then its V rows for
+// every head's P . V): each slot's K (and V) rows of all heads are adjacent, so a block costs one TLB walk and one
+// DRAM page per slot, not one per head.
 template <typename T>
 void run_rows(const Problem& P, const Task& task) {
   const int64_t b = task.b, i0 = task.i0, nq = task.i1 - task.i0, nh = task.nh;
   const int64_t R = nq * P.G, D = P.D, Dv = P.Dv;
   const int64_t blk = nh > 1 ? kBlock / 2 : kBlock;
   const int64_t per_head = up16(R * D + R * Dv + 2 * R);
-  float* s = scratch(up16(R * blk) + nh * per_head);
-  float* state = s + up16(R * blk);
+  const int64_t per_scores = up16(R * blk);  // one head's scores of a block
+  const int64_t group = std::clamp<int64_t>(kScoresBytes / (per_scores * int64_t(sizeof(float))), 1, nh);
+  float* scores = scratch(group * per_scores + nh * per_head);
+  float* state = scores + group * per_scores;
   std::vector<int64_t> lo(nq), hi(nq);
   int64_t LO = 0, HI = 0;
 #ifdef HAL_BF16DOT
@@ -985,32 +972,6 @@ void run_rows(const Problem& P, const Task& task) {
     qb = aligned(t_qb, nh * 2 * R * D);
     for (int64_t hh = 0; hh < nh; ++hh) qlo |= split_bf16(state + hh * per_head, R, D, qb + hh * 2 * R * D);
   }
-  // With AMX, bf16-exact queries of at most 16 rows score every 16 keys whose K rows lie evenly apart in the pool
-  // (slots in page order) in one tile product: K's rows are the tile's A straight from the pool, the rows' Q^T
-  // (packed once per task) its B. Scattered slots take the bf16 dots. (AMX Xeon, 32 x 2048 keys: the row path
-  // 1.14x with its rows in cache, 1.0-1.07x from memory, where the reads bound it.)
-  bool amx_qk = false;
-  uint16_t* qt = nullptr;
-#ifdef HAL_AMX
-  thread_local std::vector<uint16_t> t_qt;
-  amx_qk = dot && !qlo && R <= 16 && D % 32 == 0 && amx_ready();
-  if (amx_qk) {
-    qt = aligned(t_qt, nh * 16 * D);
-    const at::BFloat16* rows[16];
-    for (int64_t hh = 0; hh < nh; ++hh) {
-      for (int64_t r = 0; r < R; ++r) rows[r] = reinterpret_cast<const at::BFloat16*>(qb + (hh * R + r) * 2 * D);
-      pack_keys(rows, 0, R, D, qt + hh * 16 * D);
-    }
-    amx_begin();
-  }
-  struct TilesDone {
-    bool on;
-    ~TilesDone() {
-      if (on) amx_end();
-    }
-  } tiles_done{amx_qk};
-#endif
-  (void)qt;
   if (int64_t(t_ptrs.size()) < 4 * blk) t_ptrs.resize(4 * blk);
   const T** kp = reinterpret_cast<const T**>(t_ptrs.data());
   const T** vp = kp + blk;
@@ -1041,58 +1002,57 @@ void run_rows(const Problem& P, const Task& task) {
     const int64_t j1 = j0 + blk;
     const int64_t nn = j1 < HI ? std::min(blk, HI - j1) : 0;
     if (nn && !read_slots(j1, nn, nxt)) return;
-    for (int64_t hh = 0; hh < nh; ++hh) {
-      const int64_t h = task.h + hh;
-      for (int64_t j = 0; j < nk; ++j) {
-        kp[j] = K + cur[j] * P.k_s0 + h * P.k_s1;
-        vp[j] = V + cur[j] * P.v_s0 + h * P.v_s1;
-      }
-      // The next block's rows of this head go to L2 while this one computes, spread over the dots (K) and
-      // P . V (V) by the first group of rows (see Ahead). Two or three blocks ahead lost on the Zen 1 and the
-      // Xeon; one head-step ahead was within noise.
-      for (int64_t j = 0; j < nn; ++j) {
-        next_k[j] = reinterpret_cast<const char*>(K + nxt[j] * P.k_s0 + h * P.k_s1);
-        next_v[j] = reinterpret_cast<const char*>(V + nxt[j] * P.v_s0 + h * P.v_s1);
-      }
-      const Ahead ahead_k{next_k, nn, int64_t(D * sizeof(T))}, ahead_v{next_v, nn, int64_t(Dv * sizeof(T))};
-      float* qs = state + hh * per_head;
-      float* acc = qs + R * D;
-      float* m = acc + R * Dv;
-      float* l = m + R;
-      int64_t tiled = 0;  // keys scored by AMX tiles
-#ifdef HAL_AMX
-      if constexpr (std::is_same_v<T, at::BFloat16>) {
-        for (; amx_qk && tiled + 16 <= nk && evenly_spaced(kp + tiled, 16, P.k_s0); tiled += 16) {
-          qk_tile_amx(qt + hh * 16 * D, R, D, kp[tiled], P.k_s0 * int64_t(sizeof(T)), s + tiled, blk, post,
-                      ahead_k.from(tiled, 16));
-        }
-      }
-#endif
-      const Ahead rest_k = ahead_k.from(tiled, nn);
-      for (int64_t r = 0; r < R && tiled < nk; r += 4) {
-        const int nr = int(std::min<int64_t>(4, R - r));
-#if defined(HAL_VEC) && HAL_VEC == 8
-        if constexpr (pairs) {
-          qk_pairs_any(nr, qs + r * D, D, kp + tiled, nk - tiled, s + r * blk + tiled, blk, post,
-                       r ? Ahead{} : rest_k);
-          continue;
-        }
-#endif
-        qk_any<T>(nr, qs + r * D, qb ? qb + (hh * R + r) * 2 * D : nullptr, qlo, D, kp + tiled, nk - tiled,
-                  s + r * blk + tiled, blk, post, r ? Ahead{} : rest_k);
-      }
-      if (!fold_block(P, b, i0, R, j0, nk, s, blk, m, l, acc, Dv, lo.data(), hi.data())) {
-        ahead_v.fetch_all();  // no P . V to spread them over
-      } else {
+    // A group of heads' scores of the block first, then each one's fold and P . V: a slot's K rows of all heads
+    // are adjacent, and so are its V rows, so each is read in one pass (32 x 2048 keys, slots scattered: 1.10-1.13x
+    // over head after head, fp32 and bf16, AMX to AVX2 builds; in page order 1.0-1.03x). As many heads as keep
+    // their scores in L1 (a decode's all). bf16 keys take vdpbf16ps, not AMX: a tile load of 16 K rows from the
+    // pool waits for all 16, and tiles scored keys in page order at 0.93-0.96x of the dots from memory.
+    for (int64_t g0 = 0; g0 < nh; g0 += group) {
+      const int64_t g1 = std::min(nh, g0 + group);
+      for (int64_t hh = g0; hh < g1; ++hh) {
+        const int64_t h = task.h + hh;
+        for (int64_t j = 0; j < nk; ++j) kp[j] = K + cur[j] * P.k_s0 + h * P.k_s1;
+        // The next block's rows of this head go to L2 while this one computes, spread over the dots (K) and
+        // P . V (V) by the first group of rows (see Ahead). Two or three blocks ahead lost on the Zen 1 and the
+        // Xeon; one head-step ahead was within noise.
+        for (int64_t j = 0; j < nn; ++j) next_k[j] = reinterpret_cast<const char*>(K + nxt[j] * P.k_s0 + h * P.k_s1);
+        const Ahead ahead_k{next_k, nn, int64_t(D * sizeof(T))};
+        const float* qs = state + hh * per_head;
+        float* s = scores + (hh - g0) * per_scores;
         for (int64_t r = 0; r < R; r += 4) {
           const int nr = int(std::min<int64_t>(4, R - r));
 #if defined(HAL_VEC) && HAL_VEC == 8
           if constexpr (pairs) {
-            pv_pairs_any(nr, s + r * blk, blk, vp, nk, acc + r * Dv, Dv, r ? Ahead{} : ahead_v);
+            qk_pairs_any(nr, qs + r * D, D, kp, nk, s + r * blk, blk, post, r ? Ahead{} : ahead_k);
             continue;
           }
 #endif
-          pv_any<T>(nr, s + r * blk, blk, vp, nk, acc + r * Dv, Dv, r ? Ahead{} : ahead_v);
+          qk_any<T>(nr, qs + r * D, qb ? qb + (hh * R + r) * 2 * D : nullptr, qlo, D, kp, nk, s + r * blk, blk, post,
+                    r ? Ahead{} : ahead_k);
+        }
+      }
+      for (int64_t hh = g0; hh < g1; ++hh) {
+        const int64_t h = task.h + hh;
+        for (int64_t j = 0; j < nk; ++j) vp[j] = V + cur[j] * P.v_s0 + h * P.v_s1;
+        for (int64_t j = 0; j < nn; ++j) next_v[j] = reinterpret_cast<const char*>(V + nxt[j] * P.v_s0 + h * P.v_s1);
+        const Ahead ahead_v{next_v, nn, int64_t(Dv * sizeof(T))};
+        float* s = scores + (hh - g0) * per_scores;
+        float* acc = state + hh * per_head + R * D;
+        float* m = acc + R * Dv;
+        float* l = m + R;
+        if (!fold_block(P, b, i0, R, j0, nk, s, blk, m, l, acc, Dv, lo.data(), hi.data())) {
+          ahead_v.fetch_all();  // no P . V to spread them over
+        } else {
+          for (int64_t r = 0; r < R; r += 4) {
+            const int nr = int(std::min<int64_t>(4, R - r));
+#if defined(HAL_VEC) && HAL_VEC == 8
+            if constexpr (pairs) {
+              pv_pairs_any(nr, s + r * blk, blk, vp, nk, acc + r * Dv, Dv, r ? Ahead{} : ahead_v);
+              continue;
+            }
+#endif
+            pv_any<T>(nr, s + r * blk, blk, vp, nk, acc + r * Dv, Dv, r ? Ahead{} : ahead_v);
+          }
         }
       }
     }
@@ -1297,33 +1257,6 @@ inline void pack_keys(const at::BFloat16* const* kp, int64_t g, int64_t nk, int6
     }
   }
 #endif
-}
-
-// s[r * ld + j] = post * q_r . k_j for R <= 16 rows and 16 keys: k_j at k0 + j k_stride bytes (A tiles read
-// straight from the pool), the rows' bf16 Q^T in qt (pack_keys of the rows: D / 32 VNNI blocks). Two C tiles
-// take alternate chunks of 32 dims (two chains of tile products), summed at the end. The next block's rows of
-// the 16 keys are fetched a share per chunk.
-inline void qk_tile_amx(const uint16_t* qt, int64_t R, int64_t D, const at::BFloat16* k0, int64_t k_stride, float* s,
-                        int64_t ld, float post, const Ahead& next) {
-  const int64_t chunks = D / 32;
-  HAL_TILE_ZERO(0);
-  HAL_TILE_ZERO(1);
-  for (int64_t c = 0; c < chunks; c += 2) {  // (tile registers are named by constants)
-    next.fetch(16 * c / chunks, 16 * (c + 1) / chunks, 0, next.bytes);
-    HAL_TILE_LOAD(4, k0 + 32 * c, k_stride);
-    HAL_TILE_LOAD(6, qt + 512 * c, 64);
-    HAL_TILE_DP(0, 4, 6);
-    if (c + 1 == chunks) break;
-    next.fetch(16 * (c + 1) / chunks, 16 * (c + 2) / chunks, 0, next.bytes);
-    HAL_TILE_LOAD(5, k0 + 32 * (c + 1), k_stride);
-    HAL_TILE_LOAD(7, qt + 512 * (c + 1), 64);
-    HAL_TILE_DP(1, 5, 7);
-  }
-  alignas(64) float c0[16 * 16], c1[16 * 16];
-  HAL_TILE_STORE(0, c0, 64);
-  HAL_TILE_STORE(1, c1, 64);
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t j = 0; j < 16; ++j) s[r * ld + j] = (c0[j * 16 + r] + c1[j * 16 + r]) * post;
 }
 
 // Keys [0, nk32) of V rows (vp[j], j < nk; zeros past nk), Dv dims, into the VNNI blocks of B = V: block
