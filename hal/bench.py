@@ -585,7 +585,8 @@ def _row(where: str, case: Case, cap, facts, classes, peers, servers, repeats, l
                 row["peers"][name] = known
             else:
                 checked["peers", name] = known
-    _progress(f"{where}: timing {', '.join(name for _, name in calls)} in turns")
+    labels = [name if kind != "parts" else f"{name} (its parts)" for kind, name in calls]
+    _progress(f"{where}: timing {', '.join(labels)} in turns")
     first_ms = {key: known["first_ms"] for key, known in checked.items()}
     first_ms.update({key: calls[key]() for key in calls if key[0] == "parts"})
     try:

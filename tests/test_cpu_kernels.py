@@ -226,6 +226,39 @@ def test_the_logit_cap_holds_at_every_score_magnitude(isa, tile_rows, monkeypatc
 
 
 @needs_kernels
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("tile_rows", [0, 16], ids=["rows", "tiles"])
+def test_the_running_max_follows_scores_that_climb_and_fall_and_a_late_nan_still_shows(isa, tile_rows, monkeypatch):
+    """A row's running max moves only when a score passes it by more than a margin (fold_block): scores that climb
+    by ~0.4 a key (6 a block of 16, 13 a block of 32) and then fall must match the reference; a NaN score far past
+    the first block must still make its rows NaN, and only them."""
+    from hal.kernels import reference
+
+    monkeypatch.setenv("HAL_CPU_ISA", isa)
+    gen = torch.Generator().manual_seed(11)
+    slots, ctx = 1200, 500
+    req_to_token = torch.randperm(slots, generator=gen)[: 2 * ctx].view(2, ctx).to(torch.int32)
+    rows, seq, ext = torch.tensor([1, 0]), torch.tensor([ctx, ctx]), torch.tensor([1, 20])
+    u = torch.randn(64, generator=gen)
+    ramp = torch.cat([torch.arange(300.0), torch.arange(200.0).flip(0) + 100]) * 0.05  # climbs, then falls
+    q = u.expand(21, 8, 64).clone() + 0.1 * torch.randn(21, 8, 64, generator=gen)
+    for dtype in (torch.float32, torch.bfloat16):
+        k_buffer = 0.3 * torch.randn(slots, 2, 64, generator=gen)
+        for r in range(2):
+            k_buffer[req_to_token[r].long()] += ramp[:, None, None] * u
+        v_buffer = torch.randn(slots, 2, 64, generator=gen)
+        args = (q.to(dtype), k_buffer.to(dtype), v_buffer.to(dtype), req_to_token, rows, seq, ext)
+        out = cpu_kernels.paged_attention(*args, scale=0.125, tile_rows=tile_rows)
+        expected = reference.paged_attention(*args, scale=0.125)
+        torch.testing.assert_close(out.float(), expected.float(), **tolerance(dtype))
+    k_buffer[int(req_to_token[0, 333]), 1, 5] = float("nan")  # request 1 (row 0), KV head 1, key 333
+    args = (q, k_buffer, v_buffer, req_to_token, rows, seq, ext)
+    out = cpu_kernels.paged_attention(*args, scale=0.125, tile_rows=tile_rows)
+    assert out[1:, 4:].isnan().all() and not out[1:, :4].isnan().any(), "NaN reaches only KV head 1's queries"
+    assert out[0].isfinite().all()
+
+
+@needs_kernels
 def test_sinks_that_are_not_one_per_q_head_are_refused_by_name():
     """The kernels' wrapper names bad sinks; the fused forward leaves them (nothing written) to the checked
     prologue, which names them too."""

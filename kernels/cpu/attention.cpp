@@ -64,6 +64,7 @@ namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kBlock = 32;       // keys per block on the row path
 constexpr int64_t kScoresBytes = 16 << 10;  // the row path's scores of one block, all heads at once, at most
+constexpr float kLazyMax = 8.f;  // how far a score may pass a row's running max before the max moves (fold_block)
 constexpr int64_t kGemmBlock = 256;  // keys per block on the tile path
 
 inline float to_float(float x) { return x; }
@@ -99,6 +100,7 @@ inline vf vpow2i(vf n) {  // 2^n for integral n in the normal range
 }
 inline vf vzero_where_neginf(vf x, vf y) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, vset(kNegInf), _CMP_NEQ_OQ), y); }
 inline bool vany_nan(vf x) { return _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q) != 0; }
+inline bool vany_above_or_nan(vf x, vf y) { return _mm512_cmp_ps_mask(x, y, _CMP_NLE_UQ) != 0; }
 inline float hsum(vf v) { return _mm512_reduce_add_ps(v); }
 inline float hmax(vf v) { return _mm512_reduce_max_ps(v); }
 // x where lo <= j < hi, else -inf (lane by lane)
@@ -133,6 +135,7 @@ inline vf vpow2i(vf n) {
 }
 inline vf vzero_where_neginf(vf x, vf y) { return _mm256_and_ps(y, _mm256_cmp_ps(x, vset(kNegInf), _CMP_NEQ_OQ)); }
 inline bool vany_nan(vf x) { return _mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)) != 0; }
+inline bool vany_above_or_nan(vf x, vf y) { return _mm256_movemask_ps(_mm256_cmp_ps(x, y, _CMP_NLE_UQ)) != 0; }
 inline vf vvisible(vf j, vf lo, vf hi, vf x) {
   return _mm256_blendv_ps(vset(kNegInf), x, _mm256_and_ps(_mm256_cmp_ps(j, lo, _CMP_GE_OQ), _mm256_cmp_ps(j, hi, _CMP_LT_OQ)));
 }
@@ -251,6 +254,19 @@ inline float max_of(const float* s, int64_t n) {
     m = std::max(m, s[i]);
   }
   return nan ? std::numeric_limits<float>::quiet_NaN() : m;
+}
+
+// Whether any of s[0, n) times f is above `limit` or NaN.
+inline bool any_above_or_nan(const float* s, int64_t n, float f, float limit) {
+  int64_t i = 0;
+#ifdef HAL_VEC
+  const vf vlimit = vset(limit), vf_ = vset(f);
+  for (; i + kW <= n; i += kW)
+    if (vany_above_or_nan(vmul(vload(s + i), vf_), vlimit)) return true;
+#endif
+  for (; i < n; ++i)
+    if (!(s[i] * f <= limit)) return true;
+  return false;
 }
 
 inline void scale_row(float* a, int64_t n, float f) {
@@ -846,6 +862,14 @@ inline bool fold_block(const Problem& P, int64_t b, int64_t i0, int64_t R, int64
       for (int64_t j = 0; j < nk; ++j) {
         if (!mk[j]) sr[j] = kNegInf;
       }
+    }
+    // The running max moves only where a score passes it by more than kLazyMax: below that, exp(s - m) <=
+    // e^kLazyMax, which no float32 sum of a row's keys overflows, and the softmax does not depend on m; so most
+    // blocks take no horizontal max, no rescale and no branch on it.
+    if (m[r] != kNegInf && !any_above_or_nan(sr, nk, fr, m[r] + kLazyMax)) {
+      any = true;
+      l[r] += exp_sub_sum(sr, nk, m[r], fr, pr);
+      continue;
     }
     const float bm = max_of(sr, nk) * fr;
     if (std::isnan(bm)) {  // the row's output is NaN (l = NaN marks it), as the reference's would be
