@@ -213,10 +213,15 @@ def _work(case: Case) -> tuple[int, int]:
     return kv_tokens * case.tp_k_head_num * case.head_dim * 2 * elem, 4 * case.tp_q_head_num * case.head_dim * pairs
 
 
-def _backend_step(backend, built) -> Callable[[], torch.Tensor]:
+def _backend_step(backend, built, fb=None, q=None, k=None, v=None) -> Callable[[], torch.Tensor]:
+    """One serving step of ``backend`` on ``built``'s batch, or on the batch ``fb`` with inputs ``q, k, v`` over
+    ``built``'s pool and layer (a part of it: :func:`hal.conformance.builder.sub_batch`)."""
+    if fb is None:
+        fb, q, k, v = built.batch, built.q, built.k, built.v
+
     def step():
-        backend.init_forward_metadata(built.batch)
-        return backend.forward(built.q, built.k, built.v, built.layer, built.batch)
+        backend.init_forward_metadata(fb)
+        return backend.forward(q, k, v, built.layer, fb)
 
     return step
 
@@ -245,26 +250,26 @@ def _first_call(step, built, device) -> tuple[Callable[[], float], dict]:
     return lambda: _run_timed(step, device)[1], {"first_ms": first_ms, "max_abs_err": err, "correct": correct}
 
 
-def _parts_call(cls, cap, built, parts: list[Case]) -> tuple[Callable[[], float], bool]:
+def _parts_call(cls, cap, built, parts: list[Case]) -> tuple[Callable[[], float], dict]:
     """The mixed batch ``built`` run as its ``parts`` (the cases its requests list, in order), one forward each,
     one after the other, over the mixed batch's own pool: what a server that did not mix would run.
-    ``(its one-call timer in ms, whether every part's output matched the oracle's)``."""
-    steps, start, correct = [], 0, True
+    ``(its one-call timer in ms, {"first_ms", "parts_correct"})``: the first call timed, and whether every
+    part's output matched the oracle's."""
+    steps, expected, start = [], [], 0
     for part in parts:
         requests = list(range(start, start + len(part.requests)))
         start += len(part.requests)
         if [built.case.requests[r] for r in requests] != list(part.requests):
             raise ValueError(f"{part.name}: not the requests {requests} of {built.case.name}")
         fb, q, k, v, tokens = sub_batch(built, requests, part.mode)
-        backend = cls(cap)
-
-        def step(backend=backend, fb=fb, q=q, k=k, v=v):
-            backend.init_forward_metadata(fb)
-            return backend.forward(q, k, v, built.layer, fb)
-
-        correct &= torch.allclose(step().float(), built.expected[tokens].float(), **tolerance(part.dtype))
-        steps.append(step)
-    return lambda: _run_timed(lambda: [step() for step in steps], cap.torch_device)[1], correct
+        steps.append(_backend_step(cls(cap), built, fb, q, k, v))
+        expected.append((built.expected[tokens].float(), tolerance(part.dtype)))
+    outs, first_ms = _run_timed(lambda: [step() for step in steps], cap.torch_device)
+    correct = all(torch.allclose(out.float(), want, **tol) for out, (want, tol) in zip(outs, expected))
+    return lambda: _run_timed(lambda: [step() for step in steps], cap.torch_device)[1], {
+        "first_ms": first_ms,
+        "parts_correct": correct,
+    }
 
 
 def _interleaved(calls: dict[str, Callable[[], float]], first_ms: dict[str, float], repeats: int, warmup: int) -> dict:
@@ -533,10 +538,10 @@ def _row(where: str, case: Case, cap, facts, classes, peers, servers, repeats, l
     turns; the reference timed apart.
 
     ``parts`` (a mixed batch's): the cases it is made of. Each backend then also runs them one after the other,
-    as a server that did not mix would, timed in the same turns as the mixed call: ``parts_ms`` and
-    ``ratio_to_parts``. (Timed each in its own block of calls instead, a part runs after itself: on the AMX Xeon
-    a decode run after any other work, a sleep included, took 1.08-1.10x what it took right after a decode,
-    which made a mixed call read 1.04x its parts where, call for call, it took 0.996x.)"""
+    as a server that did not mix would, over the mixed batch's pool, timed in the same turns as the mixed call:
+    ``parts_ms`` and ``ratio_to_parts``. (The part rows, each timed in a block of its own over a pool of its own,
+    made a mixed call read 1.04x its parts on the AMX Xeon where, call for call, it took 0.99-1.00x: a decode
+    run right after a decode is faster there than after any other work, a sleep included.)"""
     torch_device = cap.torch_device
     _progress(f"{where}: building")
     built = build(case, torch_device)
@@ -553,7 +558,7 @@ def _row(where: str, case: Case, cap, facts, classes, peers, servers, repeats, l
         "peers": {},
     }
     calls, checked = {}, {}  # (kind, name) -> one-call timer / facts of its first call
-    parts_correct: dict[str, bool] = {}  # backend -> whether the mixed batch's parts were right
+    parts_checked: dict[str, dict] = {}  # backend -> its first run of the mixed batch's parts (_parts_call)
     for cls in classes:
         reasons = cls.unsupported_reasons(case.config(), cap) + (
             ["Triton runs interpreted here"] if cap.triton_interpreted and cls.name == "triton" else []
@@ -566,7 +571,7 @@ def _row(where: str, case: Case, cap, facts, classes, peers, servers, repeats, l
             _backend_step(cls(cap), built), built, torch_device
         )
         if parts:
-            calls["parts", cls.name], parts_correct[cls.name] = _parts_call(cls, cap, built, parts)
+            calls["parts", cls.name], parts_checked[cls.name] = _parts_call(cls, cap, built, parts)
     for name in peers:
         _progress(f"{where}: peer {name}")
         try:
@@ -588,7 +593,7 @@ def _row(where: str, case: Case, cap, facts, classes, peers, servers, repeats, l
     labels = [name if kind != "parts" else f"{name} (its parts)" for kind, name in calls]
     _progress(f"{where}: timing {', '.join(labels)} in turns")
     first_ms = {key: known["first_ms"] for key, known in checked.items()}
-    first_ms.update({key: calls[key]() for key in calls if key[0] == "parts"})
+    first_ms.update({("parts", name): known["first_ms"] for name, known in parts_checked.items()})
     try:
         timings = _interleaved(calls, first_ms, repeats, 2)
     except PeerFailed as exc:
@@ -602,7 +607,7 @@ def _row(where: str, case: Case, cap, facts, classes, peers, servers, repeats, l
     for name, result in row["results"].items():
         if ("parts", name) in timings:
             result["parts_ms"] = timings["parts", name]["median_ms"]
-            result["parts_correct"] = parts_correct[name]
+            result["parts_correct"] = parts_checked[name]["parts_correct"]
             result["ratio_to_parts"] = result["median_ms"] / result["parts_ms"]
     # the oracle's speed, for scale: fp32 decodes only (its bf16 loops take minutes at these shapes)
     if case.mode.is_decode() and facts["time_reference"] and "part" not in case.name and row["dtype"] == "fp32":
