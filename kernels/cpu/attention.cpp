@@ -320,11 +320,6 @@ struct Ahead {
       for (int64_t o = b0; o < b1; o += 64) __builtin_prefetch(rows[j] + o, 0, 1);
   }
   void fetch_all() const { fetch(0, n, 0, bytes); }
-  // rows [j, j + count) of these (as many as there are), for a kernel that starts at key j
-  Ahead from(int64_t j, int64_t count) const {
-    j = std::min(j, n);
-    return {rows + j, std::min(count, n - j), bytes};
-  }
 };
 
 // Keys scored together by qk_rows for NR query rows: NR x NK accumulators, reduced together (hsum8 under AVX2:
