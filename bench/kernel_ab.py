@@ -3,12 +3,14 @@
 
     git show HEAD:kernels/cpu/attention.cpp > /tmp/before.cpp
     python bench/kernel_ab.py /tmp/before.cpp kernels/cpu/attention.cpp --workload decode --dtype bf16 --page-size 16
+    python bench/kernel_ab.py kernels/cpu/attention.cpp kernels/cpu/attention.cpp --isa avx512_bf16 --after-isa avx512
 
 A kernel change worth a few percent is lost in the drift of a shared host between two runs (10-30% on the
 machines hal is measured on, minute to minute). Here both sources are built side by side (each under an ISA tag
 of its own, so their ops coexist) and called in turns on the same inputs, the order swapped every round, so both
 see the same host; the medians and their ratio are what to read. The outputs of the two are compared too: a
-change meant to be a pure speed-up shows 0 (or rounding) there.
+change meant to be a pure speed-up shows 0 (or rounding) there. ``--after-isa`` builds the second source for
+another kernel path, so two paths of one source can be compared on this CPU.
 
 Shapes are ``hal bench``'s defaults: decode 32 requests x 2048 keys, extend 4 x (512 cached + 512 new), 32
 query heads over 8 KV heads of 128 dims; ``--page-size 1`` scatters each request's slots over the pool, a larger
@@ -90,14 +92,26 @@ def inputs(workload: str, dtype: torch.dtype, page_size: int, quick: bool, seed:
     return (q, k, v, table, rows, kv_lens, q_lens, q_start, no_mask, no_start, cpu_kernels._NO_SINKS, out)
 
 
-def run(before: Path, after: Path, workload: str, dtype: str, page_size: int, rounds: int, isa: str, quick: bool):
-    """Both builds timed in turns: the report as a dict."""
+def run(
+    before: Path,
+    after: Path,
+    workload: str,
+    dtype: str,
+    page_size: int,
+    rounds: int,
+    isa: str,
+    quick: bool,
+    after_isa: str | None = None,
+):
+    """Both builds (``after`` for ``after_isa`` where given, else both for ``isa``) timed in turns: the report as a
+    dict."""
     for source in (before, after):
         if not source.is_file():
             raise SystemExit(f"kernel_ab: {source} is not a file")
     if rounds < 2:
         raise SystemExit(f"kernel_ab: --rounds {rounds}: expected at least 2")
-    modules = [build(before, isa), build(after, isa)]
+    after_isa = after_isa or isa
+    modules = [build(before, isa), build(after, after_isa)]
     args = inputs(workload, {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype], page_size, quick)
     outs = [args[-1], args[-1].clone()]
     scale = HEADS[2] ** -0.5
@@ -119,6 +133,7 @@ def run(before: Path, after: Path, workload: str, dtype: str, page_size: int, ro
         "dtype": dtype,
         "page_size": page_size,
         "isa": isa,
+        "after_isa": after_isa,
         "threads": torch.get_num_threads(),
         "rounds": rounds,
         "before": {"source": str(before), "median_ms": 1e3 * medians[0], "min_ms": 1e3 * min(times[0])},
@@ -137,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--page-size", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=30, help="calls of each version, in turns")
     parser.add_argument("--isa", default=None, help="kernel path to build both for (default: this CPU's best)")
+    parser.add_argument("--after-isa", default=None, help="kernel path to build `after` for (default: --isa's)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="small shapes (a smoke run)")
     args = parser.parse_args(argv)
@@ -145,7 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     isa = cpu_kernels.isa() if args.isa is None else cpu_kernels._isa(args.isa)
-    report = run(args.before, args.after, args.workload, args.dtype, args.page_size, args.rounds, isa, args.quick)
+    after_isa = None if args.after_isa is None else cpu_kernels._isa(args.after_isa)
+    report = run(
+        args.before, args.after, args.workload, args.dtype, args.page_size, args.rounds, isa, args.quick, after_isa
+    )
     report["cpu"] = cpu_kernels.cpu_features()
     print(json.dumps(report, indent=2))
     return 0

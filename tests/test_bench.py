@@ -17,6 +17,7 @@ import pytest
 from hal.bench import FACT_DEFAULTS, PEER_SCRIPTS, _derive, device_facts
 from hal.bench_peers import DEFAULT_PEERS, PEERS
 from hal.devices.cpu import device as cpu_device
+from hal.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -305,3 +306,5 @@ def test_kernel_ab_refuses_what_it_cannot_compare(tmp_path):
         ab.main([str(source), str(source), "--rounds", "1"])
     with pytest.raises(SystemExit):
         ab.main([str(source), str(source), "--page-size", "0"])
+    with pytest.raises(ConfigError, match="sse9"):  # --after-isa: a kernel path hal knows, which this CPU runs
+        ab.main([str(source), str(source), "--after-isa", "sse9"])

@@ -78,7 +78,9 @@ def test_kernel_matches_reference_on_every_path(case, tile_rows, heads_per_task,
 
 
 # Extends longer than one 256-key block, so an AMX task that takes several tiles of a request's rows packs
-# more keys tile after tile (windowed: its first keys drop out), in bf16 and float32 queries.
+# more keys tile after tile (windowed: its first keys drop out), in bf16 and float32 queries. On the vector
+# paths a task's tiles share the K and V rows they widened; with room for 130 keys only (HAL_WIDENED_KEYS), each
+# block that does not fit starts the rows over, and each tile that begins below them too.
 LONG_EXTENDS = [
     Case(f"long_extend_{name}", ForwardMode.EXTEND, ((300, 200), (0, 290)), dtype=dtype, head_dim=64, **kw)
     for name, dtype, kw in [
@@ -93,9 +95,11 @@ LONG_EXTENDS = [
 @needs_kernels
 @pytest.mark.parametrize("isa", RUNNABLE)
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("widened_keys", ["0", "130"])
 @pytest.mark.parametrize("case", LONG_EXTENDS, ids=[c.name for c in LONG_EXTENDS])
-def test_long_extends_match_the_reference_on_the_tile_paths(case, threads, isa, monkeypatch):
+def test_long_extends_match_the_reference_on_the_tile_paths(case, widened_keys, threads, isa, monkeypatch):
     monkeypatch.setenv("HAL_CPU_ISA", isa)
+    monkeypatch.setenv("HAL_WIDENED_KEYS", widened_keys)
     built = build(case)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
