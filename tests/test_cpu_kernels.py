@@ -232,6 +232,34 @@ def test_the_logit_cap_holds_at_every_score_magnitude(isa, tile_rows, monkeypatc
 @needs_kernels
 @pytest.mark.parametrize("isa", RUNNABLE)
 @pytest.mark.parametrize("tile_rows", [0, 16], ids=["rows", "tiles"])
+def test_probabilities_stay_finite_where_exp_underflows(isa, tile_rows, monkeypatch):
+    """Scores 0 down to -100 below the row's max, a key every 0.05, in order and shuffled: exp(s - m) crosses
+    float32's smallest normal (s - m near -87.3) and underflows, and must stay a finite probability (near 0), never
+    -inf or NaN, on every path (the kernels' vector exp builds 2^n from its exponent bits)."""
+    from hal.kernels import reference
+
+    monkeypatch.setenv("HAL_CPU_ISA", isa)
+    gen = torch.Generator().manual_seed(5)
+    ctx, slots = 2001, 2100
+    offsets = -0.05 * torch.arange(ctx, dtype=torch.float64)
+    for order in (torch.arange(ctx), torch.randperm(ctx, generator=gen)):
+        req_to_token = torch.randperm(slots, generator=gen)[:ctx].view(1, ctx).to(torch.int32)
+        k_buffer = torch.zeros(slots, 1, 64)
+        k_buffer[req_to_token[0].long(), 0, 0] = offsets[order].float()  # score = q . k = the offset
+        v_buffer = torch.randn(slots, 1, 64, generator=gen)
+        q = torch.zeros(8, 4, 64)
+        q[..., 0] = 1.0
+        rows, seq, ext = torch.tensor([0]), torch.tensor([ctx]), torch.tensor([8])
+        args = (q, k_buffer, v_buffer, req_to_token, rows, seq, ext)
+        out = cpu_kernels.paged_attention(*args, scale=1.0, tile_rows=tile_rows, causal=False)
+        expected = reference.paged_attention(*args, scale=1.0, causal=False)
+        assert out.isfinite().all()
+        torch.testing.assert_close(out, expected, **tolerance(torch.float32))
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("tile_rows", [0, 16], ids=["rows", "tiles"])
 def test_the_running_max_follows_scores_that_climb_and_fall_and_a_late_nan_still_shows(isa, tile_rows, monkeypatch):
     """A row's running max moves only when a score passes it by more than a margin (fold_block): scores that climb
     by ~0.4 a key (6 a block of 16, 13 a block of 32) and then fall must match the reference; a NaN score far past
