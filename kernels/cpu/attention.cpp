@@ -1672,14 +1672,14 @@ void run_tile_vec(const Problem& P, const Task& task, WidenedRows& rows) {
     qt2 = aligned(t_pairs, 2 * D2 * ldr + 2 * BK2 * ldr + BK2 * Dv);  // parts of whole cache lines (ldr % 16 == 0)
     p2 = qt2 + 2 * D2 * ldr;
     vpack = p2 + 2 * BK2 * ldr;
+    thread_local std::vector<uint32_t> t_row;  // one row's halves, hi then lo: D / 2 pairs each
+    uint32_t* row = aligned(t_row, 2 * D2);
     for (int64_t r = 0; r < Rp; ++r) {
-      for (int64_t d = 0; d < D; ++d) {
-        const float x = r < R ? qs[r * D + d] : 0.f;
-        const at::BFloat16 top(x);
-        const at::BFloat16 rest(x - to_float(top));
-        reinterpret_cast<uint16_t*>(qt2 + (d / 2) * ldr + r)[d % 2] = top.x;
-        reinterpret_cast<uint16_t*>(qt2 + D2 * ldr + (d / 2) * ldr + r)[d % 2] = rest.x;
-        qlo |= (rest.x & 0x7fff) != 0;
+      qlo |= to_bf16_halves(qs + r * D, r < R ? D : 0, D, reinterpret_cast<uint16_t*>(row),
+                            reinterpret_cast<uint16_t*>(row + D2));
+      for (int64_t d2 = 0; d2 < D2; ++d2) {
+        qt2[d2 * ldr + r] = row[d2];
+        qt2[(D2 + d2) * ldr + r] = row[D2 + d2];
       }
     }
   }
