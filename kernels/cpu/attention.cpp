@@ -1684,9 +1684,11 @@ void run_tile_vec(const Problem& P, const Task& task, WidenedRows& rows) {
     }
   }
 #endif
-  if constexpr (!DOT) {
-    for (int64_t d = 0; d < D; ++d)
-      for (int64_t r = 0; r < Rp; ++r) qt[d * ldr + r] = r < R ? qs[r * D + d] : 0.f;
+  if constexpr (!DOT) {  // Q^T in 16 x 16 blocks, each read and written within a few cache lines
+    for (int64_t r0 = 0; r0 < Rp; r0 += 16)
+      for (int64_t d0 = 0; d0 < D; d0 += 16)
+        for (int64_t d = d0; d < std::min(D, d0 + 16); ++d)
+          for (int64_t r = r0; r < r0 + 16; ++r) qt[d * ldr + r] = r < R ? qs[r * D + d] : 0.f;
   }
   if (int64_t(t_ptrs.size()) < 4 * (BK + kStKeys)) t_ptrs.resize(4 * (BK + kStKeys));
   const T** kp = reinterpret_cast<const T**>(t_ptrs.data());
