@@ -2232,7 +2232,9 @@ std::string build_info() {
 #else
   s += ": plain loops";
 #endif
-#ifdef HAL_BF16DOT
+#if defined(HAL_BF16DOT) && defined(HAL_AMX)
+  s += ", bf16 widened to fp32 on the row path, dotted by avx512_bf16 in vector extend tiles";
+#elif defined(HAL_BF16DOT)
   s += ", bf16 keys dotted by avx512_bf16";
 #else
   s += ", bf16 widened to fp32";
