@@ -10,7 +10,8 @@ machines hal is measured on, minute to minute). Here both sources are built side
 of its own, so their ops coexist) and called in turns on the same inputs, the order swapped every round, so both
 see the same host; the medians and their ratio are what to read. The outputs of the two are compared too: a
 change meant to be a pure speed-up shows 0 (or rounding) there. ``--after-isa`` builds the second source for
-another kernel path, so two paths of one source can be compared on this CPU.
+another kernel path, so two paths of one source can be compared on this CPU. ``--flush-mb N`` reads N MB before
+each call, so the call's K/V come from memory (without it a call follows one over the same rows).
 
 Shapes are ``hal bench``'s defaults: decode 32 requests x 2048 keys, extend 4 x (512 cached + 512 new), 32
 query heads over 8 KV heads of 128 dims; ``--page-size 1`` scatters each request's slots over the pool, a larger
@@ -102,9 +103,10 @@ def run(
     isa: str,
     quick: bool,
     after_isa: str | None = None,
+    flush_mb: int = 0,
 ):
-    """Both builds (``after`` for ``after_isa`` where given, else both for ``isa``) timed in turns: the report as a
-    dict."""
+    """Both builds (``after`` for ``after_isa`` where given, else both for ``isa``) timed in turns, each call after a
+    read of ``flush_mb`` MB (0: none) so that its K/V come from memory: the report as a dict."""
     for source in (before, after):
         if not source.is_file():
             raise SystemExit(f"kernel_ab: {source} is not a file")
@@ -116,7 +118,11 @@ def run(
     outs = [args[-1], args[-1].clone()]
     scale = HEADS[2] ** -0.5
 
+    flush = torch.ones(flush_mb << 18) if flush_mb else None  # float32: 2^18 per MB
+
     def call(i: int) -> float:
+        if flush is not None:
+            flush.sum()
         start = time.perf_counter()
         modules[i].paged_attention(*args[:-1], outs[i], scale, 0.0, -1, True, cpu_kernels.TILE_ROWS)
         return time.perf_counter() - start
@@ -134,6 +140,7 @@ def run(
         "page_size": page_size,
         "isa": isa,
         "after_isa": after_isa,
+        "flush_mb": flush_mb,
         "threads": torch.get_num_threads(),
         "rounds": rounds,
         "before": {"source": str(before), "median_ms": 1e3 * medians[0], "min_ms": 1e3 * min(times[0])},
@@ -153,17 +160,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=30, help="calls of each version, in turns")
     parser.add_argument("--isa", default=None, help="kernel path to build both for (default: this CPU's best)")
     parser.add_argument("--after-isa", default=None, help="kernel path to build `after` for (default: --isa's)")
+    parser.add_argument(
+        "--flush-mb", type=int, default=0, help="MB read before each call, so K/V come from memory (e.g. 512)"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="small shapes (a smoke run)")
     args = parser.parse_args(argv)
     if args.page_size < 1:
         parser.error(f"--page-size {args.page_size}: expected a positive page size")
+    if args.flush_mb < 0:
+        parser.error(f"--flush-mb {args.flush_mb}: expected 0 (no flush) or more")
     if args.threads:
         torch.set_num_threads(args.threads)
     isa = cpu_kernels.isa() if args.isa is None else cpu_kernels._isa(args.isa)
     after_isa = None if args.after_isa is None else cpu_kernels._isa(args.after_isa)
     report = run(
-        args.before, args.after, args.workload, args.dtype, args.page_size, args.rounds, isa, args.quick, after_isa
+        args.before,
+        args.after,
+        args.workload,
+        args.dtype,
+        args.page_size,
+        args.rounds,
+        isa,
+        args.quick,
+        after_isa,
+        args.flush_mb,
     )
     report["cpu"] = cpu_kernels.cpu_features()
     print(json.dumps(report, indent=2))

@@ -306,5 +306,7 @@ def test_kernel_ab_refuses_what_it_cannot_compare(tmp_path):
         ab.main([str(source), str(source), "--rounds", "1"])
     with pytest.raises(SystemExit):
         ab.main([str(source), str(source), "--page-size", "0"])
+    with pytest.raises(SystemExit):
+        ab.main([str(source), str(source), "--flush-mb", "-1"])
     with pytest.raises(ConfigError, match="sse9"):  # --after-isa: a kernel path hal knows, which this CPU runs
         ab.main([str(source), str(source), "--after-isa", "sse9"])
