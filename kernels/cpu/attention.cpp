@@ -94,10 +94,6 @@ inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 inline vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
-inline vf vfloor(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
-inline vf vpow2i(vf n) {  // 2^n for integral n in the normal range
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23));
-}
 inline vf vpow2_bits(vf t) {  // 2^n from t = n + 1.5 * 2^23 (n integral, in the normal range): n + 127 in bits 23-30
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(127)), 23));
 }
@@ -132,10 +128,6 @@ inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
 inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
 inline vf vmin(vf a, vf b) { return _mm256_min_ps(a, b); }
-inline vf vfloor(vf a) { return _mm256_floor_ps(a); }
-inline vf vpow2i(vf n) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23));
-}
 inline vf vpow2_bits(vf t) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(127)), 23));
 }
@@ -982,7 +974,7 @@ void run_rows(const Problem& P, const Task& task) {
 #if defined(HAL_BF16DOT) && !defined(HAL_AMX)
   constexpr bool dot = std::is_same_v<T, at::BFloat16>;  // bf16 keys dotted without widening
 #else  // (AMX Xeons run vdpbf16ps at half the FMA rate: widened, the decode's keys score 1.06-1.08x faster in
-       // cache and 1.0-1.04x from memory)
+       // cache and 0.99-1.02x from memory)
   constexpr bool dot = false;
 #endif
   constexpr bool pairs = kBf16Pairs && std::is_same_v<T, at::BFloat16>;  // AVX2: bf16 rows widened as pairs
