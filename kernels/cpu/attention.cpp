@@ -1793,8 +1793,6 @@ void run_tile_vec(const Problem& P, const Task& task, WidenedRows& rows) {
 }
 #endif
 
-// Extend tiles: AMX or the vector path where built; plain loops: scores and values through at::mm over blocks
-// of kGemmBlock keys, widened to float32.
 // Whether run_tile takes the AMX path (bf16 pools).
 inline bool amx_tiles(const Problem& P, bool bf16) {
 #ifdef HAL_AMX
@@ -1804,33 +1802,10 @@ inline bool amx_tiles(const Problem& P, bool bf16) {
 #endif
 }
 
+// One extend tile without vector kernels: scores and values through at::mm over blocks of kGemmBlock keys,
+// widened to float32.
 template <typename T>
-void run_tile(const Problem& P, const Task& task) {
-#ifdef HAL_AMX
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (amx_tiles(P, true)) return run_tile_amx(P, task);
-  }
-#endif
-#ifdef HAL_VEC
-  // a task's tiles (task.sub query rows each) one after another: they read the same keys
-  bool dot = false;
-#ifdef HAL_BF16DOT
-  dot = std::is_same_v<T, at::BFloat16> && P.D % 2 == 0 && P.Dv % 16 == 0;
-#endif
-  WidenedRows rows = dot ? WidenedRows{} : widened_rows(P, P.kv_lens[task.b]);
-  const int64_t step = task.sub > 0 ? task.sub : task.i1 - task.i0;
-  for (int64_t i0 = task.i0; i0 < task.i1 && !P.bad->load(); i0 += step) {
-    const Task tile{task.b, task.h, i0, std::min(task.i1, i0 + step), 1, 0., true, 0};
-    if (dot) {
-#ifdef HAL_BF16DOT
-      if constexpr (std::is_same_v<T, at::BFloat16>) run_tile_vec<T, true>(P, tile, rows);
-#endif
-    } else {
-      run_tile_vec<T, false>(P, tile, rows);
-    }
-  }
-  return;
-#endif
+void run_tile_mm(const Problem& P, const Task& task) {
   const int64_t b = task.b, h = task.h, i0 = task.i0, nq = task.i1 - task.i0;
   const int64_t R = nq * P.G, D = P.D, Dv = P.Dv, BK = kGemmBlock;
   float* base = scratch(R * D + R * Dv + R * BK + BK * D + BK * Dv + 2 * R);
@@ -1864,6 +1839,41 @@ void run_tile(const Problem& P, const Task& task) {
     acc_t.addmm_(s_t, at::from_blob(vs, {nk, Dv}, opts));
   }
   write_rows(P, b, h, i0, R, acc, m, l);
+}
+
+
+// A tile task: AMX where it serves, else its tiles (task.sub query rows each) one after another, which read the
+// same keys (the float vector path widens them once for all: WidenedRows).
+template <typename T>
+void run_tile(const Problem& P, const Task& task) {
+#ifdef HAL_AMX
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (amx_tiles(P, true)) return run_tile_amx(P, task);
+  }
+#endif
+  bool dot = false;
+#ifdef HAL_BF16DOT
+  dot = std::is_same_v<T, at::BFloat16> && P.D % 2 == 0 && P.Dv % 16 == 0;
+#endif
+#ifdef HAL_VEC
+  WidenedRows rows = dot ? WidenedRows{} : widened_rows(P, P.kv_lens[task.b]);
+#endif
+  const int64_t step = task.sub > 0 ? task.sub : task.i1 - task.i0;
+  for (int64_t i0 = task.i0; i0 < task.i1 && !P.bad->load(); i0 += step) {
+    const Task tile{task.b, task.h, i0, std::min(task.i1, i0 + step), 1, 0., true, 0};
+#ifdef HAL_VEC
+    if (dot) {
+#ifdef HAL_BF16DOT
+      if constexpr (std::is_same_v<T, at::BFloat16>) run_tile_vec<T, true>(P, tile, rows);
+#endif
+    } else {
+      run_tile_vec<T, false>(P, tile, rows);
+    }
+#else
+    (void)dot;
+    run_tile_mm<T>(P, tile);
+#endif
+  }
 }
 
 // The pool's buffers: [S, Hkv, D] keys and [S, Hkv, Dv] values (last dims contiguous).
