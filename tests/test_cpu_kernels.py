@@ -397,9 +397,19 @@ def test_a_cache_hit_or_miss_shows_in_hal_info(tmp_path):
     assert not any(tmp_path.rglob("*.so")), "hal info must never compile"
 
 
+def test_the_default_path_is_the_best_but_intel_widens_bf16_without_amx():
+    avx512_bf16 = ["avx512_bf16", "avx512", "avx2", "amx_emulated", "generic"]
+    assert cpu_kernels.default_isa(avx512_bf16, "AuthenticAMD") == "avx512_bf16"  # Zen 4: dot at 2.5x FMA
+    assert cpu_kernels.default_isa(avx512_bf16, "GenuineIntel") == "avx512"  # vdpbf16ps at half the FMA rate
+    assert cpu_kernels.default_isa(["amx", *avx512_bf16], "GenuineIntel") == "amx"
+    assert cpu_kernels.default_isa(["avx2", "amx_emulated", "generic"], "GenuineIntel") == "avx2"
+    assert cpu_kernels.default_isa(["generic"], "") == "generic"
+
+
 def test_a_path_this_cpu_cannot_run_is_refused(monkeypatch):
     runnable = cpu_kernels.runnable_isas()
-    assert runnable[-1] == "generic" and cpu_kernels.isa() == runnable[0]
+    assert runnable[-1] == "generic"
+    assert cpu_kernels.isa() == cpu_kernels.default_isa(runnable, cpu_kernels.cpu_features()["vendor"])
     monkeypatch.setenv("HAL_CPU_ISA", "sse9")
     with pytest.raises(ConfigError, match="expected one of"):
         cpu_kernels.isa()

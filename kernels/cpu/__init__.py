@@ -14,7 +14,7 @@ same attention, with no Python between.
 The C++ source (``attention.cpp``) is compiled by ``torch.utils.cpp_extension`` the
 first time a kernel is asked for, for the best x86 generation this CPU has (:data:`ISAS`:
 AVX-512 with AVX512-BF16 dot products, AVX-512, AVX2+FMA, or plain loops), chosen from
-its features at run time (``HAL_CPU_ISA`` picks a lower one); a path whose instructions
+its features at run time (:func:`default_isa`; ``HAL_CPU_ISA`` picks a lower one); a path whose instructions
 the CPU lacks is never built or run. Each build is cached per user under a key of
 everything that changes the binary (:func:`build_key`: source, torch version, install, git hash
 and C++ ABI, Python, compiler and its version, flags, ISA), so environments sharing
@@ -57,6 +57,7 @@ __all__ = [
     "cpu_features",
     "ISAS",
     "isa",
+    "default_isa",
     "build_key",
     "cache_state",
     "compile_only",
@@ -105,7 +106,7 @@ class KernelBuildError(HalError, RuntimeError):
 def cpu_features() -> dict:
     """This CPU's vector features: ``{"flags": [...], "torch_capability": "AVX2", "model": ...}``."""
     flags: set[str] = set()
-    model = ""
+    model = vendor = ""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -115,6 +116,8 @@ def cpu_features() -> dict:
                     flags = set(value.split())
                 elif key == "model name" and not model:
                     model = value.strip()
+                elif key == "vendor_id" and not vendor:
+                    vendor = value.strip()
     except OSError:
         pass
     try:
@@ -123,6 +126,7 @@ def cpu_features() -> dict:
         capability = "unknown"
     return {
         "model": model,
+        "vendor": vendor,
         "flags": sorted(f for f in _INTERESTING if f in flags),
         "torch_capability": capability,
         "bf16_dot": "avx512_bf16" in flags or "amx_bf16" in flags,
@@ -158,15 +162,27 @@ def runnable_isas() -> list[str]:
 
 
 def isa() -> str:
-    """The path this process runs: the best this CPU has, or ``HAL_CPU_ISA`` (one it has). Raises ConfigError."""
+    """The path this process runs: :func:`default_isa`, or ``HAL_CPU_ISA`` (one it has). Raises ConfigError."""
     return _isa(os.environ.get("HAL_CPU_ISA", ""))
+
+
+def default_isa(runnable: list[str], vendor: str) -> str:
+    """The path hal runs unless told otherwise: the best of ``runnable`` (best first), except that an Intel CPU
+    with AVX512-BF16 but no AMX runs ``avx512`` (bf16 rows widened to float32 FMAs) rather than ``avx512_bf16``.
+    Intel cores issue ``vdpbf16ps`` at half their FMA rate (Sapphire Rapids: bf16 dot 237 against FMA 449 GF/s,
+    hal bench's ceilings), so there the dot path's bf16 extend ran at 0.67-0.69x the avx512 path's and its decode
+    level with it; AMD's Zen 4 runs the dot product at 2.5x its FMA rate and keeps it. Such an Intel CPU is a
+    Cooper Lake, or a later Xeon whose hypervisor hides AMX."""
+    if runnable[0] == "avx512_bf16" and vendor == "GenuineIntel" and "avx512" in runnable:
+        return "avx512"
+    return runnable[0]
 
 
 @functools.cache
 def _isa(forced: str) -> str:
     runnable = runnable_isas()
     if not forced:
-        return runnable[0]
+        return default_isa(runnable, cpu_features()["vendor"])
     if forced not in ISAS:
         raise ConfigError(f"HAL_CPU_ISA={forced!r}: expected one of {', '.join(ISAS)}")
     if forced not in runnable:
