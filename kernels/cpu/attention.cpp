@@ -62,6 +62,7 @@
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kMinNormalExp = -87.3365478515625f;  // float(-126 ln 2): exp of less is subnormal (vexp: 0)
 constexpr int64_t kBlock = 32;       // keys per block on the row path
 constexpr int64_t kScoresBytes = 16 << 10;  // the row path's scores of one block, all heads at once, at most
 constexpr float kLazyMax = 8.f;  // how far a score may pass a row's running max before the max moves (fold_block)
@@ -98,6 +99,9 @@ inline vf vpow2_bits(vf t) {  // 2^n from t = n + 1.5 * 2^23 (n integral, in the
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(127)), 23));
 }
 inline vf vzero_where_neginf(vf x, vf y) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, vset(kNegInf), _CMP_NEQ_OQ), y); }
+inline vf vzero_below_normal(vf x, vf y) {  // y where x > float(-126 ln 2) (exp(x) normal), else 0
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, vset(kMinNormalExp), _CMP_GT_OQ), y);
+}
 inline bool vany_nan(vf x) { return _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q) != 0; }
 inline bool vany_above_or_nan(vf x, vf y) { return _mm512_cmp_ps_mask(x, y, _CMP_NLE_UQ) != 0; }
 inline float hsum(vf v) { return _mm512_reduce_add_ps(v); }
@@ -132,6 +136,7 @@ inline vf vpow2_bits(vf t) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(127)), 23));
 }
 inline vf vzero_where_neginf(vf x, vf y) { return _mm256_and_ps(y, _mm256_cmp_ps(x, vset(kNegInf), _CMP_NEQ_OQ)); }
+inline vf vzero_below_normal(vf x, vf y) { return _mm256_and_ps(y, _mm256_cmp_ps(x, vset(kMinNormalExp), _CMP_GT_OQ)); }
 inline bool vany_nan(vf x) { return _mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)) != 0; }
 inline bool vany_above_or_nan(vf x, vf y) { return _mm256_movemask_ps(_mm256_cmp_ps(x, y, _CMP_NLE_UQ)) != 0; }
 inline vf vvisible(vf j, vf lo, vf hi, vf x) {
@@ -154,24 +159,24 @@ inline float hmax(vf v) {
   return _mm_cvtss_f32(s);
 }
 #endif
-// exp(x) for x <= ~88 (Cephes polynomial, ~1 ulp); -inf -> 0 exactly. n = round(x / ln 2) by the shifter trick:
-// t = x log2(e) + 1.5 * 2^23 holds n in its low mantissa bits, so t - 1.5 * 2^23 is n as a float and t's bits
-// shifted give 2^n, where a floor and a float-to-int conversion took four ops.
+// exp(x) for x <= 88 (every caller's x is at most kLazyMax), within ~2 ulp; +0 for x <= float(-126 ln 2), so no
+// result is subnormal, and for -inf and NaN (callers find NaN scores themselves). n = round(x / ln 2) by the
+// shifter trick: t = x log2(e) + 1.5 * 2^23 holds n in its low mantissa bits, so t - 1.5 * 2^23 is n as a float
+// and t's bits shifted give 2^n; e^r for the rest |r| <= ln(2) / 2 is a degree-5 minimax polynomial (relative
+// error 9e-8). Below -87.34 the bits are garbage, and masked.
 inline vf vexp(vf x0) {
-  const vf x1 = vmax(vmin(x0, vset(88.3762626647949f)), vset(-87.3365478515625f));  // 2^n stays normal
   const vf shifter = vset(12582912.f);  // 1.5 * 2^23
-  const vf t = vfma(x1, vset(1.44269504088896341f), shifter);
+  const vf t = vfma(x0, vset(1.44269504088896341f), shifter);
   const vf fx = vsub(t, shifter);
-  vf x = vfnma(fx, vset(0.693359375f), x1);
+  vf x = vfnma(fx, vset(0.693359375f), x0);
   x = vfnma(fx, vset(-2.12194440e-4f), x);
-  vf y = vset(1.9875691500E-4f);
-  y = vfma(y, x, vset(1.3981999507E-3f));
-  y = vfma(y, x, vset(8.3334519073E-3f));
-  y = vfma(y, x, vset(4.1665795894E-2f));
-  y = vfma(y, x, vset(1.6666665459E-1f));
-  y = vfma(y, x, vset(5.0000001201E-1f));
-  y = vfma(y, vmul(x, x), vadd(x, vset(1.0f)));
-  return vzero_where_neginf(x0, vmul(y, vpow2_bits(t)));
+  vf y = vset(8.29031276e-3f);
+  y = vfma(y, x, vset(4.18979302e-2f));
+  y = vfma(y, x, vset(1.66676357e-1f));
+  y = vfma(y, x, vset(4.99991506e-1f));
+  y = vfma(y, x, vset(9.99999702e-1f));
+  y = vfma(y, x, vset(1.f));
+  return vzero_below_normal(x0, vmul(y, vpow2_bits(t)));
 }
 #endif
 
@@ -191,14 +196,20 @@ inline void vstore_bf16(uint16_t* p, vf x) {
 #endif
 
 // p[i] = exp(s[i] f - m) for i < n (f > 0: scores not yet scaled), into s, or rounded to bf16 into pb where
-// given (s is then only read); returns the sum of the float32 p.
+// given (s is then only read); returns the sum of the float32 p. kLazy (pb given): the same, but it returns NaN
+// where some s[i] f - m is above kLazyMax or NaN (the running max must move first; pb then holds nothing
+// useful) -- any_above_or_nan's test made in the same pass.
+template <bool kLazy = false>
 inline float exp_sub_sum(float* s, int64_t n, float m, float f = 1.f, uint16_t* pb = nullptr) {
   int64_t i = 0;
   float total = 0.f;
+  bool above = false;
 #ifdef HAL_VEC
-  vf acc = vzero(), vm = vset(-m), vf_ = vset(f);
+  vf acc = vzero(), vm = vset(-m), vf_ = vset(f), over = vzero();
   for (; i + kW <= n; i += kW) {
-    vf p = vexp(vfma(vload(s + i), vf_, vm));
+    const vf x = vfma(vload(s + i), vf_, vm);
+    if constexpr (kLazy) over = vnan_or(vmax(x, over), x);  // (vmax keeps its second operand's NaN)
+    vf p = vexp(x);
     acc = vadd(acc, p);
     if (pb) {
       vstore_bf16(pb + i, p);
@@ -207,9 +218,12 @@ inline float exp_sub_sum(float* s, int64_t n, float m, float f = 1.f, uint16_t* 
     }
   }
   total = hsum(acc);
+  if constexpr (kLazy) above = vany_above_or_nan(over, vset(kLazyMax));
 #endif
   for (; i < n; ++i) {
-    const float p = s[i] == kNegInf ? 0.f : std::exp(s[i] * f - m);
+    const float x = s[i] * f - m;
+    if constexpr (kLazy) above |= !(x <= kLazyMax);
+    const float p = s[i] == kNegInf ? 0.f : std::exp(x);
     total += p;
     if (pb) {
       pb[i] = bf16_bits(p);
@@ -217,7 +231,7 @@ inline float exp_sub_sum(float* s, int64_t n, float m, float f = 1.f, uint16_t* 
       s[i] = p;
     }
   }
-  return total;
+  return above ? std::numeric_limits<float>::quiet_NaN() : total;
 }
 
 // The logit cap: s[i] = cap * tanh(s[i] / cap) for i < n (cap > 0), as sign(x) * (1 - e) / (1 + e) with
@@ -867,10 +881,19 @@ inline bool fold_block(const Problem& P, int64_t b, int64_t i0, int64_t R, int64
     // The running max moves only where a score passes it by more than kLazyMax: below that, exp(s - m) <=
     // e^kLazyMax, which no float32 sum of a row's keys overflows, and the softmax does not depend on m; so most
     // blocks take no horizontal max, no rescale and no branch on it.
-    if (m[r] != kNegInf && !any_above_or_nan(sr, nk, fr, m[r] + kLazyMax)) {
-      any = true;
-      l[r] += exp_sub_sum(sr, nk, m[r], fr, pr);
-      continue;
+    if (m[r] != kNegInf) {
+      if (pr) {  // the test and the exps in one pass; scores unchanged
+        const float sum = exp_sub_sum<true>(sr, nk, m[r], fr, pr);
+        if (!std::isnan(sum)) {
+          any = true;
+          l[r] += sum;
+          continue;
+        }
+      } else if (!any_above_or_nan(sr, nk, fr, m[r] + kLazyMax)) {
+        any = true;
+        l[r] += exp_sub_sum(sr, nk, m[r], fr, pr);
+        continue;
+      }
     }
     const float bm = max_of(sr, nk) * fr;
     if (std::isnan(bm)) {  // the row's output is NaN (l = NaN marks it), as the reference's would be
