@@ -406,6 +406,18 @@ def test_the_default_path_is_the_best_but_intel_widens_bf16_without_amx():
     assert cpu_kernels.default_isa(["generic"], "") == "generic"
 
 
+def test_hal_info_says_why_the_path_was_chosen(monkeypatch):
+    monkeypatch.delenv("HAL_CPU_ISA", raising=False)
+    monkeypatch.setattr(cpu_kernels, "runnable_isas", lambda: ["avx512_bf16", "avx512", "avx2", "generic"])
+    monkeypatch.setattr(cpu_kernels, "isa", lambda: "avx512")
+    assert cpu_kernels.why_isa().startswith("default on an Intel CPU without AMX")
+    assert "HAL_CPU_ISA=avx512_bf16" in cpu_kernels.why_isa()
+    monkeypatch.setattr(cpu_kernels, "isa", lambda: "avx512_bf16")
+    assert cpu_kernels.why_isa() == "the best this CPU runs"
+    monkeypatch.setenv("HAL_CPU_ISA", "avx2")
+    assert cpu_kernels.why_isa() == "HAL_CPU_ISA"
+
+
 def test_a_path_this_cpu_cannot_run_is_refused(monkeypatch):
     monkeypatch.delenv("HAL_CPU_ISA", raising=False)
     runnable = cpu_kernels.runnable_isas()

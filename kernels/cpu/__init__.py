@@ -58,6 +58,7 @@ __all__ = [
     "ISAS",
     "isa",
     "default_isa",
+    "why_isa",
     "build_key",
     "cache_state",
     "compile_only",
@@ -176,6 +177,19 @@ def default_isa(runnable: list[str], vendor: str) -> str:
     if runnable[0] == "avx512_bf16" and vendor == "GenuineIntel" and "avx512" in runnable:
         return "avx512"
     return runnable[0]
+
+
+def why_isa() -> str:
+    """Why :func:`isa` is the path it is, in a few words (for ``hal info``). Raises ConfigError as :func:`isa`."""
+    chosen, runnable = isa(), runnable_isas()
+    if os.environ.get("HAL_CPU_ISA", ""):
+        return "HAL_CPU_ISA"
+    if chosen != runnable[0]:
+        return (
+            "default on an Intel CPU without AMX: vdpbf16ps runs at half the FMA rate; "
+            f"HAL_CPU_ISA={runnable[0]} takes it"
+        )
+    return "the best this CPU runs"
 
 
 @functools.cache
@@ -343,7 +357,9 @@ def describe() -> str:
     record = build_record()
     if record is not None:
         how = f"kernel cache {record['cache']}, loaded in {record['seconds']:.1f} s"
-        return f"compiled kernels, {record['isa']} path ({record['build_info']}); {how}; CPU features {flags}"
+        return (
+            f"compiled kernels, {record['isa']} path ({why_isa()}: {record['build_info']}); {how}; CPU features {flags}"
+        )
     cache = cache_state()
     how = (
         "hit: loads without compiling"
@@ -351,7 +367,7 @@ def describe() -> str:
         else "miss: the first use compiles it (a minute or two, once per CPU kind, torch install and compiler)"
     )
     return (
-        f"compiled kernels, {cache['isa']} path (this CPU runs {', '.join(runnable_isas())}); "
+        f"compiled kernels, {cache['isa']} path ({why_isa()}; this CPU runs {', '.join(runnable_isas())}); "
         f"kernel cache {how} ({cache['path']}); CPU features {flags}"
     )
 
