@@ -283,11 +283,14 @@ def test_the_running_max_follows_scores_that_climb_and_fall_and_a_late_nan_still
         out = cpu_kernels.paged_attention(*args, scale=0.125, tile_rows=tile_rows)
         expected = reference.paged_attention(*args, scale=0.125)
         torch.testing.assert_close(out.float(), expected.float(), **tolerance(dtype))
-    k_buffer[int(req_to_token[0, 333]), 1, 5] = float("nan")  # request 1 (row 0), KV head 1, key 333
-    args = (q, k_buffer, v_buffer, req_to_token, rows, seq, ext)
-    out = cpu_kernels.paged_attention(*args, scale=0.125, tile_rows=tile_rows)
-    assert out[1:, 4:].isnan().all() and not out[1:, :4].isnan().any(), "NaN reaches only KV head 1's queries"
-    assert out[0].isfinite().all()
+    flat = 0.3 * torch.randn(slots, 2, 64, generator=gen)  # no climb: the NaN's block takes the lazy fold
+    for keys in (k_buffer, flat):
+        keys[int(req_to_token[0, 333]), 1, 5] = float("nan")  # request 1 (row 0), KV head 1, key 333
+        for dtype in (torch.float32, torch.bfloat16):  # bf16 tiles: the AMX fold tests in its exp pass
+            args = (q.to(dtype), keys.to(dtype), v_buffer.to(dtype), req_to_token, rows, seq, ext)
+            out = cpu_kernels.paged_attention(*args, scale=0.125, tile_rows=tile_rows)
+            assert out[1:, 4:].isnan().all() and not out[1:, :4].isnan().any(), "NaN reaches only KV head 1's queries"
+            assert out[0].isfinite().all()
 
 
 @needs_kernels

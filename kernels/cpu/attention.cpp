@@ -159,8 +159,9 @@ inline float hmax(vf v) {
   return _mm_cvtss_f32(s);
 }
 #endif
-// exp(x) for x <= 88 (every caller's x is at most kLazyMax), within ~2 ulp; +0 for x <= float(-126 ln 2), so no
-// result is subnormal, and for -inf and NaN (callers find NaN scores themselves). n = round(x / ln 2) by the
+// exp(x) for x <= 88, within ~2 ulp (callers' x is at most kLazyMax, but in exp_sub_sum<true>'s pass, which
+// drops its results where x passes that); +0 for x <= float(-126 ln 2), so no result is subnormal, and for -inf
+// and NaN (callers find NaN scores themselves). n = round(x / ln 2) by the
 // shifter trick: t = x log2(e) + 1.5 * 2^23 holds n in its low mantissa bits, so t - 1.5 * 2^23 is n as a float
 // and t's bits shifted give 2^n; e^r for the rest |r| <= ln(2) / 2 is a degree-5 minimax polynomial (relative
 // error 9e-8). Below -87.34 the bits are garbage, and masked.
