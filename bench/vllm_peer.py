@@ -45,8 +45,9 @@ _HIDDEN_FOR_ISA = {
 
 def hide_cpu_features(isa: str) -> list[str]:
     """Report False from the torch.cpu checks vLLM reads for the features above ``isa`` (one of hal's CPU kernel
-    paths; ``generic`` counts as avx2, vLLM having no plainer x86 build). Returns the checks hidden."""
-    hidden = list(_HIDDEN_FOR_ISA.get("avx2" if isa == "generic" else isa, ()))
+    paths; ``generic`` and ``amx_emulated``, built for AVX2, count as avx2, vLLM having no plainer x86 build).
+    Returns the checks hidden."""
+    hidden = list(_HIDDEN_FOR_ISA.get("avx2" if isa in ("generic", "amx_emulated") else isa, ()))
     for name in hidden:
         setattr(torch.cpu, name, lambda: False)
     return hidden

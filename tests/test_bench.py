@@ -276,6 +276,7 @@ def test_the_vllm_peer_hides_the_features_above_hals_path(monkeypatch):
     assert vllm_peer.hide_cpu_features("avx512") == list(checks[:2])
     assert not torch.cpu._is_amx_tile_supported() and not torch.cpu._is_avx512_bf16_supported()
     assert torch.cpu._is_avx512_supported()
+    assert vllm_peer.hide_cpu_features("amx_emulated") == list(checks)
     assert vllm_peer.hide_cpu_features("generic") == list(checks)
     assert not torch.cpu._is_avx512_supported()
 

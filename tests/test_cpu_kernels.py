@@ -413,9 +413,10 @@ def test_hal_info_says_why_the_path_was_chosen(monkeypatch):
     monkeypatch.delenv("HAL_CPU_ISA", raising=False)
     monkeypatch.setattr(cpu_kernels, "runnable_isas", lambda: ["avx512_bf16", "avx512", "avx2", "generic"])
     monkeypatch.setattr(cpu_kernels, "isa", lambda: "avx512")
+    monkeypatch.setattr(cpu_kernels, "cpu_features", lambda: {"vendor": "GenuineIntel"})
     assert cpu_kernels.why_isa().startswith("default on an Intel CPU without AMX")
     assert "HAL_CPU_ISA=avx512_bf16" in cpu_kernels.why_isa()
-    monkeypatch.setattr(cpu_kernels, "isa", lambda: "avx512_bf16")
+    monkeypatch.setattr(cpu_kernels, "cpu_features", lambda: {"vendor": "AuthenticAMD"})
     assert cpu_kernels.why_isa() == "the best this CPU runs"
     monkeypatch.setenv("HAL_CPU_ISA", "avx2")
     assert cpu_kernels.why_isa() == "HAL_CPU_ISA"

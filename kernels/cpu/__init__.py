@@ -174,22 +174,24 @@ def default_isa(runnable: list[str], vendor: str) -> str:
     hal bench's ceilings), so there the dot path's bf16 extend ran at 0.67-0.69x the avx512 path's and its decode
     level with it; AMD's Zen 4 runs the dot product at 2.5x its FMA rate and keeps it. Such an Intel CPU is a
     Cooper Lake, or a later Xeon whose hypervisor hides AMX."""
+    return _default(runnable, vendor)[0]
+
+
+def _default(runnable: list[str], vendor: str) -> tuple[str, str]:
+    """:func:`default_isa`'s path and why, in a few words."""
     if runnable[0] == "avx512_bf16" and vendor == "GenuineIntel" and "avx512" in runnable:
-        return "avx512"
-    return runnable[0]
+        return "avx512", (
+            "default on an Intel CPU without AMX: vdpbf16ps runs at half the FMA rate; HAL_CPU_ISA=avx512_bf16 takes it"
+        )
+    return runnable[0], "the best this CPU runs"
 
 
 def why_isa() -> str:
     """Why :func:`isa` is the path it is, in a few words (for ``hal info``). Raises ConfigError as :func:`isa`."""
-    chosen, runnable = isa(), runnable_isas()
+    isa()  # a HAL_CPU_ISA this CPU cannot run raises here
     if os.environ.get("HAL_CPU_ISA", ""):
         return "HAL_CPU_ISA"
-    if chosen != runnable[0]:
-        return (
-            "default on an Intel CPU without AMX: vdpbf16ps runs at half the FMA rate; "
-            f"HAL_CPU_ISA={runnable[0]} takes it"
-        )
-    return "the best this CPU runs"
+    return _default(runnable_isas(), cpu_features()["vendor"])[1]
 
 
 @functools.cache
