@@ -161,22 +161,32 @@ inline float hmax(vf v) {
 #endif
 // exp(x) for x <= 88, within ~2 ulp (callers' x is at most kLazyMax, but in exp_sub_sum<true>'s pass, which
 // drops its results where x passes that); +0 for x <= float(-126 ln 2), so no result is subnormal, and for -inf
-// and NaN (callers find NaN scores themselves). n = round(x / ln 2) by the
+// and NaN (callers find NaN scores themselves). kCoarse: a degree-3 polynomial (relative error 1e-4, 2 FMAs fewer)
+// for probabilities about to be rounded to bf16 (2^-9), as the AMX tiles take them. n = round(x / ln 2) by the
 // shifter trick: t = x log2(e) + 1.5 * 2^23 holds n in its low mantissa bits, so t - 1.5 * 2^23 is n as a float
 // and t's bits shifted give 2^n; e^r for the rest |r| <= ln(2) / 2 is a degree-5 minimax polynomial (relative
 // error 9e-8). Below -87.34 the bits are garbage, and masked.
+template <bool kCoarse = false>
 inline vf vexp(vf x0) {
   const vf shifter = vset(12582912.f);  // 1.5 * 2^23
   const vf t = vfma(x0, vset(1.44269504088896341f), shifter);
   const vf fx = vsub(t, shifter);
   vf x = vfnma(fx, vset(0.693359375f), x0);
   x = vfnma(fx, vset(-2.12194440e-4f), x);
-  vf y = vset(8.29031276e-3f);
-  y = vfma(y, x, vset(4.18979302e-2f));
-  y = vfma(y, x, vset(1.66676357e-1f));
-  y = vfma(y, x, vset(4.99991506e-1f));
-  y = vfma(y, x, vset(9.99999702e-1f));
-  y = vfma(y, x, vset(1.f));
+  vf y;
+  if constexpr (kCoarse) {
+    y = vset(1.65179748e-1f);
+    y = vfma(y, x, vset(5.04130409e-1f));
+    y = vfma(y, x, vset(1.00019584e+0f));
+    y = vfma(y, x, vset(1.f));
+  } else {
+    y = vset(8.29031276e-3f);
+    y = vfma(y, x, vset(4.18979302e-2f));
+    y = vfma(y, x, vset(1.66676357e-1f));
+    y = vfma(y, x, vset(4.99991506e-1f));
+    y = vfma(y, x, vset(9.99999702e-1f));
+    y = vfma(y, x, vset(1.f));
+  }
   return vzero_below_normal(x0, vmul(y, vpow2_bits(t)));
 }
 #endif
@@ -197,9 +207,9 @@ inline void vstore_bf16(uint16_t* p, vf x) {
 #endif
 
 // p[i] = exp(s[i] f - m) for i < n (f > 0: scores not yet scaled), into s, or rounded to bf16 into pb where
-// given (s is then only read); returns the sum of the float32 p. kLazy (pb given): the same, but it returns NaN
-// where some s[i] f - m is above kLazyMax or NaN (the running max must move first; pb then holds nothing
-// useful) -- any_above_or_nan's test made in the same pass.
+// given (s is then only read; vexp<true>, as close as bf16 needs); returns the sum of the float32 p. kLazy (pb
+// given): the same, but it returns NaN where some s[i] f - m is above kLazyMax or NaN (the running max must move
+// first; pb then holds nothing useful) -- any_above_or_nan's test made in the same pass.
 template <bool kLazy = false>
 inline float exp_sub_sum(float* s, int64_t n, float m, float f = 1.f, uint16_t* pb = nullptr) {
   int64_t i = 0;
@@ -210,11 +220,13 @@ inline float exp_sub_sum(float* s, int64_t n, float m, float f = 1.f, uint16_t* 
   for (; i + kW <= n; i += kW) {
     const vf x = vfma(vload(s + i), vf_, vm);
     if constexpr (kLazy) over = vnan_or(vmax(x, over), x);  // (vmax keeps its second operand's NaN)
-    vf p = vexp(x);
-    acc = vadd(acc, p);
     if (pb) {
+      const vf p = vexp<true>(x);
+      acc = vadd(acc, p);
       vstore_bf16(pb + i, p);
     } else {
+      const vf p = vexp(x);
+      acc = vadd(acc, p);
       vstore(s + i, p);
     }
   }
