@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hal.capability import DeviceCapability
-from hal.errors import ConfigError, PluginError
+from hal.errors import ConfigError, PluginError, expect
 from hal.plugin_compat import adapt_api1_backend
 
 if TYPE_CHECKING:
@@ -238,8 +238,18 @@ def _describe_exception(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def device_backends(device: Device) -> tuple[list[type[AttentionBackend]], str | None]:
-    """``device.backends()`` and None, or ``[]`` and the error a broken plugin raised (``SystemExit`` included)."""
+def device_backends(device: Device | str) -> tuple[list[type[AttentionBackend]], str | None]:
+    """``device.backends()`` and None, or ``[]`` and the error a broken plugin raised (``SystemExit`` included).
+    ``device``: a :class:`Device`, or a registered device's name (``"cpu"``; an unknown one is a ``ConfigError``)."""
+    if isinstance(device, str):
+        device = get_registry().get(device)
+    expect(
+        isinstance(device, Device),
+        ConfigError,
+        "device",
+        type(device).__name__,
+        "a hal.registry.Device or a device name",
+    )
     try:
         classes = list(device.backends())
     except KeyboardInterrupt:

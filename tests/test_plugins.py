@@ -293,6 +293,17 @@ class NoKernels(Device):
         from hal_missing_kernels import Backend  # noqa: F401
 
 
+def test_device_backends_takes_a_name_and_refuses_anything_else():
+    by_name, error = device_backends("cpu")
+    assert error is None
+    assert by_name == device_backends(get_registry().get("cpu"))[0]
+    with pytest.raises(ConfigError, match="'nope' is not registered"):
+        device_backends("nope")
+    for bad in (3, None, object()):
+        with pytest.raises(ConfigError, match="expected a hal.registry.Device or a device name"):
+            device_backends(bad)
+
+
 def test_available_device_whose_backends_raise_is_skipped(monkeypatch):
     monkeypatch.setenv("HAL_PLUGINS", "cpu")
     register_device(NoKernels())
