@@ -1,0 +1,169 @@
+// How fast this CPU reads a decode's KV cache in hal's layout, with no attention arithmetic: the ceiling a decode
+// kernel over SGLang's pool ([slot][kv head][dim], K and V apart) cannot pass, per page size and read pattern.
+//
+//   g++ -O2 -march=native -fopenmp bench/read_probe.cpp -o /tmp/read_probe
+//   /tmp/read_probe PAGE PATTERN THREADS      e.g. /tmp/read_probe 16 heads+t2 2
+//
+// The pools are hal bench's bf16 decode: 32 requests x 2048 slots, 8 KV heads x 128 dims (2 KB a slot), K and V
+// 134 MB each, pages of PAGE slots scattered (a random permutation, as kernel_ab's slot_table), a 512 MB read
+// before each pass so nothing is in cache; blocks of 16 slots handed to the threads statically. Patterns:
+//   slots     each slot's K rows of all heads, then its V rows, in address order (demand loads)
+//   heads     head by head through a block, K then V (hal's row kernels' order), demand loads
+//   heads+t2  the same, the next block's rows of the head fetched with prefetcht2 (as the kernels' Ahead does)
+//   tiles     AMX tile loads of a head's 16 rows (a slot's stride apart; pages of 16 or more only), nothing
+//             consuming them (AMX CPUs)
+// Prints the best of 5 passes in ms and GB/s.
+#include <immintrin.h>
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+constexpr int64_t kRequests = 32, kKeys = 2048, kHeads = 8, kRowBytes = 256, kSlotBytes = kHeads * kRowBytes;
+constexpr int64_t kBlock = 16;
+
+#if defined(__AVX512F__)
+using Vec = __m512;
+Vec vec_zero() { return _mm512_setzero_ps(); }
+float vec_sum(Vec x) { return _mm512_reduce_add_ps(x); }
+Vec read_row(const char* row, Vec acc) {
+  for (int64_t o = 0; o < kRowBytes; o += 64) acc = _mm512_add_ps(acc, _mm512_load_ps(reinterpret_cast<const float*>(row + o)));
+  return acc;
+}
+#else  // AVX2
+using Vec = __m256;
+Vec vec_zero() { return _mm256_setzero_ps(); }
+float vec_sum(Vec x) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, x);
+  float s = 0.f;
+  for (float y : lanes) s += y;
+  return s;
+}
+Vec read_row(const char* row, Vec acc) {
+  for (int64_t o = 0; o < kRowBytes; o += 32) acc = _mm256_add_ps(acc, _mm256_load_ps(reinterpret_cast<const float*>(row + o)));
+  return acc;
+}
+#endif
+
+void fetch_row(const char* row) {
+  for (int64_t o = 0; o < kRowBytes; o += 64) _mm_prefetch(row + o, _MM_HINT_T2);
+}
+
+#if defined(__AMX_TILE__)
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+void tiles_begin() {
+  syscall(SYS_arch_prctl, 0x1023, 18);
+  TileConfig config{};
+  config.palette = 1;
+  for (int t = 0; t < 4; ++t) config.rows[t] = 16, config.colsb[t] = 64;
+  _tile_loadconfig(&config);
+}
+void tile_rows(const char* first, int64_t stride) {
+  _tile_loadd(0, first, stride);
+  _tile_loadd(1, first + 64, stride);
+  _tile_loadd(2, first + 128, stride);
+  _tile_loadd(3, first + 192, stride);
+}
+#endif
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 4) {
+    std::fprintf(stderr, "usage: %s PAGE slots|heads|heads+t2|tiles THREADS\n", argv[0]);
+    return 2;
+  }
+  const int64_t page = std::atoll(argv[1]);
+  const std::string pattern = argv[2];
+  const int threads = std::atoi(argv[3]);
+  if (page < 1 || kKeys % page || threads < 1 ||
+      (pattern != "slots" && pattern != "heads" && pattern != "heads+t2" && pattern != "tiles")) {
+    std::fprintf(stderr, "expected PAGE dividing %lld, a pattern of slots|heads|heads+t2|tiles, THREADS >= 1\n",
+                 static_cast<long long>(kKeys));
+    return 2;
+  }
+#if !defined(__AMX_TILE__)
+  if (pattern == "tiles") {
+    std::fprintf(stderr, "tiles: built without AMX (-march=native on a CPU without amx_tile)\n");
+    return 2;
+  }
+#endif
+  if (pattern == "tiles" && page < kBlock) {
+    std::fprintf(stderr, "tiles: pages of %lld slots or more (a tile load takes one stride)\n",
+                 static_cast<long long>(kBlock));
+    return 2;
+  }
+  const int64_t slots = kRequests * kKeys, bytes = slots * kSlotBytes;
+  char* k = static_cast<char*>(std::aligned_alloc(1 << 21, bytes));
+  char* v = static_cast<char*>(std::aligned_alloc(1 << 21, bytes));
+  std::memset(k, 0, bytes);
+  std::memset(v, 0, bytes);
+  std::vector<int64_t> pages(slots / page), order(slots + kBlock);
+  for (int64_t i = 0; i < int64_t(pages.size()); ++i) pages[i] = i;
+  std::shuffle(pages.begin(), pages.end(), std::mt19937(1));
+  for (int64_t i = 0; i < slots; ++i) order[i] = pages[i / page] * page + i % page;
+  for (int64_t i = 0; i < kBlock; ++i) order[slots + i] = order[i];  // the last block's "next"
+  std::vector<float> flush(128 << 20, 1.f);
+  double best = 1e30;
+  float sink = 0.f;
+  for (int pass = 0; pass < 5; ++pass) {
+    float f = 0.f;
+    for (size_t i = 0; i < flush.size(); i += 16) f += flush[i];
+    sink += f * 1e-30f;
+    const auto start = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+    {
+#if defined(__AMX_TILE__)
+      if (pattern == "tiles") tiles_begin();
+#endif
+      Vec acc = vec_zero();
+#pragma omp for schedule(static)
+      for (int64_t b = 0; b < slots; b += kBlock) {
+        const int64_t* at = order.data() + b;
+        if (pattern == "slots") {
+          for (int64_t j = 0; j < kBlock; ++j)
+            for (const char* pool : {k, v})
+              for (int64_t h = 0; h < kHeads; ++h) acc = read_row(pool + at[j] * kSlotBytes + h * kRowBytes, acc);
+          continue;
+        }
+        for (int64_t h = 0; h < kHeads; ++h)
+          for (const char* pool : {k, v}) {
+#if defined(__AMX_TILE__)
+            if (pattern == "tiles") {
+              tile_rows(pool + at[0] * kSlotBytes + h * kRowBytes, kSlotBytes);
+              continue;
+            }
+#endif
+            for (int64_t j = 0; j < kBlock; ++j) {
+              if (pattern == "heads+t2") fetch_row(pool + at[kBlock + j] * kSlotBytes + h * kRowBytes);
+              acc = read_row(pool + at[j] * kSlotBytes + h * kRowBytes, acc);
+            }
+          }
+      }
+#if defined(__AMX_TILE__)
+      if (pattern == "tiles") _tile_release();
+#endif
+      sink += vec_sum(acc);
+    }
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  std::printf("page %lld %s threads %d: %.2f ms, %.1f GB/s\n", static_cast<long long>(page), pattern.c_str(),
+              threads, best * 1e3, 2.0 * bytes / best / 1e9);
+  std::free(k);
+  std::free(v);
+  return sink == 12345.f;  // the sums are used: the loads stay
+}
