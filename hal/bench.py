@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import select as io_select
+import shutil
 import statistics
 import subprocess
 import sys
@@ -294,7 +295,10 @@ def _interleaved(calls: dict[str, Callable[[], float]], first_ms: dict[str, floa
 def _engines(python: str) -> list[str]:
     """The engines of :data:`PEER_SCRIPTS` that interpreter ``python`` can import (found, not imported)."""
     probe = f"import importlib.util as u; print(' '.join(m for m in {tuple(PEER_SCRIPTS)!r} if u.find_spec(m)))"
-    done = subprocess.run([python, "-c", probe], capture_output=True, text=True, check=False)
+    try:
+        done = subprocess.run([python, "-c", probe], capture_output=True, text=True, check=False)
+    except OSError:  # not an executable: reported as importing none
+        return []
     return done.stdout.split() if done.returncode == 0 else []
 
 
@@ -449,6 +453,16 @@ def run_bench(
     counts = threads or [initial_threads]
     if any(n < 1 for n in counts):
         raise ConfigError(f"--threads {counts}: expected thread counts of at least 1")
+    if any(n < 1 for n in page_sizes or []):
+        raise ConfigError(f"--page-size {page_sizes}: expected page sizes of at least 1")
+    if repeats < 1:
+        raise ConfigError(f"--repeats {repeats}: expected at least 1 timed call per workload")
+    for python in [peer_python] if isinstance(peer_python, str) else peer_python or []:
+        if not (os.path.isfile(python) or shutil.which(python)):
+            raise ConfigError(
+                f"--peer-python {python!r}: no such interpreter; expected the python of a venv with "
+                "SGLang or vLLM (e.g. venv/bin/python)"
+            )
     unknown = sorted(set(peers or []) - set(PEERS))
     if unknown:
         raise ConfigError(f"--peer {unknown}: expected some of {', '.join(PEERS)}")
@@ -696,6 +710,8 @@ def _print(run: dict, meta: dict, dev_name: str, cap_name: str, threads: int) ->
             )
         for name, reasons in row["skipped"].items():
             print(f"{row['name']:<24}{name:<15}skipped: {'; '.join(reasons)}")
+    for where, error in run.get("peer_errors", {}).items():
+        print(f"engine peer {where}: not timed: {error}")
 
 
 def _print_scaling(scaling: dict) -> None:

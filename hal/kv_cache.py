@@ -87,7 +87,7 @@ def pool_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     same either way."""
     buf = torch.empty(shape, dtype=dtype, device=device)
     nbytes = buf.numel() * buf.element_size()
-    if buf.device == _HOST and nbytes >= 2 * _HUGE_PAGE and host_huge_pages():
+    if host_huge_pages() and buf.device == _HOST and nbytes >= 2 * _HUGE_PAGE:  # (HAL_KV_HUGE_PAGES checked always)
         start = -(-buf.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE  # the whole huge pages inside the buffer
         length = (buf.data_ptr() + nbytes - start) // _HUGE_PAGE * _HUGE_PAGE
         if length > 0:

@@ -319,7 +319,8 @@ def test_pools_wrap_an_engines_tensors_without_a_copy():
 
 def test_large_host_pools_ask_for_huge_pages(monkeypatch):
     """A host pool of 4 MiB or more madvises the whole huge pages inside each buffer before zeroing it;
-    HAL_KV_HUGE_PAGES=0 (and a small pool) leaves the pages alone; another value is refused by name."""
+    HAL_KV_HUGE_PAGES=0 (and a small pool) leaves the pages alone; another value is refused by name, whatever the
+    pool's size."""
     from hal import kv_cache
 
     calls = []
@@ -348,6 +349,8 @@ def test_large_host_pools_ask_for_huge_pages(monkeypatch):
     monkeypatch.setenv("HAL_KV_HUGE_PAGES", "yes")
     with pytest.raises(ConfigError, match="HAL_KV_HUGE_PAGES"):
         hal.PagedKVPool(1023, 16, 1, 8, 128, dtype=torch.bfloat16)
+    with pytest.raises(ConfigError, match="HAL_KV_HUGE_PAGES"):  # a pool too small for huge pages too
+        hal.PagedKVPool(4, 16, 1, 2, 8)
 
 
 def test_devices_are_normalised():
@@ -374,3 +377,13 @@ def test_a_mixed_batch_splits_into_its_extends_and_its_decodes_over_the_same_poo
         assert len(tokens) == sum(built.case.requests[r][1] for r in requests)
         out = reference.batch_attention(q, k_pool, v_pool, built.layer, fb, acc_dtype=torch.float64)
         torch.testing.assert_close(out, built.expected[tokens], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("page_size", [0, -16, 1.5])
+def test_a_case_with_no_pages_is_refused_where_it_is_made(page_size):
+    from hal.conformance import Case
+
+    with pytest.raises(ConfigError, match=f"case bad: page_size = {page_size!r}: expected an int of at least 1"):
+        Case("bad", ForwardMode.DECODE, ((3, 1),), page_size=page_size)
+    with pytest.raises(ConfigError, match="layer_id 2 is not a layer of its pool"):
+        Case("bad", ForwardMode.DECODE, ((3, 1),), layer_id=2)

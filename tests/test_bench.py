@@ -182,6 +182,44 @@ def test_a_bench_run_alternates_with_its_engine_peers(tmp_path, monkeypatch, cap
     assert report["peer_meta"]["fake"]["engine"] == "fake"
 
 
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"page_sizes": [16, 0]}, r"--page-size \[16, 0\]: expected page sizes of at least 1"),
+        ({"page_sizes": [-3]}, "expected page sizes of at least 1"),
+        ({"repeats": 0}, "--repeats 0: expected at least 1"),
+        ({"threads": [0]}, "expected thread counts of at least 1"),
+        ({"peer_python": "/nonexistent/bin/python"}, "'/nonexistent/bin/python': no such interpreter"),
+        ({"peers": ["bogus"]}, r"--peer \['bogus'\]"),
+    ],
+)
+def test_bad_bench_arguments_are_refused_before_anything_runs(bad, message, monkeypatch):
+    import hal.bench as bench
+
+    monkeypatch.setattr(bench, "_run_at", lambda *a, **k: pytest.fail("ran with bad arguments"))
+    with pytest.raises(ConfigError, match=message):
+        bench.run_bench("cpu", ["torch"], quick=True, **{"workload_names": ["decode"], **bad})
+
+
+def test_a_peer_python_that_is_no_interpreter_is_reported_not_fatal(monkeypatch, capsys):
+    import hal.bench as bench
+
+    servers, errors = bench._start_peers([__file__], quick=True, threads=1)
+    assert servers == [] and "imports none of" in errors[__file__]
+    bench._print(
+        {
+            "machine": {"read_GBps": 1.0, "matmul_TFLOPs": {"fp32": 1.0, "bf16": 1.0}, "samples": 1},
+            "workloads": [],
+            "peer_errors": errors,
+        },
+        {},
+        "cpu",
+        "cpu",
+        1,
+    )
+    assert f"engine peer {__file__}: not timed" in capsys.readouterr().out
+
+
 def test_a_mixed_batch_is_timed_against_its_parts_in_the_same_turns(monkeypatch, capsys):
     """The mixed row's parts_ms is its backend running both parts one after the other, timed in turns with the
     mixed call (not the sum of the part rows, each timed in a block of its own), and ratio_to_parts is the

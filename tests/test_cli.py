@@ -277,6 +277,21 @@ def test_check_unknown_device_fails_with_a_clear_message(hal_cli):
     assert "device 'nosuchdevice' is not registered: expected one of" in proc.stderr
 
 
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--family", "nosuchfamily", "--backend", "torch"), "family ['nosuchfamily'] (--family, --hal-family)"),
+        (("--fuzz", "-1"), "fuzz = -1: expected 0 (no random batches) or a count of them"),
+    ],
+)
+def test_check_refuses_an_unknown_family_or_a_negative_fuzz(capsys, args, message):
+    rc, out, err = run_main(capsys, "check", "--device", "cpu", *args)
+    assert rc == 2 and out == ""
+    assert err.startswith("hal: error: ") and message in err
+    if "--family" in args:
+        assert "expected some of [" in err and "'window'" in err  # the families there are
+
+
 # -- hal demo ------------------------------------------------------------------------------
 
 

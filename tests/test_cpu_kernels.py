@@ -120,6 +120,19 @@ def test_plain_torch_path_matches_reference(case):
     torch.testing.assert_close(out.float(), built.expected.float(), **tolerance(case.dtype))
 
 
+@pytest.mark.parametrize(
+    "name, value",
+    [("HAL_CPU_KERNELS", "2"), ("HAL_CPU_KERNELS", "yes"), ("HAL_HEADS_PER_TASK", "0"), ("HAL_HEADS_PER_TASK", "x")],
+)
+def test_a_bad_kernel_switch_is_refused_by_name(name, value, monkeypatch):
+    """Read as "on" or as one head per task, these had passed unnoticed."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=f"{name} = '{value}': expected"):
+        cpu_kernels.status()
+    with pytest.raises(ConfigError, match=name):
+        CompiledBackend(CAP)
+
+
 def test_without_kernels_the_torch_backend_falls_back(monkeypatch):
     monkeypatch.setenv("HAL_CPU_KERNELS", "0")
     ok, why = cpu_kernels.status()

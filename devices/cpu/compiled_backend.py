@@ -21,7 +21,6 @@ prepared.
 
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import dataclass
 
@@ -137,9 +136,8 @@ class CompiledBackend(PlainTorchBackend):
         query = host_lens(fb).query
         tiled = [n * group >= cpu_kernels.TILE_ROWS for n in query]
         row_requests = sum(n > 0 and not t for n, t in zip(query, tiled))
-        env = os.environ.get("HAL_HEADS_PER_TASK", "")
         heads = layer.tp_k_head_num if row_requests >= 4 * torch.get_num_threads() else 1
-        heads = max(1, int(env)) if env.isdigit() else heads
+        heads = cpu_kernels.heads_per_task() or heads
         taken = ["tiles"] if any(tiled) else []
         if row_requests:
             taken.append("rows/all_heads" if min(heads, layer.tp_k_head_num) > 1 else "rows/one_head")

@@ -11,6 +11,7 @@ import torch
 from hal.batch import ForwardMode
 from hal.capability import DTYPE_NAMES
 from hal.config import AttentionConfig
+from hal.errors import ConfigError
 from hal.layer import AttentionLayer
 
 __all__ = ["Case", "LARGE_LOGITS_Q_SCALE"]
@@ -64,8 +65,10 @@ class Case:
     v_scale: float | None = None
 
     def __post_init__(self):
+        if not (isinstance(self.page_size, int) and self.page_size >= 1):
+            raise ConfigError(f"case {self.name}: page_size = {self.page_size!r}: expected an int of at least 1")
         if not self.start_layer <= self.layer_id < self.start_layer + max(self.layer_num, 1):
-            raise ValueError(
+            raise ConfigError(
                 f"case {self.name}: layer_id {self.layer_id} is not a layer of its pool "
                 f"({self.start_layer}..{self.start_layer + self.layer_num - 1})"
             )

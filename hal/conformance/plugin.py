@@ -166,16 +166,23 @@ def case_record(item) -> dict | None:
 def pytest_collection_modifyitems(config, items):
     families = set(config.getoption("hal_family"))
     fuzz = config.getoption("hal_fuzz")
-    keep, drop = [], []
+    keep, drop, known = [], [], set()
     for item in items:
         record = case_record(item)
         if record is not None:
+            known.add(record["family"])
             item.user_properties.append(("hal_case", record))
             off_path = not item.callspec.params["hal_target"].path.runs(record["family"], record["mode"])
             if (record["family"] == "fuzz" and not fuzz) or (families and record["family"] not in families) or off_path:
                 drop.append(item)
                 continue
         keep.append(item)
+    unknown = families - known
+    if unknown and known:  # (nothing collected at all: no target here, reported as such)
+        raise pytest.UsageError(
+            f"family {sorted(unknown)} (--family, --hal-family): no conformance test of this run is of it; "
+            f"expected some of {sorted(known)}"
+        )
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep

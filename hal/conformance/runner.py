@@ -12,8 +12,9 @@ import io
 import os
 import platform
 import socket
+import sys
 from collections import defaultdict
-from contextlib import redirect_stdout
+from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
 
@@ -312,6 +313,7 @@ def run_check(
     The cases are collected here first, so the report is the same as one process gives. In-process
     ``plugins`` reach only this process: with them ``jobs`` must be 1."""
     expect(isinstance(jobs, int) and jobs >= 1, ConfigError, "jobs", jobs, "an integer >= 1")
+    expect(isinstance(fuzz, int) and fuzz >= 0, ConfigError, "fuzz", fuzz, "0 (no random batches) or a count of them")
     args = ["--pyargs", "hal.conformance.suite", "-p", "no:cacheprovider", "-q" if not verbose else "-v"]
     args += ["-W", "ignore::pytest.PytestUnknownMarkWarning"]
     for d in devices:
@@ -327,11 +329,16 @@ def run_check(
     args += list(extra_args)
     collector = _Collector()
     buffer = io.StringIO()
-    with redirect_stdout(buffer):
+    errors = io.StringIO()
+    with redirect_stdout(buffer), redirect_stderr(errors):
         if jobs > 1:
             exit_code = _run_in_workers(args, jobs, collector, plugins)
         else:
             exit_code = pytest.main(args, plugins=[collector, *plugins])
+    if exit_code == pytest.ExitCode.USAGE_ERROR:  # an option the suite refused (an unknown --family): a hal error
+        refused = [line.removeprefix("ERROR: ") for line in errors.getvalue().splitlines() if line.startswith("ERROR")]
+        raise ConfigError("hal check: " + ("; ".join(refused) or errors.getvalue().strip() or "pytest usage error"))
+    sys.stderr.write(errors.getvalue())
     by_target: dict = defaultdict(list)
     for record in collector.records.values():
         key = record.pop("key")

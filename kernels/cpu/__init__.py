@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from hal.errors import ConfigError, HalError, KVCacheError
+from hal.errors import ConfigError, HalError, KVCacheError, expect
 
 __all__ = [
     "KernelBuildError",
@@ -262,12 +262,25 @@ def _ninja() -> bool:
         return False
 
 
+def heads_per_task() -> int | None:
+    """``HAL_HEADS_PER_TASK``: KV heads per row task (the kernel's choice when unset; a tuning and test knob),
+    a positive int; anything else is a ``ConfigError``."""
+    raw = os.environ.get("HAL_HEADS_PER_TASK", "").strip()
+    if not raw:
+        return None
+    expect(raw.isdigit() and int(raw) >= 1, ConfigError, "HAL_HEADS_PER_TASK", raw, "a count of KV heads >= 1")
+    return int(raw)
+
+
 def status() -> tuple[bool, str | None]:
     """``(True, None)`` when the kernels are loaded or can be built here, else ``(False, reason)``. Never compiles.
 
     Raises :class:`~hal.errors.ConfigError` for a ``HAL_CPU_ISA`` this CPU cannot run."""
-    if os.environ.get("HAL_CPU_KERNELS", "1") in ("0", "", "off"):
+    switch = os.environ.get("HAL_CPU_KERNELS", "1").strip()
+    expect(switch in ("", "0", "off", "1", "on"), ConfigError, "HAL_CPU_KERNELS", switch, "0 / off or 1 / on (default)")
+    if switch in ("0", "", "off"):
         return False, "HAL_CPU_KERNELS=0 turns the compiled CPU kernels off"
+    heads_per_task()  # a bad override is refused here, not read as 1 by the kernel
     if isa() in _STATE["loaded"]:
         return True, None
     if _STATE["error"] is not None:
