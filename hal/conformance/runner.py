@@ -330,11 +330,15 @@ def run_check(
     collector = _Collector()
     buffer = io.StringIO()
     errors = io.StringIO()
-    with redirect_stdout(buffer), redirect_stderr(errors):
-        if jobs > 1:
-            exit_code = _run_in_workers(args, jobs, collector, plugins)
-        else:
-            exit_code = pytest.main(args, plugins=[collector, *plugins])
+    try:
+        with redirect_stdout(buffer), redirect_stderr(errors):
+            if jobs > 1:
+                exit_code = _run_in_workers(args, jobs, collector, plugins)
+            else:
+                exit_code = pytest.main(args, plugins=[collector, *plugins])
+    except BaseException:
+        sys.stderr.write(errors.getvalue())
+        raise
     if exit_code == pytest.ExitCode.USAGE_ERROR:  # an option the suite refused (an unknown --family): a hal error
         refused = [line.removeprefix("ERROR: ") for line in errors.getvalue().splitlines() if line.startswith("ERROR")]
         raise ConfigError("hal check: " + ("; ".join(refused) or errors.getvalue().strip() or "pytest usage error"))

@@ -275,7 +275,8 @@ def heads_per_task() -> int | None:
 def status() -> tuple[bool, str | None]:
     """``(True, None)`` when the kernels are loaded or can be built here, else ``(False, reason)``. Never compiles.
 
-    Raises :class:`~hal.errors.ConfigError` for a ``HAL_CPU_ISA`` this CPU cannot run."""
+    Raises :class:`~hal.errors.ConfigError` for a ``HAL_CPU_ISA`` this CPU cannot run, and for a ``HAL_CPU_KERNELS``
+    or ``HAL_HEADS_PER_TASK`` it cannot read."""
     switch = os.environ.get("HAL_CPU_KERNELS", "1").strip()
     expect(switch in ("", "0", "off", "1", "on"), ConfigError, "HAL_CPU_KERNELS", switch, "0 / off or 1 / on (default)")
     if switch in ("0", "", "off"):
