@@ -111,8 +111,10 @@ def _check_field(fb, field: BatchField) -> None:
     value = getattr(fb, field.name, _MISSING)
     if field.when == "optional" and (value is _MISSING or value is None):
         return
+    if value is not _MISSING and field.accepts(value):
+        return  # (every step: the message is made only for a field that fails)
     expect(
-        value is not _MISSING and field.accepts(value),
+        False,
         InvalidBatchError,
         f"forward_batch.{field.name}",
         "missing" if value is _MISSING else value if isinstance(value, (int, str, Enum)) else describe(value),
@@ -161,13 +163,8 @@ def validation_level(level: str | None = None) -> str:
 
 def _index_tensor(fb, name: str, length: int | None, device: torch.device) -> torch.Tensor:
     tensor = getattr(fb, name, None)
-    expect(
-        isinstance(tensor, torch.Tensor) and tensor.dim() == 1 and tensor.dtype in INDEX_DTYPES,
-        InvalidBatchError,
-        name,
-        describe(tensor),
-        "a 1-D int32/int64 tensor",
-    )
+    if not (isinstance(tensor, torch.Tensor) and tensor.dim() == 1 and tensor.dtype in INDEX_DTYPES):
+        expect(False, InvalidBatchError, name, describe(tensor), "a 1-D int32/int64 tensor")
     expect(tensor.device == device, InvalidBatchError, f"{name}.device", tensor.device, f"{device} (req_to_token's)")
     if length is not None:
         expect(tensor.numel() == length, InvalidBatchError, f"len({name})", tensor.numel(), str(length))
