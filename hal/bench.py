@@ -380,10 +380,10 @@ class PeerServer:
                 self._proc.wait()
 
 
-def _start_peers(pythons, quick: bool, threads: int) -> tuple[list[PeerServer], dict]:
+def _start_peers(pythons: list[str], quick: bool, threads: int) -> tuple[list[PeerServer], dict]:
     """A :class:`PeerServer` per engine found in each ``--peer-python``, and ``{name: error}`` for the rest."""
     servers, errors = [], {}
-    for python in [pythons] if isinstance(pythons, str) else pythons or []:
+    for python in pythons:
         engines = _engines(python)
         if not engines:
             errors[python] = f"{python} imports none of {', '.join(PEER_SCRIPTS)}"
@@ -457,7 +457,8 @@ def run_bench(
         raise ConfigError(f"--page-size {page_sizes}: expected page sizes of at least 1")
     if repeats < 1:
         raise ConfigError(f"--repeats {repeats}: expected at least 1 timed call per workload")
-    for python in [peer_python] if isinstance(peer_python, str) else peer_python or []:
+    peer_python = [peer_python] if isinstance(peer_python, str) else list(peer_python or [])
+    for python in peer_python:
         if not (os.path.isfile(python) or shutil.which(python)):
             raise ConfigError(
                 f"--peer-python {python!r}: no such interpreter; expected the python of a venv with "
