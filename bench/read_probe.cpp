@@ -2,7 +2,7 @@
 // kernel over SGLang's pool ([slot][kv head][dim], K and V apart) cannot pass, per page size and read pattern.
 //
 //   g++ -O2 -march=native -fopenmp bench/read_probe.cpp -o /tmp/read_probe
-//   /tmp/read_probe PAGE PATTERN THREADS      e.g. /tmp/read_probe 16 heads+t2 2
+//   /tmp/read_probe PAGE PATTERN THREADS [WORK [hot]]      e.g. /tmp/read_probe 16 heads+t2 2
 //
 // The pools are hal bench's bf16 decode: 32 requests x 2048 slots, 8 KV heads x 128 dims (2 KB a slot), K and V
 // 134 MB each, pages of PAGE slots scattered (a random permutation, as kernel_ab's slot_table), a 512 MB read
@@ -11,7 +11,10 @@
 //   heads     head by head through a block, K then V (hal's row kernels' order), demand loads
 //   heads+t2  the same, the next block's rows of the head fetched with prefetcht2 (as the kernels' Ahead does)
 //   tiles     AMX tile loads of a head's 16 rows (a slot's stride apart; pages of 16 or more only), nothing
-//             consuming them (AMX CPUs)
+//             consuming them (AMX CPUs; WORK 0)
+// WORK (default 0): float32 multiply-adds per 64-byte line read, on the line (8 independent chains, no memory
+// traffic): arithmetic standing in for a kernel's, to see whether a pattern's reads run under it or after it.
+// hot: every request's keys over the first 512 slots (in cache, no flush): the same loop's arithmetic alone.
 // Prints the best of 5 passes in ms and GB/s.
 #include <immintrin.h>
 #include <omp.h>
@@ -34,14 +37,15 @@ constexpr int64_t kBlock = 16;
 
 #if defined(__AVX512F__)
 using Vec = __m512;
+constexpr int64_t kVecBytes = 64;
 Vec vec_zero() { return _mm512_setzero_ps(); }
 float vec_sum(Vec x) { return _mm512_reduce_add_ps(x); }
-Vec read_row(const char* row, Vec acc) {
-  for (int64_t o = 0; o < kRowBytes; o += 64) acc = _mm512_add_ps(acc, _mm512_load_ps(reinterpret_cast<const float*>(row + o)));
-  return acc;
-}
+Vec vec_load(const char* p) { return _mm512_load_ps(reinterpret_cast<const float*>(p)); }
+Vec vec_add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+Vec vec_fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 #else  // AVX2
 using Vec = __m256;
+constexpr int64_t kVecBytes = 32;
 Vec vec_zero() { return _mm256_setzero_ps(); }
 float vec_sum(Vec x) {
   alignas(32) float lanes[8];
@@ -50,11 +54,35 @@ float vec_sum(Vec x) {
   for (float y : lanes) s += y;
   return s;
 }
-Vec read_row(const char* row, Vec acc) {
-  for (int64_t o = 0; o < kRowBytes; o += 32) acc = _mm256_add_ps(acc, _mm256_load_ps(reinterpret_cast<const float*>(row + o)));
-  return acc;
-}
+Vec vec_load(const char* p) { return _mm256_load_ps(reinterpret_cast<const float*>(p)); }
+Vec vec_add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+Vec vec_fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 #endif
+
+// A thread's sums: what it read, and the WORK chains fed by it.
+struct Reader {
+  int work = 0;  // multiply-adds per 64-byte line
+  Vec acc = vec_zero(), chain[8] = {};
+  void read_row(const char* row) {
+    Vec c0 = chain[0], c1 = chain[1], c2 = chain[2], c3 = chain[3], c4 = chain[4], c5 = chain[5], c6 = chain[6],
+        c7 = chain[7];  // in registers for the row: the array would be a load and a store per multiply-add
+    for (int64_t o = 0; o < kRowBytes; o += kVecBytes) {
+      const Vec x = vec_load(row + o);
+      acc = vec_add(acc, x);
+      for (int w = 0; w < work * kVecBytes / 64; w += 8) {
+        c0 = vec_fma(x, x, c0), c1 = vec_fma(x, x, c1), c2 = vec_fma(x, x, c2), c3 = vec_fma(x, x, c3);
+        c4 = vec_fma(x, x, c4), c5 = vec_fma(x, x, c5), c6 = vec_fma(x, x, c6), c7 = vec_fma(x, x, c7);
+      }
+    }
+    chain[0] = c0, chain[1] = c1, chain[2] = c2, chain[3] = c3, chain[4] = c4, chain[5] = c5, chain[6] = c6;
+    chain[7] = c7;
+  }
+  float sum() const {
+    Vec s = acc;
+    for (const Vec& c : chain) s = vec_add(s, c);
+    return vec_sum(s);
+  }
+};
 
 void fetch_row(const char* row) {
   for (int64_t o = 0; o < kRowBytes; o += 64) _mm_prefetch(row + o, _MM_HINT_T2);
@@ -71,7 +99,10 @@ void tiles_begin() {
   TileConfig config{};
   config.palette = 1;
   for (int t = 0; t < 4; ++t) config.rows[t] = 16, config.colsb[t] = 64;
-  _tile_loadconfig(&config);
+  // Not _tile_loadconfig: GCC 12's tells the compiler that ldtilecfg reads 8 bytes of the config, so the
+  // stores to the rest may be dropped as dead, and ldtilecfg faults on what the stack held (seen in
+  // bench/read_probe.cpp after an unrelated change). This operand is all 64 bytes.
+  asm volatile("ldtilecfg %0" ::"m"(config));
 }
 void tile_rows(const char* first, int64_t stride) {
   _tile_loadd(0, first, stride);
@@ -83,13 +114,20 @@ void tile_rows(const char* first, int64_t stride) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 4) {
-    std::fprintf(stderr, "usage: %s PAGE slots|heads|heads+t2|tiles THREADS\n", argv[0]);
+  if (argc < 4 || argc > 6) {
+    std::fprintf(stderr, "usage: %s PAGE slots|heads|heads+t2|tiles THREADS [WORK [hot]]\n", argv[0]);
     return 2;
   }
   const int64_t page = std::atoll(argv[1]);
   const std::string pattern = argv[2];
   const int threads = std::atoi(argv[3]);
+  const int work = argc > 4 ? std::atoi(argv[4]) : 0;
+  const bool hot = argc > 5 && std::string(argv[5]) == "hot";
+  if (work < 0 || work % (8 * 64 / kVecBytes) || (argc > 5 && !hot)) {
+    std::fprintf(stderr, "expected WORK a multiple of %lld (0 for none), then optionally hot\n",
+                 static_cast<long long>(8 * 64 / kVecBytes));
+    return 2;
+  }
   if (page < 1 || kKeys % page || threads < 1 ||
       (pattern != "slots" && pattern != "heads" && pattern != "heads+t2" && pattern != "tiles")) {
     std::fprintf(stderr, "expected PAGE dividing %lld, a pattern of slots|heads|heads+t2|tiles, THREADS >= 1\n",
@@ -102,6 +140,10 @@ int main(int argc, char** argv) {
     return 2;
   }
 #endif
+  if (pattern == "tiles" && work) {
+    std::fprintf(stderr, "tiles: WORK 0 only (nothing reads the tiles back)\n");
+    return 2;
+  }
   if (pattern == "tiles" && page < kBlock) {
     std::fprintf(stderr, "tiles: pages of %lld slots or more (a tile load takes one stride)\n",
                  static_cast<long long>(kBlock));
@@ -115,14 +157,15 @@ int main(int argc, char** argv) {
   std::vector<int64_t> pages(slots / page), order(slots + kBlock);
   for (int64_t i = 0; i < int64_t(pages.size()); ++i) pages[i] = i;
   std::shuffle(pages.begin(), pages.end(), std::mt19937(1));
-  for (int64_t i = 0; i < slots; ++i) order[i] = pages[i / page] * page + i % page;
+  for (int64_t i = 0; i < slots; ++i) order[i] = (pages[i / page] * page) % (hot ? 512 : slots) + i % page;
   for (int64_t i = 0; i < kBlock; ++i) order[slots + i] = order[i];  // the last block's "next"
   std::vector<float> flush(128 << 20, 1.f);
   double best = 1e30;
   float sink = 0.f;
   for (int pass = 0; pass < 5; ++pass) {
     float f = 0.f;
-    for (size_t i = 0; i < flush.size(); i += 16) f += flush[i];
+    if (!hot)
+      for (size_t i = 0; i < flush.size(); i += 16) f += flush[i];
     sink += f * 1e-30f;
     const auto start = std::chrono::steady_clock::now();
 #pragma omp parallel num_threads(threads) reduction(+ : sink)
@@ -130,14 +173,14 @@ int main(int argc, char** argv) {
 #if defined(__AMX_TILE__)
       if (pattern == "tiles") tiles_begin();
 #endif
-      Vec acc = vec_zero();
+      Reader reader{work};
 #pragma omp for schedule(static)
       for (int64_t b = 0; b < slots; b += kBlock) {
         const int64_t* at = order.data() + b;
         if (pattern == "slots") {
           for (int64_t j = 0; j < kBlock; ++j)
             for (const char* pool : {k, v})
-              for (int64_t h = 0; h < kHeads; ++h) acc = read_row(pool + at[j] * kSlotBytes + h * kRowBytes, acc);
+              for (int64_t h = 0; h < kHeads; ++h) reader.read_row(pool + at[j] * kSlotBytes + h * kRowBytes);
           continue;
         }
         for (int64_t h = 0; h < kHeads; ++h)
@@ -150,19 +193,19 @@ int main(int argc, char** argv) {
 #endif
             for (int64_t j = 0; j < kBlock; ++j) {
               if (pattern == "heads+t2") fetch_row(pool + at[kBlock + j] * kSlotBytes + h * kRowBytes);
-              acc = read_row(pool + at[j] * kSlotBytes + h * kRowBytes, acc);
+              reader.read_row(pool + at[j] * kSlotBytes + h * kRowBytes);
             }
           }
       }
 #if defined(__AMX_TILE__)
       if (pattern == "tiles") _tile_release();
 #endif
-      sink += vec_sum(acc);
+      sink += reader.sum();
     }
     best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
-  std::printf("page %lld %s threads %d: %.2f ms, %.1f GB/s\n", static_cast<long long>(page), pattern.c_str(),
-              threads, best * 1e3, 2.0 * bytes / best / 1e9);
+  std::printf("page %lld %s threads %d work %d%s: %.2f ms, %.1f GB/s\n", static_cast<long long>(page),
+              pattern.c_str(), threads, work, hot ? " hot" : "", best * 1e3, 2.0 * bytes / best / 1e9);
   std::free(k);
   std::free(v);
   return sink == 12345.f;  // the sums are used: the loads stay

@@ -1197,7 +1197,10 @@ inline void amx_begin() {
     config.rows[t] = 16;
     config.colsb[t] = 64;
   }
-  _tile_loadconfig(&config);
+  // Not _tile_loadconfig: GCC 12's tells the compiler that ldtilecfg reads 8 bytes of the config, so the
+  // stores to the rest may be dropped as dead, and ldtilecfg faults on what the stack held (seen in
+  // bench/read_probe.cpp after an unrelated change). This operand is all 64 bytes.
+  asm volatile("ldtilecfg %0" ::"m"(config));
 }
 inline void amx_end() { _tile_release(); }
 #define HAL_TILE_ZERO(t) _tile_zero(t)
