@@ -1204,7 +1204,12 @@ inline void amx_begin() {
 }
 inline void amx_end() { _tile_release(); }
 #define HAL_TILE_ZERO(t) _tile_zero(t)
-#define HAL_TILE_LOAD(t, p, s) _tile_loadd(t, p, s)
+// Not _tile_loadd: GCC 12's is an asm naming neither the memory it reads nor a memory clobber, so the compiler
+// may move the stores that fill what it loads (packed Q^T, V, P) past it. This one reads the memory at p.
+#define HAL_TILE_LOAD(t, p, s)                                                                  \
+  asm volatile("{tileloadd\t(%1,%2,1), %%tmm" #t "|tileloadd\t%%tmm" #t ", [%1+%2*1]}" ::"m"( \
+                   *(const char(*)[])(p)),                                                     \
+               "r"((const void*)(p)), "r"((long)(s)))
 #define HAL_TILE_STORE(t, p, s) _tile_stored(t, p, s)
 #define HAL_TILE_DP(c, a, b) _tile_dpbf16ps(c, a, b)
 #endif
