@@ -120,6 +120,12 @@ int main(int argc, char** argv) {
   }
   const int64_t page = std::atoll(argv[1]);
   const std::string pattern = argv[2];
+  enum class Mode { slots, heads, heads_t2, tiles, unknown };
+  const Mode mode = pattern == "slots"      ? Mode::slots
+                    : pattern == "heads"    ? Mode::heads
+                    : pattern == "heads+t2" ? Mode::heads_t2
+                    : pattern == "tiles"    ? Mode::tiles
+                                            : Mode::unknown;  // (compared once: per row it cost 3 ms in cache)
   const int threads = std::atoi(argv[3]);
   const int work = argc > 4 ? std::atoi(argv[4]) : 0;
   const bool hot = argc > 5 && std::string(argv[5]) == "hot";
@@ -129,22 +135,22 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (page < 1 || kKeys % page || threads < 1 ||
-      (pattern != "slots" && pattern != "heads" && pattern != "heads+t2" && pattern != "tiles")) {
+      mode == Mode::unknown) {
     std::fprintf(stderr, "expected PAGE dividing %lld, a pattern of slots|heads|heads+t2|tiles, THREADS >= 1\n",
                  static_cast<long long>(kKeys));
     return 2;
   }
 #if !defined(__AMX_TILE__)
-  if (pattern == "tiles") {
+  if (mode == Mode::tiles) {
     std::fprintf(stderr, "tiles: built without AMX (-march=native on a CPU without amx_tile)\n");
     return 2;
   }
 #endif
-  if (pattern == "tiles" && work) {
+  if (mode == Mode::tiles && work) {
     std::fprintf(stderr, "tiles: WORK 0 only (nothing reads the tiles back)\n");
     return 2;
   }
-  if (pattern == "tiles" && page < kBlock) {
+  if (mode == Mode::tiles && page < kBlock) {
     std::fprintf(stderr, "tiles: pages of %lld slots or more (a tile load takes one stride)\n",
                  static_cast<long long>(kBlock));
     return 2;
@@ -171,13 +177,13 @@ int main(int argc, char** argv) {
 #pragma omp parallel num_threads(threads) reduction(+ : sink)
     {
 #if defined(__AMX_TILE__)
-      if (pattern == "tiles") tiles_begin();
+      if (mode == Mode::tiles) tiles_begin();
 #endif
       Reader reader{work};
 #pragma omp for schedule(static)
       for (int64_t b = 0; b < slots; b += kBlock) {
         const int64_t* at = order.data() + b;
-        if (pattern == "slots") {
+        if (mode == Mode::slots) {
           for (int64_t j = 0; j < kBlock; ++j)
             for (const char* pool : {k, v})
               for (int64_t h = 0; h < kHeads; ++h) reader.read_row(pool + at[j] * kSlotBytes + h * kRowBytes);
@@ -186,19 +192,19 @@ int main(int argc, char** argv) {
         for (int64_t h = 0; h < kHeads; ++h)
           for (const char* pool : {k, v}) {
 #if defined(__AMX_TILE__)
-            if (pattern == "tiles") {
+            if (mode == Mode::tiles) {
               tile_rows(pool + at[0] * kSlotBytes + h * kRowBytes, kSlotBytes);
               continue;
             }
 #endif
             for (int64_t j = 0; j < kBlock; ++j) {
-              if (pattern == "heads+t2") fetch_row(pool + at[kBlock + j] * kSlotBytes + h * kRowBytes);
+              if (mode == Mode::heads_t2) fetch_row(pool + at[kBlock + j] * kSlotBytes + h * kRowBytes);
               reader.read_row(pool + at[j] * kSlotBytes + h * kRowBytes);
             }
           }
       }
 #if defined(__AMX_TILE__)
-      if (pattern == "tiles") _tile_release();
+      if (mode == Mode::tiles) _tile_release();
 #endif
       sink += reader.sum();
     }
