@@ -12,6 +12,8 @@ see the same host; the medians and their ratio are what to read. The outputs of 
 change meant to be a pure speed-up shows 0 (or rounding) there. ``--after-isa`` builds the second source for
 another kernel path, so two paths of one source can be compared on this CPU. ``--flush-mb N`` reads N MB before
 each call, so the call's K/V come from memory (without it a call follows one over the same rows).
+``--hot-slots N`` lays every request's keys over the pool's first N slots (pages kept whole), so they stay in
+cache: the kernel's arithmetic alone, to set beside its time from memory.
 
 Shapes are ``hal bench``'s defaults: decode 32 requests x 2048 keys, extend 4 x (512 cached + 512 new), 32
 query heads over 8 KV heads of 128 dims; ``--page-size 1`` scatters each request's slots over the pool, a larger
@@ -69,14 +71,17 @@ def slot_table(requests: int, context: int, page_size: int, gen: torch.Generator
     return slots.view(requests, -1)[:, :context].to(torch.int32).contiguous()
 
 
-def inputs(workload: str, dtype: torch.dtype, page_size: int, quick: bool, seed: int = 0) -> tuple:
+def inputs(workload: str, dtype: torch.dtype, page_size: int, quick: bool, seed: int = 0, hot_slots: int = 0) -> tuple:
     """The kernel's arguments for ``workload``: ``paged_attention``'s, in its order (the output last but the
-    layer's scalars)."""
+    layer's scalars). ``hot_slots`` (a multiple of ``page_size``; 0: off): every request's slots taken modulo it,
+    so all keys lie in the first ``hot_slots`` slots, whole pages still in page order."""
     requests, cached, new = (QUICK_SHAPES if quick else SHAPES)[workload]
     q_heads, kv_heads, dim = HEADS
     gen = torch.Generator().manual_seed(seed)
     context = cached + new
     table = slot_table(requests, context, page_size, gen)
+    if hot_slots:
+        table = (table % hot_slots).contiguous()
     slots = requests * -(-context // page_size) * page_size
     # hal's own pool buffers (transparent huge pages where the host grants them), as hal bench and a server read
     k = pool_buffer((slots, kv_heads, dim), dtype, torch.device("cpu"))
@@ -104,6 +109,7 @@ def run(
     quick: bool,
     after_isa: str | None = None,
     flush_mb: int = 0,
+    hot_slots: int = 0,
 ):
     """Both builds (``after`` for ``after_isa`` where given, else both for ``isa``) timed in turns, each call after a
     read of ``flush_mb`` MB (0: none) so that its K/V come from memory: the report as a dict."""
@@ -112,9 +118,15 @@ def run(
             raise SystemExit(f"kernel_ab: {source} is not a file")
     if rounds < 2:
         raise SystemExit(f"kernel_ab: --rounds {rounds}: expected at least 2")
+    if hot_slots < 0 or hot_slots % page_size:
+        raise SystemExit(f"kernel_ab: --hot-slots {hot_slots}: expected 0 (off) or a multiple of the page size")
+    if hot_slots and flush_mb:
+        raise SystemExit("kernel_ab: --hot-slots keeps the keys in cache, --flush-mb evicts them: one or the other")
     after_isa = after_isa or isa
     modules = [build(before, isa), build(after, after_isa)]
-    args = inputs(workload, {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype], page_size, quick)
+    args = inputs(
+        workload, {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype], page_size, quick, hot_slots=hot_slots
+    )
     outs = [args[-1], args[-1].clone()]
     scale = HEADS[2] ** -0.5
 
@@ -141,6 +153,7 @@ def run(
         "isa": isa,
         "after_isa": after_isa,
         "flush_mb": flush_mb,
+        "hot_slots": hot_slots,
         "threads": torch.get_num_threads(),
         "rounds": rounds,
         "before": {"source": str(before), "median_ms": 1e3 * medians[0], "min_ms": 1e3 * min(times[0])},
@@ -162,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--after-isa", default=None, help="kernel path to build `after` for (default: --isa's)")
     parser.add_argument(
         "--flush-mb", type=int, default=0, help="MB read before each call, so K/V come from memory (e.g. 512)"
+    )
+    parser.add_argument(
+        "--hot-slots", type=int, default=0, help="every request's keys over the first N slots: in cache (e.g. 256)"
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="small shapes (a smoke run)")
@@ -185,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         args.quick,
         after_isa,
         args.flush_mb,
+        args.hot_slots,
     )
     report["cpu"] = cpu_kernels.cpu_features()
     print(json.dumps(report, indent=2))

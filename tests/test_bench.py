@@ -373,6 +373,8 @@ def test_kernel_ab_lays_out_pools_as_the_bench_does():
     q, k, out = args[0], args[1], args[-1]
     assert q.dtype == torch.float32 and torch.equal(q, q.bfloat16().float()) and k.dtype == torch.bfloat16
     assert out.shape == q.shape
+    hot = ab.inputs("decode", torch.float32, 16, quick=True, hot_slots=64)[3]  # --hot-slots: keys in cache
+    assert int(hot.max()) < 64 and all(hot[r, 16 * p + 15] - hot[r, 16 * p] == 15 for r in range(8) for p in range(4))
 
 
 def test_kernel_ab_refuses_what_it_cannot_compare(tmp_path):
@@ -388,5 +390,9 @@ def test_kernel_ab_refuses_what_it_cannot_compare(tmp_path):
         ab.main([str(source), str(source), "--page-size", "0"])
     with pytest.raises(SystemExit):
         ab.main([str(source), str(source), "--flush-mb", "-1"])
+    with pytest.raises(SystemExit, match="multiple of the page size"):
+        ab.main([str(source), str(source), "--page-size", "16", "--hot-slots", "40"])
+    with pytest.raises(SystemExit, match="one or the other"):
+        ab.main([str(source), str(source), "--hot-slots", "256", "--flush-mb", "512"])
     with pytest.raises(ConfigError, match="sse9"):  # --after-isa: a kernel path hal knows, which this CPU runs
         ab.main([str(source), str(source), "--after-isa", "sse9"])
