@@ -14,7 +14,8 @@
 //             consuming them (AMX CPUs; WORK 0)
 // WORK (default 0): float32 multiply-adds per 64-byte line read, on the line (8 independent chains, no memory
 // traffic): arithmetic standing in for a kernel's, to see whether a pattern's reads run under it or after it.
-// hot: every request's keys over the first 512 slots (in cache, no flush): the same loop's arithmetic alone.
+// hot: every request's keys over the first 512 slots, or the first page where pages are larger (in cache, no
+// flush): the same loop's arithmetic alone.
 // Prints the best of 5 passes in ms and GB/s.
 #include <immintrin.h>
 #include <omp.h>
@@ -134,8 +135,7 @@ int main(int argc, char** argv) {
                  static_cast<long long>(8 * 64 / kVecBytes));
     return 2;
   }
-  if (page < 1 || kKeys % page || threads < 1 ||
-      mode == Mode::unknown) {
+  if (page < 1 || kKeys % page || threads < 1 || mode == Mode::unknown) {
     std::fprintf(stderr, "expected PAGE dividing %lld, a pattern of slots|heads|heads+t2|tiles, THREADS >= 1\n",
                  static_cast<long long>(kKeys));
     return 2;
