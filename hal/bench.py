@@ -306,6 +306,33 @@ class PeerFailed(Exception):
     """A peer harness that did not answer as ``bench/peer_common.serve`` does (reported, never fatal)."""
 
 
+# Set in the environment of the run ``hal bench`` starts of itself (:func:`turns_env`): where the wait policy came from.
+OMP_SET_BY_BENCH = "HAL_BENCH_SET_OMP_WAIT_POLICY"
+
+
+def turns_env(environ: dict[str, str]) -> dict[str, str] | None:
+    """The environment to rerun ``hal bench`` in before it times engine peers, or None where ``environ`` already
+    names an OpenMP wait policy (the user's choice is kept).
+
+    hal and an engine's harness are two processes timed call by call on the same cores. With libgomp's default
+    policy the idle OpenMP workers of one spin through the other's call and both read slower (AMX Xeon, bf16
+    decode page 128: vLLM 12.7 -> 10.6 ms, hal 17.0 -> 15.7 with ``PASSIVE``), by amounts that differ from side to
+    side. libgomp reads the policy once, when torch loads it, so hal's own process takes it only by starting
+    again; the harnesses inherit it."""
+    if "OMP_WAIT_POLICY" in environ:
+        return None
+    return {**environ, "OMP_WAIT_POLICY": "PASSIVE", OMP_SET_BY_BENCH: "1"}
+
+
+def omp_wait_policy() -> dict[str, str | None]:
+    """``meta``'s record of the OpenMP wait policy hal and its engine peers ran under, and who chose it."""
+    policy = os.environ.get("OMP_WAIT_POLICY")
+    if policy is None:
+        return {"omp_wait_policy": None, "omp_wait_policy_set_by": None}
+    by = "hal bench (engine peers timed in turns)" if os.environ.get(OMP_SET_BY_BENCH) == "1" else "environment"
+    return {"omp_wait_policy": policy, "omp_wait_policy_set_by": by}
+
+
 def peer_env() -> dict[str, str]:
     """The environment of an engine's harness: this one, and where hal's host KV pools take huge pages
     (:func:`hal.kv_cache.host_huge_pages`), torch's ``THP_MEM_ALLOC_ENABLE=1`` so that the engine's KV cache does
@@ -480,7 +507,7 @@ def run_bench(
         "peers": peers,
         "loadavg_at_start": os.getloadavg(),
         # idle OpenMP workers of one process spin while another (an engine peer) runs: PASSIVE stops that
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        **omp_wait_policy(),
         # hal's host KV pools on transparent huge pages, and the engines' (their THP_MEM_ALLOC_ENABLE)
         "kv_huge_pages": {"hal": host_huge_pages(), "peers": peer_env().get("THP_MEM_ALLOC_ENABLE")},
     }

@@ -232,8 +232,21 @@ def main(argv: list[str] | None = None) -> int:
     p_report.add_argument("results", nargs="+", metavar="RESULT.json")
     p_report.add_argument("--format", default="md", choices=["md", "html"])
     p_report.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
-    argv = sys.argv[1:] if argv is None else list(argv)
+    command_line = argv is None
+    argv = sys.argv[1:] if command_line else list(argv)
     args = parser.parse_args(argv)
+    if command_line and args.command == "bench" and args.peer_python and "step" not in args.workload:
+        from hal.bench import turns_env
+
+        env = turns_env(dict(os.environ))
+        if env is not None:  # the same command again, hal and its engine peers under OMP_WAIT_POLICY=PASSIVE
+            print(
+                "hal bench: engine peers are timed in turns with hal: rerunning under OMP_WAIT_POLICY=PASSIVE "
+                "(set OMP_WAIT_POLICY yourself to choose)",
+                file=sys.stderr,
+                flush=True,
+            )
+            os.execve(sys.executable, [sys.executable, "-m", "hal", *argv], env)
     try:
         if args.command == "info":
             dtype = kv_dtype(args.dtype).torch_dtype

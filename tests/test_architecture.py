@@ -28,6 +28,7 @@ ALLOWED_IN_KERNELS = ("hal.errors", "hal.kernels")
 DEVICE_KERNELS = ("hal.kernels.cpu", "hal.kernels.npu")
 COMMANDS = (
     "hal.cli",
+    "hal.__main__",
     "hal.demo",
     "hal.bench",
     "hal.bench_peers",

@@ -158,6 +158,8 @@ def test_a_bench_run_alternates_with_its_engine_peers(tmp_path, monkeypatch, cap
 
     monkeypatch.setitem(bench.PEER_SCRIPTS, "fake", _fake_harness(tmp_path))
     monkeypatch.setattr(bench, "_engines", lambda python: ["fake"])
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # as hal bench's own rerun (turns_env) sets it
+    monkeypatch.setenv(bench.OMP_SET_BY_BENCH, "1")
     code = bench.run_bench(
         "cpu",
         ["torch"],
@@ -171,6 +173,8 @@ def test_a_bench_run_alternates_with_its_engine_peers(tmp_path, monkeypatch, cap
     )
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and "peer_errors" not in report
+    assert report["meta"]["omp_wait_policy"] == "PASSIVE"
+    assert report["meta"]["omp_wait_policy_set_by"] == "hal bench (engine peers timed in turns)"
     page1, page16 = report["workloads"]
     assert set(page1["peers"]) >= {"fake_b16", "fake_page1"} and "fake_page1" not in page16["peers"]
     for row in (page1, page16):
@@ -180,6 +184,51 @@ def test_a_bench_run_alternates_with_its_engine_peers(tmp_path, monkeypatch, cap
             row["results"]["torch"]["speedup_vs_fake_b16"] == peer["median_ms"] / row["results"]["torch"]["median_ms"]
         )
     assert report["peer_meta"]["fake"]["engine"] == "fake"
+
+
+def test_with_engine_peers_hal_bench_reruns_itself_under_a_passive_openmp_wait_policy(monkeypatch):
+    """hal and an engine's harness take turns on the same cores: `hal bench --peer-python` starts again under
+    OMP_WAIT_POLICY=PASSIVE (libgomp reads it only at load) unless the user chose a policy; a programmatic call,
+    and a run without engine peers, run where they are."""
+    import hal.bench as bench
+    import hal.cli as cli
+
+    class Rerun(Exception):
+        pass
+
+    def execve(path, args, env):
+        raise Rerun(path, args, env)
+
+    monkeypatch.setattr(cli.os, "execve", execve)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    command = ["bench", "--quick", "--workload", "decode", "--peer-python", "/venv/bin/python"]
+    monkeypatch.setattr(sys, "argv", ["hal", *command])
+    with pytest.raises(Rerun) as rerun:
+        cli.main()
+    path, args, env = rerun.value.args
+    assert path == sys.executable and args == [sys.executable, "-m", "hal", *command]
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env[bench.OMP_SET_BY_BENCH] == "1"
+    assert bench.turns_env(env) is None  # the rerun runs: no second start
+
+    ran = []
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **k: ran.append(a) or 0)
+    assert cli.main(command) == 0  # programmatic: no rerun
+    monkeypatch.setattr(sys, "argv", ["hal", "bench", "--quick", "--workload", "decode"])
+    assert cli.main() == 0  # no engine peer to take turns with
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    monkeypatch.setattr(sys, "argv", ["hal", *command])
+    assert cli.main() == 0 and len(ran) == 3  # the user's policy is kept
+    assert bench.omp_wait_policy() == {"omp_wait_policy": "ACTIVE", "omp_wait_policy_set_by": "environment"}
+
+
+def test_python_dash_m_hal_is_the_hal_command():
+    done = subprocess.run(
+        [sys.executable, "-m", "hal", "bench", "--page-size", "0", "--workload", "decode"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 2 and "expected page sizes of at least 1" in done.stderr
 
 
 @pytest.mark.parametrize(
