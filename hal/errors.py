@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 __all__ = [
     "HalError",
     "ConfigError",
@@ -61,7 +63,12 @@ class MissingDependencyError(HalError, ImportError):
 def expect(condition: bool, error: type[HalError], field: str, value: object, expected: str) -> None:
     """Raise ``error`` saying ``field`` was ``value`` where ``expected`` was wanted, unless ``condition``."""
     if not condition:
-        raise error(f"{field} = {_short(value)}: expected {expected}")
+        refuse(error, field, value, expected)
+
+
+def refuse(error: type[HalError], field: str, value: object, expected: str) -> NoReturn:
+    """Raise ``error`` saying ``field`` was ``value`` where ``expected`` was wanted (:func:`expect`'s message)."""
+    raise error(f"{field} = {_short(value)}: expected {expected}")
 
 
 def _short(value: object, limit: int = 120) -> str:

@@ -15,7 +15,7 @@ from enum import Enum
 
 import torch
 
-from hal.errors import ConfigError, InvalidBatchError, UnsupportedError, describe, expect
+from hal.errors import ConfigError, InvalidBatchError, UnsupportedError, describe, expect, refuse
 from hal.kv_cache import INDEX_DTYPES, PADDING_TOKEN_SLOT, KVPool, ReqToTokenTable, pool_geometry
 from hal.modes import REFUSED_MODES, BatchLens, ForwardMode, _host
 
@@ -113,8 +113,7 @@ def _check_field(fb, field: BatchField) -> None:
         return
     if value is not _MISSING and field.accepts(value):
         return  # (every step: the message is made only for a field that fails)
-    expect(
-        False,
+    refuse(
         InvalidBatchError,
         f"forward_batch.{field.name}",
         "missing" if value is _MISSING else value if isinstance(value, (int, str, Enum)) else describe(value),
@@ -164,7 +163,7 @@ def validation_level(level: str | None = None) -> str:
 def _index_tensor(fb, name: str, length: int | None, device: torch.device) -> torch.Tensor:
     tensor = getattr(fb, name, None)
     if not (isinstance(tensor, torch.Tensor) and tensor.dim() == 1 and tensor.dtype in INDEX_DTYPES):
-        expect(False, InvalidBatchError, name, describe(tensor), "a 1-D int32/int64 tensor")
+        refuse(InvalidBatchError, name, describe(tensor), "a 1-D int32/int64 tensor")
     expect(tensor.device == device, InvalidBatchError, f"{name}.device", tensor.device, f"{device} (req_to_token's)")
     if length is not None:
         expect(tensor.numel() == length, InvalidBatchError, f"len({name})", tensor.numel(), str(length))
@@ -385,8 +384,7 @@ def _check_slots(fb, lens, req_idx, loc, kv_pool, page_aligned) -> None:
     for r, (s, n) in enumerate(zip(starts, lens.query)):
         own = loc_list[s : s + n]
         if r in real and PADDING_TOKEN_SLOT in own:
-            expect(
-                False,
+            refuse(
                 InvalidBatchError,
                 f"out_cache_loc of request {r}",
                 own,
@@ -424,8 +422,7 @@ def _check_slots(fb, lens, req_idx, loc, kv_pool, page_aligned) -> None:
         misplaced = used & (rows != page_start + pos % page_size)
         if bool(misplaced.any()):
             r, i = (int(x) for x in misplaced.nonzero()[0])
-            expect(
-                False,
+            refuse(
                 InvalidBatchError,
                 f"req_to_token[{int(req_idx[real[r]])}, {i}]",
                 int(rows[r, i]),
@@ -446,7 +443,7 @@ def _check_slots(fb, lens, req_idx, loc, kv_pool, page_aligned) -> None:
     if len(set(written)) != len(written):
         seen: set[int] = set()
         dup = sorted({x for x in written if x in seen or seen.add(x)})
-        expect(False, InvalidBatchError, "out_cache_loc", f"slots {dup} written twice", "distinct slots")
+        refuse(InvalidBatchError, "out_cache_loc", f"slots {dup} written twice", "distinct slots")
 
 
 def _check_writes_spare_padding_and_context(table, lens, req_idx, loc_list, page_size) -> None:
@@ -462,8 +459,7 @@ def _check_writes_spare_padding_and_context(table, lens, req_idx, loc_list, page
         reads = table[rows[r], :kv].tolist() if 0 <= rows[r] < table.shape[0] else []
         in_padding = [w for w in writes if 0 <= w < page_size]
         if in_padding and any(x >= page_size for x in reads):
-            expect(
-                False,
+            refuse(
                 InvalidBatchError,
                 f"out_cache_loc of request {r}",
                 in_padding,
@@ -475,8 +471,7 @@ def _check_writes_spare_padding_and_context(table, lens, req_idx, loc_list, page
     if clobbered:
         t, x = clobbered[0]
         r, i = context[x]
-        expect(
-            False,
+        refuse(
             InvalidBatchError,
             f"out_cache_loc[{t}]",
             x,

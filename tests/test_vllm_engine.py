@@ -121,7 +121,10 @@ def _assert_equals_transformers(model: str, workload, outputs: list[list[int]]) 
 def _assert_hal_served(run: dict, device: str = "cpu", backend: str = "torch") -> None:
     line = next((x for x in run["log"].splitlines() if "serves vLLM's attention" in x), None)
     assert line is not None, run["log"][-3000:]
-    assert f"hal device {device}, backend {backend}" in line, line
+    assert f"hal device {device}, backend {backend}, forward paths " in line, line
+    if device == "cpu":  # the compiled kernels serve (one fused call a layer), and the log names their path
+        assert line.endswith("forward paths fused/checked"), line
+        assert f"hal backend {backend}: compiled kernels, " in run["log"], run["log"][-3000:]
 
 
 def _assert_prefix_cache_hits(run: dict, workload) -> None:

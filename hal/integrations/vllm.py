@@ -186,7 +186,8 @@ class HalMetadataBuilder(AttentionMetadataBuilder[HalAttentionMetadata]):
             self.pool, self.block_size, vllm_config.scheduler_config.max_num_seqs, max_blocks, device
         )
         logger.info(
-            "hal %s serves vLLM's attention for %d layers (block size %d, %s, KV %s): hal device %s, backend %s",
+            "hal %s serves vLLM's attention for %d layers (block size %d, %s, KV %s): hal device %s, backend %s, "
+            "forward paths %s",
             hal.__version__,
             len(self.layers),
             self.block_size,
@@ -194,7 +195,12 @@ class HalMetadataBuilder(AttentionMetadataBuilder[HalAttentionMetadata]):
             config.kv_cache_dtype_name,
             self.selection.device_name,
             self.selection.backend,
+            "/".join(self.hal_backend.forward_paths()),
         )
+        # what serves underneath (the CPU backend: its compiled kernels' path, or the plain torch one, and why)
+        for cls in dict.fromkeys((self.selection.prefill_backend, self.selection.decode_backend)):
+            for note in cls.notes(cap):
+                logger.info("hal backend %s: %s", cls.name, note)
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False

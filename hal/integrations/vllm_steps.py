@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 import hal
-from hal.errors import InvalidBatchError, KVCacheError, UnsupportedError, describe, expect
+from hal.errors import InvalidBatchError, KVCacheError, UnsupportedError, describe, expect, refuse
 from hal.kernels.reference import kv_scales, write_kv
 from hal.kv_cache import check_kv_inputs
 from hal.modes import ForwardMode
@@ -144,7 +144,7 @@ class VllmKVPool:
     def _layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         views = self._views.get(layer_id)
         if views is None:
-            expect(False, KVCacheError, "layer_id", layer_id, f"a layer whose cache is bound: {sorted(self._views)}")
+            refuse(KVCacheError, "layer_id", layer_id, f"a layer whose cache is bound: {sorted(self._views)}")
         return views
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
