@@ -38,11 +38,11 @@ say() { echo "[gpu.sh] $*"; }
 # name | limit (s) | command, in the order they run: Triton first, the bench last. The limits add up to 780 s, which
 # with the setup fits the budget; a step gets what is left of the budget at most.
 STEPS=(
-    "check-triton|150|$PY -m hal.cli check --device cuda --backend triton --json"
-    "graph|60|$PY -m hal.cli check --device cuda --backend triton --family graph --json"
+    "check-triton|150|$PY -m hal check --device cuda --backend triton --json"
+    "graph|60|$PY -m hal check --device cuda --backend triton --family graph --json"
     "tests|240|$PY -m pytest -q -p no:cacheprovider tests --ignore=tests/test_triton_compile.py --junitxml=\$OUT/tests.xml"
-    "check-flashinfer|150|$PY -m hal.cli check --device cuda --backend flashinfer --json"
-    "bench|180|$PY -m hal.cli bench --device cuda --json"
+    "check-flashinfer|150|$PY -m hal check --device cuda --backend flashinfer --json"
+    "bench|180|$PY -m hal bench --device cuda --json"
 )
 
 # FlashInfer is planned only where it can be installed: it imports already, or the wheelhouse holds its wheel.
@@ -131,7 +131,7 @@ print(json.dumps({"python": platform.python_version(), "torch": torch.__version_
                   "triton": version("triton"), "flashinfer": version("flashinfer-python"), "hal": version("hal-attention"),
                   "gpu": gpu}, indent=2))
 PYEOF
-"$PY" -m hal.cli info --json >"$OUT/info.json" 2>"$OUT/info.log"
+"$PY" -m hal info --json >"$OUT/info.json" 2>"$OUT/info.log"
 
 : >"$OUT/steps.tsv"
 if [ -n "$FLASHINFER_WHY_NOT" ]; then

@@ -13,7 +13,9 @@ change meant to be a pure speed-up shows 0 (or rounding) there. ``--after-isa`` 
 another kernel path, so two paths of one source can be compared on this CPU. ``--flush-mb N`` reads N MB before
 each call, so the call's K/V come from memory (without it a call follows one over the same rows).
 ``--hot-slots N`` lays every request's keys over the pool's first N slots (pages kept whole), so they stay in
-cache: the kernel's arithmetic alone, to set beside its time from memory.
+cache: the kernel's arithmetic alone, to set beside its time from memory. ``--kv-layout head_major`` reads the same
+keys from head-major pages (vLLM's CPU layout) through a block table, ``--after-kv-layout`` for ``after`` alone:
+``python bench/kernel_ab.py SRC SRC --after-kv-layout head_major --page-size 16`` times one source on both pools.
 
 Shapes are ``hal bench``'s defaults: decode 32 requests x 2048 keys, extend 4 x (512 cached + 512 new), 32
 query heads over 8 KV heads of 128 dims; ``--page-size 1`` scatters each request's slots over the pool, a larger
@@ -41,6 +43,7 @@ from hal.kv_cache import pool_buffer
 HEADS = (32, 8, 128)  # query heads, KV heads, head dim: hal bench's
 SHAPES = {"decode": (32, 2047, 1), "extend": (4, 512, 512)}  # requests, cached keys, new tokens
 QUICK_SHAPES = {"decode": (8, 511, 1), "extend": (2, 128, 128)}
+LAYOUTS = ("token_major", "head_major")  # the pools a side reads (hal.kernels.cpu.KV_LAYOUTS)
 
 
 def build(source: Path, isa: str):
@@ -71,10 +74,30 @@ def slot_table(requests: int, context: int, page_size: int, gen: torch.Generator
     return slots.view(requests, -1)[:, :context].to(torch.int32).contiguous()
 
 
+def head_major(pool: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The keys (or values) of token-major ``pool`` ``[slots, kv_heads, dim]`` as head-major pages ``[pages,
+    kv_heads, page_size, dim]`` (vLLM's CPU layout: each page's rows of one head together), in a pool buffer."""
+    slots, kv_heads, dim = pool.shape
+    pages = pool_buffer((slots // page_size, kv_heads, page_size, dim), pool.dtype, torch.device("cpu"))
+    pages.copy_(pool.view(slots // page_size, page_size, kv_heads, dim).transpose(1, 2))
+    return pages
+
+
+def as_layout(args: tuple, layout: str, page_size: int) -> tuple:
+    """:func:`inputs`' arguments for a pool of ``layout``: as they are (token-major, read through req_to_token), or
+    head-major pages read through the block table req_to_page (the same keys, so the outputs compare)."""
+    if layout == "token_major":
+        return args
+    q, k, v, table, *rest = args
+    pages = (table[:, ::page_size].long() // page_size).to(torch.int32).contiguous()
+    return (q, head_major(k, page_size), head_major(v, page_size), pages, *rest)
+
+
 def inputs(workload: str, dtype: torch.dtype, page_size: int, quick: bool, seed: int = 0, hot_slots: int = 0) -> tuple:
     """The kernel's arguments for ``workload``: ``paged_attention``'s, in its order (the output last but the
-    layer's scalars). ``hot_slots`` (a multiple of ``page_size``; 0: off): every request's slots taken modulo it,
-    so all keys lie in the first ``hot_slots`` slots, whole pages still in page order."""
+    layer's scalars), over a token-major pool. ``hot_slots`` (a multiple of ``page_size``; 0: off): every
+    request's slots taken modulo it, so all keys lie in the first ``hot_slots`` slots, whole pages still in page
+    order."""
     requests, cached, new = (QUICK_SHAPES if quick else SHAPES)[workload]
     q_heads, kv_heads, dim = HEADS
     gen = torch.Generator().manual_seed(seed)
@@ -110,9 +133,13 @@ def run(
     after_isa: str | None = None,
     flush_mb: int = 0,
     hot_slots: int = 0,
+    kv_layout: str = "token_major",
+    after_kv_layout: str | None = None,
 ):
     """Both builds (``after`` for ``after_isa`` where given, else both for ``isa``) timed in turns, each call after a
-    read of ``flush_mb`` MB (0: none) so that its K/V come from memory: the report as a dict."""
+    read of ``flush_mb`` MB (0: none) so that its K/V come from memory: the report as a dict. ``kv_layout`` (and
+    ``after_kv_layout`` for ``after``): the pool each reads, ``token_major`` through req_to_token or
+    ``head_major`` pages through req_to_page (a source that reads them: this one)."""
     for source in (before, after):
         if not source.is_file():
             raise SystemExit(f"kernel_ab: {source} is not a file")
@@ -123,10 +150,18 @@ def run(
     if hot_slots and flush_mb:
         raise SystemExit("kernel_ab: --hot-slots keeps the keys in cache, --flush-mb evicts them: one or the other")
     after_isa = after_isa or isa
+    after_kv_layout = after_kv_layout or kv_layout
+    for layout in (kv_layout, after_kv_layout):
+        if layout not in LAYOUTS:
+            raise SystemExit(f"kernel_ab: --kv-layout {layout}: expected one of {', '.join(LAYOUTS)}")
     modules = [build(before, isa), build(after, after_isa)]
     args = inputs(
         workload, {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype], page_size, quick, hot_slots=hot_slots
     )
+    layouts = (kv_layout, after_kv_layout)
+    sides = [as_layout(args[:-1], layout, page_size) for layout in layouts]
+    # the block table's flag only where a side reads one: a source from before the layouts takes no such argument
+    extra = [{"by_page": True} if layout == "head_major" else {} for layout in layouts]
     outs = [args[-1], args[-1].clone()]
     scale = HEADS[2] ** -0.5
 
@@ -136,7 +171,7 @@ def run(
         if flush is not None:
             flush.sum()
         start = time.perf_counter()
-        modules[i].paged_attention(*args[:-1], outs[i], scale, 0.0, -1, True, cpu_kernels.TILE_ROWS)
+        modules[i].paged_attention(*sides[i], outs[i], scale, 0.0, -1, True, cpu_kernels.TILE_ROWS, **extra[i])
         return time.perf_counter() - start
 
     for i in (0, 1, 0, 1):  # warm-up
@@ -154,6 +189,8 @@ def run(
         "after_isa": after_isa,
         "flush_mb": flush_mb,
         "hot_slots": hot_slots,
+        "kv_layout": kv_layout,
+        "after_kv_layout": after_kv_layout,
         "threads": torch.get_num_threads(),
         "rounds": rounds,
         "before": {"source": str(before), "median_ms": 1e3 * medians[0], "min_ms": 1e3 * min(times[0])},
@@ -179,6 +216,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--hot-slots", type=int, default=0, help="every request's keys over the first N slots: in cache (e.g. 256)"
     )
+    parser.add_argument(
+        "--kv-layout",
+        choices=LAYOUTS,
+        default="token_major",
+        help="the pool both read: token-major slots through req_to_token, or head-major pages through req_to_page",
+    )
+    parser.add_argument("--after-kv-layout", choices=LAYOUTS, default=None, help="the pool `after` reads")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="small shapes (a smoke run)")
     args = parser.parse_args(argv)
@@ -202,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
         after_isa,
         args.flush_mb,
         args.hot_slots,
+        args.kv_layout,
+        args.after_kv_layout,
     )
     report["cpu"] = cpu_kernels.cpu_features()
     print(json.dumps(report, indent=2))

@@ -27,7 +27,7 @@ if not present:
 print(f"hal: {name} device present: {cap.name} ({cap.arch}), {cap.count} visible", flush=True)
 for command in (
     [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests", *pytest_args],
-    [sys.executable, "-m", "hal.cli", "check", "--device", name],
+    [sys.executable, "-m", "hal.commands.cli", "check", "--device", name],
 ):
     code = subprocess.call(command)
     if code:

@@ -8,7 +8,7 @@ the preallocated buffers); ``in_graph`` fills ``kv_indptr`` / ``kv_indices`` on 
 with the helper ops, which are Triton kernels exactly when ``support_triton()`` and the
 device's Triton target allow.
 
-Issue 19's models: MLA (one latent KV head, ``head_dim`` 576 / ``v_head_dim`` 512, the value a
+Model features: MLA (one latent KV head, ``head_dim`` 576 / ``v_head_dim`` 512, the value a
 view of the key's latent columns) runs in the same kernels, which tile a head dim that is not a
 power of two as a main part plus a rest (512 + 64); attention sinks join the softmax denominator
 (decode: once, in the split merge); an fp8 pool (e4m3fn, e5m2) is written quantised by
@@ -27,7 +27,7 @@ import torch
 
 from hal.backend import AttentionBackend
 from hal.batch import ForwardBatch, device_lens, host_lens
-from hal.capability import DTYPE_NAMES, DeviceCapability
+from hal.capability import DeviceCapability
 from hal.errors import GraphCaptureError
 from hal.kernels.reference import kv_scales
 from hal.kernels.triton.sizing import (
@@ -40,7 +40,7 @@ from hal.kernels.triton.sizing import (
     extend_tiles_of,
     tile_choice,
 )
-from hal.kv_dtypes import kv_scaled
+from hal.kv_dtypes import DTYPE_FAMILIES, kv_scaled
 
 __all__ = ["TritonBackend"]
 
@@ -94,7 +94,7 @@ class TritonBackend(AttentionBackend):
         self.tiles = tile_choice(self.options["tiles"])
         self.graph_max_bs: int | None = None
         self.graph_buffers: dict[str, torch.Tensor] = {}
-        # decode's split count fills the device's compute units (None, e.g. the CPU interpreter: the legacy cap)
+        # decode's split count fills the device's compute units (None, e.g. the CPU interpreter: LEGACY_MAX_SPLITS)
         self.sm_count = capability.compute_units
 
     @classmethod
@@ -152,7 +152,7 @@ class TritonBackend(AttentionBackend):
             return []
         if mode.is_decode():
             return ["decode: split-KV" if self.metadata_for(forward_batch).num_kv_splits > 1 else "decode: one split"]
-        dtype = DTYPE_NAMES.get(forward_batch.token_to_kv_pool.dtype, "fp32")
+        dtype = DTYPE_FAMILIES.get(forward_batch.token_to_kv_pool.dtype, "fp32")
         return [_extend_tiles(self.capability.arch, layer.head_dim, layer.v_head_dim, dtype, self.tiles)]
 
     def support_triton(self) -> bool:
@@ -263,7 +263,9 @@ class TritonBackend(AttentionBackend):
         k_buffer, v_buffer = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         kernels.write_kv(k_buffer, v_buffer, forward_batch.out_cache_loc, k, v, *kv_scales(layer))
 
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+    def run_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, out=None, **kwargs):
+        """The split-KV decode kernel; its merge stage writes ``out`` (the caller's ``[T, Hq, Dv]`` view, any row
+        strides) in place, or a new tensor where ``out`` is None."""
         from hal.kernels import triton as kernels
 
         meta = self.forward_metadata
@@ -272,7 +274,7 @@ class TritonBackend(AttentionBackend):
             kv_indptr, kv_indices = self._window_indices(forward_batch, layer.sliding_window_size)
         bs, heads = q.shape[0], layer.tp_q_head_num
         splits = meta.num_kv_splits
-        out = q.new_empty(bs, heads, layer.v_head_dim)
+        out = q.new_empty(bs, heads, layer.v_head_dim) if out is None else out
         partial_out = torch.empty(bs, heads, splits, layer.v_head_dim, dtype=torch.float32, device=q.device)
         partial_lse = torch.empty(bs, heads, splits, dtype=torch.float32, device=q.device)
         pool = forward_batch.token_to_kv_pool
@@ -298,11 +300,13 @@ class TritonBackend(AttentionBackend):
         )
         return out
 
-    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+    def run_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, out=None, **kwargs):
+        """The extend kernel; it writes ``out`` (the caller's ``[T, Hq, Dv]`` view, any row strides) in place, or a
+        new tensor where ``out`` is None."""
         from hal.kernels import triton as kernels
 
         meta = self.forward_metadata  # the kernel reads the new tokens from k/v (read back by the prologue)
-        out = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
+        out = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim) if out is None else out
         pool = forward_batch.token_to_kv_pool
         k_buffer, v_buffer = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         k_scale, v_scale = kv_scales(layer)
@@ -338,8 +342,8 @@ class TritonBackend(AttentionBackend):
         )
         return out
 
-    def forward_mixed(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+    def run_mixed(self, q, k, v, layer, forward_batch, save_kv_cache=True, out=None, **kwargs):
+        return self.run_extend(q, k, v, layer, forward_batch, save_kv_cache, out=out, **kwargs)
 
 
 def _contiguous(sinks: torch.Tensor | None) -> torch.Tensor | None:

@@ -27,6 +27,8 @@ from hal.kv_cache import (
     MLAKVPool,
     MLATokenToKVPool,
     PagedKVPool,
+    ReqToPagePool,
+    ReqToPageTable,
     ReqToTokenPool,
     ReqToTokenTable,
 )
@@ -34,13 +36,15 @@ from hal.layer import AttentionLayer
 from hal.registry import Device, get_registry, register_device
 from hal.selection import Selection, create_backend, detect, select
 
-__version__ = "0.2.0"
+__version__ = "0.4.0.dev0"
 
 __all__ = [
     "AttentionBackend",
     "BatchLens",
     "KVPool",
     "ReqToTokenTable",
+    "ReqToPageTable",
+    "ReqToPagePool",
     "host_lens",
     "resolve_device",
     "validate_batch",

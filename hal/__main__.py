@@ -1,8 +1,8 @@
-"""``python -m hal``: the ``hal`` command (:func:`hal.cli.main`)."""
+"""``python -m hal``: the ``hal`` command (:func:`hal.commands.cli.main`)."""
 
 import sys
 
-from hal.cli import main
+from hal.commands.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

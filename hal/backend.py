@@ -11,17 +11,15 @@ capture/replay (see ``hal.graph``):
 
 ``init_forward_metadata(fb)`` (eager) is the two in order.
 
-The base class is cut by job, as vLLM keeps declarations, metadata builder and kernel call apart:
+A forward is *plan, then run*: ``init_forward_metadata*`` plan the step (and choose whether its layers may take
+the backend's fused call); ``forward`` and the seed's ``forward_decode`` / ``_extend`` / ``_mixed`` are the
+engine-facing edges, plain code in this class: the checks every path shares (``hal.prologue``), then the fused
+call or the checked path ending in the backend's ``run_decode`` / ``run_extend`` / ``run_mixed``. A backend
+implements the plan and the run steps; it never wraps or re-implements the edges.
 
-* what a backend declares (``name``, ``dtypes``, ``page_sizes``, ``supports_*`` (``supports_padding_slots``
-  since 0.3: -1 in ``out_cache_loc``), ``requires_page_aligned_slots``, ``option_defaults``: class
-  attributes, plugin API 2) is read into a frozen :class:`hal.declaration.BackendDeclaration`
-  (:meth:`AttentionBackend.declaration`), which selection reads (:meth:`unsupported_reasons`);
-* SGLang's contract, member for member as the seed defines it, is this module;
-* the forward prologue (batch-field and input checks, the metadata stamp, the KV write or read-back,
-  the fused fast path and the output shape) is :mod:`hal.prologue`, a base of this class;
-* what later SGLang releases added to their base class (0.5.21's ``shared_read_ends``, ``verify_mask``,
-  ``data_type``...) lives with the SGLang integration, :mod:`hal.integrations.sglang_members`.
+What a backend supports (``name``, ``dtypes``, ``page_sizes``, ``supports_*``...: class attributes) is read
+through :meth:`AttentionBackend.declaration` only. What later SGLang releases added to their base class lives
+with the SGLang integration, :mod:`hal.integrations.sglang_members`.
 
 ``helper_ops`` is the one place ``support_triton()`` is read. Batches are read by SGLang's field names (any
 object that has them: see ``hal.batch``), pools through the protocols of ``hal.kv_cache``. ``forward`` uses the
@@ -31,6 +29,7 @@ batch size, a step counter) catches metadata left from another step.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Mapping
 from types import ModuleType
@@ -38,19 +37,22 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from hal.batch import validate_batch, validation_level
+from hal.batch import tables_for, validate_batch, validation_level
 from hal.capability import DeviceCapability
 from hal.declaration import BackendDeclaration
 from hal.deprecation import warn_renamed
-from hal.errors import ConfigError, InvalidBatchError, expect
+from hal.errors import ConfigError, InvalidBatchError, PluginError, expect
+from hal.kv_cache import kv_storage
 from hal.prologue import (
-    ForwardPrologue,
-    forward_output,
+    _RUNNING,
+    ForwardSteps,
+    check_output_buffer,
     fused_forward_disabled,
     fused_forward_enabled,
     fused_forward_env,
+    write_output,
 )
-from hal.validation import check_batch_fields, check_forward_fields
+from hal.validation import check_batch_fields, check_forward_fields, check_input_dtypes
 
 if TYPE_CHECKING:
     from hal.batch import ForwardBatch
@@ -84,11 +86,12 @@ def helper_ops_for(backend: AttentionBackend) -> ModuleType:
     return ops
 
 
-class AttentionBackend(ForwardPrologue):
+class AttentionBackend(ForwardSteps):
     """Base class of attention backends (SGLang's ``AttentionBackend``): the seed's contract, the declared
-    support (:meth:`declaration`) and, from :class:`hal.prologue.ForwardPrologue`, the forward prologue."""
+    support (:meth:`declaration`), the engine-facing forward edges and, from :class:`hal.prologue.ForwardSteps`,
+    the steps they run."""
 
-    _hal_contract = True  # its forward_* are the contract's stubs, not wrapped by the prologue
+    _hal_contract = True  # its forward_* are the edges and its run_* the stubs: nothing to adopt
 
     # -- SGLang's class attributes -------------------------------------------------------
     prefill_attention_backend_str: str | None = None
@@ -112,9 +115,14 @@ class AttentionBackend(ForwardPrologue):
     kv_cache_dtypes: ClassVar[frozenset[str] | None] = None  # KV cache dtype names; None: the same as ``dtypes``
     # Token i of a request must sit at offset i % page_size of its page (kernels that read whole pages).
     requires_page_aligned_slots: ClassVar[bool] = False
-    # out_cache_loc may hold -1 (a padding token: no KV written, output row unspecified); hal 0.3. False for a
-    # backend that does not declare it (a plugin written before): full validation refuses such a batch for it.
+    # out_cache_loc may hold -1 (a padding token: no KV written, output row unspecified). False for a backend that
+    # does not declare it (a plugin that predates padding slots): full validation refuses such a batch for it.
     supports_padding_slots: ClassVar[bool] = False
+    # The KV pool layouts (hal.kv_layouts) the kernels read in place, preferred first.
+    kv_layouts: ClassVar[tuple[str, ...]] = ("token_major",)
+    # The request tables the kernels read: "token" (req_to_token), "page" (a block table, req_to_page) or both;
+    # hal.batch.tables_for derives the other, once per step, for a backend that reads only one.
+    reads_tables: ClassVar[frozenset[str]] = frozenset({"token"})
     # Backend-specific constructor options and their defaults (``Selection.create(**options)``).
     option_defaults: ClassVar[Mapping[str, Any]] = {}
 
@@ -122,19 +130,21 @@ class AttentionBackend(ForwardPrologue):
         """``config``: the model this backend serves (layers, max context, max batch), for planning;
         ``options``: ``validate`` (``off``/``cheap``/``full``, default ``HAL_VALIDATE``) and the
         backend's own ``option_defaults``. Unknown options are a ``ConfigError``."""
-        unknown = sorted(set(options) - set(self.option_defaults) - {"validate"})
+        declared = self.declaration()
+        unknown = sorted(set(options) - set(declared.option_defaults) - {"validate"})
         expect(
             not unknown,
             ConfigError,
-            f"{self.name or type(self).__name__} options",
+            f"{declared.name} options",
             unknown,
-            f"options of this backend: {sorted({'validate', *self.option_defaults})}",
+            f"options of this backend: {sorted({'validate', *declared.option_defaults})}",
         )
+        self.declared = declared  # what this backend's class declares, read once: the forward path reads it
         self.capability = capability
         self.config = config
         self.device = capability.torch_device
         self.validation = validation_level(options.pop("validate", None))
-        self.options = {**self.option_defaults, **options}
+        self.options = {**declared.option_defaults, **options}
         self.forward_metadata: Any = None
         self._metadata_stamp: tuple | None = None
         self._step = 0
@@ -142,6 +152,12 @@ class AttentionBackend(ForwardPrologue):
         self._fused_env = fused_forward_env()  # HAL_FUSED_FORWARD, read (and checked) when the backend is created
 
     forward_metadata: Any = None  # set per step by set_forward_metadata (SGLang reads it off any backend)
+
+    @functools.cached_property
+    def declared(self) -> BackendDeclaration:
+        """This backend's :meth:`declaration`, read once (set in ``__init__``; computed here for a plugin class
+        whose ``__init__`` does not call the base class's)."""
+        return self.declaration()
 
     # -- selection ---------------------------------------------------------------------
     @classmethod
@@ -220,9 +236,16 @@ class AttentionBackend(ForwardPrologue):
         """Why this backend cannot serve ``config``'s attention sinks or KV cache dtype (empty: it can)."""
         return cls.declaration().model_feature_reasons(config)
 
+    @classmethod
+    def format_kv_pages(cls, capability: DeviceCapability, kv_layout: str, pages: torch.Tensor) -> torch.Tensor:
+        """A freshly allocated KV buffer of a ``kv_layout`` pool in the storage format this backend's kernels read
+        on ``capability`` (``Selection.create_kv_pool`` calls it once per buffer; default: as allocated)."""
+        return pages
+
     # -- SGLang's metadata contract ----------------------------------------------------
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Eager entry point: ``out_graph`` then ``in_graph``."""
+        tables_for(self.declared, forward_batch)  # the request table form this backend reads
         self.init_forward_metadata_out_graph(forward_batch)
         self.init_forward_metadata_in_graph(forward_batch)
 
@@ -294,7 +317,7 @@ class AttentionBackend(ForwardPrologue):
         """
         raise NotImplementedError()
 
-    # -- forward -----------------------------------------------------------------------
+    # -- forward: the engine-facing edges (plain code: checks, then the fused call or the checked path) -------
     def forward(
         self,
         q: torch.Tensor,
@@ -303,21 +326,27 @@ class AttentionBackend(ForwardPrologue):
         layer: AttentionLayer,
         forward_batch: ForwardBatch,
         save_kv_cache: bool = True,
+        *,
+        out: torch.Tensor | None = None,
         **kwargs,
     ) -> torch.Tensor:
         """Attention of one layer: ``q`` ``[T, q_heads * head_dim]`` or ``[T, q_heads, head_dim]``,
         ``k``/``v`` the new tokens' keys and values likewise (SGLang's ``RadixAttention`` hands
         ``[T, H, D]`` views; with ``save_kv_cache=False`` the cache holds the truth: the new tokens are
-        read from it and k/v, which may then be None as SGLang allows, are not used); returns
-        ``[T, q_heads * v_head_dim]`` in ``q.dtype``.
-        ``sinks=`` (``[q_heads]`` float, gpt-oss) reaches ``forward_*`` as ``sinks=``; an MLA
-        layer's ``v`` may be None (the value is the key's latent).
+        read from it and k/v, which may then be None as SGLang allows, are not used).
+        ``sinks=`` (``[q_heads]`` float, gpt-oss) reaches the run step as ``sinks=``; an MLA layer's ``v`` may
+        be None (the value is the key's latent).
 
-        Runs the prologue once (:meth:`prepare_forward`: layer and input checks, the metadata
-        lookup, the KV write or read-back), then routes on ``forward_mode``: IDLE returns an
-        empty output; DECODE goes to ``forward_decode``; MIXED goes to ``forward_mixed`` when
-        this backend's device has a fused mixed kernel (``capability.fused_mixed``, set by the
-        NPU); everything else goes to ``forward_extend``.
+        ``out``: the engine's output buffer, ``[R, q_heads * v_head_dim]`` or ``[R, q_heads, v_head_dim]`` with
+        ``R >= T``, in ``q.dtype`` (vLLM's ``output``): rows ``[:T]`` are written (by the kernel itself where the
+        backend's run step takes ``out=``), rows past ``T`` are never touched, and ``out[:T]`` is returned.
+        Without it: a new ``[T, q_heads * v_head_dim]`` tensor in ``q.dtype``.
+
+        Routes on ``forward_mode``: IDLE returns an empty output; DECODE runs the decode step; MIXED runs
+        the mixed step where this backend's device has a fused mixed kernel (``capability.fused_mixed``, set by
+        the NPU); everything else runs the extend step. Each step is :meth:`forward_decode`,
+        :meth:`forward_extend`, :meth:`forward_mixed`: the checks, then the fused call or the checked path
+        (``hal.prologue``).
         """
         mode = getattr(forward_batch, "forward_mode", None)
         if not hasattr(mode, "is_decode"):
@@ -325,39 +354,105 @@ class AttentionBackend(ForwardPrologue):
         if mode.is_idle():
             empty = isinstance(q, torch.Tensor) and q.shape[0] == 0
             expect(empty, InvalidBatchError, "q.shape", getattr(q, "shape", q), "no tokens in an IDLE batch")
-            return forward_output(q.new_empty(0, layer.tp_q_head_num, layer.v_head_dim), q, layer)
+            rows = None if out is None else check_output_buffer(out, q, layer, 0)
+            return write_output(q.new_empty(0, layer.tp_q_head_num, layer.v_head_dim), q, layer, rows)
         if mode.is_decode():
-            run = self.forward_decode
+            kind = "decode"
         elif mode.is_mixed() and self.capability.fused_mixed:
-            run = self.forward_mixed
+            kind = "mixed"
         else:
-            run = self.forward_extend
-        return run(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
+            kind = "extend"
+        return self._forward(kind, q, k, v, layer, forward_batch, save_kv_cache, out, kwargs)
 
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs) -> torch.Tensor:
-        """DECODE: one query token per request. Returns ``[T, q_heads * v_head_dim]`` in ``q.dtype``.
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, *, out=None, **kwargs):
+        """DECODE (one query token per request), as :meth:`forward` runs it: the checks, then the fused call or
+        the checked path ending in :meth:`run_decode`. Returns as :meth:`forward`."""
+        return self._forward("decode", q, k, v, layer, forward_batch, save_kv_cache, out, kwargs)
 
-        Receives (after the prologue, :meth:`prepare_forward`) ``q`` ``[T, q_heads, head_dim]``
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, *, out=None, **kwargs):
+        """New tokens after a cached prefix (EXTEND, MIXED without ``fused_mixed``, TARGET_VERIFY, DRAFT_EXTEND),
+        as :meth:`forward` runs them, ending in :meth:`run_extend`. Returns as :meth:`forward`."""
+        return self._forward("extend", q, k, v, layer, forward_batch, save_kv_cache, out, kwargs)
+
+    def forward_mixed(self, q, k, v, layer, forward_batch, save_kv_cache=True, *, out=None, **kwargs):
+        """A MIXED batch in one call (where ``capability.fused_mixed``), ending in :meth:`run_mixed`."""
+        return self._forward("mixed", q, k, v, layer, forward_batch, save_kv_cache, out, kwargs)
+
+    def _forward(self, kind: str, q, k, v, layer, forward_batch, save_kv_cache, out, kwargs) -> torch.Tensor:
+        """One forward step, in order: the checks every path shares, then the fused call where the plan chose it
+        and this call allows it, else the checked path and ``run_<kind>``; the result through :func:`write_output`."""
+        running = _RUNNING.get()
+        if (id(self), kind) in running:
+            raise PluginError(
+                f"{type(self).__qualname__}: forward_{kind} was called from inside its own run_{kind} (a plugin "
+                f"API 2 forward_{kind} that calls super().forward_{kind}): since hal 0.4 forward_{kind} is the "
+                f"engine-facing edge; call super().run_{kind} instead"
+            )
+        if any(owner == id(self) for owner, _ in running):  # an API 2 hook calling its sibling forward_*: no prologue
+            return self._run(kind, q, k, v, layer, forward_batch, save_kv_cache, None, kwargs)
+        check_forward_fields(forward_batch)
+        self.check_model_features(layer, forward_batch, kwargs.get("sinks"))
+        self.check_layer(layer)
+        self.metadata_for(forward_batch)
+        self.check_input_dtypes(q, k, v, layer, forward_batch)
+        if out is not None:
+            k_store, v_store, _ = kv_storage(forward_batch.token_to_kv_pool, layer.layer_id)  # in any layout
+            out = check_output_buffer(out, q, layer, q.shape[0], k, v, k_store, v_store)
+        if self._fused_for(self._metadata_stamp[3], k, v, save_kv_cache):
+            extra = {"out": out} if self._fused_takes_out else {}
+            result = self.run_fused(q, k, v, layer, forward_batch, save_kv_cache, **extra, **kwargs)
+            if result is not None:
+                return write_output(result, q, layer, out)
+        q, k, v = self.prepare_forward(q, k, v, layer, forward_batch, save_kv_cache)
+        return write_output(self._run(kind, q, k, v, layer, forward_batch, save_kv_cache, out, kwargs), q, layer, out)
+
+    def _run(self, kind: str, q, k, v, layer, forward_batch, save_kv_cache, out, kwargs):
+        """``run_<kind>`` with this backend marked as running it (a plugin API 2 hook's sibling calls)."""
+        extra = {"out": out} if self._run_takes_out[kind] else {}
+        token = _RUNNING.set((*_RUNNING.get(), (id(self), kind)))
+        try:
+            return getattr(self, f"run_{kind}")(q, k, v, layer, forward_batch, save_kv_cache, **extra, **kwargs)
+        finally:
+            _RUNNING.reset(token)
+
+    def check_input_dtypes(self, q, k, v, layer: AttentionLayer, forward_batch: ForwardBatch) -> None:
+        """``InvalidBatchError`` / ``UnsupportedError`` for a ``q``/``k``/``v`` dtype the layer, the backend's
+        config and its declaration do not allow (runs before either path)."""
+        check_input_dtypes(
+            q,
+            k,
+            v,
+            layer=layer,
+            config=self.config,
+            declaration=self.declared,
+            kv_dtype=forward_batch.token_to_kv_pool.dtype,
+        )
+
+    # -- the run steps a backend implements ---------------------------------------------------
+    def run_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs) -> torch.Tensor:
+        """DECODE: one query token per request. Returns ``[T, q_heads, v_head_dim]`` (or flat), any float dtype
+        (the base class casts to ``q.dtype``); with an ``out`` parameter in its signature it receives the
+        caller's buffer (``[T, q_heads, v_head_dim]`` view, or None) and writes there.
+
+        Receives (after the checked path's steps, :meth:`prepare_forward`) ``q`` ``[T, q_heads, head_dim]``
         (``T = batch_size``) and ``k``/``v`` ``[T, kv_heads, dim]`` in ``q.dtype``, already written
         at ``out_cache_loc`` of ``layer.layer_id`` (None only when ``save_kv_cache`` is False and
         the backend declares ``reads_new_kv = False``); ``self.forward_metadata`` is this step's
-        metadata. Attends over each request's ``seq_lens`` keys.
+        plan. Attends over each request's ``seq_lens`` keys.
         """
         raise NotImplementedError()
 
-    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs) -> torch.Tensor:
+    def run_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs) -> torch.Tensor:
         """New tokens after a cached prefix (EXTEND, MIXED without ``fused_mixed``, TARGET_VERIFY,
-        DRAFT_EXTEND). Returns ``[T, q_heads * v_head_dim]`` in ``q.dtype``, rows in ``q``'s order.
-
-        Inputs as ``forward_decode`` (``[T, H, D]``, KV already written), ``T`` = the batch's query
-        tokens; TARGET_VERIFY applies ``spec_info.custom_mask`` instead of the causal rule
-        (docs/porting.md, "Masks").
+        DRAFT_EXTEND); rows in ``q``'s order. Inputs and output as :meth:`run_decode`, ``T`` = the batch's query
+        tokens; TARGET_VERIFY applies ``spec_info.custom_mask`` instead of the causal rule (docs/porting.md,
+        "Masks").
         """
         raise NotImplementedError()
 
-    def forward_mixed(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs) -> torch.Tensor:
+    def run_mixed(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs) -> torch.Tensor:
         """A MIXED batch (chunked prefills and decodes) in one call, reached where ``capability.fused_mixed``
-        (the npu device). Inputs and output as ``forward_extend``.
+        (the npu device). Inputs and output as :meth:`run_extend`.
         """
         raise NotImplementedError()
 
@@ -383,15 +478,16 @@ class AttentionBackend(ForwardPrologue):
         slots). Call it first in ``init_forward_metadata_out_graph``; hal's own batches already passed
         their construction level, so only an engine's batch or a stricter level costs anything."""
         level = self.validation
-        stricter = self.requires_page_aligned_slots or not self.supports_padding_slots
+        declared = self.declared
+        stricter = declared.requires_page_aligned_slots or not declared.supports_padding_slots
         if getattr(forward_batch, "validate", None) == level and not (level == "full" and stricter):
             check_batch_fields(forward_batch)  # presence and types only: a field changed since construction
             return
         validate_batch(
             forward_batch,
             level,
-            page_aligned=self.requires_page_aligned_slots,
-            padding_slots=None if self.supports_padding_slots else self.name or type(self).__name__,
+            page_aligned=declared.requires_page_aligned_slots,
+            padding_slots=None if declared.supports_padding_slots else declared.name,
         )
 
     def is_graph_batch(self, forward_batch: ForwardBatch, in_capture: bool = False) -> bool:

@@ -20,7 +20,7 @@ validated implementation. Token layout, shared by every backend (SGLang's conven
 replayed batch with ``req_pool_indices = 0``, ``out_cache_loc = 0``, ``seq_lens`` = the
 backend's fill value) write the padding slot 0 and are exempt from that rule.
 
-Padding tokens (since 0.3): ``out_cache_loc[t] = -1`` (vLLM's ``PAD_SLOT_ID``) writes no KV
+Padding tokens: ``out_cache_loc[t] = -1`` (vLLM's ``PAD_SLOT_ID``) writes no KV
 anywhere (every slot of the pool, page 0 included, keeps its bytes); the token's output row
 is unspecified and the caller ignores it. Every query token of such a padding request is -1
 (a request that also writes real slots may not hold one: its later tokens would read KV never
@@ -28,21 +28,32 @@ written), and the slots it reads are in the pool (row 0, the padding row, reads 
 slot). Only backends that declare ``supports_padding_slots`` take -1; ``full`` validation
 refuses it for the others.
 
+Request tables: the slots a request reads come from ``req_to_token_pool.req_to_token`` (SGLang's per-token table,
+int32 ``[rows, max_context]``) or ``req_to_page_pool.req_to_page`` (a block table, vLLM's form: int32
+``[rows, max_pages]`` with ``req_to_page_pool.page_size``, token ``i`` at slot ``page * page_size + i % page_size``),
+both indexed by ``req_pool_indices``; a batch carries either or both (``req_to_token_pool`` None beside a block
+table). A backend declares the forms it reads (``reads_tables``); where the batch lacks them,
+:func:`tables_for` derives them once per step, sized to the step.
+
 Validation lives in :mod:`hal.validation`; the modes and per-request lengths in :mod:`hal.modes`
-(both re-exported here, where they were before 0.2.0).
+(both re-exported here, so that ``from hal.batch import ...`` reaches them).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from hal.kv_cache import KVPool, ReqToTokenTable
+from hal.kernels.reference import step_page_table, step_token_table
+from hal.kv_cache import KVPool, ReqToPageTable, ReqToTokenTable
 from hal.modes import REFUSED_MODES, BatchLens, ForwardMode, SharedReadEnds, device_lens, host_lens
 from hal.plugin_compat import Api1BatchNames
-from hal.validation import VALIDATION_LEVELS, validate_batch, validation_level
+from hal.validation import VALIDATION_LEVELS, check_request_tables, validate_batch, validation_level
+
+if TYPE_CHECKING:
+    from hal.declaration import BackendDeclaration
 
 __all__ = [
     "ForwardMode",
@@ -54,6 +65,8 @@ __all__ = [
     "validate_batch",
     "validation_level",
     "static_decode_batch",
+    "tables_for",
+    "StepTable",
     "VALIDATION_LEVELS",
     "SharedReadEnds",
     "REFUSED_MODES",
@@ -77,8 +90,9 @@ class ForwardBatch(Api1BatchNames):
     """One forward step of a batch of requests, validated on construction. ``B = batch_size``, ``T`` = query tokens.
 
     Required: ``forward_mode``, ``batch_size``, ``req_pool_indices`` (int ``[B]``),
-    ``seq_lens`` (int ``[B]``), ``out_cache_loc`` (int ``[T]``), the two pools (any
-    objects with the pool protocol of :mod:`hal.kv_cache`); the ``extend_*`` tensors for
+    ``seq_lens`` (int ``[B]``), ``out_cache_loc`` (int ``[T]``), the pools (any
+    objects with the pool protocols of :mod:`hal.kv_cache`): ``token_to_kv_pool`` and a request
+    table, ``req_to_token_pool`` and/or ``req_to_page_pool`` (a block table); the ``extend_*`` tensors for
     extend modes, ``spec_info`` for TARGET_VERIFY. Give the host mirrors (``seq_lens_cpu``,
     ``extend_*_cpu``) when you have them: ``cheap`` validation then checks them for free
     and backends never read the device tensors back; missing ones are read once, when a
@@ -91,8 +105,8 @@ class ForwardBatch(Api1BatchNames):
     req_pool_indices: torch.Tensor
     seq_lens: torch.Tensor
     out_cache_loc: torch.Tensor
-    req_to_token_pool: ReqToTokenTable
-    token_to_kv_pool: KVPool
+    req_to_token_pool: ReqToTokenTable | None = None
+    token_to_kv_pool: KVPool = None
     seq_lens_cpu: torch.Tensor | list[int] | None = None
     seq_lens_sum: int | None = None
     positions: torch.Tensor | None = None
@@ -103,6 +117,7 @@ class ForwardBatch(Api1BatchNames):
     extend_seq_lens_cpu: list[int] | None = None
     extend_prefix_lens_cpu: list[int] | None = None
     spec_info: SpecInfo | None = None
+    req_to_page_pool: ReqToPageTable | None = None
     validate: str | None = field(default=None, repr=False)
     # True for a graph runner's static batch: backends then use their fixed-shape graph buffers.
     graph_static: bool = field(default=False, init=False)
@@ -126,6 +141,9 @@ class ForwardBatch(Api1BatchNames):
 
     @property
     def device(self) -> torch.device:
+        """The request tables' device (where every batch tensor lives)."""
+        if self.req_to_token_pool is None:
+            return self.req_to_page_pool.req_to_page.device
         return self.req_to_token_pool.req_to_token.device
 
     @property
@@ -189,3 +207,47 @@ def static_decode_batch(
     fb.graph_static = True
     fb.set_decode_host_lens([seq_len_fill_value] * batch_size)
     return fb
+
+
+@dataclass
+class StepTable:
+    """A request table :func:`tables_for` derived for one step (its rows in batch order): ``req_to_token`` (int32
+    ``[B, tokens]``) or ``req_to_page`` (int32 ``[B, pages]``) with ``page_size``, so it serves either protocol."""
+
+    req_to_token: torch.Tensor | None = None
+    req_to_page: torch.Tensor | None = None
+    page_size: int = 1
+
+
+def tables_for(declaration: BackendDeclaration, forward_batch) -> None:
+    """Give ``forward_batch`` the request table form ``declaration.reads_tables`` names where it carries only the
+    other: called once per step where a batch is prepared for a backend (``init_forward_metadata``).
+
+    Nothing happens where the batch has a form the backend reads (an SGLang batch for a backend reading tokens, a
+    vLLM block table for one reading pages). Otherwise the missing form is derived on the batch's device for the
+    step's requests only (:func:`hal.kernels.reference.step_token_table` / ``step_page_table``): ``B`` rows, as
+    many columns as the step's longest context needs (whole pages; a captured graph's static batch: the given
+    table's width), never the table's rows or its full width. The batch is then rebased on its step: both tables
+    become :class:`StepTable` views of the step's rows (the engine's own tensors are not written) and
+    ``req_pool_indices`` becomes ``0 .. B - 1``. A malformed table is an ``InvalidBatchError``
+    (:func:`hal.validation.check_request_tables`) before anything is derived.
+    """
+    reads = declaration.reads_tables
+    tokens = getattr(forward_batch, "req_to_token_pool", None)
+    pages = getattr(forward_batch, "req_to_page_pool", None)
+    if (tokens is not None and "token" in reads) or (pages is not None and "page" in reads) or tokens is pages:
+        return
+    check_request_tables(forward_batch)
+    page_size = forward_batch.token_to_kv_pool.page_size
+    given = tokens.req_to_token if pages is None else pages.req_to_page
+    rows = forward_batch.req_pool_indices
+    if getattr(forward_batch, "graph_static", False):
+        num_pages = -(-given.shape[1] // page_size) if pages is None else given.shape[1]
+    else:
+        num_pages = -(-max(host_lens(forward_batch).kv, default=0) // page_size)
+    tables = {"req_to_page": given} if pages is not None else {"req_to_token": given}
+    step_tokens = step_token_table(rows, num_pages * page_size, page_size=page_size, **tables)
+    step_pages = step_page_table(rows, num_pages, page_size, **tables)
+    forward_batch.req_to_token_pool = StepTable(req_to_token=step_tokens)
+    forward_batch.req_to_page_pool = StepTable(req_to_page=step_pages, page_size=page_size)
+    forward_batch.req_pool_indices = torch.arange(rows.shape[0], dtype=rows.dtype, device=rows.device)

@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from hal.deprecation import moved_names
+from hal.deprecation import warn_renamed
 from hal.errors import ConfigError
-from hal.kv_dtypes import KV_DTYPE_TABLE
+from hal.kv_dtypes import DTYPE_FAMILIES
 
 __all__ = [
     "DeviceCapability",
@@ -86,17 +86,13 @@ class DeviceCapability:
 
     def supports_dtype(self, dtype: torch.dtype) -> bool:
         """Whether the family of ``dtype`` (a torch dtype of the KV-dtype table) is among ``dtypes``."""
-        return DTYPE_NAMES.get(dtype) in self.dtypes
+        return DTYPE_FAMILIES.get(dtype) in self.dtypes
 
     def to_dict(self) -> dict:
         data = asdict(self)
         data["libraries"], data["reasons"] = dict(self.libraries), dict(self.reasons)
         data["dtypes"], data["features"] = list(self.dtypes), list(self.features)
         return data
-
-
-# torch dtype -> the dtype family a capability lists (``fp8`` for both fp8 KV dtypes): the table's rows.
-DTYPE_NAMES = {row.torch_dtype: row.family for row in KV_DTYPE_TABLE}
 
 
 def library_version(dist: str) -> str | None:
@@ -200,5 +196,8 @@ def cpu_memory() -> int | None:
         return None
 
 
-# Moved out of the core in 0.2.0: the CPU's capability is the cpu device's.
-__getattr__ = moved_names(__name__, {"cpu_capability": "hal.devices.cpu.capability:cpu_capability"})
+def __getattr__(name: str):
+    if name == "DTYPE_NAMES":  # deprecated in 0.4.0: read as the compute dtypes, which it is not (fp8 included)
+        warn_renamed(f"{__name__}.{name}", "hal.kv_dtypes.DTYPE_FAMILIES", since="0.4.0")
+        return DTYPE_FAMILIES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

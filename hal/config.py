@@ -9,14 +9,11 @@ import torch
 
 from hal.deprecation import accept_renamed_kwargs
 from hal.errors import ConfigError, expect
-from hal.kv_dtypes import KV_DTYPE_TABLE, kv_cache_dtype_setting, kv_dtype
+from hal.kv_dtypes import COMPUTE_DTYPE_NAMES, COMPUTE_DTYPES, kv_cache_dtype_setting, kv_dtype
+from hal.kv_layouts import kv_layout as layout_row
 from hal.layer import AttentionLayer, check_mla_shape
 
 __all__ = ["AttentionConfig"]
-
-# The model (compute) dtypes: the table's compute rows.
-_DTYPES_BY_NAME = {row.name: row.torch_dtype for row in KV_DTYPE_TABLE if row.compute}
-_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES_BY_NAME.items()}
 
 
 @dataclass(frozen=True)
@@ -38,6 +35,10 @@ class AttentionConfig:
     (gpt-oss); ``kv_cache_dtype``: the KV cache's dtype when it is not the model dtype
     (None or SGLang's ``"auto"``), by name (``"fp8_e4m3"``, ``"fp8_e5m2"``, ``"bf16"`` ...) or
     torch dtype; stored as its name.
+
+    ``kv_layout``: the KV pool's layout (:mod:`hal.kv_layouts`: ``"token_major"``, ``"head_major"``,
+    ``"fractal_nz"``) when the engine's pools have one; None lets the chosen backend pick the layout it reads
+    best (``Selection.kv_layout``, which ``Selection.create_kv_pool`` allocates).
     """
 
     tp_q_head_num: int = 32
@@ -59,6 +60,7 @@ class AttentionConfig:
     qk_rope_head_dim: int = 0
     attention_sinks: bool = False
     kv_cache_dtype: str | None = None
+    kv_layout: str | None = None
 
     @classmethod
     def from_layers(cls, layers: Sequence[AttentionLayer], **kwargs) -> AttentionConfig:
@@ -91,13 +93,13 @@ class AttentionConfig:
     def __post_init__(self) -> None:
         if isinstance(self.dtype, str):
             expect(
-                self.dtype in _DTYPES_BY_NAME,
+                self.dtype in COMPUTE_DTYPES,
                 ConfigError,
                 "dtype",
                 self.dtype,
-                f"one of {list(_DTYPES_BY_NAME)}",
+                f"one of {list(COMPUTE_DTYPES)}",
             )
-            object.__setattr__(self, "dtype", _DTYPES_BY_NAME[self.dtype])
+            object.__setattr__(self, "dtype", COMPUTE_DTYPES[self.dtype])
         for name in ("tp_q_head_num", "tp_k_head_num", "head_dim", "page_size"):
             value = getattr(self, name)
             expect(isinstance(value, int) and value > 0, ConfigError, name, value, "a positive int")
@@ -115,7 +117,7 @@ class AttentionConfig:
             self.page_size,
             "a power of two",
         )
-        expect(self.dtype in _DTYPE_NAMES, ConfigError, "dtype", self.dtype, f"one of {list(_DTYPES_BY_NAME)}")
+        expect(self.dtype in COMPUTE_DTYPE_NAMES, ConfigError, "dtype", self.dtype, f"one of {list(COMPUTE_DTYPES)}")
         if self.v_head_dim is None:  # MLA's value is the latent
             mla = isinstance(self.kv_lora_rank, int) and self.kv_lora_rank > 0
             object.__setattr__(self, "v_head_dim", self.kv_lora_rank if mla else self.head_dim)
@@ -145,6 +147,8 @@ class AttentionConfig:
             "a bool (forward gets sinks=)",
         )
         self._normalise_kv_cache_dtype()
+        if self.kv_layout is not None:
+            layout_row(self.kv_layout, ConfigError, "kv_layout")
         object.__setattr__(self, "layers", tuple(self.layers))
         shape = (self.tp_q_head_num, self.tp_k_head_num, self.head_dim, self.v_head_dim, self.kv_lora_rank)
         for layer in self.layers:
@@ -177,7 +181,7 @@ class AttentionConfig:
 
     @property
     def dtype_name(self) -> str:
-        return _DTYPE_NAMES[self.dtype]
+        return COMPUTE_DTYPE_NAMES[self.dtype]
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -186,7 +190,7 @@ class AttentionConfig:
         return data
 
 
-# Renamed in 0.2.0 to RadixAttention's names; the old keywords still work, with a warning.
+# Deprecated keywords -> RadixAttention's names: the old keywords still work, with a warning.
 accept_renamed_kwargs(
     AttentionConfig,
     {"num_q_heads": "tp_q_head_num", "num_kv_heads": "tp_k_head_num", "sliding_window": "sliding_window_size"},

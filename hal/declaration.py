@@ -15,12 +15,16 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from hal.errors import PluginError
+from hal.kv_layouts import KV_LAYOUTS, TOKEN_MAJOR
 
 if TYPE_CHECKING:
     from hal.capability import DeviceCapability
     from hal.config import AttentionConfig
 
-__all__ = ["BackendDeclaration"]
+__all__ = ["BackendDeclaration", "REQUEST_TABLES"]
+
+# The request table forms a backend may read: "token" (req_to_token) and "page" (req_to_page, a block table).
+REQUEST_TABLES = frozenset({"token", "page"})
 
 
 @dataclass(frozen=True)
@@ -31,8 +35,12 @@ class BackendDeclaration:
     (the class's ``None`` resolved to ``dtypes``); ``page_sizes`` / ``head_dims``: None means any;
     ``supports_mla``: ``v_head_dim != head_dim``; ``requires_page_aligned_slots``: token ``i`` of a request at
     offset ``i % page_size`` of its page; ``supports_padding_slots``: ``out_cache_loc`` may hold -1 (a padding
-    token whose KV is written nowhere; hal 0.3, False for a class that does not say); ``option_defaults``: the
-    constructor options and their defaults.
+    token whose KV is written nowhere; hal 0.3, False for a class that does not say); ``reads_tables``: the
+    request table forms its metadata reads, ``"token"`` (``req_to_token``) and/or ``"page"`` (``req_to_page``;
+    hal 0.4, ``{"token"}`` for a class that does not say): hal derives the other form for it from a batch that
+    carries only that one (:func:`hal.batch.tables_for`); ``kv_layouts``: the KV pool layouts its kernels read in
+    place (:mod:`hal.kv_layouts`), preferred first (hal 0.4, ``("token_major",)`` for a class that does not say);
+    ``option_defaults``: the constructor options and their defaults.
     """
 
     name: str
@@ -49,6 +57,8 @@ class BackendDeclaration:
     supports_sinks: bool
     requires_page_aligned_slots: bool
     supports_padding_slots: bool
+    reads_tables: frozenset[str]
+    kv_layouts: tuple[str, ...]
     option_defaults: Mapping[str, Any]
 
     @classmethod
@@ -58,6 +68,10 @@ class BackendDeclaration:
         values = {f.name: getattr(backend_cls, f.name, None) for f in fields(cls)}
         if values["supports_padding_slots"] is None:  # a class written before 0.3 that is no AttentionBackend
             values["supports_padding_slots"] = False
+        if values["reads_tables"] is None:  # a class written before 0.4: it reads req_to_token
+            values["reads_tables"] = frozenset({"token"})
+        if values["kv_layouts"] is None:  # a class written before 0.4: it reads token-major pools
+            values["kv_layouts"] = (TOKEN_MAJOR,)
         owner = backend_cls.__qualname__
 
         def names(attr: str, value, item_type: type, optional: bool):
@@ -78,6 +92,21 @@ class BackendDeclaration:
         values["kv_cache_dtypes"] = values["dtypes"] if kv is None else names("kv_cache_dtypes", kv, str, False)
         values["page_sizes"] = names("page_sizes", values["page_sizes"], int, True)
         values["head_dims"] = names("head_dims", values["head_dims"], int, True)
+        values["reads_tables"] = names("reads_tables", values["reads_tables"], str, False)
+        if not values["reads_tables"] or not values["reads_tables"] <= REQUEST_TABLES:
+            raise PluginError(
+                f"{owner}.reads_tables = {set(values['reads_tables'])!r}: expected a non-empty subset of "
+                f"{sorted(REQUEST_TABLES)}"
+            )
+        layouts = values["kv_layouts"]
+        if isinstance(layouts, (str, bytes)) or not hasattr(layouts, "__iter__"):
+            raise PluginError(f"{owner}.kv_layouts = {layouts!r}: expected a sequence of layout names, preferred first")
+        values["kv_layouts"] = tuple(layouts)
+        if not values["kv_layouts"] or len(set(values["kv_layouts"])) != len(values["kv_layouts"]):
+            raise PluginError(f"{owner}.kv_layouts = {layouts!r}: expected one or more distinct layout names")
+        unknown = [name for name in values["kv_layouts"] if name not in KV_LAYOUTS]
+        if unknown:
+            raise PluginError(f"{owner}.kv_layouts holds {unknown!r}: expected names of {sorted(KV_LAYOUTS)}")
         for f in fields(cls):
             if f.name.startswith(("supports_", "requires_")) and not isinstance(values[f.name], bool):
                 raise PluginError(f"{owner}.{f.name} = {values[f.name]!r}: expected True or False")
@@ -109,6 +138,9 @@ class BackendDeclaration:
         ):
             if wanted and not supported:
                 reasons.append(f"{what} not supported")
+        layout = getattr(config, "kv_layout", None)
+        if layout is not None and layout not in self.kv_layouts:
+            reasons.append(f"kv_layout {layout} not read in place (reads {list(self.kv_layouts)})")
         return reasons
 
     def model_feature_reasons(self, config: AttentionConfig) -> list[str]:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from hal.deprecation import warn_renamed
 from hal.errors import GraphCaptureError
 from hal.graph_guard import HostMethodGuard, HostSide, HostSyncGuard, HostTensors
 from hal.plugin_compat import Api1BatchNames
@@ -124,17 +125,30 @@ class EagerGraph(Graph):
 
 
 class TorchGraph(Graph):
-    """``torch.cuda.CUDAGraph`` or ``torch.npu.NPUGraph`` (``module`` is ``torch.cuda`` / ``torch.npu``, or
-    anything with their graph API).
+    """A torch graph type (the device's ``graph_class``) driven through its torch module's graph API.
 
     As torch's CUDA-graph documentation asks: warm-up runs on a side stream, and captures share
     one memory pool (``graph_pool_handle()``, passed as ``pool=``), so the sizes a runner captures,
     largest first, reuse one another's memory instead of each holding a private pool.
     """
 
-    def __init__(self, module):
+    def __init__(self, module, graph_class: type | None = None):
+        """``module``: the device's torch module (streams, ``graph``, ``graph_pool_handle``); ``graph_class``: its
+        graph type (``torch.cuda.CUDAGraph``, ``torch.npu.NPUGraph``), which the device names. Without it
+        (deprecated): the one class of ``module`` whose name ends in ``Graph``, with a warning."""
         self.module = module
-        self.graph = module.NPUGraph() if hasattr(module, "NPUGraph") else module.CUDAGraph()
+        if graph_class is None:
+            warn_renamed("TorchGraph(module)", "TorchGraph(module, graph_class)", since="0.4.0")
+            found = [
+                getattr(module, n) for n in dir(module) if n.endswith("Graph") and isinstance(getattr(module, n), type)
+            ]
+            if len(found) != 1:
+                raise GraphCaptureError(
+                    f"{getattr(module, '__name__', module)!r} has {len(found)} graph classes: expected one; "
+                    "pass TorchGraph(module, graph_class)"
+                )
+            graph_class = found[0]
+        self.graph = graph_class()
 
     def warmup(self, fn):
         stream = self.module.Stream()

@@ -74,7 +74,7 @@ class GraphRunner:
         self.max_bs = self.capture_bs[-1]
         self.draft_token_num = draft_token_num
         expect(
-            padding_slot is None or padding_slot == -1 and backend.supports_padding_slots,
+            padding_slot is None or padding_slot == -1 and backend.declaration().supports_padding_slots,
             InvalidBatchError,
             "padding_slot",
             padding_slot,
@@ -89,15 +89,20 @@ class GraphRunner:
         self.q = torch.zeros(rows, layer.tp_q_head_num * layer.head_dim, dtype=dtype, device=device)
         self.k = torch.zeros(rows, layer.tp_k_head_num * layer.head_dim, dtype=dtype, device=device)
         self.v = torch.zeros(rows, layer.tp_v_head_num * layer.v_head_dim, dtype=dtype, device=device)
+        self.out = torch.zeros(
+            len(self.layers), rows, layer.tp_q_head_num * layer.v_head_dim, dtype=dtype, device=device
+        )
         self.graphs: dict[int, tuple[Graph, ForwardBatch, torch.Tensor]] = {}
         self.pool: object = None  # the memory pool every captured size shares
 
     def _forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Every layer's forward of the static batch ``fb``, each into its rows of the static output buffer (the
+        engine-provided ``out=``, as a serving engine's graph keeps it): ``[layers, rows, q_heads * v_head_dim]``."""
         rows = fb.batch_size * self.tokens_per_req
         q, k, v = self.q[:rows], self.k[:rows], self.v[:rows]
-        return torch.stack(
-            [self.backend.forward(q, k, v, layer, fb, **kw) for layer, kw in zip(self.layers, self.forward_kwargs)]
-        )
+        for out, layer, kw in zip(self.out, self.layers, self.forward_kwargs):
+            self.backend.forward(q, k, v, layer, fb, out=out, **kw)
+        return self.out[:, :rows]
 
     def capture(self) -> None:
         backend = self.backend

@@ -14,7 +14,7 @@ class HybridBackend(AttentionBackend):
     """One backend for prefill (extend, mixed, verify) and another for decode, as SGLang's ``HybridAttnBackend``."""
 
     name = "hybrid"
-    runs_prologue = False  # forward_* delegate: the chosen backend runs the prologue, once
+    runs_prologue = False  # its forward edges delegate: the chosen backend runs its own checks, once
 
     def __init__(self, prefill: AttentionBackend, decode: AttentionBackend):
         super().__init__(prefill.capability, prefill.config, validate=prefill.validation)
@@ -39,18 +39,18 @@ class HybridBackend(AttentionBackend):
     def on_after_cuda_graph_warmup(self):
         self.decode.on_after_cuda_graph_warmup()
 
-    def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        """The phase's backend's own ``forward`` (its routing and prologue)."""
-        return self._for(forward_batch).forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+    def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True, *, out=None, **kwargs):
+        """The phase's backend's own ``forward`` (its routing and checks)."""
+        return self._for(forward_batch).forward(q, k, v, layer, forward_batch, save_kv_cache, out=out, **kwargs)
 
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        return self.decode.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, *, out=None, **kwargs):
+        return self.decode.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, out=out, **kwargs)
 
-    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        return self.prefill.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, *, out=None, **kwargs):
+        return self.prefill.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, out=out, **kwargs)
 
-    def forward_mixed(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        return self.prefill.forward_mixed(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+    def forward_mixed(self, q, k, v, layer, forward_batch, save_kv_cache=True, *, out=None, **kwargs):
+        return self.prefill.forward_mixed(q, k, v, layer, forward_batch, save_kv_cache, out=out, **kwargs)
 
     def support_triton(self) -> bool:
         return self.prefill.support_triton() and self.decode.support_triton()

@@ -1,4 +1,5 @@
-"""Memory pools: the request-to-token map and the paged token-to-KV pool.
+"""Memory pools: the request tables (request-to-token map, or request-to-page block table) and the paged
+token-to-KV pool.
 
 Backends reach both only through two small protocols, with SGLang's names, so an
 engine's own pools (SGLang's ``ReqToTokenPool`` and ``MHATokenToKVPool``) serve as they
@@ -9,9 +10,11 @@ can also wrap an engine's existing tensors without a copy (``from_tensor`` /
 Slot ``s`` of the KV pool lives in page ``s // page_size`` at offset ``s % page_size``,
 so one layer's ``[num_slots, head_num, head_dim]`` buffer and the
 ``[num_pages, page_size, head_num, head_dim]`` view that paged kernels (NPU block
-tables, FlashInfer) take are the same memory. Page 0 is reserved: padded tokens of a
-graph-replayed batch write slot 0, so it never holds a request's data. A slot of -1
-(:data:`PADDING_TOKEN_SLOT`, vLLM's ``PAD_SLOT_ID``) marks a padding token whose KV is
+tables, FlashInfer) take are the same memory. That is the token-major layout, every pool's
+unless it says another in ``kv_layout`` (:mod:`hal.kv_layouts`: head-major pages, FRACTAL_NZ);
+:meth:`PagedKVPool.get_kv_pages` / :func:`kv_pages` give any pool's pages in its own layout.
+Page 0 is reserved: padded tokens of a graph-replayed batch write slot 0, so it never holds a
+request's data. A slot of -1 (:data:`PADDING_TOKEN_SLOT`, vLLM's ``PAD_SLOT_ID``) marks a padding token whose KV is
 written nowhere: every slot, page 0 included, keeps its content.
 """
 
@@ -27,32 +30,35 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from hal.capability import resolve_device
-from hal.deprecation import accept_renamed_kwargs
+from hal.deprecation import accept_renamed_kwargs, warn_renamed
 from hal.errors import ConfigError, KVCacheError, describe, expect
 from hal.kernels.reference import kv_scales, quantize_kv, store
-from hal.kv_dtypes import KV_DTYPE_TABLE, kv_dtype
+from hal.kv_dtypes import KV_STORAGE_DTYPES, kv_dtype
+from hal.kv_layouts import TOKEN_MAJOR, pool_kv_layout
+from hal.kv_layouts import kv_layout as layout_row
 
 __all__ = [
     "ReqToTokenTable",
+    "ReqToPageTable",
     "KVPool",
     "ReqToTokenPool",
+    "ReqToPagePool",
     "PagedKVPool",
     "MHATokenToKVPool",
     "MLAKVPool",
     "MLATokenToKVPool",
-    "KV_CACHE_DTYPES",
     "kv_cache_dtype_name",
     "pool_geometry",
     "paged_view",
+    "kv_pages",
+    "kv_rows",
+    "kv_storage",
     "PADDING_TOKEN_SLOT",
 ]
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 # out_cache_loc / loc of a padding token: its KV is written nowhere (vLLM's PAD_SLOT_ID); see docs/porting.md, section 5
 PADDING_TOKEN_SLOT = -1
-# Cache dtypes by name and the torch dtypes a pool may store: views of the table (hal.kv_dtypes).
-KV_CACHE_DTYPES = {row.name: row.torch_dtype for row in KV_DTYPE_TABLE}
-KV_DTYPES = tuple(KV_CACHE_DTYPES.values())
 
 
 def kv_cache_dtype_name(dtype: torch.dtype) -> str:
@@ -110,6 +116,15 @@ class ReqToTokenTable(Protocol):
 
 
 @runtime_checkable
+class ReqToPageTable(Protocol):
+    """The block table a backend may read instead: ``req_to_page``, int32 ``[rows, max_pages]`` (the page id of
+    every ``page_size`` tokens of each request row; token ``i`` is slot ``page * page_size + i % page_size``)."""
+
+    req_to_page: torch.Tensor
+    page_size: int
+
+
+@runtime_checkable
 class KVPool(Protocol):
     """The KV pool a backend reads and writes (SGLang's ``MHATokenToKVPool`` interface).
 
@@ -117,6 +132,10 @@ class KVPool(Protocol):
     ``start_layer ..``). Buffers are ``[num_slots, head_num, head_dim]`` (values
     ``[num_slots, head_num, v_head_dim]``), slot ``s`` at offset ``s % page_size`` of page
     ``s // page_size``; slot 0 takes padding writes.
+
+    A pool in another layout (:mod:`hal.kv_layouts`) says so in ``kv_layout`` and has no such buffers: it gives
+    ``get_kv_pages(layer_id)`` (K and V in its layout) and ``num_slots``, ``head_num``, ``head_dim``,
+    ``v_head_dim``; only backends that declare the layout in ``kv_layouts`` read it.
     """
 
     page_size: int
@@ -133,6 +152,8 @@ class KVPool(Protocol):
 
 def pool_geometry(pool: KVPool, layer_id: int) -> tuple[int, int, int, int]:
     """``(num_slots, head_num, head_dim, v_head_dim)`` of ``layer_id``'s buffers in any KV pool (shapes only)."""
+    if pool_kv_layout(pool) != TOKEN_MAJOR:
+        return pool.num_slots, pool.head_num, pool.head_dim, pool.v_head_dim
     k, v = pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id)
     return k.shape[0], k.shape[1], k.shape[2], v.shape[2]
 
@@ -181,29 +202,75 @@ class ReqToTokenPool:
 
     def write(self, req_index: int, start: int, slots: torch.Tensor) -> None:
         """Set ``req_to_token[req_index, start : start + len(slots)] = slots`` (``req_index`` in ``1 .. size``)."""
+        _write_row(self.req_to_token, self.size, req_index, start, slots, ("slots", "token range", "max_context_len"))
+
+
+def _write_row(table: torch.Tensor, size: int, req_index: int, start: int, values: torch.Tensor, names) -> None:
+    """``table[req_index, start : start + len(values)] = values`` for a request table (row 0: the padding row),
+    each argument checked; ``names``: (the values, the range, the table's width) as the messages call them."""
+    what, span, width = names
+    expect(
+        isinstance(req_index, int) and 1 <= req_index <= size,
+        KVCacheError,
+        "req_index",
+        req_index,
+        f"a request row in [1, {size}] (row 0 is the padding row)",
+    )
+    expect(
+        isinstance(values, torch.Tensor) and values.dim() == 1 and values.dtype in INDEX_DTYPES,
+        KVCacheError,
+        what,
+        describe(values),
+        "a 1-D int32/int64 tensor",
+    )
+    end = start + values.numel()
+    expect(
+        0 <= start and end <= table.shape[1], KVCacheError, span, (start, end), f"within [0, {width}={table.shape[1]}]"
+    )
+    table[req_index, start:end] = values.to(device=table.device, dtype=torch.int32)
+
+
+class ReqToPagePool:
+    """``req_to_page``: int32 ``[size + 1, max_pages]``, the KV pool page of every ``page_size`` tokens of every
+    request row (a block table, vLLM's form); rows as :class:`ReqToTokenPool`'s (row 0: the padding row, all
+    zeros: the padding page). Indexed by ``req_pool_indices`` like ``req_to_token``.
+    """
+
+    def __init__(self, size: int, max_pages: int, page_size: int, device: torch.device | str = "cpu"):
+        for name, value in (("size", size), ("max_pages", max_pages), ("page_size", page_size)):
+            expect(isinstance(value, int) and value > 0, KVCacheError, name, value, "a positive int")
+        self.size, self.max_pages, self.page_size = size, max_pages, page_size
+        self.device = resolve_device(device)
+        self.req_to_page = torch.zeros(size + 1, max_pages, dtype=torch.int32, device=self.device)
+
+    @classmethod
+    def from_tensor(cls, req_to_page: torch.Tensor, page_size: int) -> ReqToPagePool:
+        """Wrap an engine's int32 ``[rows, max_pages]`` block table without a copy (vLLM's ``block_table_tensor``:
+        one row per request of the step, no padding row)."""
         expect(
-            isinstance(req_index, int) and 1 <= req_index <= self.size,
+            isinstance(req_to_page, torch.Tensor) and req_to_page.dim() == 2 and req_to_page.dtype == torch.int32,
             KVCacheError,
-            "req_index",
-            req_index,
-            f"a request row in [1, {self.size}] (row 0 is the padding row)",
+            "req_to_page",
+            describe(req_to_page),
+            "an int32 tensor [rows, max_pages]",
         )
-        expect(
-            isinstance(slots, torch.Tensor) and slots.dim() == 1 and slots.dtype in INDEX_DTYPES,
-            KVCacheError,
-            "slots",
-            f"{slots.dtype}{list(slots.shape)}" if isinstance(slots, torch.Tensor) else type(slots).__name__,
-            "a 1-D int32/int64 tensor",
-        )
-        end = start + slots.numel()
-        expect(
-            0 <= start and end <= self.max_context_len,
-            KVCacheError,
-            "token range",
-            (start, end),
-            f"within [0, max_context_len={self.max_context_len}]",
-        )
-        self.req_to_token[req_index, start:end] = slots.to(device=self.device, dtype=torch.int32)
+        expect(isinstance(page_size, int) and page_size > 0, KVCacheError, "page_size", page_size, "a positive int")
+        pool = cls.__new__(cls)
+        rows, pool.max_pages = req_to_page.shape
+        pool.size, pool.page_size = rows - 1, page_size
+        pool.device = resolve_device(req_to_page.device)
+        pool.req_to_page = req_to_page
+        return pool
+
+    @property
+    def max_context_len(self) -> int:
+        """Tokens a row holds: ``max_pages * page_size``."""
+        return self.max_pages * self.page_size
+
+    def write(self, req_index: int, start_page: int, pages: torch.Tensor) -> None:
+        """Set ``req_to_page[req_index, start_page : start_page + len(pages)] = pages`` (``req_index`` in
+        ``1 .. size``)."""
+        _write_row(self.req_to_page, self.size, req_index, start_page, pages, ("pages", "page range", "max_pages"))
 
 
 class PagedKVPool:
@@ -215,9 +282,17 @@ class PagedKVPool:
     model's layers ``start_layer .. start_layer + layer_num - 1`` (a pipeline stage holds
     a slice of the model). Usable slots are ``page_size .. num_slots - 1``; page 0 takes
     padding writes.
+
+    ``kv_layout`` (:mod:`hal.kv_layouts`; ``Selection.create_kv_pool`` passes the chosen backend's) lays each
+    layer out otherwise: ``k_buffer[i]`` / ``v_buffer[i]`` are then that layout's pages (head-major
+    ``[num_pages + 1, head_num, page_size, dim]``, FRACTAL_NZ ``[num_pages + 1, head_num * dim / 16, page_size,
+    16]``), read with :meth:`get_kv_pages` and written with :meth:`set_kv_buffer`; there is no token-major buffer
+    to get (``get_key_buffer`` refuses). ``format_pages(tensor) -> tensor``, when given, turns each freshly
+    allocated buffer into the device's storage format once (an NPU's FRACTAL_NZ format cast).
     """
 
     padding_slot = 0
+    kv_layout = TOKEN_MAJOR
 
     def __init__(
         self,
@@ -230,19 +305,38 @@ class PagedKVPool:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         start_layer: int = 0,
+        kv_layout: str = TOKEN_MAJOR,
+        format_pages=None,
     ):
         for name, value in (("num_pages", num_pages), ("layer_num", layer_num), ("head_num", head_num)):
             expect(isinstance(value, int) and value > 0, KVCacheError, name, value, "a positive int")
         for name, value in (("head_dim", head_dim), ("v_head_dim", v_head_dim or head_dim)):
             expect(isinstance(value, int) and value > 0, KVCacheError, name, value, "a positive int")
         _check_page_size(page_size)
-        expect(dtype in KV_DTYPES, KVCacheError, "dtype", dtype, f"one of {KV_DTYPES}")
-        device = resolve_device(device)
-        num_slots = (num_pages + 1) * page_size
-        k = [pool_buffer((num_slots, head_num, head_dim), dtype, device) for _ in range(layer_num)]
+        _check_storage_dtype(dtype)
+        layout = layout_row(kv_layout, KVCacheError)
         v_dim = v_head_dim or head_dim
-        v = [pool_buffer((num_slots, head_num, v_dim), dtype, device) for _ in range(layer_num)]
-        self._attach(k, v, page_size, start_layer)
+        for dim in (head_dim, v_dim):
+            why = layout.unsupported(head_num, dim)
+            expect(why is None, KVCacheError, "kv_layout", layout.name, f"a layout for head dim {dim} ({why})")
+        device = resolve_device(device)
+        make = format_pages or (lambda t: t)
+        k = [make(pool_buffer(layout.shape(num_pages + 1, page_size, head_num, head_dim), dtype, device))]
+        k += [make(pool_buffer(k[0].shape, dtype, device)) for _ in range(layer_num - 1)]
+        v = [make(pool_buffer(layout.shape(num_pages + 1, page_size, head_num, v_dim), dtype, device))]
+        v += [make(pool_buffer(v[0].shape, dtype, device)) for _ in range(layer_num - 1)]
+        if layout.name == TOKEN_MAJOR:
+            self._attach(k, v, page_size, start_layer)
+            return
+        self.k_buffer, self.v_buffer = k, v
+        self.page_size, self.start_layer, self.layer_num = page_size, start_layer, layer_num
+        self.num_slots, self.head_num, self.head_dim, self.v_head_dim = (
+            (num_pages + 1) * page_size,
+            head_num,
+            head_dim,
+            v_dim,
+        )
+        self.num_pages, self.dtype, self.device, self.kv_layout = num_pages, dtype, device, layout.name
 
     @classmethod
     def from_buffers(
@@ -294,7 +388,7 @@ class PagedKVPool:
             describe(v0),
             f"[{k0.shape[0]}, {k0.shape[1]}, v_head_dim] {k0.dtype} on {k0.device}, like the K buffers",
         )
-        expect(k0.dtype in KV_DTYPES, KVCacheError, "dtype", k0.dtype, f"one of {KV_DTYPES}")
+        _check_storage_dtype(k0.dtype)
         num_slots = k0.shape[0]
         expect(
             num_slots % page_size == 0 and num_slots >= 2 * page_size,
@@ -330,12 +424,37 @@ class PagedKVPool:
         return index
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        if self.kv_layout != TOKEN_MAJOR:
+            self._refuse_slot_buffers("get_key_buffer")
         return self.k_buffer[self._layer(layer_id)]
 
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        if self.kv_layout != TOKEN_MAJOR:
+            self._refuse_slot_buffers("get_value_buffer")
         return self.v_buffer[self._layer(layer_id)]
 
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kv_layout != TOKEN_MAJOR:
+            self._refuse_slot_buffers("get_kv_buffer")
+        index = self._layer(layer_id)
+        return self.k_buffer[index], self.v_buffer[index]
+
+    def _refuse_slot_buffers(self, method: str) -> None:
+        expect(
+            False,
+            KVCacheError,
+            f"{method} on a {self.kv_layout} pool",
+            tuple(self.k_buffer[0].shape),
+            "a token_major pool ([num_slots, head_num, head_dim] buffers); a backend that reads "
+            f"{self.kv_layout} pages declares it in kv_layouts and reads get_kv_pages(layer_id)",
+        )
+
+    def get_kv_pages(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer_id``'s K and V pages in the pool's layout (the tensors themselves, no copy): token-major
+        ``[num_pages + 1, page_size, head_num, dim]`` views, head-major ``[num_pages + 1, head_num, page_size,
+        dim]``, FRACTAL_NZ ``[num_pages + 1, head_num * dim / 16, page_size, 16]``."""
+        if self.kv_layout == TOKEN_MAJOR:
+            return paged_view(self, layer_id)
         index = self._layer(layer_id)
         return self.k_buffer[index], self.v_buffer[index]
 
@@ -384,8 +503,9 @@ class PagedKVPool:
         """
         index, ks, vs = self._write_target(layer, k_scale, v_scale, layer_id_override)
         self.check_kv(loc, cache_k, cache_v)
-        store(self.k_buffer[index], loc, quantize_kv(cache_k, self.dtype, ks))
-        store(self.v_buffer[index], loc, quantize_kv(cache_v, self.dtype, vs))
+        write = layout_row(self.kv_layout).write
+        write(self.k_buffer[index], loc, quantize_kv(cache_k, self.dtype, ks))
+        write(self.v_buffer[index], loc, quantize_kv(cache_v, self.dtype, vs))
 
     def _write_target(self, layer, k_scale, v_scale, layer_id_override) -> tuple[int, float, float]:
         """The buffer index and the ``(k_scale, v_scale)`` floats of a write."""
@@ -429,7 +549,7 @@ class MLAKVPool(PagedKVPool):
             "an int >= 0",
         )
         _check_page_size(page_size)
-        expect(dtype in KV_DTYPES, KVCacheError, "dtype", dtype, f"one of {KV_DTYPES}")
+        _check_storage_dtype(dtype)
         slots, dim, device = (num_pages + 1) * page_size, kv_lora_rank + qk_rope_head_dim, resolve_device(device)
         buffers = [pool_buffer((slots, 1, dim), dtype, device) for _ in range(layer_num)]
         self._attach_latent(buffers, kv_lora_rank, page_size, start_layer)
@@ -501,15 +621,49 @@ class MLAKVPool(PagedKVPool):
         self.set_kv_buffer(layer, loc, torch.cat([cache_k_nope, cache_k_rope.to(cache_k_nope.dtype)], dim=-1))
 
 
-# Renamed in 0.2.0 to SGLang's names; the old keywords still work, with a warning.
+# Deprecated keywords -> SGLang's names: the old keywords still work, with a warning.
 accept_renamed_kwargs(PagedKVPool, {"num_layers": "layer_num", "kv_heads": "head_num"}, KVCacheError)
 
 
 def paged_view(pool: KVPool, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer ``layer_id`` of any KV pool as ``[num_pages + 1, page_size, head_num, dim]`` views of the same memory."""
+    """Layer ``layer_id`` of any token-major KV pool as ``[num_pages + 1, page_size, head_num, dim]`` views of the
+    same memory."""
     k, v = pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id)
     ps = pool.page_size
     return k.view(-1, ps, *k.shape[1:]), v.view(-1, ps, *v.shape[1:])
+
+
+def kv_pages(pool: KVPool, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer ``layer_id`` of any KV pool as pages in its layout: its ``get_kv_pages``, or (a pool without it, which
+    is token-major) :func:`paged_view`."""
+    pages = getattr(pool, "get_kv_pages", None)
+    return pages(layer_id) if pages is not None else paged_view(pool, layer_id)
+
+
+def kv_storage(pool: KVPool, layer_id: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]:
+    """Layer ``layer_id``'s K and V as ``pool`` stores them, with their ``(head_num, head_dim, v_head_dim)``: a
+    token-major pool's ``[num_slots, head_num, dim]`` buffers, any other pool's pages in its layout
+    (``get_kv_pages``; heads and dims read from the pages' ``head`` / ``dim`` axes where the layout has them, else
+    the pool's). Shapes only, no copy; the pool checks ``layer_id``."""
+    layout = layout_row(pool_kv_layout(pool), KVCacheError)
+    if layout.name == TOKEN_MAJOR:
+        k, v = pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id)
+        return k, v, (k.shape[1], k.shape[2], v.shape[2])
+    k, v = pool.get_kv_pages(layer_id)
+    if "head" in layout.axes and "dim" in layout.axes:
+        head, dim = layout.axes.index("head"), layout.axes.index("dim")
+        return k, v, (k.shape[head], k.shape[dim], v.shape[dim])
+    return k, v, (pool.head_num, pool.head_dim, pool.v_head_dim)
+
+
+def kv_rows(pool: KVPool, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V rows ``[n, head_num, dim]`` at ``slots`` ``[n]`` (every one in the pool) of layer ``layer_id`` of
+    any KV pool, in any layout (a copy, in the pool's dtype)."""
+    layout = layout_row(pool_kv_layout(pool), KVCacheError)
+    if layout.name == TOKEN_MAJOR:
+        return pool.get_key_buffer(layer_id)[slots.long()], pool.get_value_buffer(layer_id)[slots.long()]
+    k, v = pool.get_kv_pages(layer_id)
+    return layout.read(k, slots, pool.head_num), layout.read(v, slots, pool.head_num)
 
 
 def check_kv_inputs(loc, cache_k, cache_v, dims: tuple[int, int, int], device: torch.device) -> None:
@@ -535,6 +689,16 @@ def check_kv_inputs(loc, cache_k, cache_v, dims: tuple[int, int, int], device: t
     expect(loc.device == device, KVCacheError, "loc.device", loc.device, str(device))
 
 
+def _check_storage_dtype(dtype) -> None:
+    expect(
+        dtype in KV_STORAGE_DTYPES.values(),
+        KVCacheError,
+        "dtype",
+        dtype,
+        f"the storage dtype of a KV-cache dtype: one of {dict(KV_STORAGE_DTYPES)}",
+    )
+
+
 def _check_page_size(page_size) -> None:
     expect(
         isinstance(page_size, int) and page_size > 0 and page_size & (page_size - 1) == 0,
@@ -550,3 +714,18 @@ MHATokenToKVPool = PagedKVPool
 
 MLATokenToKVPool = MLAKVPool
 """SGLang's name for the latent pool."""
+
+
+# Deprecated views of the dtype table (hal.kv_dtypes): old name -> (its replacement, its value).
+_RENAMED_IN_0_4 = {
+    "KV_CACHE_DTYPES": ("hal.kv_dtypes.KV_STORAGE_DTYPES", lambda: KV_STORAGE_DTYPES),
+    "KV_DTYPES": ("tuple(hal.kv_dtypes.KV_STORAGE_DTYPES.values())", lambda: tuple(KV_STORAGE_DTYPES.values())),
+}
+
+
+def __getattr__(name: str):
+    if name not in _RENAMED_IN_0_4:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    new, value = _RENAMED_IN_0_4[name]
+    warn_renamed(f"{__name__}.{name}", new, since="0.4.0")
+    return value()

@@ -1,13 +1,13 @@
-"""Plugin API 1 (hal 0.1): the names a 0.1 plugin reaches that later releases removed, served with warnings.
+"""Plugin API 1: the names an API 1 plugin reaches that the current API lacks, served with warnings.
 
 A plugin that declares no plugin API is taken as API 1 and runs through these shims:
 
 * ``ForwardBatch.prefix_lens_cpu`` / ``query_lens_cpu`` / ``kv_lens_cpu`` (per request: cached tokens before
-  the query, query tokens, keys attended over) and the method ``ForwardBatch.device_lens()`` went in 0.1.x
-  when batches became protocols; their values are :func:`hal.batch.host_lens` / :func:`hal.batch.device_lens`.
-* A 0.1 backend's ``init_forward_metadata_out_graph`` assigned ``self.forward_metadata`` (there was no
-  ``set_forward_metadata``), and its ``__init__`` took the capability only; :func:`adapt_api1_backend` stamps
-  such metadata for the step and passes the config the way 0.2 constructs backends.
+  the query, query tokens, keys attended over) and the method ``ForwardBatch.device_lens()``, which the
+  batch protocols lack; their values are :func:`hal.batch.host_lens` / :func:`hal.batch.device_lens`.
+* An API 1 backend's ``init_forward_metadata_out_graph`` assigns ``self.forward_metadata`` (API 1 has no
+  ``set_forward_metadata``), and its ``__init__`` takes the capability only; :func:`adapt_api1_backend` stamps
+  such metadata for the step and passes the config the way hal constructs backends.
 
 Every shim warns (``DeprecationWarning``) with the replacement; ``hal info`` says that the plugin
 "runs as plugin API 1 (deprecated names)".
@@ -31,7 +31,7 @@ API1_NOTE = "runs as plugin API 1 (deprecated names)"
 
 
 class Api1BatchNames:
-    """hal 0.1's derived lengths of ``ForwardBatch``, kept as deprecated read-only names (a mixin)."""
+    """Plugin API 1's derived lengths of ``ForwardBatch``, kept as deprecated read-only names (a mixin)."""
 
     @property
     def prefix_lens_cpu(self) -> list[int]:
@@ -58,12 +58,12 @@ class Api1BatchNames:
 
 
 def adapt_api1_backend(cls: type) -> type:
-    """Make a hal 0.1 backend class run under this hal (in place, once; returns ``cls``).
+    """Make a plugin API 1 backend class run under this hal (in place, once; returns ``cls``).
 
     Its ``init_forward_metadata_out_graph`` may assign ``self.forward_metadata`` instead of calling
     ``set_forward_metadata(meta, forward_batch)``: the assignment is stamped for the step, with a warning.
-    0.1 had no ``check_batch`` (only hal's own batches, validated when built, reached a backend), so the
-    adapter runs it first: an engine's batch gets the backend's validation level as a 0.2 port gives it.
+    API 1 has no ``check_batch`` (only hal's own batches, validated when built, reached its backends), so the
+    adapter runs it first: an engine's batch gets the backend's validation level as a ported backend gives it.
     An ``__init__(self, capability)`` without the config gets ``self.config`` set after it runs.
     """
     if cls.__dict__.get("_hal_api1_adapted"):
@@ -75,7 +75,7 @@ def adapt_api1_backend(cls: type) -> type:
         step = self._step
         self.check_batch(forward_batch)
         out_graph(self, forward_batch, in_capture)
-        if self._step == step:  # nothing stamped: the 0.1 way, self.forward_metadata = meta
+        if self._step == step:  # nothing stamped: the API 1 way, self.forward_metadata = meta
             warn_renamed(
                 f"{cls.__name__}: assigning self.forward_metadata in init_forward_metadata_out_graph",
                 "self.set_forward_metadata(meta, forward_batch)",
@@ -85,7 +85,7 @@ def adapt_api1_backend(cls: type) -> type:
 
     cls.init_forward_metadata_out_graph = init_forward_metadata_out_graph
     init = cls.__init__
-    if len(inspect.signature(init).parameters) == 2:  # (self, capability): 0.1's constructor
+    if len(inspect.signature(init).parameters) == 2:  # (self, capability): API 1's constructor
 
         @functools.wraps(init)
         def __init__(self, capability, config=None, **options):
@@ -93,7 +93,7 @@ def adapt_api1_backend(cls: type) -> type:
             if options:
                 raise ConfigError(
                     f"{cls.__name__} options {sorted(options)}: a plugin API 1 backend takes only hal's "
-                    "validate= (its __init__ takes the capability only); declare plugin_api = 2 once it is ported"
+                    "validate= (its __init__ takes the capability only); declare plugin_api = 3 once it is ported"
                 )
             init(self, capability)
             self.config = config

@@ -1,65 +1,78 @@
-"""The forward prologue of :class:`hal.backend.AttentionBackend`: what runs before a backend's ``forward_*``.
+"""The steps of a forward call, in the order :meth:`hal.backend.AttentionBackend.forward` runs them.
 
-Every ``forward_decode`` / ``forward_extend`` / ``forward_mixed`` a backend class defines is wrapped
-(``__init_subclass__``) so that a call runs, in order and once per call (``forward`` -> ``forward_decode``,
-``forward_extend`` -> ``forward_mixed`` and ``super().forward_*`` inside it do not repeat it):
+A forward is *plan, then run* (FlashInfer's ``plan()`` / ``run()``, vLLM's metadata builder / impl):
 
-1. the batch fields the prologue reads are checked (:func:`hal.validation.check_forward_fields`: presence and
-   type only, an ``InvalidBatchError`` naming the field and SGLang's);
-2. :meth:`ForwardPrologue.check_model_features` (sinks, an fp8 pool), :meth:`check_layer`, the metadata stamp
-   (:meth:`metadata_for`);
-3. either the backend's **fused call** (:meth:`ForwardPrologue.forward_fused`: inputs checked, KV written and
-   attention in one call) where the base class allows it (:meth:`ForwardPrologue.forward_paths`), or the
-   **checked path**: :meth:`check_inputs` (nothing is written before it passes), :meth:`save_kv` (or, with
-   ``save_kv_cache=False``, :meth:`new_kv_from_cache`), then the backend's ``forward_*``;
-4. the output as ``[T, q_heads * v_head_dim]`` in ``q.dtype`` (:func:`forward_output`, the one reshape).
+* **plan**: ``init_forward_metadata_out_graph`` / ``_in_graph`` build the step's metadata and hand it to
+  :meth:`ForwardSteps.set_forward_metadata`, saying there whether this step may take the backend's fused call
+  (``fused=``): the fast path is chosen when the step is planned, not per layer;
+* **run**: the engine-facing ``forward`` / ``forward_decode`` / ``forward_extend`` / ``forward_mixed`` (hal/backend.py)
+  run, in order and in plain code: the batch fields (:func:`hal.validation.check_forward_fields`),
+  :meth:`ForwardSteps.check_model_features`, :meth:`ForwardSteps.check_layer`, the metadata stamp
+  (:meth:`ForwardSteps.metadata_for`), the input dtypes, the output buffer; then either the backend's fused call
+  (:meth:`ForwardSteps.run_fused`: inputs checked, KV written and attention in one call) or the checked path
+  (:meth:`ForwardSteps.check_inputs`, :meth:`ForwardSteps.save_kv` or :meth:`ForwardSteps.new_kv_from_cache`,
+  then the backend's ``run_decode`` / ``run_extend`` / ``run_mixed``); the result lands in the caller's ``out=``
+  or a new ``[T, q_heads * v_head_dim]`` tensor in ``q.dtype`` (:func:`write_output`, the one place).
 
-The fused call runs only where nothing it stands in for is overridden (computed once per class), no torch
-dispatch or function mode watches (the eager graph guard of :mod:`hal.graph`, a profiler, FakeTensor), the KV
-is to be written (``save_kv_cache``, ``k``/``v`` given), :func:`fused_forward_disabled` is not in force and
-``HAL_FUSED_FORWARD`` is not ``0``; it returns None where its kernel does not take the inputs, having written
-nothing, and the checked path then serves them or names what is wrong.
+The fused call runs where the plan allowed it, the KV is to be written (``save_kv_cache``, ``k``/``v`` given), no
+torch dispatch or function mode watches (the eager graph guard of :mod:`hal.graph`, a profiler, FakeTensor),
+:func:`fused_forward_disabled` is not in force and ``HAL_FUSED_FORWARD`` is not ``0``; it returns None where its
+kernel does not take the inputs, having written nothing, and the checked path then serves them or names what is
+wrong. A class that overrides a step the fused call stands in for (:data:`FUSED_STANDS_IN_FOR`) below the class
+that offers ``run_fused`` takes the checked path: its override is never skipped.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
+import inspect
 import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from hal.capability import DTYPE_NAMES
-from hal.errors import ConfigError, InvalidBatchError, UnsupportedError, expect
-from hal.kernels.reference import dequantize_kv, kv_scales, shares_storage, write_kv
-from hal.kv_cache import kv_cache_dtype_name
-from hal.kv_dtypes import kv_scaled
-from hal.validation import check_forward_fields
+from hal.deprecation import warn_renamed
+from hal.errors import ConfigError, InvalidBatchError, PluginError, UnsupportedError, expect
+from hal.kernels.reference import dequantize_kv, kv_scales, quantize_kv, shares_storage, write_kv
+from hal.kv_cache import kv_cache_dtype_name, kv_rows, kv_storage
+from hal.kv_dtypes import COMPUTE_DTYPE_NAMES, kv_scaled
+from hal.kv_layouts import TOKEN_MAJOR, kv_layout, pool_kv_layout
 
 if TYPE_CHECKING:
     from hal.batch import ForwardBatch
     from hal.layer import AttentionLayer
 
 __all__ = [
+    "ForwardSteps",
     "ForwardPrologue",
     "fused_forward_disabled",
     "fused_forward_enabled",
     "fused_forward_env",
     "forward_output",
+    "write_output",
+    "check_output_buffer",
+    "FORWARD_KINDS",
     "FORWARD_METHODS",
+    "RUN_METHODS",
+    "FUSED_STANDS_IN_FOR",
     "PROLOGUE_HOOKS",
 ]
 
-FORWARD_METHODS = ("forward_decode", "forward_extend", "forward_mixed")
-# What a fused call stands in for: a class that overrides one of these below the class offering forward_fused
-# takes the checked path (check_model_features, check_layer and metadata_for run on both paths).
-PROLOGUE_HOOKS = ("prepare_forward", "check_inputs", "save_kv", "new_kv_from_cache", *FORWARD_METHODS)
+FORWARD_KINDS = ("decode", "extend", "mixed")
+FORWARD_METHODS = tuple(f"forward_{kind}" for kind in FORWARD_KINDS)  # the engine-facing edges (the seed's names)
+RUN_METHODS = tuple(f"run_{kind}" for kind in FORWARD_KINDS)  # what a backend implements
+# The steps the fused call stands in for: a class that overrides one below the class offering run_fused takes
+# the checked path (check_model_features, check_layer and metadata_for run on both paths).
+FUSED_STANDS_IN_FOR = ("prepare_forward", "check_inputs", "save_kv", "new_kv_from_cache", *RUN_METHODS)
+PROLOGUE_HOOKS = FUSED_STANDS_IN_FOR  # its name under plugin API 2
 PATH_FUSED, PATH_CHECKED = "fused", "checked"
 
 _FUSED_OFF: contextvars.ContextVar[bool] = contextvars.ContextVar("hal_fused_forward_off", default=False)
+# (id(backend), kind) of the run hooks running in this thread or task: a plugin API 2 hook that calls another
+# forward_* of its own backend reaches that backend's run hook directly, as under plugin API 2 (no second prologue)
+_RUNNING: contextvars.ContextVar[tuple] = contextvars.ContextVar("hal_running_hooks", default=())
 
 
 def fused_forward_env() -> bool:
@@ -77,9 +90,9 @@ def fused_forward_enabled() -> bool:
 
 @contextlib.contextmanager
 def fused_forward_disabled() -> Iterator[None]:
-    """Within the block (this thread or task), every backend takes the checked prologue path: no fused call
-    runs. The conformance suite uses it to run every case family on the checked path of a backend whose
-    :meth:`~ForwardPrologue.forward_paths` has ``"fused"``."""
+    """Within the block (this thread or task), every backend takes the checked path: no fused call runs. The
+    conformance suite uses it to run every case family on the checked path of a backend whose
+    :meth:`~ForwardSteps.forward_paths` has ``"fused"``."""
     token = _FUSED_OFF.set(True)
     try:
         yield
@@ -93,53 +106,120 @@ def _torch_mode_watching() -> bool:
     return torch._C._len_torch_dispatch_stack() > 0 or torch._C._is_torch_function_mode_enabled()
 
 
+def _overlaps(a: torch.Tensor, b: torch.Tensor | None) -> bool:
+    """Whether the memory ``a`` and ``b`` span (first to last element) overlaps; no device read."""
+    if b is None or a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 0)
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
+def check_output_buffer(out, q: torch.Tensor, layer: AttentionLayer, tokens: int, *others) -> torch.Tensor:
+    """``out`` (the caller's output buffer) checked and returned as the ``[tokens, q_heads, v_head_dim]`` view the
+    backend writes; rows past ``tokens`` are never touched.
+
+    ``out`` must be a tensor of ``q.dtype`` on ``q``'s device, ``[R, q_heads * v_head_dim]`` or
+    ``[R, q_heads, v_head_dim]`` with ``R >= tokens``, its last dimension contiguous, and share no memory with
+    ``q`` or with ``others`` (``k``, ``v``, the layer's KV buffers): an ``InvalidBatchError`` names what is wrong.
+    """
+    heads, v_dim = layer.tp_q_head_num, layer.v_head_dim
+    ok = (
+        isinstance(out, torch.Tensor)
+        and out.dtype == q.dtype
+        and out.device == q.device
+        and out.shape[0] >= tokens
+        and tuple(out.shape[1:]) in ((heads * v_dim,), (heads, v_dim))
+        and out.stride(-1) == 1
+    )
+    if ok:
+        rows = out[:tokens]
+        rows = rows.unflatten(1, (heads, v_dim)) if rows.dim() == 2 else rows
+        if not any(_overlaps(rows, t) for t in (q, *others)):
+            return rows
+    described = f"{out.dtype}{list(out.shape)} on {out.device}" if isinstance(out, torch.Tensor) else type(out)
+    expect(
+        isinstance(out, torch.Tensor) and out.dtype == q.dtype and out.device == q.device,
+        InvalidBatchError,
+        "out",
+        described,
+        f"a {q.dtype} tensor on {q.device} (the query's dtype and device)",
+    )
+    expect(
+        out.shape[0] >= tokens and tuple(out.shape[1:]) in ((heads * v_dim,), (heads, v_dim)),
+        InvalidBatchError,
+        "out.shape",
+        tuple(out.shape),
+        f"[R, {heads * v_dim}] or [R, {heads}, {v_dim}] with R >= {tokens} (this step's tokens)",
+    )
+    expect(out.stride(-1) == 1, InvalidBatchError, "out.stride", out.stride(), "a contiguous last dimension")
+    raise InvalidBatchError(
+        "out shares memory with q, k, v or the layer's KV cache: the kernel would read what it overwrites "
+        "(expected a buffer of its own)"
+    )
+
+
+def write_output(result: torch.Tensor, q: torch.Tensor, layer: AttentionLayer, out: torch.Tensor | None):
+    """A run hook's result as the contract returns it. Without ``out``: ``[T, q_heads * v_head_dim]`` in
+    ``q.dtype`` (``result`` may be ``[T, q_heads, v_head_dim]`` or flat, any float dtype). With ``out`` (the
+    ``[T, q_heads, v_head_dim]`` view :func:`check_output_buffer` returned): ``result`` copied into it unless the
+    hook wrote there itself, and that view returned flat where its strides allow. The one place the output is
+    shaped."""
+    tokens, width = q.shape[0], layer.tp_q_head_num * layer.v_head_dim
+    if out is None:
+        if result.dim() != 2 or result.shape[1] != width:
+            result = result.reshape(tokens, width)
+        return result if result.dtype == q.dtype else result.to(q.dtype)
+    if result.data_ptr() != out.data_ptr() or result.stride() != out.stride()[: result.dim()]:
+        out.copy_(result.reshape(out.shape))
+    try:
+        return out.view(tokens, width)
+    except RuntimeError:  # rows strided past the heads (a padded engine buffer): the 3-D view is the answer
+        return out
+
+
 def forward_output(out: torch.Tensor, q: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:
-    """A ``forward_*`` result (``[T, q_heads, v_head_dim]`` or ``[T, q_heads * v_head_dim]``, any float dtype) as
-    the contract returns it: ``[T, q_heads * v_head_dim]`` in ``q.dtype``. The one place the output is shaped."""
-    width = layer.tp_q_head_num * layer.v_head_dim
-    if out.dim() != 2 or out.shape[1] != width:
-        out = out.reshape(q.shape[0], width)
-    return out if out.dtype == q.dtype else out.to(q.dtype)
+    """``write_output(out, q, layer, None)``: its name under plugin API 2."""
+    return write_output(out, q, layer, None)
 
 
-def _fused_owner(cls: type) -> type | None:
-    """The class of ``cls``'s MRO whose ``forward_fused`` ``cls`` runs, if it may: None where that is the base
-    class's (no fused call) or where ``cls`` overrides below it a hook the fused call stands in for."""
-    owner = next(k for k in cls.__mro__ if "forward_fused" in k.__dict__)
-    if owner is ForwardPrologue:
-        return None
-    covered = PROLOGUE_HOOKS + tuple(getattr(owner, "fused_forward_covers", ()))
-    if any(getattr(cls, name, None) is not getattr(owner, name, None) for name in covered):
-        return None
-    return owner
+def _takes_out(method) -> bool:
+    try:
+        return "out" in inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return False
 
 
-def _with_prologue(method):
-    """``method`` (a ``forward_*``) preceded by the prologue (see the module docstring) unless a caller on this
-    backend already ran it for this call; its output through :func:`forward_output`."""
+def _adopt_plugin_api2_hooks(cls: type) -> None:
+    """A class written for plugin API 2 implements ``forward_decode`` / ``_extend`` / ``_mixed`` /
+    ``forward_fused`` as the steps after the prologue; plugin API 3 names those steps ``run_*`` and keeps
+    ``forward_*`` as the engine-facing edges. Such a class's methods become its ``run_*`` methods, unchanged, with a
+    ``DeprecationWarning``; the edges stay the base class's plain code."""
+    for old, new in (*zip(FORWARD_METHODS, RUN_METHODS), ("forward_fused", "run_fused")):
+        method = cls.__dict__.get(old)
+        if method is None:
+            continue
+        if new in cls.__dict__:
+            raise PluginError(
+                f"{cls.__qualname__} defines both {old} and {new}: since hal 0.4 {old} is the engine-facing edge "
+                f"the base class runs (checks, KV write, then {new}); implement {new} only"
+            )
+        warn_renamed(f"{cls.__qualname__}.{old} (a backend's kernel step)", f"{cls.__qualname__}.{new}", since="0.4.0")
+        setattr(cls, new, method)
+        delattr(cls, old)
 
-    @functools.wraps(method)
-    def forward_with_prologue(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        if self.__dict__.get("_in_prologue_call"):
-            return method(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
-        check_forward_fields(forward_batch)
-        self.check_model_features(layer, forward_batch, kwargs.get("sinks"))  # sinks= / an fp8 pool: declared?
-        if self._may_fuse(k, v, save_kv_cache):
-            self.check_layer(layer)
-            self.metadata_for(forward_batch)
-            out = self.forward_fused(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
-            if out is not None:
-                return forward_output(out, q, layer)
-        q, k, v = self.prepare_forward(q, k, v, layer, forward_batch, save_kv_cache)
-        self._in_prologue_call = True
-        try:
-            out = method(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
-        finally:
-            self._in_prologue_call = False
-        return forward_output(out, q, layer)
 
-    forward_with_prologue._hal_prologue = True
-    return forward_with_prologue
+def _fused_available(cls: type) -> bool:
+    """Whether ``cls`` may take a fused call at all: some class of its MRO below ``ForwardSteps`` offers
+    ``run_fused``, and ``cls`` overrides below that class none of :data:`FUSED_STANDS_IN_FOR`."""
+    owner = next(k for k in cls.__mro__ if "run_fused" in k.__dict__)
+    if owner is ForwardSteps:
+        return False
+    return all(getattr(cls, name, None) is getattr(owner, name, None) for name in FUSED_STANDS_IN_FOR)
 
 
 class _ClassOrInstanceMethod:
@@ -147,90 +227,83 @@ class _ClassOrInstanceMethod:
 
     def __init__(self, func):
         self.func = func
-        functools.update_wrapper(self, func)
+        self.__doc__ = func.__doc__
 
     def __get__(self, instance, owner=None):
-        return functools.partial(self.func, owner if instance is None else instance)
+        func, bound = self.func, owner if instance is None else instance
+        return lambda *args, **kwargs: func(bound, *args, **kwargs)
 
 
-class ForwardPrologue:
-    """The prologue half of :class:`hal.backend.AttentionBackend` (see the module docstring)."""
+class ForwardSteps:
+    """The steps of a forward call, for :class:`hal.backend.AttentionBackend` (see the module docstring)."""
 
-    runs_prologue: ClassVar[bool] = True  # False: forward_* only delegate to backends that run their own
-    reads_new_kv: ClassVar[bool] = True  # False: forward_* read the new tokens from the cache, never from k/v
-    # Methods of the class offering forward_fused that the fused call also stands in for, beyond PROLOGUE_HOOKS
-    # (e.g. the attention its checked forward_* call): a subclass overriding one takes the checked path.
-    fused_forward_covers: ClassVar[tuple[str, ...]] = ()
+    runs_prologue: ClassVar[bool] = True  # False: a delegating backend whose forward_* edges call other backends'
+    reads_new_kv: ClassVar[bool] = True  # False: run_* read the new tokens from the cache, never from k/v
+    _hal_contract: ClassVar[bool] = False  # True on the base classes only: their hooks are the contract's stubs
+    _fused_path: ClassVar[bool] = False  # set per class: see _fused_available
+    _run_takes_out: ClassVar[dict[str, bool]] = dict.fromkeys(FORWARD_KINDS, False)
+    _fused_takes_out: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        cls._hal_fused_owner = ...  # per class, computed at its first forward (methods may be set after creation)
-        if not cls.runs_prologue or cls.__dict__.get("_hal_contract", False):  # the contract's own stubs: as is
+        if cls.__dict__.get("_hal_contract", False):
             return
-        for name in FORWARD_METHODS:
-            method = cls.__dict__.get(name)
-            if method is not None and not getattr(method, "_hal_prologue", False):
-                setattr(cls, name, _with_prologue(method))
+        if cls.runs_prologue:
+            _adopt_plugin_api2_hooks(cls)
+        cls._fused_path = _fused_available(cls)
+        cls._run_takes_out = {kind: _takes_out(getattr(cls, f"run_{kind}")) for kind in FORWARD_KINDS}
+        cls._fused_takes_out = _takes_out(cls.run_fused)
 
-    # -- the fused call -------------------------------------------------------------------
-    def forward_fused(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs) -> torch.Tensor | None:
+    # -- the run hooks a backend implements -------------------------------------------------
+    def run_fused(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs) -> torch.Tensor | None:
         """Optional: one layer's whole forward in one call, standing in for :meth:`check_inputs`, :meth:`save_kv`
-        and the backend's ``forward_*`` (the base class has already run :meth:`check_model_features`,
-        :meth:`check_layer` and :meth:`metadata_for`). Receives the caller's ``q``/``k``/``v`` as given
-        (``[T, H * D]`` or ``[T, H, D]``, tensors, ``save_kv_cache`` True); must check them against the layer
-        and pool as :meth:`check_inputs` would, write the new tokens' KV at ``out_cache_loc`` and return the
-        output (``[T, q_heads, v_head_dim]`` or ``[T, q_heads * v_head_dim]``), or return None, having written
-        nothing, for inputs it does not take (the checked path then runs and names what is wrong).
+        and the ``run_*`` step (``check_model_features``, ``check_layer``, ``metadata_for``, the dtypes and the
+        output buffer are checked before it). Receives the caller's ``q``/``k``/``v`` as given (``[T, H * D]`` or
+        ``[T, H, D]``, tensors, ``save_kv_cache`` True); must check them against the layer and pool as
+        :meth:`check_inputs` would, write the new tokens' KV at ``out_cache_loc`` and return the output
+        (``[T, q_heads, v_head_dim]`` or flat; into ``out=`` ``[T, q_heads, v_head_dim]`` where it takes one), or
+        return None, having written nothing, for inputs it does not take.
 
-        Called only where the base class allows it: see :meth:`forward_paths`. Default: None (no fused call)."""
+        Runs only where the step's plan allowed it (``set_forward_metadata(..., fused=True)``) and the call may
+        take it (module docstring). Default: None (no fused call)."""
         return None
 
     def fused_forward_ready(self) -> bool:
-        """Whether this instance can take its class's :meth:`forward_fused` at all (its kernels were built...);
-        asked before every fused call, so keep it a cheap attribute read. Default True."""
+        """Whether this instance can take its class's :meth:`run_fused` at all (its kernels were built...). Asked
+        when a step is planned and by :meth:`forward_paths`. Default True."""
         return True
 
     @_ClassOrInstanceMethod
     def forward_paths(self) -> list[str]:
         """The forward paths this backend (class or instance) can take: ``["fused", "checked"]`` where its class
-        offers :meth:`forward_fused`, overrides none of what that stands in for below the class offering it
-        (``PROLOGUE_HOOKS`` and ``fused_forward_covers``) and (on an instance) :meth:`fused_forward_ready`;
-        else ``["checked"]``. Which one a call takes is then decided per call (torch modes, ``save_kv_cache``,
-        :func:`fused_forward_disabled`, ``HAL_FUSED_FORWARD``, the inputs its kernel takes)."""
+        offers :meth:`run_fused`, overrides none of what that stands in for below the class offering it and (on an
+        instance) :meth:`fused_forward_ready`; else ``["checked"]``. Which one a step takes is decided by its plan,
+        and a call may still fall back to the checked path (module docstring)."""
         cls = self if isinstance(self, type) else type(self)
-        fused = _fused_owner(cls) is not None and (isinstance(self, type) or self.fused_forward_ready())
+        fused = cls._fused_path and (isinstance(self, type) or self.fused_forward_ready())
         return [PATH_FUSED, PATH_CHECKED] if fused else [PATH_CHECKED]
 
-    def _may_fuse(self, k, v, save_kv_cache: bool) -> bool:
-        """Whether this call may take :meth:`forward_fused` (see the module docstring); cheap per call."""
-        cls = type(self)
-        owner = cls._hal_fused_owner
-        if owner is ...:
-            owner = cls._hal_fused_owner = _fused_owner(cls)
+    def _fused_for(self, planned: bool, k, v, save_kv_cache: bool) -> bool:
+        """Whether this call takes :meth:`run_fused`: the plan said so and nothing of this call forbids it."""
         return (
-            owner is not None
+            planned
             and save_kv_cache
             and k is not None
             and v is not None
-            and self.__dict__.get("_fused_env", True)
             and not _FUSED_OFF.get()
             and not _torch_mode_watching()
-            and self.fused_forward_ready()
         )
 
     # -- the checked path -----------------------------------------------------------------
     def prepare_forward(
         self, q, k, v, layer: AttentionLayer, forward_batch: ForwardBatch, save_kv_cache: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """The checked prologue, in order: :meth:`check_layer`, :meth:`check_inputs` (nothing is
-        written before both pass), :meth:`metadata_for`, then :meth:`save_kv` (or, with
-        ``save_kv_cache=False``, the new tokens read back from the cache in place of k/v when the
-        backend ``reads_new_kv``: the caller wrote the cache, and k/v may be None or stale).
+        """The checked path's steps before the run hook: :meth:`check_inputs` (nothing is written before it
+        passes), then :meth:`save_kv` (or, with ``save_kv_cache=False``, the new tokens read back from the cache in
+        place of k/v when the backend ``reads_new_kv``: the caller wrote the cache, and k/v may be None or stale).
         Returns ``q, k, v`` as ``[T, heads, dim]``, k/v in ``q.dtype``.
         """
-        self.check_layer(layer)
         q, k, v = self.check_inputs(q, k, v, layer, forward_batch, save_kv_cache)
-        self.metadata_for(forward_batch)
         if save_kv_cache:
             self.save_kv(layer, forward_batch, k, v)
         elif self.reads_new_kv:
@@ -238,15 +311,20 @@ class ForwardPrologue:
         return q, k, v
 
     def check_layer(self, layer: AttentionLayer) -> None:
-        """Raise ``UnsupportedError`` (or ``ConfigError``) for a layer feature this backend cannot run;
-        the first step of the prologue. Default: nothing (selection already checked the config)."""
+        """Raise ``UnsupportedError`` (or ``ConfigError``) for a layer feature this backend cannot run; the first
+        step after the batch fields. Default: nothing (selection already checked the config)."""
 
     def check_model_features(self, layer: AttentionLayer, forward_batch: ForwardBatch, sinks) -> None:
-        """``UnsupportedError`` for ``sinks`` or an fp8 KV pool this backend does not declare; ``InvalidBatchError``
-        for sinks that are not a float ``[q_heads]`` tensor on the pool's device."""
+        """``UnsupportedError`` for ``sinks`` or a scaled (fp8) KV pool this backend does not declare;
+        ``InvalidBatchError`` for sinks that are not a float ``[q_heads]`` tensor on the pool's device."""
+        declared = self.declared
         if sinks is not None:
             expect(
-                self.supports_sinks, UnsupportedError, "sinks", "a tensor", f"None: {self.name} has no attention sinks"
+                declared.supports_sinks,
+                UnsupportedError,
+                "sinks",
+                "a tensor",
+                f"None: {declared.name} has no attention sinks",
             )
             heads, device = layer.tp_q_head_num, forward_batch.out_cache_loc.device
             expect(
@@ -261,18 +339,27 @@ class ForwardPrologue:
             )
         dtype = forward_batch.token_to_kv_pool.dtype
         if kv_scaled(dtype):
-            declared = self.kv_cache_dtypes if self.kv_cache_dtypes is not None else self.dtypes
             name = kv_cache_dtype_name(dtype)
             expect(
-                name in declared, UnsupportedError, "KV cache dtype", name, f"one of {self.name}'s {sorted(declared)}"
+                name in declared.kv_cache_dtypes,
+                UnsupportedError,
+                "KV cache dtype",
+                name,
+                f"one of {declared.name}'s {sorted(declared.kv_cache_dtypes)}",
             )
 
-    # -- the metadata stamp ---------------------------------------------------------------
-    def set_forward_metadata(self, metadata: Any, forward_batch: ForwardBatch) -> None:
-        """Make ``metadata`` (built in ``out_graph`` for ``forward_batch``) the current one, stamped with this step."""
+    # -- the plan: the metadata and its stamp -----------------------------------------------
+    def set_forward_metadata(self, metadata: Any, forward_batch: ForwardBatch, fused: bool | None = None) -> None:
+        """Make ``metadata`` (the plan ``out_graph`` built for ``forward_batch``) the current one, stamped with this
+        step. ``fused``: whether this step's layers may take :meth:`run_fused` (the fast path, chosen here); None
+        (a plugin API 2 backend's call): wherever its class offers one and :meth:`fused_forward_ready`. Either way
+        only where ``HAL_FUSED_FORWARD`` is not 0 and no :func:`fused_forward_disabled` is in force."""
+        if fused is None:
+            fused = self._fused_path and self.fused_forward_ready()
+        fused = bool(fused) and self._fused_path and self.__dict__.get("_fused_env", True) and not _FUSED_OFF.get()
         self._step += 1
         self.forward_metadata = metadata
-        self._metadata_stamp = (forward_batch.forward_mode.name, forward_batch.batch_size, self._step)
+        self._metadata_stamp = (forward_batch.forward_mode.name, forward_batch.batch_size, self._step, fused)
         try:
             forward_batch._hal_metadata_step = (id(self), self._step)
         except AttributeError:  # a batch with __slots__: the mode/size stamp still guards it
@@ -298,15 +385,29 @@ class ForwardPrologue:
         )
         return self.forward_metadata
 
+    def planned_path(self) -> str:
+        """The path the current step's plan chose: ``"fused"`` or ``"checked"`` (a call may still fall back)."""
+        stamp = self._metadata_stamp
+        return PATH_FUSED if stamp is not None and stamp[3] else PATH_CHECKED
+
     # -- the KV write and read-back -------------------------------------------------------
     def save_kv(self, layer: AttentionLayer, forward_batch: ForwardBatch, k: torch.Tensor, v) -> None:
         """Write the new tokens' ``k``/``v`` (``[T, kv_heads, dim]``) at ``out_cache_loc``.
 
-        An fp8 pool stores them quantised with the layer's scales, an MLA pool the key only
-        (``v`` may be None), both as ``hal.kernels.reference.write_kv``; else the backend's
-        ``helper_ops.write_kv`` (Triton or torch, as ``support_triton()`` says).
+        A pool in another layout than token-major (:mod:`hal.kv_layouts`) gets them written into its pages by the
+        layout's ``write`` (quantised with the layer's scales for fp8); an fp8 pool stores them quantised with the
+        layer's scales, an MLA pool the key only (``v`` may be None), both as ``hal.kernels.reference.write_kv``;
+        else the backend's ``helper_ops.write_kv`` (Triton or torch, as ``support_triton()`` says).
         """
         pool = forward_batch.token_to_kv_pool
+        layout = pool_kv_layout(pool)
+        if layout != TOKEN_MAJOR:
+            k_pages, v_pages, _ = kv_storage(pool, layer.layer_id)
+            k_scale, v_scale = kv_scales(layer)
+            write, loc = kv_layout(layout).write, forward_batch.out_cache_loc
+            write(k_pages, loc, quantize_kv(k, k_pages.dtype, k_scale))
+            write(v_pages, loc, quantize_kv(v, v_pages.dtype, v_scale))
+            return
         k_buffer, v_buffer = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         if kv_scaled(k_buffer.dtype) or shares_storage(k_buffer, v_buffer):
             write_kv(k_buffer, v_buffer, forward_batch.out_cache_loc, k, v, *kv_scales(layer))
@@ -317,10 +418,10 @@ class ForwardPrologue:
         self, layer: AttentionLayer, forward_batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The query tokens' keys and values read back from the cache (``save_kv_cache=False``), in the cache
-        dtype (an fp8 cache: dequantised to float32). A padding token (slot -1) reads slot 0 (its row is
-        unspecified)."""
+        dtype (an fp8 cache: dequantised to float32), from the pool's pages in any layout. A padding token (slot -1)
+        reads slot 0 (its row is unspecified)."""
         pool, loc = forward_batch.token_to_kv_pool, forward_batch.out_cache_loc.long().clamp(min=0)
-        k, v = pool.get_key_buffer(layer.layer_id)[loc], pool.get_value_buffer(layer.layer_id)[loc]
+        k, v = kv_rows(pool, layer.layer_id, loc)
         if not kv_scaled(k.dtype):
             return k, v
         k_scale, v_scale = kv_scales(layer)
@@ -333,16 +434,20 @@ class ForwardPrologue:
         Each must be exactly ``[T, heads * dim]`` or ``[T, heads, dim]`` of the layer, one
         float dtype, on the pool's device; ``k``/``v`` may be None only with
         ``save_kv_cache=False``, ``v`` alone with an MLA pool (the value is the key's latent).
+        The pool's geometry (KV heads, dims) is read in its own layout (:func:`hal.kv_cache.kv_storage`); a pool
+        laid out in a layout the backend does not declare in ``kv_layouts`` is an ``UnsupportedError``.
         Shapes only: no device read. Runs once per layer call, so
         the passing path builds no message.
         """
         tokens = forward_batch.out_cache_loc.shape[0]
         pool = forward_batch.token_to_kv_pool
-        k_buffer = pool.get_key_buffer(layer.layer_id)  # the pool checks layer_id
-        v_buffer = pool.get_value_buffer(layer.layer_id)
+        layout = pool_kv_layout(pool)
+        if layout not in self.declared.kv_layouts:
+            self._refuse_layout(layout)
+        k_buffer, v_buffer, pool_dims = kv_storage(pool, layer.layer_id)  # the pool checks layer_id
         kv_heads, head_dim, v_dim = layer.tp_k_head_num, layer.head_dim, layer.v_head_dim
         specs = ((q, layer.tp_q_head_num, head_dim), (k, kv_heads, head_dim), (v, layer.tp_v_head_num, v_dim))
-        ok = (k_buffer.shape[1], k_buffer.shape[2], v_buffer.shape[2]) == (kv_heads, head_dim, v_dim)
+        ok = pool_dims == (kv_heads, head_dim, v_dim)
         latent_v = v is None and k is not None and shares_storage(k_buffer, v_buffer)  # MLA: v is k's latent
         ok = ok and (k is not None and v is not None or k is None and v is None and not save_kv_cache or latent_v)
         device, dtype = k_buffer.device, getattr(q, "dtype", None)
@@ -361,20 +466,32 @@ class ForwardPrologue:
                 ok = False
                 break
             shaped.append(t.unflatten(1, (heads, dim)) if t.dim() == 2 else t)
-        if not ok or dtype not in DTYPE_NAMES or not q.is_floating_point():
-            self._explain_bad_inputs(q, k, v, layer, tokens, k_buffer, v_buffer, save_kv_cache)
+        if not ok or dtype not in COMPUTE_DTYPE_NAMES:
+            self._explain_bad_inputs(q, k, v, layer, tokens, k_buffer, v_buffer, pool_dims, save_kv_cache)
         return shaped
 
-    @staticmethod
-    def _explain_bad_inputs(q, k, v, layer, tokens, k_buffer, v_buffer, save_kv_cache) -> None:
-        """Raise the ``InvalidBatchError`` that names what :meth:`check_inputs` found wrong."""
+    def _refuse_layout(self, layout: str) -> None:
+        """``UnsupportedError``: the step's KV pool is laid out in ``layout``, which this backend does not read."""
+        declared = self.declared
         expect(
-            (k_buffer.shape[1], k_buffer.shape[2], v_buffer.shape[2])
-            == (layer.tp_k_head_num, layer.head_dim, layer.v_head_dim),
+            False,
+            UnsupportedError,
+            "KV pool layout",
+            layout,
+            f"one of {declared.name}'s kv_layouts {list(declared.kv_layouts)} (a pool made by this backend's "
+            "selection, Selection.create_kv_pool, is)",
+        )
+
+    @staticmethod
+    def _explain_bad_inputs(q, k, v, layer, tokens, k_buffer, v_buffer, pool_dims, save_kv_cache) -> None:
+        """Raise the ``InvalidBatchError`` that names what :meth:`check_inputs` found wrong (``pool_dims``: the
+        pool's ``(kv heads, head_dim, v_head_dim)``)."""
+        expect(
+            pool_dims == (layer.tp_k_head_num, layer.head_dim, layer.v_head_dim),
             InvalidBatchError,
             "layer (kv heads, head_dim, v_head_dim)",
             (layer.tp_k_head_num, layer.head_dim, layer.v_head_dim),
-            f"the KV pool's {(k_buffer.shape[1], k_buffer.shape[2], v_buffer.shape[2])}",
+            f"the KV pool's {pool_dims}",
         )
         if k is None or v is None:
             expect(
@@ -399,7 +516,7 @@ class ForwardPrologue:
                 f"[{tokens}, {heads * dim}] or [{tokens}, {heads}, {dim}] ({tokens} tokens in this batch)",
             )
             expect(
-                t.dtype in DTYPE_NAMES and t.is_floating_point(),
+                t.dtype in COMPUTE_DTYPE_NAMES,
                 InvalidBatchError,
                 f"{name}.dtype",
                 t.dtype,
@@ -413,3 +530,6 @@ class ForwardPrologue:
             (q.dtype, getattr(k, "dtype", None), getattr(v, "dtype", None)),
             "one dtype",
         )
+
+
+ForwardPrologue = ForwardSteps  # its name under plugin API 2 (a base of AttentionBackend; plugins never named it)

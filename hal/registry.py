@@ -20,8 +20,9 @@ device name (``cpu``, ``cuda``, ``npu``) is reported and the built-in is kept.
 
 Plugin API: a plugin declares the hal plugin API it was written for, as ``Device.plugin_api``
 or as ``HAL_PLUGIN_API`` in its entry point's module. This hal implements API
-:data:`PLUGIN_API` (2) and still runs API 1 plugins (hal 0.1, which had no declaration; an
-undeclared plugin is taken as API 1) through deprecated names, with warnings. Any other API, or
+:data:`PLUGIN_API` (3) and still runs API 2 plugins (hal 0.2-0.3: their backends' ``forward_*`` become their
+``run_*``, with a warning) and API 1 plugins (hal 0.1, which had no declaration; an undeclared plugin is taken
+as API 1) through deprecated names, with warnings. Any other API, or
 a backend missing a required member, is a :class:`PluginError` reason (``hal info`` shows it,
 with a pointer to ``CHANGELOG.md``); the plugin is not loaded.
 """
@@ -65,9 +66,10 @@ __all__ = [
     "SUPPORTED_PLUGIN_APIS",
 ]
 
-PLUGIN_API = 2
-"""The hal plugin API this release implements (hal 0.2). API 1 is hal 0.1's."""
-SUPPORTED_PLUGIN_APIS = (1, 2)
+PLUGIN_API = 3
+"""The hal plugin API this release implements (hal 0.4: backends implement ``run_*``, may take ``out=``). API 2 is
+hal 0.2-0.3's (``forward_*`` as the backend's steps: adopted as its ``run_*``, with a warning), API 1 hal 0.1's."""
+SUPPORTED_PLUGIN_APIS = (1, 2, 3)
 _CHANGELOG = "see CHANGELOG.md (hal's 'For porters' notes) for what changed between plugin APIs"
 
 ENTRY_POINT_GROUP = "hal.devices"
@@ -311,8 +313,8 @@ def _plugin_api_problem(device: Device, module: str | None) -> str | None:
     if isinstance(declared, bool) or declared not in SUPPORTED_PLUGIN_APIS:
         return (
             f"targets hal plugin API {declared!r}, which this hal does not implement (it implements API "
-            f"{PLUGIN_API} and still runs API 1 plugins); install a hal release for that API, or port the plugin: "
-            f"{_CHANGELOG}"
+            f"{PLUGIN_API} and still runs API 1 and 2 plugins); install a hal release for that API, or port the "
+            f"plugin: {_CHANGELOG}"
         )
     return None
 
@@ -329,9 +331,10 @@ def _backend_problem(cls: object) -> str | None:
         cls.declaration()  # what selection reads: each declared attribute of the type it must have
     except PluginError as exc:
         return f"backend declaration: {exc}"
-    missing = [m for m in ("forward_decode", "forward_extend") if getattr(cls, m) is getattr(AttentionBackend, m)]
+    missing = [m for m in ("run_decode", "run_extend") if getattr(cls, m) is getattr(AttentionBackend, m)]
     if missing:
-        return f"backend {cls.__qualname__} does not implement {', '.join(missing)}"
+        old = ", ".join(m.replace("run_", "forward_") for m in missing)
+        return f"backend {cls.__qualname__} does not implement {', '.join(missing)} ({old} in plugin API 2)"
     return None
 
 

@@ -19,7 +19,7 @@ split selection builds is :mod:`hal.hybrid`.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -27,8 +27,10 @@ from hal.backend import AttentionBackend
 from hal.capability import DeviceCapability
 from hal.config import AttentionConfig
 from hal.deprecation import warn_renamed
-from hal.errors import ConfigError, DeviceUnavailableError, NoBackendError
+from hal.errors import ConfigError, DeviceUnavailableError, NoBackendError, expect
 from hal.hybrid import HybridBackend
+from hal.kv_cache import MLAKVPool, PagedKVPool
+from hal.kv_layouts import TOKEN_MAJOR
 from hal.registry import Device, device_backends, get_registry, probe_device
 
 __all__ = ["Selection", "select", "detect", "create_backend", "HybridBackend", "backend_report"]
@@ -75,6 +77,48 @@ class Selection:
         backend.prefill_attention_backend_str = self.prefill_backend.name
         backend.decode_attention_backend_str = self.decode_backend.name
         return backend
+
+    @property
+    def kv_layout(self) -> str:
+        """The KV pool layout for this selection (:mod:`hal.kv_layouts`): ``config.kv_layout`` when the config
+        names one (selection checked that the backends read it), else the first of the prefill backend's
+        ``kv_layouts`` (its preferred order) that leaves neither chosen backend a reason against the config here."""
+        if self.config.kv_layout is not None:
+            return self.config.kv_layout
+        preferred = self.prefill_backend.declaration().kv_layouts
+        for layout in preferred:
+            wanted = replace(self.config, kv_layout=layout)
+            backends = dict.fromkeys((self.prefill_backend, self.decode_backend))
+            if not any(cls.unsupported_reasons(wanted, self.capability) for cls in backends):
+                return layout
+        return preferred[0]
+
+    def create_kv_pool(self, num_pages: int, layer_num: int | None = None, start_layer: int = 0) -> PagedKVPool:
+        """hal's KV pool for this selection: ``num_pages`` pages (and the padding page) of ``config.page_size``
+        slots for ``layer_num`` layers (default ``config.layer_num``) from ``start_layer``, with the config's KV
+        heads, dims and KV cache dtype, on the chosen device, laid out in :attr:`kv_layout` and stored as the
+        prefill backend's ``format_kv_pages`` makes it (an MLA config: :class:`~hal.kv_cache.MLAKVPool`)."""
+        config, layout, cap = self.config, self.kv_layout, self.capability
+        layer_num = config.layer_num if layer_num is None else layer_num
+        dtype = config.kv_cache_torch_dtype
+        if config.is_mla:
+            expect(layout == TOKEN_MAJOR, ConfigError, "kv_layout", layout, f"{TOKEN_MAJOR} (hal's MLA pool)")
+            args = (config.kv_lora_rank, config.qk_rope_head_dim, dtype, cap.torch_device, start_layer)
+            return MLAKVPool(num_pages, config.page_size, layer_num, *args)
+        fmt = self.prefill_backend.format_kv_pages if hasattr(self.prefill_backend, "format_kv_pages") else None
+        return PagedKVPool(
+            num_pages,
+            config.page_size,
+            layer_num,
+            config.tp_k_head_num,
+            config.head_dim,
+            config.v_head_dim,
+            dtype=dtype,
+            device=cap.torch_device,
+            start_layer=start_layer,
+            kv_layout=layout,
+            format_pages=None if fmt is None else lambda pages: fmt(cap, layout, pages),
+        )
 
 
 def _split_options(options: dict, *classes: type[AttentionBackend]) -> list[dict]:

@@ -12,11 +12,14 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import torch
 
 from hal.errors import ConfigError, InvalidBatchError, UnsupportedError, describe, expect, refuse
+from hal.kernels.reference import step_page_table, step_token_table
 from hal.kv_cache import INDEX_DTYPES, PADDING_TOKEN_SLOT, KVPool, ReqToTokenTable, pool_geometry
+from hal.kv_dtypes import COMPUTE_DTYPE_NAMES, COMPUTE_DTYPES, find_kv_dtype
 from hal.modes import REFUSED_MODES, BatchLens, ForwardMode, _host
 
 __all__ = [
@@ -27,7 +30,14 @@ __all__ = [
     "BATCH_FIELDS",
     "check_batch_fields",
     "check_forward_fields",
+    "check_request_tables",
+    "check_input_dtypes",
 ]
+
+if TYPE_CHECKING:
+    from hal.config import AttentionConfig
+    from hal.declaration import BackendDeclaration
+    from hal.layer import AttentionLayer
 
 VALIDATION_LEVELS = ("off", "cheap", "full")
 _MISSING = object()
@@ -47,7 +57,8 @@ class BatchField:
     """A batch field a backend reads: hal's name (read as ``getattr(fb, name)``), the SGLang field it corresponds
     to, what it must be, the test of its type (presence and type only: no device read), and when it is read:
     ``always``, ``extend`` (EXTEND / MIXED / DRAFT_EXTEND), ``verify`` (TARGET_VERIFY) or ``optional`` (None or
-    absent means not given)."""
+    absent means not given). ``req_to_token_pool`` is read always, unless the batch carries a block table
+    (``req_to_page_pool``) instead."""
 
     name: str
     sglang: str
@@ -71,8 +82,16 @@ BATCH_FIELDS = (
     BatchField(
         "req_to_token_pool",
         "ForwardBatch.req_to_token_pool (SGLang's ReqToTokenPool)",
-        "a request table with a req_to_token tensor (hal.ReqToTokenPool, SGLang's ReqToTokenPool)",
+        "a request table with a req_to_token tensor (hal.ReqToTokenPool, SGLang's ReqToTokenPool), or None "
+        "beside a req_to_page_pool",
         lambda pool: isinstance(getattr(pool, "req_to_token", None), torch.Tensor),
+    ),
+    BatchField(
+        "req_to_page_pool",
+        "vLLM's CommonAttentionMetadata.block_table_tensor (SGLang has none)",
+        "a block table with a req_to_page tensor and a page_size (hal.ReqToPagePool)",
+        lambda pool: isinstance(getattr(pool, "req_to_page", None), torch.Tensor) and hasattr(pool, "page_size"),
+        "optional",
     ),
     BatchField(
         "token_to_kv_pool",
@@ -132,8 +151,11 @@ def check_batch_fields(fb) -> None:
         when.add("verify")
     elif mode.is_extend() and not mode.is_idle():
         when.add("extend")
+    block_table_only = getattr(fb, "req_to_page_pool", None) is not None and (
+        getattr(fb, "req_to_token_pool", None) is None
+    )
     for field in BATCH_FIELDS[1:]:
-        if field.when in when:
+        if field.when in when and not (block_table_only and field.name == "req_to_token_pool"):
             _check_field(fb, field)
 
 
@@ -164,7 +186,9 @@ def _index_tensor(fb, name: str, length: int | None, device: torch.device) -> to
     tensor = getattr(fb, name, None)
     if not (isinstance(tensor, torch.Tensor) and tensor.dim() == 1 and tensor.dtype in INDEX_DTYPES):
         refuse(InvalidBatchError, name, describe(tensor), "a 1-D int32/int64 tensor")
-    expect(tensor.device == device, InvalidBatchError, f"{name}.device", tensor.device, f"{device} (req_to_token's)")
+    expect(
+        tensor.device == device, InvalidBatchError, f"{name}.device", tensor.device, f"{device} (the request table's)"
+    )
     if length is not None:
         expect(tensor.numel() == length, InvalidBatchError, f"len({name})", tensor.numel(), str(length))
     return tensor
@@ -191,14 +215,7 @@ def validate_batch(
     mode = fb.forward_mode
     if mode.name in REFUSED_MODES:
         raise UnsupportedError(f"forward_mode {mode.name}: {REFUSED_MODES[mode.name]}")
-    rt_pool, kv_pool = fb.req_to_token_pool, fb.token_to_kv_pool
-    expect(
-        isinstance(rt_pool, ReqToTokenTable) and isinstance(rt_pool.req_to_token, torch.Tensor),
-        InvalidBatchError,
-        "req_to_token_pool",
-        type(rt_pool).__name__,
-        "a request table with a req_to_token tensor (hal.ReqToTokenPool, SGLang's ReqToTokenPool)",
-    )
+    kv_pool = fb.token_to_kv_pool
     expect(
         isinstance(kv_pool, KVPool),
         InvalidBatchError,
@@ -206,8 +223,7 @@ def validate_batch(
         type(kv_pool).__name__,
         "a KV pool with get_key_buffer / get_value_buffer / set_kv_buffer, page_size and dtype",
     )
-    table = rt_pool.req_to_token
-    device, (rows, max_context) = table.device, table.shape
+    device, rows, max_context = check_request_tables(fb)
     bs = fb.batch_size
     expect(isinstance(bs, int) and bs >= 0, InvalidBatchError, "batch_size", bs, "an int >= 0")
     expect(bs > 0 or mode.is_idle(), InvalidBatchError, "batch_size", bs, f"> 0 in {mode.name} mode")
@@ -253,10 +269,98 @@ def validate_batch(
     if full and bs:
         bad = [i for i in req_idx.tolist() if not 0 <= i < rows]
         expect(not bad, InvalidBatchError, "req_pool_indices", bad, f"rows in [0, {rows})")
-        _check_out_cache_loc(loc.tolist(), pool_geometry(kv_pool, getattr(kv_pool, "start_layer", 0))[0], padding_slots)
-        _check_slots(fb, lens, req_idx, loc, kv_pool, page_aligned)
-        _check_writes_spare_padding_and_context(table, lens, req_idx, loc.tolist(), kv_pool.page_size)
+        num_slots = pool_geometry(kv_pool, getattr(kv_pool, "start_layer", 0))[0]
+        _check_out_cache_loc(loc.tolist(), num_slots, padding_slots)
+        table, table_rows = _token_rows(fb, req_idx, lens, num_slots)
+        _check_slots(table, lens, table_rows, loc, kv_pool, page_aligned)
+        _check_writes_spare_padding_and_context(table, lens, table_rows, loc.tolist(), kv_pool.page_size)
     return lens
+
+
+def check_request_tables(fb) -> tuple[torch.device, int, int]:
+    """The cheap checks of ``fb``'s request tables (shapes, dtypes, devices, page size; no device read): a
+    ``req_to_token_pool`` (None allowed beside a ``req_to_page_pool``) and/or a ``req_to_page_pool`` whose
+    ``req_to_page`` is int32 ``[rows, max_pages]`` with the KV pool's ``page_size``, both on one device. Returns
+    ``(device, rows, max_context_len)`` the tables give (the smaller bound where both are given)."""
+    tokens, pages = getattr(fb, "req_to_token_pool", None), getattr(fb, "req_to_page_pool", None)
+    bounds = []
+    if tokens is not None or pages is None:
+        expect(
+            isinstance(tokens, ReqToTokenTable) and isinstance(tokens.req_to_token, torch.Tensor),
+            InvalidBatchError,
+            "req_to_token_pool",
+            type(tokens).__name__,
+            "a request table with a req_to_token tensor (hal.ReqToTokenPool, SGLang's ReqToTokenPool)",
+        )
+        table = tokens.req_to_token
+        bounds.append((table.device, table.shape[0], table.shape[1]))
+    if pages is not None:
+        table = getattr(pages, "req_to_page", None)
+        expect(
+            isinstance(table, torch.Tensor) and table.dim() == 2 and table.dtype == torch.int32,
+            InvalidBatchError,
+            "req_to_page_pool.req_to_page",
+            describe(table),
+            "an int32 tensor [rows, max_pages] (a block table: the KV pool page of every page_size tokens)",
+        )
+        page_size, pool_page_size = getattr(pages, "page_size", None), getattr(fb.token_to_kv_pool, "page_size", None)
+        expect(
+            isinstance(page_size, int) and page_size == pool_page_size,
+            InvalidBatchError,
+            "req_to_page_pool.page_size",
+            page_size,
+            f"the KV pool's page_size ({pool_page_size})",
+        )
+        if bounds:
+            expect(
+                table.device == bounds[0][0],
+                InvalidBatchError,
+                "req_to_page_pool.req_to_page.device",
+                table.device,
+                f"{bounds[0][0]} (req_to_token's)",
+            )
+        bounds.append((table.device, table.shape[0], table.shape[1] * page_size))
+    return bounds[0][0], min(b[1] for b in bounds), min(b[2] for b in bounds)
+
+
+def _token_rows(fb, req_idx: torch.Tensor, lens: BatchLens, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``full`` mode: the token table the slot checks read and the batch's rows in it: ``req_to_token`` and
+    ``req_pool_indices`` where the batch has no block table; else the block table's token rows in batch order,
+    once its pages in use are checked to be pages of the KV pool and, where ``req_to_token`` is given too, to
+    name the slots it holds."""
+    tokens, pages = getattr(fb, "req_to_token_pool", None), getattr(fb, "req_to_page_pool", None)
+    if pages is None:
+        return tokens.req_to_token, req_idx
+    page_size, block_table = pages.page_size, pages.req_to_page
+    kv = torch.tensor(lens.kv, device=block_table.device)
+    num_pages = -(-max(lens.kv, default=0) // page_size)
+    page_rows = step_page_table(req_idx, num_pages, page_size, req_to_page=block_table)
+    in_use = torch.arange(num_pages, device=kv.device)[None, :] < (kv[:, None] + page_size - 1) // page_size
+    pool_pages = num_slots // page_size
+    bad = page_rows[in_use & ((page_rows < 0) | (page_rows >= pool_pages))]
+    expect(
+        bad.numel() == 0,
+        InvalidBatchError,
+        "req_to_page",
+        sorted(set(bad.tolist()))[:8],
+        f"page ids in [0, {pool_pages}) (the KV pool's pages) for every page the batch's requests read",
+    )
+    derived = step_token_table(req_idx, num_pages * page_size, req_to_page=block_table, page_size=page_size)
+    if tokens is not None:
+        given = step_token_table(req_idx, num_pages * page_size, req_to_token=tokens.req_to_token)
+        used = torch.arange(derived.shape[1], device=kv.device)[None, :] < kv[:, None]
+        differ = used & (given != derived)
+        if bool(differ.any()):
+            r, i = (int(x) for x in differ.nonzero()[0])
+            row = int(req_idx[r])
+            refuse(
+                InvalidBatchError,
+                f"req_to_page[{row}, {i // page_size}]",
+                int(page_rows[r, i // page_size]),
+                f"the page of req_to_token[{row}, {i}] = {int(given[r, i])} at offset {i % page_size}: a batch "
+                "carrying both request tables must name the same slot for every token",
+            )
+    return derived, torch.arange(len(lens.kv), device=derived.device)
 
 
 def _mirror(given: list[int] | None, tensor: torch.Tensor, name: str) -> list[int]:
@@ -363,7 +467,7 @@ def _padding_request(slots: list[int], padding: int) -> bool:
     return all(x == PADDING_TOKEN_SLOT or x == padding for x in slots)
 
 
-def _check_slots(fb, lens, req_idx, loc, kv_pool, page_aligned) -> None:
+def _check_slots(table, lens, req_idx, loc, kv_pool, page_aligned) -> None:
     """``full`` mode: every slot a request reads is in the pool past the padding page; the query
     tokens' slots are ``out_cache_loc``, no two alike; with ``page_aligned``, token ``i`` of a
     request sits at offset ``i % page_size`` of its page. Padding requests (every query token
@@ -380,7 +484,6 @@ def _check_slots(fb, lens, req_idx, loc, kv_pool, page_aligned) -> None:
         for r, (s, n) in enumerate(zip(starts, lens.query))
         if n and not _padding_request(loc_list[s : s + n], padding)
     ]
-    table = fb.req_to_token_pool.req_to_token
     for r, (s, n) in enumerate(zip(starts, lens.query)):
         own = loc_list[s : s + n]
         if r in real and PADDING_TOKEN_SLOT in own:
@@ -478,3 +581,98 @@ def _check_writes_spare_padding_and_context(table, lens, req_idx, loc_list, page
             f"a slot no request of the batch reads as cached context: slot {x} holds position {i} of request "
             f"{r}'s prefix ({len(clobbered)} such write(s))",
         )
+
+
+def check_input_dtypes(
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    *,
+    layer: AttentionLayer,
+    config: AttentionConfig | None,
+    declaration: BackendDeclaration,
+    kv_dtype: torch.dtype | None,
+) -> None:
+    """Refuse a forward's q/k/v dtypes that the backend cannot take; returns None.
+
+    ``q`` / ``k`` / ``v``: the forward's tensors (``k`` / ``v`` None where they are read back from the cache, ``v``
+    None for MLA's latent value); ``layer``: their layer (named in the message); ``config``: the
+    ``AttentionConfig`` the backend was created for (None: none); ``declaration``: the backend's
+    ``BackendDeclaration``; ``kv_dtype``: the KV pool's torch dtype (None: not checked).
+
+    ``InvalidBatchError`` for a q, k or v that is not a compute dtype (``hal.kv_dtypes.COMPUTE_DTYPES``: fp8
+    storage or int tensors are not), a k or v of another dtype than q, or a q of another dtype than
+    ``config.dtype``; ``UnsupportedError`` for a q dtype the backend does not declare (``dtypes``) or a KV pool
+    dtype it does not declare (``kv_cache_dtypes``; the model dtype's own pool needs no declaring, as in
+    selection). The passing path is a few compares; the message is built only on failure.
+    """
+    try:
+        dtype = q.dtype
+        if (
+            _COMPUTE_NAMES.get(dtype) in declaration.dtypes
+            and (k is None or k.dtype is dtype)
+            and (v is None or v.dtype is dtype)
+            and (config is None or config.dtype is dtype)
+            and (kv_dtype is None or kv_dtype is dtype or _kv_dtype_name(kv_dtype) in declaration.kv_cache_dtypes)
+        ):
+            return
+    except AttributeError:  # not a tensor: named below
+        pass
+    _refuse_input_dtypes(q, k, v, layer, config, declaration, kv_dtype)
+
+
+_COMPUTE_NAMES = dict(COMPUTE_DTYPE_NAMES)  # the view as a plain dict: a lookup on every layer call
+
+
+def _kv_dtype_name(dtype: torch.dtype) -> str | None:
+    row = find_kv_dtype(dtype)
+    return None if row is None else row.name
+
+
+def _refuse_input_dtypes(q, k, v, layer, config, declaration: BackendDeclaration, kv_dtype) -> None:
+    """Raise the error that names what :func:`check_input_dtypes` found wrong."""
+    at = f"layer {layer.layer_id}: " if layer is not None else ""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t is None and name != "q":
+            continue
+        expect(isinstance(t, torch.Tensor), InvalidBatchError, f"{at}{name}", describe(t), "a torch.Tensor")
+        storage = f" ({_kv_dtype_name(t.dtype)} is a KV cache's storage dtype)" if find_kv_dtype(t.dtype) else ""
+        expect(
+            t.dtype in COMPUTE_DTYPE_NAMES,
+            InvalidBatchError,
+            f"{at}{name}.dtype",
+            t.dtype,
+            f"a compute dtype, one of {list(COMPUTE_DTYPES.values())}{storage}",
+        )
+    for name, t in (("k", k), ("v", v)):
+        expect(
+            t is None or t.dtype is q.dtype,
+            InvalidBatchError,
+            f"{at}{name}.dtype",
+            getattr(t, "dtype", None),
+            f"q's {q.dtype}: q, k and v come in one dtype",
+        )
+    expect(
+        config is None or config.dtype is q.dtype,
+        InvalidBatchError,
+        f"{at}q.dtype",
+        q.dtype,
+        f"{getattr(config, 'dtype', None)}, the dtype of the model this backend was created for (config.dtype "
+        f"{getattr(config, 'dtype_name', '?')}); cast before forward",
+    )
+    expect(
+        COMPUTE_DTYPE_NAMES[q.dtype] in declaration.dtypes,
+        UnsupportedError,
+        f"{at}q.dtype",
+        q.dtype,
+        f"a dtype {declaration.name} declares: {sorted(declaration.dtypes)}",
+    )
+    kv_name = _kv_dtype_name(kv_dtype)
+    expect(
+        kv_dtype is None or kv_dtype is q.dtype or kv_name in declaration.kv_cache_dtypes,
+        UnsupportedError,
+        f"{at}KV cache dtype",
+        kv_name or kv_dtype,
+        f"q's {COMPUTE_DTYPE_NAMES[q.dtype]} or a KV cache dtype {declaration.name} declares: "
+        f"{sorted(declaration.kv_cache_dtypes)}",
+    )

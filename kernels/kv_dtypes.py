@@ -7,6 +7,10 @@ covers ``fp8_e4m3`` and ``fp8_e5m2``), the torch dtype a pool stores it in, whet
 stores ``clamp(x / scale, -max, max)`` in the storage dtype, a read gives ``stored * scale``, with the layer's
 ``k_scale`` / ``v_scale``) and whether it is also a compute (model) dtype that q/k/v may come in.
 
+Every list of dtypes hal needs is a view of the rows: :data:`COMPUTE_DTYPES` (what q/k/v and outputs may
+be; :data:`COMPUTE_DTYPE_NAMES` the other way), :data:`DTYPE_FAMILIES` (a torch dtype's family, fp8 storage
+included) and :data:`KV_STORAGE_DTYPES` (what a pool may store).
+
 It lives among the kernels because kernels read it too (the reference's quantisation, the Triton kernels'
 byte formats) and kernels import nothing of hal but its errors; hal's core re-exports it. Adding a KV dtype
 is one row here plus the kernels and backends that choose to serve it (a backend declares the name in
@@ -15,13 +19,26 @@ is one row here plus the kernels and backends that choose to serve it (a backend
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
 from hal.errors import ConfigError
 
-__all__ = ["KVDtype", "KV_DTYPE_TABLE", "kv_dtype", "find_kv_dtype", "kv_scaled", "kv_dtype_names"]
+__all__ = [
+    "KVDtype",
+    "KV_DTYPE_TABLE",
+    "COMPUTE_DTYPES",
+    "COMPUTE_DTYPE_NAMES",
+    "DTYPE_FAMILIES",
+    "KV_STORAGE_DTYPES",
+    "kv_dtype",
+    "find_kv_dtype",
+    "kv_scaled",
+    "kv_dtype_names",
+]
 
 
 @dataclass(frozen=True)
@@ -73,6 +90,20 @@ KV_DTYPE_TABLE: tuple[KVDtype, ...] = (
 )
 _BY_NAME = {row.name: row for row in KV_DTYPE_TABLE}
 _BY_TORCH = {row.torch_dtype: row for row in KV_DTYPE_TABLE}
+
+# Read-only views of the table, in its order; nothing else in hal lists dtypes.
+# name -> torch dtype of the compute (model) dtypes: what q, k, v and outputs may be (fp32, bf16, fp16).
+COMPUTE_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
+    {row.name: row.torch_dtype for row in KV_DTYPE_TABLE if row.compute}
+)
+# ... and its inverse: torch dtype -> compute dtype name (no fp8, no int).
+COMPUTE_DTYPE_NAMES: Mapping[torch.dtype, str] = MappingProxyType(
+    {dtype: name for name, dtype in COMPUTE_DTYPES.items()}
+)
+# torch dtype -> its family, what a DeviceCapability lists (both fp8 storage dtypes: "fp8").
+DTYPE_FAMILIES: Mapping[torch.dtype, str] = MappingProxyType({row.torch_dtype: row.family for row in KV_DTYPE_TABLE})
+# KV-cache dtype name -> the torch dtype a pool stores it in (scaled or not): what a pool may hold.
+KV_STORAGE_DTYPES: Mapping[str, torch.dtype] = MappingProxyType({row.name: row.torch_dtype for row in KV_DTYPE_TABLE})
 
 
 def kv_dtype_names() -> list[str]:

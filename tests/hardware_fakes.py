@@ -18,6 +18,8 @@ import sys
 import types
 from pathlib import Path
 
+import torch
+
 from hal.kernels.npu import OP_NAMES
 
 # ----------------------------------------------------------------------------- torch_npu without ATB
@@ -198,7 +200,14 @@ class FakeGraphModule:
             self.current = before
 
 
-__all__ = ["fake_torch_npu", "fake_flashinfer_stack", "FakeGraphModule", "NNAL_OSERROR"]
+__all__ = [
+    "fake_torch_npu",
+    "fake_flashinfer_stack",
+    "FakeGraphModule",
+    "NNAL_OSERROR",
+    "flashinfer_write_out",
+    "flashinfer_merge_state_in_place",
+]
 
 
 # ----------------------------------------------------------------------------- flashinfer's API per release range
@@ -209,11 +218,18 @@ __all__ = ["fake_torch_npu", "fake_flashinfer_stack", "FakeGraphModule", "NNAL_O
 # * 0.2.1: flashinfer.mla.BatchMLAPagedAttentionWrapper (with backend=), BatchPrefillWithPagedKVCacheWrapper's
 #   mask_indptr_buf (0.2.0: qk_indptr_buf); BatchDecodeWithPagedKVCacheWrapper takes no backend=, its tensor-core
 #   path is the fa2 prefill kernel (flashinfer/decode.py at v0.2.8).
+# * 0.2.2: the wrappers' run() take out= (flashinfer/decode.py, prefill.py, mla.py at v0.2.2; 0.2.1 has none).
 # * 0.2.9: the decode wrapper takes backend= ("auto" / "fa2" / "fa3"; flashinfer/decode.py at v0.2.9).
 # * 0.6.0-0.6.3: the decode wrapper's "auto" with use_tensor_cores resolves through determine_attention_backend to
 #   fa3 on sm90, which has no fp16/bf16 query over an fp8 cache; fixed in 0.6.4 (flashinfer #2530 "pick fa2 for
 #   BatchDecodeWithPagedKVCacheWrapper auto backend", #2536 "fallback to fa2 ... (bf16 Q, Fp8 KV)").
-FLASHINFER_RANGES = {"0.2.1-0.2.8": "0.2.1", "0.2.9-0.5.x": "0.2.9", "0.6.0-0.6.3": "0.6.0", "0.6.4-0.6.18": "0.6.4"}
+FLASHINFER_RANGES = {
+    "0.2.1": "0.2.1",
+    "0.2.2-0.2.8": "0.2.2",
+    "0.2.9-0.5.x": "0.2.9",
+    "0.6.0-0.6.3": "0.6.0",
+    "0.6.4-0.6.18": "0.6.4",
+}
 
 
 def _release(version: str) -> tuple[int, ...]:
@@ -221,7 +237,48 @@ def _release(version: str) -> tuple[int, ...]:
 
 
 def flashinfer_features(version: str) -> dict[str, bool]:
-    """What the fake of ``version`` does: ``decode_backend_kw`` (the decode wrapper takes ``backend=``),
-    ``decode_auto_fa3`` (its tensor-core "auto" resolves to fa3 on sm90, which refuses an fp8 cache)."""
+    """What the fake of ``version`` does: ``run_out`` (the wrappers' ``run`` take ``out=``), ``decode_backend_kw``
+    (the decode wrapper takes ``backend=``), ``decode_auto_fa3`` (its tensor-core "auto" resolves to fa3 on sm90,
+    which refuses an fp8 cache)."""
     v = _release(version)
-    return {"decode_backend_kw": v >= (0, 2, 9), "decode_auto_fa3": (0, 6, 0) <= v < (0, 6, 4)}
+    return {
+        "run_out": v >= (0, 2, 2),
+        "decode_backend_kw": v >= (0, 2, 9),
+        "decode_auto_fa3": (0, 6, 0) <= v < (0, 6, 4),
+    }
+
+
+def flashinfer_write_out(result, out, *, strided_rows: bool = False):
+    """What a FlashInfer wrapper's ``run(..., out=)`` (flashinfer>=0.2.2) does with ``out``: ``result`` (the
+    attention output in the planned output dtype, ``[T, Hq, Dv]``) where it is None; else the checks of
+    ``check_shape_dtype_device`` (flashinfer/utils.py: shape, dtype, device, each a ``ValueError``), then the
+    kernel's write into ``out``, which ``run`` returns.
+
+    The decode and prefill kernels write ``o`` densely from its data pointer (csrc/batch_decode.cu,
+    batch_prefill.cu: ``params.o = o.data_ptr()``, no output strides) and ``run`` checks no strides: a buffer that is
+    not contiguous would be written wrong without an error, so the fake fails on it. The MLA kernel writes through
+    ``o.stride(0)`` / ``o.stride(1)`` (csrc/batch_mla_run.cu): ``strided_rows``, the last dimension still dense."""
+    if out is None:
+        return result
+    for what, got, want in (
+        ("shape", tuple(out.shape), tuple(result.shape)),
+        ("dtype", out.dtype, result.dtype),
+        ("device", out.device, result.device),
+    ):
+        if got != want:
+            raise ValueError(f"Invalid {what} of out: expected {want}, got {got}")
+    dense = out.stride(-1) == 1 and (strided_rows or out.is_contiguous())
+    assert dense, f"FlashInfer's kernel would write out {list(out.shape)} stride {out.stride()} densely: wrong rows"
+    out.copy_(result)
+    return out
+
+
+def flashinfer_merge_state_in_place(merge, v, s, v_other, s_other) -> None:
+    """``flashinfer.merge_state_in_place(v, s, v_other, s_other)`` with ``merge`` (the base-2 merge rule): the
+    kernel's checks (csrc/cascade.cu: ``CHECK_INPUT``, contiguous tensors; ``v``/``v_other`` and ``s``/``s_other``
+    of one shape each, ``s`` float32 ``[T, H]``), then ``v`` and ``s`` overwritten with the merged state."""
+    assert all(t.is_contiguous() for t in (v, s, v_other, s_other)), "merge_state_in_place: CHECK_INPUT (contiguous)"
+    assert v.shape == v_other.shape and s.shape == s_other.shape == v.shape[:2] and s.dtype == torch.float32
+    merged_v, merged_s = merge(v, s, v_other, s_other)
+    v.copy_(merged_v)
+    s.copy_(merged_s)

@@ -135,13 +135,13 @@ class Ported(AttentionBackend):
         return q_off[None, :, None] * kv_lens[:, None, None] + k_pos[None, None, :]  # row-major [q, kv]
 
     # -- forward -----------------------------------------------------------------------
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+    def run_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         return self.attend(q, k, v, layer, forward_batch, save_kv_cache, kwargs.get("sinks"))
 
-    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+    def run_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         return self.attend(q, k, v, layer, forward_batch, save_kv_cache, kwargs.get("sinks"))
 
-    def forward_mixed(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+    def run_mixed(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         return self.attend(q, k, v, layer, forward_batch, save_kv_cache, kwargs.get("sinks"))
 
     def save_kv(self, layer, fb, k, v) -> None:  # the prologue's KV-write hook
@@ -962,31 +962,35 @@ Tiled32.name = "tiled32"  # a second control: a correct port with tile constrain
 
 class _FusedKept(CompiledBackend):
     """The CPU backend with a bug planted in a file of its own: the fused one-call forward stays on (overriding
-    ``_forward``, which the fused call stands in for, would turn it off: each mutant class offers the fused call
+    ``run_*``, which the fused call stands in for, would turn it off: each mutant class offers the fused call
     itself), so the bug lives only where the checked path runs."""
 
     def __init_subclass__(cls, **kwargs):
+        cls.run_fused = CompiledBackend.run_fused
         super().__init_subclass__(**kwargs)
-        cls.forward_fused = CompiledBackend.forward_fused
 
 
 class CheckedPathCapScaled(_FusedKept):
     """The checked path passes the logit cap multiplied by the softmax scale to the kernel."""
 
-    def _forward(self, q, k, v, layer, fb, save_kv_cache, sinks=None):
+    def run_decode(self, q, k, v, layer, fb, save_kv_cache=True, **kwargs):
         if layer.logit_cap > 0:
             layer = replace(layer, logit_cap=layer.logit_cap * layer.scaling)
-        return super()._forward(q, k, v, layer, fb, save_kv_cache, sinks)
+        return super().run_decode(q, k, v, layer, fb, save_kv_cache, **kwargs)
+
+    run_extend = run_mixed = run_decode
 
 
 class CheckedPathStartLayerTwice(_FusedKept):
     """The checked path reads the layer ``layer_id - start_layer`` through the accessor that subtracts it again."""
 
-    def _forward(self, q, k, v, layer, fb, save_kv_cache, sinks=None):
+    def run_decode(self, q, k, v, layer, fb, save_kv_cache=True, **kwargs):
         start = getattr(fb.token_to_kv_pool, "start_layer", 0)
         if start:
             layer = replace(layer, layer_id=max(start, layer.layer_id - start))
-        return super()._forward(q, k, v, layer, fb, save_kv_cache, sinks)
+        return super().run_decode(q, k, v, layer, fb, save_kv_cache, **kwargs)
+
+    run_extend = run_mixed = run_decode
 
 
 class Avx2DecodeTailDropped(CompiledBackend):
@@ -1007,13 +1011,15 @@ class Avx2DecodeTailDropped(CompiledBackend):
         finally:
             meta.kv_lens = kv_lens
 
-    def forward_fused(self, q, k, v, layer, fb, save_kv_cache=True, **kwargs):
+    def run_fused(self, q, k, v, layer, fb, save_kv_cache=True, **kwargs):
         with self._tail_dropped(fb):
-            return super().forward_fused(q, k, v, layer, fb, save_kv_cache, **kwargs)
+            return super().run_fused(q, k, v, layer, fb, save_kv_cache, **kwargs)
 
-    def _forward(self, q, k, v, layer, fb, save_kv_cache, sinks=None):
+    def run_decode(self, q, k, v, layer, fb, save_kv_cache=True, **kwargs):
         with self._tail_dropped(fb):
-            return super()._forward(q, k, v, layer, fb, save_kv_cache, sinks)
+            return super().run_decode(q, k, v, layer, fb, save_kv_cache, **kwargs)
+
+    run_extend = run_mixed = run_decode
 
 
 CPU_MUTANTS: dict[str, type] = {
@@ -1054,7 +1060,7 @@ class ExtendGridOverBlockN(TritonBackend):
 
     path, families = "tiles=16x32", ("page_boundaries",)
 
-    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+    def run_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         block = max(16, next_power_of_2(max(layer.head_dim, layer.v_head_dim)))
         dots = "fp32" if q.dtype == torch.float32 else "bf16"
         block_m, block_n = self.tiles.extend or extend_blocks(self.capability.arch, block, dots)[:2]
@@ -1062,7 +1068,7 @@ class ExtendGridOverBlockN(TritonBackend):
         rows = meta.max_extend_len
         meta.max_extend_len = min(rows, -(-rows // block_n) * block_m)  # cdiv(rows, BLOCK_N) blocks of BLOCK_M
         try:
-            return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+            return super().run_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         finally:
             meta.max_extend_len = rows
 
@@ -1074,10 +1080,10 @@ class SplitKvSinksDropped(TritonBackend):
 
     path, families = "splits=4", ("sinks",)
 
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+    def run_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         if self.forward_metadata.num_kv_splits > 1:
             kwargs.pop("sinks", None)
-        return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        return super().run_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
 
 TRITON_MUTANTS: dict[str, type] = {cls.__name__: cls for cls in (ExtendGridOverBlockN, SplitKvSinksDropped)}

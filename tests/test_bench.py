@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from hal.bench import FACT_DEFAULTS, PEER_SCRIPTS, _derive, device_facts
-from hal.bench_peers import DEFAULT_PEERS, PEERS
+from hal.commands.bench import FACT_DEFAULTS, PEER_SCRIPTS, _derive, device_facts
+from hal.commands.bench_peers import DEFAULT_PEERS, PEERS
 from hal.devices.cpu import device as cpu_device
 from hal.errors import ConfigError
 
@@ -87,7 +87,7 @@ def test_flex_attention_is_opt_in():
 
 def test_contenders_are_timed_in_turns():
     """Every round runs each contender once, the order rotating: a host that slows mid-run moves them alike."""
-    import hal.bench as bench
+    import hal.commands.bench as bench
 
     order = []
     calls = {name: (lambda name=name: order.append(name) or 1.0) for name in ("hal", "vllm", "sglang")}
@@ -128,7 +128,7 @@ def _fake_harness(tmp_path) -> Path:
 def test_an_engine_peer_serves_call_by_call(tmp_path):
     """The --serve protocol: meta first, a workload's variants on prepare, one timed call per ask, errors answered;
     the engine's prints (Python's and the C library's) never reach the answers; a dead harness is reported."""
-    import hal.bench as bench
+    import hal.commands.bench as bench
 
     server = bench.PeerServer("fake", [sys.executable, str(_fake_harness(tmp_path)), "--serve"])
     try:
@@ -154,7 +154,7 @@ def test_a_bench_run_alternates_with_its_engine_peers(tmp_path, monkeypatch, cap
     timed in turns with hal's backend, and the speed-ups against them are derived."""
     import json
 
-    import hal.bench as bench
+    import hal.commands.bench as bench
 
     monkeypatch.setitem(bench.PEER_SCRIPTS, "fake", _fake_harness(tmp_path))
     monkeypatch.setattr(bench, "_engines", lambda python: ["fake"])
@@ -190,8 +190,8 @@ def test_with_engine_peers_hal_bench_reruns_itself_under_a_passive_openmp_wait_p
     """hal and an engine's harness take turns on the same cores: `hal bench --peer-python` starts again under
     OMP_WAIT_POLICY=PASSIVE (libgomp reads it only at load) unless the user chose a policy; a programmatic call,
     and a run without engine peers, run where they are."""
-    import hal.bench as bench
-    import hal.cli as cli
+    import hal.commands.bench as bench
+    import hal.commands.cli as cli
 
     class Rerun(Exception):
         pass
@@ -243,7 +243,7 @@ def test_python_dash_m_hal_is_the_hal_command():
     ],
 )
 def test_bad_bench_arguments_are_refused_before_anything_runs(bad, message, monkeypatch):
-    import hal.bench as bench
+    import hal.commands.bench as bench
 
     monkeypatch.setattr(bench, "_run_at", lambda *a, **k: pytest.fail("ran with bad arguments"))
     with pytest.raises(ConfigError, match=message):
@@ -251,7 +251,7 @@ def test_bad_bench_arguments_are_refused_before_anything_runs(bad, message, monk
 
 
 def test_a_peer_python_that_is_no_interpreter_is_reported_not_fatal(monkeypatch, capsys):
-    import hal.bench as bench
+    import hal.commands.bench as bench
 
     servers, errors = bench._start_peers([__file__], quick=True, threads=1)
     assert servers == [] and "imports none of" in errors[__file__]
@@ -275,7 +275,7 @@ def test_a_mixed_batch_is_timed_against_its_parts_in_the_same_turns(monkeypatch,
     quotient of the two medians."""
     import json
 
-    import hal.bench as bench
+    import hal.commands.bench as bench
 
     timed = []
     interleaved = bench._interleaved
@@ -314,7 +314,7 @@ def test_the_vllm_peer_matches_the_oracle():
     report = json.loads(done.stdout)
     results = [r for mode in ("decode", "extend") for d in report[mode].values() for r in d.values()]
     assert len(results) == 8 and all(r["correct"] for r in results)
-    import hal.bench as bench  # the same harness serving hal bench call by call
+    import hal.commands.bench as bench  # the same harness serving hal bench call by call
 
     server = bench.PeerServer("vllm", [*args[:2], "--serve", *args[2:]])
     try:
@@ -378,7 +378,8 @@ def test_the_peer_harnesses_run_without_hal():
 def test_engine_harnesses_get_huge_pages_where_hal_pools_do(monkeypatch):
     """Both sides of a comparison read their KV caches on the same kind of pages: torch's THP_MEM_ALLOC_ENABLE
     for the engine's harness follows HAL_KV_HUGE_PAGES (on Linux), and a value the user set is kept."""
-    from hal import bench, kv_cache
+    from hal import kv_cache
+    from hal.commands import bench
 
     monkeypatch.setattr(kv_cache.sys, "platform", "linux")
     monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hal.backend import AttentionBackend
 from hal.batch import ForwardMode
 from hal.conformance.cases import Case, build, check_cache, check_output
 from hal.conformance.plugin import available_targets
@@ -105,6 +106,71 @@ def test_a_claimed_mode_or_graph_that_ran_nothing_fails(restore_registry):
     assert len(_coverage_failures(target, no_verify)) == 2
     off = {"graph": {"reason": "no graph op here", "skipped": 3}, "custom_mask": {"reason": "no mask", "skipped": 2}}
     assert _coverage_failures(target, no_verify, off) == []
+
+
+class NoE5m2Here(Ported):
+    """Declares fp8_e5m2 but refuses it on this capability: declared, not served here, not judged."""
+
+    name = "noe5m2"
+
+    @classmethod
+    def unsupported_reasons(cls, config, capability):
+        refused = ["fp8_e5m2 not on this device"] if config.kv_cache_dtype == "fp8_e5m2" else []
+        return super().unsupported_reasons(config, capability) + refused
+
+
+class NewKvDtype(Fp16Only):
+    """Declares a KV dtype no case uses (a row added without a case): every case skipped, fast."""
+
+    name = "newkv"
+    kv_cache_dtypes = frozenset({"fp16", "fp8_e5m2", "fp4_e2m1"})
+
+
+def test_cases_are_counted_per_declared_kv_dtype_and_one_no_case_used_fails(restore_registry):
+    from hal.conformance.runner import _kv_dtype_failures, kv_dtype_coverage
+
+    register_device(MutantDevice([Ported, NoE5m2Here]))
+    ported, refusing = available_targets(["mutants"])
+
+    def case(kv, outcome="passed"):
+        return {"id": f"forward:{kv}", "family": "basic", "mode": "DECODE", "kv_dtype": kv, "outcome": outcome}
+
+    ran = [case("fp32"), case("bf16"), case("bf16"), case("fp8_e4m3"), case("fp8_e5m2", "skipped"), case(None)]
+    coverage = kv_dtype_coverage(ported, ran)
+    assert coverage["declared"] == ["fp32", "bf16", "fp8_e4m3", "fp8_e5m2"]  # the table's order
+    assert coverage["cases"] == {"fp32": 1, "bf16": 2, "fp8_e4m3": 1, "fp8_e5m2": 0}  # a skipped case uses none
+    [failure] = _kv_dtype_failures(coverage)
+    assert failure["id"] == "coverage:kv_dtype:fp8_e5m2" and failure["outcome"] == "failed"
+    assert "'fp8_e5m2' (declared in kv_cache_dtypes) was used by no case" in failure["reason"]
+    assert _kv_dtype_failures(kv_dtype_coverage(ported, [*ran, case("fp8_e5m2", "failed")])) == []
+    # declared but refused on this capability: reported with why, not judged
+    refused = kv_dtype_coverage(refusing, ran)
+    assert refused["off"] == {"fp8_e5m2": "fp8_e5m2 not on this device"} and refused["unreached"] == []
+
+
+def test_hal_check_fails_a_declared_kv_dtype_no_case_used(restore_registry):
+    register_device(MutantDevice([NewKvDtype]))
+    report = run_check(["mutants"], [], families=[])
+    [result] = report["results"]
+    kv = result["kv_dtypes"]
+    assert kv["declared"] == ["fp16", "fp8_e5m2", "fp4_e2m1"] and kv["unreached"] == ["fp4_e2m1"]
+    assert "device has no fp16" in kv["off"]["fp16"]  # the device lacks fp16: not judged
+    assert "dtype bf16 not supported" in kv["off"]["fp8_e5m2"]  # no model dtype to serve it with here
+    failed = {c["id"]: c["reason"] for c in result["cases"] if c["outcome"] == "failed"}
+    assert "no KV-cache dtype of hal.kv_dtypes" in failed["coverage:kv_dtype:fp4_e2m1"]
+    assert not {"coverage:kv_dtype:fp16", "coverage:kv_dtype:fp8_e5m2"} & set(failed)
+    text = format_report(report)
+    assert "KV cache dtypes, cases each: fp4_e2m1 0" in text
+    assert "fp16: declared, not served here (device has no fp16" in text
+
+
+def test_case_records_name_their_kv_dtype(cpu_only):
+    report = run_check(["cpu"], ["torch"], families=["fp8_kv"], paths=["default"])
+    [result] = report["results"]
+    ran = [c for c in result["cases"] if c["outcome"] == "passed"]
+    assert ran and {c["kv_dtype"] for c in ran} == {"fp8_e4m3", "fp8_e5m2"}
+    assert result["kv_dtypes"]["cases"]["fp8_e5m2"] > 0 and result["kv_dtypes"]["cases"]["fp32"] == 0
+    assert result["failed"] == 0  # a filtered run judges no coverage
 
 
 def test_a_mismatch_names_requests_positions_heads_and_the_kv_write():
@@ -209,7 +275,7 @@ def test_case_ids_state_the_page_size_they_run_at():
     from hal.conformance.cases import CASES, GRAPH_CASES, cases_for
 
     for pages in ({32}, {16, 128, 512}, None):
-        backend = type("Paged", (), {"page_sizes": pages})
+        backend = type("Paged", (AttentionBackend,), {"name": "paged", "page_sizes": pages})
         for cases in (CASES, GRAPH_CASES):
             ran = cases_for(backend, cases)
             ids = [c.id for c in ran]
@@ -226,7 +292,7 @@ def test_cases_follow_the_ports_head_dims_and_dtypes():
     from hal.conformance.cases import CASES, cases_for
 
     dims = frozenset(range(32, 257, 32))
-    port = type("Tiled", (), {"page_sizes": None, "head_dims": dims, "dtypes": frozenset({"bf16"})})
+    port = type("Tiled", (AttentionBackend,), {"name": "tiled", "head_dims": dims, "dtypes": frozenset({"bf16"})})
     ran = cases_for(port, CASES)
     assert {c.dtype for c in ran} == {torch.bfloat16}
     assert all(c.head_dim in dims and (c.v_head_dim is None or c.v_head_dim in dims) for c in ran)

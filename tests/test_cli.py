@@ -12,7 +12,7 @@ import torch
 
 import hal
 from hal.capability import DeviceCapability
-from hal.cli import main
+from hal.commands.cli import main
 from hal.devices.cpu import CompiledBackend
 from hal.registry import Device, register_device
 
@@ -43,10 +43,10 @@ SUBPROCESS_RUNS = {
 
 @pytest.fixture(scope="module")
 def hal_cli():
-    """``hal_cli(name)``: the finished ``python -m hal.cli ...`` run named in SUBPROCESS_RUNS."""
+    """``hal_cli(name)``: the finished ``python -m hal.commands.cli ...`` run named in SUBPROCESS_RUNS."""
     procs = {
         name: subprocess.Popen(
-            [sys.executable, "-m", "hal.cli", *args],
+            [sys.executable, "-m", "hal.commands.cli", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -60,13 +60,13 @@ class Recorder(AttentionBackend):
         self.calls.append((method, save_kv_cache, kwargs))
         return torch.full((q.shape[0], layer.tp_q_head_num * layer.v_head_dim), float(len(method)))
 
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+    def run_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         return self._record("forward_decode", q, layer, save_kv_cache, kwargs)
 
-    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+    def run_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         return self._record("forward_extend", q, layer, save_kv_cache, kwargs)
 
-    def forward_mixed(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+    def run_mixed(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         return self._record("forward_mixed", q, layer, save_kv_cache, kwargs)
 
 
@@ -83,7 +83,10 @@ def test_every_sglang_member_is_there_with_its_signature():
 
 
 def test_defaults_match_sglang():
-    backend = AttentionBackend(CPU)
+    class Unnamed(AttentionBackend):  # the base class's defaults, under the one name a backend must declare
+        name = "defaults"
+
+    backend = Unnamed(CPU)
     assert backend.prefill_attention_backend_str is None and backend.decode_attention_backend_str is None
     assert backend.supports_ragged_verify_graph is False
     assert backend.needs_cpu_seq_lens is True
@@ -99,9 +102,9 @@ def test_defaults_match_sglang():
         lambda: backend.prepare_forward_metadata_for_breakable_cuda_graph_replay(None, None),
         lambda: backend.get_cuda_graph_seq_len_fill_value(),
         lambda: backend.update_verify_buffers_to_fill_after_draft(None, None),
-        lambda: backend.forward_decode(None, None, None, None, None),
-        lambda: backend.forward_extend(None, None, None, None, None),
-        lambda: backend.forward_mixed(None, None, None, None, None),
+        lambda: backend.run_decode(None, None, None, None, None),
+        lambda: backend.run_extend(None, None, None, None, None),
+        lambda: backend.run_mixed(None, None, None, None, None),
     ):
         with pytest.raises(NotImplementedError):
             call()
@@ -197,9 +200,9 @@ class Shapes(Recorder):
         self.writes += 1
         super().save_kv(layer, fb, k, v)
 
-    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+    def run_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         self.seen.append(tuple(None if t is None else tuple(t.shape) for t in (q, k, v)))
-        return self.forward_mixed(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)  # no second prologue
+        return self.run_mixed(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)  # no second prologue
 
 
 @pytest.mark.parametrize("flat", [True, False], ids=["[T, H*D]", "[T, H, D]"])

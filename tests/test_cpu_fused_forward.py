@@ -31,11 +31,12 @@ FUSED_CASES = [c for c in CPU_CASES if not c.kv_cache_dtype and not c.kv_lora_ra
 
 @pytest.fixture
 def backend():
-    """A CompiledBackend whose checked forwards are counted (``_forward`` spied on, the fused path kept on)."""
+    """A CompiledBackend whose checked forwards are counted (its ``run_*`` spied on, the fused path kept on)."""
     impl = CompiledBackend(CAP)
     calls = []
-    checked = impl._forward
-    impl._forward = lambda *a, **kw: calls.append(1) or checked(*a, **kw)
+    for name in ("run_decode", "run_extend", "run_mixed"):
+        checked = getattr(impl, name)
+        setattr(impl, name, lambda *a, _checked=checked, **kw: calls.append(1) or _checked(*a, **kw))
     impl.checked_calls = calls
     return impl
 

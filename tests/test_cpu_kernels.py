@@ -531,7 +531,7 @@ def test_metadata_rebuilt_out_of_graph_fails_the_eager_graph_through_the_kernel(
 def test_the_bench_peers_compute_the_reference(peer):
     """hal bench's in-process peers are timed only if right: a mixed batch (extends with prefixes, decodes), paged."""
     from hal.batch import ForwardMode
-    from hal.bench_peers import peer_step
+    from hal.commands.bench_peers import peer_step
     from hal.conformance import Case
 
     requests = ((32, 32), (63, 1), (40, 1))
@@ -574,3 +574,240 @@ def test_each_path_measures_its_own_ceilings(isa, monkeypatch):
     found = cpu_kernels.ceilings(seconds=0.005)
     assert found["isa"] == isa and found["fma_GFLOPs"] > 0
     assert (found["bf16_dot_GFLOPs"] is not None) == (isa in ("avx512_bf16", "amx"))
+
+
+def _paged_pools(gen, page, kv_lens, heads, dim, dtype, spare_pages=3):
+    """A token-major pool ``[slots, heads, dim]`` and the same keys and values as head-major pages
+    ``[pages, heads, page, dim]``, each request's pages scattered: ``(k, v, k_pages, v_pages, req_to_token,
+    req_to_page)``, key i of request r at slot ``req_to_page[r, i // page] * page + i % page``."""
+    per = [-(-n // page) for n in kv_lens]
+    pages = sum(per) + spare_pages
+    order = torch.randperm(pages, generator=gen)
+    req_to_page = torch.zeros(len(kv_lens), max(per), dtype=torch.int32)
+    start = 0
+    for r, n in enumerate(per):
+        req_to_page[r, :n] = order[start : start + n].to(torch.int32)
+        start += n
+    offsets = torch.arange(max(per) * page)
+    req_to_token = (req_to_page.long().repeat_interleave(page, 1) * page + offsets % page).to(torch.int32)
+    k = torch.randn(pages * page, heads, dim, generator=gen).to(dtype)
+    v = torch.randn(pages * page, heads, dim, generator=gen).to(dtype)
+
+    def head_major(x):
+        return x.view(pages, page, heads, dim).transpose(1, 2).contiguous()
+
+    return k, v, head_major(k), head_major(v), req_to_token, req_to_page
+
+
+# (kv_layout, table): the kernels' four ways to a key, each against the reference over the token-major pool
+LAYOUT_FORMS = [(layout, table) for layout in ("token_major", "head_major") for table in cpu_kernels.TABLES]
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("page", [1, 16, 128])
+def test_every_layout_and_table_form_matches_the_reference(isa, page, monkeypatch):
+    """Token-major and head-major pages, read through req_to_token or req_to_page, at pages 1, 16 and 128: decodes
+    and an extend (row path and extend tiles), GQA 4, bf16 and float32, a sliding window whose first key falls
+    inside a page; every path this CPU runs."""
+    from hal.kernels import reference
+
+    monkeypatch.setenv("HAL_CPU_ISA", isa)
+    gen = torch.Generator().manual_seed(7)
+    rows, seq, ext = torch.tensor([2, 0, 1]), torch.tensor([45, 300, 170]), torch.tensor([1, 1, 40])
+    for dtype in (torch.float32, torch.bfloat16):
+        k, v, k_pages, v_pages, req_to_token, req_to_page = _paged_pools(gen, page, [300, 170, 45], 2, 64, dtype)
+        q = torch.randn(int(ext.sum()), 8, 64, generator=gen).to(dtype)
+        for window in (-1, 99):
+            expected = reference.paged_attention(
+                q, k, v, req_to_token, rows, seq, ext, scale=0.125, sliding_window=window
+            ).float()
+            for layout, table in LAYOUT_FORMS:
+                buffers = (k, v) if layout == "token_major" else (k_pages, v_pages)
+                index = req_to_token if table == "req_to_token" else req_to_page
+                for tile_rows in (0, 16):
+                    out = cpu_kernels.paged_attention(
+                        q,
+                        *buffers,
+                        index,
+                        rows,
+                        seq,
+                        ext,
+                        scale=0.125,
+                        sliding_window=window,
+                        tile_rows=tile_rows,
+                        kv_layout=layout,
+                        table=table,
+                        page_size=page if (layout, table) == ("token_major", "req_to_page") else None,
+                    )
+                    torch.testing.assert_close(out.float(), expected, **tolerance(dtype))
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", RUNNABLE)
+def test_pages_of_any_strides_are_read_in_place(isa, monkeypatch):
+    """vLLM's CPU cache holds K and V of a page side by side (``[pages, kv_heads, page, 2 * dim]``): views of it are
+    read where they lie; so is a token-major pool given as pages ``[pages, page, kv_heads, dim]``."""
+    from hal.kernels import reference
+
+    monkeypatch.setenv("HAL_CPU_ISA", isa)
+    gen = torch.Generator().manual_seed(8)
+    page, rows, seq, ext = 16, torch.tensor([0, 1]), torch.tensor([90, 40]), torch.tensor([1, 1])
+    k, v, k_pages, v_pages, req_to_token, req_to_page = _paged_pools(gen, page, [90, 40], 2, 64, torch.bfloat16)
+    q = torch.randn(2, 8, 64, generator=gen).to(torch.bfloat16)
+    expected = reference.paged_attention(q, k, v, req_to_token, rows, seq, ext, scale=0.125).float()
+    cache = torch.cat([k_pages, v_pages], dim=-1)
+    out = cpu_kernels.paged_attention(
+        q,
+        cache[..., :64],
+        cache[..., 64:],
+        req_to_page,
+        rows,
+        seq,
+        ext,
+        scale=0.125,
+        kv_layout="head_major",
+        table="req_to_page",
+    )
+    torch.testing.assert_close(out.float(), expected, **tolerance(torch.bfloat16))
+    pages = k.shape[0] // page
+    out = cpu_kernels.paged_attention(
+        q,
+        k.view(pages, page, 2, 64),
+        v.view(pages, page, 2, 64),
+        req_to_page,
+        rows,
+        seq,
+        ext,
+        scale=0.125,
+        table="req_to_page",
+    )
+    torch.testing.assert_close(out.float(), expected, **tolerance(torch.bfloat16))
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("page", [1, 16])
+def test_write_and_attend_writes_each_layout_where_the_reference_reads(isa, page, monkeypatch):
+    """The fused forward writes the new tokens' K and V at out_cache_loc's slots (page * page_size + offset) in
+    either layout, then attends: the pools end equal to the reference's write, the outputs to its attention."""
+    from hal.kernels import reference
+
+    monkeypatch.setenv("HAL_CPU_ISA", isa)
+    gen = torch.Generator().manual_seed(9)
+    rows, seq, ext = torch.tensor([1, 0]), torch.tensor([60, 33]), torch.tensor([1, 20])
+    q_start = torch.cumsum(ext, 0) - ext
+    for dtype in (torch.float32, torch.bfloat16):
+        k, v, k_pages, v_pages, req_to_token, req_to_page = _paged_pools(gen, page, [33, 60], 2, 64, dtype)
+        tokens = int(ext.sum())
+        q, k_new, v_new = (torch.randn(tokens, h, 64, generator=gen).to(dtype) for h in (8, 2, 2))
+        loc = torch.cat([req_to_token[int(r), int(n - e) : int(n)] for r, n, e in zip(rows, seq, ext)]).long()
+        k_want, v_want = k.clone(), v.clone()
+        k_want[loc], v_want[loc] = k_new, v_new
+        expected = reference.paged_attention(q, k_want, v_want, req_to_token, rows, seq, ext, scale=0.125).float()
+        for layout, table in LAYOUT_FORMS:
+            kb, vb = (k.clone(), v.clone()) if layout == "token_major" else (k_pages.clone(), v_pages.clone())
+            out = cpu_kernels.write_and_attend(
+                q,
+                k_new,
+                v_new,
+                loc,
+                kb,
+                vb,
+                req_to_token if table == "req_to_token" else req_to_page,
+                rows,
+                seq,
+                ext,
+                q_start,
+                (8, 2, 2, 64, 64),
+                0.125,
+                kv_layout=layout,
+                table=table,
+                page_size=page,
+            )
+            assert out is not None, (layout, table)
+            torch.testing.assert_close(out.float().view(tokens, 8, 64), expected, **tolerance(dtype))
+            if layout == "head_major":
+                kb, vb = (x.transpose(1, 2).reshape(k.shape) for x in (kb, vb))
+            assert torch.equal(kb, k_want) and torch.equal(vb, v_want), (layout, table)
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "layout, table, page_size, entry, match",
+    [
+        ("head_major", "req_to_page", None, 12, "req_to_page holds page 12: expected a page in \\[0, 12\\)"),
+        ("head_major", "req_to_page", None, -1, "req_to_page holds page -1"),
+        ("token_major", "req_to_page", 4, 12, "req_to_page holds page 12"),
+        ("head_major", "req_to_token", None, 48, "req_to_token holds slot 48: expected a slot in \\[0, 48\\)"),
+    ],
+)
+def test_a_page_or_slot_outside_the_pool_is_refused_before_it_is_read(layout, table, page_size, entry, match):
+    k, v = torch.randn(12, 2, 4, 8), torch.randn(12, 2, 4, 8)  # head-major: 12 pages of 4
+    if layout == "token_major":
+        k, v = k.transpose(1, 2).reshape(48, 2, 8), v.transpose(1, 2).reshape(48, 2, 8)
+    index = torch.zeros(2, 4 if table == "req_to_page" else 16, dtype=torch.int32)
+    index[1, 2 if table == "req_to_page" else 9] = entry
+    with pytest.raises(KVCacheError, match=match):
+        cpu_kernels.paged_attention(
+            torch.randn(2, 4, 8),
+            k,
+            v,
+            index,
+            torch.tensor([0, 1]),
+            torch.tensor([3, 10]),
+            torch.tensor([1, 1]),
+            scale=1.0,
+            kv_layout=layout,
+            table=table,
+            page_size=page_size,
+        )
+
+
+@needs_kernels
+def test_layouts_tables_and_pages_that_do_not_fit_are_named():
+    k, v, rows, one = torch.randn(12, 2, 4, 8), torch.randn(12, 2, 4, 8), torch.tensor([0]), torch.tensor([1])
+    pages = torch.zeros(1, 3, dtype=torch.int32)
+
+    def call(k=k, v=v, keys=12, **kw):
+        q = torch.randn(1, 4, 8)
+        return cpu_kernels.paged_attention(q, k, v, pages, rows, torch.tensor([keys]), one, scale=1.0, **kw)
+
+    call(kv_layout="head_major", table="req_to_page")  # 3 pages of 4: 12 keys fit
+    with pytest.raises(KVCacheError, match="13 keys: expected .* <= 12 \\(req_to_page columns x page size\\)"):
+        call(kv_layout="head_major", table="req_to_page", keys=13)
+    with pytest.raises(ConfigError, match="kv_layout = 'page_major': expected token_major or head_major"):
+        call(kv_layout="page_major")
+    with pytest.raises(ConfigError, match="table = 'block_table': expected req_to_token or req_to_page"):
+        call(kv_layout="head_major", table="block_table")
+    with pytest.raises(KVCacheError, match="page_size=8: expected \\[pages, kv_heads, page, dim\\]"):
+        call(kv_layout="head_major", table="req_to_page", page_size=8)
+    with pytest.raises(KVCacheError, match="expected \\[pages, kv_heads, page, dim\\]"):
+        call(k=k[:, :, 0], v=v[:, :, 0], kv_layout="head_major")
+    with pytest.raises(KVCacheError, match="page_size=None: expected the page size, a divisor of the slots"):
+        call(k=k.view(48, 2, 8), v=v.view(48, 2, 8), table="req_to_page")
+    with pytest.raises(KVCacheError, match="the same but for the last dim"):
+        call(v=v[:, :1], kv_layout="head_major", table="req_to_page")
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND])
+def test_hal_bench_times_the_kernels_on_head_major_pages_of_the_same_keys(mode):
+    """``hal bench --kv-layout head_major``'s contender: the batch's keys copied into head-major pages, the step's
+    KV written there and attended through req_to_page, as the oracle; a pool whose slots are not in pages is
+    refused, and so is a layout hal bench does not know."""
+    from hal.commands.bench import _head_major_step, run_bench
+
+    requests = ((40, 1), (70, 1)) if mode == ForwardMode.DECODE else ((24, 20), (0, 40))
+    for dtype in (torch.float32, torch.bfloat16):
+        case = Case("bench_pages", mode, requests, dtype=dtype, page_size=16, tp_q_head_num=8, tp_k_head_num=2)
+        built = build(case)
+        torch.testing.assert_close(
+            _head_major_step(built, cpu_kernels.load())().float(), built.expected.float(), **tolerance(dtype)
+        )
+    row = int(built.batch.req_pool_indices[0])
+    built.batch.req_to_token_pool.req_to_token[row, :2] = built.batch.req_to_token_pool.req_to_token[row, :2].flip(0)
+    with pytest.raises(ValueError, match="not lie in pages of 16"):
+        _head_major_step(built, cpu_kernels.load())
+    with pytest.raises(ConfigError, match="--kv-layout page_major: expected one of token_major, head_major"):
+        run_bench("cpu", [], quick=True, kv_layout="page_major")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import hal
-from hal.cli import main
+from hal.commands.cli import main
 from hal.demo import add_arguments
 from hal.demo.engine import Request
 from hal.demo.serve import _shape, build, make_requests
@@ -47,7 +47,7 @@ def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("HAL_") and k != "TRITON_INTERPRET"}
     environ["HAL_PLUGINS"] = "cpu,npu"
     return subprocess.run(
-        [sys.executable, "-m", "hal.cli", "demo", *TINY, *args],
+        [sys.executable, "-m", "hal.commands.cli", "demo", *TINY, *args],
         capture_output=True,
         text=True,
         env={**environ, **(env or {})},

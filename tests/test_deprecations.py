@@ -1,10 +1,12 @@
-"""Every name renamed or moved in 0.2.0 still works for one minor release, and warns naming its replacement."""
+"""Every name renamed or moved (0.2.0 on) still works for one minor release, and warns naming its replacement."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -22,7 +24,6 @@ CAP = cpu_capability()
 @pytest.mark.parametrize(
     ("module", "old", "new"),
     [
-        ("hal.capability", "cpu_capability", "hal.devices.cpu.capability.cpu_capability"),
         ("hal.devices.cpu", "TorchBackend", "hal.devices.cpu.compiled_backend.CompiledBackend"),
         ("hal.devices.cpu.torch_backend", "TorchBackend", "PlainTorchBackend"),
         ("hal.devices.cuda.triton_backend", "TritonBackend", "hal.devices.triton_backend.TritonBackend"),
@@ -150,3 +151,43 @@ def test_0_1_batch_lengths_are_deprecated_names_of_host_lens_and_device_lens():
         q_lens, kv_lens = fb.device_lens()
     expected = device_lens(fb)
     assert torch.equal(q_lens, expected[0]) and torch.equal(kv_lens, expected[1])
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "name"),
+    [
+        ("hal.cli", "hal.commands.cli", "main"),
+        ("hal.bench", "hal.commands.bench", "run_bench"),
+        ("hal.bench_peers", "hal.commands.bench_peers", "peer_step"),
+        ("hal.step_bench", "hal.commands.step_bench", "run_step_workload"),
+        ("hal.lint", "hal.commands.lint", "lint_paths"),
+        ("hal.report", "hal.commands.report", "merge"),
+    ],
+)
+def test_moved_command_modules_are_the_new_modules_under_their_old_names(monkeypatch, old, new, name):
+    """hal 0.4.0 moved the commands into hal.commands; the old path is the moved module itself (so patching a
+    name through it patches the command), and importing it warns naming the new home."""
+    moved = importlib.import_module(new)
+    monkeypatch.delitem(sys.modules, old, raising=False)
+    monkeypatch.delattr(hal, old.rpartition(".")[2], raising=False)
+    with pytest.warns(
+        DeprecationWarning, match=rf"{re.escape(old)} is deprecated since hal 0\.4\.0 .*{re.escape(new)}"
+    ):
+        module = importlib.import_module(old)
+    assert module is moved and sys.modules[old] is moved
+    assert getattr(hal, old.rpartition(".")[2]) is moved  # `import hal.bench; hal.bench.X` reaches the command
+    original = getattr(moved, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: "patched")
+    assert getattr(moved, name)() == "patched" != original
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(old + ".no_such_module")
+
+
+def test_python_dash_m_runs_the_hal_command_through_its_old_path_too():
+    for module in ("hal", "hal.cli"):
+        done = subprocess.run(
+            [sys.executable, "-m", module, "lint", "--json", __file__], capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode in (0, 1) and done.stdout.lstrip().startswith("["), (module, done.stderr)
+    done = subprocess.run([sys.executable, "-m", "hal.cli", "info", "--no-such-option"], capture_output=True, text=True)
+    assert done.returncode == 2 and "unrecognized arguments: --no-such-option" in done.stderr

@@ -236,7 +236,7 @@ def test_selection_takes_arguments_and_passes_the_model_on():
 
 
 def test_step_costs_read_nothing_from_the_device():
-    from hal.step_bench import run_step_workload
+    from hal.commands.step_bench import run_step_workload
 
     data = run_step_workload("cpu", "torch", batch_sizes=(4,), context=64, repeats=1)
     assert data["results"][0]["host_reads"]["outside_out_graph"] == 0, data["results"][0]["host_reads"]

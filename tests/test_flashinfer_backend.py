@@ -21,7 +21,12 @@ import types
 
 import pytest
 import torch
-from hardware_fakes import FLASHINFER_RANGES, flashinfer_features
+from hardware_fakes import (
+    FLASHINFER_RANGES,
+    flashinfer_features,
+    flashinfer_merge_state_in_place,
+    flashinfer_write_out,
+)
 
 from hal.batch import ForwardMode, static_decode_batch
 from hal.capability import DeviceCapability
@@ -339,11 +344,24 @@ def _fake_attention(q, keys, values, qo_indptr, *, causal, window, cap, scale, m
     return out.to(q.dtype), lse
 
 
-def _scaled(out, lse, v_scale, return_lse):
-    """FlashInfer's ``run(v_scale=)``: the output times ``v_scale`` (the LSE is the scores')."""
+def _scaled(result, lse, v_scale, return_lse, out=None, strided_rows=False):
+    """FlashInfer's ``run(v_scale=, out=)``: the output times ``v_scale`` (the LSE is the scores'), into ``out``
+    where given (:func:`hardware_fakes.flashinfer_write_out`)."""
     if v_scale is not None:
-        out = (out.float() * v_scale).to(out.dtype)
-    return (out, lse) if return_lse else out
+        result = (result.float() * v_scale).to(result.dtype)
+    result = flashinfer_write_out(result, out, strided_rows=strided_rows)
+    return (result, lse) if return_lse else result
+
+
+def _without_out(cls):
+    """The wrapper as flashinfer 0.2.1 has it: ``run`` takes no ``out=`` (it came in 0.2.2)."""
+
+    def run(self, *args, **kwargs):
+        if "out" in kwargs:
+            raise TypeError("run() got an unexpected keyword argument 'out'")
+        return cls.run(self, *args, **kwargs)
+
+    return type(cls.__name__, (cls,), {"run": run})
 
 
 def _kv_lens(indptr, last, page_size) -> list[int]:
@@ -425,7 +443,7 @@ class _FakeFlashInfer:
                 self.p = dict(locals(), page_size=page_size, batch=len(last_page_len))
                 fake.plans.append(("decode", self.p))
 
-            def run(self, q, paged_kv_cache, *, k_scale=None, v_scale=None, return_lse=False):
+            def run(self, q, paged_kv_cache, *, k_scale=None, v_scale=None, out=None, return_lse=False):
                 p = self.p
                 check_dtypes(p, q, paged_kv_cache)
                 if getattr(self, "kernel", "fa2") == "fa3" and p["kv_data_type"] in FP8 and q.dtype not in FP8:
@@ -433,7 +451,7 @@ class _FakeFlashInfer:
                 assert q.shape == (p["batch"], p["num_qo_heads"], p["head_dim"])
                 ip, ix, lp = self.bufs  # graph mode: what the fixed buffers hold now
                 keys, values = _paged_keys(paged_kv_cache, ip, ix, lp, p["page_size"], p["batch"])
-                out, lse = _fake_attention(
+                result, lse = _fake_attention(
                     q,
                     keys,
                     values,
@@ -443,7 +461,7 @@ class _FakeFlashInfer:
                     cap=p["logits_soft_cap"] or 0.0,
                     scale=p["sm_scale"] * (k_scale or 1.0),  # FlashInfer folds k_scale into sm_scale
                 )
-                return _scaled(out, lse, v_scale, return_lse)
+                return _scaled(result, lse, v_scale, return_lse, out)
 
         class PagedPrefill:
             def __init__(
@@ -524,7 +542,7 @@ class _FakeFlashInfer:
                     mib.copy_(indptr_from_lens(sizes))
                 fake.plans.append(("paged", self.p))
 
-            def run(self, q, paged_kv_cache, *, k_scale=None, v_scale=None, return_lse=False):
+            def run(self, q, paged_kv_cache, *, k_scale=None, v_scale=None, out=None, return_lse=False):
                 p = dict(self.p)
                 if self.graph:  # what the fixed buffers hold now
                     qb, ib, xb, lb, mb, mib = self.bufs
@@ -542,7 +560,7 @@ class _FakeFlashInfer:
                     p["page_size"],
                     p["batch"],
                 )
-                out, lse = _fake_attention(
+                result, lse = _fake_attention(
                     q,
                     keys,
                     values,
@@ -553,7 +571,7 @@ class _FakeFlashInfer:
                     scale=p["sm_scale"] * (k_scale or 1.0),
                     masks=p.get("masks"),
                 )
-                return _scaled(out, lse, v_scale, return_lse)
+                return _scaled(result, lse, v_scale, return_lse, out)
 
         class RaggedPrefill:
             def __init__(
@@ -593,14 +611,14 @@ class _FakeFlashInfer:
                 self.p = dict(locals())
                 fake.plans.append(("ragged", self.p))
 
-            def run(self, q, k, v, *, return_lse=False):
+            def run(self, q, k, v, *, out=None, return_lse=False):
                 p = self.p
                 check_dtypes(p, q, (k, v))
                 ip = p["kv_indptr"]
                 assert k.shape[0] == int(ip[-1]) and q.shape[0] == int(p["qo_indptr"][-1])
                 keys = [k[int(ip[b]) : int(ip[b + 1])] for b in range(len(ip) - 1)]
                 values = [v[int(ip[b]) : int(ip[b + 1])] for b in range(len(ip) - 1)]
-                out, lse = _fake_attention(
+                result, lse = _fake_attention(
                     q,
                     keys,
                     values,
@@ -610,11 +628,15 @@ class _FakeFlashInfer:
                     cap=p["logits_soft_cap"] or 0.0,
                     scale=p["sm_scale"],
                 )
-                return (out, lse) if return_lse else out
+                return _scaled(result, lse, None, return_lse, out)
 
         def merge_state(v_a, s_a, v_b, s_b):
             fake.plans.append(("merge_state", {}))
             return merge_states_base2(v_a, s_a, v_b, s_b)
+
+        def merge_state_in_place(v, s, v_other, s_other):
+            fake.plans.append(("merge_state", {"in_place": True}))
+            flashinfer_merge_state_in_place(merge_states_base2, v, s, v_other, s_other)
 
         class MLAPaged:
             """``flashinfer.mla.BatchMLAPagedAttentionWrapper`` (0.2.1+): the documented plan/run contract."""
@@ -701,7 +723,7 @@ class _FakeFlashInfer:
                     cap=0.0,
                     scale=p["sm_scale"],
                 )
-                return (result, lse) if return_lse else result
+                return _scaled(result, lse, None, return_lse, out, strided_rows=True)
 
         class DecodeWithBackend(Decode):
             """0.2.9+: ``backend=``; "auto" on the tensor-core path is fa3 on sm90 in 0.6.0-0.6.3."""
@@ -717,22 +739,29 @@ class _FakeFlashInfer:
                 fa3 = use_tensor_cores and sm >= 90 and fake.features["decode_auto_fa3"]
                 self.kernel = ("fa3" if fa3 else "fa2") if backend == "auto" else backend
 
-        self.module.mla = types.SimpleNamespace(BatchMLAPagedAttentionWrapper=MLAPaged)
-        self.module.BatchDecodeWithPagedKVCacheWrapper = (
-            DecodeWithBackend if self.features["decode_backend_kw"] else Decode
-        )
-        self.module.BatchPrefillWithPagedKVCacheWrapper = PagedPrefill
-        self.module.BatchPrefillWithRaggedKVCacheWrapper = RaggedPrefill
+        decode = DecodeWithBackend if self.features["decode_backend_kw"] else Decode
+        wrappers = (MLAPaged, decode, PagedPrefill, RaggedPrefill)
+        if not self.features["run_out"]:
+            wrappers = tuple(_without_out(cls) for cls in wrappers)
+        mla, decode, paged, ragged = wrappers
+        self.module.mla = types.SimpleNamespace(BatchMLAPagedAttentionWrapper=mla)
+        self.module.BatchDecodeWithPagedKVCacheWrapper = decode
+        self.module.BatchPrefillWithPagedKVCacheWrapper = paged
+        self.module.BatchPrefillWithRaggedKVCacheWrapper = ragged
         if with_merge:
             self.module.merge_state = merge_state
+            self.module.merge_state_in_place = merge_state_in_place
 
     def kinds(self) -> list[str]:
         return [k for k, _ in self.plans]
 
 
+_WITH_MERGE = (True, True, False, True, True)  # per range: the fake has merge_state(_in_place), else hal's torch merge
+
+
 @pytest.fixture(
-    params=[(v, merge) for v, merge in zip(FLASHINFER_RANGES.values(), (True, False, True, True))],
-    ids=[f"{r}-{'merge_state' if m else 'torch_merge'}" for r, m in zip(FLASHINFER_RANGES, (True, False, True, True))],
+    params=[(v, merge) for v, merge in zip(FLASHINFER_RANGES.values(), _WITH_MERGE)],
+    ids=[f"{r}-{'merge_state' if m else 'torch_merge'}" for r, m in zip(FLASHINFER_RANGES, _WITH_MERGE)],
 )
 def fake_fi(request, monkeypatch, flashinfer_found):
     """A fake of each supported FlashInfer release range (its first release's signatures and behaviour)."""
@@ -918,6 +947,53 @@ def test_flashinfer_ranges_cover_the_pin():
 
     assert list(FLASHINFER_RANGES.values())[0] == MIN_FLASHINFER  # the oldest release the pin admits is faked
     assert flashinfer_features("0.6.3")["decode_auto_fa3"] and not flashinfer_features("0.6.4")["decode_auto_fa3"]
+    assert flashinfer_features("0.2.2")["run_out"] and not flashinfer_features("0.2.1")["run_out"]
+
+
+_OUT_CASES = (
+    "decode",
+    "extend_no_prefix",
+    "extend_prefix",
+    "extend_sliding_window",
+    "verify",
+    "mla_deepseek_decode_bf16",
+    "mla_deepseek_extend_prefix_bf16",
+)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "strided_rows"])
+@pytest.mark.parametrize("name", _OUT_CASES)
+def test_out_buffer_is_written_by_flashinfer_where_it_can(fake_fi, monkeypatch, name, layout):
+    """``forward(out=)``: FlashInfer's ``run(out=)`` writes the caller's buffer itself, with no copy, where its
+    kernels can (flashinfer>=0.2.2; a contiguous buffer, an MLA layer's also with padded rows; the ragged + prefix
+    pair merged in place by ``merge_state_in_place``); elsewhere the base class copies FlashInfer's result. Either
+    way the rows are right and nothing else of the buffer changes (the fake fails on a buffer FlashInfer's kernel
+    would write wrong)."""
+    import hal.backend
+
+    case = _as_bf16(next(c for c in (*CASES, *MODEL_CASES) if c.name == name))
+    built = build(case)
+    layer, tokens = built.layer, built.q.shape[0]
+    width = layer.tp_q_head_num * layer.v_head_dim
+    whole = torch.full((tokens + 2, width + (8 if layout == "strided_rows" else 0)), -7.0, dtype=built.q.dtype)
+    out = whole[:, :width]
+    written_in_place = []
+    write_output = hal.backend.write_output
+
+    def watched(result, q, layer, rows):
+        written_in_place.append(rows is not None and result.data_ptr() == rows.data_ptr())
+        return write_output(result, q, layer, rows)
+
+    monkeypatch.setattr(hal.backend, "write_output", watched)
+    backend = _cpu_backend(config=case.config())
+    backend.init_forward_metadata(built.batch)
+    result = backend.forward(built.q, built.k, built.v, layer, built.batch, out=out)
+    assert result.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(out[:tokens].float(), built.expected.float(), **tolerance(case.dtype))
+    assert (whole[tokens:] == -7.0).all() and (whole[:, width:] == -7.0).all()
+    writable = layout == "contiguous" or bool(case.kv_lora_rank)
+    merged_in_place = name != "extend_prefix" or hasattr(fake_fi.module, "merge_state_in_place")
+    assert written_in_place == [fake_fi.features["run_out"] and writable and merged_in_place]
 
 
 def test_flashinfer_older_than_the_pin_is_a_reason(flashinfer_found, monkeypatch):
@@ -1116,7 +1192,7 @@ def test_gpu_graph_replay(case, register):
         layers,
         fb.req_to_token_pool,
         fb.token_to_kv_pool,
-        make_graph=lambda: TorchGraph(torch.cuda),
+        make_graph=lambda: TorchGraph(torch.cuda, torch.cuda.CUDAGraph),
         capture_bs=(1, 2, 4, 8),
         dtype=case.dtype,
     )
@@ -1142,6 +1218,10 @@ def test_gpu_real_merge_state_matches_torch():
     want_v, want_s = merge_states_base2(v_a, s_a, v_b, s_b)
     torch.testing.assert_close(got_v.float(), want_v.float(), atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(got_s, want_s, atol=1e-4, rtol=1e-4)
+    in_place_v, in_place_s = v_a.clone(), s_a.clone()  # what the backend's ragged + prefix merge calls
+    flashinfer.merge_state_in_place(in_place_v, in_place_s, v_b, s_b)
+    torch.testing.assert_close(in_place_v.float(), want_v.float(), atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(in_place_s, want_s, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("mode", list(PADDING_CASES), ids=lambda m: m.name)

@@ -40,7 +40,7 @@ class Toy(AttentionBackend):
         self.check_batch(fb)
         self.set_forward_metadata(None, fb)
 
-    def forward_fused(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+    def run_fused(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         self.calls.append("fused")
         if kwargs.get("decline"):
             return None
@@ -49,11 +49,11 @@ class Toy(AttentionBackend):
     def fused_forward_ready(self) -> bool:
         return self.ready
 
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+    def run_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         self.calls.append("checked")
         return torch.full((q.shape[0], layer.tp_q_head_num * layer.v_head_dim), CHECKED)
 
-    forward_extend = forward_mixed = forward_decode
+    run_extend = run_mixed = run_decode
 
 
 class OverridesSaveKV(Toy):
@@ -182,7 +182,7 @@ def test_no_backend_reads_the_base_classes_private_prologue_state():
 
 def test_a_layer_output_of_the_wrong_size_is_not_reshaped_silently(built):
     class Wrong(Toy):
-        def forward_fused(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        def run_fused(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
             return torch.zeros(q.shape[0] + 1, layer.tp_q_head_num, layer.v_head_dim)
 
     with pytest.raises(RuntimeError):

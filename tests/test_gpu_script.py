@@ -68,7 +68,7 @@ def test_dry_run_prints_the_plan_and_runs_nothing(tmp_path):
     at = [proc.stdout.index(step) for step in order]
     assert at == sorted(at)  # the Triton paths first, the bench last
     assert "budget 840s" in proc.stdout  # with the setup, inside a 15-minute slot
-    assert "--family graph" in proc.stdout and "hal.cli bench --device cuda --json" in proc.stdout
+    assert "--family graph" in proc.stdout and "-m hal bench --device cuda --json" in proc.stdout
     # this machine has no flashinfer and the wheelhouse no wheel of it: not planned, and the plan says why
     assert "check-flashinfer: NOT PLANNED: flashinfer does not import" in proc.stdout
     assert "dry run: GPU: none" in proc.stdout and "nothing was run" in proc.stdout

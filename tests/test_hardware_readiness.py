@@ -13,7 +13,7 @@ import torch
 from hardware_fakes import NNAL_OSERROR, FakeGraphModule, fake_flashinfer_stack, fake_torch_npu
 
 from hal.capability import DeviceCapability
-from hal.cli import main
+from hal.commands.cli import main
 from hal.config import AttentionConfig
 from hal.conformance.cases import GRAPH_CASES, build
 from hal.devices.cpu import CompiledBackend
@@ -241,7 +241,7 @@ def test_graphs_share_one_memory_pool_largest_first_and_warm_up_on_a_side_stream
         [built.layer],
         fb.req_to_token_pool,
         fb.token_to_kv_pool,
-        make_graph=lambda: TorchGraph(fake),
+        make_graph=lambda: TorchGraph(fake, fake.CUDAGraph),
         capture_bs=(1, 2, 4, 8),
         dtype=built.case.dtype,
     )

@@ -11,8 +11,18 @@ import hal
 from hal.capability import DeviceCapability
 from hal.errors import ConfigError, KVCacheError
 from hal.kernels import reference
-from hal.kv_cache import KV_CACHE_DTYPES, PagedKVPool, kv_cache_dtype_name
-from hal.kv_dtypes import KV_DTYPE_TABLE, kv_cache_dtype_setting, kv_dtype, kv_dtype_names, kv_scaled
+from hal.kv_cache import PagedKVPool, kv_cache_dtype_name
+from hal.kv_dtypes import (
+    COMPUTE_DTYPE_NAMES,
+    COMPUTE_DTYPES,
+    DTYPE_FAMILIES,
+    KV_DTYPE_TABLE,
+    KV_STORAGE_DTYPES,
+    kv_cache_dtype_setting,
+    kv_dtype,
+    kv_dtype_names,
+    kv_scaled,
+)
 
 FP8 = [row for row in KV_DTYPE_TABLE if row.scaled]
 
@@ -26,6 +36,64 @@ def test_one_row_per_name_and_per_torch_dtype():
         assert kv_scaled(row.torch_dtype) == row.scaled
     assert {row.family for row in FP8} == {"fp8"} and {row.name for row in FP8} == {"fp8_e4m3", "fp8_e5m2"}
     assert [row.name for row in KV_DTYPE_TABLE if row.compute] == ["fp32", "bf16", "fp16"]
+
+
+def test_the_views_of_the_table():
+    """What q/k/v may be (compute), a dtype's family (fp8 storage included) and what a pool may store: three views
+    of the one table, read-only, the same objects in hal.kv_dtypes and hal.kernels.kv_dtypes."""
+    from hal.kernels import kv_dtypes as table
+
+    assert dict(COMPUTE_DTYPES) == {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    assert dict(COMPUTE_DTYPE_NAMES) == {dtype: name for name, dtype in COMPUTE_DTYPES.items()}
+    assert torch.float8_e4m3fn not in COMPUTE_DTYPE_NAMES and torch.int8 not in COMPUTE_DTYPE_NAMES
+    assert DTYPE_FAMILIES[torch.float8_e4m3fn] == DTYPE_FAMILIES[torch.float8_e5m2] == "fp8"
+    assert DTYPE_FAMILIES[torch.bfloat16] == "bf16" and len(DTYPE_FAMILIES) == len(KV_DTYPE_TABLE)
+    assert list(KV_STORAGE_DTYPES) == kv_dtype_names()
+    assert KV_STORAGE_DTYPES["fp8_e5m2"] == torch.float8_e5m2
+    for view in (COMPUTE_DTYPES, COMPUTE_DTYPE_NAMES, DTYPE_FAMILIES, KV_STORAGE_DTYPES):
+        with pytest.raises(TypeError):
+            view["int4"] = torch.int8
+    assert table.COMPUTE_DTYPES is COMPUTE_DTYPES and table.KV_STORAGE_DTYPES is KV_STORAGE_DTYPES
+
+
+def test_the_commands_list_the_views():
+    """``hal info --dtype``, ``hal bench --dtype``, ``hal demo --dtype`` / ``--kv-dtype``: choices and help from the
+    table (bench and demo: the compute dtypes but fp16)."""
+    import argparse
+
+    from hal.commands import bench
+    from hal.demo import DTYPES, add_arguments, serve
+
+    assert bench.DTYPES == DTYPES == {name: d for name, d in COMPUTE_DTYPES.items() if name != "fp16"}
+    assert serve.DTYPES is DTYPES
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    helps = {a.dest: a.help for a in parser._actions}
+    assert "fp32 or bf16" in helps["dtype"] and "auto, fp8_e4m3, fp8_e5m2" in helps["kv_dtype"]
+
+
+@pytest.mark.parametrize(
+    ("module", "old", "new", "value"),
+    [
+        ("hal.capability", "DTYPE_NAMES", "hal.kv_dtypes.DTYPE_FAMILIES", DTYPE_FAMILIES),
+        ("hal.kv_cache", "KV_CACHE_DTYPES", "hal.kv_dtypes.KV_STORAGE_DTYPES", KV_STORAGE_DTYPES),
+        (
+            "hal.kv_cache",
+            "KV_DTYPES",
+            "tuple(hal.kv_dtypes.KV_STORAGE_DTYPES.values())",
+            tuple(KV_STORAGE_DTYPES.values()),
+        ),
+    ],
+)
+def test_the_old_copies_are_deprecated_names_of_the_views(module, old, new, value):
+    import importlib
+    import re
+
+    with pytest.warns(
+        DeprecationWarning, match=re.escape(f"{module}.{old} is deprecated since hal 0.4.0") + ".*" + re.escape(new)
+    ):
+        got = getattr(importlib.import_module(module), old)
+    assert got == value
 
 
 @pytest.mark.parametrize("bad", ["int4", "fp8_e4m3fnuz", torch.int8, 3, None])
@@ -51,7 +119,7 @@ def test_config_pools_and_capability_read_the_table():
     for row in KV_DTYPE_TABLE:
         config = hal.AttentionConfig(kv_cache_dtype=row.torch_dtype)
         assert config.kv_cache_dtype == row.name and config.kv_cache_torch_dtype == row.torch_dtype
-        assert KV_CACHE_DTYPES[row.name] == row.torch_dtype and kv_cache_dtype_name(row.torch_dtype) == row.name
+        assert KV_STORAGE_DTYPES[row.name] == row.torch_dtype and kv_cache_dtype_name(row.torch_dtype) == row.name
         pool = PagedKVPool(num_pages=2, page_size=2, layer_num=1, head_num=1, head_dim=4, dtype=row.torch_dtype)
         assert pool.dtype == row.torch_dtype
         cap = DeviceCapability(type="x", available=True, dtypes=(row.family,))

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from hal.cli import main
-from hal.lint import lint_paths, lint_source
+from hal.commands.cli import main
+from hal.commands.lint import lint_paths, lint_source
 
 ROOT = Path(__file__).resolve().parents[1]
 

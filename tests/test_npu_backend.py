@@ -98,7 +98,7 @@ def _run(backend, built, **kwargs):
     return backend.forward(built.q, built.k, built.v, built.layer, built.batch, **kwargs)
 
 
-def _count_methods(monkeypatch, backend, names=("forward_extend", "forward_mixed", "forward_decode")):
+def _count_methods(monkeypatch, backend, names=("run_extend", "run_mixed", "run_decode")):
     counts = dict.fromkeys(names, 0)
     for name in names:
         method = getattr(backend, name)
@@ -152,7 +152,7 @@ def test_a_bad_flag_value_raises_config_error(monkeypatch, value):
     # while `hal info` still lists every device, this one with the error as its reason.
     with pytest.raises(ConfigError, match="HAL_NPU_EMULATION"):
         probe_device(npu_device)
-    from hal.cli import info
+    from hal.commands.info import info
 
     npu = next(d for d in info()["devices"] if d["name"] == "npu")
     assert not npu["available"] and "HAL_NPU_EMULATION" in npu["reasons"]["device"]
@@ -245,7 +245,7 @@ def test_mixed_batch_is_one_splitfuse_call_on_the_npu_and_forward_extend_on_the_
         layer = case.layer(layer_id)
         backend.init_forward_metadata(built.batch)
         out = backend.forward(built.q, built.k, built.v, layer, built.batch)
-        assert methods == {"forward_extend": 0, "forward_mixed": layer_id + 1, "forward_decode": 0}
+        assert methods == {"run_extend": 0, "run_mixed": layer_id + 1, "run_decode": 0}
         assert _counts(op_calls) == {
             "_npu_reshape_and_cache": 0,
             "npu_scatter_pa_kv_cache": 0,
@@ -267,12 +267,13 @@ def test_mixed_batch_is_one_splitfuse_call_on_the_npu_and_forward_extend_on_the_
     assert emulation.get_npu_format(call["mask"]) == 29 and emulation.get_npu_format(call["key_cache"]) == 29
     assert call["block_table"].dtype == torch.int32 and call["block_table"].shape == (4, 2)
 
-    # The same batch on the CPU torch backend: forward_extend, never forward_mixed.
+    # The same batch on the CPU torch backend: the extend step (its fused call, or run_extend), never run_mixed.
     cpu_built = build(case)
     torch_backend = CompiledBackend(cpu_capability())
-    cpu_methods = _count_methods(monkeypatch, torch_backend)
+    cpu_methods = _count_methods(monkeypatch, torch_backend, ("run_extend", "run_mixed", "run_decode", "run_fused"))
     _close(_run(torch_backend, cpu_built), cpu_built)
-    assert cpu_methods == {"forward_extend": 1, "forward_mixed": 0, "forward_decode": 0}
+    assert cpu_methods["run_mixed"] == cpu_methods["run_decode"] == 0
+    assert cpu_methods["run_extend"] + cpu_methods["run_fused"] == 1
 
 
 def test_layers_with_different_windows_get_their_own_mask(npu, op_calls):
@@ -473,8 +474,14 @@ def test_the_eager_guard_still_watches_the_backends_own_code(npu, monkeypatch):
     fb = built.batch
     backend = AscendBackend(cap)
     runner = GraphRunner(backend, [built.layer], fb.req_to_token_pool, fb.token_to_kv_pool, EagerGraph, (2,))
-    output = backend._output
-    monkeypatch.setattr(backend, "_output", lambda out, q, layer: output(out, q, layer) + out.sum().item() * 0)
+    prepare = backend._prepare
+
+    def syncing(q, layer, fb):
+        prepared = prepare(q, layer, fb)
+        prepared[1].sum().item()  # a host sync in the backend's own code
+        return prepared
+
+    monkeypatch.setattr(backend, "_prepare", syncing)
     with pytest.raises(GraphCaptureError, match="host sync"):
         runner.capture()
 
@@ -596,6 +603,42 @@ def test_extend_route_is_declared_with_the_reason(npu, head_dim, op):
     if reasons:
         assert "TND takes head dim 128 or 192" in reasons[0]
     assert any("head_dim 128 or 192" in n for n in AscendBackend.notes(cap))
+
+
+def test_routes_are_functions_of_the_steps_facts_and_the_layer_and_graph_tasks_a_part(npu):
+    """The backend is one class over AttentionBackend: routing reads only the facts it is given (no backend),
+    and the captured graph tasks are an object the backend owns."""
+    from hal.backend import AttentionBackend
+    from hal.devices.npu import routing
+    from hal.devices.npu.graph_tasks import GraphTasks
+    from hal.devices.npu.metadata import StepFacts
+    from hal.layer import AttentionLayer
+
+    assert AscendBackend.__bases__ == (AttentionBackend,)
+    assert isinstance(AscendBackend(npu[1]).graph_tasks, GraphTasks)
+    a2 = StepFacts("A2", 128, torch.bfloat16, torch.bfloat16)
+    layer = AttentionLayer(layer_id=3, tp_q_head_num=8, tp_k_head_num=2, head_dim=128)
+    route = routing.attention_route
+    assert route(a2, layer, "decode", False) == routing.Route(FIA, decode=True)
+    assert route(a2, layer, "decode", True) == routing.Route(routing.PAGED, captured=True)
+    assert route(a2, layer, "extend", True) == routing.Route(FIA, uncapturable=True)
+    assert route(a2, layer, "target_verify", False) == routing.Route(SPLITFUSE, mask=("custom", -1))
+    small_pages = dataclasses.replace(a2, page_size=16)
+    assert route(small_pages, layer, "mixed", False) == routing.Route(SPLITFUSE, mask=("causal", -1))
+    windowed = dataclasses.replace(layer, sliding_window_size=8)
+    assert route(dataclasses.replace(a2, generation="310P"), windowed, "decode", False).mask == ("causal", 8)
+    a5 = dataclasses.replace(a2, generation="A5")
+    head_64 = dataclasses.replace(layer, head_dim=64)
+    assert "decode of layer 3 on A5: FIA cannot serve it" in route(a5, head_64, "decode", False).refused
+    assert "which A5 does not have" in route(a5, head_64, "extend", False).refused
+    assert not route(a5, layer, "decode", False).refused
+    assert "attention sinks on A5" in routing.sink_route(a5, layer, "decode", False).refused
+    assert routing.sink_route(a2, layer, "decode", False) == routing.Route(routing.FIA_V2, decode=True)
+    mla = AttentionLayer(4, 16, 1, 576, v_head_dim=512, kv_lora_rank=512, qk_rope_head_dim=64)
+    assert routing.mla_route(a2, mla, "decode", True, False, False).op == routing.MLA_DECODE
+    assert routing.mla_route(a2, mla, "decode", False, False, False).op == routing.FIA_V2  # a split pool
+    assert routing.mla_route(a2, mla, "target_verify", True, False, False).mask == ("tree", -1)
+    assert "no Ascend MLA op takes a sink" in routing.mla_route(a2, mla, "decode", True, True, False).refused
 
 
 def test_a_captured_verify_step_has_a_splitfuse_mask_row_per_draft_token(npu):
@@ -733,7 +776,7 @@ def test_npu_graph_replay_synchronises_the_current_stream_first():
     stream = types.SimpleNamespace(synchronize=lambda: log.append("sync"))
     graph = types.SimpleNamespace(replay=lambda: log.append("replay"))
     module = types.SimpleNamespace(NPUGraph=lambda: graph, current_stream=lambda: stream)
-    NpuGraph(module).replay()
+    NpuGraph(module, module.NPUGraph).replay()
     assert log == ["sync", "replay"]
 
 
@@ -910,3 +953,49 @@ def test_random_deepseek_mla_batches_match_the_reference(npu, seed):
     _close(_run(AscendBackend(npu[1]), built), built)
     pool = built.batch.token_to_kv_pool
     assert torch.equal(pool.k_buffer[0][pool.page_size :], built.expected_k[pool.page_size :])
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "strided_rows"])
+@pytest.mark.parametrize(
+    "generation, case, op",
+    [
+        ("310P", Case("decode_page128", D, DECODE_REQS, page_size=128), "_npu_paged_attention"),
+        ("310P", Case("mixed_page128", M, MIXED_REQS, page_size=128), SPLITFUSE),
+        ("A2", Case("decode_window", D, ((40, 1), (3, 1)), page_size=16, sliding_window_size=8), SPLITFUSE),
+        ("A2", _mla_case("mla_decode", D, ((40, 1), (3, 1), (17, 1))), PA_MLA),
+        ("A2", Case("extend_page128", E, EXTEND_REQS, page_size=128, head_dim=128), FIA),
+    ],
+    ids=lambda p: p if isinstance(p, str) else p.name,
+)
+def test_forward_out_is_written_by_the_atb_op_itself(monkeypatch, generation, case, op, layout):
+    """``forward(out=)``: an ATB op (``_npu_paged_attention``, its splitfuse and MLA forms) writes the caller's buffer
+    in place, no copy, where it can: contiguous (their contract: the ``out`` rows); a buffer with padded rows, and
+    FIA (no output argument), get the op's own output copied in by the base class. Rows right, padding untouched."""
+    import hal.backend
+
+    cap = _emulated(monkeypatch, generation)[1]
+    built = build(case)
+    layer, tokens = built.layer, built.q.shape[0]
+    width = layer.tp_q_head_num * layer.v_head_dim
+    whole = torch.full((tokens + 2, width + (8 if layout == "strided_rows" else 0)), -7.0, dtype=built.q.dtype)
+    out = whole[:, :width]
+    given, written_in_place = [], []
+    real_op, write_output = getattr(emulation.torch_npu, op), hal.backend.write_output
+
+    def recorded(*args, **kwargs):
+        given.append(kwargs.get("out"))
+        return real_op(*args, **kwargs)
+
+    def watched(result, q, layer, rows):
+        written_in_place.append(result.data_ptr() == rows.data_ptr())
+        return write_output(result, q, layer, rows)
+
+    monkeypatch.setattr(emulation.torch_npu, op, recorded)
+    monkeypatch.setattr(hal.backend, "write_output", watched)
+    result = _run(AscendBackend(cap), built, out=out)
+    assert result.data_ptr() == out.data_ptr()
+    _close(out[:tokens], built)
+    assert (whole[tokens:] == -7.0).all() and (whole[:, width:] == -7.0).all()
+    in_place = layout == "contiguous" and op != FIA
+    assert len(given) == 1 and (given[0] is not None and given[0].data_ptr() == out.data_ptr()) == in_place
+    assert written_in_place == [in_place]

@@ -63,6 +63,57 @@ def test_paged_attention_block_size_limit():
         NPU._npu_paged_attention(q, cache, cache, 1, 1, 1.0, table, lens, torch.empty_like(q))
 
 
+def test_atb_attention_out_contract():
+    """The ATB attention ops write ``out`` as it is given: ``[T, heads, v_dim]`` in the query's dtype, contiguous. A
+    view with padded rows (what an engine's output buffer may be), another dtype or shape is refused with the rule
+    and its source; the ascend backend hands such a buffer to no ATB op (the base class copies into it)."""
+    q, cache = torch.randn(2, 1, 64), torch.randn(2, 16, 1, 64)
+    table, lens = torch.tensor([[0], [1]], dtype=torch.int32), torch.tensor([3, 2], dtype=torch.int32)
+    mla_q, mla_cache = torch.randn(2, 4, 80), torch.randn(2, 16, 1, 80)
+    calls = {
+        "_npu_paged_attention": (q, lambda out: NPU._npu_paged_attention(q, cache, cache, 1, 1, 1.0, table, lens, out)),
+        "_npu_paged_attention_splitfuse": (
+            q,
+            lambda out: NPU._npu_paged_attention_splitfuse(
+                query=q,
+                key_cache=cache,
+                value_cache=cache,
+                block_table=table,
+                context_lens=lens,
+                mask=torch.zeros(2, 3),
+                seq_len=torch.tensor([1, 1], dtype=torch.int32),
+                num_kv_heads=1,
+                num_heads=1,
+                scale_value=1.0,
+                out=out,
+            ),  # fmt: skip
+        ),
+        "_npu_paged_attention_mla": (
+            mla_q[..., :64],
+            lambda out: NPU._npu_paged_attention_mla(
+                query=mla_q,
+                key_cache=mla_cache,
+                num_kv_heads=1,
+                num_heads=4,
+                scale_value=0.1,
+                block_table=table,
+                context_lens=lens,
+                mla_vheadsize=64,
+                out=out,
+            ),  # fmt: skip
+        ),
+    }
+    for op, (like, call) in calls.items():
+        out = torch.full(like.shape, float("nan"))
+        call(out)
+        assert torch.isfinite(out).all(), op  # written in place
+        rows, heads, dim = like.shape
+        padded = torch.empty(rows, heads, dim + 8)[..., :dim]
+        for bad in (padded, out.to(torch.bfloat16), torch.empty(rows + 1, heads, dim)):
+            with pytest.raises(ValueError, match=rf"{op}: out = .*contract says out: .*contiguous.*AtbCommon\.cpp"):
+                call(bad)
+
+
 def test_mla_decode_block_size_limit():
     """_npu_paged_attention_mla (head 576 > 256): block_size <= 128, so MLA decode at pages 256/512 is refused and
     hal routes those pages to FIA v2."""
@@ -263,7 +314,8 @@ def test_hal_info_lists_the_limits_of_the_emulated_generation(monkeypatch):
 
 
 def test_split_modules_keep_their_import_paths():
-    """Issue 23: ascend_backend.py and ops.py were cut by job; the names tests and plugins import stay put."""
+    """The ascend backend's parts (routing, graph tasks, emulation adapter) and the kernels' (limits, loaders) live in
+    modules of their own; the names tests and plugins import stay put, and the mixin names warn."""
     from hal.devices.npu import ascend_backend, emulated_ops, graph_tasks, routing
     from hal.kernels.npu import limits, loaders, ops
 
@@ -271,8 +323,15 @@ def test_split_modules_keep_their_import_paths():
     assert (
         ascend_backend._fp8_reason is routing._fp8_reason and ascend_backend._EmulatedOps is emulated_ops._EmulatedOps
     )
-    assert issubclass(ascend_backend.AscendBackend, routing.AscendRouting)
-    assert issubclass(ascend_backend.AscendBackend, graph_tasks.NpuGraphTasks)
+    for module in (routing, ascend_backend):
+        with pytest.warns(DeprecationWarning, match=r"AscendRouting is deprecated since hal 0\.4\.0 .*AscendBackend"):
+            assert module.AscendRouting is ascend_backend.AscendBackend
+    for module in (graph_tasks, ascend_backend):
+        with pytest.warns(DeprecationWarning, match=r"NpuGraphTasks is deprecated since hal 0\.4\.0 .*GraphTasks"):
+            assert module.NpuGraphTasks is graph_tasks.GraphTasks
+    for module in (routing, graph_tasks, ascend_backend):
+        with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
+            module.NoSuchName  # noqa: B018
     for name in ("unsupported_reasons", "mla_unsupported_reasons", "sink_unsupported_reasons", "FIA_TND_HEAD_DIMS"):
         assert getattr(ops, name) is getattr(limits, name)
     for name in ("load_torch_npu", "load_atb", "resolve_ops", "OP_NAMES", "GENERATIONS", "generation_of_soc"):

@@ -42,8 +42,8 @@ def _narrower(layer):
 
 
 class BandFromVllmWindow(AscendBackend):
-    def _mla(self, meta, query, cache, rope, layer, mode, sinks=None):
-        return super()._mla(meta, query, cache, rope, _narrower(layer), mode, sinks)
+    def _mla(self, meta, query, cache, rope, layer, mode, sinks=None, out=None):
+        return super()._mla(meta, query, cache, rope, _narrower(layer), mode, sinks, out)
 
     def _sinks(self, meta, query, k_cache, v_cache, layer, step, sinks):
         return super()._sinks(meta, query, k_cache, v_cache, _narrower(layer), step, sinks)
@@ -56,9 +56,9 @@ class MlaSplitWithoutBlockTable(AscendBackend):
 
 
 class SinksDroppedInDecode(AscendBackend):
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+    def run_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         kwargs.pop("sinks", None)
-        return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        return super().run_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
 
 MUTANTS = (MlaVerifyAsCausal, MlaTreeMaskInverted, BandFromVllmWindow, MlaSplitWithoutBlockTable, SinksDroppedInDecode)

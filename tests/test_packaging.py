@@ -138,9 +138,9 @@ def test_pytest_plugin_entry_point(pytestconfig):
 
 
 def test_console_script():
-    assert PYPROJECT["project"]["scripts"] == {"hal": "hal.cli:main"}
+    assert PYPROJECT["project"]["scripts"] == {"hal": "hal.commands.cli:main"}
     [ep] = [ep for ep in importlib.metadata.entry_points(group="console_scripts") if ep.name == "hal"]
-    assert ep.value == "hal.cli:main"
+    assert ep.value == "hal.commands.cli:main"
     assert callable(ep.load())
 
 
@@ -232,11 +232,13 @@ def test_wheel_holds_every_package_and_the_entry_points(wheel):
     for name in ("cpu", "cuda", "npu"):
         assert re.search(rf"^{name} = hal\.devices\.{name}:device$", entry_points, re.MULTILINE)
     assert re.search(r"^hal_conformance = hal\.conformance\.plugin$", entry_points, re.MULTILINE)
-    assert re.search(r"^hal = hal\.cli:main$", entry_points, re.MULTILINE)
+    assert re.search(r"^hal = hal\.commands\.cli:main$", entry_points, re.MULTILINE)
 
 
 def test_demo_and_bench_import_without_pytest():
     """`hal demo` runs after `pip install hal-attention[demo]`: nothing on its path may need pytest."""
-    code = "import sys; sys.modules['pytest'] = None; import hal.demo, hal.bench, hal.cli; print('ok')"
+    code = (
+        "import sys; sys.modules['pytest'] = None; import hal.demo, hal.commands.bench, hal.commands.cli; print('ok')"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

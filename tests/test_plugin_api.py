@@ -33,7 +33,7 @@ def _install(tmp_path: Path, module: str, device: str) -> Path:
 def _hal(path: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(path), "PYTHONWARNINGS": "always::DeprecationWarning"}
     return subprocess.run(
-        [sys.executable, "-m", "hal.cli", *args], capture_output=True, text=True, env=env, timeout=1200
+        [sys.executable, "-m", "hal.commands.cli", *args], capture_output=True, text=True, env=env, timeout=1200
     )
 
 
@@ -100,10 +100,10 @@ def test_a_plugin_for_another_api_is_refused_by_hal_info_with_the_reason(tmp_pat
     assert info.returncode == 0, info.stderr[-2000:]
     entry = next(d for d in json.loads(info.stdout)["devices"] if d["name"] == "futuretoy")
     reason = entry["reasons"]["plugin"]
-    assert "plugin API 3" in reason and "CHANGELOG.md" in reason and entry["available"] is False
+    assert "plugin API 99" in reason and "CHANGELOG.md" in reason and entry["available"] is False
     check = _hal(path, "check", "--device", "futuretoy")
     assert check.returncode != 0
-    assert "plugin API 3" in check.stdout + check.stderr and "Traceback" not in check.stderr
+    assert "plugin API 99" in check.stdout + check.stderr and "Traceback" not in check.stderr
 
 
 class _Declares(Device):
@@ -116,7 +116,7 @@ class _Declares(Device):
         return []
 
 
-@pytest.mark.parametrize("api", [0, 3, "2", True])
+@pytest.mark.parametrize("api", [0, 4, "2", True])
 def test_register_device_refuses_an_api_it_does_not_implement(api):
     device = _Declares()
     device.plugin_api = api
@@ -149,4 +149,61 @@ def test_a_backend_missing_a_required_member_is_a_plugin_error_reason():
     device = _Declares()
     device.backends = lambda: [Half]
     classes, error = device_backends(device)
-    assert classes == [] and "does not implement forward_extend" in error and "CHANGELOG.md" in error
+    assert classes == [] and "does not implement run_extend (forward_extend in plugin API 2)" in error
+    assert "CHANGELOG.md" in error
+
+
+def test_a_plugin_api_2_port_runs_unchanged_its_forward_methods_become_its_run_steps(tmp_path):
+    """The porting kit's device as hal 0.3 shipped it (its backend's ``forward_decode`` / ``_extend`` / ``_mixed``
+    are the steps after the checks): hal 0.4 runs it as its ``run_*`` steps and says so, and the whole suite
+    passes, the new output-buffer family included."""
+    path = _install(tmp_path, "hal_api2_toy", "api2toy")
+    run = _hal(path, "check", "--device", "api2toy", "-v")
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-4000:]
+    assert "out_buffer" in run.stdout and " 0 failed" in run.stdout, run.stdout[-3000:]
+    for replacement in ("ToyBackend.run_decode", "ToyBackend.run_extend"):
+        assert replacement in out, f"no DeprecationWarning naming {replacement}:\n{out[-4000:]}"
+
+
+def test_a_plugin_api_2_hook_that_calls_super_edge_is_refused_with_what_changed():
+    """A 0.3 subclass whose ``forward_decode`` called ``super().forward_decode`` would recurse through the 0.4 edge:
+    it is a PluginError saying to call ``super().run_decode``; a 0.3 hook calling a sibling ``forward_*`` of its
+    own backend reaches that sibling's run step once, with no second KV write."""
+    import warnings
+
+    import torch
+
+    from hal.batch import ForwardMode
+    from hal.conformance.cases import Case, build
+    from hal.devices.cpu import PlainTorchBackend, cpu_capability
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+
+        class Recurses(PlainTorchBackend):
+            def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+                return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+        class Sibling(PlainTorchBackend):
+            writes = 0
+
+            def save_kv(self, layer, forward_batch, k, v):
+                Sibling.writes += 1
+                super().save_kv(layer, forward_batch, k, v)
+
+            def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+                return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+    decode = build(Case("api2_decode", ForwardMode.DECODE, ((4, 1), (7, 1))))
+    backend = Recurses(cpu_capability())
+    backend.init_forward_metadata(decode.batch)
+    with pytest.raises(PluginError, match=r"super\(\)\.run_decode"):
+        backend.forward(decode.q, decode.k, decode.v, decode.layer, decode.batch)
+
+    extend = build(Case("api2_extend", ForwardMode.EXTEND, ((0, 3), (2, 2))))
+    backend = Sibling(cpu_capability())
+    backend.init_forward_metadata(extend.batch)
+    out = backend.forward(extend.q, extend.k, extend.v, extend.layer, extend.batch)
+    assert Sibling.writes == 1
+    torch.testing.assert_close(out, extend.expected, atol=2e-5, rtol=1e-4)

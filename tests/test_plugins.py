@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hal.capability import DeviceCapability
-from hal.cli import info
+from hal.commands.info import info
 from hal.conformance import CASES, available_targets, build, tolerance
 from hal.devices.cpu import CompiledBackend
 from hal.errors import ConfigError, DeviceUnavailableError, HalError, PluginError

@@ -7,10 +7,10 @@ import json
 import pytest
 
 from hal.capability import DeviceCapability
-from hal.cli import main
+from hal.commands.cli import main
+from hal.commands.report import TOTAL, load, merge, render_html, render_markdown
 from hal.devices.cpu import CompiledBackend
 from hal.registry import Device, register_device
-from hal.report import TOTAL, load, merge, render_html, render_markdown
 
 GPU_MACHINE = {"hostname": "gpu-runner-1", "platform": "Linux-6.8-x86_64", "cpu": "AMD EPYC 9654"}
 CPU_MACHINE = {"hostname": "hosted-7", "platform": "Linux-6.5-x86_64", "cpu": "Intel Xeon 8370C"}

@@ -78,15 +78,15 @@ def recording_backends():
         def _out(self, q, layer):
             return torch.full((q.shape[0], layer.tp_q_head_num * layer.v_head_dim), self.fill, dtype=q.dtype)
 
-        def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        def run_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
             self._note("forward_decode", forward_batch)
             return self._out(q, layer)
 
-        def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        def run_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
             self._note("forward_extend", forward_batch)
             return self._out(q, layer)
 
-        def forward_mixed(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        def run_mixed(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
             self._note("forward_mixed", forward_batch)
             return self._out(q, layer)
 

@@ -287,9 +287,9 @@ def test_sglangs_fp8_kv_pool_is_served_with_the_layers_scales(kit, fp8_name):
     CPU engine builds (quant method ``cpu_fp8_e4m3``; its writes are that method's ``quantize_and_store``)."""
     import hal.integrations.sglang as hal_sglang
     from hal.kernels.reference import batch_attention
-    from hal.kv_cache import KV_CACHE_DTYPES
+    from hal.kv_dtypes import KV_STORAGE_DTYPES
 
-    fp8 = KV_CACHE_DTYPES[fp8_name.removesuffix("-cpu")]
+    fp8 = KV_STORAGE_DTYPES[fp8_name.removesuffix("-cpu")]
     fx, runner, pool, layer = _fp8_fixture(
         kit, fp8, 0.05, 0.08, fp8_name.endswith("-cpu"), mode_name="EXTEND", prefix=(3, 17), extend=(5, 2)
     )

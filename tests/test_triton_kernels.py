@@ -135,10 +135,11 @@ def assert_close(actual, expected, dtype):
 # ----------------------------------------------------------------------------- decode
 
 
-def run_decode(case: Case, *, num_kv_splits, logit_cap=0.0, index_dtype=torch.int32, extra_splits=0, **kw):
+def run_decode(case: Case, *, num_kv_splits, logit_cap=0.0, index_dtype=torch.int32, extra_splits=0, out=None, **kw):
     batch = len(case.seq_lens)
     kv_indptr, kv_indices = case.indices(case.seq_lens, index_dtype)
-    out = torch.full((batch, case.q_heads, case.v_head_dim), float("nan"), dtype=case.dtype)
+    if out is None:
+        out = torch.full((batch, case.q_heads, case.v_head_dim), float("nan"), dtype=case.dtype)
     splits = num_kv_splits + extra_splits
     partial_out = torch.full((batch, case.q_heads, splits, case.v_head_dim), float("nan"))
     partial_lse = torch.full((batch, case.q_heads, splits), float("nan"))
@@ -253,7 +254,7 @@ def test_decode_request_without_tokens_outputs_zeros():
 # ----------------------------------------------------------------------------- extend
 
 
-def run_extend(case: Case, *, poison_new_slots=True, index_dtype=torch.int32, **kw):
+def run_extend(case: Case, *, poison_new_slots=True, index_dtype=torch.int32, out=None, **kw):
     """Runs extend_attention; the pool's copies of the new tokens are NaN, to prove they are not read."""
     batch = len(case.seq_lens)
     qo_indptr = torch.nn.functional.pad(torch.cumsum(case.extend_lens, 0), (1, 0)).to(index_dtype)
@@ -262,7 +263,8 @@ def run_extend(case: Case, *, poison_new_slots=True, index_dtype=torch.int32, **
     if poison_new_slots:
         k_buffer[case.new_slots] = float("nan")
         v_buffer[case.new_slots] = float("nan")
-    out = torch.full((int(case.extend_lens.sum()), case.q_heads, case.v_head_dim), float("nan"), dtype=case.dtype)
+    if out is None:
+        out = torch.full((int(case.extend_lens.sum()), case.q_heads, case.v_head_dim), float("nan"), dtype=case.dtype)
     result = tk.extend_attention(
         case.q,
         case.k_new,
@@ -352,6 +354,28 @@ def test_extend_int64_indices_and_unrelated_extra_rows():
     )
     assert_close(out[:20], case.reference(scale=0.25), torch.float32)
     assert (out[20:] == 7.0).all()
+
+
+@pytest.mark.parametrize("kernel", ["decode", "extend"])
+def test_small_out_view_with_padded_rows(kernel):
+    """``out`` may be a view of an engine's buffer whose rows are strided past their width (what
+    ``forward(out=)`` hands the triton backend's run steps): the kernels write each row through its strides and
+    leave the padding past it, and the rows past the batch, as they were."""
+    extend_lens = [1, 1] if kernel == "decode" else [7, 9]
+    case = Case([18, 9], extend_lens, q_heads=4, kv_heads=2, head_dim=16, seed=5)
+    tokens, width = case.q.shape[0], 4 * 16
+    whole = torch.full((tokens + 2, width + 8), 7.0)
+    out = whole[:tokens, :width].view(tokens, 4, 16)
+    assert not out.is_contiguous()
+    if kernel == "decode":
+        result = run_decode(case, num_kv_splits=2, out=out)[0]
+    else:
+        result = run_extend(case, out=out)
+    assert result is out
+    assert_close(out, case.reference(scale=16**-0.5), torch.float32)
+    untouched = torch.ones_like(whole, dtype=torch.bool)
+    untouched[:tokens, :width] = False
+    assert (whole[untouched] == 7.0).all()
 
 
 def random_custom_mask(case: Case, gen: torch.Generator, *, empty_row: tuple[int, int] | None):
@@ -721,3 +745,36 @@ def test_bad_arguments_raise_before_launch():
         )
     with pytest.raises(TypeError, match="float32"):
         tk.write_kv(kb.double(), vb, torch.tensor([0]), kb[:1], vb[:1])
+
+
+@pytest.mark.parametrize("mode", ["DECODE", "EXTEND"])
+def test_small_backend_forward_writes_out_in_place(mode, monkeypatch):
+    """The triton backend's run steps take ``out``: ``forward(out=)`` with a buffer whose rows are padded past their
+    width gets the kernels' rows written there, so the base class copies nothing; rows right, padding untouched."""
+    import dataclasses
+
+    import hal.backend
+    from hal.batch import ForwardMode
+    from hal.conformance.cases import Case, build, tolerance
+    from hal.devices.cpu import device
+    from hal.devices.triton_backend import TritonBackend
+
+    reqs = ((5, 1), (17, 1)) if mode == "DECODE" else ((9, 3), (0, 4))
+    built = build(Case(f"out_{mode}", ForwardMode[mode], reqs, tp_q_head_num=4, tp_k_head_num=2, head_dim=16))
+    layer, tokens = built.layer, built.q.shape[0]
+    width = layer.tp_q_head_num * layer.v_head_dim
+    whole = torch.full((tokens + 2, width + 8), -7.0)
+    out = whole[:, :width]
+    written_in_place, write_output = [], hal.backend.write_output
+
+    def watched(result, q, layer, rows):
+        written_in_place.append(result.data_ptr() == rows.data_ptr())
+        return write_output(result, q, layer, rows)
+
+    monkeypatch.setattr(hal.backend, "write_output", watched)
+    backend = TritonBackend(dataclasses.replace(device.probe(), triton_target="cpu:interpreter"))
+    backend.init_forward_metadata(built.batch)
+    result = backend.forward(built.q, built.k, built.v, layer, built.batch, out=out)
+    assert result.data_ptr() == out.data_ptr() and written_in_place == [True]
+    torch.testing.assert_close(out[:tokens], built.expected.float(), **tolerance(torch.float32))
+    assert (whole[tokens:] == -7.0).all() and (whole[:, width:] == -7.0).all()

@@ -99,7 +99,7 @@ def test_launch_plan_for_a_model_shape_without_a_gpu():
 
 
 def test_hal_info_prints_the_plan_for_an_arch(capsys):
-    from hal.cli import main
+    from hal.commands.cli import main
 
     assert main(["info", "--arch", "sm_90", "--dtype", "fp32"]) == 0
     out = capsys.readouterr().out

@@ -8,9 +8,9 @@ batches, so steps mix decodes and prefill chunks), prefilled in chunks of 64 tok
 prompts sharing a 150-token prefix (vLLM's prefix cache serves its first 128). Greedy tokens must be identical,
 and equal to transformers' ``generate``. Models: Llama; Gemma 2 (alternating sliding windows, soft-capped
 attention logits); gpt-oss (attention sinks, alternating 16-key windows, a tiny MoE); the example device plugin
-(``HAL_DEVICE=toy``: examples/hal-device-example, which has no vLLM code) on the Llama; an MLA model refused at
-start; then vLLM's OpenAI server with hal answers the completions and chat endpoints over HTTP and is stopped by
-its process id.
+(``HAL_DEVICE=toy``: examples/hal-device-example, which has no vLLM code) on the Llama; n-gram speculative
+decoding on the Llama; an MLA model left to vLLM's own CPU MLA backend; then vLLM's OpenAI server with hal
+answers the completions and chat endpoints over HTTP and is stopped by its process id.
 
 Each engine runs in its own Python. About a minute per engine start on a loaded 2-core machine.
 """
@@ -82,11 +82,11 @@ def workload(models):
 _RUNS: dict[tuple, dict] = {}
 
 
-def _run(model: str, attention: str, workload, tmp_path_factory, **env) -> dict:
-    key = (model, attention, tuple(sorted(env.items())))
+def _run(model: str, attention: str, workload, tmp_path_factory, engine_args=None, **env) -> dict:
+    key = (model, attention, json.dumps(engine_args, sort_keys=True), tuple(sorted(env.items())))
     if key not in _RUNS:
         work = str(tmp_path_factory.mktemp("engine"))
-        _RUNS[key] = vllm_engine.run_in_subprocess(model, attention, workload, work, env=env)
+        _RUNS[key] = vllm_engine.run_in_subprocess(model, attention, workload, work, engine_args, env=env)
     return _RUNS[key]
 
 
@@ -177,14 +177,39 @@ def test_example_device_plugin_serves_vllm(models, workload, tmp_path_factory):
     _assert_same(toy_run, _run(models["llama"], "CPU_ATTN", workload, tmp_path_factory), workload, "toy vs CPU_ATTN")
 
 
-def test_mla_model_is_refused_at_start(tmp_path):
+def test_ngram_speculative_decoding(models, tmp_path_factory):
+    """n-gram drafts (speculative decoding on vLLM's CPU engine): verify rows of 1 + drafts tokens are served as
+    causal extend rows behind the decodes; greedy tokens identical to CPU_ATTN's with the same drafts."""
+    rng = random.Random(SEED + 1)
+    low = len(sglang_model.SPECIALS)
+    prompts = []
+    for n in (6, 9, 13):  # repeated phrases: the n-gram proposer finds matches to draft from
+        phrase = [rng.randrange(low, vllm_model.VOCAB) for _ in range(n)]
+        prompts.append(phrase * 5 + phrase[:3])
+    workload = [[{"prompt_token_ids": p, "max_tokens": 24} for p in prompts]]
+    ngram = {
+        "speculative_config": {
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 4,
+        }
+    }
+    hal_run = _run(models["llama"], "hal", workload, tmp_path_factory, ngram)
+    ref_run = _run(models["llama"], "CPU_ATTN", workload, tmp_path_factory, ngram)
+    _assert_hal_served(hal_run)
+    _assert_same(hal_run, ref_run, workload, "ngram drafts: hal vs CPU_ATTN")
+
+
+def test_mla_model_keeps_vllms_backend(tmp_path):
+    """With HAL_VLLM=1 an MLA model is served by vLLM's own CPU MLA backend: hal steps aside, not refuses."""
     path = sglang_model.build_model(
         str(tmp_path / "deepseek"), arch="deepseek", layers=2, hidden=64, heads=4, vocab_size=vllm_model.VOCAB
     )
     one = [[{"prompt_token_ids": [7, 8, 9], "max_tokens": 2}]]
-    with pytest.raises(RuntimeError) as failed:
-        vllm_engine.run_in_subprocess(path, "hal", one, str(tmp_path), timeout=900)
-    assert "hal does not serve vLLM's MLA attention" in failed.value.log, failed.value.log[-3000:]
+    run = vllm_engine.run_in_subprocess(path, "hal", one, str(tmp_path), timeout=900)
+    assert len(run["results"][0]["output_ids"]) == 2
+    assert "serves vLLM's attention" not in run["log"]  # no hal builder: vLLM's MLA backend served it
 
 
 def _free_port() -> int:

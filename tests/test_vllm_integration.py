@@ -24,9 +24,22 @@ import pytest
 import torch
 
 import hal
+from hal.batch import tables_for
+from hal.devices.cpu import PlainTorchBackend
 from hal.errors import InvalidBatchError, KVCacheError, UnsupportedError
-from hal.integrations.vllm_steps import StepTranslator, VllmKVPool, kv_views, step_mode, vllm_layer
+from hal.integrations.vllm_steps import (
+    StepTranslator,
+    VllmKVPool,
+    hal_kv_cache_dtype,
+    hal_kv_layout,
+    head_major_views,
+    kv_views,
+    served_kv_layouts,
+    step_mode,
+    vllm_layer,
+)
 from hal.kernels.reference import dequantize_kv, quantize_kv
+from hal.kv_layouts import HEAD_MAJOR, TOKEN_MAJOR
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -44,6 +57,54 @@ def _vllm_cache(blocks: int, heads: int, block_size: int, head_size: int, dtype=
     """A layer's cache as vLLM 0.32 allocates it for a backend declaring LBNHC: memory [blocks, block_size,
     heads, 2 * head_size], handed over as the logical [blocks, heads, block_size, 2 * head_size] view."""
     return torch.zeros(blocks, block_size, heads, 2 * head_size, dtype=dtype).permute(0, 2, 1, 3)
+
+
+def _vllm_cpu_cache(blocks: int, heads: int, block_size: int, head_size: int, dtype=torch.float32) -> torch.Tensor:
+    """A layer's cache as vLLM 0.32 allocates it for CPU_ATTN's layout (LBHNC): [blocks, heads, block_size,
+    2 * head_size], dense in that order."""
+    return torch.zeros(blocks, heads, block_size, 2 * head_size, dtype=dtype)
+
+
+def _cpu_attn_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """How vLLM's CPU_ATTN reads K and V out of that cache (vllm/v1/attention/backends/cpu_attn.py)."""
+    blocks, heads, block_size, _ = cache.shape
+    return cache.view(blocks, heads, block_size * 2, -1).chunk(2, dim=2)
+
+
+def test_head_major_views_are_cpu_attns_own_pages_in_place():
+    cache = _vllm_cpu_cache(4, 2, 16, 8)
+    k, v = head_major_views(cache, 8)
+    want_k, want_v = _cpu_attn_views(cache)
+    for got, want in ((k, want_k), (v, want_v)):
+        assert got.shape == want.shape == (4, 2, 16, 8) and got.stride() == want.stride()
+        assert got.data_ptr() == want.data_ptr()  # the very memory CPU_ATTN reads, no copy
+    pool = VllmKVPool(16, torch.float32, "cpu", 8, kv_layout=HEAD_MAJOR)
+    pool.bind(3, cache)
+    layer = hal.AttentionLayer(layer_id=3, tp_q_head_num=4, tp_k_head_num=2, head_dim=8)
+    pool.set_kv_buffer(layer, torch.tensor([37, -1]), torch.ones(2, 2, 8), torch.full((2, 2, 8), 2.0))
+    assert torch.equal(want_k[2, :, 5], torch.ones(2, 8)) and torch.equal(want_v[2, :, 5], torch.full((2, 8), 2.0))
+    assert cache.sum() == 2 * 8 * 3  # slot 37 (block 2, token 5) only: the padding token wrote nothing
+    assert pool.get_kv_pages(3)[0].data_ptr() == cache.data_ptr() and (pool.num_slots, pool.head_num) == (64, 2)
+    with pytest.raises(KVCacheError, match="head_major pool"):
+        pool.get_key_buffer(3)  # no token-major buffer: only a backend reading head-major pages reads it
+    with pytest.raises(KVCacheError, match="LBHNC"):
+        head_major_views(_vllm_cache(4, 2, 16, 8), 8)  # token-major memory is not read as head-major
+    stacked = torch.zeros(2, 4, 2, 16, 8)  # vLLM before 0.30: its CPU backend's get_kv_cache_shape
+    k, v = head_major_views(stacked, 8)
+    assert k.data_ptr() == stacked[0].data_ptr() and v.data_ptr() == stacked[1].data_ptr()
+
+
+def test_layouts_offered_to_vllm_follow_hals_cpu_backend(monkeypatch):
+    assert served_kv_layouts("cpu") == (HEAD_MAJOR, TOKEN_MAJOR)  # the compiled backend reads both in place
+    monkeypatch.setenv("HAL_ATTENTION_BACKEND", "triton")  # reads token-major only
+    assert served_kv_layouts("cpu") == (TOKEN_MAJOR,)
+    monkeypatch.delenv("HAL_ATTENTION_BACKEND")
+    monkeypatch.setenv("HAL_DEVICE", "no-such-device")
+    assert served_kv_layouts("cpu") == (TOKEN_MAJOR,)  # the builder's selection names the device
+    assert hal_kv_layout("LBHNC") == HEAD_MAJOR and hal_kv_layout("LBNHC") == TOKEN_MAJOR
+    assert hal_kv_layout(None, HEAD_MAJOR) == HEAD_MAJOR
+    with pytest.raises(UnsupportedError, match="BHLNC"):
+        hal_kv_layout("BHLNC")
 
 
 def test_kv_views_are_the_cache_itself():
@@ -138,10 +199,21 @@ class SimulatedEngine:
     step's metadata, and every token's q/k/v (so dense attention can be computed independently)."""
 
     def __init__(
-        self, *, block_size=16, num_blocks=40, heads=4, kv_heads=2, head_dim=32, max_reqs=8, seed=0, fp8=False
+        self,
+        *,
+        block_size=16,
+        num_blocks=40,
+        heads=4,
+        kv_heads=2,
+        head_dim=32,
+        max_reqs=8,
+        seed=0,
+        fp8=False,
+        kv_layout=TOKEN_MAJOR,
     ):
         self.block_size, self.heads, self.kv_heads, self.head_dim = block_size, heads, kv_heads, head_dim
-        self.cache = _vllm_cache(num_blocks, kv_heads, block_size, head_dim, torch.uint8 if fp8 else torch.float32)
+        allocate = _vllm_cpu_cache if kv_layout == HEAD_MAJOR else _vllm_cache
+        self.cache = allocate(num_blocks, kv_heads, block_size, head_dim, torch.uint8 if fp8 else torch.float32)
         self.free = list(range(1, num_blocks))
         random.Random(seed).shuffle(self.free)
         self.gen = torch.Generator().manual_seed(seed)
@@ -229,21 +301,22 @@ STEPS = [
 ]
 
 
+@pytest.mark.parametrize("kv_layout", [TOKEN_MAJOR, HEAD_MAJOR])
 @pytest.mark.parametrize(
     "window, cap, fp8", [(None, None, False), (24, 30.0, False), (None, None, True)], ids=["full", "window+cap", "fp8"]
 )  # vLLM's sliding_window counts the query's own key
-def test_translated_steps_equal_dense_attention(window, cap, fp8):
-    engine = SimulatedEngine(fp8=fp8)
+def test_translated_steps_equal_dense_attention(window, cap, fp8, kv_layout):
+    engine = SimulatedEngine(fp8=fp8, kv_layout=kv_layout)
     scales = {"k_scale": 0.5, "v_scale": 2.0} if fp8 else {}
     layer = vllm_layer(
         7, engine.heads, engine.kv_heads, engine.head_dim, 0.2, sliding_window=window, logits_soft_cap=cap, **scales
     )
     kv_dtype = torch.float8_e4m3fn if fp8 else torch.float32
     config = hal.AttentionConfig.from_layers(
-        [layer], dtype=torch.float32, page_size=engine.block_size, kv_cache_dtype=kv_dtype
+        [layer], dtype=torch.float32, page_size=engine.block_size, kv_cache_dtype=kv_dtype, kv_layout=kv_layout
     )
     backend = hal.select(config, device="cpu").create(validate="full")
-    pool = VllmKVPool(engine.block_size, kv_dtype, "cpu", engine.head_dim)
+    pool = VllmKVPool(engine.block_size, kv_dtype, "cpu", engine.head_dim, kv_layout=kv_layout)
     translator = StepTranslator(pool, engine.block_size, engine.max_reqs, engine.max_blocks)
     modes = []
     for i, schedule in enumerate(STEPS):
@@ -257,28 +330,47 @@ def test_translated_steps_equal_dense_attention(window, cap, fp8):
         n = step.num_tokens
         out = backend.forward(q[:n], k[:n], v[:n], layer, step)
         torch.testing.assert_close(out, engine.dense(schedule, layer), atol=2e-5, rtol=2e-5)
+        if kv_layout == HEAD_MAJOR:  # vLLM's own tensor and block table, read as they are
+            assert pool.get_kv_pages(layer.layer_id)[0].data_ptr() == engine.cache.data_ptr()
+            assert fp8 or backend.forward_metadata.req_to_page is cm.block_table_tensor  # fp8: the plain plan
     assert modes == ["MIXED", "MIXED", "DECODE", "MIXED", "EXTEND"]
     # the keys went into vLLM's tensor where vLLM's slot mapping said
     k0 = engine.qkv[0][1][3]
-    stored = engine.cache[engine.blocks[0][0], :, 3, : engine.head_dim]
+    if kv_layout == HEAD_MAJOR:
+        stored = _cpu_attn_views(engine.cache)[0][engine.blocks[0][0], :, 3]
+    else:
+        stored = engine.cache[engine.blocks[0][0], :, 3, : engine.head_dim]
     if fp8:
         k0 = quantize_kv(k0, kv_dtype, 0.5).view(torch.uint8)
     assert torch.equal(stored, k0)
 
 
-def test_req_to_token_rows_are_the_block_tables():
+def test_the_block_table_is_passed_as_it_is():
+    """The step carries vLLM's block table itself (no token table of its own); a backend that reads tokens gets one
+    derived for the step: its requests' rows, as wide as the longest sequence's blocks, not max_num_seqs x
+    max_model_len."""
     engine = SimulatedEngine(block_size=16)
     pool = VllmKVPool(16, torch.float32, "cpu", engine.head_dim)
     translator = StepTranslator(pool, 16, engine.max_reqs, engine.max_blocks)
+    assert not any(isinstance(v, torch.Tensor) and v.dim() == 2 for v in vars(translator).values())
     cm, *_ = engine.step([(0, 40), (1, 20)])
     step = translator.translate(cm)
-    table = step.req_to_token_pool.req_to_token
-    assert step.req_pool_indices.tolist() == [1, 2] and table[0].abs().sum() == 0  # row 0: hal's padding row
-    for row, req in ((1, 0), (2, 1)):
-        want = [b * 16 + i for b in engine.blocks[req] for i in range(16)]
-        assert table[row, : len(want)].tolist() == want
+    assert step.req_to_token_pool is None
+    assert step.req_to_page_pool.req_to_page is cm.block_table_tensor and step.req_to_page_pool.page_size == 16
+    assert step.req_pool_indices.tolist() == [0, 1]
     assert step.out_cache_loc.tolist() == cm.slot_mapping.tolist()
     assert (step.extend_prefix_lens_cpu, step.extend_seq_lens_cpu) == ([0, 0], [40, 20])
+    reads_tokens = PlainTorchBackend.declaration()
+    tables_for(reads_tokens, step)
+    table = step.req_to_token_pool.req_to_token
+    assert table.shape == (2, 48)  # 3 blocks of 16: the longest request's, not max_reqs x max_blocks * 16
+    for row, req in ((0, 0), (1, 1)):
+        want = [b * 16 + i for b in engine.blocks[req] for i in range(16)]
+        n = min(len(want), 48)
+        assert table[row, :n].tolist() == want[:n]
+    step = translator.translate(engine.step([(0, 1)])[0])
+    tables_for(dataclasses.replace(reads_tokens, reads_tables=frozenset({"page"})), step)  # nothing derived
+    assert step.req_to_token_pool is None
 
 
 def test_host_lengths_come_from_the_host():
@@ -291,9 +383,80 @@ def test_host_lengths_come_from_the_host():
     cm.seq_lens_cpu_upper_bound = None
     step = translator.translate(cm)
     assert step.seq_lens_cpu == [5, 9] and step.seq_lens_sum == 14
-    too_many = StepTranslator(pool, engine.block_size, 1, engine.max_blocks)
-    with pytest.raises(InvalidBatchError, match="max_num_seqs"):
-        too_many.translate(cm)
+    cm.seq_lens_cpu_upper_bound = torch.tensor([5, 9 + 600], dtype=torch.int32)
+    with pytest.raises(InvalidBatchError, match="max_model_len"):  # a bound past the block table: refused
+        translator.translate(cm)
+
+
+def _serve(translator, pool, backend, layer, engine, cm, q, k, v, schedule):
+    step = translator.translate(cm)
+    pool.bind(layer.layer_id, engine.cache)
+    backend.init_forward_metadata(step)
+    out = backend.forward(q[: step.num_tokens], k[: step.num_tokens], v[: step.num_tokens], layer, step)
+    return step, out
+
+
+def _cpu_backend(engine, layer):
+    config = hal.AttentionConfig.from_layers([layer], dtype=torch.float32, page_size=engine.block_size)
+    return hal.select(config, device="cpu").create(validate="full")
+
+
+def test_speculative_decoding_reads_exact_lengths():
+    """Under asynchronous speculative decoding vLLM's seq_lens_cpu_upper_bound assumes every draft was accepted
+    (vllm/v1/attention/backend.py, CommonAttentionMetadata); with exact_seq_lens the lengths come from seq_lens.
+    Verify rows (1 + drafts tokens) are served as causal extend rows behind the decodes."""
+    engine = SimulatedEngine()
+    layer = vllm_layer(0, engine.heads, engine.kv_heads, engine.head_dim, 0.2)
+    backend = _cpu_backend(engine, layer)
+    pool = VllmKVPool(engine.block_size, torch.float32, "cpu", engine.head_dim)
+    exact = StepTranslator(pool, engine.block_size, engine.max_reqs, engine.max_blocks, exact_seq_lens=True)
+    bounded = StepTranslator(pool, engine.block_size, engine.max_reqs, engine.max_blocks)
+    _serve(exact, pool, backend, layer, engine, *engine.step([(0, 20), (1, 9)]), [(0, 20), (1, 9)])
+    schedule = [(1, 1), (0, 4)]  # a decode with no drafts, then a verify row: 1 token + 3 drafts
+    cm, q, k, v = engine.step(schedule)
+    cm.seq_lens_cpu_upper_bound = cm.seq_lens + 3  # the optimistic bound: 3 more drafts assumed accepted
+    assert bounded.translate(cm).seq_lens_cpu == [13, 27]  # what a backend trusting the bound would attend to
+    step, out = _serve(exact, pool, backend, layer, engine, cm, q, k, v, schedule)
+    assert step.seq_lens_cpu == [10, 24] and step.forward_mode is hal.ForwardMode.MIXED
+    torch.testing.assert_close(out, engine.dense(schedule, layer), atol=2e-5, rtol=2e-5)
+
+
+def test_more_requests_than_max_num_seqs():
+    """Chunked local attention (vllm/v1/attention/backends/utils.py make_local_attention_virtual_batches) makes a
+    virtual request per attention chunk: more rows than max_num_seqs, served, not refused mid-serving."""
+    engine = SimulatedEngine()
+    layer = vllm_layer(0, engine.heads, engine.kv_heads, engine.head_dim, 0.2)
+    backend = _cpu_backend(engine, layer)
+    pool = VllmKVPool(engine.block_size, torch.float32, "cpu", engine.head_dim)
+    translator = StepTranslator(pool, engine.block_size, 1, engine.max_blocks)
+    schedule = [(0, 3), (1, 17), (2, 40)]
+    step, out = _serve(translator, pool, backend, layer, engine, *engine.step(schedule), schedule)
+    assert step.req_pool_indices.tolist() == [0, 1, 2]
+    torch.testing.assert_close(out, engine.dense(schedule, layer), atol=2e-5, rtol=2e-5)
+
+
+def test_host_copies_are_awaited_where_vllm_copies_without_blocking(monkeypatch):
+    """Shared-KV fast prefill fills query_start_loc_cpu with a non-blocking device-to-host copy
+    (make_kv_sharing_fast_prefill_common_attn_metadata): off the CPU the translator synchronises before reading."""
+    calls = []
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda device=None: calls.append(device))
+    engine = SimulatedEngine()
+    pool = VllmKVPool(engine.block_size, torch.float32, "cpu", engine.head_dim)
+    cm, *_ = engine.step([(0, 5)])
+    StepTranslator(pool, engine.block_size, 4, engine.max_blocks, wait_for_host_copies=True).translate(cm)
+    assert calls == []  # the CPU's copies are synchronous
+    StepTranslator(pool, engine.block_size, 4, engine.max_blocks, "meta", wait_for_host_copies=True).translate(cm)
+    assert calls == [torch.device("meta")]
+
+
+def test_kv_cache_dtype_names():
+    assert hal_kv_cache_dtype("fp8") == "fp8_e4m3" and hal_kv_cache_dtype("auto") is None
+    assert hal_kv_cache_dtype("fp8_e5m2", torch.float8_e4m3fnuz) == "fp8_e5m2"
+    for name in ("fp8", "fp8_e4m3"):  # ROCm MI300's fp8 caches hold e4m3fnuz bytes: not hal's fp8_e4m3
+        with pytest.raises(UnsupportedError, match="e4m3fnuz"):
+            hal_kv_cache_dtype(name, torch.float8_e4m3fnuz)
+    with pytest.raises(UnsupportedError, match="kv_cache_dtype"):
+        hal_kv_cache_dtype("int8_per_token_head")
 
 
 def test_no_vllm_module_is_imported_by_the_translation():
@@ -322,26 +485,28 @@ def test_backend_declarations():
 
     from hal.integrations.vllm import HalAttentionBackend, HalCpuAttentionBackend
 
+    assert HalAttentionBackend.supported_kv_cache_layouts() == (KVCacheLayout.LBNHC,)
+    # on the CPU, vLLM's native layout (CPU_ATTN's) first: hal's compiled CPU backend reads it in place
+    assert HalCpuAttentionBackend.supported_kv_cache_layouts() == (KVCacheLayout.LBHNC, KVCacheLayout.LBNHC)
+    assert HalCpuAttentionBackend.get_kv_cache_shape(5, 16, 2, 64) == (2, 5, 2, 16, 64)
+    assert HalAttentionBackend.get_kv_cache_shape(5, 16, 2, 64) == (2, 5, 16, 2, 64)
     for cls in (HalAttentionBackend, HalCpuAttentionBackend):
         assert AttentionBackendEnum[cls.get_name()] is not None  # vLLM looks every layer's backend up so
-        assert cls.supported_kv_cache_layouts() == (KVCacheLayout.LBNHC,)
         assert cls.supports_sink() and cls.supports_sliding_window() and not cls.is_mla()
         assert 128 in cls.get_supported_kernel_block_sizes()
+        assert not cls.supports_device_cpu_query_lens_mismatch()  # steps are planned from query_start_loc_cpu
     assert HalCpuAttentionBackend.get_name() == "CPU_ATTN"
+    assert not HalCpuAttentionBackend.supports_kv_connector() and HalAttentionBackend.supports_kv_connector()
 
 
 @needs_vllm
 def test_registration_is_opt_in():
-    """Without HAL_VLLM vLLM's CPU backend stays its own; with it, CPU_ATTN resolves to hal and MLA is refused."""
+    """Without HAL_VLLM vLLM's CPU backend stays its own; with it, CPU_ATTN resolves to hal and MLA keeps vLLM's."""
     code = (
         "from vllm.v1.attention.backends.registry import AttentionBackendEnum as E\n"
         "from hal.integrations.vllm import vllm_plugin\n"
         "vllm_plugin()\n"
-        "print(E.CPU_ATTN.get_path()); print(E.CUSTOM.get_path())\n"
-        "try:\n"
-        "    E.CPU_MLA.get_class().get_impl_cls()\n"
-        "except Exception as exc:\n"
-        "    print(type(exc).__name__, exc)\n"
+        "print(E.CPU_ATTN.get_path()); print(E.CUSTOM.get_path()); print(E.CPU_MLA.get_path())\n"
     )
     off = _python(code, HAL_VLLM="0")
     assert off.returncode == 0, off.stderr
@@ -352,7 +517,27 @@ def test_registration_is_opt_in():
     assert on.returncode == 0, on.stderr
     lines = on.stdout.splitlines()
     assert lines[0] == "hal.integrations.vllm.HalCpuAttentionBackend"
-    assert lines[2].startswith("UnsupportedError") and "MLA" in lines[2]
+    assert lines[2] == off.stdout.splitlines()[2] and lines[2].startswith("vllm.")  # hal steps aside for MLA
+
+
+@needs_vllm
+def test_custom_owned_by_another_plugin_is_said_loudly(caplog):
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    from hal.integrations.vllm import register
+
+    custom = AttentionBackendEnum.CUSTOM
+    before = custom.get_path() if custom.is_overridden() else None
+    register_backend(custom, "other_plugin.Backend")
+    try:
+        with caplog.at_level("WARNING", logger="vllm.hal"):
+            served = register(cpu=False)
+        assert served == [] and custom.get_path() == "other_plugin.Backend"
+        assert "other_plugin.Backend" in caplog.text and "CUSTOM" in caplog.text
+    finally:
+        custom.clear_override()
+        if before is not None:
+            register_backend(custom, before)
 
 
 @needs_vllm
@@ -367,3 +552,146 @@ def test_impl_refuses_at_construction():
         HalAttentionImpl(8, 32, 0.1, 2, block_m=64)
     impl = HalAttentionImpl(8, 32, 0.1, 2, sliding_window=16, logits_soft_cap=20.0)
     assert math.isclose(impl.hal_layer(3, None).logit_cap, 20.0) and impl.hal_layer(3, None).sliding_window_size == 15
+
+
+def _vllm_config(layers: dict, *, cache_dtype="auto", block_size=16, **parallel):
+    """A stand-in of vLLM's VllmConfig with the fields hal's metadata builder reads."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        compilation_config=SimpleNamespace(static_forward_context=layers),
+        model_config=SimpleNamespace(dtype=torch.float32, max_model_len=128),
+        cache_config=SimpleNamespace(cache_dtype=cache_dtype, kv_sharing_fast_prefill=False, block_size=block_size),
+        scheduler_config=SimpleNamespace(max_num_seqs=8),
+        parallel_config=SimpleNamespace(
+            decode_context_parallel_size=parallel.get("dcp", 1), prefill_context_parallel_size=parallel.get("pcp", 1)
+        ),
+        speculative_config=parallel.get("speculative_config"),
+        kv_transfer_config=parallel.get("kv_transfer_config"),
+        num_speculative_tokens=0,
+    )
+
+
+def _attention_layer(name: str, kv_cache_dtype: str, cache: torch.Tensor, backend=None):
+    """vLLM's Attention module as the builder reads it (impl, name, backend class, bound cache, fp8 scales)."""
+    from vllm.model_executor.layers.attention import Attention
+
+    from hal.integrations.vllm import HalAttentionBackend, HalAttentionImpl
+
+    layer = Attention.__new__(Attention)
+    torch.nn.Module.__init__(layer)
+    layer.impl = HalAttentionImpl(4, 32, 0.2, 2, kv_cache_dtype=kv_cache_dtype)
+    layer.layer_name, layer.attn_backend, layer.kv_cache, layer.head_size_v = (
+        name,
+        backend or HalAttentionBackend,
+        cache,
+        32,
+    )
+    layer._k_scale_float = layer._v_scale_float = 1.0
+    return layer
+
+
+@needs_vllm
+def test_builder_reads_each_layers_cache_dtype():
+    """kv_cache_dtype_skip_layers: vLLM gives a skipped layer an "auto" (model dtype) cache while the engine-wide
+    cache_dtype is fp8; the builder reads the layer's own dtype, and serves its fp32 cache as fp32."""
+    from types import SimpleNamespace
+
+    from hal.errors import ConfigError
+    from hal.integrations.vllm import HalMetadataBuilder
+
+    engine = SimulatedEngine()
+    names = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+    layers = {names[0]: _attention_layer(names[0], "auto", engine.cache)}
+    spec = SimpleNamespace(block_size=engine.block_size)
+    builder = HalMetadataBuilder(spec, names[:1], _vllm_config(layers, cache_dtype="fp8"), torch.device("cpu"))
+    assert builder.pool.dtype == torch.float32
+    schedule = [(0, 20), (1, 9)]
+    cm, q, k, v = engine.step(schedule)
+    metadata = builder.build(0, cm)
+    layer = layers[names[0]]
+    out = torch.zeros(q.shape[0], engine.heads, engine.head_dim)
+    layer.impl.forward(layer, q, k, v, engine.cache, metadata, out)
+    want = engine.dense(schedule, metadata.layers[names[0]])
+    torch.testing.assert_close(out.reshape(len(want), -1), want, atol=2e-5, rtol=2e-5)
+    layers[names[1]] = _attention_layer(names[1], "fp8", engine.cache)
+    with pytest.raises(ConfigError, match="one cache dtype per group"):
+        HalMetadataBuilder(spec, names, _vllm_config(layers, cache_dtype="fp8"), torch.device("cpu"))
+
+
+@needs_vllm
+def test_unserved_features_are_refused_at_start():
+    from types import SimpleNamespace
+
+    from hal.integrations.vllm import refuse_unserved_features
+
+    base = _vllm_config({})
+    refuse_unserved_features(base, "CPU_ATTN")
+    nixl = SimpleNamespace(is_kv_transfer_instance=True, kv_connector="NixlConnector")
+    for config, name, match in (
+        (_vllm_config({}, dcp=2), "CUSTOM", "decode context parallelism"),
+        (_vllm_config({}, pcp=2), "CUSTOM", "prefill context parallelism"),
+        (
+            _vllm_config({}, speculative_config=SimpleNamespace(enable_adaptive_verification=True)),
+            "CUSTOM",
+            "adaptive_verification",
+        ),
+        (_vllm_config({}, kv_transfer_config=nixl), "CPU_ATTN", "pack_kv_cache"),
+    ):
+        with pytest.raises(UnsupportedError, match=match):
+            refuse_unserved_features(config, name)
+    refuse_unserved_features(_vllm_config({}, kv_transfer_config=nixl), "CUSTOM")  # hal's own name: no rewrite
+
+
+@needs_vllm
+def test_encoder_only_layers_keep_vllms_cpu_attn(monkeypatch):
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backends import cpu_attn
+
+    from hal.integrations.vllm import HalAttentionBackend, HalCpuAttentionBackend, HalCpuAttentionImpl
+
+    engine_config = SimpleNamespace(model_config=SimpleNamespace(dtype=torch.float32))
+    monkeypatch.setattr(cpu_attn, "get_current_vllm_config", lambda: engine_config)  # read by vLLM's CPU impl
+    args = (8, 32, 0.1, 2, None, None, "auto", None)
+    assert isinstance(HalCpuAttentionBackend.get_impl_cls()(*args, "encoder_only"), cpu_attn.CPUAttentionBackendImpl)
+    assert (
+        type(HalCpuAttentionBackend.get_impl_cls()(*args, attn_type="encoder_only")) is cpu_attn.CPUAttentionBackendImpl
+    )
+    assert type(HalCpuAttentionBackend.get_impl_cls()(*args, "decoder")) is HalCpuAttentionImpl
+    with pytest.raises(UnsupportedError, match="cross attention"):  # its cache would be in hal's layout: refused
+        HalCpuAttentionBackend.get_impl_cls()(*args, "encoder_decoder")
+    with pytest.raises(UnsupportedError, match="encoder_only"):  # CUSTOM: no CPU_ATTN to step aside to
+        HalAttentionBackend.get_impl_cls()(*args, "encoder_only")
+
+
+@needs_vllm
+def test_no_full_graphs_declared_and_why():
+    """vLLM's full-graph capture (build_for_cudagraph_capture, the forward captured, later builds replayed) would
+    replay the captured step's metadata: under hal's eager graph guard the replay after a new build reads other
+    tensors than the capture did, so the builder declares NEVER and vLLM runs attention eagerly."""
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    from hal.errors import GraphCaptureError
+    from hal.graph import EagerGraph
+    from hal.integrations.vllm import HalMetadataBuilder
+
+    engine = SimulatedEngine()
+    name = "model.layers.0.self_attn.attn"
+    layers = {name: _attention_layer(name, "auto", engine.cache)}
+    config, spec = _vllm_config(layers), SimpleNamespace(block_size=engine.block_size)
+    assert HalMetadataBuilder.get_cudagraph_support(config, spec) is AttentionCGSupport.NEVER
+    builder = HalMetadataBuilder(spec, [name], config, torch.device("cpu"))
+    layer = layers[name]
+    engine.step([(0, 20), (1, 9)])
+    builder.build(0, engine.step([(0, 1), (1, 1)])[0])  # the caches bound
+    cm, q, k, v = engine.step([(0, 1), (1, 1)])
+    current = {"metadata": builder.build_for_cudagraph_capture(cm)}
+    out = torch.zeros(2, engine.heads, engine.head_dim)
+    graph = EagerGraph()
+    graph.capture(lambda: layer.impl.forward(layer, q, k, v, engine.cache, current["metadata"], out))
+    current["metadata"] = builder.build(0, engine.step([(0, 1), (1, 1)])[0])
+    with pytest.raises(GraphCaptureError):
+        graph.replay()

@@ -14,7 +14,7 @@ from .torch_backend import PlainTorchBackend
 
 __all__ = ["CpuDevice", "device", "CompiledBackend", "PlainTorchBackend", "cpu_capability"]
 
-# ``TorchBackend`` named the compiled backend here and the plain one in .torch_backend: deprecated in 0.2.0.
+# ``TorchBackend`` (deprecated) named the compiled backend here and the plain one in .torch_backend.
 __getattr__ = moved_names(__name__, {"TorchBackend": "hal.devices.cpu.compiled_backend:CompiledBackend"})
 
 
@@ -28,7 +28,7 @@ KERNEL_FAMILIES = ("basic", "head_dim", "task_shape", "logit_cap", "window", "v_
 class CpuDevice(Device):
     name = "cpu"
     priority = 0
-    plugin_api = 2
+    plugin_api = 3
 
     def probe(self, index: int | None = None) -> DeviceCapability:
         return cpu_capability()
@@ -38,7 +38,7 @@ class CpuDevice(Device):
         return [CompiledBackend, TritonBackend]
 
     def bench_facts(self) -> dict:
-        """What ``hal bench`` records and measures on this device (:func:`hal.bench.device_facts`)."""
+        """What ``hal bench`` records and measures on this device (:func:`hal.commands.bench.device_facts`)."""
         from .bench_facts import bench_facts
 
         return bench_facts()

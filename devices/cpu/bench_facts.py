@@ -52,7 +52,7 @@ def _ceilings() -> dict:
 
 
 def bench_facts() -> dict:
-    """The CPU's answers to ``hal bench`` (see :func:`hal.bench.device_facts` for the keys)."""
+    """The CPU's answers to ``hal bench`` (see :func:`hal.commands.bench.device_facts` for the keys)."""
     meta = cpu_meta()
     isa = meta["kernels"]["isa"]
     bf16_dot = "avx512_bf16" in isa or isa == "amx"

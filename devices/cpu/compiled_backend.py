@@ -1,16 +1,16 @@
 """``torch`` with compiled kernels: the CPU device's default backend (``hal.kernels.cpu``).
 
 It keeps the ``torch`` backend's name and contract and replaces its attention by the
-compiled paged kernels, which read K/V straight from the pool through ``req_to_token`` (no gathered copy), one
+compiled paged kernels, which read K/V straight from the pool (token-major buffers or head-major pages, vLLM's CPU
+layout) through ``req_to_token`` or a block table ``req_to_page``, whichever the batch carries (no gathered copy), one
 task per (request, KV head) with the GQA group together for decode and verify, and
-matrix-sized ``at::mm`` tiles for extend; see ``hal.kernels.cpu``. A layer's forward is one
-kernel call (its :meth:`CompiledBackend.forward_fused`, ``write_and_attend``: inputs checked, KV written,
-attention) wherever the base class lets the fused path run (``hal.prologue``); the per-request metadata it
-reads is prepared once per step. The kernels are
-compiled at first use; where that cannot happen (no compiler or ninja,
-``HAL_CPU_KERNELS=0``, a failed build) the plain torch path (:class:`PlainTorchBackend`, which
-this class extends) serves, with a warning when a build was tried and failed, and ``hal
-info`` says which path runs and why.
+matrix-sized ``at::mm`` tiles for extend; see ``hal.kernels.cpu``. The backend's two paths are two plans,
+chosen when a step is planned: a :class:`CompiledMetadata` (the kernels: a layer's forward is one kernel call,
+:meth:`CompiledBackend.run_fused` / ``write_and_attend``, wherever the base class lets the fused call run, else
+``paged_attention`` after the checked steps), or the plain torch path's ``TorchMetadata`` (:class:`PlainTorchBackend`,
+which this class extends) where no kernels could be built (no compiler or ninja, ``HAL_CPU_KERNELS=0``, a failed
+build: with a warning when a build was tried and failed; ``hal info`` says which path runs and why) or the step's
+pool is fp8. Each plan runs its own attention (``attend``), so nothing asks which plan it holds.
 
 MLA and attention sinks run in the kernels (MLA: one latent KV head, ``head_dim`` 576 /
 ``v_head_dim`` 512 or any other, the value read through the pool's strided latent view;
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -30,7 +31,9 @@ from hal.batch import device_lens, host_lens
 from hal.deprecation import warn_renamed
 from hal.kernels import cpu as cpu_kernels
 from hal.kernels import reference as reference_kernels
+from hal.kv_cache import kv_storage
 from hal.kv_dtypes import kv_dtype, kv_scaled
+from hal.kv_layouts import HEAD_MAJOR, TOKEN_MAJOR, pool_kv_layout
 
 from .torch_backend import PlainTorchBackend, _indptr
 
@@ -42,38 +45,141 @@ class CompiledMetadata:
     """Per-step metadata: per-request lengths and offsets, int64 ``[B]`` contiguous (built in_graph, in the form
     the kernels read, so a layer's forward converts nothing)."""
 
+    path: ClassVar[str] = "compiled"
     rows: torch.Tensor | None = None  # req_pool_indices
     q_lens: torch.Tensor | None = None
     kv_lens: torch.Tensor | None = None
     q_start: torch.Tensor | None = None  # first query row of each request
     mask_start: torch.Tensor | None = None  # first custom-mask entry of each request (TARGET_VERIFY)
     custom_mask: torch.Tensor | None = None  # flat bool (TARGET_VERIFY)
-    req_to_token: torch.Tensor | None = None  # the request table the kernels read (for the names below)
+    # The request table the kernels read, as the batch carries it: req_to_token (int32 [rows, context]), else the
+    # block table req_to_page (int32 [rows, max_pages]) of page_size slots a page.
+    req_to_token: torch.Tensor | None = None
+    req_to_page: torch.Tensor | None = None
+    page_size: int = 1
+    kv_layout: str = TOKEN_MAJOR  # the pool's (hal.kv_layouts): token_major or head_major
 
     # SGLang's names for the same data (its attention kit and tools inspect them), built when read.
     @property
     def kv_indptr(self) -> torch.Tensor | None:
         """int32 ``[B + 1]``: 0, then the running sum of ``kv_lens``."""
-        return None if self.kv_lens is None else _indptr(self.kv_lens)
+        csr = self._csr()
+        return None if csr is None else csr.indptr
 
     @property
     def kv_indices(self) -> torch.Tensor | None:
         """int32: the KV slot of every key, request after request (CSR over ``kv_indptr``)."""
-        if self.kv_lens is None or self.req_to_token is None:
+        csr = self._csr()
+        return None if csr is None else csr.indices
+
+    def _csr(self):
+        if self.kv_lens is None or (self.req_to_token is None and self.req_to_page is None):
             return None
-        rows = [self.req_to_token[r, :n] for r, n in zip(self.rows.tolist(), self.kv_lens.tolist())]
-        return torch.cat(rows).to(torch.int32) if rows else self.req_to_token.new_zeros(0)
+        tables = {"req_to_token": self.req_to_token, "req_to_page": self.req_to_page, "page_size": self.page_size}
+        return reference_kernels.kv_csr(self.kv_lens, self.rows, **tables)
+
+    def _layout_args(self) -> dict:
+        """The kernels' ``kv_layout`` / ``table`` / ``page_size`` keywords for this plan."""
+        table = "req_to_token" if self.req_to_token is not None else "req_to_page"
+        return {"kv_layout": self.kv_layout, "table": table, "page_size": self.page_size}
 
     @property
     def qo_indptr(self) -> torch.Tensor | None:
         """int32 ``[B + 1]``: 0, then the running sum of ``q_lens``."""
         return None if self.q_lens is None else _indptr(self.q_lens)
 
+    def fill(self, fb) -> None:
+        """The in-graph half of the plan: the tensors above, from the batch's device tensors only."""
+        q_lens, kv_lens = device_lens(fb)
+        self.q_lens, self.kv_lens = q_lens.contiguous(), kv_lens.contiguous()
+        self.rows = fb.req_pool_indices.long().contiguous()
+        tokens = getattr(fb, "req_to_token_pool", None)
+        pool = fb.token_to_kv_pool
+        self.req_to_token = None if tokens is None else tokens.req_to_token
+        self.req_to_page = None if tokens is not None else fb.req_to_page_pool.req_to_page
+        self.page_size, self.kv_layout = pool.page_size, pool_kv_layout(pool)
+        self.q_start = torch.cumsum(self.q_lens, 0) - self.q_lens
+        if fb.forward_mode.is_target_verify():
+            sizes = self.q_lens * self.kv_lens
+            self.mask_start = torch.cumsum(sizes, 0) - sizes
+            self.custom_mask = fb.spec_info.custom_mask.reshape(-1).to(torch.bool).contiguous()
+        else:
+            self.mask_start = self.custom_mask = None
+
+    def attend(self, q, k_buffer, v_buffer, layer, scratch=None, sinks=None, out=None) -> torch.Tensor:
+        """The checked path's attention: :func:`hal.kernels.cpu.paged_attention` over this plan, ``q``
+        ``[T, Hq, D]`` -> ``[T, Hq, Dv]`` in q's dtype (``out`` where given: the kernel writes a float32 one in
+        place, a bfloat16 one gets its result cast in once)."""
+        return cpu_kernels.paged_attention(
+            q,
+            k_buffer,
+            v_buffer,
+            self.req_to_token if self.req_to_token is not None else self.req_to_page,
+            self.rows,
+            self.kv_lens,
+            self.q_lens,
+            scale=layer.scaling,
+            logit_cap=layer.logit_cap,
+            sliding_window=layer.sliding_window_size,
+            causal=layer.causal,
+            custom_mask=self.custom_mask,
+            q_start=self.q_start,
+            mask_start=self.mask_start,
+            sinks=sinks,
+            out=out,
+            **self._layout_args(),
+        )
+
+    def write_and_attend(self, q, k, v, layer, fb, sinks=None) -> torch.Tensor:
+        """The fused call: :func:`hal.kernels.cpu.write_and_attend` (checks, KV write, attention) over this plan."""
+        k_buffer, v_buffer, _ = kv_storage(fb.token_to_kv_pool, layer.layer_id)
+        return cpu_kernels.write_and_attend(
+            q,
+            k,
+            v,
+            fb.out_cache_loc,
+            k_buffer,
+            v_buffer,
+            self.req_to_token if self.req_to_token is not None else self.req_to_page,
+            self.rows,
+            self.kv_lens,
+            self.q_lens,
+            self.q_start,
+            (layer.tp_q_head_num, layer.tp_k_head_num, layer.tp_v_head_num, layer.head_dim, layer.v_head_dim),
+            layer.scaling,
+            layer.logit_cap,
+            layer.sliding_window_size,
+            layer.causal,
+            self.custom_mask,
+            self.mask_start,
+            sinks=sinks,
+            **self._layout_args(),
+        )
+
+    def routes(self, layer, fb) -> list[str]:
+        """The task shapes the kernel chose (attention.cpp, ``paged_attention``): a request whose query rows
+        (tokens x GQA group) reach ``TILE_ROWS`` goes through tiles; the others are row tasks, taking every KV
+        head at once when there are at least 4 per thread (``HAL_HEADS_PER_TASK`` overrides)."""
+        group = layer.tp_q_head_num // layer.tp_k_head_num
+        query = host_lens(fb).query
+        tiled = [n * group >= cpu_kernels.TILE_ROWS for n in query]
+        row_requests = sum(n > 0 and not t for n, t in zip(query, tiled))
+        heads = layer.tp_k_head_num if row_requests >= 4 * torch.get_num_threads() else 1
+        heads = cpu_kernels.heads_per_task() or heads
+        taken = ["tiles"] if any(tiled) else []
+        if row_requests:
+            taken.append("rows/all_heads" if min(heads, layer.tp_k_head_num) > 1 else "rows/one_head")
+        return taken
+
 
 class CompiledBackend(PlainTorchBackend):
     """The ``torch`` backend with its attention compiled; the plain path where no kernels could be built."""
 
     name = "torch"
+    # Pools of either layout and either request table are read in place by the kernels; the plain torch plans
+    # (fp8 pools, no kernels) gather from a head-major pool and derive slots from a block table.
+    kv_layouts = (TOKEN_MAJOR, HEAD_MAJOR)
+    reads_tables = frozenset({"token", "page"})
 
     def __init__(self, capability, config=None, **options):
         super().__init__(capability, config, **options)
@@ -125,23 +231,11 @@ class CompiledBackend(PlainTorchBackend):
         return ["tiles", "rows/one_head"] + (["rows/all_heads"] if config.tp_k_head_num > 1 else []) + plain
 
     def route_of(self, fb, layer) -> list[str]:
-        """The task shapes the kernel chose (attention.cpp, ``paged_attention``): a request whose query rows
-        (tokens x GQA group) reach ``TILE_ROWS`` goes through tiles; the others are row tasks, taking every KV
-        head at once when there are at least 4 per thread (``HAL_HEADS_PER_TASK`` overrides)."""
+        """The routes the step's plan took: the kernel's task shapes, or ``plain_torch``."""
         if self.kernels is None or fb.forward_mode.is_idle():
             return []
-        if not isinstance(self.forward_metadata, CompiledMetadata):  # an fp8 cache: the plain path
-            return ["plain_torch"]
-        group = layer.tp_q_head_num // layer.tp_k_head_num
-        query = host_lens(fb).query
-        tiled = [n * group >= cpu_kernels.TILE_ROWS for n in query]
-        row_requests = sum(n > 0 and not t for n, t in zip(query, tiled))
-        heads = layer.tp_k_head_num if row_requests >= 4 * torch.get_num_threads() else 1
-        heads = cpu_kernels.heads_per_task() or heads
-        taken = ["tiles"] if any(tiled) else []
-        if row_requests:
-            taken.append("rows/all_heads" if min(heads, layer.tp_k_head_num) > 1 else "rows/one_head")
-        return taken
+        meta = self.forward_metadata
+        return meta.routes(layer, fb) if meta.path == "compiled" else ["plain_torch"]
 
     # -- metadata ----------------------------------------------------------------------
     def plain_path(self, fb) -> bool:
@@ -149,87 +243,19 @@ class CompiledBackend(PlainTorchBackend):
         return self.kernels is None or kv_scaled(fb.token_to_kv_pool.dtype)
 
     def init_forward_metadata_out_graph(self, fb, in_capture: bool = False) -> None:
+        """The plan: the plain torch path's (:meth:`PlainTorchBackend.plan`) for a step the kernels do not read,
+        else a :class:`CompiledMetadata`, whose layers take the fused call where this instance can."""
         self.check_batch(fb)
         if self.plain_path(fb):
             return self.plan(fb, in_capture)
-        self.set_forward_metadata(None if fb.forward_mode.is_idle() else CompiledMetadata(), fb)
+        meta = None if fb.forward_mode.is_idle() else CompiledMetadata()
+        self.set_forward_metadata(meta, fb, fused=self._fusable)
 
-    def init_forward_metadata_in_graph(self, fb) -> None:
-        if not isinstance(self.forward_metadata, CompiledMetadata):  # the plain path's (or an IDLE step's)
-            return super().init_forward_metadata_in_graph(fb)
-        if fb.forward_mode.is_idle():
-            return
-        meta = self.metadata_for(fb)
-        q_lens, kv_lens = device_lens(fb)
-        meta.q_lens, meta.kv_lens = q_lens.contiguous(), kv_lens.contiguous()
-        meta.rows = fb.req_pool_indices.long().contiguous()
-        meta.req_to_token = fb.req_to_token_pool.req_to_token
-        meta.q_start = torch.cumsum(meta.q_lens, 0) - meta.q_lens
-        if fb.forward_mode.is_target_verify():
-            sizes = meta.q_lens * meta.kv_lens
-            meta.mask_start = torch.cumsum(sizes, 0) - sizes
-            meta.custom_mask = fb.spec_info.custom_mask.reshape(-1).to(torch.bool).contiguous()
-        else:
-            meta.mask_start = meta.custom_mask = None
-
-    # -- forward -----------------------------------------------------------------------
-    # The base class's prologue takes forward_fused (write_and_attend: the whole forward in one kernel call) where
-    # it may; everything else (save_kv_cache=False, other dtypes or layouts, bad input, a torch mode
-    # watching, a subclass overriding a hook) takes the checked prologue and _forward, which name what is wrong.
-    fused_forward_covers = ("_forward",)
-
-    def forward_fused(self, q, k, v, layer, fb, save_kv_cache=True, **kwargs) -> torch.Tensor | None:
-        """One layer's forward as one kernel call (:func:`hal.kernels.cpu.write_and_attend`: checks ``q``/``k``/``v``
-        against the layer and pool, writes the new tokens' KV, attends); ``[T, q_heads * v_head_dim]``, or None
-        (nothing written) for a step of the plain path or inputs the kernel does not take."""
-        meta = self.forward_metadata
-        sinks = kwargs.pop("sinks", None)
-        if not isinstance(meta, CompiledMetadata) or any(value is not None for value in kwargs.values()):
+    # -- run: the checked path's attention is the plan's own (PlainTorchBackend.run_*); the fused call ----------
+    def run_fused(self, q, k, v, layer, fb, save_kv_cache=True, sinks=None, **kwargs) -> torch.Tensor | None:
+        """One layer's forward as one kernel call (:meth:`CompiledMetadata.write_and_attend`: checks ``q``/``k``/``v``
+        against the layer and pool, writes the new tokens' KV, attends): ``[T, q_heads * v_head_dim]``, or None
+        (nothing written) where another keyword argument asks for what the kernel does not do."""
+        if any(value is not None for value in kwargs.values()):
             return None
-        pool = fb.token_to_kv_pool
-        return cpu_kernels.write_and_attend(
-            q,
-            k,
-            v,
-            fb.out_cache_loc,
-            pool.get_key_buffer(layer.layer_id),
-            pool.get_value_buffer(layer.layer_id),
-            meta.req_to_token,
-            meta.rows,
-            meta.kv_lens,
-            meta.q_lens,
-            meta.q_start,
-            (layer.tp_q_head_num, layer.tp_k_head_num, layer.tp_v_head_num, layer.head_dim, layer.v_head_dim),
-            layer.scaling,
-            layer.logit_cap,
-            layer.sliding_window_size,
-            layer.causal,
-            meta.custom_mask,
-            meta.mask_start,
-            sinks=sinks,
-        )
-
-    def _forward(self, q, k, v, layer, fb, save_kv_cache: bool, sinks=None) -> torch.Tensor:
-        meta = self.forward_metadata
-        if not isinstance(meta, CompiledMetadata):
-            return super()._forward(q, k, v, layer, fb, save_kv_cache, sinks)
-        pool = fb.token_to_kv_pool
-        k_buffer, v_buffer = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
-        out = cpu_kernels.paged_attention(
-            q,
-            k_buffer,
-            v_buffer,
-            fb.req_to_token_pool.req_to_token,
-            meta.rows,
-            meta.kv_lens,
-            meta.q_lens,
-            scale=layer.scaling,
-            logit_cap=layer.logit_cap,
-            sliding_window=layer.sliding_window_size,
-            causal=layer.causal,
-            custom_mask=meta.custom_mask,
-            q_start=meta.q_start,
-            mask_start=meta.mask_start,
-            sinks=sinks,
-        )
-        return out
+        return self.forward_metadata.write_and_attend(q, k, v, layer, fb, sinks)

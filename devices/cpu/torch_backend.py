@@ -11,6 +11,7 @@ reach of SGLang's torch-native backend; dedicated CPU kernels come separately.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -18,8 +19,10 @@ import torch.nn.functional as F
 from hal.backend import AttentionBackend
 from hal.batch import ForwardBatch, device_lens, host_lens
 from hal.deprecation import moved_names
-from hal.kernels.reference import kv_scales
+from hal.kernels.reference import kv_csr, kv_scales, step_token_table
+from hal.kv_cache import kv_storage
 from hal.kv_dtypes import kv_scaled
+from hal.kv_layouts import HEAD_MAJOR, TOKEN_MAJOR, pool_kv_layout
 
 __all__ = ["PlainTorchBackend"]
 
@@ -28,6 +31,7 @@ __all__ = ["PlainTorchBackend"]
 class TorchMetadata:
     """Per-step metadata. ``W``: padded KV width; ``Q``: padded query length; ``T``: query tokens."""
 
+    path: ClassVar[str] = "plain_torch"
     width: int  # W, a host int fixed in out_graph
     max_q: int  # Q
     num_tokens: int  # T
@@ -36,22 +40,78 @@ class TorchMetadata:
     q_pos: torch.Tensor | None = None  # int64 [B, Q], position of each query
     q_index: torch.Tensor | None = None  # int64 [B, Q], row of each query in q (T for padding)
     custom_mask: torch.Tensor | None = None  # bool [B, Q, W] (TARGET_VERIFY only)
+    kv_layout: str = TOKEN_MAJOR  # the pool's (hal.kv_layouts): token-major buffers or head-major pages
 
     # SGLang's names for the same data (its attention kit and tools inspect them), built when read.
     @property
     def kv_indptr(self) -> torch.Tensor | None:
         """int32 ``[B + 1]``: 0, then the running sum of each request's keys (its query tokens included)."""
-        return None if self.kv_valid is None else _indptr(self.kv_valid.sum(1))
+        if self.kv_valid is None:
+            return None
+        rows = torch.arange(self.slots.shape[0], device=self.slots.device)
+        return kv_csr(self.kv_valid.sum(1), rows, req_to_token=self.slots).indptr
 
     @property
     def kv_indices(self) -> torch.Tensor | None:
         """int32: the KV slot of every key, request after request (CSR over ``kv_indptr``)."""
-        return None if self.slots is None else self.slots[self.kv_valid].to(torch.int32)
+        if self.slots is None:
+            return None
+        rows = torch.arange(self.slots.shape[0], device=self.slots.device)
+        return kv_csr(self.kv_valid.sum(1), rows, req_to_token=self.slots).indices
 
     @property
     def qo_indptr(self) -> torch.Tensor | None:
         """int32 ``[B + 1]``: 0, then the running sum of each request's query tokens."""
         return None if self.q_index is None else _indptr((self.q_index < self.num_tokens).sum(1))
+
+    def fill(self, fb: ForwardBatch) -> None:
+        """The in-graph half of the plan: the device tensors above, from the batch's device tensors only."""
+        device = fb.seq_lens.device
+        q_lens, kv_lens = device_lens(fb)
+        prefix = kv_lens - q_lens
+        q_start = torch.cumsum(q_lens, 0) - q_lens
+        k_pos = torch.arange(self.width, device=device)
+        q_off = torch.arange(self.max_q, device=device)
+        rows = request_slots(fb, self.width).long()
+        self.kv_layout = pool_kv_layout(fb.token_to_kv_pool)
+        self.kv_valid = k_pos[None, :] < kv_lens[:, None]
+        self.slots = torch.where(self.kv_valid, rows, 0)  # padding reads slot 0, the padding page
+        self.q_pos = prefix[:, None] + q_off[None, :]
+        q_valid = q_off[None, :] < q_lens[:, None]
+        self.q_index = torch.where(q_valid, q_start[:, None] + q_off[None, :], self.num_tokens)
+        if fb.forward_mode.is_target_verify():
+            # request b's block is [q_len, kv_len] row-major, at the sum of earlier blocks
+            sizes = q_lens * kv_lens
+            mask_start = torch.cumsum(sizes, 0) - sizes
+            flat = mask_start[:, None, None] + q_off[None, :, None] * kv_lens[:, None, None] + k_pos[None, None, :]
+            inside = q_valid[:, :, None] & self.kv_valid[:, None, :]
+            custom = fb.spec_info.custom_mask
+            flat = torch.where(inside, flat, 0).clamp(max=max(custom.numel() - 1, 0))
+            self.custom_mask = inside & custom[flat]
+        else:
+            self.custom_mask = None
+
+    def attend(self, q, k_buffer, v_buffer, layer, scratch: Scratch, sinks=None, out=None) -> torch.Tensor:
+        """:func:`attend_padded` over this plan."""
+        return attend_padded(q, k_buffer, v_buffer, self, layer, scratch, sinks, out)
+
+
+def request_slots(fb: ForwardBatch, width: int) -> torch.Tensor:
+    """int32 ``[B, width]``: the KV slot of tokens ``0 .. width - 1`` of each of the step's requests, from the
+    request table the batch carries (``req_to_token``, else the block table ``req_to_page``; graph-recordable)."""
+    tokens = getattr(fb, "req_to_token_pool", None)
+    if tokens is not None:
+        return tokens.req_to_token[fb.req_pool_indices.long(), :width]
+    pages = fb.req_to_page_pool
+    return step_token_table(fb.req_pool_indices, width, req_to_page=pages.req_to_page, page_size=pages.page_size)
+
+
+def table_width(fb: ForwardBatch) -> int:
+    """Tokens a row of the batch's request table holds (a captured graph's KV width)."""
+    tokens = getattr(fb, "req_to_token_pool", None)
+    if tokens is not None:
+        return tokens.req_to_token.shape[1]
+    return fb.req_to_page_pool.req_to_page.shape[1] * fb.req_to_page_pool.page_size
 
 
 def _indptr(counts: torch.Tensor) -> torch.Tensor:
@@ -94,67 +154,39 @@ class PlainTorchBackend(AttentionBackend):
     def plan(self, fb: ForwardBatch, in_capture: bool = False) -> None:
         """The host half of ``out_graph`` once the batch is checked: the padded widths (no sync for a graph batch)."""
         if fb.forward_mode.is_idle():  # forward() returns without attention: nothing to prepare
-            self.set_forward_metadata(None, fb)
+            self.set_forward_metadata(None, fb, fused=False)
             return
         tokens = fb.out_cache_loc.shape[0]
         if self.is_graph_batch(fb, in_capture):
-            width = fb.req_to_token_pool.req_to_token.shape[1]
+            width = table_width(fb)
             max_q = tokens // fb.batch_size if fb.forward_mode.is_target_verify() else self.graph_max_q
         else:
             lens = host_lens(fb)
             width, max_q = max(lens.kv, default=0), max(lens.query, default=0)
-        self.set_forward_metadata(TorchMetadata(width=width, max_q=max_q, num_tokens=tokens), fb)
+        self.set_forward_metadata(TorchMetadata(width=width, max_q=max_q, num_tokens=tokens), fb, fused=False)
 
     def init_forward_metadata_in_graph(self, fb: ForwardBatch) -> None:
-        if fb.forward_mode.is_idle():
-            return
-        meta = self.metadata_for(fb)
-        device = fb.seq_lens.device
-        q_lens, kv_lens = device_lens(fb)
-        prefix = kv_lens - q_lens
-        q_start = torch.cumsum(q_lens, 0) - q_lens
-        k_pos = torch.arange(meta.width, device=device)
-        q_off = torch.arange(meta.max_q, device=device)
-        rows = fb.req_to_token_pool.req_to_token[fb.req_pool_indices.long(), : meta.width].long()
-        meta.kv_valid = k_pos[None, :] < kv_lens[:, None]
-        meta.slots = torch.where(meta.kv_valid, rows, 0)  # padding reads slot 0, the padding page
-        meta.q_pos = prefix[:, None] + q_off[None, :]
-        q_valid = q_off[None, :] < q_lens[:, None]
-        meta.q_index = torch.where(q_valid, q_start[:, None] + q_off[None, :], meta.num_tokens)
-        if fb.forward_mode.is_target_verify():
-            # request b's block is [q_len, kv_len] row-major, at the sum of earlier blocks
-            sizes = q_lens * kv_lens
-            mask_start = torch.cumsum(sizes, 0) - sizes
-            flat = mask_start[:, None, None] + q_off[None, :, None] * kv_lens[:, None, None] + k_pos[None, None, :]
-            inside = q_valid[:, :, None] & meta.kv_valid[:, None, :]
-            custom = fb.spec_info.custom_mask
-            flat = torch.where(inside, flat, 0).clamp(max=max(custom.numel() - 1, 0))
-            meta.custom_mask = inside & custom[flat]
-        else:
-            meta.custom_mask = None
+        if not fb.forward_mode.is_idle():
+            self.metadata_for(fb).fill(fb)
 
-    # -- forward -----------------------------------------------------------------------
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, kwargs.get("sinks"))
+    # -- run: the plan's own path (the compiled backend's plans read the pool with its kernels) ------------------
+    def run_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, *, out=None, sinks=None):
+        """``q`` ``[T, Hq, D]`` after the checked steps, ``sinks`` ``[Hq]`` or None -> ``[T, Hq, Dv]`` in q's dtype,
+        written into ``out`` when given. Every key, the new tokens' included, is read from the cache (``k``/``v``
+        are not used). The pool's K and V are read in its layout (:func:`hal.kv_cache.kv_storage`)."""
+        k_buffer, v_buffer, _ = kv_storage(forward_batch.token_to_kv_pool, layer.layer_id)
+        return self.forward_metadata.attend(q, k_buffer, v_buffer, layer, self.scratch, sinks, out)
 
-    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, kwargs.get("sinks"))
-
-    def forward_mixed(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, kwargs.get("sinks"))
-
-    def _forward(self, q, k, v, layer, fb: ForwardBatch, save_kv_cache: bool, sinks=None) -> torch.Tensor:
-        """q ``[T, Hq, D]`` (the prologue ran), ``sinks`` ``[Hq]`` or None -> ``[T, Hq, Dv]`` in q's dtype.
-
-        Every key, the new tokens' included, is read from the cache (``k``/``v`` are not used).
-        """
-        pool = fb.token_to_kv_pool
-        k_buffer, v_buffer = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
-        return attend_padded(q, k_buffer, v_buffer, self.forward_metadata, layer, self.scratch, sinks)
+    run_extend = run_mixed = run_decode
 
 
-def attend_padded(q, k_buffer, v_buffer, meta: TorchMetadata, layer, scratch: Scratch, sinks=None) -> torch.Tensor:
-    """Ragged queries ``[T, Hq, D]`` over padded gathered keys; returns ``[T, Hq, Dv]`` in q's dtype.
+def attend_padded(
+    q, k_buffer, v_buffer, meta: TorchMetadata, layer, scratch: Scratch, sinks=None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Ragged queries ``[T, Hq, D]`` over padded gathered keys; returns ``[T, Hq, Dv]`` in q's dtype (``out``, a
+    ``[T, Hq, Dv]`` view of the caller's buffer, when given). ``k_buffer`` / ``v_buffer``: token-major
+    ``[num_slots, kv_heads, dim]``, or head-major pages ``[num_pages, kv_heads, page_size, dim]`` where
+    ``meta.kv_layout`` says so (gathered alike).
 
     Keys and values are gathered KV-head-major (``[Hkv, B * W, D]``, one ``index_select``
     per KV head into reused buffers: a plain row copy, ~7x faster than advanced indexing
@@ -166,6 +198,7 @@ def attend_padded(q, k_buffer, v_buffer, meta: TorchMetadata, layer, scratch: Sc
     layer's ``k_scale`` / ``v_scale``) into float32 blocks as it is gathered; an MLA value
     buffer (a strided view of the key buffer's latent) is gathered like any other.
     """
+    dest = out
     batch, width = meta.slots.shape
     max_q, tokens = meta.max_q, meta.num_tokens
     kv_heads, group = layer.tp_k_head_num, layer.group_size
@@ -185,8 +218,8 @@ def attend_padded(q, k_buffer, v_buffer, meta: TorchMetadata, layer, scratch: Sc
     explicit = layer.logit_cap > 0 or sinks is not None
     dtype = torch.float32 if explicit or kv_scaled(k_buffer.dtype) else k_buffer.dtype
     k_scale, v_scale = kv_scales(layer)
-    keys = scratch.gather("k", k_buffer, flat, dtype, k_scale).view(kv_heads, batch, width, head_dim)
-    values = scratch.gather("v", v_buffer, flat, dtype, v_scale).view(kv_heads, batch, width, v_dim)
+    keys = scratch.gather("k", k_buffer, flat, dtype, k_scale, meta.kv_layout).view(kv_heads, batch, width, head_dim)
+    values = scratch.gather("v", v_buffer, flat, dtype, v_scale, meta.kv_layout).view(kv_heads, batch, width, v_dim)
     if explicit:
         out = _attend_explicit(q_pad.float(), keys, values, visible, layer, sinks)
     else:
@@ -201,9 +234,10 @@ def attend_padded(q, k_buffer, v_buffer, meta: TorchMetadata, layer, scratch: Sc
         out = out.transpose(1, 2)  # [B, Q, Hq, Dv]
     # A query with no visible key outputs zeros (SDPA gives NaN there); NaN from q or the cache stays NaN.
     out = out.masked_fill_(~visible.any(-1)[:, :, None, None], 0.0)
-    result = q.new_empty(tokens + 1, kv_heads * group, v_dim)
+    result = q.new_empty(tokens + 1, kv_heads * group, v_dim)  # row T takes the padding queries
     result.index_copy_(0, meta.q_index.flatten(), out.reshape(batch * max_q, -1, v_dim).to(q.dtype))
-    return result[:tokens]
+    # the padded queries' rows are scattered, so a caller's buffer takes one copy of the real rows
+    return result[:tokens] if dest is None else dest.copy_(result[:tokens])
 
 
 def _attend_explicit(q_pad, keys, values, visible, layer, sinks=None) -> torch.Tensor:
@@ -244,15 +278,29 @@ class Scratch:
         return buf[:numel]
 
     def gather(
-        self, name: str, pool: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype, scale: float = 1.0
+        self,
+        name: str,
+        pool: torch.Tensor,
+        slots: torch.Tensor,
+        dtype: torch.dtype,
+        scale: float = 1.0,
+        kv_layout: str = TOKEN_MAJOR,
     ) -> torch.Tensor:
         """``pool[slots]`` KV-head-major, as ``dtype``: ``[kv_heads, len(slots), dim]``; an fp8 ``pool`` is
-        dequantised (times ``scale``, as ``hal.kernels.reference.dequantize_kv``)."""
-        kv_heads, dim = pool.shape[1:]
+        dequantised (times ``scale``, as ``hal.kernels.reference.dequantize_kv``). ``pool``: token-major
+        ``[num_slots, kv_heads, dim]``, or (``kv_layout`` head_major) pages ``[num_pages, kv_heads, page_size,
+        dim]``, slot ``s`` at page ``s // page_size``, offset ``s % page_size``."""
+        kv_heads, dim = pool.shape[1], pool.shape[-1]
         n = slots.numel()
         out = self._buffer(name, pool.dtype, kv_heads * n * dim, pool.device).view(kv_heads, n, dim)
-        for h in range(kv_heads):
-            torch.index_select(pool[:, h], 0, slots, out=out[h])
+        if kv_layout == HEAD_MAJOR:
+            page_size = pool.shape[2]
+            page, offset = slots // page_size, slots % page_size
+            for h in range(kv_heads):
+                out[h] = pool[:, h][page, offset]
+        else:
+            for h in range(kv_heads):
+                torch.index_select(pool[:, h], 0, slots, out=out[h])
         if pool.dtype == dtype:
             return out
         wide = self._buffer(name, dtype, out.numel(), pool.device).view(out.shape).copy_(out)

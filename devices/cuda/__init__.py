@@ -101,7 +101,7 @@ def cuda_capability(index: int | None = None) -> DeviceCapability:
 class CudaDevice(Device):
     name = "cuda"
     priority = 100
-    plugin_api = 2
+    plugin_api = 3
 
     def probe(self, index: int | None = None) -> DeviceCapability:
         return cuda_capability(index)
@@ -114,7 +114,7 @@ class CudaDevice(Device):
         return [FlashInferBackend, TritonBackend]
 
     def make_graph(self, capability: DeviceCapability) -> Graph:
-        return TorchGraph(torch.cuda)
+        return TorchGraph(torch.cuda, torch.cuda.CUDAGraph)
 
 
 device = CudaDevice()

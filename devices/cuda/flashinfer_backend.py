@@ -10,10 +10,11 @@ What runs, per forward mode (``P``: cached prefix, ``E``: query tokens of a requ
 * EXTEND / MIXED / DRAFT_EXTEND, layers without a sliding window (``extend_strategy``
   "auto", the default): the new tokens through ``BatchPrefillWithRaggedKVCacheWrapper``
   (causal per the layer), the cached prefix through ``BatchPrefillWithPagedKVCacheWrapper``
-  with ``causal=False``, both with ``return_lse=True``, joined by ``merge_state``. A
+  with ``causal=False``, both with ``return_lse=True``, joined by ``merge_state_in_place`` (into
+  the ragged call's output). A
   request without a prefix has zero pages in the prefix call: FlashInfer's paged KV
   ``get_length`` is 0 when a request has no pages, the scheduler still gives it one
-  work tile, and that tile writes output 0 and LSE -inf, which ``merge_state`` weighs
+  work tile, and that tile writes output 0 and LSE -inf, which the merge weighs
   as nothing (read in FlashInfer 0.2.5 and 0.7.4: ``page.cuh``, ``scheduler.cuh``,
   ``prefill.cuh``, ``cascade.cuh``; SGLang runs the same pattern). When no request of
   the batch has a prefix, the ragged call alone runs.
@@ -40,12 +41,12 @@ plans it on the spot (host work inside ``forward``, once per variant); inside a 
 that is an error, which the graph runner's eager warm-up pass prevents.
 
 Metadata: ``init_forward_metadata_out_graph`` does all host work (indptrs and last page
-lengths from ``*_cpu`` lens, page ids gathered on the device from ``req_to_token`` with
-host-built positions, no device-to-host sync) and every ``plan``;
+lengths from ``*_cpu`` lens, page ids gathered on the device from the batch's block table, or from
+``req_to_token`` where it has none, with host-built positions, no device-to-host sync) and every ``plan``;
 ``init_forward_metadata_in_graph`` has nothing to do: the replayed kernels read the
 wrappers' fixed buffers, which ``plan`` refills.
 
-Issue 19's models:
+Model features (MLA, attention sinks, fp8 KV caches):
 
 * MLA (latent 512 + rope 64, DeepSeek-V2/V3, absorbed queries): every mode but
   TARGET_VERIFY through ``flashinfer.mla.BatchMLAPagedAttentionWrapper`` (flashinfer>=0.2.1):
@@ -74,6 +75,10 @@ head_dim`` other than MLA's 512 + 64, head dims outside 64/128/256, graph captur
 MIXED batches. Signatures followed: flashinfer-python 0.2.5 and 0.7.4 (the keyword subset
 used here is common to both).
 
+Output: each wrapper's ``run(out=)`` writes the caller's ``forward(out=)`` buffer itself where FlashInfer can
+(:func:`output_kwargs`: flashinfer>=0.2.2, the query's dtype, a contiguous buffer but for MLA, which takes strided
+rows), so the layer's output needs no copy; elsewhere the base class copies FlashInfer's result into the buffer.
+
 The environment probe (is FlashInfer installed, where would its kernels come from) is
 :mod:`hal.devices.cuda.flashinfer_env`; the host-side page tables and the merge rule are
 :mod:`hal.devices.cuda.flashinfer_layout`. Both names stay importable from here.
@@ -81,6 +86,7 @@ The environment probe (is FlashInfer installed, where would its kernels come fro
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import re
@@ -94,8 +100,10 @@ from hal.backend import AttentionBackend
 from hal.batch import ForwardBatch, ForwardMode, host_lens
 from hal.capability import DeviceCapability, library_version
 from hal.errors import ConfigError, GraphCaptureError, UnsupportedError, expect
+from hal.kernels.reference import KVIndices, kv_csr
 from hal.kv_cache import paged_view
 from hal.kv_dtypes import kv_scaled
+from hal.validation import check_request_tables
 
 from .flashinfer_env import MIN_SM, _flashinfer_missing, _sm, flashinfer_kernels, import_flashinfer
 from .flashinfer_layout import PagedKV, build_paged_kv, indptr_from_lens, merge_states_base2, paged_kv_layout
@@ -120,7 +128,7 @@ HEAD_DIMS = frozenset({64, 128, 256})  # FlashInfer's DISPATCH_HEAD_DIM set (uti
 # architectures). FlashInfer's docs suggest 128 MB, which large split-KV prefills overflow at plan().
 WORKSPACE_MB = 384
 WORKSPACE_ENV = "HAL_FLASHINFER_WORKSPACE_MB"
-_MERGE_STATE_MAX_THREADS = 1024  # merge_state's CUDA block is (head_dim / vec_size) x num_heads threads
+_MERGE_STATE_MAX_THREADS = 1024  # the merge kernels' CUDA block is (head_dim / vec_size) x num_heads threads
 MLA_SHAPE = (512, 64)  # (kv_lora_rank, qk_rope_head_dim): the latent shape FlashInfer's MLA kernels serve
 SINKS_REASON = (
     "FlashInfer's FA2 wrappers take no sink logits (run(sinks=), flashinfer>=0.2.10, is read by the "
@@ -145,12 +153,28 @@ def _older_than(version: str | None, minimum: str) -> str | None:
     return version if parts < [int(p) for p in minimum.split(".")] else None
 
 
-def _takes(cls, name: str) -> bool:
-    """Whether ``cls.__init__`` has a parameter ``name`` (the installed FlashInfer's signature, not its version)."""
+@functools.cache  # asked on every run() call: the signature is read once per class
+def _takes(cls, name: str, method: str = "__init__") -> bool:
+    """Whether ``cls.<method>`` has a parameter ``name`` (the installed FlashInfer's signature, not its version)."""
     try:
-        return name in inspect.signature(cls.__init__).parameters
+        return name in inspect.signature(getattr(cls, method)).parameters
     except (TypeError, ValueError):  # a C extension type without a signature
         return False
+
+
+def output_kwargs(wrapper, out: torch.Tensor | None, q_in: torch.Tensor, strided_rows: bool = False) -> dict:
+    """``{"out": out}`` where ``wrapper.run`` can write the caller's ``[T, Hq, Dv]`` buffer itself, else ``{}``
+    (FlashInfer allocates its output and the base class copies it into ``out``).
+
+    ``run(out=)`` (flashinfer>=0.2.2; 0.2.1 has none) checks the buffer's shape, dtype (the planned output dtype: the
+    query's) and device only (``check_shape_dtype_device``, flashinfer/decode.py, prefill.py, mla.py). Its decode and
+    prefill kernels write ``o`` densely from its data pointer (csrc/batch_decode.cu, batch_prefill.cu:
+    ``params.o = o.data_ptr()``, no output strides): they take only a contiguous buffer, a view with padded rows
+    would be written wrong without an error. The MLA kernel writes through ``o.stride(0)`` / ``o.stride(1)``
+    (csrc/batch_mla_run.cu): ``strided_rows``."""
+    if out is None or out.dtype != q_in.dtype or not (strided_rows or out.is_contiguous()):
+        return {}
+    return {"out": out} if _takes(type(wrapper), "out", "run") else {}
 
 
 def host_scales(layer) -> tuple[float, float]:
@@ -269,9 +293,10 @@ class FlashInferMetadata:
     qo_indptr: torch.Tensor  # int32 host [B + 1]
     kv_lens: list[int]
     prefix_lens: list[int]
-    req_to_token: torch.Tensor
+    req_to_token: torch.Tensor | None  # the batch's request table: req_to_token, or (None) req_to_page
     req_pool_indices: torch.Tensor
     custom_mask: torch.Tensor | None = None
+    req_to_page: torch.Tensor | None = None
     q_dtype: torch.dtype | None = None  # the queries' (None: the cache's)
     wrappers: dict[tuple[str, LayerVariant], Any] = field(default_factory=dict)
     _kv: PagedKV | None = None
@@ -288,28 +313,34 @@ class FlashInferMetadata:
     # SGLang's names (its attention kit and tools inspect them), over keys rather than pages, built when read.
     @property
     def kv_indptr(self) -> torch.Tensor:
-        """int32 ``[B + 1]`` on ``req_to_token``'s device: 0, then the running sum of ``kv_lens``."""
-        return indptr_from_lens(self.kv_lens).to(self.req_to_token.device)
+        """int32 ``[B + 1]`` on the request table's device: 0, then the running sum of ``kv_lens``."""
+        return self._csr(self.kv_lens, per_page=False).indptr.to(self.req_pool_indices.device)
 
     @property
     def kv_indices(self) -> torch.Tensor:
         """int32: the KV slot of every key, request after request (CSR over ``kv_indptr``)."""
-        device = self.req_to_token.device
-        lens = torch.tensor(self.kv_lens, dtype=torch.int64)
-        req = torch.repeat_interleave(torch.arange(len(self.kv_lens)), lens).to(device)
-        pos = (torch.arange(int(lens.sum())) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)).to(device)
-        return self.req_to_token[self.req_pool_indices.to(device).long()[req], pos].to(torch.int32)
+        return self._csr(self.kv_lens, per_page=False).indices
+
+    def _csr(self, lens: list[int], per_page: bool) -> KVIndices:
+        return kv_csr(
+            lens,
+            self.req_pool_indices,
+            req_to_token=self.req_to_token,
+            req_to_page=None if self.req_to_token is not None else self.req_to_page,
+            page_size=self.page_size,
+            per_page=per_page,
+        )
 
     def kv(self) -> PagedKV:
         """Page table over every key a query sees (prefix + query tokens)."""
         if self._kv is None:
-            self._kv = build_paged_kv(self.req_to_token, self.req_pool_indices, self.kv_lens, self.page_size)
+            self._kv = PagedKV(*self._csr(self.kv_lens, per_page=True))
         return self._kv
 
     def prefix(self) -> PagedKV:
         """Page table over the cached prefixes only (extend modes)."""
         if self._prefix is None:
-            self._prefix = build_paged_kv(self.req_to_token, self.req_pool_indices, self.prefix_lens, self.page_size)
+            self._prefix = PagedKV(*self._csr(self.prefix_lens, per_page=True))
         return self._prefix
 
 
@@ -385,6 +416,7 @@ class FlashInferBackend(AttentionBackend):
     needs_cpu_seq_lens = True
 
     requires_page_aligned_slots = True  # paged kernels read whole pages through page ids
+    reads_tables = frozenset({"token", "page"})  # page ids from a block table, or from req_to_token's page starts
     option_defaults = {
         "layers": None,  # the model's AttentionLayers, to plan every variant up front (default: config.layers)
         "max_context_len": None,  # sizes the graph page buffer (default: config.max_context_len)
@@ -396,7 +428,7 @@ class FlashInferBackend(AttentionBackend):
     def __init__(self, capability: DeviceCapability, config=None, **options):
         super().__init__(capability, config, **options)
         layers, max_context_len, workspace_mb, extend_strategy, prefill_backend = (
-            self.options[k] for k in self.option_defaults
+            self.options[k] for k in self.declaration().option_defaults
         )
         if config is not None:
             layers = layers if layers is not None else (config.layers or None)
@@ -763,9 +795,10 @@ class FlashInferBackend(AttentionBackend):
                 fb.batch_size,
                 "at most init_cuda_graph_state's max_bs (call it first)",
             )
-            self._graph_indices(fb.req_to_token_pool.req_to_token.shape[1], fb.token_to_kv_pool.page_size)
+            self._graph_indices(check_request_tables(fb)[2], fb.token_to_kv_pool.page_size)
         lens = host_lens(fb)
         pool = fb.token_to_kv_pool
+        tokens, pages = getattr(fb, "req_to_token_pool", None), getattr(fb, "req_to_page_pool", None)
         meta = FlashInferMetadata(
             mode=mode,
             batch_size=fb.batch_size,
@@ -780,7 +813,8 @@ class FlashInferBackend(AttentionBackend):
             qo_indptr=indptr_from_lens(lens.query),
             kv_lens=lens.kv,
             prefix_lens=list(lens.prefix),
-            req_to_token=fb.req_to_token_pool.req_to_token,
+            req_to_token=tokens.req_to_token if pages is None else None,  # a block table is read as it is
+            req_to_page=pages.req_to_page if pages is not None else None,
             req_pool_indices=fb.req_pool_indices,
             # a graph's static batch holds the step's flat mask at the start of a larger fixed buffer
             custom_mask=(
@@ -838,53 +872,61 @@ class FlashInferBackend(AttentionBackend):
         paged = paged_view(fb.token_to_kv_pool, layer.layer_id)
         return meta, LayerVariant.of(layer), q.to(meta.q_dtype or meta.dtype).contiguous(), paged
 
-    def _run_paged(self, meta: FlashInferMetadata, kind: str, variant: LayerVariant, q_in, paged, layer):
-        """One paged wrapper's ``run``; an fp8 cache with the layer's scales (``k_scale`` folds into the
-        softmax scale, ``v_scale`` multiplies the output: the read is ``stored * scale``)."""
+    def _run_paged(self, meta: FlashInferMetadata, kind: str, variant: LayerVariant, q_in, paged, layer, out):
+        """One paged wrapper's ``run``, into ``out`` where it can (:func:`output_kwargs`); an fp8 cache with the
+        layer's scales (``k_scale`` folds into the softmax scale, ``v_scale`` multiplies the output in place: the
+        read is ``stored * scale``)."""
         wrapper = self._planned(meta, kind, variant)
-        if not meta.fp8:
-            return wrapper.run(q_in, paged)
-        k_scale, v_scale = host_scales(layer)
-        return wrapper.run(q_in, paged, k_scale=k_scale, v_scale=v_scale)
+        kwargs = output_kwargs(wrapper, out, q_in)
+        if meta.fp8:
+            kwargs["k_scale"], kwargs["v_scale"] = host_scales(layer)
+        return wrapper.run(q_in, paged, **kwargs)
 
-    def _run_mla(self, meta: FlashInferMetadata, variant: LayerVariant, q_in, paged):
-        """MLA: ``q`` split into its latent and rope parts, the caches as views of the one latent buffer."""
+    def _run_mla(self, meta: FlashInferMetadata, variant: LayerVariant, q_in, paged, out):
+        """MLA: ``q`` split into its latent and rope parts, the caches as views of the one latent buffer; the
+        output into ``out`` where it can (its kernel takes strided rows)."""
         rank, (k_cache, _) = variant.kv_lora_rank, paged  # [pages, page_size, 1, rank + rope]
         ckv, kpe = k_cache[:, :, 0, :rank], k_cache[:, :, 0, rank:]
-        return self._planned(meta, "mla", variant).run(q_in[..., :rank], q_in[..., rank:], ckv, kpe)
+        wrapper = self._planned(meta, "mla", variant)
+        kwargs = output_kwargs(wrapper, out, q_in, strided_rows=True)
+        return wrapper.run(q_in[..., :rank], q_in[..., rank:], ckv, kpe, **kwargs)
 
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+    def run_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, out=None, **kwargs):
+        """Returns ``[T, Hq, Dv]``: the caller's ``out`` where FlashInfer wrote it (:func:`output_kwargs`)."""
         meta, variant, q_in, paged = self._begin(q, layer, forward_batch)
         if variant.kv_lora_rank:
-            out = self._run_mla(meta, variant, q_in, paged)
-        else:
-            out = self._run_paged(meta, "decode", variant, q_in, paged, layer)
-        return out.reshape(q.shape[0], layer.tp_q_head_num * layer.v_head_dim).to(q.dtype)
+            return self._run_mla(meta, variant, q_in, paged, out)
+        return self._run_paged(meta, "decode", variant, q_in, paged, layer, out)
 
-    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+    def run_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, out=None, **kwargs):
+        """Returns ``[T, Hq, Dv]``: the caller's ``out`` where FlashInfer wrote it (:func:`output_kwargs`; the
+        ragged + prefix pair merges the prefix's state into the ragged call's output in place)."""
         meta, variant, q_in, paged = self._begin(q, layer, forward_batch)
         kinds = self._kinds(meta, variant)
         if kinds == ["mla"]:
-            out = self._run_mla(meta, variant, q_in, paged)
-        elif kinds == ["ragged", "prefix"]:
-            k_in, v_in = (t.to(meta.dtype).contiguous() for t in (k, v))
-            o_new, lse_new = self._planned(meta, "ragged", variant).run(q_in, k_in, v_in, return_lse=True)
-            o_pre, lse_pre = self._planned(meta, "prefix", variant).run(q_in, paged, return_lse=True)
-            out = self._merge(o_new, lse_new, o_pre, lse_pre)
-        elif kinds == ["ragged"]:
-            k_in, v_in = (t.to(meta.dtype).contiguous() for t in (k, v))
-            out = self._planned(meta, "ragged", variant).run(q_in, k_in, v_in)
-        else:
-            out = self._run_paged(meta, kinds[0], variant, q_in, paged, layer)
-        return out.reshape(q.shape[0], layer.tp_q_head_num * layer.v_head_dim).to(q.dtype)
+            return self._run_mla(meta, variant, q_in, paged, out)
+        if kinds[0] != "ragged":
+            return self._run_paged(meta, kinds[0], variant, q_in, paged, layer, out)
+        k_in, v_in = (t.to(meta.dtype).contiguous() for t in (k, v))
+        ragged = self._planned(meta, "ragged", variant)
+        if kinds == ["ragged"]:
+            return ragged.run(q_in, k_in, v_in, **output_kwargs(ragged, out, q_in))
+        o_new, lse_new = ragged.run(q_in, k_in, v_in, return_lse=True, **output_kwargs(ragged, out, q_in))
+        o_pre, lse_pre = self._planned(meta, "prefix", variant).run(q_in, paged, return_lse=True)
+        return self._merge(o_new, lse_new, o_pre, lse_pre)
 
-    def forward_mixed(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
+    def run_mixed(self, q, k, v, layer, forward_batch, save_kv_cache=True, out=None, **kwargs):
+        return self.run_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, out=out, **kwargs)
 
     def _merge(self, v_a, s_a, v_b, s_b) -> torch.Tensor:
-        merge_state = getattr(self._fi(), "merge_state", None)
+        """The state ``(v_a, s_a)`` (contiguous ``[T, H, D]``, base-2 LSE ``[T, H]``) merged with ``(v_b, s_b)``:
+        in place into ``v_a`` (and ``s_a``) by ``merge_state_in_place`` (flashinfer>=0.2.1; its kernel checks that
+        ``v`` is contiguous, csrc/cascade.cu), else a new tensor where FlashInfer's block would exceed its thread
+        limit or the library has no merge (hal's torch merge)."""
+        merge_in_place = getattr(self._fi(), "merge_state_in_place", None)
         heads, dim = v_a.shape[1], v_a.shape[2]
-        bdx = dim // max(16 // v_a.element_size(), dim // 32)  # threads per head in merge_state's block
-        if merge_state is not None and heads * bdx <= _MERGE_STATE_MAX_THREADS:
-            return merge_state(v_a, s_a, v_b, s_b)[0]
+        bdx = dim // max(16 // v_a.element_size(), dim // 32)  # threads per head in the merge kernels' block
+        if merge_in_place is not None and heads * bdx <= _MERGE_STATE_MAX_THREADS:
+            merge_in_place(v_a, s_a, v_b, s_b)
+            return v_a
         return merge_states_base2(v_a, s_a, v_b, s_b)[0]

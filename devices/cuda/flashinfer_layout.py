@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hal.kernels.reference import kv_csr
+
 __all__ = ["PagedKV", "build_paged_kv", "indptr_from_lens", "merge_states_base2", "paged_kv_layout"]
 
 
@@ -47,8 +49,8 @@ def paged_kv_layout(
 
 @dataclass
 class PagedKV:
-    """FlashInfer's page table of a batch: ``indptr`` / ``last_page_len`` on the host, ``indices`` on
-    ``req_to_token``'s device (int32 page ids, ``slot // page_size``)."""
+    """FlashInfer's page table of a batch: ``indptr`` / ``last_page_len`` on the host, ``indices`` on the request
+    table's device (int32 page ids)."""
 
     indptr: torch.Tensor
     indices: torch.Tensor
@@ -60,20 +62,28 @@ class PagedKV:
 
 
 def build_paged_kv(
-    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, kv_lens: Sequence[int], page_size: int
+    req_to_token: torch.Tensor | None,
+    req_pool_indices: torch.Tensor,
+    kv_lens: Sequence[int],
+    page_size: int,
+    req_to_page: torch.Tensor | None = None,
 ) -> PagedKV:
-    """The page table of keys ``0 .. kv_lens[b] - 1`` of each request ``b``.
+    """The page table of keys ``0 .. kv_lens[b] - 1`` of each request ``b``, from either request table.
 
-    Page ``j`` of request ``b`` is ``req_to_token[req_pool_indices[b], j * page_size] // page_size``.
-    Positions come from the host lens; the row lookup and the gather run on
-    ``req_to_token``'s device, so ``req_pool_indices`` is never read back to the host.
+    Page ``j`` of request ``b`` is ``req_to_page[req_pool_indices[b], j]`` (a block table), else
+    ``req_to_token[req_pool_indices[b], j * page_size] // page_size``
+    (:func:`hal.kernels.reference.kv_csr`, ``per_page=True``). Positions come from the host lens; the row lookup
+    and the gather run on the table's device, so ``req_pool_indices`` is never read back to the host.
     """
-    indptr, last, page_req, page_pos = paged_kv_layout(kv_lens, page_size)
-    device = req_to_token.device
-    where = torch.stack([page_req, page_pos]).to(device)  # one host-to-device copy
-    rows = req_pool_indices.to(device=device, dtype=torch.int64)[where[0]]
-    slots = req_to_token[rows, where[1]]
-    return PagedKV(indptr, (slots // page_size).to(torch.int32), last)
+    indptr, indices, last = kv_csr(
+        list(kv_lens),
+        req_pool_indices,
+        req_to_token=req_to_token,
+        req_to_page=req_to_page,
+        page_size=page_size,
+        per_page=True,
+    )
+    return PagedKV(indptr, indices, last)
 
 
 # ----------------------------------------------------------------------------- merge (documentation + fallback)

@@ -217,7 +217,7 @@ class NpuGraph(TorchGraph):
     """``torch.npu.NPUGraph`` whose replay first synchronises the current stream, as vllm-ascend does before
     every FULL graph replay (vllm_ascend/compilation/acl_graph.py ``ACLGraphWrapper.__call__`` at 182b75e:
     ``torch.npu.current_stream().synchronize()`` then ``entry.aclgraph.replay()``): the attention tasks'
-    parameter update (``AscendBackend._update_graph_tasks``, on another stream, fenced by an ExternalEvent)
+    parameter update (``GraphTasks.update``, on another stream, fenced by an ExternalEvent)
     must not race the previous replay still reading them."""
 
     def replay(self):
@@ -243,7 +243,7 @@ GENERATION_FAMILIES = (
 class NpuDevice(Device):
     name = "npu"
     priority = 90
-    plugin_api = 2
+    plugin_api = 3
 
     def probe(self, index: int | None = None) -> DeviceCapability:
         return npu_capability(index)
@@ -274,7 +274,7 @@ class NpuDevice(Device):
     def make_graph(self, capability: DeviceCapability) -> Graph:
         if capability.emulated:
             return EagerGraph()
-        return NpuGraph(torch.npu)
+        return NpuGraph(torch.npu, torch.npu.NPUGraph)
 
 
 device = NpuDevice()

@@ -1,7 +1,9 @@
 """``ascend``: the attention backend over torch_npu's attention ops (``hal.kernels.npu``).
 
-Routing, per forward mode and chip generation (``routing.py``; the ops' limits: ``hal.kernels.npu.limits``, their
-sources: ``hal.kernels.npu.contracts``; the table: docs/hardware-contracts.md):
+The backend plans a step (its metadata, with the :class:`~hal.devices.npu.metadata.StepFacts` routing reads), then
+runs each layer through the op its route names: ``routing.py`` chooses, per step and chip generation, with no state
+of the backend's (the ops' limits: ``hal.kernels.npu.limits``, their sources: ``hal.kernels.npu.contracts``; the
+table: docs/hardware-contracts.md); the backend owns its captured graph tasks (``graph_tasks.GraphTasks``).
 
 * DECODE: ``npu_fused_infer_attention_score`` (TND, paged) where it serves the layer (A2/A3/A5), a window as band
   mode 4 with a padding row per request (the op ignores the band at one query token); otherwise
@@ -11,26 +13,30 @@ sources: ``hal.kernels.npu.contracts``; the table: docs/hardware-contracts.md):
   0 non-causal) when it can serve the layer (page size a multiple of 128 in [128, 512], head dim 128 or 192:
   ``hal.kernels.npu.limits.FIA_TND_HEAD_DIMS``); otherwise splitfuse, whose mask carries causal / window /
   non-causal. ``notes()`` and ``extend_route(config)`` declare it.
-* 310P: the ATB ops read FRACTAL_NZ caches, a per-layer copy of the batch's pages (``_nz_caches``), and an NZ
-  splitfuse mask; hal's pool stays ND and is written with ``npu_scatter_nd_update_``.
+* 310P: the ATB ops read FRACTAL_NZ caches and an NZ splitfuse mask. A ``fractal_nz`` pool (the layout this
+  backend prefers there: ``kv_layouts``, allocated NZ once by ``format_kv_pages``) is read in place and written with
+  ``_npu_reshape_and_cache``, as vllm-ascend's 310P runner does; a token-major (ND) pool is written with
+  ``npu_scatter_nd_update_`` and read through a per-layer NZ copy of the batch's pages (``_nz_caches``).
 * TARGET_VERIFY: splitfuse with hal's custom mask (per request ``[draft, seq_len + draft]``).
-* MIXED: ``forward_mixed``, ONE splitfuse call for the whole batch (decodes and chunked prefills);
-  ``forward_extend`` sends a MIXED batch down the same path.
+* MIXED: ``run_mixed``, one call for the whole batch (decodes and chunked prefills): FIA where it serves the layer,
+  else splitfuse; ``run_extend`` sends a MIXED batch down the same path.
 
 Latent MLA (A2/A3; ``MLA_OFF`` says why not on A5 / 310P), over ``hal.MLAKVPool``'s one ``[slots, 1,
-kv_lora_rank + rope]`` cache: the KV write is ``_npu_reshape_and_cache_siso`` (ATB, key only); DECODE without a
-window is ``_npu_paged_attention_mla`` on that cache in place (as SGLang's NPU backend, which concatenates its two
-caches first); every other step is ``npu_fused_infer_attention_score_v2`` with ``query_rope`` / ``key_rope`` (as
-vllm-ascend's ``mla_v1.py`` absorbed path): TND, sparse mode 3, 4 (band) for windows, 9 (tree mask) for
-TARGET_VERIFY, over the batch's pages copied apart into latent and rope caches (``mla_split``: FIA takes them as
-two contiguous tensors). Attention sinks (``forward(..., sinks=)``): ``npu_fused_infer_attention_score_v2`` with
-``learnable_sink`` for decode, extend and mixed steps (vllm-ascend ``attention_v1.py``, SGLang
-``forward_extend``/``forward_decode``); verify with sinks, and sinks on 310P, are refused with the reason. fp8 KV
-caches are off with a reason per generation (``_fp8_reason``).
+kv_lora_rank + rope]`` cache: the KV write is ``_npu_reshape_and_cache_siso`` (ATB, key only) on A2,
+``npu_scatter_nd_update_`` on A3; DECODE without a window is ``_npu_paged_attention_mla`` on that cache in place (as
+SGLang's NPU backend, which concatenates its two caches first); every other step is
+``npu_fused_infer_attention_score_v2`` with ``query_rope`` / ``key_rope`` (as vllm-ascend's ``mla_v1.py`` absorbed
+path): TND, sparse mode 3, 4 (band) for windows, 9 (tree mask) for TARGET_VERIFY, over the batch's pages copied
+apart into latent and rope caches (``mla_split``: FIA takes them as two contiguous tensors). Attention sinks
+(``forward(..., sinks=)``): ``npu_fused_infer_attention_score_v2`` with ``learnable_sink`` for decode, extend and
+mixed steps on A2/A3, the generations its product table lists (vllm-ascend ``attention_v1.py``, SGLang
+``forward_extend``/``forward_decode``); verify with sinks, and sinks on A5 and 310P, are refused with the reason.
+fp8 KV caches are off with a reason per generation (``_fp8_reason``).
 
-KV writes use the NPU ops (``save_kv``: ``npu_scatter_pa_kv_cache``, ``npu_scatter_nd_update_`` on 310P and for
-MLA on A3, ``_npu_reshape_and_cache_siso`` for MLA on A2), not the helper ops: they are what vllm-ascend and SGLang
-write the paged cache with on Ascend, and take slots cast on the device. The helper ops (``helper_ops``:
+KV writes use the NPU ops (``save_kv``, the op ``routing.kv_write_op`` names: ``npu_scatter_pa_kv_cache``;
+``_npu_reshape_and_cache`` into a 310P FRACTAL_NZ pool; ``npu_scatter_nd_update_`` into a 310P token-major pool and
+for MLA on A3; ``_npu_reshape_and_cache_siso`` for MLA on A2), not the helper ops: they are what vllm-ascend and
+SGLang write the paged cache with on Ascend, and take slots cast on the device. The helper ops (``helper_ops``:
 positions, kv indices for an engine) stay consistent with that choice: ``support_triton()`` is True only on a
 device with a Triton NPU target (triton-ascend), so everything else gets the torch versions.
 
@@ -42,13 +48,14 @@ Eager steps also check, with one host read, that every request's token ``i`` sit
 ``i % page_size`` of its page, as the block tables assume; a batch laid out otherwise (SGLang's
 attention kit builds such layouts; its paged allocator never does) is served through a
 page-aligned scratch copy of its keys and values (``AscendMetadata.relayout``).
-``forward`` reads no device tensor on the host; the one exception, outside any graph, is the first
-layer with a new window in a TARGET_VERIFY batch, whose mask copies the custom mask to the host.
+``forward`` reads no device tensor on the host, except outside any graph: the first layer with a new window in a
+TARGET_VERIFY batch, whose mask copies the custom mask to the host, and an eager MLA verify step, which checks
+its custom mask against FIA's tree mask (``_tree_mask``).
 Under the emulation each op runs as one opaque launch (``_EmulatedOps``): hal's eager-graph guard
 checks this backend's code, not the emulation's CPU internals.
 
 Graphs: a captured decode step bakes the host lengths in. On a real NPU the attention task is
-captured in a task group and its lengths are re-issued before every replay with torch_npu's
+captured in a task group and its lengths are re-issued before every replay (``GraphTasks``) with torch_npu's
 graph task update API (``graph_task_group_begin/end``, ``graph_task_update_begin/end``,
 ``ExternalEvent``), as vllm-ascend's ``update_attn_params`` does for ``_npu_paged_attention``
 (vllm_ascend/compilation/acl_graph.py, ``_update_attn_pa_params``; capture side in
@@ -62,7 +69,6 @@ from __future__ import annotations
 
 import math
 import types
-from dataclasses import dataclass, field
 
 import torch
 
@@ -70,72 +76,38 @@ from hal.backend import AttentionBackend
 from hal.batch import ForwardBatch, host_lens
 from hal.capability import DeviceCapability
 from hal.config import AttentionConfig
+from hal.deprecation import warn_renamed
 from hal.errors import GraphCaptureError, UnsupportedError, expect
 from hal.kernels import npu as npu_ops
-from hal.kv_cache import paged_view
+from hal.kernels.reference import step_page_table
+from hal.kv_cache import kv_pages, kv_rows, paged_view
+from hal.kv_layouts import FRACTAL_NZ, TOKEN_MAJOR, pool_kv_layout
 from hal.layer import AttentionLayer
+from hal.validation import check_request_tables
 
-# Issue 23: the per-generation routing (routing.py), the real-NPU graph task updates (graph_tasks.py) and the
-# emulation adapter (emulated_ops.py) live in their own modules; these names stay importable from here.
-from .emulated_ops import _EmulatedOps, _op_dtype, _ops_for, _owned  # noqa: F401
-from .graph_tasks import GRAPH_UPDATE_API, NpuGraphTasks, _CapturedTask  # noqa: F401
-from .routing import MLA_GENERATIONS, MLA_OFF, AscendRouting, _fp8_reason, _mha_kv_write  # noqa: F401
+from . import routing
+from .emulated_ops import _op_dtype, _ops_for
+from .graph_tasks import GRAPH_UPDATE_API, GraphTasks, stream_capturing
+from .metadata import AscendMetadata, MaskKey, StepFacts
+from .routing import FIA, FIA_V2, MLA_DECODE, PAGED, SPLITFUSE, Route
+
+# Names of its parts that tests and plugins import from this module.
+from .emulated_ops import _EmulatedOps, _owned  # noqa: F401  # isort: skip
+from .graph_tasks import _CapturedTask  # noqa: F401  # isort: skip
+from .routing import MLA_GENERATIONS, MLA_OFF, _fp8_reason, _mha_kv_write  # noqa: F401  # isort: skip
 
 __all__ = ["AscendBackend", "AscendMetadata", "GRAPH_UPDATE_API"]
-
-MaskKey = tuple[str, int]  # (kind: "causal" | "full" | "custom" | "tree", sliding window or -1)
-
-# ----------------------------------------------------------------------------- metadata
-
-
-@dataclass
-class AscendMetadata:
-    """One step's metadata. Host lists per request; device tensors filled in ``in_graph``."""
-
-    batch_size: int
-    num_tokens: int
-    max_blocks: int  # block-table columns (a host int: static under graph capture)
-    query_lens: list[int]  # query tokens per request (splitfuse ``seq_len``)
-    kv_lens: list[int]  # KV tokens per request, the new ones included (``context_lens``)
-    dtype: torch.dtype  # the KV cache dtype, which the ops compute in
-    graph_static: bool = False
-    custom_mask: torch.Tensor | None = None  # TARGET_VERIFY: hal's flat bool mask (device)
-    block_table: torch.Tensor | None = None  # int32 [B, max_blocks] (device)
-    masks: dict[MaskKey, torch.Tensor] = field(default_factory=dict)  # splitfuse masks [T, W] (device)
-    page_size: int = 1
-    # int64 [B * max_blocks * page_size]: when the batch's slots are not page-aligned, the pool slot of every
-    # slot of a scratch paged cache that is (request b's pages at b * max_blocks ...); None when they are.
-    relayout: torch.Tensor | None = None
-    # 310P: the pool pages of the batch (int32 [B, max_blocks]) copied into the NZ cache that block_table numbers
-    source_table: torch.Tensor | None = None
-
-    # SGLang's names for the same data (its attention kit and tools inspect them), built when read.
-    @property
-    def kv_indptr(self) -> torch.Tensor | None:
-        """int32 ``[B + 1]``: 0, then the running sum of ``kv_lens``."""
-        if self.block_table is None:
-            return None
-        indptr = torch.zeros(len(self.kv_lens) + 1, dtype=torch.int32)
-        indptr[1:] = torch.cumsum(torch.tensor(self.kv_lens, dtype=torch.int64), 0)
-        return indptr.to(self.block_table.device)
-
-    @property
-    def kv_indices(self) -> torch.Tensor | None:
-        """int32: the KV slot the ops read for every key (block table page * page_size + offset), CSR over
-        ``kv_indptr``."""
-        if self.block_table is None:
-            return None
-        parts = []
-        for row, n in zip(self.block_table, self.kv_lens):
-            pos = torch.arange(n, device=row.device)
-            parts.append(row[pos // self.page_size].long() * self.page_size + pos % self.page_size)
-        return torch.cat(parts).to(torch.int32) if parts else self.block_table.new_zeros(0)
 
 
 def _split_mla(pool, layer: AttentionLayer) -> bool:
     """Whether ``pool`` holds ``layer``'s MLA latent and rope part in two buffers (``mla_split``: SGLang's NPU MLA
     pool through ``hal.integrations.sglang_pools``) rather than hal's one joined buffer."""
     return layer.is_mla and bool(getattr(pool, "mla_split", False))
+
+
+def _nz_pool(pool) -> bool:
+    """Whether ``pool`` lays its pages out FRACTAL_NZ (read in place by 310P's ATB ops)."""
+    return pool_kv_layout(pool) == FRACTAL_NZ
 
 
 def _relayout(
@@ -158,52 +130,99 @@ def _relayout(
     return torch.where(valid, rows, 0).reshape(-1)
 
 
+def _checked(route: Route) -> Route:
+    """``route``, or the error that says why it cannot run."""
+    if route.uncapturable:
+        raise GraphCaptureError(
+            f"ascend: {route.op} inside an NPUGraph capture would freeze its host lengths (no in-graph update "
+            "is implemented for it); only decode without a sliding window is graph-capturable on a real NPU"
+        )
+    if route.refused:
+        raise UnsupportedError(route.refused)
+    return route
+
+
 # ----------------------------------------------------------------------------- backend
 
 
-class AscendBackend(AscendRouting, NpuGraphTasks, AttentionBackend):
+class AscendBackend(AttentionBackend):
     name = "ascend"
     supports_padding_slots = True  # -1 in out_cache_loc: no KV written (docs/porting.md)
-    dtypes = frozenset({"fp16", "bf16", "fp32"})  # fp32: the emulation only (validate says why)
+    dtypes = frozenset({"fp16", "bf16", "fp32"})  # fp32: the emulation only (unsupported_reasons says why)
     page_sizes = frozenset({16, 32, 64, 128, 256, 512})  # multiples of 16 (ATB), <= 512 (FIA)
     supports_logit_cap = False  # neither ATB PagedAttention nor FIA takes a soft cap
     supports_mla = True  # latent MLA (A2/A3): _npu_paged_attention_mla, FIA v2 with query_rope/key_rope
     kv_cache_dtypes = frozenset({"fp16", "bf16", "fp32"})  # no fp8: see _fp8_reason
-    supports_sinks = True  # FIA v2's learnable_sink (A2/A3/A5), as SGLang and vllm-ascend serve gpt-oss
+    supports_sinks = True  # FIA v2's learnable_sink on A2/A3 (routing refuses A5, 310P), as SGLang and vllm-ascend
     needs_cpu_seq_lens = True  # the ops take per-request lengths on the host
     reads_new_kv = False  # every op reads the new tokens from the cache
     # The ops read token i at offset i % block_size of block i // block_size (block tables). An eager step
     # whose slots are laid out otherwise is re-laid out into a scratch cache (one host read, see _relayout);
     # a captured graph step trusts the layout, which SGLang's paged allocator and hal's guarantee.
     requires_page_aligned_slots = False
+    reads_tables = frozenset({"token", "page"})  # the block table as given, or built from req_to_token's pages
+    # 310P's ATB ops read FRACTAL_NZ caches in place; every generation reads token-major (ND) pages (on 310P through
+    # a per-layer NZ copy). unsupported_reasons refuses fractal_nz off 310P, so elsewhere token_major is chosen.
+    kv_layouts = (FRACTAL_NZ, TOKEN_MAJOR)
+
+    @classmethod
+    def format_kv_pages(cls, capability: DeviceCapability, kv_layout: str, pages: torch.Tensor) -> torch.Tensor:
+        """A fractal_nz pool's buffer cast to ACL_FORMAT_FRACTAL_NZ once, when the pool is made (vllm-ascend's 310P
+        runner allocates its caches so: ``torch_npu.empty_with_format(..., acl_format=ACL_FORMAT_FRACTAL_NZ)``)."""
+        if kv_layout != FRACTAL_NZ:
+            return pages
+        return _ops_for(capability).npu_format_cast(pages, npu_ops.contracts.ACL_FORMAT_FRACTAL_NZ)
 
     def __init__(self, capability: DeviceCapability, config=None, **options):
         ops = _ops_for(capability)  # first: a real NPU without torch_npu is a clear error, not a torch one
         super().__init__(capability, config, **options)
         self.ops = ops
+        self.generation = npu_ops.generation_of_arch(capability.arch)
+        self.graph_tasks = GraphTasks(ops)  # the decode tasks captured on a real NPU, updated before each replay
         self.graph_max_bs: int | None = None
         self.graph_max_tokens = 0
         self._graph_width = 0
         self._graph_max_blocks = 0
         self._graph_block_table: torch.Tensor | None = None
         self._graph_masks: dict[MaskKey, torch.Tensor] = {}
-        self._graph_tasks: dict[int, list[_CapturedTask]] = {}
-        self._update_stream = None
-        self._fia_ok: dict[tuple, bool] = {}
-        self._mla_why: dict[tuple, list[str]] = {}
-        self._sink_why: dict[tuple, list[str]] = {}
-        self.generation = npu_ops.generation_of_arch(capability.arch)
-        self._taken: list[str] = []  # step:op routes of the current batch (route_of)
-        self._route_step = ""
+
+    # -- what it serves: routing.py's tables ------------------------------------------
+    @classmethod
+    def unavailable_reasons(cls, capability: DeviceCapability) -> list[str]:
+        return routing.unavailable_reasons(capability)
+
+    @classmethod
+    def notes(cls, capability: DeviceCapability) -> list[str]:
+        return [*super().notes(capability), *routing.notes(capability)]
+
+    @classmethod
+    def unsupported_reasons(cls, config: AttentionConfig, capability: DeviceCapability) -> list[str]:
+        reasons = super().unsupported_reasons(config, capability) + routing.unsupported_reasons(config, capability)
+        return list(dict.fromkeys(reasons))
+
+    @classmethod
+    def routes(cls, config: AttentionConfig, capability: DeviceCapability) -> list[str]:
+        return routing.routes(config, capability)
+
+    @classmethod
+    def step_routes(cls, config: AttentionConfig, capability: DeviceCapability) -> dict[str, str]:
+        """The op each kind of step of ``config`` runs on this generation (``""``: none can)."""
+        return routing.step_routes(config, capability)
+
+    @classmethod
+    def extend_route(cls, config: AttentionConfig, capability: DeviceCapability) -> tuple[str, list[str]]:
+        """``(op, reasons)``: the op EXTEND batches of ``config`` run, and why FIA does not serve them."""
+        return routing.extend_route(config, capability)
 
     def route_of(self, forward_batch: ForwardBatch, layer: AttentionLayer) -> list[str]:
-        relayout = (
-            self.metadata_for(forward_batch).relayout is not None if not forward_batch.forward_mode.is_idle() else False
-        )
-        return list(dict.fromkeys(self._taken)) + (["relayout"] if relayout else [])
+        if forward_batch.forward_mode.is_idle():
+            return []
+        meta = self.metadata_for(forward_batch)
+        return list(dict.fromkeys(meta.taken)) + (["relayout"] if meta.relayout is not None else [])
 
-    def _took(self, op: str, step: str | None = None) -> None:
-        self._taken.append(f"{step or self._route_step}:{op}")
+    @staticmethod
+    def _took(meta: AscendMetadata, op: str, step: str | None = None) -> None:
+        meta.taken.append(f"{step or meta.step}:{op}")
 
     def support_triton(self) -> bool:
         """Triton helper ops only with a Triton NPU target (triton-ascend); the KV write is the NPU op."""
@@ -218,7 +237,7 @@ class AscendBackend(AscendRouting, NpuGraphTasks, AttentionBackend):
         self._graph_width = self._graph_max_blocks = 0
         self._graph_block_table = None
         self._graph_masks = {}
-        self._graph_tasks = {}
+        self.graph_tasks.clear()
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
@@ -239,7 +258,7 @@ class AscendBackend(AscendRouting, NpuGraphTasks, AttentionBackend):
             tokens,
             f"<= the max_num_tokens given to init_cuda_graph_state ({self.graph_max_tokens})",
         )
-        width = fb.req_to_token_pool.req_to_token.shape[1]
+        width = check_request_tables(fb)[2]
         if self._graph_block_table is None or width != self._graph_width:
             ps = fb.token_to_kv_pool.page_size
             self._graph_width, self._graph_max_blocks = width, -(-width // ps)
@@ -248,10 +267,9 @@ class AscendBackend(AscendRouting, NpuGraphTasks, AttentionBackend):
             )
             self._graph_masks = {}
 
-    # -- metadata ----------------------------------------------------------------------
+    # -- the plan ----------------------------------------------------------------------
     def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
         self.check_batch(fb)
-        self._taken = []
         pool = fb.token_to_kv_pool
         lens = host_lens(fb)
         q_lens, kv_lens = list(lens.query), lens.kv
@@ -272,8 +290,16 @@ class AscendBackend(AscendRouting, NpuGraphTasks, AttentionBackend):
             graph_static=static,
             page_size=pool.page_size,
             custom_mask=self._custom_mask(fb, q_lens, kv_lens) if mode.is_target_verify() else None,
+            facts=StepFacts(
+                generation=self.generation,
+                page_size=pool.page_size,
+                dtype=pool.dtype,
+                op_dtype=_op_dtype(pool.dtype, self.capability),
+            ),
+            step=routing.step_of(mode),
         )
-        if not static and pool.page_size > 1 and fb.batch_size:
+        block_table = getattr(fb, "req_to_page_pool", None)  # page-aligned by construction: never re-laid out
+        if not static and pool.page_size > 1 and fb.batch_size and block_table is None:
             meta.relayout = _relayout(
                 fb.req_to_token_pool.req_to_token, fb.req_pool_indices, kv_lens, pool.page_size, max_blocks
             )
@@ -281,9 +307,9 @@ class AscendBackend(AscendRouting, NpuGraphTasks, AttentionBackend):
             for key in self._graph_masks:  # the variants the captured layers use, refilled in place
                 meta.masks[key] = self._fill_graph_mask(meta, key)
             if in_capture:
-                self._graph_tasks[fb.batch_size] = []
-            elif self._graph_tasks.get(fb.batch_size):
-                self._update_graph_tasks(meta)
+                self.graph_tasks.begin(fb.batch_size)
+            elif self.graph_tasks.captured(fb.batch_size):
+                self.graph_tasks.update(fb.batch_size, meta.kv_lens)
         elif mode.is_mixed():
             meta.masks[("causal", -1)] = self._build_mask(meta, ("causal", -1))
         elif mode.is_target_verify():
@@ -295,9 +321,13 @@ class AscendBackend(AscendRouting, NpuGraphTasks, AttentionBackend):
         if fb.forward_mode.is_idle() or fb.batch_size == 0:
             meta.block_table = None
             return
-        table = npu_ops.block_tables(
-            fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.token_to_kv_pool.page_size, meta.max_blocks
+        pages = getattr(fb, "req_to_page_pool", None)
+        source = (
+            {"req_to_page": pages.req_to_page}
+            if pages is not None
+            else {"req_to_token": fb.req_to_token_pool.req_to_token}
         )
+        table = step_page_table(fb.req_pool_indices, meta.max_blocks, fb.token_to_kv_pool.page_size, **source)
         if meta.graph_static:
             meta.block_table = self._graph_block_table[: fb.batch_size]
             meta.block_table.copy_(table)
@@ -306,7 +336,7 @@ class AscendBackend(AscendRouting, NpuGraphTasks, AttentionBackend):
             meta.block_table = pages.view(fb.batch_size, meta.max_blocks)
         else:
             meta.block_table = table
-        if self.generation == "310P":  # the ops read the batch's pages copied into an NZ cache (_nz_caches)
+        if self.generation == "310P" and not _nz_pool(fb.token_to_kv_pool):  # the ops read an NZ copy (_nz_caches)
             meta.source_table = meta.block_table
             pages = torch.arange(fb.batch_size * meta.max_blocks, dtype=torch.int32, device=table.device)
             meta.block_table = pages.view(fb.batch_size, meta.max_blocks)
@@ -351,7 +381,7 @@ class AscendBackend(AscendRouting, NpuGraphTasks, AttentionBackend):
             meta.masks[key] = mask
         return mask
 
-    # -- forward -----------------------------------------------------------------------
+    # -- checks and the KV write -------------------------------------------------------
     def check_layer(self, layer: AttentionLayer) -> None:
         if layer.logit_cap > 0:
             raise UnsupportedError(f"ascend: logit_cap = {layer.logit_cap}: the Ascend ops have no soft cap")
@@ -364,6 +394,22 @@ class AscendBackend(AscendRouting, NpuGraphTasks, AttentionBackend):
         """The prologue's checks; a split MLA pool (latent and rope buffers apart) is checked as the one key it
         holds, through 0-slot stand-ins of the joined key's shape on the pool's device."""
         pool = forward_batch.token_to_kv_pool
+        layout = pool_kv_layout(pool)
+        if layout != TOKEN_MAJOR:  # no token-major buffers to check against: 0-slot stand-ins of the pool's shapes
+            expect(
+                layout == FRACTAL_NZ and self.generation == "310P" and not layer.is_mla,
+                UnsupportedError,
+                "ascend: KV pool layout",
+                layout,
+                f"{FRACTAL_NZ} on 310P (an MHA layer), or {TOKEN_MAJOR}: the ops of {self.generation} read those",
+            )
+            key, value = (
+                pages.new_empty(0, pool.head_num, dim)
+                for pages, dim in zip(kv_pages(pool, layer.layer_id), (pool.head_dim, pool.v_head_dim))
+            )
+            shapes = types.SimpleNamespace(get_key_buffer=lambda _: key, get_value_buffer=lambda _: value)
+            batch = types.SimpleNamespace(out_cache_loc=forward_batch.out_cache_loc, token_to_kv_pool=shapes)
+            return super().check_inputs(q, k, v, layer, batch, save_kv_cache)
         if not _split_mla(pool, layer):
             return super().check_inputs(q, k, v, layer, forward_batch, save_kv_cache)
         latent, rope = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
@@ -375,10 +421,11 @@ class AscendBackend(AscendRouting, NpuGraphTasks, AttentionBackend):
         return super().check_inputs(q, k, v, layer, batch, save_kv_cache)
 
     def save_kv(self, layer: AttentionLayer, fb: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
-        """The NPU's cache write, padding handled by each op's documented contract.
+        """The NPU's cache write (``routing.kv_write_op``), padding handled by each op's documented contract.
 
         * MHA on A2/A3/A5: ``npu_scatter_pa_kv_cache`` on the paged view (vllm-ascend's ``reshape_and_cache``).
-        * MHA on 310P: ``npu_scatter_nd_update_`` of the rows into hal's ND pool (``_mha_kv_write``).
+        * MHA on 310P: ``_npu_reshape_and_cache`` into a FRACTAL_NZ pool's pages; ``npu_scatter_nd_update_`` of the
+          rows into a token-major (ND) pool.
         * MLA, hal's one latent ++ rope cache: ``_npu_reshape_and_cache_siso`` on A2 (ATB's K_CACHE_V_BYPASS is
           documented for A2 only), ``npu_scatter_nd_update_`` on A3; SGLang's split MLA pool: two
           ``npu_scatter_nd_update_`` (latent, rope part), as SGLang writes it.
@@ -391,14 +438,20 @@ class AscendBackend(AscendRouting, NpuGraphTasks, AttentionBackend):
         padding requests (slot 0) leave it unspecified, and nothing reads it.
         """
         pool = fb.token_to_kv_pool
+        meta = self.forward_metadata
         split = _split_mla(pool, layer)
+        op = routing.kv_write_op(self.generation, pool_kv_layout(pool), mla=layer.is_mla, split_mla=split)
         slots, padding = fb.out_cache_loc, getattr(pool, "padding_slot", 0)  # SGLang pools: slot 0 too
-        if layer.is_mla and not split and self.generation == "A2":  # ATB's key-only write
-            if self.forward_metadata.graph_static:
+        if op in ("_npu_reshape_and_cache_siso", "_npu_reshape_and_cache"):  # ATB's ReshapeAndCache
+            if meta.graph_static:
                 slots = torch.where(slots == padding, -1, slots)
-            cache = pool.get_key_buffer(layer.layer_id)
-            npu_ops.write_latent(self.ops, k, cache.view(-1, pool.page_size, *cache.shape[1:]), slots)
-            self._took("_npu_reshape_and_cache_siso", "kv_write")
+            if op == "_npu_reshape_and_cache_siso":  # the key only, into hal's joined latent ++ rope cache
+                cache = pool.get_key_buffer(layer.layer_id)
+                npu_ops.write_latent(self.ops, k, cache.view(-1, pool.page_size, *cache.shape[1:]), slots)
+            else:  # into the NZ pages in place (check_inputs admits them on 310P only)
+                k_cache, v_cache = kv_pages(pool, layer.layer_id)
+                npu_ops.write_kv(self.ops, k, v, k_cache, v_cache, slots)
+            self._took(meta, op, "kv_write")
             return
         skip = (slots < 0)[:, None, None]
         slots = torch.where(slots < 0, padding, slots)
@@ -406,7 +459,7 @@ class AscendBackend(AscendRouting, NpuGraphTasks, AttentionBackend):
         def kept(buffer: torch.Tensor, new: torch.Tensor) -> torch.Tensor:  # -1 rows: the padding slot's own bytes
             return torch.where(skip, buffer[padding].to(new.dtype), new)
 
-        if layer.is_mla or self.generation == "310P":  # rows into the pool's ND buffers
+        if op == "npu_scatter_nd_update_":  # rows into the pool's ND buffers
             rows = [(pool.get_key_buffer(layer.layer_id), k)]
             if split:
                 rank = layer.kv_lora_rank
@@ -418,12 +471,39 @@ class AscendBackend(AscendRouting, NpuGraphTasks, AttentionBackend):
                 rows.append((pool.get_value_buffer(layer.layer_id), v))
             for buffer, new in rows:
                 npu_ops.scatter_rows(self.ops, buffer, slots, kept(buffer, new))
-            self._took("npu_scatter_nd_update_", "kv_write")
-            return
-        k_cache, v_cache = paged_view(pool, layer.layer_id)
-        k, v = kept(pool.get_key_buffer(layer.layer_id), k), kept(pool.get_value_buffer(layer.layer_id), v)
-        npu_ops.write_kv(self.ops, k, v, k_cache, v_cache, slots, scatter=True)
-        self._took("npu_scatter_pa_kv_cache", "kv_write")
+        else:
+            k_cache, v_cache = paged_view(pool, layer.layer_id)
+            k, v = kept(pool.get_key_buffer(layer.layer_id), k), kept(pool.get_value_buffer(layer.layer_id), v)
+            npu_ops.write_kv(self.ops, k, v, k_cache, v_cache, slots, scatter=True)
+        self._took(meta, op, "kv_write")
+
+    # -- the run: each layer through the op its route names ----------------------------
+    def run_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, out=None, **kwargs):
+        return self._attend(q, layer, forward_batch, "decode", kwargs.get("sinks"), out)
+
+    def run_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, out=None, **kwargs):
+        mode = forward_batch.forward_mode
+        if mode.is_mixed():  # reached when called directly (forward() sends MIXED to run_mixed on an NPU)
+            return self.run_mixed(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, out=out, **kwargs)
+        step = "target_verify" if mode.is_target_verify() else "extend"
+        return self._attend(q, layer, forward_batch, step, kwargs.get("sinks"), out)
+
+    def run_mixed(self, q, k, v, layer, forward_batch, save_kv_cache=True, out=None, **kwargs):
+        """Decodes and chunked prefills of a MIXED batch in one call: FIA (TND) where it serves the layer (A2/A3/A5,
+        as vllm-ascend's chunked prefill), else ``_npu_paged_attention_splitfuse``."""
+        return self._attend(q, layer, forward_batch, "mixed", kwargs.get("sinks"), out)
+
+    def _attend(self, q: torch.Tensor, layer: AttentionLayer, fb: ForwardBatch, step: str, sinks, out) -> torch.Tensor:
+        """``step`` of ``layer`` (``q``: ``[T, Hq, D]``): ``[T, Hq, Dv]`` in the cache's dtype, the caller's ``out``
+        where the step's op writes it (the ATB ops, :func:`_atb_out`); FIA's have no output argument, and their
+        result is copied into ``out`` by the base class."""
+        meta, query, k_cache, v_cache = self._prepare(q, layer, fb)
+        out = _atb_out(out, query)
+        if layer.is_mla:
+            return self._mla(meta, query, k_cache, v_cache, layer, fb.forward_mode, sinks, out)
+        if sinks is not None:
+            return self._sinks(meta, query, k_cache, v_cache, layer, step, sinks)
+        return self._mha(meta, query, k_cache, v_cache, layer, step, out)
 
     def _prepare(self, q, layer: AttentionLayer, fb: ForwardBatch):
         """After the prologue: ``(meta, query [T, Hq, D] in the cache dtype, k_cache, v_cache)``.
@@ -431,88 +511,38 @@ class AscendBackend(AscendRouting, NpuGraphTasks, AttentionBackend):
         Every op reads the new tokens from the cache (``reads_new_kv = False``).
         """
         meta = self.forward_metadata
-        mode = fb.forward_mode
-        self._route_step = (
-            "decode"
-            if mode.is_decode()
-            else "mixed"
-            if mode.is_mixed()
-            else "target_verify"
-            if mode.is_target_verify()
-            else "extend"
-        )
         pool = fb.token_to_kv_pool
-        k_cache, v_cache = paged_view(pool, layer.layer_id)
+        nz = _nz_pool(pool)
+        k_cache, v_cache = kv_pages(pool, layer.layer_id)  # an NZ pool's pages are what the ops read
         if meta.relayout is not None:  # read through a page-aligned copy of the batch's keys and values
-            k_cache = npu_ops.buffer_pages(pool.get_key_buffer(layer.layer_id)[meta.relayout], meta.page_size)
-            v_cache = npu_ops.buffer_pages(pool.get_value_buffer(layer.layer_id)[meta.relayout], meta.page_size)
+            k_rows, v_rows = kv_rows(pool, layer.layer_id, meta.relayout)
+            k_cache, v_cache = (npu_ops.buffer_pages(rows, meta.page_size) for rows in (k_rows, v_rows))
+            if nz:
+                k_cache, v_cache = (npu_ops.nz_pages(self.ops, cache) for cache in (k_cache, v_cache))
         if layer.is_mla and not _split_mla(pool, layer):
             v_cache = None  # hal's MLA pool: the value is the key's latent, one cache
-        if self.generation == "310P":
+        if self.generation == "310P" and not nz:
             k_cache, v_cache = (self._nz_caches(meta, cache) for cache in (k_cache, v_cache))
         return meta, q.to(pool.dtype).contiguous(), k_cache, v_cache
 
     def _nz_caches(self, meta: AscendMetadata, cache: torch.Tensor) -> torch.Tensor:
         """310P: the batch's pages of the ND ``cache``, request after request, as the FRACTAL_NZ cache ATB reads there
         (``[B * max_blocks, heads * dim / 16, page, 16]``, a copy per layer; ``meta.block_table`` numbers them).
-        vllm-ascend's 310P runner allocates its caches NZ; hal's pool is ND, so the ops read this copy."""
+        vllm-ascend's 310P runner allocates its caches NZ; a token-major (ND) pool is read through this copy."""
         if meta.relayout is None:  # the relayout copy is already laid out request after request
             cache = cache.index_select(0, meta.source_table.reshape(-1).long())
         return npu_ops.nz_pages(self.ops, cache)
 
-    def _refuse_capture(self, op: str) -> None:
-        if self._capturing():
-            raise GraphCaptureError(
-                f"ascend: {op} inside an NPUGraph capture would freeze its host lengths (no in-graph update "
-                "is implemented for it); only decode without a sliding window is graph-capturable on a real NPU"
-            )
-
-    def _splitfuse(self, meta, query, k_cache, v_cache, layer: AttentionLayer, key: MaskKey) -> torch.Tensor:
-        self._refuse_capture("_npu_paged_attention_splitfuse")
-        if self.generation == "A5":
-            raise UnsupportedError(
-                f"ascend: layer {layer.layer_id} needs _npu_paged_attention_splitfuse ({key[0]} mask, window "
-                f"{key[1]}), which A5 does not have (vllm-ascend runs no ATB attention op there)"
-            )
-        mask = self._mask(meta, key)
-        self._took("_npu_paged_attention_splitfuse")
-        out = npu_ops.paged_mixed(
-            self.ops,
-            query,
-            k_cache,
-            v_cache,
-            *(meta.block_table, meta.query_lens, meta.kv_lens),
-            scale=layer.scaling,
-            out=torch.empty_like(query),
-            mask=npu_ops.nz_mask(self.ops, mask) if self.generation == "310P" else mask,
-            num_kv_heads=layer.tp_k_head_num,
-        )
-        if key[0] == "custom":
-            # The additive mask is finite, so the op averages V over a row that sees no key;
-            # hal's contract (and the other backends) give such a query zeros.
-            blind = (mask == npu_ops.splitfuse_mask_value(mask.dtype)).all(dim=-1)
-            out.masked_fill_(blind[:, None, None], 0.0)
-        return out
-
-    @staticmethod
-    def _output(out: torch.Tensor, q: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:
-        return out.reshape(out.shape[0], layer.tp_q_head_num * layer.v_head_dim).to(q.dtype)
-
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        meta, query, k_cache, v_cache = self._prepare(q, layer, forward_batch)
-        if layer.is_mla:
-            out = self._mla(meta, query, k_cache, v_cache, layer, forward_batch.forward_mode, kwargs.get("sinks"))
-            return self._output(out, q, layer)
-        if kwargs.get("sinks") is not None:
-            return self._output(self._sinks(meta, query, k_cache, v_cache, layer, "decode", kwargs["sinks"]), q, layer)
-        if self._fia_serves(layer, k_cache.shape[1], meta.dtype, "fia_decode") and not self._capturing():
-            out = self._fia(meta, query, k_cache, v_cache, layer, decode=True)  # a window: band mode, padded to Q_S 2
-        elif layer.sliding_window_size >= 0:  # _npu_paged_attention has no mask: splitfuse with a windowed one
-            out = self._splitfuse(meta, query, k_cache, v_cache, layer, ("causal", layer.sliding_window_size))
-        elif self.generation == "A5":
-            raise UnsupportedError(f"ascend: decode of layer {layer.layer_id} on A5: FIA cannot serve it, no ATB")
-        elif self._capturing():  # vllm-ascend's full-decode graph op: its host lengths are updated per replay
-            out = torch.empty_like(query)
+    def _mha(self, meta: AscendMetadata, query, k_cache, v_cache, layer: AttentionLayer, step: str, out):
+        """An MHA layer without sinks through the op of its route (``routing.attention_route``); the ATB ops write
+        ``out`` where given."""
+        route = _checked(routing.attention_route(meta.facts, layer, step, stream_capturing(self.capability)))
+        if route.op == FIA:  # a decode's window: band mode, padded to Q_S 2
+            return self._fia(meta, query, k_cache, v_cache, layer, decode=route.decode)
+        if route.op == SPLITFUSE:
+            return self._splitfuse(meta, query, k_cache, v_cache, layer, route.mask, out)
+        if route.captured:  # vllm-ascend's full-decode graph op: its host lengths are updated per replay
+            out = torch.empty_like(query) if out is None else out
             call = dict(
                 query=query,
                 key_cache=k_cache,
@@ -523,43 +553,22 @@ class AscendBackend(AscendRouting, NpuGraphTasks, AttentionBackend):
                 block_table=meta.block_table,
                 out=out,
             )
-            self._capture_decode(meta, call)
-            self._took("_npu_paged_attention", "graph_decode")
-        else:
-            self._took("_npu_paged_attention")
-            out = npu_ops.paged_decode(
-                self.ops,
-                *(query, k_cache, v_cache, meta.block_table, meta.kv_lens),
-                scale=layer.scaling,
-                num_kv_heads=layer.tp_k_head_num,
-            )
-        return self._output(out, q, layer)
-
-    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        mode = forward_batch.forward_mode
-        if mode.is_mixed():  # reached when called directly (forward() sends MIXED to forward_mixed on an NPU)
-            return self.forward_mixed(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
-        meta, query, k_cache, v_cache = self._prepare(q, layer, forward_batch)
-        if layer.is_mla:
-            return self._output(self._mla(meta, query, k_cache, v_cache, layer, mode, kwargs.get("sinks")), q, layer)
-        if kwargs.get("sinks") is not None:
-            step = "target_verify" if mode.is_target_verify() else "extend"
-            return self._output(self._sinks(meta, query, k_cache, v_cache, layer, step, kwargs["sinks"]), q, layer)
-        window = layer.sliding_window_size
-        if mode.is_target_verify():
-            out = self._splitfuse(meta, query, k_cache, v_cache, layer, ("custom", window))
-        elif self._fia_serves(layer, k_cache.shape[1], meta.dtype, "extend"):
-            out = self._fia(meta, query, k_cache, v_cache, layer)
-        else:
-            kind = "causal" if layer.causal else "full"
-            out = self._splitfuse(meta, query, k_cache, v_cache, layer, (kind, window))
-        return self._output(out, q, layer)
+            self.graph_tasks.capture(meta.batch_size, meta.kv_lens, call, longest=self._graph_width)
+            self._took(meta, PAGED, "graph_decode")
+            return out
+        self._took(meta, PAGED)
+        return npu_ops.paged_decode(
+            self.ops,
+            *(query, k_cache, v_cache, meta.block_table, meta.kv_lens),
+            scale=layer.scaling,
+            out=out,
+            num_kv_heads=layer.tp_k_head_num,
+        )
 
     def _fia(self, meta, query, k_cache, v_cache, layer: AttentionLayer, decode: bool = False) -> torch.Tensor:
         """FIA (TND, paged) over the batch: extend, a MIXED batch's decodes and chunks in one call, or a decode
         (one query token per request, which sees its whole context: no mask)."""
-        self._refuse_capture("npu_fused_infer_attention_score")
-        self._took("npu_fused_infer_attention_score")
+        self._took(meta, FIA)
         q_lens = [1] * meta.batch_size if decode else meta.query_lens
         window = layer.sliding_window_size
         return npu_ops.paged_prefill(
@@ -570,62 +579,38 @@ class AscendBackend(AscendRouting, NpuGraphTasks, AttentionBackend):
             sliding_window=window,
         )
 
-    def forward_mixed(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        """Decodes and chunked prefills of a MIXED batch in one call: FIA (TND) where it serves the layer (A2/A3/A5,
-        as vllm-ascend's chunked prefill), else ``_npu_paged_attention_splitfuse``."""
-        meta, query, k_cache, v_cache = self._prepare(q, layer, forward_batch)
-        if layer.is_mla:
-            out = self._mla(meta, query, k_cache, v_cache, layer, forward_batch.forward_mode, kwargs.get("sinks"))
-            return self._output(out, q, layer)
-        if kwargs.get("sinks") is not None:
-            return self._output(self._sinks(meta, query, k_cache, v_cache, layer, "mixed", kwargs["sinks"]), q, layer)
-        if self._fia_serves(layer, k_cache.shape[1], meta.dtype, "extend"):
-            return self._output(self._fia(meta, query, k_cache, v_cache, layer), q, layer)
-        kind = "causal" if layer.causal else "full"
-        out = self._splitfuse(meta, query, k_cache, v_cache, layer, (kind, layer.sliding_window_size))
-        return self._output(out, q, layer)
-
-    def _fia_serves(self, layer: AttentionLayer, page_size: int, dtype: torch.dtype, path: str) -> bool:
-        """Whether ``npu_fused_infer_attention_score`` (TND, paged) can run this layer's ``path``
-        (``extend`` / ``fia_decode``) on this generation (never on 310P, which runs the ATB ops)."""
-        if self.generation == "310P":
-            return False
-        key = (layer.head_dim, layer.v_head_dim, layer.tp_q_head_num, layer.tp_k_head_num)
-        key += (layer.sliding_window_size, layer.causal, page_size, dtype, path)
-        ok = self._fia_ok.get(key)
-        if ok is None:
-            ok = self._fia_ok[key] = not npu_ops.unsupported_reasons(
-                layer.head_dim,
-                layer.v_head_dim,
-                page_size,
-                _op_dtype(dtype, self.capability),
-                layer.logit_cap,
-                layer.sliding_window_size,
-                False,
-                layer.causal,
-                kv_heads=layer.tp_k_head_num,
-                q_heads=layer.tp_q_head_num,
-                paths=(path,),
-            )
-        return ok
+    def _splitfuse(self, meta, query, k_cache, v_cache, layer: AttentionLayer, key: MaskKey, out) -> torch.Tensor:
+        """``_npu_paged_attention_splitfuse`` over the batch with the mask variant ``key`` (NZ on 310P), into ``out``
+        (a new tensor where None)."""
+        mask = self._mask(meta, key)
+        self._took(meta, SPLITFUSE)
+        out = npu_ops.paged_mixed(
+            self.ops,
+            query,
+            k_cache,
+            v_cache,
+            *(meta.block_table, meta.query_lens, meta.kv_lens),
+            scale=layer.scaling,
+            out=torch.empty_like(query) if out is None else out,
+            mask=npu_ops.nz_mask(self.ops, mask) if self.generation == "310P" else mask,
+            num_kv_heads=layer.tp_k_head_num,
+        )
+        if key[0] == "custom":
+            # The additive mask is finite, so the op averages V over a row that sees no key;
+            # hal's contract (and the other backends) give such a query zeros.
+            blind = (mask == npu_ops.splitfuse_mask_value(mask.dtype)).all(dim=-1)
+            out.masked_fill_(blind[:, None, None], 0.0)
+        return out
 
     # -- attention sinks ---------------------------------------------------------------
     def _sinks(self, meta: AscendMetadata, query, k_cache, v_cache, layer: AttentionLayer, step: str, sinks):
         """FIA v2 with ``learnable_sink`` over the batch (a decode: one query token per request)."""
-        key = (layer.head_dim, layer.tp_q_head_num, layer.tp_k_head_num, layer.logit_cap, layer.causal)
-        key += (k_cache.shape[1], meta.dtype, step)
-        why = self._sink_why.get(key)
-        if why is None:
-            config = AttentionConfig.from_layers([layer], dtype=meta.dtype, page_size=k_cache.shape[1])
-            why = self._sink_why[key] = self._sink_reasons(config, self.capability, step)
-        if why:
-            raise UnsupportedError(f"ascend: attention sinks, layer {layer.layer_id}: " + "; ".join(why))
-        self._refuse_capture("npu_fused_infer_attention_score_v2")
-        self._took("npu_fused_infer_attention_score_v2")
+        route = _checked(routing.sink_route(meta.facts, layer, step, stream_capturing(self.capability)))
+        self._took(meta, route.op)
         return npu_ops.paged_attention_sinks(
             self.ops,
             *(query, k_cache, v_cache, meta.block_table),
-            [1] * meta.batch_size if step == "decode" else meta.query_lens,
+            [1] * meta.batch_size if route.decode else meta.query_lens,
             meta.kv_lens,
             sinks,
             scale=layer.scaling,
@@ -634,60 +619,43 @@ class AscendBackend(AscendRouting, NpuGraphTasks, AttentionBackend):
         )
 
     # -- MLA ---------------------------------------------------------------------------
-    def _mla_refusal(self, layer: AttentionLayer, page_size: int, dtype: torch.dtype, path: str) -> list[str]:
-        """Why the op of MLA ``path`` cannot run ``layer`` (cached per layer shape)."""
-        key = (layer.kv_lora_rank, layer.qk_rope_head_dim, layer.tp_q_head_num, layer.tp_k_head_num)
-        key += (layer.sliding_window_size, layer.logit_cap, page_size, dtype, path)
-        reasons = self._mla_why.get(key)
-        if reasons is None:
-            config = AttentionConfig.from_layers([layer], dtype=dtype, page_size=page_size)
-            reasons = self._mla_why[key] = self._mla_reasons(config, self.capability, path)
-        return reasons
-
-    def _mla(self, meta: AscendMetadata, query, cache, rope, layer: AttentionLayer, mode, sinks=None) -> torch.Tensor:
-        """Latent attention -> ``[T, Hq, kv_lora_rank]`` over hal's one ``[blocks, page, 1, kv_lora_rank + rope]``
+    def _mla(self, meta: AscendMetadata, query, cache, rope, layer: AttentionLayer, mode, sinks=None, out=None):
+        """Latent attention -> ``[T, Hq, kv_lora_rank]`` (``_npu_paged_attention_mla`` into ``out`` where given)
+        over hal's one ``[blocks, page, 1, kv_lora_rank + rope]``
         ``cache`` (``rope`` None) or, from a split pool (SGLang's NPU MLA pool), the latent ``cache`` and ``rope``.
 
-        One cache: decode without a window is ``_npu_paged_attention_mla`` on it as it is; every other step FIA v2
-        with ``query_rope`` / ``key_rope``, which takes the latent and rope parts as two contiguous caches, so the
-        batch's pages are copied apart first (``mla_split``, a read of the batch's context per layer). A split
-        pool: FIA v2 for every step, in place."""
-        rank, page = layer.kv_lora_rank, cache.shape[1]
-        if sinks is not None:
-            raise UnsupportedError(
-                f"ascend: MLA layer {layer.layer_id} with sinks=: no Ascend MLA op takes a sink "
-                "(FIA v2's learnable_sink needs value D <= 128 and no rope inputs)"
-            )
-        if rope is None and mode.is_decode() and not self._mla_refusal(layer, page, meta.dtype, "mla_decode"):
-            self._refuse_capture("_npu_paged_attention_mla")
-            self._took("_npu_paged_attention_mla")
+        The op is ``routing.mla_route``'s. ``_npu_paged_attention_mla`` reads the one cache as it is; FIA v2 takes the
+        latent and rope parts as two contiguous caches, so from the one cache the batch's pages are copied apart
+        first (``mla_split``, a read of the batch's context per layer); a split pool is read in place."""
+        joined = rope is None
+        capturing = stream_capturing(self.capability)
+        step = routing.step_of(mode)
+        route = _checked(routing.mla_route(meta.facts, layer, step, joined, sinks is not None, capturing))
+        rank = layer.kv_lora_rank
+        if route.op == MLA_DECODE:
+            self._took(meta, MLA_DECODE)
             return npu_ops.mla_decode(
-                self.ops, query, cache, meta.block_table, meta.kv_lens, kv_lora_rank=rank, scale=layer.scaling
+                self.ops, query, cache, meta.block_table, meta.kv_lens, kv_lora_rank=rank, scale=layer.scaling, out=out
             )
-        path = "mla_tree" if mode.is_target_verify() else "mla_fia"
-        why = self._mla_refusal(layer, page, meta.dtype, path)
-        if why:
-            raise UnsupportedError(f"ascend: MLA layer {layer.layer_id}, {self._route_step}: " + "; ".join(why))
-        self._refuse_capture("npu_fused_infer_attention_score_v2")
         table = meta.block_table
-        if rope is None:
+        if joined:
             pages = self._batch_pages(meta, cache)
             cache, rope = pages[..., :rank].contiguous(), pages[..., rank:].contiguous()
             table = torch.arange(pages.shape[0], dtype=torch.int32, device=pages.device).view(meta.batch_size, -1)
-            self._taken.append("mla_split")
-        self._took("npu_fused_infer_attention_score_v2")
+            meta.taken.append("mla_split")
+        self._took(meta, FIA_V2)
         return npu_ops.mla_attention(
             self.ops,
             query,
             cache,
             rope,
             table,
-            [1] * meta.batch_size if mode.is_decode() else meta.query_lens,
+            [1] * meta.batch_size if route.decode else meta.query_lens,
             meta.kv_lens,
             scale=layer.scaling,
             causal=layer.causal,
             sliding_window=layer.sliding_window_size,
-            tree_mask=self._tree_mask(meta) if mode.is_target_verify() else None,
+            tree_mask=self._tree_mask(meta) if route.mask == ("tree", -1) else None,
         )
 
     @staticmethod
@@ -721,3 +689,22 @@ class AscendBackend(AscendRouting, NpuGraphTasks, AttentionBackend):
             )
         mask = meta.masks[("tree", -1)] = ~custom[tree_idx]
         return mask
+
+
+def _atb_out(out: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor | None:
+    """``out`` (the caller's ``[T, Hq, Dv]`` view, or None) where the ATB attention ops can write it: contiguous, in
+    the query's dtype (their binding hands ``out`` to ATB as it is: contracts, the ``out`` rows); else None."""
+    return out if out is not None and out.is_contiguous() and out.dtype == query.dtype else None
+
+
+def __getattr__(name: str):
+    """``AscendRouting`` and ``NpuGraphTasks``, the mixins ``AscendBackend`` was once assembled from: deprecated
+    since hal 0.4.0 (goes in 0.5.0). The routing is ``routing.py``'s functions, answered by ``AscendBackend``'s
+    classmethods; the graph tasks are a :class:`~hal.devices.npu.graph_tasks.GraphTasks` the backend owns."""
+    if name == "AscendRouting":
+        warn_renamed(f"{__name__}.AscendRouting", f"{__name__}.AscendBackend", since="0.4.0")
+        return AscendBackend
+    if name == "NpuGraphTasks":
+        warn_renamed(f"{__name__}.NpuGraphTasks", "hal.devices.npu.graph_tasks.GraphTasks", since="0.4.0")
+        return GraphTasks
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,5 +1,4 @@
-"""The CPU emulation of torch_npu as the ascend backend calls it: each op one opaque launch, as the emulated chip
-(issue 23: split from ascend_backend.py)."""
+"""The CPU emulation of torch_npu as the ascend backend calls it: each op one opaque launch, as the emulated chip."""
 
 from __future__ import annotations
 

@@ -9,9 +9,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from hal.batch import ForwardMode
-from hal.capability import DTYPE_NAMES
 from hal.config import AttentionConfig
 from hal.errors import ConfigError
+from hal.kv_dtypes import COMPUTE_DTYPE_NAMES, kv_dtype
 from hal.layer import AttentionLayer
 
 __all__ = ["Case", "LARGE_LOGITS_Q_SCALE"]
@@ -122,7 +122,12 @@ class Case:
 
     @property
     def dtype_name(self) -> str:
-        return DTYPE_NAMES[self.dtype]
+        return COMPUTE_DTYPE_NAMES[self.dtype]
+
+    @property
+    def kv_dtype_name(self) -> str:
+        """The KV cache's dtype name: ``kv_cache_dtype``'s, else the model dtype's."""
+        return self.dtype_name if self.kv_cache_dtype is None else kv_dtype(self.kv_cache_dtype).name
 
     def at_page(self, page_size: int) -> Case:
         """This case at another page size, named for the size it runs at (``decode_page16`` at 32:

@@ -34,9 +34,7 @@ def _renamed(case: Case, old: str, new: str) -> str:
 
 def _fit_dtype(backend_cls, case: Case, capability) -> Case:
     """``case`` in a dtype the backend (and ``capability``) serves: its own, else the nearest such."""
-    declared = getattr(backend_cls, "dtypes", None)
-    if declared is None:
-        return case
+    declared = backend_cls.declaration().dtypes
     served = set(declared) & (set(capability.dtypes) if capability is not None else set(declared))
     if case.dtype_name in served:
         return case
@@ -55,7 +53,7 @@ def _fit_head_dims(backend_cls, case: Case, capability) -> Case:
     if case.kv_lora_rank:
         return case
     split = case.v_head_dim not in (None, case.head_dim)
-    declared = getattr(backend_cls, "head_dims", None)
+    declared = backend_cls.declaration().head_dims
     dims = [d for d in _HEAD_DIMS if declared is None or d in declared] + sorted(set(declared or ()) - set(_HEAD_DIMS))
     own = case.head_dim in dims and (not split or case.v_head_dim in dims)
     refused = capability is not None and backend_cls.unsupported_reasons(case.config(), capability)
@@ -93,7 +91,7 @@ def cases_for(backend_cls, cases, capability=None) -> list[Case]:
     port with tile constraints still gets every feature in every mode. Cases that end up
     identical but for their names run once.
     """
-    declared = getattr(backend_cls, "page_sizes", None)
+    declared = backend_cls.declaration().page_sizes
     out, seen = [], set()
     names = {case.name for case in cases}
     for case in cases:
@@ -225,7 +223,7 @@ CASES: tuple[Case, ...] = (
     Case("mixed_sliding_window_page16", M, _EXACT_MIXED, sliding_window_size=9, page_size=16),
     Case("verify_sliding_window_page16", V, _VERIFY, sliding_window_size=7, page_size=16),
     Case("verify_blind_row_page16", V, _VERIFY, page_size=16, blind_row=True),
-    # a second blind-row case (issue 27: a route one case reaches is one refactor away from none): bf16, exact pages
+    # a second blind-row case (a route one case reaches is one refactor away from none): bf16, exact pages
     Case("verify_blind_row_page16_bf16", V, _EXACT_VERIFY, page_size=16, dtype=torch.bfloat16, blind_row=True),
     # run at every page size the backend declares: KV lengths at and across 16/32/64/128 boundaries
     Case("decode_pages", D, ((15, 1), (63, 1), (128, 1), (0, 1), (31, 1)), sweep=True),

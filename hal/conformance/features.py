@@ -1,12 +1,14 @@
 """Features a backend can declare off, and what a deployment requires of them (``hal check --require``).
 
-:func:`declared_off` asks the backend's own ``validate`` about a config it serves with one
+:func:`declared_off` asks the backend's own ``unsupported_reasons`` about a config it serves with one
 feature added; a feature that brings new reasons is declared off. :func:`case_features`
 says which of them a conformance case needs, so that ``hal check`` counts the cases each
 declared-off feature skipped. No pytest here: ``hal``'s argument parser reads these names.
 """
 
 from __future__ import annotations
+
+from hal.kv_dtypes import COMPUTE_DTYPES
 
 # Features a backend can declare off, each as what it adds to a config it serves (see declared_off).
 FEATURES = {
@@ -19,9 +21,7 @@ FEATURES = {
     "mla": {"v_head_dim": 64},
     "sinks": {"attention_sinks": True},
     "fp8_kv": {"kv_cache_dtype": "fp8_e4m3"},
-    "fp32": {"dtype": "fp32"},
-    "bf16": {"dtype": "bf16"},
-    "fp16": {"dtype": "fp16"},
+    **{name: {"dtype": name} for name in COMPUTE_DTYPES},  # fp32, bf16, fp16
 }
 # What an SGLang serving path needs: graphs for DECODE and TARGET_VERIFY, custom mask (every mode), bf16.
 PROFILES = {"serving": ("graph", "graph_verify", "custom_mask", "bf16")}
@@ -30,12 +30,11 @@ PROFILES = {"serving": ("graph", "graph_verify", "custom_mask", "bf16")}
 def _probe_config(backend, capability, **changes):
     import torch
 
-    from hal.capability import DTYPE_NAMES
     from hal.config import AttentionConfig
 
-    by_name = {name: dtype for dtype, name in DTYPE_NAMES.items() if dtype is not None}
-    pages = sorted(backend.page_sizes) if backend.page_sizes else [16]
-    head_dims = sorted(backend.head_dims) if backend.head_dims else [128]
+    declared = backend.declaration()
+    pages = sorted(declared.page_sizes) if declared.page_sizes else [16]
+    head_dims = sorted(declared.head_dims) if declared.head_dims else [128]
     fields = {
         "tp_q_head_num": 8,
         "tp_k_head_num": 2,
@@ -44,13 +43,13 @@ def _probe_config(backend, capability, **changes):
         "dtype": torch.bfloat16,
     }
     dtype = changes.pop("dtype", None)
-    if dtype is None:  # a dtype the backend serves, so that only the feature asked about can add a reason
-        for name in ("bf16", "fp16", "fp32"):
-            if not backend.unsupported_reasons(AttentionConfig(**{**fields, "dtype": by_name[name]}), capability):
-                fields["dtype"] = by_name[name]
+    if dtype is None:  # a dtype the backend serves (the narrowest), so that only the feature asked about adds reasons
+        for candidate in sorted(COMPUTE_DTYPES.values(), key=lambda d: d.itemsize):
+            if not backend.unsupported_reasons(AttentionConfig(**{**fields, "dtype": candidate}), capability):
+                fields["dtype"] = candidate
                 break
     else:
-        fields["dtype"] = by_name[dtype]
+        fields["dtype"] = COMPUTE_DTYPES[dtype]
     if "v_head_dim" in changes:
         changes["v_head_dim"] = fields["head_dim"] // 2
     return AttentionConfig(**{**fields, **changes})
@@ -68,6 +67,23 @@ def declared_off(backend, capability) -> dict[str, str]:
             off[feature] = "; ".join(extra)
     if base:
         off["any"] = "; ".join(sorted(base))
+    return off
+
+
+def kv_dtypes_off(backend, capability) -> dict[str, str]:
+    """``{name: why}`` for each KV-cache dtype the backend declares (``kv_cache_dtypes``) but refuses on
+    ``capability``: the reasons its ``unsupported_reasons`` gives for a config it serves with that KV cache (a
+    compute dtype's as the model dtype too), those it does not give without it first. A declared name that is no
+    KV-cache dtype is not refused here: no case can use it, which ``hal check`` reports."""
+    from hal.kv_dtypes import KV_STORAGE_DTYPES
+
+    base = set(backend.unsupported_reasons(_probe_config(backend, capability), capability))
+    off = {}
+    for name in sorted(backend.declaration().kv_cache_dtypes & set(KV_STORAGE_DTYPES)):
+        changes = {"dtype": name} if name in COMPUTE_DTYPES else {"kv_cache_dtype": name}
+        reasons = backend.unsupported_reasons(_probe_config(backend, capability, **changes), capability)
+        if reasons:
+            off[name] = "; ".join([r for r in reasons if r not in base] or reasons)
     return off
 
 

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from hal.batch import ForwardMode
 from hal.conformance.cases import Case, build, check_cache, check_output, describe
-from hal.kv_dtypes import KV_DTYPE_TABLE
+from hal.kv_dtypes import COMPUTE_DTYPES, KV_DTYPE_TABLE
 
 __all__ = ["cases", "padding_inserts", "fit_padding", "run_fuzz", "check_case"]
 
@@ -42,21 +42,21 @@ def _lengths(page: int):
 @st.composite
 def cases(draw, backend_cls, capability) -> Case:
     """A random case ``backend_cls`` declares it can serve on ``capability``."""
-    pages = sorted(backend_cls.page_sizes) if backend_cls.page_sizes is not None else list(_ANY_PAGE)
+    declared = backend_cls.declaration()
+    pages = sorted(declared.page_sizes) if declared.page_sizes is not None else list(_ANY_PAGE)
     page = draw(st.sampled_from([p for p in pages if p <= 128] or pages[:1]))
     modes = [ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DRAFT_EXTEND]
-    if backend_cls.supports_custom_mask:
+    if declared.supports_custom_mask:
         modes.append(ForwardMode.TARGET_VERIFY)
     mode = draw(st.sampled_from(modes))
-    served = [r for r in KV_DTYPE_TABLE if r.compute and r.name in backend_cls.dtypes and r.family in capability.dtypes]
-    dtypes = [row.torch_dtype for row in served]
+    dtypes = [d for name, d in COMPUTE_DTYPES.items() if name in declared.dtypes and capability.supports_dtype(d)]
     dtype = draw(st.sampled_from(dtypes or [torch.float32]))
     kv_heads = draw(st.sampled_from([1, 2, 4]))
     group = draw(st.sampled_from([1, 2, 3, 4]))
-    head_dims = sorted(backend_cls.head_dims) if backend_cls.head_dims else [16, 32, 64, 80, 128]
+    head_dims = sorted(declared.head_dims) if declared.head_dims else [16, 32, 64, 80, 128]
     head_dim = draw(st.sampled_from(head_dims))
     v_head_dim = None
-    if backend_cls.supports_mla and draw(st.booleans()):
+    if declared.supports_mla and draw(st.booleans()):
         v_head_dim = draw(st.sampled_from([16, 32, 64]))
     bs = draw(st.integers(1, 4))
     prefixes = [draw(_lengths(page)) for _ in range(bs)]
@@ -71,20 +71,20 @@ def cases(draw, backend_cls, capability) -> Case:
     if not mode.is_target_verify() and not mode.is_decode():
         prefixes = [p if mode != ForwardMode.DRAFT_EXTEND or p > 0 else 1 for p in prefixes]
     window = -1
-    if backend_cls.supports_sliding_window and draw(st.booleans()):
+    if declared.supports_sliding_window and draw(st.booleans()):
         window = draw(st.one_of(st.sampled_from([0, 1, page - 1, page, page + 1]), st.integers(0, 40)))
         window = max(window, 0)
     cap, q_scale = 0.0, 1.0
-    if backend_cls.supports_logit_cap and draw(st.booleans()):
+    if declared.supports_logit_cap and draw(st.booleans()):
         cap, q_scale = draw(st.sampled_from([1.0, 5.0, 30.0])), draw(st.sampled_from([1.0, 8.0]))
     attn_type = "decoder"
-    if backend_cls.supports_non_causal and mode in (ForwardMode.EXTEND, ForwardMode.MIXED) and draw(st.booleans()):
+    if declared.supports_non_causal and mode in (ForwardMode.EXTEND, ForwardMode.MIXED) and draw(st.booleans()):
         attn_type = "encoder_only"
     scaling = draw(st.one_of(st.none(), st.sampled_from([0.05, 0.3, 1.0])))
     layer_num = draw(st.integers(1, 3))
     start_layer = draw(st.sampled_from([0, 0, 1, 5]))  # a pipeline stage's pool now and then
     layer_id = start_layer + draw(st.integers(0, layer_num - 1))
-    scatter = page > 1 and not backend_cls.requires_page_aligned_slots and draw(st.booleans())
+    scatter = page > 1 and not declared.requires_page_aligned_slots and draw(st.booleans())
     case = Case(
         "fuzz",
         mode,
@@ -113,16 +113,16 @@ def cases(draw, backend_cls, capability) -> Case:
 def _model_features(draw, backend_cls, case: Case) -> Case:
     """``case`` with, where ``backend_cls`` declares them, attention sinks, an fp8 cache and MLA's latent layout."""
     changes: dict = {}
-    if backend_cls.supports_sinks and draw(st.booleans()):
+    declared = backend_cls.declaration()
+    if declared.supports_sinks and draw(st.booleans()):
         changes["sinks"] = True
-    declared = backend_cls.kv_cache_dtypes or frozenset()
-    fp8 = [row.torch_dtype for row in KV_DTYPE_TABLE if row.scaled and row.name in declared]
+    fp8 = [row.torch_dtype for row in KV_DTYPE_TABLE if row.scaled and row.name in declared.kv_cache_dtypes]
     if fp8 and draw(st.booleans()):
         k_scale, v_scale = (draw(st.sampled_from([0.004, 0.37, 1.0, 1.9])) for _ in range(2))
         changes.update(kv_cache_dtype=draw(st.sampled_from(fp8)), k_scale=k_scale, v_scale=v_scale)
-    if backend_cls.supports_mla and draw(st.booleans()):
+    if declared.supports_mla and draw(st.booleans()):
         rank, rope = draw(st.sampled_from([16, 32, 64])), draw(st.sampled_from([0, 8, 16]))
-        if not backend_cls.head_dims or rank + rope in backend_cls.head_dims:
+        if not declared.head_dims or rank + rope in declared.head_dims:
             changes.update(kv_lora_rank=rank, qk_rope_head_dim=rope, head_dim=rank + rope, v_head_dim=rank)
             changes.update(tp_k_head_num=1, tp_q_head_num=case.tp_q_head_num // case.tp_k_head_num)
             changes["v_scale"] = changes.get("k_scale")  # the value is the key's latent: one scale
@@ -133,7 +133,7 @@ def padding_inserts(backend_cls):
     """Padding requests to insert into a fuzzed case (``{before request i: query tokens}``), drawn apart from the
     case so that shrinking the case leaves them as they were; :func:`fit_padding` fits them to the case. Always
     ``{}`` where the backend does not declare ``supports_padding_slots``."""
-    if not backend_cls.supports_padding_slots:
+    if not backend_cls.declaration().supports_padding_slots:
         return st.just({})
     inserts = st.dictionaries(st.integers(0, 4), st.integers(1, 3), min_size=1, max_size=2)
     return st.one_of(st.just({}), inserts)

@@ -1,4 +1,4 @@
-"""Padding tokens (``out_cache_loc = -1``, vLLM's ``PAD_SLOT_ID``): the conformance cases of hal 0.3's contract.
+"""Padding tokens (``out_cache_loc = -1``, vLLM's ``PAD_SLOT_ID``): the conformance cases of the contract.
 
 A padding request is one whose query tokens are all -1: its KV is written nowhere (every slot of the pool,
 the padding page and the pool's last slot included, keeps its bytes; a -1 that wraps as a Python index lands in
@@ -6,7 +6,7 @@ the last slot), its output rows are unspecified, and the other requests' outputs
 it. The cases insert padding requests into a built case (inside the batch and at its end) and run a DECODE,
 EXTEND and MIXED step and a graph replay whose runner pads with -1 too; the whole pool and the real tokens'
 outputs are compared with the reference. A backend that does not declare ``supports_padding_slots`` (a plugin
-written before 0.3) must refuse such a batch at ``full`` validation, writing nothing; its cases then report
+that predates padding slots) must refuse such a batch at ``full`` validation, writing nothing; its cases then report
 ``unreached`` with that reason. Any other negative slot, one past the pool, or a -1 in a request that also
 writes real slots is refused by every backend, naming ``out_cache_loc``.
 """
@@ -166,9 +166,9 @@ def _assert_cache(built: Built, fb: ForwardBatch, what: str) -> None:
 def _unreached_unless_declared(target, built: Built, fb: ForwardBatch, q, k, v) -> None:
     """A backend that does not declare ``supports_padding_slots`` must refuse -1 at ``full`` validation (naming the
     attribute and the release that added it), writing nothing; then the case is reported unreached."""
-    if target.backend.supports_padding_slots:
+    if target.backend.declaration().supports_padding_slots:
         return
-    backend = target.create(validate="full")
+    backend = target.create(built.case.config(), validate="full")
     unchecked = ForwardBatch(**{f: getattr(fb, f) for f in _FIELDS if getattr(fb, f) is not None}, validate="off")
     with pytest.raises(UnsupportedError, match="supports_padding_slots") as info:
         backend.init_forward_metadata(unchecked)
@@ -199,7 +199,10 @@ _FIELDS = (
 
 def _record(request, case: Case) -> None:
     request.node.user_properties.append(
-        ("hal_case_detail", {"case": case.id, "page_size": case.page_size, "dtype": case.dtype_name})
+        (
+            "hal_case_detail",
+            {"case": case.id, "page_size": case.page_size, "dtype": case.dtype_name, "kv_dtype": case.kv_dtype_name},
+        )
     )
 
 
@@ -224,7 +227,7 @@ def _padding_step(hal_target, case: Case, request) -> None:
     built = build_with_free_last_slot(case, hal_target.capability.torch_device)
     fb, q, k, v, real = with_padding(built, PADDING_INSERTS[mode])
     _unreached_unless_declared(hal_target, built, fb, q, k, v)
-    backend = hal_target.create()
+    backend = hal_target.create(case.config())
     backend.init_forward_metadata(fb)
     out = backend.forward(q, k, v, built.layer, fb, **built.forward_kwargs)
     _assert_cache(built, fb, f"the {mode.name} step")
@@ -242,7 +245,7 @@ def test_padding_slots_in_a_graph_replay(hal_target, request):
     built = build_with_free_last_slot(case, hal_target.capability.torch_device)
     steps = [with_padding(built, inserts) for inserts in ({1: 1, 3: 1}, {0: 1}, {3: 1})]
     _unreached_unless_declared(hal_target, built, *steps[0][:4])
-    backend = hal_target.create()
+    backend = hal_target.create(case.config(graph=True))
     pool = built.batch.token_to_kv_pool
     runner = GraphRunner(
         backend,
@@ -281,7 +284,7 @@ def test_bad_padding_slot_is_rejected(hal_target, slot, request):
     kw["out_cache_loc"] = loc
     with pytest.raises(InvalidBatchError, match="out_cache_loc"):
         ForwardBatch(**kw | {"validate": "full"})
-    backend = hal_target.create(validate="full")
+    backend = hal_target.create(case.config(), validate="full")
     unchecked = ForwardBatch(**kw | {"validate": "off"})
     with pytest.raises((InvalidBatchError, UnsupportedError), match="out_cache_loc"):
         backend.init_forward_metadata(unchecked)

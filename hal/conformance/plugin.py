@@ -34,9 +34,10 @@ class Target:
     def id(self) -> str:
         return f"{self.device.name}-{self.backend.name}" + ("" if self.path.is_default else f"@{self.path.name}")
 
-    def create(self, **options):
-        """The backend on this target's path (run inside ``self.path.active()``, as the suite's tests are)."""
-        return self.backend(self.capability, **options)
+    def create(self, config=None, **options):
+        """The backend on this target's path (run inside ``self.path.active()``, as the suite's tests are), made
+        for ``config`` (the case's model, as an engine makes it) where given."""
+        return self.backend(self.capability, config, **options)
 
     def paths(self) -> list[Path]:
         """Every path of this target's backend on its device (:func:`hal.conformance.paths.paths_for`)."""
@@ -123,7 +124,8 @@ def pytest_generate_tests(metafunc):
 
 
 def case_record(item) -> dict | None:
-    """What ``hal check`` reports about a conformance item: id, family, mode, page_size, dtype."""
+    """What ``hal check`` reports about a conformance item: id, family, mode, page_size, dtype, kv_dtype (the KV
+    cache's dtype name; None where the test chooses its case at run time)."""
     callspec = getattr(item, "callspec", None)
     if callspec is None or "hal_target" not in callspec.params:
         return None
@@ -142,6 +144,7 @@ def case_record(item) -> dict | None:
             "mode": case.mode.name,
             "page_size": case.page_size,
             "dtype": case.dtype_name,
+            "kv_dtype": case.kv_dtype_name,
             "test": name,
             "path": path.name,
         }
@@ -158,6 +161,7 @@ def case_record(item) -> dict | None:
         "mode": mode_name,
         "page_size": None,
         "dtype": None,
+        "kv_dtype": None,
         "test": name,
         "path": path.name,
     }

@@ -18,8 +18,9 @@ from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
 
-from hal.conformance.features import case_features, declared_off
+from hal.conformance.features import case_features, declared_off, kv_dtypes_off
 from hal.errors import ConfigError, expect
+from hal.kv_dtypes import KV_STORAGE_DTYPES
 
 CLAIMED_MODES = ("DECODE", "EXTEND", "MIXED", "DRAFT_EXTEND", "TARGET_VERIFY")
 
@@ -94,7 +95,7 @@ class _Collector:
         record = self.records.get(report.nodeid)
         if record is None:
             base = props.get("hal_case") or {"id": report.nodeid, "family": "?", "mode": "?"}
-            record = {k: base.get(k) for k in ("id", "family", "mode", "page_size", "dtype")}
+            record = {k: base.get(k) for k in ("id", "family", "mode", "page_size", "dtype", "kv_dtype")}
             record["path"] = base.get("path", "default")
             record.update(outcome=None, reason="", key=key, needs=sorted(self.needs.get(report.nodeid, ())))
             self.records[report.nodeid] = record
@@ -103,6 +104,7 @@ class _Collector:
         detail = props.get("hal_case_detail")
         if detail:  # the case a test chose at run time: the id stays the same on every machine
             record["page_size"], record["dtype"] = detail["page_size"], detail["dtype"]
+            record["kv_dtype"] = detail.get("kv_dtype")
         if report.failed:
             record["outcome"], record["reason"] = "failed", _reason(report)
         elif report.skipped and record["outcome"] != "failed":
@@ -165,16 +167,16 @@ def _coverage_failures(target, cases: list[dict], declared_off: dict | None = No
         why = f"; e.g. {skipped[0]}" if skipped else ""
         problems.append(("ANY", f"ran no case at all ({len(skipped)} skipped){why}"))
     else:
-        backend, cap = target.backend, target.capability
+        declared, cap = target.backend.declaration(), target.capability
         declared_off = declared_off or {}
-        verify = backend.supports_custom_mask and "custom_mask" not in declared_off
+        verify = declared.supports_custom_mask and "custom_mask" not in declared_off
         claimed = [m for m in CLAIMED_MODES if m != "TARGET_VERIFY" or verify]
         forward = [c for c in cases if c["id"].startswith("forward:")]
         for mode in claimed:
             if not any(c["mode"] == mode and c["outcome"] in ("passed", "failed") for c in forward):
                 reasons = sorted({c["reason"] for c in forward if c["mode"] == mode})[:2]
                 problems.append((mode, f"claims {mode} but ran no {mode} case: {'; '.join(reasons) or 'none'}"))
-        if backend.supports_graph and cap.graph and "graph" not in declared_off:
+        if declared.supports_graph and cap.graph and "graph" not in declared_off:
             if not any(c["family"] == "graph" and c["outcome"] in ("passed", "failed") for c in cases):
                 problems.append(("DECODE", "claims graph capture but ran no graph case"))
     return [
@@ -253,6 +255,42 @@ def _route_failures(routes: dict) -> list[dict]:
         failures.append(
             {"id": f"coverage:route:{route}", "family": "coverage", "mode": "ANY", "page_size": None, "dtype": None}
             | {"outcome": "failed", "reason": f"route {route!r} (declared by routes()) {why}"}
+        )
+    return failures
+
+
+def kv_dtype_coverage(target, cases: list[dict]) -> dict:
+    """``{declared, cases, unreached, off}``: the KV-cache dtypes the backend declares (``kv_cache_dtypes``), per
+    dtype how many cases that ran used it, the ones no case used though the backend serves them here, and those it
+    declares but refuses on this capability, with why (not judged)."""
+    declared = target.backend.declaration().kv_cache_dtypes
+    off = kv_dtypes_off(target.backend, target.capability)
+    ran = [c.get("kv_dtype") for c in cases if c["outcome"] in ("passed", "failed")]
+    names = [n for n in KV_STORAGE_DTYPES if n in declared] + sorted(declared - set(KV_STORAGE_DTYPES))
+    counts = {name: ran.count(name) for name in names}
+    return {
+        "declared": names,
+        "cases": counts,
+        "unreached": [n for n in names if not counts[n] and n not in off],
+        "off": off,
+    }
+
+
+def _kv_dtype_failures(kv_dtypes: dict) -> list[dict]:
+    """A failed record for each KV-cache dtype the backend declares and serves here that no case used."""
+    used = ", ".join(f"{n} ({k})" for n, k in kv_dtypes["cases"].items() if k) or "none"
+    failures = []
+    for name in kv_dtypes["unreached"]:
+        why = "the suite does not test it here (fixed cases name their KV dtype; --fuzz draws every declared fp8 one)"
+        if name not in KV_STORAGE_DTYPES:
+            why = f"it is no KV-cache dtype of hal.kv_dtypes ({', '.join(KV_STORAGE_DTYPES)})"
+        failures.append(
+            {"id": f"coverage:kv_dtype:{name}", "family": "coverage", "mode": "ANY", "page_size": None, "dtype": None}
+            | {
+                "outcome": "failed",
+                "reason": f"KV cache dtype {name!r} (declared in kv_cache_dtypes) was used by no case: {why}; "
+                f"used: {used}",
+            }
         )
     return failures
 
@@ -355,10 +393,12 @@ def run_check(
         cases = by_target.get(key, [])
         target = collector.target_objs[key]
         routes = route_coverage(cases)
+        kv_dtypes = kv_dtype_coverage(target, cases)
         features = feature_summary(target, cases)
         ran_paths = path_summary(target, cases)
         if not filtered:
             cases += _coverage_failures(target, cases, features) + _route_failures(routes) + _path_failures(ran_paths)
+            cases += _kv_dtype_failures(kv_dtypes)
         cases += requirement_failures(features, require)
         counts = {o: sum(c["outcome"] == o for c in cases) for o in ("passed", "failed", "skipped")}
         results.append(
@@ -372,6 +412,7 @@ def run_check(
                 "summary": summarize(cases),
                 "declared_off": features,
                 "routes": routes,
+                "kv_dtypes": kv_dtypes,
                 "paths": ran_paths,
                 "cases": cases,
             }
@@ -406,6 +447,11 @@ def format_report(report: dict, verbose: bool = False) -> str:
                 families += f"; modes: {', '.join(p['modes'])}" if p.get("modes") else ""
                 counts = f"{p['passed']} passed, {p['failed']} failed, {p['skipped']} skipped"
                 out.append(f"  path {name}: {counts} (families: {families})")
+        kv_dtypes = r.get("kv_dtypes") or {}
+        if kv_dtypes.get("declared"):
+            used = ", ".join(f"{n} {k}" for n, k in kv_dtypes["cases"].items() if n not in kv_dtypes["off"])
+            out.append(f"  KV cache dtypes, cases each: {used or 'none'}")
+            out += [f"    {n}: declared, not served here ({why})" for n, why in kv_dtypes["off"].items()]
         routes = r.get("routes") or {}
         if routes.get("declared"):
             unreached = ", ".join(routes["unreached"]) or "none"

@@ -1,6 +1,6 @@
 """The conformance tests. Each takes ``hal_target`` (a device and backend) from the plugin.
 
-A case the backend declares it cannot serve (``validate`` gives reasons) is skipped
+A case the backend declares it cannot serve (``unsupported_reasons`` gives reasons) is skipped
 with those reasons; everything else must match the float64 reference, and the whole
 KV pool (every layer, K and V) must equal what a correct forward leaves: the new
 tokens at ``out_cache_loc`` and nothing else. The cache is compared first, so a
@@ -33,6 +33,10 @@ from hal.conformance.cases import (
     graph_replays,
     sub_batch,
 )
+from hal.conformance.output import (  # noqa: F401 (collected as this suite's tests)
+    test_an_output_buffer_the_kernel_cannot_write_is_refused,
+    test_out_buffer_receives_the_rows_in_place,
+)
 from hal.conformance.padding import (  # noqa: F401 (collected as this suite's tests)
     test_bad_padding_slot_is_rejected,
     test_padding_slots_in_a_graph_replay,
@@ -48,14 +52,13 @@ def _backend_for(target, case: Case, graph: bool = False):
     reasons = target.backend.unsupported_reasons(case.config(graph=graph), target.capability)
     if reasons:
         pytest.skip(f"{target.id} declares it cannot serve {case.id}: " + "; ".join(reasons))
-    return target.create()
+    return target.create(case.config(graph=graph))
 
 
 def _record(request, case: Case, family: str | None = None) -> None:
-    """Tell ``hal check`` which case a test chose at run time (page size, dtype)."""
-    request.node.user_properties.append(
-        ("hal_case_detail", {"case": case.id, "page_size": case.page_size, "dtype": case.dtype_name, "family": family})
-    )
+    """Tell ``hal check`` which case a test chose at run time (page size, dtype, KV cache dtype)."""
+    detail = {"case": case.id, "page_size": case.page_size, "dtype": case.dtype_name, "kv_dtype": case.kv_dtype_name}
+    request.node.user_properties.append(("hal_case_detail", {**detail, "family": family}))
 
 
 def assert_result(built: Built, out: torch.Tensor | None, expected=None, rows=None, skip_padding_page=False) -> None:
@@ -90,7 +93,7 @@ def _record_routes(request, target, backend, case: Case, built: Built) -> None:
 def _assert_misaligned_refused(target, case: Case) -> None:
     """A backend that requires page-aligned slots refuses a scattered layout, naming why, and writes nothing."""
     _backend_for(target, case)  # skips with the reasons when the config itself is declared off
-    backend = target.create(validate="full")
+    backend = target.create(case.config(), validate="full")
     built = build(case, target.capability.torch_device)
     with pytest.raises(InvalidBatchError, match="page_size") as info:
         backend.init_forward_metadata(built.batch)
@@ -104,7 +107,8 @@ def test_forward_matches_reference(hal_target, hal_case, request):
     """Output equals the reference, the new K/V land at out_cache_loc, and no other slot of any layer changes.
 
     Scattered slots on a backend that declares ``requires_page_aligned_slots``: refused (full validation)."""
-    if hal_case.slots != "aligned" and hal_target.backend.requires_page_aligned_slots and hal_case.page_size > 1:
+    aligned_only = hal_target.backend.declaration().requires_page_aligned_slots
+    if hal_case.slots != "aligned" and aligned_only and hal_case.page_size > 1:
         _assert_misaligned_refused(hal_target, hal_case)
         return
     backend = _backend_for(hal_target, hal_case)
@@ -338,10 +342,10 @@ def _assert_refused(hal_target, request, case: Case, corrupt, field: str) -> Non
     corrupt(built, kw)
     with pytest.raises(InvalidBatchError, match=field):
         ForwardBatch(**kw, validate="full")
-    backend = hal_target.create(validate="full")
+    backend = hal_target.create(case.config(), validate="full")
     batch = ForwardBatch(**kw, validate="off")
     # a backend that reads whole pages may refuse the moved slot for its page offset first
-    aligned = hal_target.backend.requires_page_aligned_slots and case.page_size > 1
+    aligned = hal_target.backend.declaration().requires_page_aligned_slots and case.page_size > 1
     with pytest.raises(InvalidBatchError, match=f"{field}|req_to_token\\[" if aligned else field):
         backend.init_forward_metadata(batch)
         backend.forward(built.q, built.k, built.v, built.layer, batch, **built.forward_kwargs)
@@ -420,7 +424,7 @@ def test_earlier_request_writing_a_later_prefix_is_rejected(hal_target, request)
 def test_verify_mask_sized_without_the_drafts_is_rejected(hal_target, request):
     """A TARGET_VERIFY custom mask sized draft x prefix per request (the drafts' own columns left out) instead
     of draft x (prefix + draft) is refused, naming spec_info.custom_mask."""
-    if not hal_target.backend.supports_custom_mask:
+    if not hal_target.backend.declaration().supports_custom_mask:
         pytest.skip(f"{hal_target.id} declares no custom mask (supports_custom_mask = False)")
     _first_servable(hal_target, ForwardMode.TARGET_VERIFY)
     case = _servable(hal_target, Case("verify_mask_draft_by_prefix", ForwardMode.TARGET_VERIFY, ((10, 4), (25, 4))))

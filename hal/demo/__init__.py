@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["add_arguments", "run_demo"]
+from hal.kv_dtypes import COMPUTE_DTYPES
+
+__all__ = ["add_arguments", "run_demo", "DTYPES"]
+
+# The model dtypes the demo serves (--dtype): the compute dtypes but fp16, which it never runs on a CPU.
+DTYPES = {name: dtype for name, dtype in COMPUTE_DTYPES.items() if name != "fp16"}
 
 
 def _int_list(text: str) -> list[int]:
@@ -38,11 +43,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="llama",
         help="llama (default), deepseek (MLA over a latent KV cache, MoE) or gpt-oss (sinks, alternating windows, MoE)",
     )
+    from .kv_quant import KV_DTYPE_NAMES
+
     p.add_argument(
         "--kv-dtype",
         default="auto",
-        help="KV cache dtype: auto (the model dtype), fp8_e4m3 or fp8_e5m2 (scaled per layer; the report "
-        "gives its agreement with the unquantised run; fp8, the old spelling of fp8_e4m3, is deprecated)",
+        help=f"KV cache dtype: {', '.join(KV_DTYPE_NAMES)} (auto: the model dtype; the others are scaled per layer "
+        "and the report gives their agreement with the unquantised run; fp8, the old spelling of fp8_e4m3, is "
+        "deprecated)",
     )
     p.add_argument("--device", help="cpu, cuda, cuda:1, npu... (default: the best available)")
     p.add_argument("--backend", help="force an attention backend (default: the device's first that fits)")
@@ -50,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128, help="the longest output; each request draws its own")
     p.add_argument("--prompt-range", type=_range, default=(8, 64), metavar="MIN:MAX", help="prompt lengths")
     p.add_argument("--prompt-lens", type=_int_list, help="explicit prompt lengths, one request each (N1,N2,...)")
-    p.add_argument("--dtype", default="fp32", help="fp32 (default) or bf16")
+    p.add_argument("--dtype", default="fp32", help=f"the model dtype: {' or '.join(DTYPES)} (default fp32)")
     p.add_argument("--check", action="store_true", help="compare every token with transformers' generate")
     p.add_argument("--check-steps", action="store_true", help="the synthetic step-by-step reference check instead")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (torch.distributed)")

@@ -16,6 +16,7 @@ from hal.config import AttentionConfig
 from hal.errors import ConfigError, expect
 from hal.kv_dtypes import kv_dtype as kv_dtype_row
 
+from . import DTYPES
 from . import tp as tp_mod
 from .core import make_graph, make_pools, select_backend
 from .engine import Engine, ModelGraphRunner, Request
@@ -24,8 +25,6 @@ from .kv_quant import agreement, calibrated_scales, kv_cache_dtype
 from .model import ModelShape
 
 __all__ = ["serve", "make_requests", "build"]
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def make_requests(args) -> list[Request]:

@@ -53,7 +53,7 @@ def rank_info(tp: int) -> RankInfo | None:
 
 def group_backend(device: DeviceCapability | str) -> str:
     """The ``torch.distributed`` backend of ``device``'s tensor-parallel group: its ``collective_backend``.
-    A torch device type (hal 0.1's argument) still works, with a DeprecationWarning."""
+    A torch device type (the deprecated argument) still works, with a DeprecationWarning."""
     if isinstance(device, DeviceCapability):
         return device.collective_backend
     warn_renamed("hal.demo.tp.group_backend(torch_type)", "group_backend(capability)")
@@ -94,7 +94,7 @@ def launch(tp: int, argv: list[str]) -> int:
         quiet = subprocess.DEVNULL if rank else None
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "hal.cli", "demo", *argv],
+                [sys.executable, "-m", "hal", "demo", *argv],
                 env=env,
                 stdout=quiet,
                 stderr=logs[rank] if rank else None,

@@ -265,7 +265,8 @@ def _pool_dtypes(model_runner, pool) -> tuple[torch.dtype, str | None]:
     "quantised" in name only: float8 buffers ``[slots, heads, dim]`` of the values divided by the layer's
     per-tensor scale, no scale buffers, no dequantising read; that pool is served as the plain fp8 one."""
     from hal.kernels.reference import is_fp8
-    from hal.kv_cache import KV_CACHE_DTYPES, kv_cache_dtype_name
+    from hal.kv_cache import kv_cache_dtype_name
+    from hal.kv_dtypes import KV_STORAGE_DTYPES
 
     kv = pool.dtype
     store = getattr(pool, "store_dtype", kv)
@@ -273,11 +274,11 @@ def _pool_dtypes(model_runner, pool) -> tuple[torch.dtype, str | None]:
     if not per_tensor_fp8 and (getattr(pool, "is_quantized_kv_cache", False) or store != kv):
         raise UnsupportedError(
             f"{type(pool).__name__}: KV cache dtype {kv} stored as {store} with per-block scales: hal serves "
-            f"{sorted(KV_CACHE_DTYPES)} caches (fp8 with a per-layer k_scale / v_scale)"
+            f"{sorted(KV_STORAGE_DTYPES)} caches (fp8 with a per-layer k_scale / v_scale)"
         )
     if not is_fp8(kv):
-        if kv not in KV_CACHE_DTYPES.values():
-            raise UnsupportedError(f"KV cache dtype {kv}: hal serves {sorted(KV_CACHE_DTYPES)}")
+        if kv not in KV_STORAGE_DTYPES.values():
+            raise UnsupportedError(f"KV cache dtype {kv}: hal serves {sorted(KV_STORAGE_DTYPES)}")
         return kv, None
     model = getattr(model_runner, "dtype", None)
     if not isinstance(model, torch.dtype):

@@ -12,7 +12,7 @@ They belong to the engine release, so they live here, with the SGLang integratio
 :class:`SGLangMembers` is the mixin holding hal's answers (none of SGLang's optional runner paths is taken).
 :func:`sglang_members` applies it to a hal backend: a backend class that inherits the mixin (to answer one
 question differently, e.g. ``shared_read_ends`` once its reads are audited) is its own answer; any other backend
-is answered by the mixin's defaults, which read the backend's ``name`` and ``supports_graph``.
+is answered by the mixin's defaults, which read the backend's ``name`` and ``declaration()``.
 ``hal.integrations.sglang.HalAttnBackend`` asks here and hands SGLang the answers.
 """
 
@@ -43,7 +43,7 @@ DECLARED = (
 
 class SGLangMembers:
     """Mixin: SGLang 0.5.21's members with hal's answers (see the module docstring). ``self`` is a hal backend
-    (it reads ``name`` and ``supports_graph``)."""
+    (it reads ``name`` and ``declaration()``)."""
 
     # Declared attributes (SGLang reads them off any backend without getattr).
     data_type: torch.dtype | None = None  # compute dtype (SGLang's fp8 fuse-rope checks); the model's
@@ -90,7 +90,7 @@ class SGLangMembers:
         A recapture reuses the buffers of ``init_cuda_graph_state``; a backend without graph support
         raises ``UnsupportedError``.
         """
-        if not self.supports_graph:
+        if not self.declaration().supports_graph:
             raise UnsupportedError(f"{self.name or type(self).__name__} does not capture graphs, so cannot recapture")
 
     @property
@@ -100,16 +100,16 @@ class SGLangMembers:
         return None
 
 
-# Every member the mixin holds (public names): what moved out of hal.AttentionBackend in 0.3.0.
+# Every member the mixin holds (public names): what a hal backend still answers through AttentionBackend.__getattr__.
 MEMBERS = frozenset(name for name in vars(SGLangMembers) if not name.startswith("_"))
 
 
 class _Answers(SGLangMembers):
-    """The mixin's answers for a backend whose class does not inherit it: its ``name`` and ``supports_graph``."""
+    """The mixin's answers for a backend whose class does not inherit it: its ``name`` and ``declaration()``."""
 
     def __init__(self, backend: AttentionBackend):
         self.backend = backend
-        self.name, self.supports_graph = backend.name, backend.supports_graph
+        self.name, self.declaration = backend.name, backend.declaration
 
 
 def sglang_members(backend: AttentionBackend) -> SGLangMembers:

@@ -19,8 +19,11 @@ Opt-in (installing hal changes nothing in vLLM): hal's ``vllm.general_plugins`` 
 * ``CUSTOM`` -> hal, unless something else already did: ``--attention-backend CUSTOM`` on platforms
   that honour it (CUDA, ROCm);
 * with ``HAL_VLLM=1`` only, an override of ``CPU_ATTN`` (vLLM's CPU platform always picks ``CPU_ATTN`` and
-  ignores ``CUSTOM``), and of vLLM's CPU MLA backends by a refusal (MLA goes through vLLM's MLA backend
-  family, whose contract hal does not implement).
+  ignores ``CUSTOM``). hal steps aside where it does not serve what ``CPU_ATTN`` does: MLA models keep vLLM's
+  CPU MLA backends (another backend family), encoder-only layers vLLM's CPU_ATTN impl.
+
+What hal's integration does not serve (context parallelism, adaptive verification, a KV connector under the
+``CPU_ATTN`` name, fp8 caches of ROCm's e4m3fnuz) is refused when the engine starts, with hal's error classes.
 
 vLLM names a layer's backend by ``AttentionBackendEnum[get_name()]`` in every process, so each
 registered class answers the enum member it is registered under.
@@ -57,17 +60,20 @@ except ImportError as _exc:
 import torch  # noqa: E402
 
 import hal  # noqa: E402
-from hal.errors import ConfigError, UnsupportedError  # noqa: E402
+from hal.errors import ConfigError, UnsupportedError, expect  # noqa: E402
 from hal.integrations.vllm_steps import (  # noqa: E402
     VLLM_KV_CACHE_DTYPES,
     StepTranslator,
     VllmKVPool,
     VllmStep,
     hal_kv_cache_dtype,
+    hal_kv_layout,
+    served_kv_layouts,
+    vllm_block_size,
     vllm_layer,
 )
-from hal.kv_cache import KV_CACHE_DTYPES  # noqa: E402
-from hal.kv_dtypes import kv_dtype  # noqa: E402
+from hal.kv_dtypes import KV_STORAGE_DTYPES, kv_dtype  # noqa: E402
+from hal.kv_layouts import HEAD_MAJOR, KV_LAYOUTS, TOKEN_MAJOR  # noqa: E402
 
 __all__ = [
     "HalAttentionBackend",
@@ -115,7 +121,8 @@ def _kernel_block_sizes() -> list[int]:
     classes = [c for c in classes if not forced or c.name == forced] or classes
     sizes: set[int] = set()
     for cls in classes:
-        sizes |= set(_POWERS_OF_TWO if cls.page_sizes is None else cls.page_sizes)
+        declared = cls.declaration().page_sizes
+        sizes |= set(_POWERS_OF_TWO if declared is None else declared)
     return sorted(sizes)
 
 
@@ -147,13 +154,24 @@ class HalMetadataBuilder(AttentionMetadataBuilder[HalAttentionMetadata]):
 
         attn_layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
         impls = {name: layer.impl for name, layer in attn_layers.items()}
+        self.vllm_builder = _stepped_aside_builder(impls, kv_cache_spec, layer_names, vllm_config, device)
+        if self.vllm_builder is not None:  # encoder-only layers: vLLM's CPU_ATTN serves them
+            self.reorder_batch_threshold = self.vllm_builder.reorder_batch_threshold
+            return
         foreign = sorted(name for name, impl in impls.items() if not isinstance(impl, HalAttentionImpl))
         if foreign or not impls:
             raise ConfigError(f"KV cache group {layer_names}: layers {foreign or layer_names} are not hal's")
+        vllm_backend = next(iter(attn_layers.values())).attn_backend
+        refuse_unserved_features(vllm_config, vllm_backend.get_name())
+        # the layout vLLM allocated: the one it resolved (0.30+), else the one get_kv_cache_shape gave
+        kv_layout = hal_kv_layout(
+            getattr(vllm_config.cache_config, "kv_cache_layout", None), vllm_backend.hal_kv_layouts()[0]
+        )
         for name, impl in impls.items():  # vLLM keeps a layer's value width on the layer, not its impl
             impl.head_size_v = getattr(attn_layers[name], "head_size_v", impl.head_size)
+            impl.kv_layout = kv_layout
         model = vllm_config.model_config
-        cache_dtype = hal_kv_cache_dtype(vllm_config.cache_config.cache_dtype)
+        cache_dtype = _group_cache_dtype(impls)
         self.block_size = kv_cache_spec.block_size
         self.attn_layers = attn_layers
         self.layers = {
@@ -169,6 +187,7 @@ class HalMetadataBuilder(AttentionMetadataBuilder[HalAttentionMetadata]):
             max_batch_size=vllm_config.scheduler_config.max_num_seqs,
             attention_sinks=any(impl.sinks is not None for impl in impls.values()),
             kv_cache_dtype=cache_dtype,
+            kv_layout=kv_layout,  # selection refuses, with its reasons, a backend that does not read it in place
         )
         self.selection = hal.select(config, device=str(device))
         cap = self.selection.capability
@@ -179,12 +198,19 @@ class HalMetadataBuilder(AttentionMetadataBuilder[HalAttentionMetadata]):
             )
         self.hal_backend = self.selection.create()
         self.bound = False
-        kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype_name]
-        self.pool = VllmKVPool(self.block_size, kv_dtype, device, first.head_size, first.head_size_v)
+        kv_dtype = KV_STORAGE_DTYPES[config.kv_cache_dtype_name]
+        self.pool = VllmKVPool(self.block_size, kv_dtype, device, first.head_size, first.head_size_v, kv_layout)
         max_blocks = -(-model.max_model_len // self.block_size)
         self.translator = StepTranslator(
-            self.pool, self.block_size, vllm_config.scheduler_config.max_num_seqs, max_blocks, device
+            self.pool,
+            self.block_size,
+            vllm_config.scheduler_config.max_num_seqs,
+            max_blocks,
+            device,
+            exact_seq_lens=getattr(vllm_config, "num_speculative_tokens", 0) > 0,
+            wait_for_host_copies=bool(getattr(vllm_config.cache_config, "kv_sharing_fast_prefill", False)),
         )
+        self._adopt_workspace(_shared_workspace(self.hal_backend, device))
         logger.info(
             "hal %s serves vLLM's attention for %d layers (block size %d, %s, KV %s): hal device %s, backend %s, "
             "forward paths %s",
@@ -202,9 +228,34 @@ class HalMetadataBuilder(AttentionMetadataBuilder[HalAttentionMetadata]):
             for note in cls.notes(cap):
                 logger.info("hal backend %s: %s", cls.name, note)
 
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        """``NEVER``: vLLM's full graphs replay one build's metadata addresses, and this builder makes a fresh step
+        (and hal metadata) per build, with its padding requests trimmed; hal's own graph protocol (``out_graph`` into
+        buffers fixed at ``init_cuda_graph_state``, ``in_graph`` inside the graph) is not mapped onto vLLM's
+        capture. vLLM then runs attention eagerly between piecewise graphs."""
+        return AttentionCGSupport.NEVER
+
+    def _get_workspace_buffer(self) -> torch.Tensor | None:
+        """The scratch buffer vLLM's model runner shares between the builders of one engine (FlashInfer's float
+        workspace, ``vllm/v1/worker/gpu/attn_utils.py``), or None when hal's backend keeps none."""
+        return None if self.vllm_builder is not None else _shared_workspace(self.hal_backend, self.device)
+
+    def set_workspace_buffer(self, workspace_buffer: torch.Tensor) -> None:
+        if self.vllm_builder is None:
+            self._adopt_workspace(workspace_buffer)
+
+    def _adopt_workspace(self, buffer: torch.Tensor | None) -> None:
+        for backend in _backend_parts(self.hal_backend):
+            need = getattr(backend, "workspace_bytes", None)
+            if buffer is not None and need is not None and buffer.numel() * buffer.element_size() >= need:
+                backend._workspace = buffer
+
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
     ) -> HalAttentionMetadata:
+        if self.vllm_builder is not None:
+            return self.vllm_builder.build(common_prefix_len, common_attn_metadata, fast_build)
         step = self.translator.translate(common_attn_metadata)
         if not self.bound:
             self._bind_caches()
@@ -219,7 +270,7 @@ class HalMetadataBuilder(AttentionMetadataBuilder[HalAttentionMetadata]):
         rebinds when vLLM hands another tensor."""
         for name, layer in self.attn_layers.items():
             cache = getattr(layer, "kv_cache", None)
-            if isinstance(cache, torch.Tensor) and cache.dim() == 4:
+            if _is_layer_cache(cache):
                 self.pool.bind(self.layers[name].layer_id, cache)
         self.bound = True
 
@@ -240,6 +291,97 @@ def _is_causal(causal) -> bool:
     return bool(causal)
 
 
+def refuse_unserved_features(vllm_config, backend_name: str) -> None:
+    """Refuse, when the engine starts, what vLLM may ask of a backend that hal's integration does not serve (vLLM's
+    CPU platform runs no backend validation, so the builder asks): context parallelism, adaptive verification, and a
+    KV connector while hal answers to ``CPU_ATTN``."""
+    parallel = vllm_config.parallel_config
+    for what, field in (("decode", "decode_context_parallel_size"), ("prefill", "prefill_context_parallel_size")):
+        size = getattr(parallel, field, 1) or 1
+        expect(
+            size == 1,
+            UnsupportedError,
+            f"{what} context parallelism ({field})",
+            size,
+            "1: hal's attention returns no softmax LSE to combine KV shards; unset it or serve this model with "
+            "another --attention-backend",
+        )
+    spec = getattr(vllm_config, "speculative_config", None)
+    expect(
+        not getattr(spec, "enable_adaptive_verification", False),
+        UnsupportedError,
+        "speculative_config.enable_adaptive_verification",
+        True,
+        "False: vLLM trims the drafts on the device, and hal plans each step from the host query lengths "
+        "(query_start_loc_cpu), which would then disagree",
+    )
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    expect(
+        backend_name != "CPU_ATTN" or transfer is None or not transfer.is_kv_transfer_instance,
+        UnsupportedError,
+        "kv_transfer_config with HAL_VLLM=1",
+        getattr(transfer, "kv_connector", transfer),
+        "no KV connector: hal answers to the name CPU_ATTN, and NIXL's CPU_ATTN post-processing (pack_kv_cache for "
+        "P/D disaggregation) would rewrite CPU_ATTN-layout blocks into hal's cache. Unset HAL_VLLM to transfer KV "
+        "with vLLM's own CPU_ATTN",
+    )
+
+
+def _group_cache_dtype(impls: dict[str, HalAttentionImpl]) -> str | None:
+    """The KV cache dtype (hal's name; None: the model dtype) of one KV cache group, from each layer's own
+    ``kv_cache_dtype`` (vLLM resolves ``kv_cache_dtype_skip_layers`` per layer, so a skipped layer's cache is the
+    model dtype while the engine-wide cache_dtype is fp8)."""
+    names = {name: impl.kv_cache_dtype for name, impl in impls.items()}
+    expect(
+        len({hal_kv_cache_dtype(x) for x in names.values()}) == 1,
+        ConfigError,
+        "per-layer kv_cache_dtype in one KV cache group",
+        names,
+        "one cache dtype per group (vLLM groups layers by their cache spec, dtype included)",
+    )
+    return hal_kv_cache_dtype(next(iter(names.values())), _platform_fp8_dtype())
+
+
+def _platform_fp8_dtype() -> torch.dtype:
+    from vllm.platforms import current_platform
+
+    return current_platform.fp8_dtype()
+
+
+def _backend_parts(backend: hal.AttentionBackend) -> list:
+    """``backend`` and, for a prefill/decode pair (``hal.hybrid.HybridBackend``), its two halves."""
+    return [backend] + [part for part in (getattr(backend, "prefill", None), getattr(backend, "decode", None)) if part]
+
+
+_WORKSPACES: dict[torch.device, torch.Tensor] = {}
+
+
+def _shared_workspace(backend: hal.AttentionBackend, device) -> torch.Tensor | None:
+    """One scratch workspace per device for all of hal's builders in this process (as vLLM shares FlashInfer's
+    between its builders), allocated when the builders are made (engine start), not at the first step. None when
+    ``backend`` keeps no workspace (no ``workspace_bytes``)."""
+    need = max((getattr(part, "workspace_bytes", 0) or 0 for part in _backend_parts(backend)), default=0)
+    if not need:
+        return None
+    device = torch.device(device)
+    buffer = _WORKSPACES.get(device)
+    if buffer is None or buffer.numel() < need:
+        buffer = _WORKSPACES[device] = torch.zeros(need, dtype=torch.uint8, device=device)
+    return buffer
+
+
+def _stepped_aside_builder(impls: dict, kv_cache_spec, layer_names, vllm_config, device):
+    """vLLM's CPU_ATTN builder for a group of encoder-only layers whose impls are vLLM's (hal steps aside for
+    them: see :class:`HalCpuAttentionImpl`), else None."""
+    if not impls or any(isinstance(impl, HalAttentionImpl) for impl in impls.values()):
+        return None
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAttentionMetadataBuilder
+
+    if not all(isinstance(impl, CPUAttentionBackendImpl) for impl in impls.values()):
+        return None
+    return CPUAttentionMetadataBuilder(kv_cache_spec, layer_names, vllm_config, device)
+
+
 def layer_id_of(layer_name: str) -> int:
     """hal's layer id of a vLLM layer name: the model's layer index (``model.layers.3.self_attn.attn`` -> 3)."""
     from vllm.model_executor.models.utils import extract_layer_index
@@ -256,6 +398,8 @@ def layer_id_of(layer_name: str) -> int:
 class HalAttentionImpl(AttentionImpl[HalAttentionMetadata]):
     """One vLLM attention layer served by hal. Built when vLLM builds the model: what hal never computes
     (ALiBi, encoder and cross attention, KV cache formats hal has no table row for) is refused here."""
+
+    kv_layout = TOKEN_MAJOR  # the layout of vLLM's cache (hal.kv_layouts), set by the group's builder
 
     def __init__(
         self,
@@ -288,7 +432,18 @@ class HalAttentionImpl(AttentionImpl[HalAttentionMetadata]):
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.sinks = sinks
-        hal_kv_cache_dtype(kv_cache_dtype)
+        hal_kv_cache_dtype(kv_cache_dtype, _platform_fp8_dtype())
+        for what, size in (
+            ("decode", getattr(self, "dcp_world_size", 1)),
+            ("prefill", getattr(self, "pcp_world_size", 1)),
+        ):
+            expect(
+                size == 1,
+                UnsupportedError,
+                f"{what} context parallelism world size",
+                size,
+                "1: hal's attention returns no softmax LSE to combine KV shards",
+            )
         self.hal_layer(0, None)  # refuses what hal does not compute, now rather than at the first step
 
     def hal_layer(self, layer_id: int, layer, causal: bool = True) -> hal.AttentionLayer:
@@ -335,16 +490,16 @@ class HalAttentionImpl(AttentionImpl[HalAttentionMetadata]):
         step.token_to_kv_pool.bind(hal_layer.layer_id, kv_cache)
         n = attn_metadata.num_actual_tokens
         write = self.kv_sharing_target_layer_name is None and key is not None and value is not None
-        out = attn_metadata.backend.forward(
+        attn_metadata.backend.forward(
             query[:n],
             key[:n] if write else None,
             value[:n] if write else None,
             hal_layer,
             step,
             save_kv_cache=write,
+            out=output,  # rows [:n] written in place; vLLM's padding rows past them untouched
             **({} if self.sinks is None else {"sinks": self.sinks}),
         )
-        output[:n].copy_(out.view(n, self.num_heads, self.head_size_v))
         return output
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
@@ -354,15 +509,39 @@ class HalAttentionImpl(AttentionImpl[HalAttentionMetadata]):
             return
         layer_id = layer_id_of(layer.layer_name)
         dtype = _cache_dtype(self.kv_cache_dtype, kv_cache)
-        pool = VllmKVPool(kv_cache.shape[2], dtype, kv_cache.device, self.head_size, self.head_size_v)
+        device = (kv_cache[0] if isinstance(kv_cache, (tuple, list)) else kv_cache).device
+        block_size = vllm_block_size(kv_cache, self.kv_layout)
+        pool = VllmKVPool(block_size, dtype, device, self.head_size, self.head_size_v, self.kv_layout)
         pool.bind(layer_id, kv_cache)
         n = slot_mapping.shape[0]
         pool.set_kv_buffer(self.hal_layer(layer_id, layer), slot_mapping, key[:n], value[:n])
 
 
-def _cache_dtype(kv_cache_dtype: str, kv_cache: torch.Tensor) -> torch.dtype:
+class HalCpuAttentionImpl(HalAttentionImpl):
+    """The impl of hal registered as ``CPU_ATTN``: encoder-only layers (BERT-like embedding and cross-encoder
+    models) keep vLLM's own CPU_ATTN impl, which they have no paged KV cache for hal to read; hal steps aside."""
+
+    def __new__(cls, *args, **kwargs):
+        attn_type = kwargs.get("attn_type", args[8] if len(args) > 8 else AttentionType.DECODER)
+        if attn_type != AttentionType.ENCODER_ONLY:
+            return super().__new__(cls)
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+        logger.info("hal: encoder-only attention stays with vLLM's CPU_ATTN (hal serves decoder attention)")
+        return CPUAttentionBackendImpl(*args, **kwargs)  # not a HalCpuAttentionImpl: Python skips __init__
+
+
+def _cache_dtype(kv_cache_dtype: str, kv_cache) -> torch.dtype:
     name = hal_kv_cache_dtype(kv_cache_dtype)
-    return kv_cache.dtype if name is None else KV_CACHE_DTYPES[name]
+    first = kv_cache[0] if isinstance(kv_cache, (tuple, list)) else kv_cache
+    return first.dtype if name is None else KV_STORAGE_DTYPES[name]
+
+
+def _is_layer_cache(cache) -> bool:
+    """Whether ``cache`` is a layer's bound KV cache in a form :func:`kv_views` reads (not vLLM's placeholder)."""
+    if isinstance(cache, (tuple, list)):
+        return len(cache) == 2 and all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in cache)
+    return isinstance(cache, torch.Tensor) and cache.dim() in (4, 5)
 
 
 # ----------------------------------------------------------------------------- the backend classes
@@ -396,9 +575,27 @@ class HalAttentionBackend(_VllmBackend):
         return list(_kernel_block_sizes())
 
     @classmethod
+    def hal_kv_layouts(cls) -> tuple[str, ...]:
+        """The layouts (:mod:`hal.kv_layouts`) vLLM may allocate for this backend, preferred first: token-major
+        (block, token, head, content: hal's ``[slots, heads, dim]`` K and V are strided views of it)."""
+        return (TOKEN_MAJOR,)
+
+    @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        # block, token, head, content: hal's [slots, heads, dim] K and V are strided views of it
-        return (KVCacheLayout.LBNHC,)
+        return tuple(KVCacheLayout[KV_LAYOUTS[name].vllm] for name in cls.hal_kv_layouts())
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, cache_dtype_str: str = "auto"
+    ) -> tuple[int, ...]:
+        """The cache shape of vLLM's contract before its layout table (0.30): K and V stacked, token-major pages
+        (FlashAttention's ``NHD``), which ``kv_views`` reads in place."""
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
+        """Memory in :meth:`get_kv_cache_shape`'s order (with the layers axis first when vLLM asks for it)."""
+        return tuple(range(6 if include_num_layers_dimension else 5))
 
     @classmethod
     def supports_sink(cls) -> bool:
@@ -416,58 +613,49 @@ class HalAttentionBackend(_VllmBackend):
     def supports_attn_type(cls, attn_type: str) -> bool:
         return attn_type == AttentionType.DECODER
 
+    @classmethod
+    def supports_device_cpu_query_lens_mismatch(cls) -> bool:
+        return False  # each step is planned from query_start_loc_cpu (as FlashInfer's wrapper paths are)
+
 
 class HalCpuAttentionBackend(HalAttentionBackend):
-    """hal registered as vLLM's ``CPU_ATTN`` (the only backend vLLM's CPU platform picks)."""
+    """hal registered as vLLM's ``CPU_ATTN`` (the only backend vLLM's CPU platform picks; MLA models keep vLLM's
+    CPU_MLA / AMX_MLA, encoder-only layers its CPU_ATTN impl)."""
 
     @staticmethod
     def get_name() -> str:
         return "CPU_ATTN"
 
+    @classmethod
+    def hal_kv_layouts(cls) -> tuple[str, ...]:
+        """vLLM's native CPU layout (head-major, ``LBHNC``: CPU_ATTN's) first where hal's CPU backend reads it in
+        place (the compiled kernels do), then token-major where it reads that (:func:`served_kv_layouts`)."""
+        return served_kv_layouts("cpu")
 
-_MLA_REFUSAL = (
-    "hal does not serve vLLM's MLA attention: MLA models go through vLLM's MLA backend family (MLAAttention, "
-    "its own impl and metadata contract), which hal's vLLM integration does not implement. Unset HAL_VLLM to "
-    "serve this model with vLLM's own CPU MLA backends (hal serves MLA under SGLang: docs/sglang.md)"
-)
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, cache_dtype_str: str = "auto"
+    ) -> tuple[int, ...]:
+        """vLLM before 0.30: its CPU backend's ``[2, num_blocks, num_kv_heads, block_size, head_size]`` where hal's
+        CPU backend reads head-major pages, else the token-major shape of :class:`HalAttentionBackend`."""
+        if HalCpuAttentionBackend.hal_kv_layouts()[0] == HEAD_MAJOR:
+            return (2, num_blocks, num_kv_heads, block_size, head_size)
+        return HalAttentionBackend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
 
-
-class _HalMlaRefusal(_VllmBackend):
-    """Registered over vLLM's CPU MLA backends with ``HAL_VLLM=1``: an MLA model is refused when vLLM builds
-    it, by name, instead of running on a backend the user did not ask for."""
+    @staticmethod
+    def get_impl_cls() -> type[HalCpuAttentionImpl]:
+        return HalCpuAttentionImpl
 
     @classmethod
-    def is_mla(cls) -> bool:
-        return True
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type in (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
 
-    @staticmethod
-    def get_impl_cls():
-        raise UnsupportedError(_MLA_REFUSAL)
-
-    @staticmethod
-    def get_builder_cls():
-        raise UnsupportedError(_MLA_REFUSAL)
-
-
-class HalRefusesCpuMla(_HalMlaRefusal):
-    @staticmethod
-    def get_name() -> str:
-        return "CPU_MLA"
-
-
-class HalRefusesAmxMla(_HalMlaRefusal):
-    @staticmethod
-    def get_name() -> str:
-        return "AMX_MLA"
+    @classmethod
+    def supports_kv_connector(cls) -> bool:
+        return False  # see refuse_unserved_features
 
 
 # ----------------------------------------------------------------------------- registration
-
-_OVERRIDES = {
-    "CPU_ATTN": HalCpuAttentionBackend,
-    "CPU_MLA": HalRefusesCpuMla,
-    "AMX_MLA": HalRefusesAmxMla,
-}
 
 
 def _path(cls: type) -> str:
@@ -477,19 +665,22 @@ def _path(cls: type) -> str:
 def register(cpu: bool = True) -> list[str]:
     """Register hal with vLLM's attention registry in this process; returns the enum members now served by hal.
 
-    ``CUSTOM`` unless another package registered it; with ``cpu``, ``CPU_ATTN`` (and vLLM's CPU MLA members,
-    refused). Idempotent."""
+    ``CUSTOM`` unless another package registered it (then a warning names it); with ``cpu``, ``CPU_ATTN``. vLLM's
+    CPU MLA backends are left alone: MLA models keep them. Idempotent."""
     served = []
     custom = AttentionBackendEnum.CUSTOM
     if not custom.is_overridden() or custom.get_path() == _path(HalAttentionBackend):
         register_backend(custom, _path(HalAttentionBackend))
         served.append("CUSTOM")
+    else:
+        logger.warning(
+            "hal: vLLM's CUSTOM attention backend is already registered to %s; hal does not replace it, so "
+            "--attention-backend CUSTOM selects that one, not hal",
+            custom.get_path(),
+        )
     if cpu:
-        for name, cls in _OVERRIDES.items():
-            member = getattr(AttentionBackendEnum, name, None)
-            if member is not None:
-                register_backend(member, _path(cls))
-                served.append(name)
+        register_backend(AttentionBackendEnum.CPU_ATTN, _path(HalCpuAttentionBackend))
+        served.append("CPU_ATTN")
     return served
 
 
@@ -498,4 +689,10 @@ def vllm_plugin() -> None:
     ``CUSTOM`` -> hal always (used only when a user names it); ``CPU_ATTN`` -> hal only with ``HAL_VLLM=1``."""
     served = register(cpu=enabled())
     if enabled():
-        logger.info("hal: %s=1: vLLM's %s attention is served by hal (hal %s)", ENV, "/".join(served), hal.__version__)
+        logger.info(
+            "hal: %s=1: vLLM's %s attention is served by hal (hal %s); MLA models keep vLLM's CPU_MLA / AMX_MLA and "
+            "encoder-only layers its CPU_ATTN",
+            ENV,
+            "/".join(served),
+            hal.__version__,
+        )

@@ -8,7 +8,7 @@ The part of :mod:`hal.integrations.vllm` that needs no vLLM (so it is tested in 
 * :func:`vllm_layer`: an ``AttentionLayer`` from what vLLM gives an attention impl (window, soft cap,
   attention type, KV scales), refusing what hal does not compute.
 * :class:`StepTranslator`: vLLM's per-step ``CommonAttentionMetadata`` as hal's batch protocol
-  (:class:`VllmStep`), once per step: a ``req_to_token`` table from the block table, ``out_cache_loc``
+  (:class:`VllmStep`), once per step: vLLM's block table as it is (hal's ``req_to_page_pool``), ``out_cache_loc``
   from the slot mapping, the mode from the host query lengths.
 
 The KV cache layout (vLLM 0.32, ``vllm/v1/kv_cache_interface.py``, ``vllm/v1/kv_cache_layout.py``):
@@ -18,22 +18,38 @@ each layer's cache is a logical ``[num_blocks, kv_heads, block_size, C]`` view w
 ``b`` is slot ``b * block_size + n`` at one stride, exactly as hal's pools place slot ``s`` in page
 ``s // page_size``: the first ``head_size`` values of ``C`` are the key, the rest the value.
 vLLM's block 0 is its null block (never a request's data): hal's padding page.
+
+Where hal's backend reads head-major pages (the CPU's), vLLM allocates its native CPU layout instead, ``LBHNC``
+(``CPU_ATTN``'s: ``vllm/v1/attention/backends/cpu_attn.py``): the same logical ``[num_blocks, kv_heads,
+block_size, C]`` dense in that order, each (block, head)'s ``block_size * C`` values holding the block's keys
+``[block_size, head_size]`` then its values ``[block_size, head_size_v]`` (CPU_ATTN's ``view(num_blocks, kv_heads,
+2 * block_size, head_size).chunk(2, dim=2)``); :func:`head_major_views` reads them in place and
+:class:`VllmKVPool` serves them as a ``head_major`` pool (:mod:`hal.kv_layouts`) with vLLM's block table as it is.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 import hal
-from hal.errors import InvalidBatchError, KVCacheError, UnsupportedError, describe, expect, refuse
-from hal.kernels.reference import kv_scales, write_kv
-from hal.kv_cache import check_kv_inputs
+from hal.errors import HalError, InvalidBatchError, KVCacheError, UnsupportedError, describe, expect, refuse
+from hal.kernels.reference import kv_scales, quantize_kv, write_kv
+from hal.kv_cache import ReqToPagePool, check_kv_inputs, paged_view
+from hal.kv_layouts import HEAD_MAJOR, KV_LAYOUTS, TOKEN_MAJOR
+from hal.kv_layouts import kv_layout as layout_row
 from hal.modes import ForwardMode
+from hal.registry import device_backends, get_registry
 from hal.validation import BATCH_FIELDS
 
 __all__ = [
     "VLLM_KV_CACHE_DTYPES",
     "kv_views",
+    "head_major_views",
+    "served_kv_layouts",
+    "hal_kv_layout",
+    "vllm_block_size",
     "VllmKVPool",
     "vllm_layer",
     "VllmStep",
@@ -55,9 +71,11 @@ VLLM_KV_CACHE_DTYPES = {
 }
 
 
-def hal_kv_cache_dtype(name: str) -> str | None:
+def hal_kv_cache_dtype(name: str, fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> str | None:
     """hal's name of vLLM's ``kv_cache_dtype`` string (None: the model dtype); ``UnsupportedError`` for the rest
-    (vLLM's per-token-head int8 / int4, TurboQuant, NVFP4... have no hal cache format)."""
+    (vLLM's per-token-head int8 / int4, TurboQuant, NVFP4... have no hal cache format). ``fp8_dtype``: the
+    platform's fp8 (vLLM's ``current_platform.fp8_dtype()``), which its ``fp8`` / ``fp8_e4m3`` caches hold: ROCm's
+    MI300 stores ``float8_e4m3fnuz``, whose bytes are not hal's ``fp8_e4m3``, so it is refused."""
     expect(
         name in VLLM_KV_CACHE_DTYPES,
         UnsupportedError,
@@ -66,59 +84,227 @@ def hal_kv_cache_dtype(name: str) -> str | None:
         f"one of {list(VLLM_KV_CACHE_DTYPES)}: hal's KV caches are the model dtype or fp8 (e4m3 / e5m2) with "
         "per-tensor scales",
     )
-    return VLLM_KV_CACHE_DTYPES[name]
+    hal_name = VLLM_KV_CACHE_DTYPES[name]
+    expect(
+        hal_name != "fp8_e4m3" or fp8_dtype == torch.float8_e4m3fn,
+        UnsupportedError,
+        f"kv_cache_dtype {name!r} on this platform",
+        fp8_dtype,
+        "torch.float8_e4m3fn bytes (hal's fp8_e4m3; it has no e4m3fnuz cache format): use --kv-cache-dtype auto",
+    )
+    return hal_name
 
 
 def kv_views(
+    kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    head_size: int,
+    head_size_v: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's vLLM KV cache as K ``[num_blocks * block_size, kv_heads, head_size]`` and V ``[..., head_size_v]``
+    views of the same memory (hal's token-major layout, :mod:`hal.kv_layouts`). ``kv_cache`` is any of vLLM's
+    packings (``hal.kv_layouts.KV_PACKINGS``), each laid out token-major (block, token, head, content in memory):
+
+    * ``content``, vLLM 0.30+: logical ``[num_blocks, kv_heads, block_size, head_size + head_size_v]`` stored
+      ``LBNHC``, K then V on the content axis;
+    * ``stacked``, the ``get_kv_cache_shape`` of vLLM before 0.30 that hal's backend declares:
+      ``[2, num_blocks, block_size, kv_heads, head_size]``;
+    * ``split``, vllm-ascend: a ``(k_cache, v_cache)`` pair of ``[num_blocks, block_size, kv_heads, dim]``.
+
+    ``dtype``: the cache's element type when vLLM stores it as bytes (fp8 caches are ``uint8``). ``KVCacheError``
+    when the memory is not laid out so (another layout, padded pages): hal would have to copy, and does not."""
+    k_pages, v_pages = _token_major_pages(kv_cache, head_size, head_size_v or head_size)
+    views = []
+    for name, pages in (("K", k_pages), ("V", v_pages)):
+        if dtype is not None and pages.dtype != dtype:
+            pages = pages.view(dtype)  # same element size (fp8 over uint8): a reinterpretation
+        blocks, block_size, heads, dim = pages.shape
+        try:
+            slots = pages.view(blocks * block_size, heads, dim)
+        except RuntimeError:
+            slots = None
+        expect(
+            slots is not None and slots.stride(2) == 1,
+            KVCacheError,
+            f"kv_cache {name} strides",
+            tuple(pages.stride()),
+            "block, token, head, content order with dense pages (hal's token_major layout, vLLM's LBNHC, which "
+            "hal declares) so that slot b * block_size + n is one stride apart",
+        )
+        views.append(slots)
+    return views[0], views[1]
+
+
+def served_kv_layouts(device: str = "cpu") -> tuple[str, ...]:
+    """The KV layouts vLLM may allocate for hal on ``device``, preferred first: ``head_major`` (vLLM's CPU layout,
+    ``LBHNC``) where hal's backend there reads it in place, then ``token_major`` (``LBNHC``) where it reads that.
+    The device: ``HAL_DEVICE`` where set (an unknown one: token-major, and the builder names it); the backend:
+    those ``HAL_ATTENTION_BACKEND`` / ``HAL_PREFILL_BACKEND`` / ``HAL_DECODE_BACKEND`` name, else the device's first
+    (hal's default there); the builder's selection then checks the model against the layout vLLM chose
+    (``AttentionConfig.kv_layout``), with its reasons."""
+    device = (os.environ.get("HAL_DEVICE", "").strip() or device).split(":")[0]
+    try:
+        classes, _ = device_backends(get_registry().get(device))
+    except HalError:
+        return (TOKEN_MAJOR,)
+    names = ("HAL_ATTENTION_BACKEND", "HAL_PREFILL_BACKEND", "HAL_DECODE_BACKEND")
+    forced = {os.environ.get(name, "").strip() for name in names} - {""}
+    chosen = [cls for cls in classes if cls.name in forced] if forced else classes[:1]
+    reads = [set(cls.declaration().kv_layouts) for cls in chosen]
+    served = tuple(name for name in (HEAD_MAJOR, TOKEN_MAJOR) if reads and all(name in r for r in reads))
+    return served or (TOKEN_MAJOR,)
+
+
+def hal_kv_layout(vllm_name: str | None, default: str = TOKEN_MAJOR) -> str:
+    """hal's name (:mod:`hal.kv_layouts`) of the KV cache layout vLLM resolved (``cache_config.kv_cache_layout``:
+    ``LBNHC``, ``LBHNC``; None, as before vLLM 0.30: ``default``); ``UnsupportedError`` for a layout hal's vLLM
+    pools do not bind in place."""
+    if vllm_name is None:
+        return default
+    for name in (TOKEN_MAJOR, HEAD_MAJOR):
+        if KV_LAYOUTS[name].vllm == vllm_name:
+            return name
+    return refuse(
+        UnsupportedError,
+        "vLLM KV cache layout",
+        vllm_name,
+        f"{KV_LAYOUTS[TOKEN_MAJOR].vllm} or {KV_LAYOUTS[HEAD_MAJOR].vllm} (the layouts hal binds in place)",
+    )
+
+
+def head_major_views(
     kv_cache: torch.Tensor, head_size: int, head_size_v: int | None = None, dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's vLLM cache (logical ``[num_blocks, kv_heads, block_size, head_size + head_size_v]``, stored
-    block, token, head, content: vLLM's ``LBNHC``) as K ``[num_blocks * block_size, kv_heads, head_size]`` and V
-    ``[..., head_size_v]`` views of the same memory. ``dtype``: the cache's element type when vLLM stores it as
-    bytes (fp8 caches are ``uint8``). ``KVCacheError`` when the memory is not laid out so (another layout,
-    padded pages): hal would have to copy, and does not."""
+    """One layer's vLLM cache in its CPU layout as head-major K ``[num_blocks, kv_heads, block_size, head_size]``
+    and V ``[..., head_size_v]`` pages of the same memory (no copy). ``kv_cache``: vLLM 0.30+'s logical
+    ``[num_blocks, kv_heads, block_size, head_size + head_size_v]`` stored ``LBHNC`` (each (block, head): the keys'
+    ``block_size`` rows, then the values'), or vLLM before 0.30's CPU shape ``[2, num_blocks, kv_heads, block_size,
+    head_size]``. ``dtype`` as :func:`kv_views`'. ``KVCacheError`` for any other form or memory order."""
     head_size_v = head_size_v or head_size
-    expect(
-        isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 4 and kv_cache.shape[3] == head_size + head_size_v,
-        KVCacheError,
-        "kv_cache",
-        describe(kv_cache),
-        f"vLLM's per-layer [num_blocks, kv_heads, block_size, {head_size + head_size_v}] cache",
+    content = head_size + head_size_v
+    expected = (
+        f"vLLM's CPU layout (LBHNC): [num_blocks, kv_heads, block_size, {content}] with each (block, head)'s "
+        f"block_size x {content} values dense, or [2, num_blocks, kv_heads, block_size, {head_size}]"
     )
-    if dtype is not None and kv_cache.dtype != dtype:
-        kv_cache = kv_cache.view(dtype)  # same element size (fp8 over uint8): a reinterpretation
-    blocks, heads, block_size, content = kv_cache.shape
-    token_major = kv_cache.permute(0, 2, 1, 3)  # [blocks, block_size, heads, content]
-    try:
-        slots = token_major.view(blocks * block_size, heads, content)
-    except RuntimeError:
-        slots = None
-    expect(
-        slots is not None and slots.stride(2) == 1,
-        KVCacheError,
-        "kv_cache strides",
-        tuple(kv_cache.stride()),
-        "block, token, head, content order with dense pages (vLLM's LBNHC layout; hal declares it) so that "
-        "slot b * block_size + n is one stride apart",
+    stacked = isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 5 and kv_cache.shape[0] == 2
+    if stacked and head_size == head_size_v and kv_cache.shape[4] == head_size and kv_cache.stride(4) == 1:
+        k, v = kv_cache[0], kv_cache[1]
+    else:
+        expect(
+            isinstance(kv_cache, torch.Tensor)
+            and kv_cache.dim() == 4
+            and kv_cache.shape[3] == content
+            and kv_cache.stride(3) == 1
+            and kv_cache.stride(2) == content,
+            KVCacheError,
+            "kv_cache",
+            f"{describe(kv_cache)} strides {tuple(kv_cache.stride())}"
+            if isinstance(kv_cache, torch.Tensor)
+            else describe(kv_cache),
+            expected,
+        )
+        blocks, heads, block_size, _ = kv_cache.shape
+        outer = (kv_cache.stride(0), kv_cache.stride(1))
+        offset = kv_cache.storage_offset()
+        k = kv_cache.as_strided((blocks, heads, block_size, head_size), (*outer, head_size, 1), offset)
+        v = kv_cache.as_strided(
+            (blocks, heads, block_size, head_size_v), (*outer, head_size_v, 1), offset + block_size * head_size
+        )
+    if dtype is not None and k.dtype != dtype:
+        k, v = k.view(dtype), v.view(dtype)  # same element size (fp8 over uint8): a reinterpretation
+    return k, v
+
+
+def vllm_block_size(kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv_layout: str = TOKEN_MAJOR) -> int:
+    """The block size of a layer's vLLM cache in any of the forms :func:`kv_views` (``kv_layout`` token_major) or
+    :func:`head_major_views` (head_major) reads."""
+    if kv_layout == HEAD_MAJOR:
+        return kv_cache.shape[-2]
+    return _token_major_pages(kv_cache, None, None)[0].shape[1]
+
+
+def _token_major_pages(kv_cache, head_size: int | None, head_size_v: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of a layer's cache as ``[num_blocks, block_size, kv_heads, dim]`` views (``head_size`` None: any)."""
+    expected = (
+        "vLLM's per-layer cache: [num_blocks, kv_heads, block_size, head_size + head_size_v] (0.30+), "
+        "[2, num_blocks, block_size, kv_heads, head_size], or a (k_cache, v_cache) pair of "
+        "[num_blocks, block_size, kv_heads, dim]"
     )
-    return slots[..., :head_size], slots[..., head_size:]
+    if isinstance(kv_cache, (tuple, list)):
+        expect(
+            len(kv_cache) == 2 and all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in kv_cache),
+            KVCacheError,
+            "kv_cache",
+            describe(kv_cache),
+            expected,
+        )
+        k_pages, v_pages = kv_cache
+    elif isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 5 and kv_cache.shape[0] == 2:
+        k_pages, v_pages = kv_cache[0], kv_cache[1]
+    else:
+        content = head_size + head_size_v if head_size is not None else None
+        expect(
+            isinstance(kv_cache, torch.Tensor)
+            and kv_cache.dim() == 4
+            and (content is None or kv_cache.shape[3] == content),
+            KVCacheError,
+            "kv_cache",
+            describe(kv_cache),
+            expected if content is None else f"{expected} (content axis {content})",
+        )
+        token_major = kv_cache.permute(0, 2, 1, 3)  # [blocks, block_size, heads, content]
+        return token_major[..., : head_size or 0], token_major[..., head_size or 0 :]
+    for name, pages, dim in (("k_cache", k_pages, head_size), ("v_cache", v_pages, head_size_v)):
+        expect(
+            dim is None or pages.shape[3] == dim,
+            KVCacheError,
+            f"kv_cache {name}",
+            describe(pages),
+            f"[num_blocks, block_size, kv_heads, {dim}]",
+        )
+    expect(
+        k_pages.shape[:3] == v_pages.shape[:3],
+        KVCacheError,
+        "kv_cache v_cache",
+        describe(v_pages),
+        f"the K cache's [num_blocks, block_size, kv_heads] = {list(k_pages.shape[:3])}",
+    )
+    return k_pages, v_pages
 
 
 class VllmKVPool:
     """hal's KV pool protocol (:mod:`hal.kv_cache`) over vLLM's per-layer cache tensors, read in place.
 
-    ``get_key_buffer(layer_id)`` / ``get_value_buffer(layer_id)`` are :func:`kv_views` of the tensor last
-    :meth:`bind`-ed for that layer (vLLM binds its caches after the backend's builders exist, and hands each
-    layer's tensor to every forward). Slot ``s`` is token ``s % page_size`` of vLLM block ``s // page_size``.
+    ``kv_layout`` (:mod:`hal.kv_layouts`): the layout vLLM allocated. ``token_major``: ``get_key_buffer(layer_id)``
+    / ``get_value_buffer(layer_id)`` are :func:`kv_views` of the tensor last :meth:`bind`-ed for that layer;
+    ``head_major`` (vLLM's CPU layout): ``get_kv_pages(layer_id)`` are its :func:`head_major_views`, and there is no
+    token-major buffer to get. vLLM binds its caches after the backend's builders exist, and hands each layer's
+    tensor to every forward. Slot ``s`` is token ``s % page_size`` of vLLM block ``s // page_size``.
     """
 
     padding_slot = 0
 
-    def __init__(self, page_size: int, dtype: torch.dtype, device, head_size: int, head_size_v: int | None = None):
+    def __init__(
+        self,
+        page_size: int,
+        dtype: torch.dtype,
+        device,
+        head_size: int,
+        head_size_v: int | None = None,
+        kv_layout: str = TOKEN_MAJOR,
+    ):
+        expect(
+            kv_layout in (TOKEN_MAJOR, HEAD_MAJOR),
+            KVCacheError,
+            "kv_layout",
+            kv_layout,
+            f"{TOKEN_MAJOR} (vLLM's LBNHC) or {HEAD_MAJOR} (LBHNC, vLLM's CPU layout)",
+        )
         self.page_size = page_size
         self.dtype = dtype
         self.device = torch.device(device)
         self.head_size, self.head_size_v = head_size, head_size_v or head_size
+        self.kv_layout = kv_layout
         self._tensors: dict[int, torch.Tensor] = {}
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -126,15 +312,40 @@ class VllmKVPool:
         """Serve ``layer_id`` from ``kv_cache`` (vLLM's per-layer tensor); a no-op when it is already bound."""
         if self._tensors.get(layer_id) is kv_cache:
             return
-        k, v = kv_views(kv_cache, self.head_size, self.head_size_v, self.dtype)
+        views = head_major_views if self.kv_layout == HEAD_MAJOR else kv_views
+        k, v = views(kv_cache, self.head_size, self.head_size_v, self.dtype)
+        block_size = vllm_block_size(kv_cache, self.kv_layout)
         expect(
-            kv_cache.shape[2] == self.page_size,
+            block_size == self.page_size,
             KVCacheError,
             "kv_cache block size",
-            kv_cache.shape[2],
+            block_size,
             f"{self.page_size} (the kernel block size the metadata builder was made for)",
         )
         self._tensors[layer_id], self._views[layer_id] = kv_cache, (k, v)
+
+    # the geometry a pool not laid out token-major states (hal.kv_cache.KVPool), read off the bound caches
+    @property
+    def head_num(self) -> int:
+        return self._layer(self.start_layer)[0].shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.head_size
+
+    @property
+    def v_head_dim(self) -> int:
+        return self.head_size_v
+
+    @property
+    def num_slots(self) -> int:
+        k = self._layer(self.start_layer)[0]
+        return k.shape[0] * self.page_size if self.kv_layout == HEAD_MAJOR else k.shape[0]
+
+    def get_kv_pages(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer_id``'s K and V pages in the pool's layout, views of vLLM's tensor: head-major
+        ``[num_blocks, kv_heads, block_size, dim]``, token-major ``[num_blocks, block_size, kv_heads, dim]``."""
+        return self._layer(layer_id) if self.kv_layout == HEAD_MAJOR else paged_view(self, layer_id)
 
     @property
     def start_layer(self) -> int:
@@ -147,21 +358,39 @@ class VllmKVPool:
             refuse(KVCacheError, "layer_id", layer_id, f"a layer whose cache is bound: {sorted(self._views)}")
         return views
 
+    def _slot_buffers(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        expect(
+            self.kv_layout == TOKEN_MAJOR,
+            KVCacheError,
+            f"token-major buffers of a {self.kv_layout} pool",
+            layer_id,
+            f"a token_major pool; a backend that reads {self.kv_layout} pages declares it in kv_layouts and reads "
+            "get_kv_pages(layer_id)",
+        )
+        return self._layer(layer_id)
+
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
-        return self._layer(layer_id)[0]
+        return self._slot_buffers(layer_id)[0]
 
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
-        return self._layer(layer_id)[1]
+        return self._slot_buffers(layer_id)[1]
 
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._layer(layer_id)
+        return self._slot_buffers(layer_id)
 
     def set_kv_buffer(self, layer, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, *args) -> None:
         """Store ``cache_k`` / ``cache_v`` (``[n, kv_heads, dim]``) at slots ``loc`` of ``layer`` (a hal layer: its
-        fp8 scales apply)."""
+        fp8 scales apply), in the pool's layout."""
         k, v = self._layer(getattr(layer, "layer_id", layer))
+        scales = kv_scales(layer) if not isinstance(layer, int) else (1.0, 1.0)
+        if self.kv_layout == HEAD_MAJOR:
+            check_kv_inputs(loc, cache_k, cache_v, (k.shape[1], k.shape[3], v.shape[3]), self.device)
+            write = layout_row(HEAD_MAJOR).write
+            write(k, loc, quantize_kv(cache_k, k.dtype, scales[0]))
+            write(v, loc, quantize_kv(cache_v, v.dtype, scales[1]))
+            return
         check_kv_inputs(loc, cache_k, cache_v, (k.shape[1], k.shape[2], v.shape[2]), self.device)
-        write_kv(k, v, loc, cache_k, cache_v, *(kv_scales(layer) if not isinstance(layer, int) else (1.0, 1.0)))
+        write_kv(k, v, loc, cache_k, cache_v, *scales)
 
 
 def vllm_layer(
@@ -242,39 +471,54 @@ class VllmStep:
         return f"VllmStep({self.forward_mode.name} x {self.batch_size}, {self.num_tokens} tokens)"
 
 
-class _Table:
-    """A request table (``req_to_token``) for hal's protocol."""
-
-    __slots__ = ("req_to_token",)
-
-    def __init__(self, req_to_token: torch.Tensor):
-        self.req_to_token = req_to_token
-
-
 class StepTranslator:
     """vLLM's ``CommonAttentionMetadata`` of one step -> :class:`VllmStep`, for one KV cache group.
 
-    ``req_to_token`` is a persistent int32 ``[max_reqs + 1, max_blocks * block_size]`` buffer (row 0: hal's
-    padding row); each step fills rows ``1 .. B`` from the block table (``block * block_size + offset``) up to
-    the step's longest sequence, so a layer reads slots through it as from any hal request table. Host values
-    come from what vLLM keeps on the host (``query_start_loc_cpu``, ``seq_lens_cpu_upper_bound``, which is exact
-    without asynchronous speculative decoding, which hal's integration does not take); only where vLLM gives
-    no host copy of ``seq_lens`` is it read from the device.
+    vLLM's block table (``block_table_tensor``, int32 ``[num_reqs, max_blocks]``, row ``b`` = request ``b``) is the
+    step's ``req_to_page_pool`` as it is, with ``req_pool_indices = 0 .. B - 1`` and no ``req_to_token_pool``: a
+    backend that reads pages reads it in place, and one that reads tokens gets a token table derived for the step
+    (``hal.batch.tables_for``: ``B`` rows, the step's longest context), so nothing here is sized by
+    ``max_num_seqs x max_model_len`` and no memory is held beyond what vLLM's profiler sees. ``B`` may exceed
+    ``max_num_seqs`` (chunked local attention makes a virtual request per attention chunk): ``max_reqs`` is only the
+    first size of the row index.
+
+    Host values come from what vLLM keeps on the host (``query_start_loc_cpu``, ``seq_lens_cpu_upper_bound``), except:
+
+    * ``exact_seq_lens``: ``seq_lens`` is read from the device each step. Under speculative decoding with
+      asynchronous scheduling vLLM's host bound assumes every draft was accepted, so it overstates decode rows;
+    * ``wait_for_host_copies``: the device is synchronised before the host values are read, where vLLM fills
+      ``query_start_loc_cpu`` with a non-blocking device-to-host copy (shared-KV fast prefill);
+    * no host copy of ``seq_lens`` at all: it is read from the device.
     """
 
     def __init__(
-        self, pool, block_size: int, max_reqs: int, max_blocks: int, device: torch.device | str = "cpu"
+        self,
+        pool,
+        block_size: int,
+        max_reqs: int,
+        max_blocks: int,
+        device: torch.device | str = "cpu",
+        *,
+        exact_seq_lens: bool = False,
+        wait_for_host_copies: bool = False,
     ) -> None:
         self.pool = pool
         self.block_size = block_size
+        self.max_blocks = max_blocks
         self.device = torch.device(device)
-        width = max_blocks * block_size
-        self.table = _Table(torch.zeros(max_reqs + 1, width, dtype=torch.int32, device=self.device))
-        self.rows = torch.arange(1, max_reqs + 1, dtype=torch.int64, device=self.device)
-        self.offsets = torch.arange(block_size, dtype=torch.int32, device=self.device)
+        self.exact_seq_lens = exact_seq_lens
+        self.wait_for_host_copies = wait_for_host_copies and self.device.type != "cpu"
+        self.rows = torch.arange(max_reqs, dtype=torch.int64, device=self.device)  # request b reads row b
+
+    def _row_indices(self, num_reqs: int) -> torch.Tensor:
+        if num_reqs > self.rows.numel():
+            self.rows = torch.arange(max(num_reqs, 2 * self.rows.numel()), dtype=torch.int64, device=self.device)
+        return self.rows[:num_reqs]
 
     def translate(self, cm) -> VllmStep:
         """The step ``cm`` (vLLM's ``CommonAttentionMetadata`` or any object with its fields) for hal."""
+        if self.wait_for_host_copies:
+            torch.accelerator.synchronize(self.device)
         qsl_cpu = cm.query_start_loc_cpu
         num_reqs = int(cm.num_reqs)
         starts = qsl_cpu[: num_reqs + 1].tolist()
@@ -283,21 +527,20 @@ class StepTranslator:
             num_reqs -= 1
         starts = starts[: num_reqs + 1]
         query = [b - a for a, b in zip(starts, starts[1:])]
-        seq_cpu = getattr(cm, "seq_lens_cpu_upper_bound", None)
+        seq_cpu = None if self.exact_seq_lens else getattr(cm, "seq_lens_cpu_upper_bound", None)
         if seq_cpu is None:
             seq_cpu = cm.seq_lens if cm.seq_lens.device.type == "cpu" else cm.seq_lens.cpu()
         seq = seq_cpu[:num_reqs].tolist()
-        max_rows = self.rows.numel()
-        expect(num_reqs <= max_rows, InvalidBatchError, "num_reqs", num_reqs, f"<= max_num_seqs ({max_rows})")
         step = VllmStep()
         step.forward_mode = step_mode(query)
         step.batch_size = num_reqs
         step.num_tokens = tokens
         step.causal = cm.causal
         step.spec_info = None
-        step.req_to_token_pool = self.table
+        step.req_to_token_pool = None
+        step.req_to_page_pool = ReqToPagePool.from_tensor(cm.block_table_tensor, self.block_size)
         step.token_to_kv_pool = self.pool
-        step.req_pool_indices = self.rows[:num_reqs]
+        step.req_pool_indices = self._row_indices(num_reqs)
         step.seq_lens = cm.seq_lens[:num_reqs]
         step.seq_lens_cpu = seq
         step.seq_lens_sum = sum(seq)
@@ -314,21 +557,12 @@ class StepTranslator:
             step.extend_start_loc = qsl[:-1]
             step.extend_seq_lens = qsl[1:] - qsl[:-1]
             step.extend_prefix_lens = step.seq_lens - step.extend_seq_lens
-        self._fill_table(cm.block_table_tensor, num_reqs, max(seq, default=0))
-        return step
-
-    def _fill_table(self, block_table: torch.Tensor, num_reqs: int, longest: int) -> None:
-        """Rows ``1 .. num_reqs`` of ``req_to_token``: every slot of the blocks the step's sequences use."""
-        blocks = min(-(-longest // self.block_size), block_table.shape[1])
-        table = self.table.req_to_token
+        longest = max(seq, default=0)
         expect(
-            blocks * self.block_size <= table.shape[1],
+            -(-longest // self.block_size) <= min(self.max_blocks, cm.block_table_tensor.shape[1]),
             InvalidBatchError,
             "sequence length",
             longest,
-            f"<= max_model_len rounded to blocks ({table.shape[1]})",
+            f"<= max_model_len rounded to blocks ({self.max_blocks * self.block_size})",
         )
-        if not num_reqs or not blocks:
-            return
-        rows = table[1 : num_reqs + 1, : blocks * self.block_size].view(num_reqs, blocks, self.block_size)
-        torch.add(block_table[:num_reqs, :blocks, None] * self.block_size, self.offsets, out=rows)
+        return step

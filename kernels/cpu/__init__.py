@@ -1,7 +1,8 @@
 """Compiled CPU attention kernels (``hal.kernels.cpu``), built at first use.
 
-:func:`paged_attention` is the fused paged kernel: it reads K/V slots through
-``req_to_token`` with no gathered copy, one task per (request, KV head) with the GQA
+:func:`paged_attention` is the fused paged kernel: it reads K/V rows in place, with no gathered copy, from a
+pool of token-major or head-major pages (:data:`KV_LAYOUTS`) through ``req_to_token`` or a block table
+``req_to_page`` (:data:`TABLES`), one task per (request, KV head) with the GQA
 group served together (decode, verify), or per (request, KV head, query tile) through
 register-blocked tiles over K/V rows read in place (extend; ``at::mm`` on the plain-loops
 path). Its semantics are the reference's (``hal.kernels.reference.paged_attention``),
@@ -50,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-from hal.errors import ConfigError, HalError, KVCacheError, expect
+from hal.errors import ConfigError, HalError, InvalidBatchError, KVCacheError, expect
 
 __all__ = [
     "KernelBuildError",
@@ -71,6 +72,8 @@ __all__ = [
     "paged_attention",
     "write_and_attend",
     "TILE_ROWS",
+    "KV_LAYOUTS",
+    "TABLES",
     "ceilings",
 ]
 
@@ -510,6 +513,65 @@ def _index(t) -> torch.Tensor:
     return t if t.dtype == torch.int64 and t.is_contiguous() and t.device.type == "cpu" else t.to("cpu", torch.int64)
 
 
+# KV pool layouts the kernels read: the shapes a layer's K (V alike, its own last dim) may take in each.
+KV_LAYOUTS = {
+    "token_major": "[slots, kv_heads, dim] (SGLang's pool) or [pages, page, kv_heads, dim]",
+    "head_major": "[pages, kv_heads, page, dim] (vLLM's CPU cache)",
+}
+# How a request's keys are found: its slots (req_to_token [rows, context]) or its pages (req_to_page [rows,
+# max_pages], key i on page req_to_page[r, i // page] at offset i % page).
+TABLES = ("req_to_token", "req_to_page")
+
+
+def _pool_views(
+    k_buffer: torch.Tensor, v_buffer: torch.Tensor, kv_layout: str, table: str, page_size: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V buffers as the kernels take them: ``[slots, kv_heads, dim]`` as given where ``table`` is
+    req_to_token over a token-major pool of that shape, else views ``[pages, kv_heads, page, dim]`` (no copy: the
+    layout is in their strides). ``page_size``: the page, where the buffers' shape does not say it (a
+    ``[slots, kv_heads, dim]`` pool read through req_to_page); where it does, it must agree. Raises
+    :class:`~hal.errors.ConfigError` for an unknown layout or table, :class:`~hal.errors.KVCacheError` for
+    buffers that are not of the layout or do not match each other."""
+    expect(kv_layout in KV_LAYOUTS, ConfigError, "kv_layout", kv_layout, " or ".join(KV_LAYOUTS))
+    expect(table in TABLES, ConfigError, "table", table, " or ".join(TABLES))
+    expect(
+        page_size is None or (isinstance(page_size, int) and page_size >= 1),
+        ConfigError,
+        "page_size",
+        page_size,
+        "a page of at least 1 slot, or None (the buffers' shape says it)",
+    )
+    dims = k_buffer.dim()
+    if v_buffer.dim() != dims or k_buffer.shape[:-1] != v_buffer.shape[:-1] or dims not in (3, 4):
+        raise KVCacheError(
+            f"k/v buffers {list(k_buffer.shape)} / {list(v_buffer.shape)}: expected {KV_LAYOUTS[kv_layout]}, "
+            "the same but for the last dim"
+        )
+    if kv_layout == "head_major" or dims == 4:
+        page_dim = 2 if kv_layout == "head_major" else 1
+        if dims != 4 or (page_size is not None and page_size != k_buffer.shape[page_dim]):
+            raise KVCacheError(
+                f"k/v buffers {list(k_buffer.shape)} with kv_layout={kv_layout!r}, page_size={page_size}: "
+                f"expected {KV_LAYOUTS[kv_layout]}, whose page is the page size"
+            )
+        if kv_layout == "head_major":
+            return k_buffer, v_buffer
+        return k_buffer.transpose(1, 2), v_buffer.transpose(1, 2)
+    if table == "req_to_token":
+        return k_buffer, v_buffer
+    slots = k_buffer.shape[0]
+    if page_size is None or slots % page_size:
+        raise KVCacheError(
+            f"k/v buffers {list(k_buffer.shape)} read through req_to_page with page_size={page_size}: expected the "
+            "page size, a divisor of the slots"
+        )
+    pages = slots // page_size
+    return (
+        k_buffer.unflatten(0, (pages, page_size)).transpose(1, 2),
+        v_buffer.unflatten(0, (pages, page_size)).transpose(1, 2),
+    )
+
+
 def paged_attention(
     q: torch.Tensor,
     k_buffer: torch.Tensor,
@@ -528,30 +590,43 @@ def paged_attention(
     mask_start: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     tile_rows: int = TILE_ROWS,
+    kv_layout: str = "token_major",
+    table: str = "req_to_token",
+    page_size: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The reference's ``paged_attention``, compiled: ``[T, Hq, D]`` queries -> ``[T, Hq, Dv]`` in ``q.dtype``.
+    """The reference's ``paged_attention``, compiled: ``[T, Hq, D]`` queries -> ``[T, Hq, Dv]`` in ``q.dtype``
+    (``out`` where given).
 
     ``seq_lens`` are the keys each request attends over (its query tokens included),
     ``extend_lens`` its query tokens; ``q_start`` / ``mask_start`` (int64 ``[B]``, each
     request's first query row and custom-mask entry) are derived when not given;
-    ``sinks``: ``[Hq]`` sink logits (gpt-oss's attention sinks, any float dtype), or None. Reads
-    no tensor on the host (graph-safe); out-of-range rows, lengths or slots raise
+    ``sinks``: ``[Hq]`` sink logits (gpt-oss's attention sinks, any float dtype), or None.
+    ``kv_layout`` (:data:`KV_LAYOUTS`): ``token_major`` buffers ``[slots, kv_heads, dim]`` or
+    ``[pages, page, kv_heads, dim]``, ``head_major`` ``[pages, kv_heads, page, dim]`` (float32 or bfloat16, any
+    strides but the last); ``table``: ``req_to_token`` (the 4th argument int32 ``[rows, context]``, each request's
+    slots, slot = page * page_size + offset) or ``req_to_page`` (int32 ``[rows, max_pages]``, each request's
+    pages); ``page_size`` where the buffers' shape does not say it (:func:`_pool_views`). ``out``: a ``[T, Hq, Dv]``
+    tensor in ``q.dtype``, last dim contiguous, any row and head strides (a view of an engine's buffer): the kernel
+    writes a float32 one in place, another dtype gets its float32 result cast into it once. Reads
+    no tensor on the host (graph-safe); out-of-range rows, lengths, slots or pages raise
     :class:`~hal.errors.KVCacheError` from the kernel's own checks, before or instead of
     any out-of-bounds read.
     """
     kernels = load()
-    if q.dim() != 3 or k_buffer.dim() != 3 or v_buffer.dim() != 3 or req_to_token.dim() != 2:
+    if q.dim() != 3 or req_to_token.dim() != 2:
         raise KVCacheError(
-            f"q {list(q.shape)}, k/v buffers {list(k_buffer.shape)} / {list(v_buffer.shape)}, req_to_token "
-            f"{list(req_to_token.shape)}: expected [tokens, q_heads, dim], [slots, kv_heads, dim] and [rows, context]"
+            f"q {list(q.shape)}, {table} {list(req_to_token.shape)}: expected [tokens, q_heads, dim] and "
+            f"[rows, {'context' if table == 'req_to_token' else 'max_pages'}]"
         )
+    k_buffer, v_buffer = _pool_views(k_buffer, v_buffer, kv_layout, table, page_size)
     tokens, q_heads, head_dim = q.shape
     kv_heads = k_buffer.shape[1]
-    if k_buffer.shape[:2] != v_buffer.shape[:2] or k_buffer.shape[2] != head_dim or q_heads % kv_heads:
+    if k_buffer.shape[-1] != head_dim or q_heads % kv_heads:
         raise KVCacheError(f"q {list(q.shape)} does not match the k/v buffers {list(k_buffer.shape)}")
     if k_buffer.dtype not in (torch.float32, torch.bfloat16) or v_buffer.dtype != k_buffer.dtype:
         raise KVCacheError(f"KV buffers are {k_buffer.dtype}/{v_buffer.dtype}: expected float32 or bfloat16")
-    if k_buffer.stride(2) != 1 or v_buffer.stride(2) != 1:
+    if k_buffer.stride(-1) != 1 or v_buffer.stride(-1) != 1:
         k_buffer, v_buffer = k_buffer.contiguous(), v_buffer.contiguous()
     r2t = req_to_token
     if r2t.dtype != torch.int32 or r2t.stride(1) != 1:
@@ -570,7 +645,22 @@ def paged_attention(
         shape = list(sinks.shape) if isinstance(sinks, torch.Tensor) else repr(sinks)
         raise KVCacheError(f"sinks {shape}: expected a tensor of one sink logit per q head ({q_heads})")
     qf = q if q.dtype == torch.float32 and q.stride(2) == 1 else q.float().contiguous()
-    out = torch.empty(tokens, q_heads, v_buffer.shape[2], dtype=torch.float32)
+    v_dim = v_buffer.shape[-1]
+    if out is not None:
+        expect(
+            isinstance(out, torch.Tensor)
+            and out.shape == (tokens, q_heads, v_dim)
+            and out.dtype == q.dtype
+            and out.device.type == "cpu"
+            and out.stride(-1) == 1,
+            InvalidBatchError,
+            "out",
+            f"{out.dtype}{list(out.shape)} stride {out.stride()}" if isinstance(out, torch.Tensor) else type(out),
+            f"a {q.dtype} CPU tensor [{tokens}, {q_heads}, {v_dim}] with a contiguous last dim",
+        )
+    # the kernel writes float32 rows through their strides: into out itself where it is float32
+    direct = out is not None and out.dtype == torch.float32
+    result = out if direct else torch.empty(tokens, q_heads, v_dim, dtype=torch.float32)
     try:
         (kernels.paged_attention if watched() else kernels.direct)(
             qf,
@@ -584,16 +674,19 @@ def paged_attention(
             mask,
             mask_start,
             sink_logits,
-            out,
+            result,
             float(scale),
             float(logit_cap),
             int(sliding_window),
             bool(causal),
             int(tile_rows),
+            table == "req_to_page",
         )
     except RuntimeError as exc:
         _raise_hal_error(exc)
-    return out if q.dtype == torch.float32 else out.to(q.dtype)
+    if out is None:
+        return result if q.dtype == torch.float32 else result.to(q.dtype)
+    return out if direct else out.copy_(result)
 
 
 def watched() -> bool:
@@ -646,9 +739,17 @@ def write_and_attend(
     mask_start: torch.Tensor | None = None,
     tile_rows: int = TILE_ROWS,
     sinks: torch.Tensor | None = None,
+    *,
+    kv_layout: str = "token_major",
+    table: str = "req_to_token",
+    page_size: int | None = None,
 ) -> torch.Tensor | None:
     """One layer's forward in one kernel call: the new tokens' ``k``/``v`` written at ``out_cache_loc``, then
     :func:`paged_attention`; returns ``[T, q_heads * v_head_dim]`` in the pool's dtype.
+
+    ``kv_layout``, ``table`` (``req_to_token`` holds each request's slots, ``req_to_page`` its pages) and
+    ``page_size`` as :func:`paged_attention`'s; ``out_cache_loc`` holds slots (page * page_size + offset) in
+    either layout.
 
     ``q``/``k``/``v``: ``[T, heads * dim]`` or ``[T, heads, dim]`` in the pool's dtype (float32 or bfloat16);
     ``heads``: the layer's ``(q_heads, kv_heads, v_heads, head_dim, v_head_dim)``; the per-request tensors are
@@ -661,6 +762,12 @@ def write_and_attend(
     """
     kernels = load()
     if kernels.write_and_attend is None or watched():
+        return None
+    if not isinstance(k_buffer, torch.Tensor) or not isinstance(v_buffer, torch.Tensor):
+        return None
+    try:
+        k_buffer, v_buffer = _pool_views(k_buffer, v_buffer, kv_layout, table, page_size)
+    except KVCacheError:  # buffers not of the layout: the checked path names them
         return None
     sink_logits = _NO_SINKS if sinks is None else _sinks(sinks, heads[0])
     if sink_logits is None or (sinks is not None and sinks.device.type != "cpu"):
@@ -687,6 +794,7 @@ def write_and_attend(
             sliding_window,
             causal,
             tile_rows,
+            table == "req_to_page",
         )
     except TypeError:  # an argument that is no tensor (k or v None...): the checked path says which
         return None

@@ -1,10 +1,11 @@
-// hal CPU attention: paged decode / extend / verify over req_to_token, no gathered copy of the KV cache.
+// hal CPU attention: paged decode / extend / verify over a KV pool of token-major or head-major pages, addressed
+// through req_to_token (slots) or req_to_page (a block table), no gathered copy of the KV cache.
 //
 // One task per request (or per (request, KV head) when requests are few) for decode and verify
 // (every query row of the request and all query heads of the GQA group together; HAL_HEADS_PER_TASK
 // overrides the heads per task), or per (request, KV head, tile of queries) for extend (register-
 // blocked micro-tiles over K/V rows read in place; AMX tiles where present; at::mm on plain loops). Keys are read in blocks straight from the pool through
-// req_to_token; each block is scored, masked, folded into an online softmax and multiplied
+// the table (key_offsets); each block is scored, masked, folded into an online softmax and multiplied
 // into the accumulators, the next block's rows prefetched under the work (Ahead). Tasks are handed to the
 // threads dynamically, largest first.
 //
@@ -64,6 +65,7 @@ namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kMinNormalExp = -87.3365478515625f;  // float(-126 ln 2): exp of less is subnormal (vexp: 0)
 constexpr int64_t kBlock = 32;       // keys per block on the row path
+constexpr int64_t kRunKeys = 32;     // keys per block on the row path over head-major pages, at most
 constexpr int64_t kScoresBytes = 16 << 10;  // the row path's scores of one block, all heads at once, at most
 constexpr float kLazyMax = 8.f;  // how far a score may pass a row's running max before the max moves (fold_block)
 constexpr int64_t kGemmBlock = 256;  // keys per block on the tile path
@@ -770,10 +772,17 @@ struct Problem {
   const float* q;  // [T, Hq, D], float32; or
   const at::BFloat16* q_bf16 = nullptr;  // the same in bf16 (the fused path of a bf16 pool: no float32 copy)
   int64_t q_s0, q_s1;
+  // The pool: key i of a request lives on a page at an offset (its table's entry for i / page and i % page, or
+  // its slot s from req_to_token: s / page and s % page), its row of KV head h at
+  // k + page * k_ps + offset * k_ts + h * k_hs elements (v likewise). Token-major pages: k_ps = page * H * D,
+  // k_ts = H * D, k_hs = D; head-major: k_ps = H * page * D, k_ts = D, k_hs = page * D. A [slots, H, D] pool is
+  // pages of one slot.
   const void* k;
   const void* v;
-  int64_t k_s0, k_s1, v_s0, v_s1;
-  int64_t num_slots;
+  int64_t k_ps, k_ts, k_hs, v_ps, v_ts, v_hs;
+  int64_t num_pages, page = 1;
+  int page_shift = -1;  // log2(page) where page is a power of two
+  bool by_page = false;  // the table is req_to_page [R, max pages] (pages), not req_to_token [R, context] (slots)
   const int32_t* r2t;
   int64_t r2t_s0, r2t_cols;
   const int64_t* rows;     // req_pool_indices [B]
@@ -790,7 +799,7 @@ struct Problem {
   float scale, cap;
   int64_t window;
   bool causal;
-  std::atomic<int64_t>* bad_slot;
+  std::atomic<int64_t>* bad_slot;  // the table's first entry found outside the pool (a slot, or a page)
   std::atomic<bool>* bad;
   int64_t widened_keys = 0;  // a tile task's WidenedRows at most (keys); 0: as many as kWidenedBytes hold
 };
@@ -830,20 +839,61 @@ thread_local std::vector<float> t_rows;  // WidenedRows: a tile task's K and V r
 
 float* scratch(int64_t n) { return aligned(t_scratch, n); }
 
-template <typename T>
-inline bool slot_ptrs(const Problem& P, const int32_t* r2t_row, int64_t j0, int64_t nk, int64_t h, const T** kp,
-                      const T** vp) {
-  const T* K = static_cast<const T*>(P.k);
-  const T* V = static_cast<const T*>(P.v);
-  for (int64_t j = 0; j < nk; ++j) {
-    const int64_t slot = r2t_row[j0 + j];
-    if (slot < 0 || slot >= P.num_slots) {
-      P.bad_slot->store(slot);
-      P.bad->store(true);
-      return false;
+// Head 0's K and V row offsets (elements from k and v) of keys [j0, j0 + n) of a request (its table row `row`),
+// into ko and vo; false, the entry recorded, where the table names a slot or page outside the pool.
+inline bool key_offsets(const Problem& P, const int32_t* row, int64_t j0, int64_t n, int64_t* ko, int64_t* vo) {
+  auto bad = [&](int64_t entry) {
+    P.bad_slot->store(entry);
+    P.bad->store(true);
+    return false;
+  };
+  if (P.by_page) {
+    if (n <= 0) return true;
+    int64_t i = j0 / P.page, o = j0 - i * P.page, pg = row[i];
+    if (pg < 0 || pg >= P.num_pages) return bad(pg);
+    for (int64_t j = 0; j < n; ++j, ++o) {
+      if (o == P.page) {
+        o = 0;
+        pg = row[++i];
+        if (pg < 0 || pg >= P.num_pages) return bad(pg);
+      }
+      ko[j] = pg * P.k_ps + o * P.k_ts;
+      vo[j] = pg * P.v_ps + o * P.v_ts;
     }
-    kp[j] = K + slot * P.k_s0 + h * P.k_s1;
-    vp[j] = V + slot * P.v_s0 + h * P.v_s1;
+    return true;
+  }
+  const int64_t slots = P.num_pages * P.page;
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t slot = row[j0 + j];
+    if (slot < 0 || slot >= slots) return bad(slot);
+    if (P.page == 1) {
+      ko[j] = slot * P.k_ps;
+      vo[j] = slot * P.v_ps;
+    } else {
+      const int64_t pg = P.page_shift >= 0 ? slot >> P.page_shift : slot / P.page, o = slot - pg * P.page;
+      ko[j] = pg * P.k_ps + o * P.k_ts;
+      vo[j] = pg * P.v_ps + o * P.v_ts;
+    }
+  }
+  return true;
+}
+
+thread_local std::vector<int64_t> t_offsets;
+
+// kp[j], vp[j]: the K and V rows of KV head h of keys [j0, j0 + nk) of a request (its table row `row`); false
+// where the table names a slot or page outside the pool (key_offsets).
+template <typename T>
+inline bool slot_ptrs(const Problem& P, const int32_t* row, int64_t j0, int64_t nk, int64_t h, const T** kp,
+                      const T** vp) {
+  if (int64_t(t_offsets.size()) < 2 * nk) t_offsets.resize(2 * nk);
+  int64_t* ko = t_offsets.data();
+  int64_t* vo = ko + nk;
+  if (!key_offsets(P, row, j0, nk, ko, vo)) return false;
+  const T* K = static_cast<const T*>(P.k) + h * P.k_hs;
+  const T* V = static_cast<const T*>(P.v) + h * P.v_hs;
+  for (int64_t j = 0; j < nk; ++j) {
+    kp[j] = K + ko[j];
+    vp[j] = V + vo[j];
   }
   return true;
 }
@@ -991,6 +1041,14 @@ inline void start_task(const Problem& P, const Task& task, int64_t R, int64_t* l
   std::fill(l, l + R, 0.f);
 }
 
+// Keys per block on the row path. Token-major: kBlock, half that with several heads (a block's slots then serve
+// them all). Head-major pages: a page's keys, at most kRunKeys (a head's keys of a page are one run; bf16 decode,
+// page 128, from memory: blocks of 16 and 32 alike, 64 0.88x, 128 0.84x, though 128 is 1.12x in cache).
+inline int64_t row_block(const Problem& P, int64_t nh) {
+  if (P.page > 1 && P.k_ts < P.k_hs) return std::clamp<int64_t>(P.page, kBlock / 2, kRunKeys);
+  return nh > 1 ? kBlock / 2 : kBlock;
+}
+
 // Decode / verify / short extend: every row of the task, for KV heads [h, h + nh), over blocks of keys.
 // With several heads a block's slots serve them all (its K rows for every head's scores, then its V rows for
 // every head's P . V): each slot's K (and V) rows of all heads are adjacent, so a block costs one TLB walk and one
@@ -999,7 +1057,7 @@ template <typename T>
 void run_rows(const Problem& P, const Task& task) {
   const int64_t b = task.b, i0 = task.i0, nq = task.i1 - task.i0, nh = task.nh;
   const int64_t R = nq * P.G, D = P.D, Dv = P.Dv;
-  const int64_t blk = nh > 1 ? kBlock / 2 : kBlock;
+  const int64_t blk = row_block(P, nh);
   const int64_t per_head = up16(R * D + R * Dv + 2 * R);
   const int64_t per_scores = up16(R * blk);  // one head's scores of a block
   const int64_t group = std::clamp<int64_t>(kScoresBytes / (per_scores * int64_t(sizeof(float))), 1, nh);
@@ -1039,31 +1097,31 @@ void run_rows(const Problem& P, const Task& task) {
   const T** vp = kp + blk;
   const char** next_k = reinterpret_cast<const char**>(vp + blk);  // the next block's rows of the head at hand
   const char** next_v = next_k + blk;
-  thread_local std::vector<int64_t> t_slots;
-  if (int64_t(t_slots.size()) < 2 * blk) t_slots.resize(2 * blk);
-  int64_t* cur = t_slots.data();
-  int64_t* nxt = cur + blk;
+  // head 0's row offsets of this block's keys (K, V) and of the next block's
+  thread_local std::vector<int64_t> t_rows_at;
+  if (int64_t(t_rows_at.size()) < 4 * blk) t_rows_at.resize(4 * blk);
+  int64_t *cur_k = t_rows_at.data(), *cur_v = cur_k + blk, *nxt_k = cur_v + blk, *nxt_v = nxt_k + blk;
   const int32_t* r2t_row = P.r2t + P.rows[b] * P.r2t_s0;
   const T* K = static_cast<const T*>(P.k);
   const T* V = static_cast<const T*>(P.v);
-  auto read_slots = [&](int64_t j0, int64_t n, int64_t* out) {
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t slot = r2t_row[j0 + j];
-      if (slot < 0 || slot >= P.num_slots) {
-        P.bad_slot->store(slot);
-        P.bad->store(true);
-        return false;
-      }
-      out[j] = slot;
-    }
-    return true;
+  // The row of the next block (nn keys, head 0's offsets `next`) that head step hh fetches as its j-th: key j of
+  // its own head; over head-major pages a share of every head's keys instead (key at / nh of head at % nh, at =
+  // hh * nn + j), so that the fetches go to all the next block's runs at once: each head's run fetched whole, one
+  // after another, read slower from memory (bf16 decode, page 16, 2 threads: 1.18x for the spread).
+  const bool spread = P.page > 1 && P.k_ts < P.k_hs && nh > 1;
+  auto ahead_row = [&](const T* base, const int64_t* next, int64_t nn, int64_t head_stride, int64_t hh,
+                       int64_t j) {
+    const int64_t at = hh * nn + j;
+    const T* row = spread ? base + next[at / nh] + (task.h + at % nh) * head_stride
+                          : base + next[j] + (task.h + hh) * head_stride;
+    return reinterpret_cast<const char*>(row);
   };
-  if (LO < HI && !read_slots(LO, std::min(blk, HI - LO), cur)) return;
+  if (LO < HI && !key_offsets(P, r2t_row, LO, std::min(blk, HI - LO), cur_k, cur_v)) return;
   for (int64_t j0 = LO; j0 < HI; j0 += blk) {
     const int64_t nk = std::min(blk, HI - j0);
     const int64_t j1 = j0 + blk;
     const int64_t nn = j1 < HI ? std::min(blk, HI - j1) : 0;
-    if (nn && !read_slots(j1, nn, nxt)) return;
+    if (nn && !key_offsets(P, r2t_row, j1, nn, nxt_k, nxt_v)) return;
     // A group of heads' scores of the block first, then each one's fold and P . V: a slot's K rows of all heads
     // are adjacent, and so are its V rows, so each is read in one pass (32 x 2048 keys, slots scattered: 1.10-1.13x
     // over head after head, fp32 and bf16, AMX to AVX2 builds; in page order 1.0-1.03x). As many heads as keep
@@ -1073,11 +1131,11 @@ void run_rows(const Problem& P, const Task& task) {
       const int64_t g1 = std::min(nh, g0 + group);
       for (int64_t hh = g0; hh < g1; ++hh) {
         const int64_t h = task.h + hh;
-        for (int64_t j = 0; j < nk; ++j) kp[j] = K + cur[j] * P.k_s0 + h * P.k_s1;
+        for (int64_t j = 0; j < nk; ++j) kp[j] = K + cur_k[j] + h * P.k_hs;
         // The next block's rows of this head go to L2 while this one computes, spread over the dots (K) and
         // P . V (V) by the first group of rows (see Ahead). Two or three blocks ahead lost on the Zen 1 and the
         // Xeon; one head-step ahead was within noise.
-        for (int64_t j = 0; j < nn; ++j) next_k[j] = reinterpret_cast<const char*>(K + nxt[j] * P.k_s0 + h * P.k_s1);
+        for (int64_t j = 0; j < nn; ++j) next_k[j] = ahead_row(K, nxt_k, nn, P.k_hs, hh, j);
         const Ahead ahead_k{next_k, nn, int64_t(D * sizeof(T))};
         const float* qs = state + hh * per_head;
         float* s = scores + (hh - g0) * per_scores;
@@ -1095,8 +1153,8 @@ void run_rows(const Problem& P, const Task& task) {
       }
       for (int64_t hh = g0; hh < g1; ++hh) {
         const int64_t h = task.h + hh;
-        for (int64_t j = 0; j < nk; ++j) vp[j] = V + cur[j] * P.v_s0 + h * P.v_s1;
-        for (int64_t j = 0; j < nn; ++j) next_v[j] = reinterpret_cast<const char*>(V + nxt[j] * P.v_s0 + h * P.v_s1);
+        for (int64_t j = 0; j < nk; ++j) vp[j] = V + cur_v[j] + h * P.v_hs;
+        for (int64_t j = 0; j < nn; ++j) next_v[j] = ahead_row(V, nxt_v, nn, P.v_hs, hh, j);
         const Ahead ahead_v{next_v, nn, int64_t(Dv * sizeof(T))};
         float* s = scores + (hh - g0) * per_scores;
         float* acc = state + hh * per_head + R * D;
@@ -1118,7 +1176,8 @@ void run_rows(const Problem& P, const Task& task) {
         }
       }
     }
-    std::swap(cur, nxt);
+    std::swap(cur_k, nxt_k);
+    std::swap(cur_v, nxt_v);
   }
   for (int64_t hh = 0; hh < nh; ++hh) {
     float* qs = state + hh * per_head;
@@ -1920,17 +1979,37 @@ void run_tile(const Problem& P, const Task& task) {
   }
 }
 
-// The pool's buffers: [S, Hkv, D] keys and [S, Hkv, Dv] values (last dims contiguous).
-void bind_buffers(Problem& P, const at::Tensor& k_buffer, const at::Tensor& v_buffer) {
+// The pool's buffers: [S, Hkv, D] keys and [S, Hkv, Dv] values (pages of one slot), or [N, Hkv, page, D] and
+// [N, Hkv, page, Dv] pages of any strides (a token-major pool's view, or head-major pages); last dims contiguous.
+// false: buffers that do not pair so.
+bool bind_buffers(Problem& P, const at::Tensor& k_buffer, const at::Tensor& v_buffer) {
+  const int64_t dims = k_buffer.dim();
+  if ((dims != 3 && dims != 4) || v_buffer.dim() != dims || k_buffer.size(0) != v_buffer.size(0) ||
+      k_buffer.size(1) != v_buffer.size(1) || (dims == 4 && k_buffer.size(2) != v_buffer.size(2)) ||
+      k_buffer.stride(dims - 1) != 1 || v_buffer.stride(dims - 1) != 1)
+    return false;
   P.k = k_buffer.data_ptr();
   P.v = v_buffer.data_ptr();
-  P.k_s0 = k_buffer.stride(0);
-  P.k_s1 = k_buffer.stride(1);
-  P.v_s0 = v_buffer.stride(0);
-  P.v_s1 = v_buffer.stride(1);
-  P.num_slots = k_buffer.size(0);
+  P.num_pages = k_buffer.size(0);
   P.Hkv = k_buffer.size(1);
-  P.Dv = v_buffer.size(2);
+  P.page = dims == 4 ? k_buffer.size(2) : 1;
+  P.k_ps = k_buffer.stride(0);
+  P.k_hs = k_buffer.stride(1);
+  P.k_ts = dims == 4 ? k_buffer.stride(2) : k_buffer.stride(0);
+  P.v_ps = v_buffer.stride(0);
+  P.v_hs = v_buffer.stride(1);
+  P.v_ts = dims == 4 ? v_buffer.stride(2) : v_buffer.stride(0);
+  P.page_shift = -1;
+  for (int shift = 0; shift < 31; ++shift)
+    if (int64_t(1) << shift == P.page) P.page_shift = shift;
+  P.Dv = v_buffer.size(dims - 1);
+  return P.page >= 1;
+}
+
+// The name of the table's entries and how many there are (for messages).
+std::string table_entries(const Problem& P) {
+  return P.by_page ? "a page in [0, " + std::to_string(P.num_pages) + ")"
+                   : "a slot in [0, " + std::to_string(P.num_pages * P.page) + ")";
 }
 
 // The step's per-request tensors (int64 [B], CPU, contiguous), request table and custom mask, bound into P;
@@ -1952,13 +2031,14 @@ int64_t bind_step(Problem& P, const at::Tensor& req_to_token, const at::Tensor& 
               "hal: req_pool_indices, seq_lens and extend_lens must have one entry per request");
   TORCH_CHECK(P.Hkv > 0 && P.Hq % P.Hkv == 0, "hal: q heads must be a multiple of KV heads");
   TORCH_CHECK(!P.cmask || mask_start.numel() == B, "hal: mask_start must have one entry per request");
-  const int64_t R2T_rows = req_to_token.size(0);
+  const int64_t R2T_rows = req_to_token.size(0), keys_per_entry = P.by_page ? P.page : 1;
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(P.rows[b] >= 0 && P.rows[b] < R2T_rows, "hal: req_pool_indices[", b, "] = ", P.rows[b],
-                ": expected a row of req_to_token in [0, ", R2T_rows, ")");
-    TORCH_CHECK(P.q_lens[b] >= 0 && P.q_lens[b] <= P.kv_lens[b] && P.kv_lens[b] <= P.r2t_cols,
+                ": expected a row of ", P.by_page ? "req_to_page" : "req_to_token", " in [0, ", R2T_rows, ")");
+    TORCH_CHECK(P.q_lens[b] >= 0 && P.q_lens[b] <= P.kv_lens[b] && P.kv_lens[b] <= P.r2t_cols * keys_per_entry,
                 "hal: request ", b, " has ", P.q_lens[b], " query tokens over ", P.kv_lens[b],
-                " keys: expected 0 <= query tokens <= keys <= ", P.r2t_cols, " (req_to_token columns)");
+                " keys: expected 0 <= query tokens <= keys <= ", P.r2t_cols * keys_per_entry,
+                P.by_page ? " (req_to_page columns x page size)" : " (req_to_token columns)");
     TORCH_CHECK(P.q_start[b] >= 0 && P.q_start[b] + P.q_lens[b] <= T, "hal: request ", b,
                 "'s query tokens run past the ", T, " rows of q");
     if (P.cmask) {
@@ -2038,8 +2118,8 @@ void run_tasks(Problem& P, int64_t B, int64_t tile_rows, bool bf16) {
   } else {
     at::parallel_for(0, threads, 1, worker);
   }
-  TORCH_CHECK(!bad.load(), "hal: req_to_token holds slot ", bad_slot.load(), ": expected a slot in [0, ",
-              P.num_slots, ")");
+  TORCH_CHECK(!bad.load(), "hal: ", P.by_page ? "req_to_page holds page " : "req_to_token holds slot ",
+              bad_slot.load(), ": expected ", table_entries(P));
 }
 
 // The layer's sink logits (P.Hq float32, contiguous, on the CPU), or none (an empty tensor); false: not these.
@@ -2085,24 +2165,29 @@ bool index_vector(const at::Tensor& t) {
 
 }  // namespace
 
-// q: float32 [T, Hq, D] (last dim contiguous); k/v_buffer: [S, Hkv, D|Dv] float32 or bf16;
-// req_to_token int32 [R, C]; rows, kv_lens, q_lens, q_start, mask_start: int64 [B] (CPU);
+// q: float32 [T, Hq, D] (last dim contiguous); k/v_buffer: float32 or bf16, [S, Hkv, D|Dv] slots or
+// [N, Hkv, page, D|Dv] pages of any strides (bind_buffers); req_to_token: int32 [R, C], each request's slots, or
+// with by_page its pages (req_to_page [R, max pages]); rows, kv_lens, q_lens, q_start, mask_start: int64 [B] (CPU);
 // custom_mask: bool flat or empty; out: float32 [T, Hq, Dv], written. Errors (messages start "hal: ") are raised
-// before any read out of bounds; a slot outside the pool found midway stops the run and is raised after it.
+// before any read out of bounds; a slot or page outside the pool found midway stops the run and is raised after it.
 void paged_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
                      const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& kv_lens,
                      const at::Tensor& q_lens, const at::Tensor& q_start, const at::Tensor& custom_mask,
                      const at::Tensor& mask_start, const at::Tensor& sinks, const at::Tensor& out, double scale,
-                     double logit_cap, int64_t window, bool causal, int64_t tile_rows) {
+                     double logit_cap, int64_t window, bool causal, int64_t tile_rows, bool by_page) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "q and out must be float32");
   TORCH_CHECK(k_buffer.scalar_type() == v_buffer.scalar_type(), "k and v buffers differ in dtype");
-  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_buffer.stride(2) == 1 && v_buffer.stride(2) == 1,
-              "last dims must be contiguous");
-  TORCH_CHECK(req_to_token.scalar_type() == at::kInt && req_to_token.stride(1) == 1, "req_to_token: int32 rows");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "last dims must be contiguous");
+  TORCH_CHECK(req_to_token.scalar_type() == at::kInt && req_to_token.dim() == 2 && req_to_token.stride(1) == 1,
+              "req_to_token: int32 rows");
   const bool bf16 = k_buffer.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || k_buffer.scalar_type() == at::kFloat, "KV buffers must be float32 or bfloat16");
   Problem P;
-  bind_buffers(P, k_buffer, v_buffer);
+  TORCH_CHECK(bind_buffers(P, k_buffer, v_buffer) && k_buffer.size(k_buffer.dim() - 1) == q.size(2) &&
+                  out.size(2) == P.Dv,
+              "hal: k/v buffers ", k_buffer.sizes(), " / ", v_buffer.sizes(), ": expected [slots, kv heads, dim] or ",
+              "[pages, kv heads, page, dim] of the queries' dim, last dims contiguous");
+  P.by_page = by_page;
   set_layer(P, q.size(1), q.size(2), scale, logit_cap, window, causal);
   TORCH_CHECK(bind_sinks(P, sinks), "hal: sinks must be float32, contiguous, one per q head (", P.Hq, ")");
   P.q = q.data_ptr<float>();
@@ -2126,15 +2211,18 @@ at::Tensor write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::
                             const at::Tensor& rows, const at::Tensor& kv_lens, const at::Tensor& q_lens,
                             const at::Tensor& q_start, const at::Tensor& custom_mask, const at::Tensor& mask_start,
                             const at::Tensor& sinks, int64_t q_heads, int64_t kv_heads, int64_t v_heads, int64_t head_dim, int64_t v_head_dim,
-                            double scale, double logit_cap, int64_t window, bool causal, int64_t tile_rows) {
+                            double scale, double logit_cap, int64_t window, bool causal, int64_t tile_rows,
+                            bool by_page) {
   const at::ScalarType dt = k_buffer.scalar_type();
   const bool bf16 = dt == at::kBFloat16;
-  if (!(bf16 || dt == at::kFloat) || v_buffer.scalar_type() != dt || k_buffer.dim() != 3 || v_buffer.dim() != 3 ||
-      !k_buffer.device().is_cpu() || !v_buffer.device().is_cpu())
+  if (!(bf16 || dt == at::kFloat) || v_buffer.scalar_type() != dt || !k_buffer.device().is_cpu() ||
+      !v_buffer.device().is_cpu())
     return {};
-  if (k_buffer.size(1) != kv_heads || k_buffer.size(2) != head_dim || v_buffer.size(1) != kv_heads ||
-      v_buffer.size(2) != v_head_dim || v_heads != kv_heads || kv_heads <= 0 || q_heads % kv_heads ||
-      k_buffer.stride(2) != 1 || v_buffer.stride(2) != 1 || k_buffer.data_ptr() == v_buffer.data_ptr())
+  Problem P;
+  if (!bind_buffers(P, k_buffer, v_buffer)) return {};
+  const int64_t last = k_buffer.dim() - 1;
+  if (P.Hkv != kv_heads || k_buffer.size(last) != head_dim || P.Dv != v_head_dim || v_heads != kv_heads ||
+      kv_heads <= 0 || q_heads % kv_heads || k_buffer.data_ptr() == v_buffer.data_ptr())
     return {};
   if (loc.dim() != 1 || !loc.device().is_cpu() || !(loc.scalar_type() == at::kLong || loc.scalar_type() == at::kInt))
     return {};
@@ -2148,21 +2236,23 @@ at::Tensor write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::
       !(custom_mask.numel() == 0 || (custom_mask.scalar_type() == at::kBool && custom_mask.is_contiguous())) ||
       !(custom_mask.numel() == 0 || index_vector(mask_start)))
     return {};
-  Problem P;
-  bind_buffers(P, k_buffer, v_buffer);
+  P.by_page = by_page;
   set_layer(P, q_heads, head_dim, scale, logit_cap, window, causal);
   if (!bind_sinks(P, sinks)) return {};
   const int64_t B = bind_step(P, req_to_token, rows, kv_lens, q_lens, q_start, custom_mask, mask_start, T);
-  std::vector<int64_t> slots(T);
-  const int64_t loc_s = loc.stride(0);
+  // each new token's row offsets (head 0) in K and V; -1: a padding token, whose KV is written nowhere
+  std::vector<int64_t> k_at(T), v_at(T);
+  const int64_t loc_s = loc.stride(0), slots = P.num_pages * P.page;
   const bool loc64 = loc.scalar_type() == at::kLong;
   const int64_t* loc_l = loc64 ? loc.data_ptr<int64_t>() : nullptr;
   const int32_t* loc_i = loc64 ? nullptr : loc.data_ptr<int32_t>();
   for (int64_t t = 0; t < T; ++t) {
     const int64_t s = loc64 ? loc_l[t * loc_s] : int64_t(loc_i[t * loc_s]);
-    TORCH_CHECK(s >= -1 && s < P.num_slots, "hal: out_cache_loc[", t, "] = ", s, ": expected a slot in [0, ",
-                P.num_slots, ") or -1 (a padding token: nothing written)");
-    slots[t] = s;
+    TORCH_CHECK(s >= -1 && s < slots, "hal: out_cache_loc[", t, "] = ", s, ": expected a slot in [0, ", slots,
+                ") or -1 (a padding token: nothing written)");
+    const int64_t pg = s / P.page, o = s - pg * P.page;
+    k_at[t] = s < 0 ? -1 : pg * P.k_ps + o * P.k_ts;
+    v_at[t] = s < 0 ? -1 : pg * P.v_ps + o * P.v_ts;
   }
   const int64_t elt = bf16 ? 2 : 4;
   char* K = static_cast<char*>(k_buffer.data_ptr());
@@ -2171,10 +2261,10 @@ at::Tensor write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::
   const char* vin = static_cast<const char*>(v.data_ptr());
   at::parallel_for(0, T, 256, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      if (slots[t] < 0) continue;  // -1: a padding token, whose KV is written nowhere
+      if (k_at[t] < 0) continue;
       for (int64_t h = 0; h < kv_heads; ++h) {
-        std::memcpy(K + (slots[t] * P.k_s0 + h * P.k_s1) * elt, kin + (t * ks0 + h * ks1) * elt, head_dim * elt);
-        std::memcpy(V + (slots[t] * P.v_s0 + h * P.v_s1) * elt, vin + (t * vs0 + h * vs1) * elt, v_head_dim * elt);
+        std::memcpy(K + (k_at[t] + h * P.k_hs) * elt, kin + (t * ks0 + h * ks1) * elt, head_dim * elt);
+        std::memcpy(V + (v_at[t] + h * P.v_hs) * elt, vin + (t * vs0 + h * vs1) * elt, v_head_dim * elt);
       }
     }
   });
@@ -2301,7 +2391,7 @@ TORCH_LIBRARY_FRAGMENT(hal, m) {
   m.def(HAL_OP(paged_attention)
         "(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, Tensor rows, Tensor kv_lens, "
         "Tensor q_lens, Tensor q_start, Tensor custom_mask, Tensor mask_start, Tensor sinks, Tensor(a!) out, "
-        "float scale, float logit_cap, int window, bool causal, int tile_rows) -> ()");
+        "float scale, float logit_cap, int window, bool causal, int tile_rows, bool by_page=False) -> ()");
   m.def(HAL_OP(build_info) "() -> str", &build_info);
 }
 TORCH_LIBRARY_IMPL(hal, CPU, m) { m.impl(HAL_OP(paged_attention), &paged_attention); }
@@ -2311,7 +2401,10 @@ TORCH_LIBRARY_IMPL(hal, CPU, m) { m.impl(HAL_OP(paged_attention), &paged_attenti
 // (a whole forward, KV write included) exists only here: where a mode watches, hal runs the checked prologue
 // and the op above instead.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention);
+  m.def("paged_attention", &paged_attention, py::arg("q"), py::arg("k_buffer"), py::arg("v_buffer"),
+        py::arg("req_to_token"), py::arg("rows"), py::arg("kv_lens"), py::arg("q_lens"), py::arg("q_start"),
+        py::arg("custom_mask"), py::arg("mask_start"), py::arg("sinks"), py::arg("out"), py::arg("scale"),
+        py::arg("logit_cap"), py::arg("window"), py::arg("causal"), py::arg("tile_rows"), py::arg("by_page") = false);
   m.def("write_and_attend", &write_and_attend);
   m.def("peak_gflops", &peak_gflops);
 }

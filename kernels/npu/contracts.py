@@ -36,6 +36,12 @@ _PA_DOC = (
 )
 _PA_PARAM = _OPP + "op_plugin/third_party/atb/inc/infer_op_params.h, struct PagedAttentionParam"
 _RC_PARAM = _OPP + "op_plugin/third_party/atb/inc/infer_op_params.h, struct ReshapeAndCacheParam::KvCacheCfg"
+_ATB_OUT = (
+    _OPP
+    + "op_plugin/python/atb/_atb_api_docs.py, _npu_paged_attention_v2 'out: ... shape为[num_tokens, num_head, "
+    + "head_size_v]'; op_plugin/utils/custom_functions/atb/AtbCommon.cpp, ParamSetter::Output (no contiguous copy, "
+    + "unlike Input) and AtTensor2AtbTensor ('at_tensor is not contiguous')"
+)
 _FIA = _OPP + "docs/zh/custom_APIs/torch_npu/torch_npu-npu_fused_infer_attention_score.md"
 _FIA2 = _OPP + "docs/zh/custom_APIs/torch_npu/torch_npu-npu_fused_infer_attention_score_v2.md"
 _SCATTER = _OPP + "docs/zh/custom_APIs/torch_npu/torch_npu-npu_scatter_pa_kv_cache.md"
@@ -180,6 +186,22 @@ CONSTRAINTS: tuple[Constraint, ...] = (
         "head_size > 256 (MLA's 576) needs block_size <= 128, a multiple of 16",
         _PA_DOC + " ('当key_cache或value_cache的head_size > 256时，block_size小于等于128')",
         _T + "test_mla_decode_block_size_limit",
+    ),
+    *(
+        Constraint(
+            op,
+            "out",
+            chips,
+            f"out: {shape} in query's dtype, contiguous (written in place as given; ATB refuses a non-contiguous "
+            "output tensor)",
+            _ATB_OUT + (f"; {_OPP}op_plugin/ops/atb/PagedAttentionMlaAtb.cpp (mla_vheadsize)" if op == _MLA else ""),
+            _T + "test_atb_attention_out_contract",
+        )
+        for op, chips, shape in (
+            (_PA, _ATB_CHIPS, "[num_tokens, num_heads, head_size]"),
+            (_SF, _ATB_CHIPS, "[num_tokens, num_heads, head_size]"),
+            (_MLA, ("A2", "A3"), "[num_tokens, num_heads, mla_vheadsize]"),
+        )
     ),
     Constraint(
         _PA,

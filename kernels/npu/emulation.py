@@ -503,6 +503,13 @@ def npu_scatter_nd_update_(input: torch.Tensor, indices: torch.Tensor, updates: 
     return input
 
 
+def _check_out(op: str, out: torch.Tensor, query: torch.Tensor, v_dim: int) -> None:
+    """ATB attention's output (contracts: the ``out`` rows): ``[num_tokens, num_heads, v_dim]`` in query's dtype,
+    contiguous: the binding hands ``out`` to ATB as it is, and ATB refuses a non-contiguous tensor."""
+    if out.shape != query.shape[:2] + (v_dim,) or out.dtype != query.dtype or not out.is_contiguous():
+        raise violation(op, "out", f"out = {_describe(out)} with strides {out.stride()} for query {_describe(query)}")
+
+
 def _paged_checks(
     op: str,
     query: object,
@@ -565,8 +572,7 @@ def _paged_checks(
         raise _bad(op, "head_size", head_size, f"in (0, {_ATB_MAX_HEAD_SIZE}]")
     if head_size * block_size > _ATB_MAX_BLOCK_ELEMS and (op == _SF or on_310p):
         raise _bad(op, "head_size * block_size", head_size * block_size, "<= 128 * 128 (hardware limit)")
-    if out.shape != query.shape[:2] + (head_size,) or out.dtype != query.dtype or not out.is_contiguous():
-        raise _bad(op, "out", out, f"a contiguous {query.dtype} tensor of shape {list(query.shape[:2]) + [head_size]}")
+    _check_out(op, out, query, head_size)
     return heads, kv_heads, _float(op, "scale_value", scale_value), key_cache, value_cache
 
 
@@ -911,15 +917,15 @@ def npu_fused_infer_attention_score(
 
     ``sparse_mode=3`` with the compressed 2048 x 2048 ``atten_mask`` (``triu(ones, 1)``, bool/int8/
     uint8): rightDownCausal, query ``i`` of a request with ``S`` query and ``L`` KV tokens sees
-    KV ``j <= L - S + i`` (``S <= L``). ``sparse_mode=0`` with no mask: every KV token is seen.
-    TND allows no other mode ("sparse模式仅支持sparse=0且不传mask，或sparse=3且传入mask"), so
-    band (sparse_mode 4, pre_tokens/next_tokens) is rejected.
+    KV ``j <= L - S + i`` (``S <= L``). ``sparse_mode=4`` with the same mask: the band
+    ``L - S + i - pre_tokens <= j <= L - S + i + next_tokens`` (vllm-ascend's window: ``pre_tokens`` = window,
+    ``next_tokens`` = 0). ``sparse_mode=0`` with no mask: every KV token is seen. Any other mode is a
+    violation of the ``sparse_tnd`` contract (:mod:`hal.kernels.npu.contracts`). With one query token per request
+    the op ignores the mode and the band (``sparse_q1``): every key is seen.
 
-    Not enforced, on purpose: the TND head-dim rule (D = 128, or 192, without rope: the doc at
-    op-plugin master 56bbfdf; earlier versions said 192 only, without page attention, while
-    vllm-ascend ran TND paged at D = 128). The emulation computes any D; hal's routing
-    (``hal.kernels.npu.ops.unsupported_reasons``, ``FIA_TND_HEAD_DIMS``) sends other head dims
-    to splitfuse, so the real op never sees them from hal. Returns ``(attention_out
+    The TND head-dim rule is enforced (``tnd_head_dim``: D = 128, or 192, without rope and one head size for K
+    and V; the doc at op-plugin master 56bbfdf, see ``hal.kernels.npu.limits.FIA_TND_HEAD_DIMS``); hal's routing
+    (``hal.kernels.npu.limits.unsupported_reasons``) sends other head dims to splitfuse. Returns ``(attention_out
     [T, num_heads, D_v] in query dtype, softmax_lse)``; the LSE is natural-log over the scaled
     scores, ``[T, num_heads, 1]`` float32 with ``softmax_lse_flag``, else a float32 ``[1]`` zero.
     """
@@ -1324,8 +1330,7 @@ def _npu_paged_attention_mla(
     v_dim = _int(op, "mla_vheadsize", mla_vheadsize, 1)
     if v_dim >= head_size:
         raise _bad(op, "mla_vheadsize", v_dim, f"< head_size = {head_size} (the latent part of the key)")
-    if out.shape != (query.shape[0], heads, v_dim) or out.dtype != query.dtype or not out.is_contiguous():
-        raise _bad(op, "out", out, f"a contiguous {query.dtype} tensor [{query.shape[0]}, {heads}, {v_dim}]")
+    _check_out(op, out, query, v_dim)
     scale = _float(op, "scale_value", scale_value)
     lens = _host_int32(op, "context_lens", context_lens, query.shape[0])
     table = _block_table(op, block_table, query.shape[0], lens, block_size, key_cache.shape[0])

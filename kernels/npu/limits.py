@@ -1,5 +1,5 @@
-"""Why the real Ascend ops cannot serve a layer: each op's documented limits as reasons, for routing and validation
-(issue 23: split from ops.py). The rules with their sources are the rows of :mod:`hal.kernels.npu.contracts`.
+"""Why the real Ascend ops cannot serve a layer: each op's documented limits as reasons, for routing and validation.
+The rules with their sources are the rows of :mod:`hal.kernels.npu.contracts`.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def unsupported_reasons(
         if kv_heads and q_heads and q_heads % kv_heads:
             reasons.append(f"{name} ({path}): q_heads {q_heads} not a multiple of kv_heads {kv_heads}")
         if path == "mixed" and head_dim == 192 and block_size % 128:
-            # Issue 17's read of vllm-ascend: splitfuse at head dim 192 may crash unless the page size is a
+            # vllm-ascend warns that splitfuse at head dim 192 may crash unless the page size is a
             # multiple of 128; vllm-ascend never sends 192 there (A2/A3 take FIA), so hal does not either.
             reasons.append(
                 f"{name} (mixed): head_dim 192 with page size {block_size} (not a multiple of 128) may crash "

@@ -1,4 +1,4 @@
-"""Loading torch_npu and op-plugin's ATB ops, and the chip generations hal routes by (issue 23: split from ops.py).
+"""Loading torch_npu and op-plugin's ATB ops, and the chip generations hal routes by.
 
 Every function here never raises: a missing library or device is a reason string.
 """

@@ -33,7 +33,7 @@ from hal.kernels import opaque_kernel
 
 from . import emulation
 from .contracts import ACL_FORMAT_FRACTAL_NZ
-from .limits import (  # noqa: F401 - re-exported: hal.kernels.npu.ops.<name> keeps working (issue 23)
+from .limits import (  # noqa: F401 - re-exported: hal.kernels.npu.ops.<name> is importable
     FIA_TND_HEAD_DIMS,
     MLA_LATENT_DIMS,
     MLA_ROPE_DIM,
@@ -285,9 +285,11 @@ def write_kv(
     ``scatter=True`` (A2/A3/A5): ``torch_npu.npu_scatter_pa_kv_cache(key, value, key_cache, value_cache,
     slot_mapping, cache_mode="Norm")`` as vllm-ascend's ``BaseDeviceAdaptor.reshape_and_cache`` (doc: {scatter});
     every slot must lie in ``[0, num_blocks * block_size)``: the caller redirects padding to its padding slot.
-    ``scatter=False`` (310P): ``torch_npu._npu_reshape_and_cache(key, value, key_cache, value_cache,
-    slot_indices)`` (schema: op-plugin ``op_plugin/ops/atb/ReshapeAndCachAtb.cpp``; ATB doc: {rc}, whose
-    "取值为负数时不进行任何搬运操作" makes a negative slot a documented skip; called as in {vllm}).
+    ``scatter=False`` (310P, a FRACTAL_NZ pool's pages, written in place as vllm-ascend's 310P runner writes its NZ
+    caches; a token-major 310P pool is written row by row with :func:`scatter_rows`):
+    ``torch_npu._npu_reshape_and_cache(key, value, key_cache, value_cache, slot_indices)`` (schema: op-plugin
+    ``op_plugin/ops/atb/ReshapeAndCachAtb.cpp``; ATB doc: {rc}, whose "取值为负数时不进行任何搬运操作" makes a
+    negative slot a documented skip; called as in {vllm}).
     Slot ``s`` goes to block ``s // block_size``, offset ``s % block_size``. Both ops take one dtype for the four
     tensors: key/value are cast to the cache dtype and slots to int32 here (device-side, no sync).
     """
@@ -319,7 +321,8 @@ def scatter_rows(ops: Any, buffer: torch.Tensor, slots: torch.Tensor, rows: torc
     ``buffer`` ``[num_slots, ...]`` (a pool buffer, ND), ``rows`` ``[n, *buffer.shape[1:]]`` (cast to its dtype),
     ``slots`` ``[n]`` int32/int64, every one in ``[0, num_slots)``: the op takes no out-of-bounds index
     (doc: op-plugin ``docs/zh/custom_APIs/torch_npu/torch_npu-npu_scatter_nd_update_.md``), so the caller redirects
-    padding to its padding slot. SGLang writes its NPU MLA pool so (two calls, latent and rope part)."""
+    padding to its padding slot. SGLang writes its NPU MLA pool so (two calls, latent and rope part); the ascend
+    backend writes MLA pools on A3 and token-major pools on 310P so."""
     ops.npu_scatter_nd_update_(buffer, slots.view(-1, 1), rows.to(buffer.dtype).reshape(-1, *buffer.shape[1:]))
 
 
@@ -610,9 +613,11 @@ def mla_decode(
     *,
     kv_lora_rank: int,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """MLA decode, one absorbed query token per request ``[B, Hq, kv_lora_rank + rope]`` over the one paged cache
-    ``[num_blocks, block_size, 1, kv_lora_rank + rope]`` -> ``[B, Hq, kv_lora_rank]``.
+    ``[num_blocks, block_size, 1, kv_lora_rank + rope]`` -> ``out`` ``[B, Hq, kv_lora_rank]`` (written in place,
+    allocated when None).
 
     ``torch_npu._npu_paged_attention_mla(query, key_cache, num_kv_heads, num_heads, scale_value, block_table,
     context_lens, mla_vheadsize, out)`` (schema: op-plugin ``op_plugin/ops/atb/PagedAttentionMlaAtb.cpp``; called
@@ -620,7 +625,8 @@ def mla_decode(
     first ``mla_vheadsize`` columns of the key cache. ``context_lens`` are host lengths.
     """
     query = query.contiguous()
-    out = query.new_empty(query.shape[0], query.shape[1], kv_lora_rank)
+    if out is None:
+        out = query.new_empty(query.shape[0], query.shape[1], kv_lora_rank)
     ops._npu_paged_attention_mla(
         **_paged_args(query, cache, block_table, context_lens, scale, None), mla_vheadsize=kv_lora_rank, out=out
     )
@@ -761,7 +767,7 @@ _cite(mla_attention, fia2=_FIA_V2_DOC, vllm=_VLLM_ASCEND_MLA)
 
 
 def __getattr__(name: str):
-    # ``paged_view`` (before 0.2.0) shared its name with hal.kv_cache.paged_view(pool, layer_id).
+    # ``paged_view``: the deprecated name of buffer_pages, which clashed with hal.kv_cache.paged_view(pool, layer_id).
     if name == "paged_view":
         import warnings
 

@@ -38,6 +38,11 @@ Semantics shared by every backend (SGLang's conventions):
 * Padding tokens: a query token whose ``out_cache_loc`` is -1 writes no KV (:func:`store` skips negative
   slots); its output row is unspecified and the caller ignores it. It belongs to a padding request (all of
   whose query tokens are padding), which reads in-pool slots only (hal's padding row 0: the padding slot).
+* Request tables: a request's slots come from ``req_to_token`` (int32 ``[rows, max_context]``, the slot of
+  every token) or from ``req_to_page`` (int32 ``[rows, max_pages]``, a block table: token ``i`` of the
+  request is slot ``req_to_page[row, i // page_size] * page_size + i % page_size``). Both are indexed by
+  ``req_pool_indices``; :func:`step_token_table` and :func:`step_page_table` turn either into the other
+  for the rows of one step, and :func:`kv_csr` builds the CSR indices backends plan with from either.
 * MLA (latent attention): the value buffer is a view of the key buffer's first
   ``kv_lora_rank`` columns (the latent); a write stores the key only (latent and rope
   part) and the value is read through the view. Nothing else about it is special: it is
@@ -47,6 +52,8 @@ Semantics shared by every backend (SGLang's conventions):
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -57,6 +64,10 @@ __all__ = [
     "attention_mask",
     "write_kv",
     "build_kv_indices",
+    "step_token_table",
+    "step_page_table",
+    "KVIndices",
+    "kv_csr",
     "compute_positions",
     "batch_attention",
     "tolerance",
@@ -70,7 +81,7 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # Renamed in 0.3.0 (kernels import nothing of hal.deprecation, so the warning is spelled as its warn_renamed).
+    # A deprecated name (kernels import nothing of hal.deprecation, so the warning is spelled as warn_renamed's).
     if name == "is_fp8":
         warnings.warn(
             "hal.kernels.reference.is_fp8 is deprecated since hal 0.3.0 and goes in 0.4.0: use "
@@ -276,6 +287,124 @@ def build_kv_indices(
     kv_indices.copy_(out[:dump])
 
 
+def _column_lookup(table: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """``table[rows[i], cols[i]]`` (any broadcastable shapes); a column past the table's width reads 0."""
+    inside = cols < table.shape[1]
+    return torch.where(inside, table[rows, cols.clamp(max=max(table.shape[1] - 1, 0))], 0)
+
+
+def step_token_table(
+    rows: torch.Tensor,
+    width: int,
+    *,
+    req_to_token: torch.Tensor | None = None,
+    req_to_page: torch.Tensor | None = None,
+    page_size: int = 1,
+) -> torch.Tensor:
+    """int32 ``[len(rows), width]``: the slot of tokens ``0 .. width - 1`` of each request row ``rows[b]``, in
+    batch order, from ``req_to_token`` (its rows gathered) or, when that is None, from ``req_to_page`` (each page
+    id expanded to its ``page_size`` slots). Columns past the given table's width hold 0.
+
+    Graph-recordable: no host read, the shape is ``width`` (a host int: the step's longest context, or a
+    captured graph's fixed width); the cost is ``len(rows) * width``.
+    """
+    pos = torch.arange(width, device=rows.device)
+    if req_to_token is not None:
+        return _column_lookup(req_to_token, rows.long()[:, None], pos[None, :]).to(torch.int32)
+    pages = _column_lookup(req_to_page, rows.long()[:, None], (pos // page_size)[None, :]).long()
+    return (pages * page_size + pos % page_size).to(torch.int32)
+
+
+def step_page_table(
+    rows: torch.Tensor,
+    num_pages: int,
+    page_size: int,
+    *,
+    req_to_token: torch.Tensor | None = None,
+    req_to_page: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """int32 ``[len(rows), num_pages]``: the page ids of pages ``0 .. num_pages - 1`` of each request row
+    ``rows[b]``, in batch order (a block table, as vLLM's and the NPU ops read it), from ``req_to_page`` (its rows
+    gathered) or, when that is None, from ``req_to_token`` (the page of each page's first token:
+    ``req_to_token[row, j * page_size] // page_size``, which assumes page-aligned rows). Columns past the given
+    table's width hold 0.
+
+    Graph-recordable: no host read, the shape is ``num_pages`` (a host int); the cost is ``len(rows) * num_pages``.
+    """
+    cols = torch.arange(num_pages, device=rows.device)[None, :]
+    if req_to_page is not None:
+        return _column_lookup(req_to_page, rows.long()[:, None], cols).to(torch.int32)
+    first = _column_lookup(req_to_token, rows.long()[:, None], cols * page_size)
+    return torch.div(first, page_size, rounding_mode="floor").to(torch.int32)
+
+
+class KVIndices(NamedTuple):
+    """CSR indices of a batch's keys, as FlashInfer, SGLang's and vLLM's backends plan with.
+
+    ``indptr``: int32 ``[B + 1]``, 0 then the running sum of each request's entries; ``indices``: int32, the
+    entries request after request (KV slots, or page ids per page); ``last_page_len``: int32 ``[B]`` keys in each
+    request's last page (``1 .. page_size``; 0 for a request without keys), page granularity only (else None).
+    """
+
+    indptr: torch.Tensor
+    indices: torch.Tensor
+    last_page_len: torch.Tensor | None = None
+
+
+def kv_csr(
+    kv_lens: Sequence[int] | torch.Tensor,
+    rows: torch.Tensor,
+    *,
+    req_to_token: torch.Tensor | None = None,
+    req_to_page: torch.Tensor | None = None,
+    page_size: int = 1,
+    kv_start: Sequence[int] | torch.Tensor | None = None,
+    per_page: bool = False,
+) -> KVIndices:
+    """The one builder of a batch's CSR key indices, from either request table (see the module docstring).
+
+    Request ``b`` (request table row ``rows[b]``) reads keys ``kv_start[b] .. kv_lens[b] - 1`` (``kv_start`` None:
+    0). Token granularity (``per_page=False``): ``kv_indptr`` / ``kv_indices`` (each key's KV slot), SGLang's
+    names. Page granularity (``per_page=True``, every page from the first, ``kv_start`` not taken):
+    ``kv_page_indptr`` / ``kv_page_indices`` (page ids) / ``kv_last_page_len``, FlashInfer's plan inputs.
+    Give exactly one of ``req_to_token`` / ``req_to_page``; the page ids of a token table are read from each
+    page's first token (page-aligned rows).
+
+    ``indptr`` and ``last_page_len`` are on ``kv_lens``'s device (a list: the host, what ``plan`` calls take);
+    ``indices`` on the table's. The cost is proportional to the keys (pages) read. Not graph-recordable: the
+    entry count sizes the output (one host read when ``kv_lens`` is a device tensor); the graph form, into fixed
+    buffers, is :func:`build_kv_indices`.
+    """
+    if (req_to_token is None) == (req_to_page is None):
+        raise ValueError("kv_csr: give exactly one of req_to_token and req_to_page")
+    table = req_to_token if req_to_token is not None else req_to_page
+    lens = torch.as_tensor(kv_lens, dtype=torch.int64)
+    if per_page:
+        start = torch.zeros_like(lens)
+        counts = torch.div(lens + page_size - 1, page_size, rounding_mode="floor")
+    else:
+        start = torch.zeros_like(lens) if kv_start is None else torch.as_tensor(kv_start, dtype=torch.int64)
+        counts = (lens - start).clamp(min=0)
+    indptr = torch.nn.functional.pad(torch.cumsum(counts, 0), (1, 0))
+    total = int(indptr[-1])
+    req = torch.repeat_interleave(torch.arange(len(lens), device=lens.device), counts, output_size=total)
+    pos = torch.arange(total, device=lens.device) - indptr[req] + start[req]
+    where = torch.stack([req, pos]).to(table.device)  # one copy to the table's device
+    row, pos = rows.to(table.device).long()[where[0]], where[1]
+    if per_page:
+        if req_to_page is not None:
+            indices = _column_lookup(req_to_page, row, pos)
+        else:
+            indices = torch.div(_column_lookup(req_to_token, row, pos * page_size), page_size, rounding_mode="floor")
+        last = torch.where(lens > 0, (lens - 1) % page_size + 1, 0).to(torch.int32)
+        return KVIndices(indptr.to(torch.int32), indices.to(torch.int32), last)
+    if req_to_token is not None:
+        indices = _column_lookup(req_to_token, row, pos)
+    else:
+        indices = _column_lookup(req_to_page, row, pos // page_size).long() * page_size + pos % page_size
+    return KVIndices(indptr.to(torch.int32), indices.to(torch.int32))
+
+
 def compute_positions(
     extend_prefix_lens: torch.Tensor,
     extend_seq_lens: torch.Tensor,
@@ -303,7 +432,8 @@ def batch_attention(
 
     ``batch`` is any object with SGLang's forward-batch fields (``forward_mode``,
     ``req_pool_indices``, ``seq_lens``, ``extend_seq_lens``, ``spec_info``,
-    ``req_to_token_pool``); ``layer`` any object with RadixAttention's fields. ``q`` is
+    ``req_to_token_pool``, or None there and a block table in ``req_to_page_pool``);
+    ``layer`` any object with RadixAttention's fields. ``q`` is
     ``[T, q_heads * head_dim]`` or ``[T, q_heads, head_dim]``; ``k_buffer``/``v_buffer`` are
     the layer's pool buffers with the batch's new tokens already written (an fp8 cache is
     read with the layer's ``k_scale`` / ``v_scale``); ``sinks``: ``[q_heads]``. Lengths are read
@@ -321,12 +451,20 @@ def batch_attention(
         kv_lens, q_lens = seq_lens, batch.extend_seq_lens.long().cpu()
     tokens = int(q_lens.sum())
     k_scale, v_scale = kv_scales(layer)
+    rows, token_pool = batch.req_pool_indices, getattr(batch, "req_to_token_pool", None)
+    if token_pool is not None:
+        table = token_pool.req_to_token
+    else:  # a block table only: the batch's token rows, in batch order
+        pages = batch.req_to_page_pool
+        width = int(kv_lens.max()) if len(kv_lens) else 0
+        table = step_token_table(rows, width, req_to_page=pages.req_to_page, page_size=pages.page_size)
+        rows = torch.arange(len(kv_lens), device=table.device)
     out = paged_attention(
         q.reshape(tokens, layer.tp_q_head_num, layer.head_dim),
         k_buffer,
         v_buffer,
-        batch.req_to_token_pool.req_to_token,
-        batch.req_pool_indices,
+        table,
+        rows,
         kv_lens,
         q_lens,
         scale=layer.scaling,

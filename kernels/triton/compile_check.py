@@ -39,6 +39,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from hal.errors import UnsupportedError
+from hal.kernels.kv_dtypes import COMPUTE_DTYPES
 
 from .sizing import (
     ARCHS,
@@ -52,7 +53,7 @@ from .sizing import (
 
 __all__ = ["Variant", "variants", "compile_variant", "run", "SPILL_BUDGET", "HEAD_DIMS", "DECODE_GROUPS", "main"]
 
-DTYPES = ("fp32", "bf16", "fp16")
+DTYPES = tuple(COMPUTE_DTYPES)  # fp32, bf16, fp16
 #: Head dims served (q/k, v); MLA's 576/512 (DeepSeek) is the one with v_head_dim != head_dim.
 HEAD_DIMS = ((64, 64), (80, 80), (96, 96), (128, 128), (192, 192), (256, 256), (576, 512))
 #: GQA groups (q heads per KV head) decode is checked at: MHA, common GQA, MLA at TP 1 (128 heads, one latent KV head).
@@ -230,7 +231,7 @@ _INDEX_ARGS = {
 }
 _FP32_ARGS = {"part_out_ptr", "part_lse_ptr", "sinks_ptr"}  # decode's scratch is fp32 whatever the dtype
 _SCALARS = {"scale": "fp32", "logit_cap": "fp32", "k_scale": "fp32", "v_scale": "fp32"}
-# issue 19's constexprs, off unless a variant sets them: no rope tile, a plain pool, no sinks
+# the model features' constexprs (MLA, fp8, sinks), off unless a variant sets them: no rope tile, a plain pool, no sinks
 _FEATURE_DEFAULTS = {"BLOCK_DPE": 0, "KV_FP8": 0, "NEW_FROM_POOL": False, "HAS_SINKS": False, "WRITE_V": True}
 _POOL_ARGS = {"k_buf_ptr", "v_buf_ptr"}  # an fp8 pool reaches the kernels as bytes
 

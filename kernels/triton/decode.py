@@ -261,7 +261,7 @@ def decode_attention(
         q: ``[batch, q_heads, head_dim]``, fp32/fp16/bf16.
         k_buffer: ``[num_slots, kv_heads, head_dim]``, the key pool (a float dtype above or fp8).
         v_buffer: ``[num_slots, kv_heads, v_head_dim]``, the value pool, same dtype.
-        out: ``[batch, q_heads, v_head_dim]``, written in its own dtype.
+        out: ``[batch, q_heads, v_head_dim]``, written in its own dtype, any strides (an engine's padded rows).
         kv_indptr: int32/int64 ``[batch + 1]``, offsets into ``kv_indices``.
         kv_indices: int32/int64 ``[>= kv_indptr[-1]]``, pool slots of the keys.
         scale: softmax scale, usually ``head_dim ** -0.5``.

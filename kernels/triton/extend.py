@@ -299,7 +299,8 @@ def extend_attention(
         q: ``[num_tokens, q_heads, head_dim]``, fp32/fp16/bf16.
         k: ``[num_tokens, kv_heads, head_dim]``, the new keys (None with ``new_kv_loc``).
         v: ``[num_tokens, kv_heads, v_head_dim]``, the new values (None with ``new_kv_loc``).
-        out: ``[num_tokens, q_heads, v_head_dim]``, written in its own dtype.
+        out: ``[num_tokens, q_heads, v_head_dim]``, written in its own dtype, any strides (an engine's padded
+            rows).
         k_buffer: ``[num_slots, kv_heads, head_dim]``, the key pool holding the prefixes (float or fp8).
         v_buffer: ``[num_slots, kv_heads, v_head_dim]``, the value pool, same dtype.
         qo_indptr: int32/int64 ``[batch + 1]``, row offsets of each request's new tokens.

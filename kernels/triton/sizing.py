@@ -1,9 +1,9 @@
 """Launch sizes of the Triton kernels for a given GPU: pure functions (no Triton, no device needed).
 
 * :func:`decode_splits`: split-KV decode's share count. Stage 1 launches
-  ``batch x kv_heads x head_blocks x splits`` programs; a fixed cap (formerly 8) leaves most of a
-  large GPU idle at small batches (batch 1 x 8 KV heads x 8 = 64 programs on a 132-SM
-  H100). The count is sized so the grid covers the SMs ``waves`` times, without
+  ``batch x kv_heads x head_blocks x splits`` programs; a fixed cap (:data:`LEGACY_MAX_SPLITS`, 8, which
+  serves where the SM count is unknown) leaves most of a large GPU idle at small batches (batch 1 x 8 KV heads
+  x 8 = 64 programs on a 132-SM H100). The count is sized so the grid covers the SMs ``waves`` times, without
   cutting a request into shares shorter than ``min_tokens`` keys (each share costs a
   partial output and a merge).
 * :func:`extend_blocks` / :func:`decode_blocks`: the tiles, warps and pipeline stages of

@@ -2,7 +2,7 @@
 
 from hal.registry import Device
 
-HAL_PLUGIN_API = 3
+HAL_PLUGIN_API = 99
 
 
 class FutureDevice(Device):

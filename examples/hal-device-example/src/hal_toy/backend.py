@@ -108,13 +108,13 @@ class ToyBackend(AttentionBackend):
             meta.custom_mask = inside & mask[flat]
 
     # -- forward -----------------------------------------------------------------------
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+    def run_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         return self._attend(q, k, v, layer, forward_batch, save_kv_cache)
 
-    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+    def run_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         return self._attend(q, k, v, layer, forward_batch, save_kv_cache)
 
-    def forward_mixed(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+    def run_mixed(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         return self._attend(q, k, v, layer, forward_batch, save_kv_cache)
 
     def _attend(self, q, k, v, layer, fb, save_kv_cache: bool) -> torch.Tensor:
