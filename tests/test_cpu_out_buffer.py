@@ -1,6 +1,7 @@
 """``out=`` on the CPU's compiled kernels: ``hal.kernels.cpu.paged_attention`` writes the caller's ``[T, Hq, Dv]`` view
-itself (float32: the kernel takes its row and head strides) or casts its float32 result into it once (bfloat16), and
-the compiled backend's checked path hands ``forward(out=)``'s buffer through, so the base class copies nothing."""
+itself (float32: the kernel takes its row and head strides) or casts its float32 result into it once (bfloat16);
+``hal.kernels.cpu.write_and_attend`` (the fused call) writes its rows there in either dtype; and the compiled
+backend hands ``forward(out=)``'s buffer through on both paths, so the base class copies nothing."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import dataclasses
 
 import pytest
 import torch
+from test_cpu_head_major import _head_major
 
 import hal.backend
 from hal.batch import ForwardMode, host_lens
@@ -85,10 +87,10 @@ def test_paged_attention_refuses_an_out_it_cannot_write():
 @pytest.mark.parametrize("fused", [False, True], ids=["checked", "fused"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(CASES))
-def test_forward_out_needs_no_copy_on_the_checked_path(monkeypatch, name, dtype, fused):
+def test_forward_out_needs_no_copy_on_either_path(monkeypatch, name, dtype, fused):
     """``forward(out=)`` on the compiled backend: the checked path's kernel writes the caller's buffer (float32) or
-    casts into it once (bfloat16), so the base class copies nothing; the fused call (``write_and_attend``, whose
-    kernel allocates its output) returns its own, which the base class copies in."""
+    casts into it once (bfloat16), the fused call's kernel writes it in either dtype, so the base class copies
+    nothing."""
     built = build(dataclasses.replace(CASES[name], dtype=dtype))
     layer, tokens = built.layer, built.q.shape[0]
     out, whole = _padded(tokens, layer.tp_q_head_num, layer.v_head_dim, dtype)
@@ -109,4 +111,105 @@ def test_forward_out_needs_no_copy_on_the_checked_path(monkeypatch, name, dtype,
     assert result.data_ptr() == out.data_ptr()
     torch.testing.assert_close(out.reshape(tokens, -1).float(), built.expected.float(), **tolerance(dtype))
     assert (whole[tokens:] == -7.0).all() and (whole[:, layer.tp_q_head_num * layer.v_head_dim :] == -7.0).all()
-    assert written_in_place == [not fused]
+    assert written_in_place == [True]
+
+
+# The fused call's cases: decode rows, and an extend whose second request's rows (70 tokens x a GQA group of 2) take
+# the kernel's query tiles.
+FUSED_CASES = {
+    "decode": CASES["decode"],
+    "extend": Case("out_tiles", ForwardMode.EXTEND, ((9, 4), (30, 70)), tp_q_head_num=4, tp_k_head_num=2),
+}
+
+
+def _buffer(form: str, rows: int, heads: int, v_dim: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, whole)``: an engine's output buffer of ``rows`` rows in ``form`` (``flat`` ``[rows, heads * v_dim]``,
+    ``heads`` ``[rows, heads, v_dim]``, ``row_strided`` a flat view of rows strided past their width) and the memory
+    behind it, filled with a value no output takes."""
+    if form == "heads":
+        whole = torch.full((rows, heads, v_dim), -7.0, dtype=dtype)
+        return whole, whole
+    whole = torch.full((rows, heads * v_dim + (8 if form == "row_strided" else 0)), -7.0, dtype=dtype)
+    return whole[:, : heads * v_dim], whole
+
+
+@pytest.mark.parametrize("layout", ["token_major", "head_major"])
+@pytest.mark.parametrize("form", ["flat", "heads", "row_strided"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(FUSED_CASES))
+def test_the_fused_call_writes_the_callers_buffer_with_no_copy(monkeypatch, name, dtype, form, layout):
+    """``forward(out=)`` on the fused call: ``write_and_attend`` writes the rows of the caller's buffer itself (the
+    base class gets back the very view it handed over, and copies nothing), equal to its own output without
+    ``out``; the buffer's rows past the step's tokens, and the padding past each row, stay untouched."""
+    built = build(dataclasses.replace(FUSED_CASES[name], dtype=dtype))
+    fb = built.batch if layout == "token_major" else _head_major(built.batch)
+    layer, tokens = built.layer, built.q.shape[0]
+    width = layer.tp_q_head_num * layer.v_head_dim
+    backend = CompiledBackend(cpu_capability())
+    if "fused" not in backend.forward_paths():
+        pytest.skip("this instance has no fused call")
+    for step in ("run_decode", "run_extend", "run_mixed"):
+        monkeypatch.setattr(backend, step, lambda *a, **kw: pytest.fail("the checked path ran"))
+    backend.init_forward_metadata(fb)
+    without_out = backend.forward(built.q, built.k, built.v, layer, fb).clone()
+
+    handed_back = []
+    write_output = hal.backend.write_output
+
+    def watched(result, q, layer, rows):
+        handed_back.append(result is rows)
+        return write_output(result, q, layer, rows)
+
+    monkeypatch.setattr(hal.backend, "write_output", watched)
+    out, whole = _buffer(form, tokens + 3, layer.tp_q_head_num, layer.v_head_dim, dtype)
+    result = backend.forward(built.q, built.k, built.v, layer, fb, out=out)
+    assert handed_back == [True], "the fused call returned the caller's view itself: nothing to copy"
+    assert result.data_ptr() == out.data_ptr()
+    assert torch.equal(result.reshape(tokens, width), without_out)
+    torch.testing.assert_close(without_out.float(), built.expected.float(), **tolerance(dtype))
+    flat = whole.reshape(whole.shape[0], -1)
+    assert (flat[tokens:] == -7.0).all() and (flat[:, width:] == -7.0).all()
+
+
+def _fused_kernel(built, out):
+    """``hal.kernels.cpu.write_and_attend`` over ``built``'s step (its pool's new tokens written again) into ``out``."""
+    fb, layer = built.batch, built.layer
+    lens = host_lens(fb)
+    k_buffer, v_buffer = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+    heads = (layer.tp_q_head_num, layer.tp_k_head_num, layer.tp_v_head_num, layer.head_dim, layer.v_head_dim)
+    q_lens = torch.tensor(lens.query)
+    return cpu_kernels.write_and_attend(
+        built.q,
+        built.k,
+        built.v,
+        fb.out_cache_loc,
+        k_buffer,
+        v_buffer,
+        fb.req_to_token_pool.req_to_token,
+        fb.req_pool_indices.long(),
+        torch.tensor(lens.kv),
+        q_lens,
+        torch.cumsum(q_lens, 0) - q_lens,
+        heads,
+        layer.scaling,
+        out=out,
+    )
+
+
+def test_write_and_attend_refuses_an_out_it_cannot_write_with_nothing_written():
+    built = build(CASES["decode"])
+    layer, tokens = built.layer, built.q.shape[0]
+    shape = (tokens, layer.tp_q_head_num, layer.v_head_dim)
+    k_buffer, v_buffer = built.batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+    pool_before = (k_buffer.clone(), v_buffer.clone())
+    for bad in (
+        torch.empty(shape, dtype=torch.bfloat16),  # not q's dtype
+        torch.empty(tokens + 1, *shape[1:]),  # not this step's rows
+        torch.empty(*shape[:2], shape[2] * 2)[..., ::2],  # a strided last dim
+        torch.empty(tokens, shape[1] * shape[2]),  # flat: the kernels take the [T, Hq, Dv] view
+    ):
+        with pytest.raises(InvalidBatchError, match="out"):
+            _fused_kernel(built, bad)
+    assert torch.equal(k_buffer, pool_before[0]) and torch.equal(v_buffer, pool_before[1])
+    out = torch.empty(shape)
+    assert _fused_kernel(built, out) is out

@@ -130,8 +130,9 @@ class CompiledMetadata:
             **self._layout_args(),
         )
 
-    def write_and_attend(self, q, k, v, layer, fb, sinks=None) -> torch.Tensor:
-        """The fused call: :func:`hal.kernels.cpu.write_and_attend` (checks, KV write, attention) over this plan."""
+    def write_and_attend(self, q, k, v, layer, fb, sinks=None, out=None) -> torch.Tensor:
+        """The fused call: :func:`hal.kernels.cpu.write_and_attend` (checks, KV write, attention) over this plan,
+        into ``out`` (``[T, q_heads, v_head_dim]`` in q's dtype, rows written in place) where given."""
         k_buffer, v_buffer, _ = kv_storage(fb.token_to_kv_pool, layer.layer_id)
         return cpu_kernels.write_and_attend(
             q,
@@ -153,6 +154,7 @@ class CompiledMetadata:
             self.custom_mask,
             self.mask_start,
             sinks=sinks,
+            out=out,
             **self._layout_args(),
         )
 
@@ -252,10 +254,11 @@ class CompiledBackend(PlainTorchBackend):
         self.set_forward_metadata(meta, fb, fused=self._fusable)
 
     # -- run: the checked path's attention is the plan's own (PlainTorchBackend.run_*); the fused call ----------
-    def run_fused(self, q, k, v, layer, fb, save_kv_cache=True, sinks=None, **kwargs) -> torch.Tensor | None:
+    def run_fused(self, q, k, v, layer, fb, save_kv_cache=True, sinks=None, out=None, **kwargs) -> torch.Tensor | None:
         """One layer's forward as one kernel call (:meth:`CompiledMetadata.write_and_attend`: checks ``q``/``k``/``v``
-        against the layer and pool, writes the new tokens' KV, attends): ``[T, q_heads * v_head_dim]``, or None
-        (nothing written) where another keyword argument asks for what the kernel does not do."""
+        against the layer and pool, writes the new tokens' KV, attends): ``[T, q_heads * v_head_dim]``, or ``out``
+        (the caller's ``[T, q_heads, v_head_dim]`` view, written in place) where given, or None (nothing written)
+        where another keyword argument asks for what the kernel does not do."""
         if any(value is not None for value in kwargs.values()):
             return None
-        return self.forward_metadata.write_and_attend(q, k, v, layer, fb, sinks)
+        return self.forward_metadata.write_and_attend(q, k, v, layer, fb, sinks, out)

@@ -647,17 +647,7 @@ def paged_attention(
     qf = q if q.dtype == torch.float32 and q.stride(2) == 1 else q.float().contiguous()
     v_dim = v_buffer.shape[-1]
     if out is not None:
-        expect(
-            isinstance(out, torch.Tensor)
-            and out.shape == (tokens, q_heads, v_dim)
-            and out.dtype == q.dtype
-            and out.device.type == "cpu"
-            and out.stride(-1) == 1,
-            InvalidBatchError,
-            "out",
-            f"{out.dtype}{list(out.shape)} stride {out.stride()}" if isinstance(out, torch.Tensor) else type(out),
-            f"a {q.dtype} CPU tensor [{tokens}, {q_heads}, {v_dim}] with a contiguous last dim",
-        )
+        _check_out(out, q.dtype, (tokens, q_heads, v_dim))
     # the kernel writes float32 rows through their strides: into out itself where it is float32
     direct = out is not None and out.dtype == torch.float32
     result = out if direct else torch.empty(tokens, q_heads, v_dim, dtype=torch.float32)
@@ -687,6 +677,24 @@ def paged_attention(
     if out is None:
         return result if q.dtype == torch.float32 else result.to(q.dtype)
     return out if direct else out.copy_(result)
+
+
+def _check_out(out, dtype: torch.dtype, shape: tuple[int, int, int]) -> None:
+    """Raises :class:`~hal.errors.InvalidBatchError` unless ``out`` is a CPU tensor of ``dtype`` and ``shape``
+    (``[T, Hq, Dv]``) whose last dim is contiguous: an output buffer the kernels write through its strides."""
+    expect(
+        isinstance(out, torch.Tensor)
+        and out.shape == shape
+        and out.dtype == dtype
+        and out.device.type == "cpu"
+        and out.stride(-1) == 1,
+        InvalidBatchError,
+        "out",
+        f"{out.dtype}{list(out.shape)} stride {out.stride()} on {out.device}"
+        if isinstance(out, torch.Tensor)
+        else type(out),
+        f"a {dtype} CPU tensor {list(shape)} with a contiguous last dim",
+    )
 
 
 def watched() -> bool:
@@ -743,9 +751,13 @@ def write_and_attend(
     kv_layout: str = "token_major",
     table: str = "req_to_token",
     page_size: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """One layer's forward in one kernel call: the new tokens' ``k``/``v`` written at ``out_cache_loc``, then
-    :func:`paged_attention`; returns ``[T, q_heads * v_head_dim]`` in the pool's dtype.
+    :func:`paged_attention`; returns ``[T, q_heads * v_head_dim]`` in the pool's dtype, or ``out`` where given: a
+    ``[T, q_heads, v_head_dim]`` tensor in ``q.dtype``, last dim contiguous, any row and head strides (a view of an
+    engine's buffer), whose rows the kernel writes in place (bfloat16 rounded once from its float32 result), with
+    no output allocated; any other ``out`` raises :class:`~hal.errors.InvalidBatchError`.
 
     ``kv_layout``, ``table`` (``req_to_token`` holds each request's slots, ``req_to_page`` its pages) and
     ``page_size`` as :func:`paged_attention`'s; ``out_cache_loc`` holds slots (page * page_size + offset) in
@@ -772,6 +784,10 @@ def write_and_attend(
     sink_logits = _NO_SINKS if sinks is None else _sinks(sinks, heads[0])
     if sink_logits is None or (sinks is not None and sinks.device.type != "cpu"):
         return None
+    if out is not None:
+        if not isinstance(q, torch.Tensor) or q.dim() not in (2, 3):
+            return None  # the checked path names what is wrong with q
+        _check_out(out, q.dtype, (q.shape[0], heads[0], heads[4]))
     try:
         return kernels.write_and_attend(
             q,
@@ -795,6 +811,7 @@ def write_and_attend(
             causal,
             tile_rows,
             table == "req_to_page",
+            out,
         )
     except TypeError:  # an argument that is no tensor (k or v None...): the checked path says which
         return None

@@ -28,6 +28,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -2202,7 +2203,9 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::
 
 // One layer's forward in one call, prologue included: checks q/k/v ([T, H * D] or [T, H, D], the pool's dtype,
 // float32 or bf16) against the layer's heads and dims and the pool, writes the new tokens' k/v at out_cache_loc
-// (int32/int64 [T]), attends as paged_attention, and returns [T, q_heads * v_head_dim] in the pool's dtype.
+// (int32/int64 [T]), attends as paged_attention, and returns [T, q_heads * v_head_dim] in the pool's dtype; or,
+// given `out` ([T, q_heads, v_head_dim] or [T, q_heads * v_head_dim] in the pool's dtype, last dim contiguous, any
+// row and head strides: a view of an engine's buffer), writes each row there and returns out, allocating nothing.
 // Inputs this path does not take (another layout, dtype or device, a shape that does not match, an MLA pool
 // whose value buffer views the key buffer) return an undefined tensor (None) with nothing written: the caller's
 // checked path serves them or names what is wrong. Bad indices raise ("hal: ...") before anything is written.
@@ -2212,7 +2215,7 @@ at::Tensor write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::
                             const at::Tensor& q_start, const at::Tensor& custom_mask, const at::Tensor& mask_start,
                             const at::Tensor& sinks, int64_t q_heads, int64_t kv_heads, int64_t v_heads, int64_t head_dim, int64_t v_head_dim,
                             double scale, double logit_cap, int64_t window, bool causal, int64_t tile_rows,
-                            bool by_page) {
+                            bool by_page, const std::optional<at::Tensor>& out) {
   const at::ScalarType dt = k_buffer.scalar_type();
   const bool bf16 = dt == at::kBFloat16;
   if (!(bf16 || dt == at::kFloat) || v_buffer.scalar_type() != dt || !k_buffer.device().is_cpu() ||
@@ -2231,6 +2234,10 @@ at::Tensor write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::
   if (!token_rows(q, dt, T, q_heads, head_dim, qs0, qs1) || !token_rows(k, dt, T, kv_heads, head_dim, ks0, ks1) ||
       !token_rows(v, dt, T, kv_heads, v_head_dim, vs0, vs1))
     return {};
+  int64_t os0 = q_heads * v_head_dim, os1 = v_head_dim;
+  TORCH_CHECK(!out || token_rows(*out, dt, T, q_heads, v_head_dim, os0, os1), "hal: out ",
+              out ? out->sizes() : at::IntArrayRef{}, ": expected [", T, ", ", q_heads, ", ", v_head_dim,
+              "] of the pool's dtype on the CPU, its last dim contiguous");
   if (req_to_token.scalar_type() != at::kInt || req_to_token.dim() != 2 || req_to_token.stride(1) != 1 ||
       !index_vector(rows) || !index_vector(kv_lens) || !index_vector(q_lens) || !index_vector(q_start) ||
       !(custom_mask.numel() == 0 || (custom_mask.scalar_type() == at::kBool && custom_mask.is_contiguous())) ||
@@ -2270,18 +2277,18 @@ at::Tensor write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::
   });
   P.q_s0 = qs0;
   P.q_s1 = qs1;
-  at::Tensor out = at::empty({T, q_heads * v_head_dim}, at::TensorOptions().dtype(dt));
-  P.o_s0 = q_heads * v_head_dim;
-  P.o_s1 = v_head_dim;
+  const at::Tensor result = out ? *out : at::empty({T, q_heads * v_head_dim}, at::TensorOptions().dtype(dt));
+  P.o_s0 = os0;
+  P.o_s1 = os1;
   if (bf16) {
     P.q_bf16 = q.data_ptr<at::BFloat16>();
-    P.out_bf16 = out.data_ptr<at::BFloat16>();
+    P.out_bf16 = result.data_ptr<at::BFloat16>();
   } else {
     P.q = q.data_ptr<float>();
-    P.out = out.data_ptr<float>();
+    P.out = result.data_ptr<float>();
   }
   run_tasks(P, B, tile_rows, bf16);
-  return out;
+  return result;
 }
 
 // This path's arithmetic ceiling, GFLOP/s over all torch threads: `kind` "fma" (float32 multiply-adds at the
@@ -2405,6 +2412,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("req_to_token"), py::arg("rows"), py::arg("kv_lens"), py::arg("q_lens"), py::arg("q_start"),
         py::arg("custom_mask"), py::arg("mask_start"), py::arg("sinks"), py::arg("out"), py::arg("scale"),
         py::arg("logit_cap"), py::arg("window"), py::arg("causal"), py::arg("tile_rows"), py::arg("by_page") = false);
-  m.def("write_and_attend", &write_and_attend);
+  m.def("write_and_attend", &write_and_attend, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("loc"),
+        py::arg("k_buffer"), py::arg("v_buffer"), py::arg("req_to_token"), py::arg("rows"), py::arg("kv_lens"),
+        py::arg("q_lens"), py::arg("q_start"), py::arg("custom_mask"), py::arg("mask_start"), py::arg("sinks"),
+        py::arg("q_heads"), py::arg("kv_heads"), py::arg("v_heads"), py::arg("head_dim"), py::arg("v_head_dim"),
+        py::arg("scale"), py::arg("logit_cap"), py::arg("window"), py::arg("causal"), py::arg("tile_rows"),
+        py::arg("by_page"), py::arg("out") = py::none());
   m.def("peak_gflops", &peak_gflops);
 }
