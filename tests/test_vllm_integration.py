@@ -665,14 +665,114 @@ def test_encoder_only_layers_keep_vllms_cpu_attn(monkeypatch):
         HalAttentionBackend.get_impl_cls()(*args, "encoder_only")
 
 
+def _graph_config(layers: dict, max_capture_size: int = 4):
+    """``_vllm_config`` with vLLM's full decode graphs on (FULL_AND_PIECEWISE, capture sizes up to the given one)."""
+    from vllm.config import CUDAGraphMode
+
+    config = _vllm_config(layers)
+    config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    config.compilation_config.max_cudagraph_capture_size = max_capture_size
+    return config
+
+
+def _graph_layers(engine: SimulatedEngine, backend=None) -> dict:
+    """Two hal layers over the engine's cache, named out of model order (the builder still records in_graph with
+    layer 0, the first to run)."""
+    names = ["model.layers.1.self_attn.attn", "model.layers.0.self_attn.attn"]
+    return {name: _attention_layer(name, "auto", engine.cache, backend) for name in names}
+
+
+def _forward_layers(layers: dict, q, k, v, cache, metadata, out: torch.Tensor) -> torch.Tensor:
+    """Every layer's forward in model order, layer i into ``out[i]`` (``[layers, T, heads, head_dim]``)."""
+    for i, name in enumerate(sorted(layers)):
+        layers[name].impl.forward(layers[name], q, k, v, cache, metadata, out[i])
+    return out
+
+
 @needs_vllm
-def test_no_full_graphs_declared_and_why():
-    """vLLM's full-graph capture (build_for_cudagraph_capture, the forward captured, later builds replayed) would
-    replay the captured step's metadata: under hal's eager graph guard the replay after a new build reads other
-    tensors than the capture did, so the builder declares NEVER and vLLM runs attention eagerly."""
+@pytest.mark.parametrize("kernels", ["1", "0"], ids=["compiled", "plain-torch"])
+@pytest.mark.parametrize("kv_layout", [TOKEN_MAJOR, HEAD_MAJOR])
+def test_full_decode_graphs_replay_vllms_capture_sequence(kv_layout, kernels, monkeypatch):
+    """vLLM's full-graph sequence: build_for_cudagraph_capture, every layer's forward captured (hal's EagerGraph:
+    fails on host syncs, data-dependent shapes and tensors read at other addresses than captured), then builds of
+    other decode batches padded to the captured size and replays; each replay equals an eager forward of the same
+    batch (a builder without graphs) and dense attention. Mixed steps in between run eagerly."""
     from types import SimpleNamespace
 
     from vllm.v1.attention.backend import AttentionCGSupport
+
+    from hal.graph import EagerGraph
+    from hal.integrations.vllm import HalAttentionBackend, HalCpuAttentionBackend, HalMetadataBuilder
+
+    monkeypatch.setenv("HAL_CPU_KERNELS", kernels)
+    engine = SimulatedEngine(kv_layout=kv_layout)
+    layers = _graph_layers(engine, HalCpuAttentionBackend if kv_layout == HEAD_MAJOR else HalAttentionBackend)
+    names, spec, size = list(layers), SimpleNamespace(block_size=engine.block_size), 4
+    config = _graph_config(layers, size)
+    assert HalMetadataBuilder.get_cudagraph_support(config, spec) is AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    builder = HalMetadataBuilder(spec, names, config, torch.device("cpu"))
+    eager = HalMetadataBuilder(spec, names, _vllm_config(layers), torch.device("cpu"))
+    assert builder.graph_steps is not None and eager.graph_steps is None
+    assert builder.pool.kv_layout == kv_layout and (builder.hal_backend.kernels is None) == (kernels == "0")
+    shape = (len(layers), size, engine.heads, engine.head_dim)
+
+    def eager_forward(chosen, cm, q, k, v):
+        metadata = chosen.build(0, cm)
+        assert metadata.in_graph_layer is None  # the step's metadata was prepared whole
+        return _forward_layers(layers, q, k, v, engine.cache, metadata, torch.zeros(shape[0], *q.shape))
+
+    eager_forward(eager, *engine.step([(0, 20), (1, 9), (2, 5)]))  # prefills: the KV the decodes read
+    graph = EagerGraph()
+    static = builder.graph_steps.static_step(size)
+    q_in, k_in, v_in = (
+        torch.zeros(size, heads, engine.head_dim) for heads in (engine.heads, engine.kv_heads, engine.kv_heads)
+    )
+    out = torch.zeros(shape)
+
+    def build(cm, q, k, v, capture=False):
+        with graph.outside(static):  # what the build makes on the host counts as host data in the graph
+            metadata = builder.build_for_cudagraph_capture(cm) if capture else builder.build(0, cm)
+        for t, given in ((q_in, q), (k_in, k), (v_in, v)):
+            t.copy_(given)
+        assert metadata.step is static and metadata.in_graph_layer == "model.layers.0.self_attn.attn"
+        return metadata
+
+    schedule = [(0, 1), (1, 1)]
+    cm, q, k, v = engine.step(schedule, pad_reqs=2, pad_tokens=2)
+    current = {"metadata": build(cm, q, k, v, capture=True)}
+    step = lambda: _forward_layers(layers, q_in, k_in, v_in, engine.cache, current["metadata"], out)  # noqa: E731
+    graph.warmup(step)  # vLLM's warm-up runs of the size before its capture (scratch buffers sized there)
+    captured = graph.capture(step)
+    want = engine.dense(schedule, builder.layers[names[0]]).reshape(2, engine.heads, -1)
+    torch.testing.assert_close(captured[:, :2], torch.stack([want, want]), atol=2e-5, rtol=2e-5)
+
+    def addresses() -> list[int]:
+        tensors = (static.seq_lens, static.out_cache_loc, static.req_pool_indices, static.req_to_page_pool.req_to_page)
+        return [t.data_ptr() for t in tensors]
+
+    captured_addresses = addresses()
+    for schedule in ([(2, 1), (0, 1), (1, 1)], [(1, 1)], None, [(0, 1), (1, 1), (2, 1), (3, 1)], [(3, 1)]):
+        if schedule is None:  # a prefill between replays runs eagerly, through the graph builder too
+            eager_forward(builder, *engine.step([(0, 1), (3, 12)]))
+            continue
+        n = len(schedule)
+        cm, q, k, v = engine.step(schedule, pad_reqs=size - n, pad_tokens=size - n)
+        current["metadata"] = build(cm, q, k, v)
+        assert addresses() == captured_addresses  # refilled in place
+        graph.replay()  # the guard: no host sync, the captured shapes, constants and addresses
+        replayed = captured[:, :n].clone()
+        eager_out = eager_forward(eager, cm, q, k, v)  # the same batch (its KV written again to the same slots)
+        torch.testing.assert_close(replayed, eager_out[:, :n], atol=2e-5, rtol=2e-5)
+        want = engine.dense(schedule, builder.layers[names[0]]).reshape(n, engine.heads, -1)
+        torch.testing.assert_close(replayed[0], want, atol=2e-5, rtol=2e-5)
+        assert replayed.abs().sum() > 0
+
+
+@needs_vllm
+def test_eager_steps_are_not_replayable():
+    """Without vLLM's full graphs the builder translates each step afresh: a graph captured over one build would
+    replay that build's tensors, and hal's eager graph guard refuses the replay after another build."""
+    from types import SimpleNamespace
 
     from hal.errors import GraphCaptureError
     from hal.graph import EagerGraph
@@ -681,9 +781,8 @@ def test_no_full_graphs_declared_and_why():
     engine = SimulatedEngine()
     name = "model.layers.0.self_attn.attn"
     layers = {name: _attention_layer(name, "auto", engine.cache)}
-    config, spec = _vllm_config(layers), SimpleNamespace(block_size=engine.block_size)
-    assert HalMetadataBuilder.get_cudagraph_support(config, spec) is AttentionCGSupport.NEVER
-    builder = HalMetadataBuilder(spec, [name], config, torch.device("cpu"))
+    builder = HalMetadataBuilder(SimpleNamespace(block_size=engine.block_size), [name], _vllm_config(layers), "cpu")
+    assert builder.graph_steps is None
     layer = layers[name]
     engine.step([(0, 20), (1, 9)])
     builder.build(0, engine.step([(0, 1), (1, 1)])[0])  # the caches bound
@@ -695,3 +794,31 @@ def test_no_full_graphs_declared_and_why():
     current["metadata"] = builder.build(0, engine.step([(0, 1), (1, 1)])[0])
     with pytest.raises(GraphCaptureError):
         graph.replay()
+
+
+@needs_vllm
+def test_graph_support_follows_the_selected_backend(monkeypatch):
+    """UNIFORM_SINGLE_TOKEN_DECODE only where the selected decode backend declares graphs and its device has a
+    capture mechanism; NEVER otherwise, and then the builder keeps no static steps."""
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    from hal.integrations.vllm import HalMetadataBuilder, graph_support
+
+    engine = SimulatedEngine()
+    layers = _graph_layers(engine)
+    config, spec = _graph_config(layers), SimpleNamespace(block_size=engine.block_size)
+    selection = HalMetadataBuilder(spec, list(layers), config, "cpu").selection
+    assert selection.capability.graph and graph_support(selection) is AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    assert (
+        graph_support(dataclasses.replace(selection, capability=dataclasses.replace(selection.capability, graph=None)))
+        is AttentionCGSupport.NEVER
+    )
+    monkeypatch.setattr(selection.decode_backend, "supports_graph", False)
+    assert HalMetadataBuilder.get_cudagraph_support(config, spec) is AttentionCGSupport.NEVER
+    assert HalMetadataBuilder(spec, list(layers), config, "cpu").graph_steps is None
+    assert HalMetadataBuilder.get_cudagraph_support(_vllm_config({}), spec) is AttentionCGSupport.NEVER  # no hal layer
+    config.compilation_config.cudagraph_capture_sizes = []  # vLLM's CPU platform: no graph is ever captured
+    monkeypatch.undo()
+    assert HalMetadataBuilder(spec, list(layers), config, "cpu").graph_steps is None

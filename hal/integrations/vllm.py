@@ -11,7 +11,9 @@ slot mapping as ``out_cache_loc``, the mode from the host query lengths) and pre
 every layer then calls hal's ``forward``, which writes the new tokens' K/V into vLLM's own cache
 tensor (read in place: :func:`~hal.integrations.vllm_steps.kv_views`) and attends. vLLM's batches put
 decodes first, then prefill chunks (``reorder_batch_threshold = 1``): a MIXED step goes to
-``forward_mixed`` on a device with a fused mixed kernel, to ``forward_extend`` elsewhere.
+``forward_mixed`` on a device with a fused mixed kernel, to ``forward_extend`` elsewhere. Where the selected
+backend declares graphs, vLLM's full graphs of decode steps are served through hal's graph contract
+(:func:`graph_support`, :class:`~hal.integrations.vllm_steps.GraphDecodeSteps`).
 
 Opt-in (installing hal changes nothing in vLLM): hal's ``vllm.general_plugins`` entry point
 (:func:`vllm_plugin`, run by vLLM in every process) registers
@@ -60,9 +62,10 @@ except ImportError as _exc:
 import torch  # noqa: E402
 
 import hal  # noqa: E402
-from hal.errors import ConfigError, UnsupportedError, expect  # noqa: E402
+from hal.errors import ConfigError, HalError, UnsupportedError, expect  # noqa: E402
 from hal.integrations.vllm_steps import (  # noqa: E402
     VLLM_KV_CACHE_DTYPES,
+    GraphDecodeSteps,
     StepTranslator,
     VllmKVPool,
     VllmStep,
@@ -81,6 +84,7 @@ __all__ = [
     "HalMetadataBuilder",
     "HalAttentionImpl",
     "HalAttentionMetadata",
+    "graph_support",
     "vllm_plugin",
     "register",
     "enabled",
@@ -132,20 +136,26 @@ def _kernel_block_sizes() -> list[int]:
 @dataclass
 class HalAttentionMetadata:
     """What every layer of a KV cache group reads in one step: the step as hal reads it, the hal backend
-    whose metadata was prepared for it, and the group's layer descriptors (causal and non-causal)."""
+    whose metadata was prepared for it, and the group's layer descriptors (causal and non-causal).
+
+    ``in_graph_layer``: for a full graph's static step, the layer whose forward runs the backend's
+    ``init_forward_metadata_in_graph`` (the group's first, so it is recorded in the graph); None: the step's
+    metadata was completed at build."""
 
     step: VllmStep
     backend: hal.AttentionBackend
     layers: dict[str, hal.AttentionLayer]
     num_actual_tokens: int
+    in_graph_layer: str | None = None
 
 
 class HalMetadataBuilder(AttentionMetadataBuilder[HalAttentionMetadata]):
     """One KV cache group's builder: chooses and creates the hal backend for the group's layers (at engine
     start: refusals are raised here, before any request), and each step translates vLLM's metadata once."""
 
-    _cudagraph_support = AttentionCGSupport.NEVER
+    _cudagraph_support = AttentionCGSupport.NEVER  # get_cudagraph_support answers per model and device
     reorder_batch_threshold = 1  # decodes first, then prefill chunks
+    graph_steps: GraphDecodeSteps | None = None
 
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config, device: torch.device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -161,34 +171,14 @@ class HalMetadataBuilder(AttentionMetadataBuilder[HalAttentionMetadata]):
         foreign = sorted(name for name, impl in impls.items() if not isinstance(impl, HalAttentionImpl))
         if foreign or not impls:
             raise ConfigError(f"KV cache group {layer_names}: layers {foreign or layer_names} are not hal's")
-        vllm_backend = next(iter(attn_layers.values())).attn_backend
-        refuse_unserved_features(vllm_config, vllm_backend.get_name())
-        # the layout vLLM allocated: the one it resolved (0.30+), else the one get_kv_cache_shape gave
-        kv_layout = hal_kv_layout(
-            getattr(vllm_config.cache_config, "kv_cache_layout", None), vllm_backend.hal_kv_layouts()[0]
-        )
-        for name, impl in impls.items():  # vLLM keeps a layer's value width on the layer, not its impl
-            impl.head_size_v = getattr(attn_layers[name], "head_size_v", impl.head_size)
-            impl.kv_layout = kv_layout
+        refuse_unserved_features(vllm_config, next(iter(attn_layers.values())).attn_backend.get_name())
         model = vllm_config.model_config
-        cache_dtype = _group_cache_dtype(impls)
         self.block_size = kv_cache_spec.block_size
         self.attn_layers = attn_layers
-        self.layers = {
-            name: impl.hal_layer(layer_id_of(name), attn_layers[name], causal=True) for name, impl in impls.items()
-        }
+        self.layers, config = _group_config(vllm_config, attn_layers, self.block_size)
+        kv_layout = config.kv_layout
         self.non_causal_layers: dict[str, hal.AttentionLayer] | None = None
         first = next(iter(impls.values()))
-        config = hal.AttentionConfig.from_layers(
-            list(self.layers.values()),
-            dtype=model.dtype,
-            page_size=self.block_size,
-            max_context_len=model.max_model_len,
-            max_batch_size=vllm_config.scheduler_config.max_num_seqs,
-            attention_sinks=any(impl.sinks is not None for impl in impls.values()),
-            kv_cache_dtype=cache_dtype,
-            kv_layout=kv_layout,  # selection refuses, with its reasons, a backend that does not read it in place
-        )
         self.selection = hal.select(config, device=str(device))
         cap = self.selection.capability
         if cap.torch_device.type != torch.device(device).type:
@@ -211,6 +201,12 @@ class HalMetadataBuilder(AttentionMetadataBuilder[HalAttentionMetadata]):
             wait_for_host_copies=bool(getattr(vllm_config.cache_config, "kv_sharing_fast_prefill", False)),
         )
         self._adopt_workspace(_shared_workspace(self.hal_backend, device))
+        max_bs = _full_graph_size(vllm_config) if graph_support(self.selection) != AttentionCGSupport.NEVER else 0
+        if max_bs:
+            self.hal_backend.init_cuda_graph_state(max_bs, max_bs)
+            fill = self.hal_backend.get_cuda_graph_seq_len_fill_value()
+            self.graph_steps = GraphDecodeSteps(self.pool, self.block_size, max_bs, max_blocks, fill, device)
+            self.in_graph_layer = min(self.layers, key=lambda name: self.layers[name].layer_id)
         logger.info(
             "hal %s serves vLLM's attention for %d layers (block size %d, %s, KV %s): hal device %s, backend %s, "
             "forward paths %s",
@@ -230,11 +226,21 @@ class HalMetadataBuilder(AttentionMetadataBuilder[HalAttentionMetadata]):
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
-        """``NEVER``: vLLM's full graphs replay one build's metadata addresses, and this builder makes a fresh step
-        (and hal metadata) per build, with its padding requests trimmed; hal's own graph protocol (``out_graph`` into
-        buffers fixed at ``init_cuda_graph_state``, ``in_graph`` inside the graph) is not mapped onto vLLM's
-        capture. vLLM then runs attention eagerly between piecewise graphs."""
-        return AttentionCGSupport.NEVER
+        """The graphs hal's backend for this model serves (:func:`graph_support` of the selection the builder will
+        make: vLLM asks before it makes the builders). ``NEVER`` where no hal layer is configured or the selection
+        fails (the builder then refuses, with the reasons)."""
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention import Attention
+
+        layers = get_layers_from_vllm_config(vllm_config, Attention)
+        hal_layers = {name: x for name, x in layers.items() if isinstance(x.impl, HalAttentionImpl)}
+        if not hal_layers:
+            return AttentionCGSupport.NEVER
+        try:
+            _, config = _group_config(vllm_config, hal_layers, kv_cache_spec.block_size)
+            return graph_support(hal.select(config, device=_hal_device_name()))
+        except HalError:
+            return AttentionCGSupport.NEVER
 
     def _get_workspace_buffer(self) -> torch.Tensor | None:
         """The scratch buffer vLLM's model runner shares between the builders of one engine (FlashInfer's float
@@ -256,12 +262,27 @@ class HalMetadataBuilder(AttentionMetadataBuilder[HalAttentionMetadata]):
     ) -> HalAttentionMetadata:
         if self.vllm_builder is not None:
             return self.vllm_builder.build(common_prefix_len, common_attn_metadata, fast_build)
-        step = self.translator.translate(common_attn_metadata)
+        return self._build(common_attn_metadata, in_capture=False)
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> HalAttentionMetadata:
+        if self.vllm_builder is not None:
+            return self.vllm_builder.build_for_cudagraph_capture(common_attn_metadata)
+        return self._build(common_attn_metadata, in_capture=True)
+
+    def _build(self, cm: CommonAttentionMetadata, in_capture: bool) -> HalAttentionMetadata:
+        """The step of ``cm`` with hal's metadata prepared. A full graph's decode step (:class:`GraphDecodeSteps`) is
+        its padded size's static step refilled in place, ``out_graph`` run here and ``in_graph`` left to the
+        ``in_graph_layer``'s forward; any other step is translated afresh and its metadata prepared whole."""
+        step = self.translator.translate(cm)
         if not self.bound:
             self._bind_caches()
         layers = self.layers
         if not _is_causal(step.causal):
             layers = self._non_causal()
+        if self.graph_steps is not None and self.graph_steps.serves(cm, step):
+            step = self.graph_steps.fill(cm, step)
+            self.hal_backend.init_forward_metadata_out_graph(step, in_capture=in_capture)
+            return HalAttentionMetadata(step, self.hal_backend, layers, step.num_tokens, self.in_graph_layer)
         self.hal_backend.init_forward_metadata(step)
         return HalAttentionMetadata(step, self.hal_backend, layers, step.num_tokens)
 
@@ -289,6 +310,53 @@ def _is_causal(causal) -> bool:
             "causal or not as a whole"
         )
     return bool(causal)
+
+
+def _group_config(vllm_config, attn_layers: dict, block_size: int) -> tuple[dict, hal.AttentionConfig]:
+    """hal's layer descriptors (causal) of vLLM's ``attn_layers`` (hal impls) and the config hal selects for them,
+    in the KV layout vLLM allocated (the one it resolved, 0.30+, else the one ``get_kv_cache_shape`` gave); sets
+    each impl's ``head_size_v`` (vLLM keeps it on the layer) and ``kv_layout``."""
+    impls = {name: layer.impl for name, layer in attn_layers.items()}
+    vllm_backend = next(iter(attn_layers.values())).attn_backend
+    kv_layout = hal_kv_layout(
+        getattr(vllm_config.cache_config, "kv_cache_layout", None), vllm_backend.hal_kv_layouts()[0]
+    )
+    for name, impl in impls.items():
+        impl.head_size_v = getattr(attn_layers[name], "head_size_v", impl.head_size)
+        impl.kv_layout = kv_layout
+    layers = {name: impl.hal_layer(layer_id_of(name), attn_layers[name], causal=True) for name, impl in impls.items()}
+    model = vllm_config.model_config
+    config = hal.AttentionConfig.from_layers(
+        list(layers.values()),
+        dtype=model.dtype,
+        page_size=block_size,
+        max_context_len=model.max_model_len,
+        max_batch_size=vllm_config.scheduler_config.max_num_seqs,
+        attention_sinks=any(impl.sinks is not None for impl in impls.values()),
+        kv_cache_dtype=_group_cache_dtype(impls),
+        kv_layout=kv_layout,  # selection refuses, with its reasons, a backend that does not read it in place
+    )
+    return layers, config
+
+
+def graph_support(selection: hal.Selection) -> AttentionCGSupport:
+    """The full graphs vLLM may capture over hal's ``selection``: decode-only ones
+    (``UNIFORM_SINGLE_TOKEN_DECODE``, the steps :class:`GraphDecodeSteps` keeps static) where its decode backend
+    declares ``supports_graph`` and its device has a graph mechanism (``capability.graph``), else ``NEVER``."""
+    if selection.decode_backend.declaration().supports_graph and selection.capability.graph:
+        return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    return AttentionCGSupport.NEVER
+
+
+def _full_graph_size(vllm_config) -> int:
+    """The largest batch vLLM captures full graphs of (``max_cudagraph_capture_size``), or 0 where its graph mode
+    has none (vLLM's CPU platform, piecewise-only modes, ``--enforce-eager``)."""
+    compilation = vllm_config.compilation_config
+    mode = getattr(compilation, "cudagraph_mode", None)
+    sizes = getattr(compilation, "cudagraph_capture_sizes", None)
+    if mode is None or not mode.has_full_cudagraphs() or sizes == []:  # vLLM's CPU platform empties the sizes
+        return 0
+    return int(getattr(compilation, "max_cudagraph_capture_size", None) or max(sizes or [0]))
 
 
 def refuse_unserved_features(vllm_config, backend_name: str) -> None:
@@ -480,7 +548,8 @@ class HalAttentionImpl(AttentionImpl[HalAttentionMetadata]):
     ) -> torch.Tensor:
         """hal's ``forward`` for this layer's share of the step: ``query`` ``[T, heads, head_size]``, ``key`` /
         ``value`` ``[T, kv_heads, dim]`` (written to ``kv_cache`` by hal unless the layer shares another's cache);
-        the result goes to ``output`` ``[T, heads, head_size_v]`` (rows past the step's real tokens untouched)."""
+        the result goes to ``output`` ``[T, heads, head_size_v]`` (rows past the step's real tokens untouched; a full
+        graph's step serves its padded size, padding rows included)."""
         if output_scale is not None or output_block_scale is not None:
             raise UnsupportedError("fused output quantization: hal's attention returns the model dtype")
         if attn_metadata is None:  # vLLM's profiling and warm-up runs
@@ -488,6 +557,8 @@ class HalAttentionImpl(AttentionImpl[HalAttentionMetadata]):
         step = attn_metadata.step
         hal_layer = attn_metadata.layers[layer.layer_name]
         step.token_to_kv_pool.bind(hal_layer.layer_id, kv_cache)
+        if attn_metadata.in_graph_layer == layer.layer_name:  # a full graph's step: recorded with the first layer
+            attn_metadata.backend.init_forward_metadata_in_graph(step)
         n = attn_metadata.num_actual_tokens
         write = self.kv_sharing_target_layer_name is None and key is not None and value is not None
         attn_metadata.backend.forward(
@@ -497,7 +568,7 @@ class HalAttentionImpl(AttentionImpl[HalAttentionMetadata]):
             hal_layer,
             step,
             save_kv_cache=write,
-            out=output,  # rows [:n] written in place; vLLM's padding rows past them untouched
+            out=output,  # rows [:n] written in place; rows past them untouched
             **({} if self.sinks is None else {"sinks": self.sinks}),
         )
         return output

@@ -10,6 +10,8 @@ The part of :mod:`hal.integrations.vllm` that needs no vLLM (so it is tested in 
 * :class:`StepTranslator`: vLLM's per-step ``CommonAttentionMetadata`` as hal's batch protocol
   (:class:`VllmStep`), once per step: vLLM's block table as it is (hal's ``req_to_page_pool``), ``out_cache_loc``
   from the slot mapping, the mode from the host query lengths.
+* :class:`GraphDecodeSteps`: the decode steps of vLLM's full graphs, one static :class:`VllmStep` per padded batch
+  size whose tensors every build refills in place (hal's graph contract, as ``hal.graph.GraphRunner`` keeps it).
 
 The KV cache layout (vLLM 0.32, ``vllm/v1/kv_cache_interface.py``, ``vllm/v1/kv_cache_layout.py``):
 each layer's cache is a logical ``[num_blocks, kv_heads, block_size, C]`` view whose content axis
@@ -54,6 +56,7 @@ __all__ = [
     "vllm_layer",
     "VllmStep",
     "StepTranslator",
+    "GraphDecodeSteps",
     "step_mode",
 ]
 
@@ -464,6 +467,7 @@ class VllmStep:
         "extend_num_tokens",
         "num_tokens",
         "causal",
+        "graph_static",
         "_hal_metadata_step",
     )
 
@@ -566,3 +570,83 @@ class StepTranslator:
             f"<= max_model_len rounded to blocks ({self.max_blocks * self.block_size})",
         )
         return step
+
+
+class GraphDecodeSteps:
+    """The decode steps of vLLM's full graphs (``AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE``) for one KV cache
+    group: per padded batch size ``N`` (vLLM's ``num_reqs``, one query token each), one static :class:`VllmStep`
+    marked ``graph_static`` whose tensors are allocated once and refilled in place by every build of that size, so a
+    graph captured over one build reads the next build's batch at the captured addresses.
+
+    A static step of ``N`` requests holds: ``req_to_page_pool`` int32 ``[N, max_blocks]`` (the step's block table
+    rows, zero rows, vLLM's null block, for padding), ``req_pool_indices`` int64 ``0 .. N - 1``, ``seq_lens`` int32
+    ``[N]`` and ``out_cache_loc`` / ``positions`` int64 ``[N]``. Padding requests (vLLM's trailing requests with no
+    query token, and the requests past them up to ``N``) have ``seq_len_fill_value`` tokens and write to the pool's
+    padding slot (slot 0: vLLM's null block, never a request's data), as hal's graph runner pads.
+    """
+
+    def __init__(
+        self, pool, block_size: int, max_bs: int, max_blocks: int, seq_len_fill_value: int, device="cpu"
+    ) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.max_bs = max_bs
+        self.max_blocks = max_blocks
+        self.fill_value = seq_len_fill_value
+        self.padding_slot = getattr(pool, "padding_slot", 0)
+        self.device = torch.device(device)
+        self.steps: dict[int, VllmStep] = {}
+
+    def serves(self, cm, step: VllmStep) -> bool:
+        """Whether the translated ``step`` of ``cm`` is a full graph's: one query token per padded request, at most
+        ``max_bs`` of them, causal, its real requests all decodes."""
+        size = int(cm.num_reqs)
+        return (
+            0 < size <= self.max_bs
+            and int(cm.num_actual_tokens) == size
+            and (step.forward_mode.is_decode() or step.forward_mode.is_idle())
+            and step.causal is True
+        )
+
+    def static_step(self, size: int) -> VllmStep:
+        """The static step of ``size`` padded requests (allocated at its first build: vLLM's capture)."""
+        step = self.steps.get(size)
+        if step is not None:
+            return step
+        step = VllmStep()
+        step.forward_mode = ForwardMode.DECODE
+        step.batch_size = step.num_tokens = step.extend_num_tokens = size
+        step.causal = True
+        step.graph_static = True
+        step.spec_info = None
+        step.req_to_token_pool = None
+        table = torch.zeros(size, self.max_blocks, dtype=torch.int32, device=self.device)
+        step.req_to_page_pool = ReqToPagePool.from_tensor(table, self.block_size)
+        step.token_to_kv_pool = self.pool
+        step.req_pool_indices = torch.arange(size, dtype=torch.int64, device=self.device)
+        step.seq_lens = torch.full((size,), self.fill_value, dtype=torch.int32, device=self.device)
+        step.out_cache_loc = torch.full((size,), self.padding_slot, dtype=torch.int64, device=self.device)
+        step.positions = torch.zeros(size, dtype=torch.int64, device=self.device)
+        step.extend_seq_lens = step.extend_prefix_lens = step.extend_start_loc = None
+        self.steps[size] = step
+        return step
+
+    def fill(self, cm, step: VllmStep) -> VllmStep:
+        """The static step of ``cm``'s padded size holding ``step`` (``cm`` translated, :meth:`serves` true) in place:
+        its ``n`` real requests first, padding after."""
+        size, n = int(cm.num_reqs), step.batch_size
+        static = self.static_step(size)
+        width = min(cm.block_table_tensor.shape[1], self.max_blocks)
+        table = static.req_to_page_pool.req_to_page
+        table.zero_()[:n, :width].copy_(cm.block_table_tensor[:n, :width])
+        static.seq_lens.fill_(self.fill_value)[:n].copy_(step.seq_lens)
+        static.out_cache_loc.fill_(self.padding_slot)[:n].copy_(step.out_cache_loc[:n])
+        static.positions.zero_()
+        if step.positions is not None:
+            static.positions[:n].copy_(step.positions[:n])
+        seq = list(step.seq_lens_cpu) + [self.fill_value] * (size - n)
+        static.seq_lens_cpu = seq
+        static.seq_lens_sum = sum(seq)
+        static.extend_seq_lens_cpu = [1] * size
+        static.extend_prefix_lens_cpu = [s - 1 for s in seq]
+        return static
