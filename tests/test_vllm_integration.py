@@ -95,7 +95,7 @@ def test_head_major_views_are_cpu_attns_own_pages_in_place():
 
 
 def test_layouts_offered_to_vllm_follow_hals_cpu_backend(monkeypatch):
-    assert served_kv_layouts("cpu") == (HEAD_MAJOR, TOKEN_MAJOR)  # the compiled backend reads both in place
+    assert served_kv_layouts("cpu") == (TOKEN_MAJOR, HEAD_MAJOR)  # both read in place; token-major the default
     monkeypatch.setenv("HAL_ATTENTION_BACKEND", "triton")  # reads token-major only
     assert served_kv_layouts("cpu") == (TOKEN_MAJOR,)
     monkeypatch.delenv("HAL_ATTENTION_BACKEND")

@@ -699,8 +699,8 @@ class HalCpuAttentionBackend(HalAttentionBackend):
 
     @classmethod
     def hal_kv_layouts(cls) -> tuple[str, ...]:
-        """vLLM's native CPU layout (head-major, ``LBHNC``: CPU_ATTN's) first where hal's CPU backend reads it in
-        place (the compiled kernels do), then token-major where it reads that (:func:`served_kv_layouts`)."""
+        """Token-major (``LBNHC``) first, then vLLM's native CPU layout (head-major, ``LBHNC``: CPU_ATTN's) where hal's
+        CPU backend reads it in place (the compiled kernels do): :func:`served_kv_layouts`."""
         return served_kv_layouts("cpu")
 
     @staticmethod
