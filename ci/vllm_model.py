@@ -1,11 +1,14 @@
 """Small random-weight models for vLLM's engine on hal: ``ci/sglang_model.py``'s Llama and gpt-oss, plus Gemma 2.
 
     python ci/vllm_model.py OUT_DIR [--arch llama|gemma2|gpt-oss] [--seed 0]
+        [--layers N --hidden N --heads N --kv-heads N --intermediate N --max-positions N]   # Llama, gpt-oss
 
 The shapes the vLLM tests use (:data:`SHAPES`): Llama with 4 layers, hidden 256, 8/2 heads of dim 32; Gemma 2
 the same shape with alternating sliding-window (:data:`GEMMA2_WINDOW` keys) and full layers, attention logits
 soft-capped at :data:`GEMMA2_SOFTCAP`; gpt-oss with attention sinks (and its own windows, a tiny MoE). The
 tokenizer is ``ci/sglang_model.py``'s offline WordLevel one (every word ``w<i>`` one token, a chat template).
+Llama and gpt-oss take other shapes (``shape``: head dim ``hidden // heads``; ``bench/vllm_engine.py`` builds an
+attention-heavy one).
 """
 
 from __future__ import annotations
@@ -59,13 +62,21 @@ def _gemma2(out_dir: str, seed: int) -> str:
     return out_dir
 
 
-def build_model(out_dir: str, arch: str = "llama", seed: int = 0) -> str:
-    """Write ``arch``'s random fp32 model and tokenizer to ``out_dir``; returns ``out_dir``."""
+SHAPE_KEYS = ("layers", "hidden", "heads", "kv_heads", "intermediate", "max_positions")
+
+
+def build_model(out_dir: str, arch: str = "llama", seed: int = 0, **shape) -> str:
+    """Write ``arch``'s random fp32 model and tokenizer to ``out_dir``; returns ``out_dir``. ``shape``: any of
+    :data:`SHAPE_KEYS` over :data:`SHAPES` (Llama and gpt-oss only; ``intermediate`` defaults to ``2 * hidden``,
+    ``max_positions`` to 4096)."""
+    given = {k: v for k, v in shape.items() if v is not None}
+    if set(given) - set(SHAPE_KEYS) or (given and arch == "gemma2"):
+        raise ValueError(f"shape {given} for {arch!r}: expected keys of {SHAPE_KEYS}, for llama or gpt-oss")
     if arch == "gemma2":
         return _gemma2(out_dir, seed)
     if arch not in ARCHES:
         raise ValueError(f"arch {arch!r}: expected one of {ARCHES}")
-    return sglang_model.build_model(out_dir, arch=arch, vocab_size=VOCAB, seed=seed, **SHAPES)
+    return sglang_model.build_model(out_dir, arch=arch, vocab_size=VOCAB, seed=seed, **{**SHAPES, **given})
 
 
 def main(argv=None) -> None:
@@ -73,8 +84,11 @@ def main(argv=None) -> None:
     parser.add_argument("out_dir")
     parser.add_argument("--arch", default="llama", choices=ARCHES)
     parser.add_argument("--seed", type=int, default=0)
+    defaults = {**SHAPES, "intermediate": "2 * hidden", "max_positions": 4096}
+    for key in SHAPE_KEYS:
+        parser.add_argument("--" + key.replace("_", "-"), type=int, default=None, help=f"default {defaults[key]}")
     args = parser.parse_args(argv)
-    print(build_model(args.out_dir, args.arch, args.seed))
+    print(build_model(args.out_dir, args.arch, args.seed, **{k: getattr(args, k) for k in SHAPE_KEYS}))
 
 
 if __name__ == "__main__":
