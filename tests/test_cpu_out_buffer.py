@@ -14,6 +14,7 @@ from test_cpu_head_major import _head_major
 import hal.backend
 from hal.batch import ForwardMode, host_lens
 from hal.conformance.cases import Case, build, tolerance
+from hal.conformance.output import OUT_LAYOUTS, output_buffer
 from hal.devices.cpu import CompiledBackend
 from hal.devices.cpu.capability import cpu_capability
 from hal.errors import InvalidBatchError
@@ -122,19 +123,8 @@ FUSED_CASES = {
 }
 
 
-def _buffer(form: str, rows: int, heads: int, v_dim: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, whole)``: an engine's output buffer of ``rows`` rows in ``form`` (``flat`` ``[rows, heads * v_dim]``,
-    ``heads`` ``[rows, heads, v_dim]``, ``row_strided`` a flat view of rows strided past their width) and the memory
-    behind it, filled with a value no output takes."""
-    if form == "heads":
-        whole = torch.full((rows, heads, v_dim), -7.0, dtype=dtype)
-        return whole, whole
-    whole = torch.full((rows, heads * v_dim + (8 if form == "row_strided" else 0)), -7.0, dtype=dtype)
-    return whole[:, : heads * v_dim], whole
-
-
 @pytest.mark.parametrize("layout", ["token_major", "head_major"])
-@pytest.mark.parametrize("form", ["flat", "heads", "row_strided"])
+@pytest.mark.parametrize("form", OUT_LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(FUSED_CASES))
 def test_the_fused_call_writes_the_callers_buffer_with_no_copy(monkeypatch, name, dtype, form, layout):
@@ -161,7 +151,7 @@ def test_the_fused_call_writes_the_callers_buffer_with_no_copy(monkeypatch, name
         return write_output(result, q, layer, rows)
 
     monkeypatch.setattr(hal.backend, "write_output", watched)
-    out, whole = _buffer(form, tokens + 3, layer.tp_q_head_num, layer.v_head_dim, dtype)
+    out, whole = output_buffer(form, tokens + 3, layer.tp_q_head_num, layer.v_head_dim, dtype)
     result = backend.forward(built.q, built.k, built.v, layer, fb, out=out)
     assert handed_back == [True], "the fused call returned the caller's view itself: nothing to copy"
     assert result.data_ptr() == out.data_ptr()

@@ -22,7 +22,7 @@ from hal.conformance.builder import build
 from hal.conformance.compare import check_cache, check_output, describe
 from hal.errors import InvalidBatchError
 
-__all__ = ["OUT_LAYOUTS", "OUT_REFUSALS"]
+__all__ = ["OUT_LAYOUTS", "OUT_REFUSALS", "output_buffer"]
 
 _SENTINEL = -7.0  # a value no attention output takes from the suite's inputs: a touched byte shows
 _MODES = [ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY]
@@ -30,8 +30,12 @@ OUT_LAYOUTS = ("flat", "heads", "strided_rows")
 OUT_REFUSALS = ("other_dtype", "too_few_rows", "strided_last_dim", "aliases_q", "aliases_kv_cache")
 
 
-def _buffer(layout: str, rows: int, heads: int, v_dim: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, whole)``: the buffer handed to forward and the whole allocation it lives in (to check every byte)."""
+def output_buffer(
+    layout: str, rows: int, heads: int, v_dim: int, dtype, device=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, whole)``: an engine's output buffer of ``rows`` rows in ``layout`` (:data:`OUT_LAYOUTS`: ``flat``
+    ``[rows, heads * v_dim]``, ``heads`` ``[rows, heads, v_dim]``, ``strided_rows`` a flat view of rows strided past
+    their width) and the whole allocation behind it (to check every byte), filled with a value no output takes."""
     width = heads * v_dim
     if layout == "strided_rows":
         whole = torch.full((rows, width + 24), _SENTINEL, dtype=dtype, device=device)
@@ -61,7 +65,7 @@ def test_out_buffer_receives_the_rows_in_place(hal_target, mode, layout, request
     backend = _backend_for(hal_target, case)
     built = build(case, hal_target.capability.torch_device)
     layer, tokens = built.layer, built.q.shape[0]
-    out, whole = _buffer(layout, tokens + 3, layer.tp_q_head_num, layer.v_head_dim, built.q.dtype, built.q.device)
+    out, whole = output_buffer(layout, tokens + 3, layer.tp_q_head_num, layer.v_head_dim, built.q.dtype, built.q.device)
     before = whole.clone()
     backend.init_forward_metadata(built.batch)
     result = backend.forward(built.q, built.k, built.v, layer, built.batch, out=out, **built.forward_kwargs)
