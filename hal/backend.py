@@ -30,7 +30,6 @@ batch size, a step counter) catches metadata left from another step.
 from __future__ import annotations
 
 import functools
-import importlib
 from collections.abc import Mapping
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -58,8 +57,6 @@ if TYPE_CHECKING:
     from hal.batch import ForwardBatch
     from hal.config import AttentionConfig
     from hal.layer import AttentionLayer
-
-_SGLANG_MEMBERS = "hal.integrations.sglang_members"  # where SGLang 0.5.21's members moved (0.3.0)
 
 __all__ = [
     "AttentionBackend",
@@ -507,20 +504,3 @@ class AttentionBackend(ForwardSteps):
     def helper_ops(self) -> ModuleType:
         """The positions / kv-indices / KV-write ops for this backend: a kernel package (:func:`helper_ops_for`)."""
         return helper_ops_for(self)
-
-    # -- moved out of the core ------------------------------------------------------------
-    def __getattr__(self, name: str):
-        """SGLang 0.5.21's members (``shared_read_ends``, ``verify_mask``, ``data_type``...) moved to the SGLang
-        integration (:class:`hal.integrations.sglang_members.SGLangMembers`) in 0.3.0: read through a backend
-        instance they still answer as before, with a ``DeprecationWarning`` naming the new place."""
-        # the deprecation shim names its target as a string (as hal.deprecation.moved_names): the core does not
-        # depend on the integration, only this path to it, which goes in 0.4.0
-        sglang_members = importlib.import_module(_SGLANG_MEMBERS)
-        if name not in sglang_members.MEMBERS:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        warn_renamed(
-            f"{type(self).__name__}.{name} (SGLang 0.5.21's member on a hal backend)",
-            f"hal.integrations.sglang_members.sglang_members(backend).{name}",
-            since="0.3.0",
-        )
-        return getattr(sglang_members.sglang_members(self), name)

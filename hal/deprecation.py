@@ -13,17 +13,23 @@ from collections.abc import Callable, Mapping
 
 __all__ = ["warn_renamed", "moved_names", "REMOVED_IN"]
 
-REMOVED_IN = "0.3.0"
+# The first release a deprecated name may be gone in: the one after this release (a test holds it to
+# hal.__version__). Names deprecated two releases ago that older plugin APIs still use stay until then.
+REMOVED_IN = "0.5.0"
 
 
 def warn_renamed(old: str, new: str, stacklevel: int = 3, since: str = "0.2.0") -> None:
     """Warn that ``old`` is deprecated (since hal ``since``) and ``new`` replaces it."""
-    removed_in = REMOVED_IN if since == "0.2.0" else _next_minor(since)
+    removed_in = max(_next_minor(since), REMOVED_IN, key=_release)
     warnings.warn(
         f"{old} is deprecated since hal {since} and goes in {removed_in}: use {new} (see CHANGELOG.md)",
         DeprecationWarning,
         stacklevel=stacklevel,
     )
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("."))
 
 
 def _next_minor(version: str) -> str:

@@ -103,13 +103,6 @@ ALLOWED = (
     Allowed(
         NAMES_NO_DEVICE, "hal/commands/report.py", "names 'cpu'", "reads the host's CPU model from that run record"
     ),
-    Allowed(
-        NO_UPWARD,
-        "hal/backend.py",
-        "imports hal.integrations.sglang_members (string)",
-        "deprecation shim: AttentionBackend.__getattr__ serves SGLang 0.5.21's members, moved out in 0.3.0, "
-        "until 0.4.0",
-    ),
 )
 
 

@@ -1,6 +1,6 @@
 """SGLang 0.5.21's additions to the backend contract live with the SGLang integration
 (``hal.integrations.sglang_members``), not in ``hal.AttentionBackend``, whose members are the seed's; the old
-access through a hal backend still answers, with a ``DeprecationWarning`` naming the new place (issue 23)."""
+access through a hal backend (deprecated in 0.3.0, with a warning naming the new place) is gone in 0.4.0."""
 
 from __future__ import annotations
 
@@ -60,14 +60,10 @@ def test_a_backend_inheriting_the_mixin_answers_itself():
 
 
 @pytest.mark.parametrize("name", sorted(MEMBERS))
-def test_the_old_access_still_answers_with_a_warning_naming_the_new_place(name):
-    backend = Plain(CPU)
-    with pytest.warns(
-        DeprecationWarning, match=rf"Plain\.{name} .*since hal 0\.3\.0.*sglang_members\(backend\)\.{name}"
-    ):
-        old = getattr(backend, name)
-    new = getattr(sglang_members(backend), name)
-    assert old == new if not callable(new) else old.__name__ == new.__name__
+def test_the_old_access_through_a_backend_is_gone(name):
+    """Deprecated in 0.3.0 (a warning naming the new place), removed in 0.4.0 as announced."""
+    assert not hasattr(Plain(CPU), name)
+    getattr(sglang_members(Plain(CPU)), name)
 
 
 def test_other_missing_attributes_are_still_attribute_errors():

@@ -191,3 +191,19 @@ def test_python_dash_m_runs_the_hal_command_through_its_old_path_too():
         assert done.returncode in (0, 1) and done.stdout.lstrip().startswith("["), (module, done.stderr)
     done = subprocess.run([sys.executable, "-m", "hal.cli", "info", "--no-such-option"], capture_output=True, text=True)
     assert done.returncode == 2 and "unrecognized arguments: --no-such-option" in done.stderr
+
+
+def test_no_warning_announces_a_removal_this_release_has_passed():
+    """A deprecation's "goes in X" is a promise: X is after the running release (0.4.0.dev0 -> 0.5.0 or later)."""
+    import warnings
+
+    from hal.deprecation import warn_renamed
+
+    running = tuple(int(part) for part in re.match(r"(\d+)\.(\d+)", hal.__version__).groups())
+    for since in ("0.2.0", "0.3.0", "0.4.0", "0.5.0"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            warn_renamed("old", "new", since=since)
+        announced = re.search(r"goes in (\d+)\.(\d+)", str(caught[0].message)).groups()
+        assert tuple(int(part) for part in announced) > running, (since, str(caught[0].message))
+        assert tuple(int(part) for part in announced) > tuple(int(p) for p in since.split(".")[:2])

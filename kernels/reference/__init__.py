@@ -84,7 +84,7 @@ def __getattr__(name: str):
     # A deprecated name (kernels import nothing of hal.deprecation, so the warning is spelled as warn_renamed's).
     if name == "is_fp8":
         warnings.warn(
-            "hal.kernels.reference.is_fp8 is deprecated since hal 0.3.0 and goes in 0.4.0: use "
+            "hal.kernels.reference.is_fp8 is deprecated since hal 0.3.0 and goes in 0.5.0: use "
             "hal.kernels.kv_dtypes.kv_scaled (see CHANGELOG.md)",
             DeprecationWarning,
             stacklevel=2,
