@@ -7,6 +7,7 @@ record and ceilings; the external peers' results land on the rows they measured.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import os
 import subprocess
 import sys
@@ -296,6 +297,54 @@ def test_a_mixed_batch_is_timed_against_its_parts_in_the_same_turns(monkeypatch,
     assert hal_mixed["parts_correct"] and hal_mixed["parts_ms"] > 0
     assert hal_mixed["ratio_to_parts"] == hal_mixed["median_ms"] / hal_mixed["parts_ms"]
     assert "parts_ms" not in extend["results"]["torch"] and "parts_ms" not in decode["results"]["torch"]
+
+
+@pytest.mark.parametrize("mode", ["decode", "extend"])
+def test_the_head_major_contender_is_the_backend_over_a_head_major_pool_and_a_block_table(mode):
+    """``hal bench --kv-layout head_major``'s contender is the CPU backend as vLLM runs it: a head-major pool that
+    ``Selection.create_kv_pool`` allocates, holding the batch's keys, its requests given as a block table only
+    (read as it is, nothing derived), the step's KV written there and attended as the oracle says; a batch whose
+    slots do not lie in whole pages is refused by batch validation."""
+    import torch
+
+    import hal
+    from hal.commands.bench import _head_major_batch, _head_major_step
+    from hal.conformance import Case, build
+    from hal.devices.cpu import CompiledBackend, cpu_capability
+    from hal.kernels.reference import tolerance
+    from hal.kv_layouts import HEAD_MAJOR
+
+    cap = cpu_capability()
+    forward_mode = hal.ForwardMode.DECODE if mode == "decode" else hal.ForwardMode.EXTEND
+    requests = ((40, 1), (70, 1)) if mode == "decode" else ((24, 20), (0, 40))
+    for dtype in (torch.float32, torch.bfloat16):
+        case = Case("bench_pages", forward_mode, requests, dtype=dtype, page_size=16, tp_q_head_num=8, tp_k_head_num=2)
+        built = build(case)
+        torch.testing.assert_close(
+            _head_major_step(built, CompiledBackend, cap)().float(), built.expected.float(), **tolerance(dtype)
+        )
+    selection = hal.select(dataclasses.replace(case.config(), kv_layout=HEAD_MAJOR), device="cpu", backend="torch")
+    fb = _head_major_batch(built, selection)
+    assert fb.token_to_kv_pool.kv_layout == HEAD_MAJOR and fb.req_to_token_pool is None
+    backend = CompiledBackend(cap)
+    backend.init_forward_metadata(fb)
+    backend.forward(built.q, built.k, built.v, built.layer, fb)
+    assert backend.forward_metadata.kv_layout == HEAD_MAJOR and backend.forward_metadata.req_to_token is None
+    k_pages = fb.token_to_kv_pool.get_kv_pages(built.layer.layer_id)[0]
+    slots = torch.arange(fb.token_to_kv_pool.num_slots)
+    assert torch.equal(hal.kv_layouts.KV_LAYOUTS[HEAD_MAJOR].read(k_pages, slots, 2), built.expected_k)
+    table = built.batch.req_to_token_pool.req_to_token
+    row = int(built.batch.req_pool_indices[0])
+    table[row, :2] = table[row, :2].flip(0)
+    with pytest.raises(hal.errors.InvalidBatchError, match="req_to_page"):
+        _head_major_batch(built, selection)
+
+
+def test_an_unknown_kv_layout_is_refused():
+    from hal.commands.bench import run_bench
+
+    with pytest.raises(ConfigError, match="--kv-layout page_major: expected one of token_major, head_major"):
+        run_bench("cpu", [], quick=True, kv_layout="page_major")
 
 
 VLLM_PYTHON = os.environ.get("HAL_VLLM_PYTHON", "")

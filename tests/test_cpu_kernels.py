@@ -788,26 +788,3 @@ def test_layouts_tables_and_pages_that_do_not_fit_are_named():
         call(k=k.view(48, 2, 8), v=v.view(48, 2, 8), table="req_to_page")
     with pytest.raises(KVCacheError, match="the same but for the last dim"):
         call(v=v[:, :1], kv_layout="head_major", table="req_to_page")
-
-
-@needs_kernels
-@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND])
-def test_hal_bench_times_the_kernels_on_head_major_pages_of_the_same_keys(mode):
-    """``hal bench --kv-layout head_major``'s contender: the batch's keys copied into head-major pages, the step's
-    KV written there and attended through req_to_page, as the oracle; a pool whose slots are not in pages is
-    refused, and so is a layout hal bench does not know."""
-    from hal.commands.bench import _head_major_step, run_bench
-
-    requests = ((40, 1), (70, 1)) if mode == ForwardMode.DECODE else ((24, 20), (0, 40))
-    for dtype in (torch.float32, torch.bfloat16):
-        case = Case("bench_pages", mode, requests, dtype=dtype, page_size=16, tp_q_head_num=8, tp_k_head_num=2)
-        built = build(case)
-        torch.testing.assert_close(
-            _head_major_step(built, cpu_kernels.load())().float(), built.expected.float(), **tolerance(dtype)
-        )
-    row = int(built.batch.req_pool_indices[0])
-    built.batch.req_to_token_pool.req_to_token[row, :2] = built.batch.req_to_token_pool.req_to_token[row, :2].flip(0)
-    with pytest.raises(ValueError, match="not lie in pages of 16"):
-        _head_major_step(built, cpu_kernels.load())
-    with pytest.raises(ConfigError, match="--kv-layout page_major: expected one of token_major, head_major"):
-        run_bench("cpu", [], quick=True, kv_layout="page_major")

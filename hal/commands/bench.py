@@ -45,14 +45,15 @@ from pathlib import Path
 
 import torch
 
-from hal.batch import ForwardMode, device_lens
+from hal.batch import ForwardBatch, ForwardMode
 from hal.commands.bench_peers import DEFAULT_PEERS, PEERS, peer_step
 from hal.conformance import Case, build  # the suite's public batch builder: realistic scattered layouts
 from hal.conformance.builder import sub_batch
 from hal.errors import ConfigError
-from hal.kernels.reference import batch_attention, tolerance
-from hal.kv_cache import host_huge_pages, pool_buffer
+from hal.kernels.reference import batch_attention, step_page_table, tolerance
+from hal.kv_cache import ReqToPagePool, host_huge_pages, kv_rows
 from hal.kv_dtypes import COMPUTE_DTYPES
+from hal.kv_layouts import HEAD_MAJOR, TOKEN_MAJOR
 from hal.registry import device_backends, get_registry
 from hal.selection import select
 
@@ -230,48 +231,40 @@ def _backend_step(backend, built, fb=None, q=None, k=None, v=None) -> Callable[[
     return step
 
 
-# --kv-layout: the pools hal's kernels may read; head_major adds this contender to each decode and extend row.
-KV_LAYOUTS = ("token_major", "head_major")
-HEAD_MAJOR = "kernels_head_major"
-HEAD_MAJOR_TILE_ROWS = 128  # query rows from which a request takes the kernels' extend tiles (their default)
+# --kv-layout: the pools hal's backends may read; head_major adds a contender per backend that reads head-major
+# pages (``<backend>_head_major``) to each decode and extend row.
+KV_LAYOUTS = (TOKEN_MAJOR, HEAD_MAJOR)
 
 
-def _head_major_step(built, kernels) -> Callable[[], torch.Tensor]:
-    """A backend's compiled ``kernels`` (its ``kernels`` attribute: ``write_and_attend`` taking pages
-    ``[pages, kv_heads, page, dim]`` and a block table) over head-major pages (vLLM's CPU layout, in hal's pool
-    buffers) read through ``req_to_page``, holding ``built``'s keys: the step a backend wired to such a pool runs
-    (its per-request tensors, then the KV write and the attention in one call)."""
-    fb, layer, page = built.batch, built.layer, built.case.page_size
-    k, v = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-    slots, heads = k.shape[:2]
-    req_to_token = fb.req_to_token_pool.req_to_token
-    req_to_page = (req_to_token[:, ::page].long() // page).to(torch.int32).contiguous()
-    for row, keys in zip(fb.req_pool_indices.tolist(), fb.seq_lens.tolist()):
-        paged = req_to_page[row].long().repeat_interleave(page)[:keys] * page + torch.arange(keys) % page
-        if slots % page or not torch.equal(paged, req_to_token[row, :keys].long()):
-            raise ValueError(f"{built.case.name}: the pool's slots do not lie in pages of {page}")
+def _head_major_batch(built, selection) -> ForwardBatch:
+    """``built``'s batch as vLLM hands it to a backend that reads head-major pages: its KV pool the one
+    ``selection`` (a head-major config) allocates (:meth:`~hal.selection.Selection.create_kv_pool`: ``[pages,
+    kv_heads, page, dim]``), holding ``built``'s keys slot for slot, and its requests read through a block table
+    (``req_to_page_pool``) only. The block table is checked against the batch's ``req_to_token`` by full batch
+    validation (:class:`~hal.errors.InvalidBatchError` where the slots do not lie in whole pages)."""
+    fb = built.batch
+    token = fb.token_to_kv_pool
+    pool = selection.create_kv_pool(token.num_pages, token.layer_num, token.start_layer)
+    slots = torch.arange(token.num_slots, device=token.device)
+    for layer_id in range(token.start_layer, token.start_layer + token.layer_num):
+        pool.set_kv_buffer(replace(built.layer, layer_id=layer_id), slots, *kv_rows(token, layer_id, slots))
+    table = fb.req_to_token_pool.req_to_token
+    rows = torch.arange(table.shape[0], device=table.device)
+    pages = ReqToPagePool.from_tensor(
+        step_page_table(rows, -(-table.shape[1] // token.page_size), token.page_size, req_to_token=table),
+        token.page_size,
+    )
+    checked = replace(fb, token_to_kv_pool=pool, req_to_page_pool=pages, validate="full")
+    return replace(checked, req_to_token_pool=None, validate=fb.validate)
 
-    def pages_of(pool: torch.Tensor) -> torch.Tensor:
-        out = pool_buffer((slots // page, heads, page, pool.shape[2]), pool.dtype, pool.device)
-        return out.copy_(pool.view(slots // page, page, heads, pool.shape[2]).transpose(1, 2))
 
-    k_pages, v_pages = pages_of(k), pages_of(v)
-    shape = (layer.tp_q_head_num, layer.tp_k_head_num, layer.tp_v_head_num, layer.head_dim, layer.v_head_dim)
-    no_mask, no_starts, no_sinks = (torch.empty(0, dtype=dt) for dt in (torch.bool, torch.int64, torch.float32))
-
-    def step() -> torch.Tensor:
-        q_lens, kv_lens = device_lens(fb)
-        q_lens, kv_lens = q_lens.contiguous(), kv_lens.contiguous()
-        rows = fb.req_pool_indices.long().contiguous()
-        q_start = torch.cumsum(q_lens, 0) - q_lens
-        by_page = True
-        return kernels.write_and_attend(
-            *(built.q, built.k, built.v, fb.out_cache_loc, k_pages, v_pages, req_to_page, rows, kv_lens, q_lens),
-            *(q_start, no_mask, no_starts, no_sinks, *shape, layer.scaling, layer.logit_cap),
-            *(layer.sliding_window_size, layer.causal, HEAD_MAJOR_TILE_ROWS, by_page),
-        )
-
-    return step
+def _head_major_step(built, cls, cap) -> Callable[[], torch.Tensor]:
+    """One serving step of backend ``cls`` on ``cap`` over head-major pages read through a block table
+    (:func:`_head_major_batch`), the KV write included: what an engine that hands hal such a cache (vLLM's CPU
+    layout) runs."""
+    config = replace(built.case.config(), kv_layout=HEAD_MAJOR)
+    fb = _head_major_batch(built, select(config, device=cap.torch_device, backend=cls.name))
+    return _backend_step(cls(cap), built, fb, built.q, built.k, built.v)
 
 
 # A first call slower than this (a peer whose layout defeats it, the oracle) is the only one timed.
@@ -507,7 +500,7 @@ def run_bench(
     page_sizes: list[int] | None = None,
     threads: list[int] | None = None,
     peers: list[str] | None = None,
-    kv_layout: str = "token_major",
+    kv_layout: str = TOKEN_MAJOR,
 ) -> int:
     """Time every workload per backend (and, on the CPU, per in-process peer) at each thread count.
 
@@ -517,8 +510,8 @@ def run_bench(
     more than one count the report's ``scaling`` gives each workload's speed-up over the
     first count. ``peers``: names of :data:`hal.commands.bench_peers.PEERS` (default
     :data:`~hal.commands.bench_peers.DEFAULT_PEERS`, where the device says they mean something). ``kv_layout``
-    ``head_major``: hal's compiled CPU kernels also timed over head-major pages read through a block table
-    (vLLM's CPU layout), as ``kernels_head_major`` beside the backends (:func:`_head_major_step`).
+    ``head_major``: each backend that reads head-major pages (vLLM's CPU layout) also timed over such a pool read
+    through a block table, as ``<backend>_head_major`` beside the backends (:func:`_head_major_step`).
     """
     selection = select(device=device)
     dev_name, cap = selection.device_name, selection.capability
@@ -629,7 +622,7 @@ def _run_at(threads: int, cap, facts, classes, cases, peers, quick, repeats, pee
 
 
 def _row(
-    where: str, case: Case, cap, facts, classes, peers, servers, repeats, limits, parts=None, kv_layout="token_major"
+    where: str, case: Case, cap, facts, classes, peers, servers, repeats, limits, parts=None, kv_layout=TOKEN_MAJOR
 ) -> dict:
     """One workload (``where``: its progress label): its backends and peers run once and checked, then timed in
     turns; the reference timed apart.
@@ -669,16 +662,15 @@ def _row(
         )
         if parts:
             calls["parts", cls.name], parts_checked[cls.name] = _parts_call(cls, cap, built, parts)
-    if kv_layout == "head_major" and case.mode in (ForwardMode.DECODE, ForwardMode.EXTEND):
-        # a backend's compiled kernels (the CPU's: its `kernels`), which read head-major pages through a block table
-        backends = (cls(cap) for cls in classes)
-        kernels = next((b.kernels for b in backends if getattr(b, "kernels", None) is not None), None)
-        if getattr(kernels, "write_and_attend", None) is None:
-            row["skipped"][HEAD_MAJOR] = ["no backend here has compiled kernels that read head-major pages"]
-        else:
-            _progress(f"{where}: hal's kernels over head-major pages")
-            calls["results", HEAD_MAJOR], checked["results", HEAD_MAJOR] = _first_call(
-                _head_major_step(built, kernels), built, torch_device
+    if kv_layout == HEAD_MAJOR and case.mode in (ForwardMode.DECODE, ForwardMode.EXTEND):
+        readers = [c for c in classes if c.name not in row["skipped"] and HEAD_MAJOR in c.declaration().kv_layouts]
+        if not readers:
+            row["skipped"][HEAD_MAJOR] = ["no backend here reads head-major pages"]
+        for cls in readers:
+            _progress(f"{where}: {cls.name} over head-major pages")
+            name = f"{cls.name}_{HEAD_MAJOR}"
+            calls["results", name], checked["results", name] = _first_call(
+                _head_major_step(built, cls, cap), built, torch_device
             )
     for name in peers:
         _progress(f"{where}: peer {name}")
@@ -859,9 +851,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--kv-layout",
-        default="token_major",
-        choices=["token_major", "head_major"],
-        help="head_major: hal's CPU kernels also timed over head-major pages through a block table (vLLM's layout)",
+        default=TOKEN_MAJOR,
+        choices=KV_LAYOUTS,
+        help="head_major: each backend that reads head-major pages also timed over such a pool read through a "
+        "block table, as vLLM hands its CPU cache (<backend>_head_major)",
     )
     parser.add_argument("--json", action="store_true")
 
