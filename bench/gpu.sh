@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # hal on the first CUDA GPU in one offline run that fits a 15-minute GPU slot: the Triton paths first (`hal check
 # --device cuda --backend triton`, then its CUDA graph family on its own), the project's tests, FlashInfer's checks
-# where FlashInfer can be installed, and `hal bench --device cuda` last; each step has its own limit, and the run as a
-# whole HAL_GPU_BUDGET_S (default 840 s, installs included). Everything goes to OUTDIR; OUTDIR/gpu-run.json sums it up
+# where FlashInfer can be installed, vLLM's CUDA engine on hal (tests/test_vllm_engine_cuda.py: --attention-backend
+# CUSTOM, vLLM's defaults otherwise, tokens against vLLM's own backend) where vLLM's CUDA build imports, and
+# `hal bench --device cuda` last; each step has its own limit, and the run as a whole HAL_GPU_BUDGET_S (default 840 s,
+# installs included). Everything goes to OUTDIR; OUTDIR/gpu-run.json sums it up
 # (copy it to bench/results/ and run `python bench/run_table.py` to update docs/what-has-run-where.md).
 #
 #   bench/gpu.sh [--dry-run] OUTDIR        PYTHON=python3  WHEELHOUSE=bench/wheelhouse  HAL_GPU_BUDGET_S=840
@@ -11,8 +13,10 @@
 # with the reason, never as passed, and gpu-run.json's "ok" is true only when every planned step ran and passed.
 # FlashInfer is planned only when it imports or the wheelhouse has a flashinfer-python wheel (its wheel is ~62 MB,
 # pulls CUDA Python packages and JIT-compiles with nvcc: a small wheelhouse cannot bring it); otherwise the summary
-# says it was not planned, and why.
-# The tests skip tests/test_triton_compile.py (the CPU CI compiles for every target; here the checks run the kernels).
+# says it was not planned, and why. So is vLLM's engine step where vLLM's CUDA build (the distribution `vllm`) does not
+# import: its wheel pins its own torch and is hundreds of MB, so it comes with the machine, never from the wheelhouse.
+# The tests skip tests/test_triton_compile.py (the CPU CI compiles for every target; here the checks run the kernels)
+# and tests/test_vllm_engine_cuda.py (its own step, vllm-cuda).
 # Needs: Python >= 3.10 with torch (>= 2.11, a CUDA build) and Triton (>= 3.6) installed, and a visible GPU.
 # Everything else (pytest, hypothesis, setuptools >= 77, numpy, ninja) comes from WHEELHOUSE, filled beforehand
 # where there is network by bench/wheelhouse.sh, and is installed with no network into OUTDIR/site (on
@@ -38,11 +42,13 @@ say() { echo "[gpu.sh] $*"; }
 # name | limit (s) | command, in the order they run: Triton first, the bench last. The limits add up to 780 s, which
 # with the setup fits the budget; a step gets what is left of the budget at most.
 STEPS=(
-    "check-triton|150|$PY -m hal check --device cuda --backend triton --json"
+    "check-triton|120|$PY -m hal check --device cuda --backend triton --json"
     "graph|60|$PY -m hal check --device cuda --backend triton --family graph --json"
-    "tests|240|$PY -m pytest -q -p no:cacheprovider tests --ignore=tests/test_triton_compile.py --junitxml=\$OUT/tests.xml"
-    "check-flashinfer|150|$PY -m hal check --device cuda --backend flashinfer --json"
-    "bench|180|$PY -m hal bench --device cuda --json"
+    "tests|240|$PY -m pytest -q -p no:cacheprovider tests --ignore=tests/test_triton_compile.py \
+--ignore=tests/test_vllm_engine_cuda.py --junitxml=\$OUT/tests.xml"
+    "check-flashinfer|120|$PY -m hal check --device cuda --backend flashinfer --json"
+    "vllm-cuda|120|$PY -m pytest -q -p no:cacheprovider -rs tests/test_vllm_engine_cuda.py --junitxml=\$OUT/vllm-cuda.xml"
+    "bench|120|$PY -m hal bench --device cuda --json"
 )
 
 # FlashInfer is planned only where it can be installed: it imports already, or the wheelhouse holds its wheel.
@@ -56,13 +62,27 @@ with CUDA Python dependencies and an nvcc JIT: it comes with the machine or a fu
     fi
 fi
 
+# vLLM's engine step is planned only where vLLM's CUDA build imports with the machine's torch.
+VLLM_WHY_NOT=""
+if ! vllm_said=$("$PY" -c 'import importlib.metadata as md, vllm; print(md.version("vllm"))' 2>&1); then
+    VLLM_WHY_NOT="vLLM's CUDA build does not import ($(echo "$vllm_said" | tail -1)): tests/test_vllm_engine_cuda.py \
+needs the distribution vllm (0.32) installed against this machine's torch; its wheel pins torch and is hundreds of MB, \
+so it comes with the machine, not from the wheelhouse"
+fi
+not_planned() {  # the reason a step is not planned, or nothing
+    case "$1" in
+        check-flashinfer) echo "$FLASHINFER_WHY_NOT" ;;
+        vllm-cuda) echo "$VLLM_WHY_NOT" ;;
+    esac
+}
+
 say "plan (budget ${BUDGET}s, python $PY, wheelhouse $WHEELHOUSE, results in $OUT):"
 say "  preflight: torch >= 2.11 and triton >= 3.6 installed; the rest installed or in the wheelhouse; a CUDA GPU"
 say "  install: missing packages from the wheelhouse into \$OUT/site (no network), then hal editable"
 for step in "${STEPS[@]}"; do
     IFS='|' read -r name limit command <<<"$step"
-    if [ "$name" = check-flashinfer ] && [ -n "$FLASHINFER_WHY_NOT" ]; then
-        say "  $name: NOT PLANNED: $FLASHINFER_WHY_NOT"
+    if [ -n "$(not_planned "$name")" ]; then
+        say "  $name: NOT PLANNED: $(not_planned "$name")"
         continue
     fi
     say "  $name (limit ${limit}s): $command"
@@ -143,10 +163,13 @@ elif [ -n "${FLASHINFER_WHEEL:-}" ] && ! timeout 120 "$PY" -m pip install -q --n
 elif [ -n "${FLASHINFER_WHEEL:-}" ]; then
     case ":${PYTHONPATH:-}:" in *":$OUT/site:"*) ;; *) export PYTHONPATH="$OUT/site${PYTHONPATH:+:$PYTHONPATH}" ;; esac
 fi
+if [ -n "$VLLM_WHY_NOT" ]; then
+    printf '%s\t%s\t%s\t%s\t%s\n' vllm-cuda not-planned 0 0 "$VLLM_WHY_NOT" >>"$OUT/steps.tsv"
+fi
 for step in "${STEPS[@]}"; do
     IFS='|' read -r name limit command <<<"$step"
-    if [ "$name" = check-flashinfer ] && [ -n "$FLASHINFER_WHY_NOT" ]; then
-        say "$name: not run ($FLASHINFER_WHY_NOT)"
+    if [ -n "$(not_planned "$name")" ]; then
+        say "$name: not run ($(not_planned "$name"))"
         continue
     fi
     left=$((BUDGET - ($(date +%s) - START)))

@@ -4,7 +4,7 @@
 
 The JSON (``"kind": "hal-device-run"``) is what bench/run_table.py reads from bench/results/:
 the machine and stack (env.json), and per step its exit status, seconds, limit and counts
-(pytest's junit XML for the tests; passed/failed/skipped of ``hal check --json``; the
+(pytest's junit XML for the tests and vLLM's CUDA engine test; passed/failed/skipped of ``hal check --json``; the
 workloads of ``hal bench --json``).
 
 Every step gets one outcome: ``passed``, ``failed``, ``timed out``, or ``not run`` with the reason (the budget was
@@ -22,6 +22,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 NOT_RUN_CODES = ("not-run", "skipped")  # "skipped": what gpu.sh wrote before issue 25, read as not run
+PYTEST_STEPS = ("tests", "vllm-cuda")  # steps whose counts are pytest's junit XML, OUTDIR/<name>.xml
 
 
 def _load_json(path: Path):
@@ -58,10 +59,10 @@ def step_record(out: Path, name: str, code: str, seconds: str, limit: str, comma
         return {**record, "outcome": "not run", "reason": command, "command": None}
     record["exit"] = int(code)
     record["outcome"] = "timed out" if code == "124" else "passed" if code == "0" else "failed"
-    if name == "tests":
-        record["counts"] = _junit_counts(out / "tests.xml")
+    if name in PYTEST_STEPS:
+        record["counts"] = _junit_counts(out / f"{name}.xml")
         if record["outcome"] == "passed" and not (record["counts"] or {}).get("passed"):
-            record.update(outcome="not run", reason="pytest exited 0 but no test passed (see tests.xml)")
+            record.update(outcome="not run", reason=f"pytest exited 0 but no test passed (see {name}.xml)")
     elif name.startswith("check") or name == "graph":
         record["counts"] = counts = _check_counts(_load_json(out / f"{name}.out"))
         if record["outcome"] == "passed" and not (counts or {}).get("passed"):

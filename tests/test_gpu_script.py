@@ -64,13 +64,23 @@ def test_dry_run_prints_the_plan_and_runs_nothing(tmp_path):
         site=machine_stack(tmp_path / "site"),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    order = ["check-triton (limit 150s)", "graph (limit 60s)", "tests (limit 240s)", "bench (limit 180s)"]
+    order = [
+        "check-triton (limit 120s)",
+        "graph (limit 60s)",
+        "tests (limit 240s)",
+        "check-flashinfer: NOT PLANNED",
+        "vllm-cuda: NOT PLANNED",
+        "bench (limit 120s)",
+    ]
     at = [proc.stdout.index(step) for step in order]
     assert at == sorted(at)  # the Triton paths first, the bench last
     assert "budget 840s" in proc.stdout  # with the setup, inside a 15-minute slot
     assert "--family graph" in proc.stdout and "-m hal bench --device cuda --json" in proc.stdout
     # this machine has no flashinfer and the wheelhouse no wheel of it: not planned, and the plan says why
     assert "check-flashinfer: NOT PLANNED: flashinfer does not import" in proc.stdout
+    # nor vLLM's CUDA build (this test env has no vllm at all): its engine step is not planned, and the plan says why
+    assert "vllm-cuda: NOT PLANNED: vLLM's CUDA build does not import (ModuleNotFoundError" in proc.stdout
+    assert "comes with the machine, not from the wheelhouse" in proc.stdout
     assert "dry run: GPU: none" in proc.stdout and "nothing was run" in proc.stdout
     assert not (tmp_path / "out").exists()
 
@@ -178,7 +188,53 @@ def test_the_step_limits_fit_a_15_minute_slot():
     text = SCRIPT.read_text()
     limits = [int(line.split("|")[1]) for line in text.splitlines() if line.strip().startswith('"') and "|" in line]
     budget = int(text.split("HAL_GPU_BUDGET_S:-")[1].split("}")[0])
-    assert len(limits) == 5 and sum(limits) <= budget <= 15 * 60 - 60  # a minute left for the summary and margin
+    assert len(limits) == 6 and sum(limits) <= budget <= 15 * 60 - 60  # a minute left for the summary and margin
+
+
+def _steps() -> dict[str, str]:
+    """bench/gpu.sh's STEPS: name -> command (continuation lines joined as bash joins them)."""
+    text = SCRIPT.read_text().replace("\\\n", "")
+    block = text.split("STEPS=(")[1].split("\n)")[0]
+    rows = [line.strip().strip('"').split("|", 2) for line in block.splitlines() if line.strip().startswith('"')]
+    return {name: command.replace("\\$", "$") for name, _, command in rows}
+
+
+def test_vllms_cuda_engine_step_cannot_drop_out(tmp_path):
+    """tests/test_vllm_engine_cuda.py (hal under vLLM's CUDA engine, --attention-backend CUSTOM) runs in its own step,
+    not inside the tests step; planned where vLLM's CUDA build imports, else listed as not planned with the reason;
+    and a run of it that skipped every test (no GPU, no vLLM) is not run, never passed."""
+    steps = _steps()
+    assert (
+        "tests/test_vllm_engine_cuda.py" in steps["vllm-cuda"] and "--junitxml=$OUT/vllm-cuda.xml" in steps["vllm-cuda"]
+    )
+    assert "--ignore=tests/test_vllm_engine_cuda.py" in steps["tests"]
+    assert (ROOT / "tests" / "test_vllm_engine_cuda.py").is_file()
+    assert list(steps).index("vllm-cuda") < list(steps).index("bench")
+    # where vLLM's CUDA build imports (a stand-in package and its distribution metadata), the step is planned
+    site = machine_stack(tmp_path / "site") or tmp_path / "site"
+    (site / "vllm").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").touch()
+    (site / "vllm-0.32.0.dist-info").mkdir()
+    (site / "vllm-0.32.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0\n")
+    proc = run_script("--dry-run", str(tmp_path / "out"), wheelhouse=fake_wheelhouse(tmp_path / "wh"), site=site)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "vllm-cuda (limit 120s): " in proc.stdout and "vllm-cuda: NOT PLANNED" not in proc.stdout
+    # the summary: not planned with the reason (ok unaffected); all skipped: not run; a pass: passed
+    junit = '<testsuites><testsuite tests="{n}" failures="0" errors="0" skipped="{s}"/></testsuites>'
+    ran = "tests\t0\t90\t240\tp\n"
+    outputs = {"tests.xml": junit.format(n=3, s=0)}
+    unplanned = "vllm-cuda\tnot-planned\t0\t0\tvLLM's CUDA build does not import\n"
+    summary = _summary(tmp_path, unplanned + ran, outputs)
+    assert summary["ok"] is True and summary["not_planned"][0]["name"] == "vllm-cuda"
+    skipped = {**outputs, "vllm-cuda.xml": junit.format(n=2, s=2)}
+    summary = _summary(tmp_path, ran + "vllm-cuda\t0\t5\t120\tpytest\n", skipped)
+    assert summary["ok"] is False and summary["not_run"] == [
+        "vllm-cuda: pytest exited 0 but no test passed (see vllm-cuda.xml)"
+    ]
+    summary = _summary(
+        tmp_path, ran + "vllm-cuda\t0\t95\t120\tpytest\n", {**outputs, "vllm-cuda.xml": junit.format(n=2, s=0)}
+    )
+    assert summary["ok"] is True and summary["steps"][1]["counts"]["passed"] == 2
 
 
 def test_the_what_has_run_where_table_is_current():

@@ -8,9 +8,9 @@ batches, so steps mix decodes and prefill chunks), prefilled in chunks of 64 tok
 prompts sharing a 150-token prefix (vLLM's prefix cache serves its first 128). Greedy tokens must be identical,
 and equal to transformers' ``generate``. Models: Llama; Gemma 2 (alternating sliding windows, soft-capped
 attention logits); gpt-oss (attention sinks, alternating 16-key windows, a tiny MoE); the example device plugin
-(``HAL_DEVICE=toy``: examples/hal-device-example, which has no vLLM code) on the Llama; n-gram speculative
-decoding on the Llama; an MLA model left to vLLM's own CPU MLA backend; then vLLM's OpenAI server with hal
-answers the completions and chat endpoints over HTTP and is stopped by its process id.
+(``HAL_DEVICE=toy``: examples/hal-device-example, which has no vLLM code) on the Llama; n-gram and EAGLE
+speculative decoding on the Llama; an MLA model left to vLLM's own CPU MLA backend; then vLLM's OpenAI server with
+hal answers the completions and chat endpoints over HTTP and is stopped by its process id.
 
 Each engine runs in its own Python. About a minute per engine start on a loaded 2-core machine.
 """
@@ -199,6 +199,61 @@ def test_ngram_speculative_decoding(models, tmp_path_factory):
     ref_run = _run(models["llama"], "CPU_ATTN", workload, tmp_path_factory, ngram)
     _assert_hal_served(hal_run)
     _assert_same(hal_run, ref_run, workload, "ngram drafts: hal vs CPU_ATTN")
+
+
+def _eagle_draft(target: str, out_dir: str, seed: int = SEED) -> str:
+    """An EAGLE draft for the Llama at ``target`` (vLLM's ``EagleLlamaForCausalLM``,
+    vllm/model_executor/models/llama_eagle.py): the target's config with one decoder layer, random weights for that
+    layer (no input norm: EAGLE's first layer has none) and for ``fc`` (``[hidden, 2 * hidden]``: the token's embedding
+    beside the target's hidden state); no embedding or lm_head, so vLLM shares the target's."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    config = LlamaConfig.from_pretrained(target)
+    config.num_hidden_layers, config.architectures = 1, ["LlamaForCausalLM"]
+    os.makedirs(out_dir, exist_ok=True)
+    config.save_pretrained(out_dir)
+    gen = torch.Generator().manual_seed(seed)
+    hidden, inter = config.hidden_size, config.intermediate_size
+    kv = config.num_key_value_heads * hidden // config.num_attention_heads
+    shapes = {
+        "fc": (hidden, 2 * hidden),
+        "layers.0.self_attn.q_proj": (hidden, hidden),
+        "layers.0.self_attn.k_proj": (kv, hidden),
+        "layers.0.self_attn.v_proj": (kv, hidden),
+        "layers.0.self_attn.o_proj": (hidden, hidden),
+        "layers.0.mlp.gate_proj": (inter, hidden),
+        "layers.0.mlp.up_proj": (inter, hidden),
+        "layers.0.mlp.down_proj": (hidden, inter),
+    }
+    weights = {f"{name}.weight": torch.randn(*shape, generator=gen) * 0.05 for name, shape in shapes.items()}
+    weights["layers.0.post_attention_layernorm.weight"] = torch.ones(hidden)
+    save_file(weights, os.path.join(out_dir, "model.safetensors"))
+    return out_dir
+
+
+def test_eagle_speculative_decoding(models, tmp_path_factory):
+    """EAGLE drafts on vLLM's CPU engine (its CPU runner loads the drafter: vllm/v1/worker/cpu_model_runner.py
+    load_model, initialize_kv_cache; the EAGLE kernels have CPU implementations, vllm/platforms/cpu.py): hal serves
+    the target's layers and the drafter's (its own builder), verify rows of 1 + 3 tokens behind the decodes, and the
+    greedy tokens equal CPU_ATTN's with the same drafter. vLLM's CPU platform turns asynchronous scheduling off
+    (vllm/platforms/cpu.py check_and_update_config), so the host bound of seq_lens is exact here; the overstated bound
+    of GPU runs is tests/test_vllm_integration.py::test_builder_reads_exact_lengths_under_speculative_decoding."""
+    draft = _eagle_draft(models["llama"], str(tmp_path_factory.mktemp("eagle") / "draft"))
+    rng = random.Random(SEED + 2)
+    low = len(sglang_model.SPECIALS)
+    prompts = [[rng.randrange(low, vllm_model.VOCAB) for _ in range(n)] for n in (3, 17, 44, 90)]
+    workload = [[{"prompt_token_ids": p, "max_tokens": 10 + 2 * i} for i, p in enumerate(prompts)]]
+    eagle = {"speculative_config": {"method": "eagle", "model": draft, "num_speculative_tokens": 3}}
+    hal_run = _run(models["llama"], "hal", workload, tmp_path_factory, eagle)
+    ref_run = _run(models["llama"], "CPU_ATTN", workload, tmp_path_factory, eagle)
+    _assert_hal_served(hal_run)
+    assert "EAGLE drafter KV cache initialized" in hal_run["log"]
+    layers = vllm_model.SHAPES["layers"]
+    for served in (layers + 1, 1):  # the target's group (its layers and the drafter's) and the drafter's own builder
+        assert f"serves vLLM's attention for {served} layers" in hal_run["log"], hal_run["log"][-3000:]
+    _assert_same(hal_run, ref_run, workload, "EAGLE drafts: hal vs CPU_ATTN")
 
 
 def test_mla_model_keeps_vllms_backend(tmp_path):

@@ -421,6 +421,87 @@ def test_speculative_decoding_reads_exact_lengths():
     torch.testing.assert_close(out, engine.dense(schedule, layer), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bench/gpu.sh's tests step runs it)")
+def test_graph_decode_steps_replay_under_a_cuda_graph():
+    """vLLM's full decode graph path as hal's builder serves it (GraphDecodeSteps refilled in place, hal's graph
+    contract: out_graph before, in_graph recorded with the forward), under a real CUDA graph (hal's TorchGraph, the
+    cuda device's): captured once over a padded batch of 4, replayed for other decode batches; each replay equals an
+    eager forward of the same batch and dense attention. Needs no vLLM: the step comes from the stand-in metadata."""
+    from hal.graph_capture import TorchGraph
+    from hal.integrations.vllm_steps import GraphDecodeSteps
+
+    cuda, size = torch.device("cuda"), 4
+    engine = SimulatedEngine()
+    engine.cache = engine.cache.to(cuda)  # strides kept: vLLM's LBNHC cache
+    layer = vllm_layer(0, engine.heads, engine.kv_heads, engine.head_dim, 0.2)
+    config = hal.AttentionConfig.from_layers(
+        [layer],
+        dtype=torch.float32,
+        page_size=engine.block_size,
+        max_context_len=engine.max_blocks * engine.block_size,
+        max_batch_size=engine.max_reqs,
+    )
+    selection = hal.select(config, device="cuda")
+    backend, eager_backend = selection.create(), selection.create()
+    pool = VllmKVPool(engine.block_size, torch.float32, cuda, engine.head_dim)
+    pool.bind(layer.layer_id, engine.cache)
+    translator = StepTranslator(pool, engine.block_size, engine.max_reqs, engine.max_blocks, cuda)
+    backend.init_cuda_graph_state(size, size)
+    fill = backend.get_cuda_graph_seq_len_fill_value()
+    steps = GraphDecodeSteps(pool, engine.block_size, size, engine.max_blocks, fill, cuda)
+
+    def on_device(cm):
+        moved = ("query_start_loc", "seq_lens", "block_table_tensor", "slot_mapping", "positions")
+        return dataclasses.replace(cm, **{name: getattr(cm, name).to(cuda) for name in moved})
+
+    def eager(cm, q, k, v):
+        step = translator.translate(cm)
+        eager_backend.init_forward_metadata(step)
+        n = step.num_tokens
+        return eager_backend.forward(q[:n].to(cuda), k[:n].to(cuda), v[:n].to(cuda), layer, step)
+
+    def prefill(schedule):  # eagerly: the KV the decodes read
+        cm, q, k, v = engine.step(schedule)
+        eager(on_device(cm), q, k, v)
+
+    prefill([(0, 20), (1, 9), (2, 5)])
+    q_in, k_in, v_in = (
+        torch.zeros(size, h, engine.head_dim, device=cuda) for h in (engine.heads,) + (engine.kv_heads,) * 2
+    )
+    out = torch.zeros(size, engine.heads, engine.head_dim, device=cuda)
+
+    def load(schedule, capture=False):
+        cm, q, k, v = engine.step(schedule, pad_reqs=size - len(schedule), pad_tokens=size - len(schedule))
+        cm = on_device(cm)
+        static = steps.fill(cm, translator.translate(cm))
+        backend.init_forward_metadata_out_graph(static, in_capture=capture)
+        for buffer, given in ((q_in, q), (k_in, k), (v_in, v)):
+            buffer.copy_(given)
+        return static, cm, q, k, v
+
+    static, *_ = load([(0, 1), (1, 1)], capture=True)
+
+    def forward():
+        backend.init_forward_metadata_in_graph(static)
+        return backend.forward(q_in, k_in, v_in, layer, static, out=out)
+
+    graph = TorchGraph(torch.cuda, torch.cuda.CUDAGraph)
+    graph.warmup(forward)
+    graph.capture(forward)
+    for schedule in ([(2, 1), (0, 1), (1, 1)], [(1, 1)], [(0, 1), (1, 1), (2, 1), (3, 1)]):
+        if 3 in dict(schedule) and 3 not in engine.qkv:
+            prefill([(3, 12)])  # a request joins between replays
+        again, cm, q, k, v = load(schedule)
+        assert again is static  # the captured step, refilled in place
+        graph.replay()
+        torch.cuda.synchronize()
+        n = len(schedule)
+        replayed = out[:n].reshape(n, -1).cpu()
+        want = engine.dense(schedule, layer)
+        torch.testing.assert_close(replayed, want, atol=5e-3, rtol=5e-3)
+        torch.testing.assert_close(replayed, eager(cm, q, k, v).reshape(n, -1).cpu(), atol=5e-3, rtol=5e-3)
+
+
 def test_more_requests_than_max_num_seqs():
     """Chunked local attention (vllm/v1/attention/backends/utils.py make_local_attention_virtual_batches) makes a
     virtual request per attention chunk: more rows than max_num_seqs, served, not refused mid-serving."""
@@ -486,9 +567,10 @@ def test_backend_declarations():
     from hal.integrations.vllm import HalAttentionBackend, HalCpuAttentionBackend
 
     assert HalAttentionBackend.supported_kv_cache_layouts() == (KVCacheLayout.LBNHC,)
-    # on the CPU, vLLM's native layout (CPU_ATTN's) first: hal's compiled CPU backend reads it in place
-    assert HalCpuAttentionBackend.supported_kv_cache_layouts() == (KVCacheLayout.LBHNC, KVCacheLayout.LBNHC)
-    assert HalCpuAttentionBackend.get_kv_cache_shape(5, 16, 2, 64) == (2, 5, 2, 16, 64)
+    # on the CPU, token-major first (the default), then vLLM's native layout (CPU_ATTN's, VLLM_KV_CACHE_LAYOUT=LBHNC):
+    # hal's compiled CPU backend reads both in place
+    assert HalCpuAttentionBackend.supported_kv_cache_layouts() == (KVCacheLayout.LBNHC, KVCacheLayout.LBHNC)
+    assert HalCpuAttentionBackend.get_kv_cache_shape(5, 16, 2, 64) == (2, 5, 16, 2, 64)
     assert HalAttentionBackend.get_kv_cache_shape(5, 16, 2, 64) == (2, 5, 16, 2, 64)
     for cls in (HalAttentionBackend, HalCpuAttentionBackend):
         assert AttentionBackendEnum[cls.get_name()] is not None  # vLLM looks every layer's backend up so
@@ -554,21 +636,27 @@ def test_impl_refuses_at_construction():
     assert math.isclose(impl.hal_layer(3, None).logit_cap, 20.0) and impl.hal_layer(3, None).sliding_window_size == 15
 
 
-def _vllm_config(layers: dict, *, cache_dtype="auto", block_size=16, **parallel):
-    """A stand-in of vLLM's VllmConfig with the fields hal's metadata builder reads."""
+def _vllm_config(layers: dict, *, cache_dtype="auto", block_size=16, kv_cache_layout=None, **parallel):
+    """A stand-in of vLLM's VllmConfig with the fields hal's metadata builder and impls read."""
     from types import SimpleNamespace
 
     return SimpleNamespace(
+        device_config=SimpleNamespace(device=torch.device("cpu")),
         compilation_config=SimpleNamespace(static_forward_context=layers),
         model_config=SimpleNamespace(dtype=torch.float32, max_model_len=128),
-        cache_config=SimpleNamespace(cache_dtype=cache_dtype, kv_sharing_fast_prefill=False, block_size=block_size),
+        cache_config=SimpleNamespace(
+            cache_dtype=cache_dtype,
+            kv_sharing_fast_prefill=False,
+            block_size=block_size,
+            kv_cache_layout=kv_cache_layout,  # the layout vLLM resolved (None: before 0.30)
+        ),
         scheduler_config=SimpleNamespace(max_num_seqs=8),
         parallel_config=SimpleNamespace(
             decode_context_parallel_size=parallel.get("dcp", 1), prefill_context_parallel_size=parallel.get("pcp", 1)
         ),
         speculative_config=parallel.get("speculative_config"),
         kv_transfer_config=parallel.get("kv_transfer_config"),
-        num_speculative_tokens=0,
+        num_speculative_tokens=parallel.get("num_speculative_tokens", 0),
     )
 
 
@@ -620,6 +708,128 @@ def test_builder_reads_each_layers_cache_dtype():
 
 
 @needs_vllm
+def test_builder_reads_exact_lengths_under_speculative_decoding():
+    """vLLM's builder contract under drafts (EAGLE / MTP / draft models schedule asynchronously on GPUs, where
+    seq_lens_cpu_upper_bound counts every draft as accepted: vllm/v1/attention/backend.py CommonAttentionMetadata):
+    with num_speculative_tokens > 0 hal's builder reads seq_lens from the device, as vLLM's FlashInfer builder does
+    (vllm/v1/attention/backends/flashinfer.py, build: seq_lens.cpu() when _num_speculative_tokens > 0). Verify rows
+    (1 + drafts tokens, behind the decodes: reorder_batch_threshold 1) are causal extend rows, exact for vLLM 0.32's
+    chain drafts. Without drafts the builder trusts the bound, which is then exact."""
+    from types import SimpleNamespace
+
+    from hal.integrations.vllm import HalMetadataBuilder
+
+    engine = SimulatedEngine()
+    name = "model.layers.0.self_attn.attn"
+    layers = {name: _attention_layer(name, "auto", engine.cache)}
+    spec = SimpleNamespace(block_size=engine.block_size)
+    drafting = HalMetadataBuilder(spec, [name], _vllm_config(layers, num_speculative_tokens=3), "cpu")
+    trusting = HalMetadataBuilder(spec, [name], _vllm_config(layers), "cpu")
+    layer = layers[name]
+
+    def forward(builder, cm, q, k, v):
+        metadata = builder.build(0, cm)
+        out = torch.zeros(q.shape[0], engine.heads, engine.head_dim)
+        layer.impl.forward(layer, q, k, v, engine.cache, metadata, out)
+        return metadata.step, out.reshape(q.shape[0], -1)
+
+    forward(drafting, *engine.step([(0, 20), (1, 9)]))
+    schedule = [(1, 1), (0, 4)]  # a decode whose drafts were all rejected, then a verify row: 1 token + 3 drafts
+    cm, q, k, v = engine.step(schedule)
+    cm.seq_lens_cpu_upper_bound = cm.seq_lens + 3  # the asynchronous scheduler's bound: 3 more tokens accepted
+    assert trusting.build(0, cm).step.seq_lens_cpu == [13, 27]  # what a builder reading the bound would attend to
+    step, out = forward(drafting, cm, q, k, v)
+    assert step.seq_lens_cpu == [10, 24] and step.extend_prefix_lens_cpu == [9, 20]
+    assert step.forward_mode is hal.ForwardMode.MIXED and step.extend_seq_lens_cpu == [1, 4]
+    torch.testing.assert_close(out, engine.dense(schedule, layer.impl.hal_layer(0, layer)), atol=2e-5, rtol=2e-5)
+
+
+def _workspace_engine(monkeypatch, need: int):
+    """A backend that keeps a FlashInfer-like workspace of ``need`` bytes (the class the CPU device selects, given a
+    ``workspace_bytes``), the integration's per-process buffers emptied, and a stand-in of the vLLM config vLLM makes
+    current while it builds the model (``set_current_vllm_config``)."""
+    import vllm.config
+
+    import hal.integrations.vllm as integration
+
+    layer = vllm_layer(0, 4, 2, 32, 0.2)
+    selection = hal.select(hal.AttentionConfig.from_layers([layer], dtype=torch.float32, page_size=16), device="cpu")
+    for cls in {selection.prefill_backend, selection.decode_backend}:
+        monkeypatch.setattr(cls, "workspace_bytes", need, raising=False)
+    monkeypatch.setattr(integration, "_WORKSPACES", {})
+    monkeypatch.setattr(integration, "_WORKSPACE_CONFIGS", set())
+    engine_config = _vllm_config({})
+    monkeypatch.setattr(vllm.config, "get_current_vllm_config_or_none", lambda: engine_config)
+    return integration, engine_config
+
+
+@needs_vllm
+def test_workspace_is_allocated_while_vllm_builds_the_model_and_shared(monkeypatch, caplog):
+    """One workspace per device, allocated when vLLM makes the impls (model construction, inside the window its memory
+    profile measures: vllm/v1/worker/gpu_worker.py determine_available_memory), before any builder (made after the
+    profile by both GPU runners' initialize_kv_cache); every builder uses it, and it is the buffer vLLM's V2 runner
+    takes from the first builder and hands to the rest (vllm/v1/worker/gpu/attn_utils.py init_attn_backend). Asking a
+    builder for it allocates nothing. A builder whose backend needs a workspace no impl reserved allocates one after
+    the profile, and says so."""
+    import logging
+    from types import SimpleNamespace
+
+    from hal.integrations.vllm import HalMetadataBuilder
+
+    need = 1 << 20
+    integration, engine_config = _workspace_engine(monkeypatch, need)
+    engine = SimulatedEngine()
+    names = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+    layers = {name: _attention_layer(name, "auto", engine.cache) for name in names}  # vLLM builds the model
+    cpu = torch.device("cpu")
+    assert list(integration._WORKSPACES) == [cpu] and integration._WORKSPACES[cpu].numel() == need
+    reserved = integration._WORKSPACES[cpu]
+    engine_config.compilation_config.static_forward_context = layers
+    spec = SimpleNamespace(block_size=engine.block_size)
+    with caplog.at_level(logging.WARNING, logger="vllm.hal"):
+        builders = [HalMetadataBuilder(spec, [name], engine_config, cpu) for name in names]  # one group per layer
+    assert "after vLLM's memory profile" not in caplog.text
+    shared = builders[0]._get_workspace_buffer()  # vLLM's V2 runner: the first builder's buffer, to the others
+    for builder in builders[1:]:
+        builder.set_workspace_buffer(shared)
+    assert shared is reserved
+    assert all(b.workspace is reserved and b.hal_backend._workspace is reserved for b in builders)
+    assert integration._WORKSPACES == {cpu: reserved}  # nothing else allocated
+    builders[1].set_workspace_buffer(torch.zeros(need - 1, dtype=torch.uint8))  # too small for hal's backend: kept
+    assert builders[1].workspace is reserved and builders[1].hal_backend._workspace is reserved
+    cm, q, k, v = engine.step([(0, 9), (1, 3)])  # and the builders still serve steps
+    builders[0].build(0, cm)
+
+    monkeypatch.setattr(integration, "_WORKSPACES", {})  # no impl reserved one (e.g. a group's own selection)
+    with caplog.at_level(logging.WARNING, logger="vllm.hal"):
+        late = HalMetadataBuilder(spec, names[:1], engine_config, cpu)
+    assert "1 MiB attention workspace on cpu after vLLM's memory profile" in caplog.text
+    assert late.workspace is integration._WORKSPACES[cpu] and late.workspace is not reserved
+
+
+@needs_vllm
+def test_workspace_is_reserved_once_per_layer_config(monkeypatch):
+    """One selection per distinct layer config and device while the model is built (not one per layer); none at all
+    outside an engine; none where the selected backend keeps no workspace."""
+    import hal.integrations.vllm as integration
+    from hal.integrations.vllm import HalAttentionImpl
+
+    _workspace_engine(monkeypatch, 0)
+    calls = []
+    select = hal.select
+    monkeypatch.setattr(hal, "select", lambda config, **kw: calls.append(config) or select(config, **kw))
+    for _ in range(3):
+        HalAttentionImpl(4, 32, 0.2, 2)
+    HalAttentionImpl(4, 32, 0.2, 2, sliding_window=8)
+    assert len(calls) == 2 and integration._WORKSPACES == {}  # two configs; the backend keeps no workspace
+    import vllm.config
+
+    monkeypatch.setattr(vllm.config, "get_current_vllm_config_or_none", lambda: None)
+    HalAttentionImpl(8, 64, 0.2, 2)
+    assert len(calls) == 2
+
+
+@needs_vllm
 def test_unserved_features_are_refused_at_start():
     from types import SimpleNamespace
 
@@ -665,11 +875,11 @@ def test_encoder_only_layers_keep_vllms_cpu_attn(monkeypatch):
         HalAttentionBackend.get_impl_cls()(*args, "encoder_only")
 
 
-def _graph_config(layers: dict, max_capture_size: int = 4):
+def _graph_config(layers: dict, max_capture_size: int = 4, kv_cache_layout=None):
     """``_vllm_config`` with vLLM's full decode graphs on (FULL_AND_PIECEWISE, capture sizes up to the given one)."""
     from vllm.config import CUDAGraphMode
 
-    config = _vllm_config(layers)
+    config = _vllm_config(layers, kv_cache_layout=kv_cache_layout)
     config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
     config.compilation_config.max_cudagraph_capture_size = max_capture_size
     return config
@@ -708,10 +918,11 @@ def test_full_decode_graphs_replay_vllms_capture_sequence(kv_layout, kernels, mo
     engine = SimulatedEngine(kv_layout=kv_layout)
     layers = _graph_layers(engine, HalCpuAttentionBackend if kv_layout == HEAD_MAJOR else HalAttentionBackend)
     names, spec, size = list(layers), SimpleNamespace(block_size=engine.block_size), 4
-    config = _graph_config(layers, size)
+    vllm_layout = "LBHNC" if kv_layout == HEAD_MAJOR else "LBNHC"  # the layout vLLM allocated the cache in
+    config = _graph_config(layers, size, vllm_layout)
     assert HalMetadataBuilder.get_cudagraph_support(config, spec) is AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     builder = HalMetadataBuilder(spec, names, config, torch.device("cpu"))
-    eager = HalMetadataBuilder(spec, names, _vllm_config(layers), torch.device("cpu"))
+    eager = HalMetadataBuilder(spec, names, _vllm_config(layers, kv_cache_layout=vllm_layout), torch.device("cpu"))
     assert builder.graph_steps is not None and eager.graph_steps is None
     assert builder.pool.kv_layout == kv_layout and (builder.hal_backend.kernels is None) == (kernels == "0")
     shape = (len(layers), size, engine.heads, engine.head_dim)
@@ -766,6 +977,10 @@ def test_full_decode_graphs_replay_vllms_capture_sequence(kv_layout, kernels, mo
         want = engine.dense(schedule, builder.layers[names[0]]).reshape(n, engine.heads, -1)
         torch.testing.assert_close(replayed[0], want, atol=2e-5, rtol=2e-5)
         assert replayed.abs().sum() > 0
+    # every size's static step reads views of one set of buffers sized for the largest (no table per captured size)
+    tables = [builder.graph_steps.static_step(n).req_to_page_pool.req_to_page for n in range(1, size + 1)]
+    assert {t.data_ptr() for t in tables} == {builder.graph_steps.table.data_ptr()}
+    assert [t.shape[0] for t in tables] == list(range(1, size + 1))
 
 
 @needs_vllm

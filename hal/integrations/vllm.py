@@ -156,6 +156,7 @@ class HalMetadataBuilder(AttentionMetadataBuilder[HalAttentionMetadata]):
     _cudagraph_support = AttentionCGSupport.NEVER  # get_cudagraph_support answers per model and device
     reorder_batch_threshold = 1  # decodes first, then prefill chunks
     graph_steps: GraphDecodeSteps | None = None
+    workspace: torch.Tensor | None = None  # the scratch buffer hal's backend uses: the device's shared one
 
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config, device: torch.device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -207,6 +208,12 @@ class HalMetadataBuilder(AttentionMetadataBuilder[HalAttentionMetadata]):
             fill = self.hal_backend.get_cuda_graph_seq_len_fill_value()
             self.graph_steps = GraphDecodeSteps(self.pool, self.block_size, max_bs, max_blocks, fill, device)
             self.in_graph_layer = min(self.layers, key=lambda name: self.layers[name].layer_id)
+            logger.info(
+                "hal: vLLM's full graphs of decode steps (1 to %d requests) replay hal backend %s through hal's graph "
+                "contract",
+                max_bs,
+                self.selection.decode_backend.name,
+            )
         logger.info(
             "hal %s serves vLLM's attention for %d layers (block size %d, %s, KV %s): hal device %s, backend %s, "
             "forward paths %s",
@@ -243,19 +250,26 @@ class HalMetadataBuilder(AttentionMetadataBuilder[HalAttentionMetadata]):
             return AttentionCGSupport.NEVER
 
     def _get_workspace_buffer(self) -> torch.Tensor | None:
-        """The scratch buffer vLLM's model runner shares between the builders of one engine (FlashInfer's float
-        workspace, ``vllm/v1/worker/gpu/attn_utils.py``), or None when hal's backend keeps none."""
-        return None if self.vllm_builder is not None else _shared_workspace(self.hal_backend, self.device)
+        """The scratch buffer hal's backend uses, which vLLM's V2 runner hands to the engine's other builders
+        (``vllm/v1/worker/gpu/attn_utils.py`` ``init_attn_backend``: the first builder's ``_get_workspace_buffer``,
+        then ``set_workspace_buffer`` on the rest, as FlashInfer's builders share one); None when it keeps none. It is
+        the process's one buffer for the device, allocated while vLLM built the model (:func:`_reserve_workspace`):
+        asking allocates nothing."""
+        return None if self.vllm_builder is not None else self.workspace
 
     def set_workspace_buffer(self, workspace_buffer: torch.Tensor) -> None:
+        """Use the engine's shared buffer where it is large enough for hal's backend (else keep hal's own)."""
         if self.vllm_builder is None:
             self._adopt_workspace(workspace_buffer)
 
     def _adopt_workspace(self, buffer: torch.Tensor | None) -> None:
+        need = _workspace_need(self.hal_backend)
+        if buffer is None or not need or buffer.numel() * buffer.element_size() < need:
+            return
         for backend in _backend_parts(self.hal_backend):
-            need = getattr(backend, "workspace_bytes", None)
-            if buffer is not None and need is not None and buffer.numel() * buffer.element_size() >= need:
+            if getattr(backend, "workspace_bytes", None):
                 backend._workspace = buffer
+        self.workspace = buffer
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -317,10 +331,7 @@ def _group_config(vllm_config, attn_layers: dict, block_size: int) -> tuple[dict
     in the KV layout vLLM allocated (the one it resolved, 0.30+, else the one ``get_kv_cache_shape`` gave); sets
     each impl's ``head_size_v`` (vLLM keeps it on the layer) and ``kv_layout``."""
     impls = {name: layer.impl for name, layer in attn_layers.items()}
-    vllm_backend = next(iter(attn_layers.values())).attn_backend
-    kv_layout = hal_kv_layout(
-        getattr(vllm_config.cache_config, "kv_cache_layout", None), vllm_backend.hal_kv_layouts()[0]
-    )
+    kv_layout = next(iter(attn_layers.values())).attn_backend.allocated_kv_layout(vllm_config)
     for name, impl in impls.items():
         impl.head_size_v = getattr(attn_layers[name], "head_size_v", impl.head_size)
         impl.kv_layout = kv_layout
@@ -421,21 +432,86 @@ def _backend_parts(backend: hal.AttentionBackend) -> list:
     return [backend] + [part for part in (getattr(backend, "prefill", None), getattr(backend, "decode", None)) if part]
 
 
+# One scratch workspace per device for every hal builder of this process (vLLM's V2 runner also hands the first
+# builder's to the others: vllm/v1/worker/gpu/attn_utils.py, init_attn_backend), and the (device, config) pairs whose
+# selection was already asked how much it needs.
 _WORKSPACES: dict[torch.device, torch.Tensor] = {}
+_WORKSPACE_CONFIGS: set[tuple[torch.device, hal.AttentionConfig]] = set()
 
 
-def _shared_workspace(backend: hal.AttentionBackend, device) -> torch.Tensor | None:
-    """One scratch workspace per device for all of hal's builders in this process (as vLLM shares FlashInfer's
-    between its builders), allocated when the builders are made (engine start), not at the first step. None when
-    ``backend`` keeps no workspace (no ``workspace_bytes``)."""
-    need = max((getattr(part, "workspace_bytes", 0) or 0 for part in _backend_parts(backend)), default=0)
-    if not need:
-        return None
+def _device_index(device) -> torch.device:
+    """``device`` with its index: vLLM builds the model on ``cuda`` (its loader's target device) and hands the builders
+    ``cuda:N``; both name the process's current device."""
     device = torch.device(device)
+    if device.type == "cpu" or device.index is not None:
+        return device
+    return torch.device(device.type, torch.get_device_module(device.type).current_device())
+
+
+def _workspace_need(backend: hal.AttentionBackend) -> int:
+    """The scratch bytes ``backend`` (or a half of it) keeps (``workspace_bytes``: FlashInfer's float workspace)."""
+    return max((getattr(part, "workspace_bytes", 0) or 0 for part in _backend_parts(backend)), default=0)
+
+
+def _workspace(device, need: int) -> torch.Tensor:
+    """The device's shared workspace, at least ``need`` bytes (uint8), allocated now where it is missing or smaller."""
     buffer = _WORKSPACES.get(device)
     if buffer is None or buffer.numel() < need:
         buffer = _WORKSPACES[device] = torch.zeros(need, dtype=torch.uint8, device=device)
     return buffer
+
+
+def _reserve_workspace(impl: HalAttentionImpl) -> None:
+    """Allocate, while vLLM builds the model, the workspace the backend hal selects for ``impl``'s layer keeps, so that
+    vLLM's memory profile counts it: the profile measures from before the model is loaded to the end of its profile
+    run (``vllm/v1/worker/gpu_worker.py`` ``determine_available_memory``, ``vllm/utils/mem_utils.py``
+    ``memory_profiling``), and both of vLLM's GPU runners make the builders only after it (``initialize_kv_cache``).
+    One selection per distinct layer config and device; nothing outside an engine (no current vLLM config)."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    vllm_config = get_current_vllm_config_or_none()
+    if vllm_config is None or getattr(vllm_config, "model_config", None) is None:
+        return
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    config = hal.AttentionConfig.from_layers(
+        [impl.hal_layer(0, None)],
+        dtype=model.dtype,
+        page_size=getattr(cache, "block_size", None) or _POWERS_OF_TWO[0],
+        max_context_len=model.max_model_len,
+        max_batch_size=vllm_config.scheduler_config.max_num_seqs,
+        attention_sinks=impl.sinks is not None,
+        kv_cache_dtype=hal_kv_cache_dtype(impl.kv_cache_dtype, _platform_fp8_dtype()),
+    )
+    device = _device_index(vllm_config.device_config.device)
+    if (device, config) in _WORKSPACE_CONFIGS:
+        return
+    _WORKSPACE_CONFIGS.add((device, config))
+    try:
+        need = _workspace_need(hal.select(config, device=str(device)).create())
+    except HalError:
+        return  # the group's builder refuses at engine start, with every backend's reasons
+    if need:
+        _workspace(device, need)
+
+
+def _shared_workspace(backend: hal.AttentionBackend, device) -> torch.Tensor | None:
+    """The device's shared workspace for a builder's ``backend`` (None when it keeps none): the one reserved while
+    vLLM built the model (:func:`_reserve_workspace`), or, where that one is missing or smaller (a group's selection
+    that no single layer's made), one allocated now, after vLLM's memory profile, which is said."""
+    need = _workspace_need(backend)
+    if not need:
+        return None
+    device = _device_index(device)
+    reserved = _WORKSPACES.get(device)
+    if reserved is None or reserved.numel() < need:
+        logger.warning(
+            "hal: allocating a %d MiB attention workspace on %s after vLLM's memory profile, which did not count it "
+            "(no layer's backend asked for this much when vLLM built the model); lower --gpu-memory-utilization if "
+            "the KV cache leaves too little room",
+            -(-need // (1 << 20)),
+            device,
+        )
+    return _workspace(device, need)
 
 
 def _stepped_aside_builder(impls: dict, kv_cache_spec, layer_names, vllm_config, device):
@@ -513,6 +589,7 @@ class HalAttentionImpl(AttentionImpl[HalAttentionMetadata]):
                 "1: hal's attention returns no softmax LSE to combine KV shards",
             )
         self.hal_layer(0, None)  # refuses what hal does not compute, now rather than at the first step
+        _reserve_workspace(self)  # before vLLM's memory profile, which then counts it
 
     def hal_layer(self, layer_id: int, layer, causal: bool = True) -> hal.AttentionLayer:
         """hal's descriptor of this layer (``layer``: vLLM's ``Attention`` module, for its fp8 KV scales)."""
@@ -655,6 +732,12 @@ class HalAttentionBackend(_VllmBackend):
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
         return tuple(KVCacheLayout[KV_LAYOUTS[name].vllm] for name in cls.hal_kv_layouts())
 
+    @classmethod
+    def allocated_kv_layout(cls, vllm_config) -> str:
+        """The layout (:mod:`hal.kv_layouts`) of the caches vLLM allocated for this backend: the one it resolved
+        (``cache_config.kv_cache_layout``, 0.30+), else the one :meth:`get_kv_cache_shape` gives."""
+        return hal_kv_layout(getattr(vllm_config.cache_config, "kv_cache_layout", None), cls.hal_kv_layouts()[0])
+
     @staticmethod
     def get_kv_cache_shape(
         num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, cache_dtype_str: str = "auto"
@@ -757,9 +840,12 @@ def register(cpu: bool = True) -> list[str]:
 
 def vllm_plugin() -> None:
     """vLLM's general plugin (entry point group ``vllm.general_plugins``, loaded in every vLLM process):
-    ``CUSTOM`` -> hal always (used only when a user names it); ``CPU_ATTN`` -> hal only with ``HAL_VLLM=1``."""
-    served = register(cpu=enabled())
-    if enabled():
+    ``CUSTOM`` -> hal always (used only when a user names it); ``CPU_ATTN`` -> hal only with ``HAL_VLLM=1``, except on
+    vllm-ascend's platform, whose own selection hal's route wraps instead (:mod:`hal.integrations.vllm_ascend`)."""
+    from hal.integrations import vllm_ascend
+
+    served = register(cpu=enabled() and not vllm_ascend.install())
+    if "CPU_ATTN" in served:
         logger.info(
             "hal: %s=1: vLLM's %s attention is served by hal (hal %s); MLA models keep vLLM's CPU_MLA / AMX_MLA and "
             "encoder-only layers its CPU_ATTN",

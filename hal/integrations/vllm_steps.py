@@ -39,7 +39,7 @@ import hal
 from hal.errors import HalError, InvalidBatchError, KVCacheError, UnsupportedError, describe, expect, refuse
 from hal.kernels.reference import kv_scales, quantize_kv, write_kv
 from hal.kv_cache import ReqToPagePool, check_kv_inputs, paged_view
-from hal.kv_layouts import HEAD_MAJOR, KV_LAYOUTS, TOKEN_MAJOR
+from hal.kv_layouts import FRACTAL_NZ, HEAD_MAJOR, KV_LAYOUTS, TOKEN_MAJOR
 from hal.kv_layouts import kv_layout as layout_row
 from hal.modes import ForwardMode
 from hal.registry import device_backends, get_registry
@@ -49,6 +49,7 @@ __all__ = [
     "VLLM_KV_CACHE_DTYPES",
     "kv_views",
     "head_major_views",
+    "fractal_nz_views",
     "served_kv_layouts",
     "hal_kv_layout",
     "vllm_block_size",
@@ -220,11 +221,48 @@ def head_major_views(
     return k, v
 
 
+def fractal_nz_views(
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    head_size: int | None,
+    head_size_v: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's vllm-ascend 310P cache, a ``(k_cache, v_cache)`` pair of FRACTAL_NZ pages ``[num_blocks, kv_heads *
+    head_size / 16, block_size, 16]`` (its runner allocates them from ``AscendAttentionBackend310.get_kv_cache_shape``),
+    as they are (no copy; ``dtype`` as :func:`kv_views`'). ``head_size`` None: any. ``KVCacheError`` for any other
+    form, or pages that are not dense in that order."""
+    lanes = KV_LAYOUTS[FRACTAL_NZ].dim_multiple
+    ok = (
+        isinstance(kv_cache, (tuple, list))
+        and len(kv_cache) == 2
+        and all(
+            isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[3] == lanes and t.is_contiguous() for t in kv_cache
+        )
+        and kv_cache[0].shape[:3] == kv_cache[1].shape[:3]
+    )
+    expect(
+        ok
+        and (head_size is None or (kv_cache[0].shape[1] * lanes) % head_size == 0)
+        and head_size_v in (None, head_size),
+        KVCacheError,
+        "kv_cache",
+        describe(kv_cache),
+        f"a (k_cache, v_cache) pair of dense FRACTAL_NZ pages [num_blocks, kv_heads * head_size / {lanes}, block_size, "
+        f"{lanes}] (vllm-ascend's 310P form), K and V of one head size",
+    )
+    k, v = kv_cache
+    if dtype is not None and k.dtype != dtype:
+        k, v = k.view(dtype), v.view(dtype)  # same element size (fp8 over uint8): a reinterpretation
+    return k, v
+
+
 def vllm_block_size(kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv_layout: str = TOKEN_MAJOR) -> int:
-    """The block size of a layer's vLLM cache in any of the forms :func:`kv_views` (``kv_layout`` token_major) or
-    :func:`head_major_views` (head_major) reads."""
+    """The block size of a layer's vLLM cache in any of the forms :func:`kv_views` (``kv_layout`` token_major),
+    :func:`head_major_views` (head_major) or :func:`fractal_nz_views` (fractal_nz) reads."""
     if kv_layout == HEAD_MAJOR:
         return kv_cache.shape[-2]
+    if kv_layout == FRACTAL_NZ:
+        return fractal_nz_views(kv_cache, None)[0].shape[2]
     return _token_major_pages(kv_cache, None, None)[0].shape[1]
 
 
@@ -283,8 +321,9 @@ class VllmKVPool:
     ``kv_layout`` (:mod:`hal.kv_layouts`): the layout vLLM allocated. ``token_major``: ``get_key_buffer(layer_id)``
     / ``get_value_buffer(layer_id)`` are :func:`kv_views` of the tensor last :meth:`bind`-ed for that layer;
     ``head_major`` (vLLM's CPU layout): ``get_kv_pages(layer_id)`` are its :func:`head_major_views`, and there is no
-    token-major buffer to get. vLLM binds its caches after the backend's builders exist, and hands each layer's
-    tensor to every forward. Slot ``s`` is token ``s % page_size`` of vLLM block ``s // page_size``.
+    token-major buffer to get; ``fractal_nz`` (vllm-ascend's 310P caches): the same with :func:`fractal_nz_views`.
+    vLLM binds its caches after the backend's builders exist, and hands each layer's tensor to every forward. Slot
+    ``s`` is token ``s % page_size`` of vLLM block ``s // page_size``.
     """
 
     padding_slot = 0
@@ -299,11 +338,12 @@ class VllmKVPool:
         kv_layout: str = TOKEN_MAJOR,
     ):
         expect(
-            kv_layout in (TOKEN_MAJOR, HEAD_MAJOR),
+            kv_layout in _POOL_VIEWS,
             KVCacheError,
             "kv_layout",
             kv_layout,
-            f"{TOKEN_MAJOR} (vLLM's LBNHC) or {HEAD_MAJOR} (LBHNC, vLLM's CPU layout)",
+            f"{TOKEN_MAJOR} (vLLM's LBNHC), {HEAD_MAJOR} (LBHNC, vLLM's CPU layout) or {FRACTAL_NZ} (vllm-ascend's "
+            "310P caches)",
         )
         self.page_size = page_size
         self.dtype = dtype
@@ -317,8 +357,7 @@ class VllmKVPool:
         """Serve ``layer_id`` from ``kv_cache`` (vLLM's per-layer tensor); a no-op when it is already bound."""
         if self._tensors.get(layer_id) is kv_cache:
             return
-        views = head_major_views if self.kv_layout == HEAD_MAJOR else kv_views
-        k, v = views(kv_cache, self.head_size, self.head_size_v, self.dtype)
+        k, v = _POOL_VIEWS[self.kv_layout](kv_cache, self.head_size, self.head_size_v, self.dtype)
         block_size = vllm_block_size(kv_cache, self.kv_layout)
         expect(
             block_size == self.page_size,
@@ -332,7 +371,8 @@ class VllmKVPool:
     # the geometry a pool not laid out token-major states (hal.kv_cache.KVPool), read off the bound caches
     @property
     def head_num(self) -> int:
-        return self._layer(self.start_layer)[0].shape[1]
+        k = self._layer(self.start_layer)[0]
+        return k.shape[1] * k.shape[3] // self.head_size if self.kv_layout == FRACTAL_NZ else k.shape[1]
 
     @property
     def head_dim(self) -> int:
@@ -345,12 +385,13 @@ class VllmKVPool:
     @property
     def num_slots(self) -> int:
         k = self._layer(self.start_layer)[0]
-        return k.shape[0] * self.page_size if self.kv_layout == HEAD_MAJOR else k.shape[0]
+        return k.shape[0] if self.kv_layout == TOKEN_MAJOR else k.shape[0] * self.page_size
 
     def get_kv_pages(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer_id``'s K and V pages in the pool's layout, views of vLLM's tensor: head-major
-        ``[num_blocks, kv_heads, block_size, dim]``, token-major ``[num_blocks, block_size, kv_heads, dim]``."""
-        return self._layer(layer_id) if self.kv_layout == HEAD_MAJOR else paged_view(self, layer_id)
+        ``[num_blocks, kv_heads, block_size, dim]``, token-major ``[num_blocks, block_size, kv_heads, dim]``, FRACTAL_NZ
+        ``[num_blocks, kv_heads * dim / 16, block_size, 16]``."""
+        return paged_view(self, layer_id) if self.kv_layout == TOKEN_MAJOR else self._layer(layer_id)
 
     @property
     def start_layer(self) -> int:
@@ -388,14 +429,17 @@ class VllmKVPool:
         fp8 scales apply), in the pool's layout."""
         k, v = self._layer(getattr(layer, "layer_id", layer))
         scales = kv_scales(layer) if not isinstance(layer, int) else (1.0, 1.0)
-        if self.kv_layout == HEAD_MAJOR:
-            check_kv_inputs(loc, cache_k, cache_v, (k.shape[1], k.shape[3], v.shape[3]), self.device)
-            write = layout_row(HEAD_MAJOR).write
+        if self.kv_layout != TOKEN_MAJOR:
+            check_kv_inputs(loc, cache_k, cache_v, (self.head_num, self.head_size, self.head_size_v), self.device)
+            write = layout_row(self.kv_layout).write
             write(k, loc, quantize_kv(cache_k, k.dtype, scales[0]))
             write(v, loc, quantize_kv(cache_v, v.dtype, scales[1]))
             return
         check_kv_inputs(loc, cache_k, cache_v, (k.shape[1], k.shape[2], v.shape[2]), self.device)
         write_kv(k, v, loc, cache_k, cache_v, *scales)
+
+
+_POOL_VIEWS = {TOKEN_MAJOR: kv_views, HEAD_MAJOR: head_major_views, FRACTAL_NZ: fractal_nz_views}
 
 
 def vllm_layer(
@@ -577,14 +621,17 @@ class StepTranslator:
 class GraphDecodeSteps:
     """The decode steps of vLLM's full graphs (``AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE``) for one KV cache
     group: per padded batch size ``N`` (vLLM's ``num_reqs``, one query token each), one static :class:`VllmStep`
-    marked ``graph_static`` whose tensors are allocated once and refilled in place by every build of that size, so a
-    graph captured over one build reads the next build's batch at the captured addresses.
+    marked ``graph_static`` whose tensors are refilled in place by every build of that size, so a graph captured over
+    one build reads the next build's batch at the captured addresses.
 
-    A static step of ``N`` requests holds: ``req_to_page_pool`` int32 ``[N, max_blocks]`` (the step's block table
-    rows, zero rows, vLLM's null block, for padding), ``req_pool_indices`` int64 ``0 .. N - 1``, ``seq_lens`` int32
-    ``[N]`` and ``out_cache_loc`` / ``positions`` int64 ``[N]``. Padding requests (vLLM's trailing requests with no
-    query token, and the requests past them up to ``N``) have ``seq_len_fill_value`` tokens and write to the pool's
-    padding slot (slot 0: vLLM's null block, never a request's data), as hal's graph runner pads.
+    The tensors are allocated once, for ``max_bs`` requests, when the group's builder is made: every size's step holds
+    views of their first ``N`` rows (vLLM runs one step at a time, and each build refills its rows before the replay
+    reads them, as vLLM's own block table and hal's graph runner are shared by every captured size). A static step of
+    ``N`` requests holds: ``req_to_page_pool`` int32 ``[N, max_blocks]`` (the step's block table rows, zero rows,
+    vLLM's null block, for padding), ``req_pool_indices`` int64 ``0 .. N - 1``, ``seq_lens`` int32 ``[N]`` and
+    ``out_cache_loc`` / ``positions`` int64 ``[N]``. Padding requests (vLLM's trailing requests with no query token,
+    and the requests past them up to ``N``) have ``seq_len_fill_value`` tokens and write to the pool's padding slot
+    (slot 0: vLLM's null block, never a request's data), as hal's graph runner pads.
     """
 
     def __init__(
@@ -598,6 +645,11 @@ class GraphDecodeSteps:
         self.padding_slot = getattr(pool, "padding_slot", 0)
         self.device = torch.device(device)
         self.steps: dict[int, VllmStep] = {}
+        self.table = torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=self.device)
+        self.req_pool_indices = torch.arange(max_bs, dtype=torch.int64, device=self.device)
+        self.seq_lens = torch.full((max_bs,), seq_len_fill_value, dtype=torch.int32, device=self.device)
+        self.out_cache_loc = torch.full((max_bs,), self.padding_slot, dtype=torch.int64, device=self.device)
+        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=self.device)
 
     def serves(self, cm, step: VllmStep) -> bool:
         """Whether the translated ``step`` of ``cm`` is a full graph's: one query token per padded request, at most
@@ -611,10 +663,12 @@ class GraphDecodeSteps:
         )
 
     def static_step(self, size: int) -> VllmStep:
-        """The static step of ``size`` padded requests (allocated at its first build: vLLM's capture)."""
+        """The static step of ``size`` padded requests (made at its first build, vLLM's capture; its tensors are views
+        of the shared ones)."""
         step = self.steps.get(size)
         if step is not None:
             return step
+        expect(0 < size <= self.max_bs, InvalidBatchError, "full graph batch size", size, f"1 .. {self.max_bs}")
         step = VllmStep()
         step.forward_mode = ForwardMode.DECODE
         step.batch_size = step.num_tokens = step.extend_num_tokens = size
@@ -622,13 +676,12 @@ class GraphDecodeSteps:
         step.graph_static = True
         step.spec_info = None
         step.req_to_token_pool = None
-        table = torch.zeros(size, self.max_blocks, dtype=torch.int32, device=self.device)
-        step.req_to_page_pool = ReqToPagePool.from_tensor(table, self.block_size)
+        step.req_to_page_pool = ReqToPagePool.from_tensor(self.table[:size], self.block_size)
         step.token_to_kv_pool = self.pool
-        step.req_pool_indices = torch.arange(size, dtype=torch.int64, device=self.device)
-        step.seq_lens = torch.full((size,), self.fill_value, dtype=torch.int32, device=self.device)
-        step.out_cache_loc = torch.full((size,), self.padding_slot, dtype=torch.int64, device=self.device)
-        step.positions = torch.zeros(size, dtype=torch.int64, device=self.device)
+        step.req_pool_indices = self.req_pool_indices[:size]
+        step.seq_lens = self.seq_lens[:size]
+        step.out_cache_loc = self.out_cache_loc[:size]
+        step.positions = self.positions[:size]
         step.extend_seq_lens = step.extend_prefix_lens = step.extend_start_loc = None
         self.steps[size] = step
         return step
