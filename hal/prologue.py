@@ -35,7 +35,7 @@ import torch
 
 from hal.deprecation import warn_renamed
 from hal.errors import ConfigError, InvalidBatchError, PluginError, UnsupportedError, expect
-from hal.kernels.reference import dequantize_kv, kv_scales, quantize_kv, shares_storage, write_kv
+from hal.kernels.reference import dequantize_kv, kv_scales, overlaps, quantize_kv, shares_storage, write_kv
 from hal.kv_cache import kv_cache_dtype_name, kv_rows, kv_storage
 from hal.kv_dtypes import COMPUTE_DTYPE_NAMES, kv_scaled
 from hal.kv_layouts import TOKEN_MAJOR, kv_layout, pool_kv_layout
@@ -106,19 +106,6 @@ def _torch_mode_watching() -> bool:
     return torch._C._len_torch_dispatch_stack() > 0 or torch._C._is_torch_function_mode_enabled()
 
 
-def _overlaps(a: torch.Tensor, b: torch.Tensor | None) -> bool:
-    """Whether the memory ``a`` and ``b`` span (first to last element) overlaps; no device read."""
-    if b is None or a.numel() == 0 or b.numel() == 0 or a.device != b.device:
-        return False
-
-    def span(t: torch.Tensor) -> tuple[int, int]:
-        last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 0)
-        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
-
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < b1 and b0 < a1
-
-
 def check_output_buffer(out, q: torch.Tensor, layer: AttentionLayer, tokens: int, *others) -> torch.Tensor:
     """``out`` (the caller's output buffer) checked and returned as the ``[tokens, q_heads, v_head_dim]`` view the
     backend writes; rows past ``tokens`` are never touched.
@@ -139,7 +126,7 @@ def check_output_buffer(out, q: torch.Tensor, layer: AttentionLayer, tokens: int
     if ok:
         rows = out[:tokens]
         rows = rows.unflatten(1, (heads, v_dim)) if rows.dim() == 2 else rows
-        if not any(_overlaps(rows, t) for t in (q, *others)):
+        if not any(overlaps(rows, t) for t in (q, *others)):
             return rows
     described = f"{out.dtype}{list(out.shape)} on {out.device}" if isinstance(out, torch.Tensor) else type(out)
     expect(

@@ -200,6 +200,14 @@ def test_write_and_attend_refuses_an_out_it_cannot_write_with_nothing_written():
     ):
         with pytest.raises(InvalidBatchError, match="out"):
             _fused_kernel(built, bad)
+    rows = shape[0] * shape[1] * shape[2]
+    for aliased in (  # the kernel would write what it reads
+        built.q.reshape(-1)[:rows].view(shape),
+        k_buffer.reshape(-1)[:rows].view(shape),
+        v_buffer.reshape(-1)[-rows:].view(shape),
+    ):
+        with pytest.raises(InvalidBatchError, match="sharing memory"):
+            _fused_kernel(built, aliased)
     assert torch.equal(k_buffer, pool_before[0]) and torch.equal(v_buffer, pool_before[1])
     out = torch.empty(shape)
     assert _fused_kernel(built, out) is out

@@ -52,6 +52,7 @@ from pathlib import Path
 import torch
 
 from hal.errors import ConfigError, HalError, InvalidBatchError, KVCacheError, expect
+from hal.kernels.reference import overlaps
 
 __all__ = [
     "KernelBuildError",
@@ -788,6 +789,13 @@ def write_and_attend(
         if not isinstance(q, torch.Tensor) or q.dim() not in (2, 3):
             return None  # the checked path names what is wrong with q
         _check_out(out, q.dtype, (q.shape[0], heads[0], heads[4]))
+        expect(
+            not any(overlaps(out, t) for t in (q, k, v, k_buffer, v_buffer) if isinstance(t, torch.Tensor)),
+            InvalidBatchError,
+            "out",
+            f"a buffer at {out.data_ptr():#x} sharing memory with q, k, v or the KV pool",
+            "a buffer of its own: the kernel writes it while it reads them",
+        )
     try:
         return kernels.write_and_attend(
             q,

@@ -76,6 +76,7 @@ __all__ = [
     "quantize_kv",
     "dequantize_kv",
     "shares_storage",
+    "overlaps",
     "store",
 ]
 
@@ -126,6 +127,20 @@ def dequantize_kv(stored: torch.Tensor, scale: float = 1.0, dtype: torch.dtype =
 def shares_storage(k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> bool:
     """Whether ``v_buffer`` is a view of ``k_buffer`` (an MLA pool: the value is the key's latent)."""
     return v_buffer.data_ptr() == k_buffer.data_ptr() and v_buffer.shape[-1] <= k_buffer.shape[-1]
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor | None) -> bool:
+    """Whether the memory ``a`` and ``b`` span (first to last element, through their strides) overlaps; reads no
+    device memory. False where either is None, empty or on another device."""
+    if b is None or a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 0)
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 def attention_mask(
