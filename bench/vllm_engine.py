@@ -4,7 +4,7 @@
         [--gen-requests 16] [--gen-tokens 64] [--dtype float32] [--repeats 3] [--rounds 2] [--translate-only]
         [--layers 4 --hidden 256 --heads 8 --kv-heads 2 --intermediate 512] [--gen-prompt-len 16]
         [--gen-prefilled] [--max-model-len N] [--max-num-seqs 16] [--max-num-batched-tokens 512]
-        [--kv-cache-gib 1] [--hal-kv-layout LBNHC|LBHNC] [--translate-probe]
+        [--kv-cache-gib 1] [--hal-kv-layout LBNHC|LBHNC] [--translate-probe] [--no-step-times]
 
 Needs vLLM (docs/vllm.md: the ``vllm-engine`` env or ``/work/venvs/vllm``). For each backend a fresh engine
 (``ci/vllm_engine.py``, its own process) serves two phases on a random Llama (``ci/vllm_model.py``: 4 layers,
@@ -27,6 +27,15 @@ generation phase's prompts are prefilled once, untimed, and found in vLLM's pref
 times decode steps; each prompt phase then gets new prompts). ``--translate-probe``: the per-step translation of
 one step (64 decodes of 2k tokens) under engines of growing ``max_num_seqs x max_model_len`` (:func:`translate_probe`:
 its time and the bytes torch allocates for it, which must not grow with them).
+
+Inside the engines (``--step-times``, the default): :mod:`bench.vllm_step_probe` times every step the engine runs,
+the attention impl's forward of each layer (hal's ``HalAttentionImpl`` or vLLM's ``CPU_ATTN`` impl: kernel and
+Python around it), CPU_ATTN's separate KV write and the metadata builder (the per-step translation), and
+:func:`step_summary` gives each engine's decode and prefill steps as 10th percentile and median. On a shared
+2-core host the phase times mostly measure the other users: every OpenMP region waits for its slower thread, so a
+busy core stretches a step's every op, some steps 10x; and decode attention is memory-bound, so others' memory
+traffic moves it 3x between runs minutes apart. The 10th percentiles of each engine's steps, and their
+CPU_ATTN/hal ratios per round (``hal_over_cpu_attn_steps_p10_per_round``), are the figures that hold.
 """
 
 from __future__ import annotations
@@ -91,6 +100,11 @@ def engine_throughput(model: str, attention: str, args, workdir: str) -> dict:
     env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)} if args.kv_cache_gib else {}
     if attention == "hal" and args.hal_kv_layout:
         env["VLLM_KV_CACHE_LAYOUT"] = args.hal_kv_layout
+    step_log = None
+    if args.step_times:
+        step_log = os.path.join(workdir, f"{attention}-{time.perf_counter_ns()}-steps.jsonl")
+        path = [str(STEP_PROBE)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        env.update(HAL_BENCH_STEP_LOG=step_log, PYTHONPATH=os.pathsep.join(path))
     load = os.getloadavg()[0]
     run = vllm_engine.run_in_subprocess(model, attention, workload, workdir, engine_args(args), env=env, timeout=3000)
     prompt_s, gen_s = run["phase_s"][first::2], run["phase_s"][first + 1 :: 2]
@@ -114,7 +128,70 @@ def engine_throughput(model: str, attention: str, args, workdir: str) -> dict:
         "generation_s": [round(x, 3) for x in gen_s],
         "generated_tokens_per_s": round(generated / statistics.median(gen_s), 1),
         "generated_tokens_per_s_best": round(generated / min(gen_s), 1),
+        **({"steps": step_summary(_read_steps(step_log))} if step_log else {}),
     }
+
+
+STEP_PROBE = ROOT / "bench" / "vllm_step_probe"  # its sitecustomize times the engine's steps (--step-times)
+
+
+def _read_steps(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def step_summary(records: list[dict]) -> dict:
+    """The engine's steps (:mod:`bench.vllm_step_probe`'s records) by kind: ``decode`` (every request one token)
+    and ``prefill`` (any other), each kind's steps of its most frequent token count only (the generation phase's
+    full batch; the prefill chunks filling the step's token budget: warm-up and stragglers left out), with ``n``,
+    ``tokens`` and, as ``[p10, median]`` in milliseconds: the step's wall time, one layer's attention (the impl's
+    forward: kernel and Python around it), the per-step translation (the metadata builder), vLLM's separate KV write
+    (CPU_ATTN only) and the rest of the step (the model around attention). The 10th percentile is the robust figure
+    on a shared host: load only ever adds time, and it lands on some steps, not all."""
+    fields = {
+        "wall_ms": lambda r: r["wall_s"],
+        "attention_per_layer_ms": lambda r: r["attention_s"] / max(r["attention_calls"], 1),
+        "translation_ms": lambda r: r["build_s"],
+        "kv_write_ms": lambda r: r["kv_write_s"],
+        "rest_ms": lambda r: r["wall_s"] - r["attention_s"] - r["build_s"] - r["kv_write_s"],
+    }
+    kinds = {}
+    for kind, decode_only in (("decode", True), ("prefill", False)):
+        of_kind = [r for r in records if r["decode_only"] == decode_only]
+        if not of_kind:
+            continue
+        tokens = statistics.mode(r["tokens"] for r in of_kind)
+        steps = [r for r in of_kind if r["tokens"] == tokens]
+        kinds[kind] = {
+            "n": len(steps),
+            "tokens": tokens,
+            **{
+                name: [round(_quantile([f(r) for r in steps], q) * 1e3, 3) for q in (0.1, 0.5)]
+                for name, f in fields.items()
+            },
+            "load_average_1min_median": round(statistics.median(r["load"] for r in steps), 2),
+        }
+    return kinds
+
+
+def step_ratios(hal_steps: dict, reference_steps: dict) -> dict:
+    """CPU_ATTN's time over hal's (above 1: hal faster), per step kind, on the 10th percentiles of
+    :func:`step_summary`: the whole step and one layer's attention."""
+    out = {}
+    for kind in hal_steps.keys() & reference_steps.keys():
+        out[kind] = {
+            name: round(reference_steps[kind][name][0] / hal_steps[kind][name][0], 3)
+            for name in ("wall_ms", "attention_per_layer_ms")
+            if hal_steps[kind][name][0] > 0
+        }
+    return out
 
 
 def _step_metadata(table, block: int, context: int, decodes: int, chunk: int = 0):
@@ -295,8 +372,10 @@ def layer_overhead(args, repeats: int = 200) -> dict:
     """One layer's forward through hal's vLLM impl (``HalAttentionImpl.forward``: bind, slicing, hal's prologue,
     the kernel, the output in vLLM's buffer; hal's backend ``forward`` where vLLM is not installed) against the
     kernel call it makes, alone, on the same inputs; alternating, median microseconds of ``repeats``. The model's
-    attention shape and dtype; a decode step of ``--gen-requests`` rows of the generation phase's context, and a
-    mixed one (those decodes and a prefill chunk filling the step's token budget)."""
+    attention shape and dtype; a decode step of ``--gen-requests`` rows of the generation phase's context, a
+    mixed one (those decodes and a prefill chunk filling the step's token budget) and a decode of one block per
+    row (a kernel of microseconds: the Python around it shows). Medians, and minimums (``overhead_us_of_mins``:
+    the robust figure where the kernel's own time swings with the host's load)."""
     import torch
 
     from hal.kernels import cpu as cpu_kernels
@@ -336,6 +415,7 @@ def layer_overhead(args, repeats: int = 200) -> dict:
     for name, cm in (
         ("decode", _step_metadata(table, block, context, batch)),
         ("mixed", _step_metadata(table, block, context, batch, chunk)),
+        ("decode_one_block", _step_metadata(table, block, block, batch)),  # a small kernel: the Python cost shows
     ):
         step = translator.translate(cm)
         backend.init_forward_metadata(step)
@@ -354,13 +434,21 @@ def layer_overhead(args, repeats: int = 200) -> dict:
                 fn()
                 times.append(time.perf_counter_ns() - t0)
         forward_med = statistics.median(forward_us) / 1000
-        entry = {"rows": step.batch_size, "tokens": n, "context": context, "forward_us": round(forward_med, 1)}
+        entry = {
+            "rows": step.batch_size,
+            "tokens": n,
+            "context": int(cm.max_seq_len),
+            "forward_us": round(forward_med, 1),
+            "forward_us_min": round(min(forward_us) / 1000, 1),
+        }
         if kernel is not None:
             kernel_med = statistics.median(kernel_us) / 1000
             entry.update(
                 kernel=kernel.name,
                 kernel_us=round(kernel_med, 1),
+                kernel_us_min=round(min(kernel_us) / 1000, 1),
                 overhead_us=round(forward_med - kernel_med, 1),
+                overhead_us_of_mins=round((min(forward_us) - min(kernel_us)) / 1000, 1),
                 overhead_per_pair_us_median=round(
                     statistics.median(f - k for f, k in zip(forward_us, kernel_us)) / 1000, 1
                 ),
@@ -451,6 +539,12 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=2, help="engines per backend, alternating")
     parser.add_argument("--translate-only", action="store_true", help="only the in-process measurements")
     parser.add_argument("--translate-probe", action="store_true", help="the translation under growing engine maxima")
+    parser.add_argument(
+        "--step-times",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time each engine step, its attention and its translation inside the engine (bench/vllm_step_probe)",
+    )
     for key, default in vllm_model.SHAPES.items():
         parser.add_argument("--" + key.replace("_", "-"), type=int, default=default, help="the model's")
     parser.add_argument("--intermediate", type=int, default=None, help="the model's MLP width (default 2 * hidden)")
@@ -482,6 +576,10 @@ def main(argv=None) -> None:
         rounds = [{k: hal_run[k] / ref[k] for k in keys} for hal_run, ref in zip(runs[0::2], runs[1::2])]
         result["hal_over_cpu_attn"] = {k: round(statistics.median(r[k] for r in rounds), 3) for k in keys}
         result["hal_over_cpu_attn_per_round"] = [{k: round(v, 3) for k, v in r.items()} for r in rounds]
+        if args.step_times:
+            result["hal_over_cpu_attn_steps_p10_per_round"] = [
+                step_ratios(hal_run["steps"], ref["steps"]) for hal_run, ref in zip(runs[0::2], runs[1::2])
+            ]
         _write(result, args.out)  # the engines' figures kept should an in-process measurement fail
     result["translation"] = translation_cost(args.gen_requests, args.gen_prompt_len + args.gen_tokens, args.prompt_len)
     result["layer_overhead"] = layer_overhead(args)

@@ -10,6 +10,10 @@ large one (1024 sequences of 128k tokens, block size 16: a 32 MiB block table) w
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import pathlib
+import sys
 import types
 
 import pytest
@@ -133,3 +137,105 @@ def test_the_count_sees_an_allocation_sized_by_the_maxima(small_and_large):
     counted = allocated_bytes(expanding)
     assert counted >= table.shape[0] * table.shape[1] * BLOCK * 4
     assert counted > STEP_BOUND
+
+
+# ----------------------------------------------------------------------------- the engine's step times
+# bench/vllm_engine.py --step-times reports the translation and each layer's attention as measured inside the engine
+# (bench/vllm_step_probe): the probe's wrappers and the summary are checked here on stand-in classes (no timing).
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _load(name: str, path: pathlib.Path, monkeypatch, **env):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # bench/vllm_engine.py puts ci/ on it
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def probe(tmp_path, monkeypatch):
+    log = tmp_path / "steps.jsonl"
+    module = _load(
+        "step_probe", ROOT / "bench" / "vllm_step_probe" / "sitecustomize.py", monkeypatch, HAL_BENCH_STEP_LOG=str(log)
+    )
+    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path if type(f).__name__ != "_PatchAfterImport"])
+    return module, log
+
+
+class _Impl:
+    def forward(self):
+        return "attended"
+
+
+class _Builder:
+    def build(self):
+        return "metadata"
+
+
+class _Runner:
+    def __init__(self, impl, builder, layers):
+        self.impl, self.builder, self.layers = impl, builder, layers
+
+    def execute_model(self, scheduler_output):
+        self.builder.build()
+        for _ in range(self.layers):
+            self.impl.forward()
+        return "stepped"
+
+
+def test_probe_records_each_step_with_its_attention_calls_and_translation(probe):
+    module, log = probe
+    module._timed(_Impl, "forward", "attention_s", "attention_calls")
+    module._timed(_Builder, "build", "build_s")
+    module._steps(_Runner)
+    runner = _Runner(_Impl(), _Builder(), layers=3)
+    decode = types.SimpleNamespace(total_num_scheduled_tokens=2, num_scheduled_tokens={"a": 1, "b": 1})
+    prefill = types.SimpleNamespace(total_num_scheduled_tokens=9, num_scheduled_tokens={"a": 1, "c": 8})
+    idle = types.SimpleNamespace(total_num_scheduled_tokens=0, num_scheduled_tokens={})
+    assert [runner.execute_model(s) for s in (decode, prefill, idle)] == ["stepped"] * 3
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(r["tokens"], r["decode_only"], r["attention_calls"]) for r in records] == [(2, True, 3), (9, False, 3)]
+    for r in records:  # the wrapped calls happen inside the step: their times are parts of its wall time
+        assert 0 < r["attention_s"] + r["build_s"] <= r["wall_s"]
+        assert r["kv_write_s"] == 0
+
+
+def test_probe_is_inert_without_a_log(monkeypatch):
+    monkeypatch.delenv("HAL_BENCH_STEP_LOG", raising=False)
+    before = list(sys.meta_path)
+    module = _load("step_probe_off", ROOT / "bench" / "vllm_step_probe" / "sitecustomize.py", monkeypatch)
+    assert module.LOG is None and sys.meta_path == before
+
+
+def _record(decode: bool, wall: float, attention: float, calls=2, build=0.001, kv=0.0, tokens=None):
+    return {
+        "tokens": tokens or (8 if decode else 512),
+        "decode_only": decode,
+        "wall_s": wall,
+        "attention_s": attention,
+        "attention_calls": calls,
+        "build_s": build,
+        "kv_write_s": kv,
+        "load": 1.0,
+    }
+
+
+def test_step_summary_splits_decode_from_prefill_and_ratios_read_as_throughput(monkeypatch):
+    bench = _load("bench_vllm_engine", ROOT / "bench" / "vllm_engine.py", monkeypatch)
+    warm_up = [_record(True, 0.001, 0.0001, tokens=2)] * 5  # another batch size: left out of the decode figures
+    decodes = [_record(True, 0.010 + i * 0.001, 0.004) for i in range(10)]
+    hal_steps = bench.step_summary(warm_up + decodes + [_record(False, 0.100, 0.040)])
+    assert hal_steps["decode"]["tokens"] == 8
+    assert hal_steps["decode"]["n"] == 10 and hal_steps["prefill"]["n"] == 1
+    assert hal_steps["decode"]["wall_ms"][0] == pytest.approx(11.0)  # the 10th percentile of 10..19 ms
+    assert hal_steps["decode"]["attention_per_layer_ms"][0] == pytest.approx(2.0)
+    assert hal_steps["decode"]["rest_ms"][0] == pytest.approx(11.0 - 4.0 - 1.0)
+    slower = bench.step_summary([_record(True, 0.022, 0.008, kv=0.001)] * 10 + [_record(False, 0.100, 0.040)])
+    ratios = bench.step_ratios(hal_steps, slower)
+    assert ratios["decode"]["wall_ms"] == pytest.approx(2.0)  # CPU_ATTN twice hal's time: hal 2x the throughput
+    assert bench.step_ratios(slower, hal_steps)["decode"]["wall_ms"] == pytest.approx(0.5)
+    assert ratios["prefill"] == {"wall_ms": 1.0, "attention_per_layer_ms": 1.0}
