@@ -142,6 +142,18 @@ def test_llama_hal_equals_cpu_attn_and_transformers(models, workload, tmp_path_f
     _assert_equals_transformers(models["llama"], workload, _outputs(hal_run))
 
 
+def test_token_major_cache_on_request(models, workload, tmp_path_factory):
+    """vLLM's CPU cache is head-major (LBHNC) by default under hal, as under CPU_ATTN; VLLM_KV_CACHE_LAYOUT=LBNHC asks
+    for the token-major one, which hal reads in place as well: the same tokens."""
+    default_run = _run(models["llama"], "hal", workload, tmp_path_factory)
+    token_run = _run(models["llama"], "hal", workload, tmp_path_factory, VLLM_KV_CACHE_LAYOUT="LBNHC")
+    ref_run = _run(models["llama"], "CPU_ATTN", workload, tmp_path_factory)
+    assert "KV fp32 head_major)" in default_run["log"], default_run["log"][-3000:]
+    assert "KV fp32 token_major)" in token_run["log"], token_run["log"][-3000:]
+    _assert_hal_served(token_run)
+    _assert_same(token_run, ref_run, workload, "hal on token-major pages vs CPU_ATTN")
+
+
 def test_gemma2_windows_and_soft_cap(models, workload, tmp_path_factory):
     hal_run = _run(models["gemma2"], "hal", workload, tmp_path_factory)
     ref_run = _run(models["gemma2"], "CPU_ATTN", workload, tmp_path_factory)

@@ -95,7 +95,7 @@ def test_head_major_views_are_cpu_attns_own_pages_in_place():
 
 
 def test_layouts_offered_to_vllm_follow_hals_cpu_backend(monkeypatch):
-    assert served_kv_layouts("cpu") == (TOKEN_MAJOR, HEAD_MAJOR)  # both read in place; token-major the default
+    assert served_kv_layouts("cpu") == (HEAD_MAJOR, TOKEN_MAJOR)  # both read in place; vLLM's own the default
     monkeypatch.setenv("HAL_ATTENTION_BACKEND", "triton")  # reads token-major only
     assert served_kv_layouts("cpu") == (TOKEN_MAJOR,)
     monkeypatch.delenv("HAL_ATTENTION_BACKEND")
@@ -567,10 +567,10 @@ def test_backend_declarations():
     from hal.integrations.vllm import HalAttentionBackend, HalCpuAttentionBackend
 
     assert HalAttentionBackend.supported_kv_cache_layouts() == (KVCacheLayout.LBNHC,)
-    # on the CPU, token-major first (the default), then vLLM's native layout (CPU_ATTN's, VLLM_KV_CACHE_LAYOUT=LBHNC):
+    # on the CPU, vLLM's native layout first (CPU_ATTN's: the default), then token-major (VLLM_KV_CACHE_LAYOUT=LBNHC):
     # hal's compiled CPU backend reads both in place
-    assert HalCpuAttentionBackend.supported_kv_cache_layouts() == (KVCacheLayout.LBNHC, KVCacheLayout.LBHNC)
-    assert HalCpuAttentionBackend.get_kv_cache_shape(5, 16, 2, 64) == (2, 5, 16, 2, 64)
+    assert HalCpuAttentionBackend.supported_kv_cache_layouts() == (KVCacheLayout.LBHNC, KVCacheLayout.LBNHC)
+    assert HalCpuAttentionBackend.get_kv_cache_shape(5, 16, 2, 64) == (2, 5, 2, 16, 64)
     assert HalAttentionBackend.get_kv_cache_shape(5, 16, 2, 64) == (2, 5, 16, 2, 64)
     for cls in (HalAttentionBackend, HalCpuAttentionBackend):
         assert AttentionBackendEnum[cls.get_name()] is not None  # vLLM looks every layer's backend up so

@@ -215,13 +215,14 @@ class HalMetadataBuilder(AttentionMetadataBuilder[HalAttentionMetadata]):
                 self.selection.decode_backend.name,
             )
         logger.info(
-            "hal %s serves vLLM's attention for %d layers (block size %d, %s, KV %s): hal device %s, backend %s, "
+            "hal %s serves vLLM's attention for %d layers (block size %d, %s, KV %s %s): hal device %s, backend %s, "
             "forward paths %s",
             hal.__version__,
             len(self.layers),
             self.block_size,
             config.dtype_name,
             config.kv_cache_dtype_name,
+            config.kv_layout or self.selection.kv_layout,
             self.selection.device_name,
             self.selection.backend,
             "/".join(self.hal_backend.forward_paths()),
@@ -401,8 +402,8 @@ def refuse_unserved_features(vllm_config, backend_name: str) -> None:
         "kv_transfer_config with HAL_VLLM=1",
         getattr(transfer, "kv_connector", transfer),
         "no KV connector: hal answers to the name CPU_ATTN, and NIXL's CPU_ATTN post-processing (pack_kv_cache for "
-        "P/D disaggregation) would rewrite CPU_ATTN-layout blocks into hal's cache. Unset HAL_VLLM to transfer KV "
-        "with vLLM's own CPU_ATTN",
+        "P/D disaggregation) rewrites blocks for CPU_ATTN's kernels, not checked against hal's cache (token-major, or "
+        "head-major read in place). Unset HAL_VLLM to transfer KV with vLLM's own CPU_ATTN",
     )
 
 
@@ -782,8 +783,8 @@ class HalCpuAttentionBackend(HalAttentionBackend):
 
     @classmethod
     def hal_kv_layouts(cls) -> tuple[str, ...]:
-        """Token-major (``LBNHC``) first, then vLLM's native CPU layout (head-major, ``LBHNC``: CPU_ATTN's) where hal's
-        CPU backend reads it in place (the compiled kernels do): :func:`served_kv_layouts`."""
+        """vLLM's native CPU layout (head-major, ``LBHNC``: CPU_ATTN's) first where hal's CPU backend reads it in place
+        (the compiled kernels do), then token-major (``LBNHC``): :func:`served_kv_layouts`."""
         return served_kv_layouts("cpu")
 
     @staticmethod

@@ -140,10 +140,11 @@ def kv_views(
 
 
 def served_kv_layouts(device: str = "cpu") -> tuple[str, ...]:
-    """The KV layouts vLLM may allocate for hal on ``device``, preferred first: ``token_major`` (``LBNHC``) where hal's
-    backend there reads it, then ``head_major`` (vLLM's CPU layout, ``LBHNC``: chosen with
-    ``VLLM_KV_CACHE_LAYOUT=LBHNC``) where it reads that in place. Token-major stays the default until an engine run on
-    a quiet host shows head-major at least as fast (bench/README.md, "vLLM's engine where attention dominates").
+    """The KV layouts vLLM may allocate for hal on ``device``, preferred first: ``head_major`` (vLLM's CPU layout,
+    ``LBHNC``, CPU_ATTN's own) where hal's backend there reads it in place, then ``token_major`` (``LBNHC``: chosen
+    with ``VLLM_KV_CACHE_LAYOUT=LBNHC``) where it reads that. Head-major first: in vLLM's engine on the CPU, hal's
+    decode steps over it are faster than over token-major in both dtypes (bench/README.md, "vLLM's engine where
+    attention dominates"), and it is the cache vLLM's other CPU paths (KV connectors' CPU_ATTN post-processing) know.
     The device: ``HAL_DEVICE`` where set (an unknown one: token-major, and the builder names it); the backend:
     those ``HAL_ATTENTION_BACKEND`` / ``HAL_PREFILL_BACKEND`` / ``HAL_DECODE_BACKEND`` name, else the device's first
     (hal's default there); the builder's selection then checks the model against the layout vLLM chose
@@ -157,7 +158,7 @@ def served_kv_layouts(device: str = "cpu") -> tuple[str, ...]:
     forced = {os.environ.get(name, "").strip() for name in names} - {""}
     chosen = [cls for cls in classes if cls.name in forced] if forced else classes[:1]
     reads = [set(cls.declaration().kv_layouts) for cls in chosen]
-    served = tuple(name for name in (TOKEN_MAJOR, HEAD_MAJOR) if reads and all(name in r for r in reads))
+    served = tuple(name for name in (HEAD_MAJOR, TOKEN_MAJOR) if reads and all(name in r for r in reads))
     return served or (TOKEN_MAJOR,)
 
 
