@@ -67,7 +67,7 @@ def _workload(chat_ids: list[int]) -> list[list[dict]]:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
-    return {arch: vllm_model.build_model(str(root / arch), arch, seed=SEED) for arch in ("llama", "gemma2", "gpt-oss")}
+    return {arch: vllm_model.build_model(str(root / arch), arch, seed=SEED) for arch in vllm_model.ARCHES}
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +160,22 @@ def test_gemma2_windows_and_soft_cap(models, workload, tmp_path_factory):
     _assert_hal_served(hal_run)
     _assert_same(hal_run, ref_run, workload, "gemma2: hal vs CPU_ATTN")
     _assert_equals_transformers(models["gemma2"], workload, _outputs(hal_run))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_biases_and_qk_norms(models, workload, tmp_path_factory, arch):
+    """Qwen 2 (q/k/v biases, heads of dim 64) and Qwen 3 (q/k RMS norms, heads of dim 128): what the model does to
+    q and k before attention is vLLM's; hal is held to CPU_ATTN and to transformers at both head dims."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(models[arch])
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    assert head_dim == vllm_model.QWEN_HEAD_DIMS[arch]
+    hal_run = _run(models[arch], "hal", workload, tmp_path_factory)
+    ref_run = _run(models[arch], "CPU_ATTN", workload, tmp_path_factory)
+    _assert_hal_served(hal_run)
+    _assert_same(hal_run, ref_run, workload, f"{arch}: hal vs CPU_ATTN")
+    _assert_equals_transformers(models[arch], workload, _outputs(hal_run))
 
 
 def test_gpt_oss_sinks(models, workload, tmp_path_factory):
