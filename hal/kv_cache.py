@@ -150,6 +150,28 @@ class KVPool(Protocol):
     def set_kv_buffer(self, layer, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> None: ...
 
 
+def conforms(obj, protocol: type) -> bool:
+    """``isinstance(obj, protocol)`` for a runtime-checkable protocol, at the cost of its ``hasattr`` calls.
+
+    The same test Python 3.11 makes (every member present, no method member set to None), without its walk of the
+    protocol's MRO on every call (about 30 us a check; validate_batch makes two per step)."""
+    members = _PROTOCOL_MEMBERS.get(protocol)
+    if members is None:
+        names = {**protocol.__annotations__, **vars(protocol)}
+        members = _PROTOCOL_MEMBERS[protocol] = tuple(
+            (name, callable(getattr(protocol, name, None))) for name in names if not name.startswith("_")
+        )
+    for name, is_method in members:
+        value = getattr(obj, name, _ABSENT)
+        if value is _ABSENT or (is_method and value is None):
+            return False
+    return True
+
+
+_PROTOCOL_MEMBERS: dict[type, tuple[tuple[str, bool], ...]] = {}
+_ABSENT = object()
+
+
 def pool_geometry(pool: KVPool, layer_id: int) -> tuple[int, int, int, int]:
     """``(num_slots, head_num, head_dim, v_head_dim)`` of ``layer_id``'s buffers in any KV pool (shapes only)."""
     if pool_kv_layout(pool) != TOKEN_MAJOR:

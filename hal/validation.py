@@ -18,7 +18,7 @@ import torch
 
 from hal.errors import ConfigError, InvalidBatchError, UnsupportedError, describe, expect, refuse
 from hal.kernels.reference import step_page_table, step_token_table
-from hal.kv_cache import INDEX_DTYPES, PADDING_TOKEN_SLOT, KVPool, ReqToTokenTable, pool_geometry
+from hal.kv_cache import INDEX_DTYPES, PADDING_TOKEN_SLOT, KVPool, ReqToTokenTable, conforms, pool_geometry
 from hal.kv_dtypes import COMPUTE_DTYPE_NAMES, COMPUTE_DTYPES, find_kv_dtype
 from hal.modes import REFUSED_MODES, BatchLens, ForwardMode, _host
 
@@ -217,7 +217,7 @@ def validate_batch(
         raise UnsupportedError(f"forward_mode {mode.name}: {REFUSED_MODES[mode.name]}")
     kv_pool = fb.token_to_kv_pool
     expect(
-        isinstance(kv_pool, KVPool),
+        conforms(kv_pool, KVPool),
         InvalidBatchError,
         "token_to_kv_pool",
         type(kv_pool).__name__,
@@ -286,7 +286,7 @@ def check_request_tables(fb) -> tuple[torch.device, int, int]:
     bounds = []
     if tokens is not None or pages is None:
         expect(
-            isinstance(tokens, ReqToTokenTable) and isinstance(tokens.req_to_token, torch.Tensor),
+            conforms(tokens, ReqToTokenTable) and isinstance(tokens.req_to_token, torch.Tensor),
             InvalidBatchError,
             "req_to_token_pool",
             type(tokens).__name__,

@@ -131,6 +131,29 @@ def test_an_engines_own_batch_object_is_validated_by_field_names():
         validate_batch(engine, "cheap")
 
 
+def test_pool_and_table_checks_answer_as_isinstance_does():
+    """validate_batch's protocol checks (hal.kv_cache.conforms) accept and refuse exactly what isinstance does."""
+    from types import SimpleNamespace
+
+    from hal.kv_cache import KVPool, ReqToPageTable, ReqToTokenTable, conforms
+
+    pool_members = dict(page_size=16, dtype=torch.float32, get_value_buffer=len, get_kv_buffer=len, set_kv_buffer=len)
+    candidates = [
+        hal.PagedKVPool(4, 16, 1, 2, 8),
+        hal.ReqToTokenPool(4, 64),
+        SimpleNamespace(get_key_buffer=len, **pool_members),
+        SimpleNamespace(get_key_buffer=None, **pool_members),  # a method member set to None
+        SimpleNamespace(**pool_members),  # one member missing
+        SimpleNamespace(req_to_token=None),
+        SimpleNamespace(req_to_page=torch.zeros(1, 1), page_size=16),
+        None,
+        3,
+    ]
+    for protocol in (KVPool, ReqToTokenTable, ReqToPageTable):
+        assert [conforms(c, protocol) for c in candidates] == [isinstance(c, protocol) for c in candidates]
+    assert conforms(candidates[0], KVPool) and not conforms(candidates[4], KVPool)
+
+
 def _bad(mode, field, value, base: dict | None = None, level: str = "full"):
     fields = {**(base or _fields(mode)), field: value}
     with pytest.raises(InvalidBatchError) as info:
