@@ -7,7 +7,9 @@ load: prompts of 1 to 330 tokens queued beyond ``max_num_seqs`` (continuous batc
 batches, so steps mix decodes and prefill chunks), prefilled in chunks of 64 tokens over 32-token blocks, then
 prompts sharing a 150-token prefix (vLLM's prefix cache serves its first 128). Greedy tokens must be identical,
 and equal to transformers' ``generate``. Models: Llama; Gemma 2 (alternating sliding windows, soft-capped
-attention logits); gpt-oss (attention sinks, alternating 16-key windows, a tiny MoE); the example device plugin
+attention logits); Qwen 2 and 3 (biases, q/k norms, head dims 64 and 128); Gemma 3 and Granite (softmax scales
+other than ``head_dim ** -0.5``, sliding layers between full ones); gpt-oss (attention sinks, alternating 16-key
+windows, a tiny MoE); the example device plugin
 (``HAL_DEVICE=toy``: examples/hal-device-example, which has no vLLM code) on the Llama; n-gram and EAGLE
 speculative decoding on the Llama; an MLA model left to vLLM's own CPU MLA backend; then vLLM's OpenAI server with
 hal answers the completions and chat endpoints over HTTP and is stopped by its process id.
@@ -171,6 +173,26 @@ def test_qwen_biases_and_qk_norms(models, workload, tmp_path_factory, arch):
     config = AutoConfig.from_pretrained(models[arch])
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     assert head_dim == vllm_model.QWEN_HEAD_DIMS[arch]
+    hal_run = _run(models[arch], "hal", workload, tmp_path_factory)
+    ref_run = _run(models[arch], "CPU_ATTN", workload, tmp_path_factory)
+    _assert_hal_served(hal_run)
+    _assert_same(hal_run, ref_run, workload, f"{arch}: hal vs CPU_ATTN")
+    _assert_equals_transformers(models[arch], workload, _outputs(hal_run))
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "granite"])
+def test_softmax_scales_and_local_layers(models, workload, tmp_path_factory, arch):
+    """Gemma 3 (q/k norms; heads of dim 64 beside a hidden of 256; sliding-window layers with their own rope base
+    between full ones; scale ``48 ** -0.5``) and Granite (``attention_multiplier`` as the scale): hal takes the
+    scale and window vLLM's layer gives it, held to CPU_ATTN and to transformers."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(models[arch])
+    if arch == "gemma3":
+        assert set(config.layer_types) == {"sliding_attention", "full_attention"}, config.layer_types
+        assert config.query_pre_attn_scalar != config.head_dim
+    else:
+        assert config.attention_multiplier != (config.hidden_size // config.num_attention_heads) ** -0.5
     hal_run = _run(models[arch], "hal", workload, tmp_path_factory)
     ref_run = _run(models[arch], "CPU_ATTN", workload, tmp_path_factory)
     _assert_hal_served(hal_run)
