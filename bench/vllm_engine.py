@@ -35,7 +35,9 @@ Python around it), CPU_ATTN's separate KV write and the metadata builder (the pe
 2-core host the phase times mostly measure the other users: every OpenMP region waits for its slower thread, so a
 busy core stretches a step's every op, some steps 10x; and decode attention is memory-bound, so others' memory
 traffic moves it 3x between runs minutes apart. The 10th percentiles of each engine's steps, and their
-CPU_ATTN/hal ratios per round (``hal_over_cpu_attn_steps_p10_per_round``), are the figures that hold.
+CPU_ATTN/hal ratios per round (``hal_over_cpu_attn_steps_p10_per_round``), are the figures that hold; for prefill,
+whose chunks read 0 to 4k tokens of prefix, :func:`matched_step_ratios` compares steps of equal work
+(``hal_over_cpu_attn_steps_matched_per_round``).
 """
 
 from __future__ import annotations
@@ -178,7 +180,45 @@ def step_summary(records: list[dict]) -> dict:
             },
             "load_average_1min_median": round(statistics.median(r["load"] for r in steps), 2),
         }
+        by_keys: dict[int, list[dict]] = {}
+        for r in steps:
+            if "keys" in r:
+                by_keys.setdefault(r["keys"], []).append(r)
+        if by_keys:  # per step work (KV tokens read): the fastest of its steps, attention with its KV write
+            kinds[kind]["by_keys_min_ms"] = {
+                str(keys): [
+                    round(min(_attention_with_write(r) for r in of_keys) * 1e3, 3),
+                    round(min(r["wall_s"] for r in of_keys) * 1e3, 3),
+                ]
+                for keys, of_keys in sorted(by_keys.items())
+            }
     return kinds
+
+
+def _attention_with_write(record: dict) -> float:
+    """One layer's attention in a step with vLLM's separate KV write counted in (hal's forward writes the KV
+    itself; CPU_ATTN's ``do_kv_cache_update`` does it apart), in seconds."""
+    return (record["attention_s"] + record["kv_write_s"]) / max(record["attention_calls"], 1)
+
+
+def matched_step_ratios(hal_steps: dict, reference_steps: dict) -> dict:
+    """CPU_ATTN's time over hal's (above 1: hal faster), per step kind, on steps of equal work: for each number of
+    KV tokens read that both engines' steps of the kind share, the fastest step of each (attention per layer with
+    its KV write, and the whole step), then the median ratio over those. A prefill phase mixes chunks over 0 to 4k
+    tokens of prefix, so its 10th percentile compares the cheapest chunks only; this compares every chunk."""
+    out = {}
+    for kind in hal_steps.keys() & reference_steps.keys():
+        mine = hal_steps[kind].get("by_keys_min_ms", {})
+        theirs = reference_steps[kind].get("by_keys_min_ms", {})
+        shared = [k for k in mine if k in theirs and min(mine[k]) > 0]
+        if not shared:
+            continue
+        out[kind] = {
+            "steps_matched": len(shared),
+            "attention_with_kv_write_per_layer": round(statistics.median(theirs[k][0] / mine[k][0] for k in shared), 3),
+            "wall_ms": round(statistics.median(theirs[k][1] / mine[k][1] for k in shared), 3),
+        }
+    return out
 
 
 def step_ratios(hal_steps: dict, reference_steps: dict) -> dict:
@@ -577,8 +617,10 @@ def main(argv=None) -> None:
         result["hal_over_cpu_attn"] = {k: round(statistics.median(r[k] for r in rounds), 3) for k in keys}
         result["hal_over_cpu_attn_per_round"] = [{k: round(v, 3) for k, v in r.items()} for r in rounds]
         if args.step_times:
-            result["hal_over_cpu_attn_steps_p10_per_round"] = [
-                step_ratios(hal_run["steps"], ref["steps"]) for hal_run, ref in zip(runs[0::2], runs[1::2])
+            pairs = list(zip(runs[0::2], runs[1::2]))
+            result["hal_over_cpu_attn_steps_p10_per_round"] = [step_ratios(h["steps"], r["steps"]) for h, r in pairs]
+            result["hal_over_cpu_attn_steps_matched_per_round"] = [
+                matched_step_ratios(h["steps"], r["steps"]) for h, r in pairs
             ]
         _write(result, args.out)  # the engines' figures kept should an in-process measurement fail
     result["translation"] = translation_cost(args.gen_requests, args.gen_prompt_len + args.gen_tokens, args.prompt_len)

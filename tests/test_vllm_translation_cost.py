@@ -193,12 +193,22 @@ def test_probe_records_each_step_with_its_attention_calls_and_translation(probe)
     module._timed(_Builder, "build", "build_s")
     module._steps(_Runner)
     runner = _Runner(_Impl(), _Builder(), layers=3)
-    decode = types.SimpleNamespace(total_num_scheduled_tokens=2, num_scheduled_tokens={"a": 1, "b": 1})
-    prefill = types.SimpleNamespace(total_num_scheduled_tokens=9, num_scheduled_tokens={"a": 1, "c": 8})
+    cached = types.SimpleNamespace(req_ids=["a", "b"], num_computed_tokens=[40, 7])
+    decode = types.SimpleNamespace(
+        total_num_scheduled_tokens=2, num_scheduled_tokens={"a": 1, "b": 1}, scheduled_cached_reqs=cached
+    )
+    new_request = types.SimpleNamespace(req_id="c", num_computed_tokens=16)  # 16 tokens found in the prefix cache
+    prefill = types.SimpleNamespace(
+        total_num_scheduled_tokens=9,
+        num_scheduled_tokens={"a": 1, "c": 8},
+        scheduled_new_reqs=[new_request],
+        scheduled_cached_reqs=types.SimpleNamespace(req_ids=["a"], num_computed_tokens=[41]),
+    )
     idle = types.SimpleNamespace(total_num_scheduled_tokens=0, num_scheduled_tokens={})
     assert [runner.execute_model(s) for s in (decode, prefill, idle)] == ["stepped"] * 3
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert [(r["tokens"], r["decode_only"], r["attention_calls"]) for r in records] == [(2, True, 3), (9, False, 3)]
+    assert [r["keys"] for r in records] == [41 + 8, 42 + 24]  # tokens read: computed before the step + scheduled
     for r in records:  # the wrapped calls happen inside the step: their times are parts of its wall time
         assert 0 < r["attention_s"] + r["build_s"] <= r["wall_s"]
         assert r["kv_write_s"] == 0
@@ -211,9 +221,10 @@ def test_probe_is_inert_without_a_log(monkeypatch):
     assert module.LOG is None and sys.meta_path == before
 
 
-def _record(decode: bool, wall: float, attention: float, calls=2, build=0.001, kv=0.0, tokens=None):
+def _record(decode: bool, wall: float, attention: float, calls=2, build=0.001, kv=0.0, tokens=None, keys=None):
     return {
         "tokens": tokens or (8 if decode else 512),
+        **({} if keys is None else {"keys": keys}),
         "decode_only": decode,
         "wall_s": wall,
         "attention_s": attention,
@@ -239,3 +250,20 @@ def test_step_summary_splits_decode_from_prefill_and_ratios_read_as_throughput(m
     assert ratios["decode"]["wall_ms"] == pytest.approx(2.0)  # CPU_ATTN twice hal's time: hal 2x the throughput
     assert bench.step_ratios(slower, hal_steps)["decode"]["wall_ms"] == pytest.approx(0.5)
     assert ratios["prefill"] == {"wall_ms": 1.0, "attention_per_layer_ms": 1.0}
+
+
+def test_matched_ratios_compare_prefill_chunks_of_equal_work(monkeypatch):
+    bench = _load("bench_vllm_engine", ROOT / "bench" / "vllm_engine.py", monkeypatch)
+    # two chunks per prefix, over 0 / 512 / 1024 tokens of prefix; the longer the prefix, the dearer the chunk
+    hal = [_record(False, 0.1 + k / 1e4, 0.01 * (1 + k / 512), keys=512 + k) for k in (0, 512, 1024) for _ in "ab"]
+    # CPU_ATTN: 2x hal's time on the long chunks, level on the first; its KV write apart (counted in)
+    ref = [_record(False, 0.2, 0.02 * (1 + k / 512) - 0.002, kv=0.002, keys=512 + k) for k in (512, 1024)]
+    ref += [_record(False, 0.1, 0.009, kv=0.001, keys=512), _record(False, 0.5, 0.5, keys=512)]  # the 2nd: load
+    matched = bench.matched_step_ratios(bench.step_summary(hal), bench.step_summary(ref))
+    assert matched["prefill"]["steps_matched"] == 3
+    assert matched["prefill"]["attention_with_kv_write_per_layer"] == pytest.approx(2.0)  # median of 1, 2, 2
+    # a step kind or a step work only one engine ran is left out, not guessed
+    assert (
+        bench.matched_step_ratios(bench.step_summary(hal), bench.step_summary(ref[:2]))["prefill"]["steps_matched"] == 2
+    )
+    assert bench.matched_step_ratios(bench.step_summary(hal[:1]), bench.step_summary(ref[:2])) == {}

@@ -6,7 +6,9 @@ for hal and for vLLM's ``CPU_ATTN`` alike, the attention impl's ``forward`` (eve
 and the impl's Python around it), ``CPU_ATTN``'s separate ``do_kv_cache_update`` (hal's forward writes the KV
 itself) and the metadata builder's ``build`` (the per-step translation: hal's ``StepTranslator`` plus its
 ``init_forward_metadata``; CPU_ATTN's scheduler metadata). Appends one JSON line per step to the file:
-``{"tokens", "decode_only", "wall_s", "attention_s", "attention_calls", "kv_write_s", "build_s", "load"}``.
+``{"tokens", "keys", "decode_only", "wall_s", "attention_s", "attention_calls", "kv_write_s", "build_s", "load"}``;
+``keys``: the KV tokens the step's attention reads, summed over its requests (computed before the step plus
+scheduled in it), so that steps of equal work can be compared across engines.
 """
 
 import importlib.abc
@@ -35,6 +37,16 @@ def _timed(cls, name: str, key: str, calls: str | None = None) -> None:
     setattr(cls, name, timed)
 
 
+def _keys(scheduler_output, per_request: dict) -> int:
+    """The KV tokens a step's attention reads: each request's tokens computed before the step plus those it
+    schedules (vLLM's ``SchedulerOutput``: new requests carry ``num_computed_tokens``, cached ones a list)."""
+    computed = {r.req_id: r.num_computed_tokens for r in getattr(scheduler_output, "scheduled_new_reqs", [])}
+    cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+    if cached is not None:
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+    return sum(computed.get(req, 0) + n for req, n in per_request.items())
+
+
 def _steps(runner_cls) -> None:
     original = runner_cls.execute_model
 
@@ -51,6 +63,7 @@ def _steps(runner_cls) -> None:
             if tokens > 0:
                 record = {
                     "tokens": tokens,
+                    "keys": _keys(scheduler_output, per_request),
                     "decode_only": all(n == 1 for n in per_request.values()),
                     "wall_s": wall,
                     **_step,
