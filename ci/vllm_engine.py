@@ -3,7 +3,8 @@
     HAL_VLLM=1 python ci/vllm_engine.py MODEL --spec SPEC.json --out OUT.json     # hal (HAL_VLLM=0: CPU_ATTN)
 
 ``SPEC.json`` holds ``workload``, a list of phases, each a list of requests
-``{"prompt_token_ids": [...], "max_tokens": n}``, and ``engine_args`` over :data:`ENGINE_ARGS`. A phase is
+``{"prompt_token_ids": [...], "max_tokens": n}`` (``"prompt_logprobs": true``: also each prompt token's
+log-probability given the tokens before it), and ``engine_args`` over :data:`ENGINE_ARGS`. A phase is
 one ``LLM.generate`` call (all its requests queued at once: with ``max_num_seqs`` below their number,
 requests join running batches as others finish); phases run in order on one engine (a later phase finds an
 earlier one's prompts in the prefix cache). Greedy, EOS ignored, special tokens kept. ``OUT.json``: per
@@ -63,7 +64,13 @@ def run(model: str, workload: list[list[dict]], engine_args: dict | None = None)
     for phase in workload:
         prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in phase]
         params = [
-            SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True, skip_special_tokens=False)
+            SamplingParams(
+                max_tokens=r["max_tokens"],
+                temperature=0.0,
+                ignore_eos=True,
+                skip_special_tokens=False,
+                prompt_logprobs=0 if r.get("prompt_logprobs") else None,
+            )
             for r in phase
         ]
         t0 = time.perf_counter()
@@ -76,9 +83,17 @@ def run(model: str, workload: list[list[dict]], engine_args: dict | None = None)
                     "text": out.outputs[0].text,
                     "cached_tokens": out.num_cached_tokens or 0,
                     "prompt_tokens": len(out.prompt_token_ids),
+                    **({"prompt_logprobs": _prompt_logprobs(out)} if out.prompt_logprobs is not None else {}),
                 }
             )
     return {"results": results, "start_s": started - start, "phase_s": phases}
+
+
+def _prompt_logprobs(out) -> list[float]:
+    """The log-probability the model gave each prompt token after the tokens before it (teacher-forced: one
+    kernel's rounding cannot compound into different tokens), from the second token on."""
+    ids = out.prompt_token_ids
+    return [float(out.prompt_logprobs[i][ids[i]].logprob) for i in range(1, len(ids))]
 
 
 def run_in_subprocess(
@@ -106,14 +121,29 @@ def run_in_subprocess(
         timeout=timeout,
     )
     log = done.stdout + done.stderr
-    if done.returncode != 0:
+    if done.returncode != 0 and not _aborted_after_results(done.returncode, log, out):
         error = RuntimeError(f"vLLM engine ({attention}) failed with {done.returncode}:\n{log[-6000:]}")
         error.log = log  # the whole engine output: a refusal raised in a worker is far from the tail
         raise error
     with open(out) as f:
         result = json.load(f)
     result["log"] = log
+    if done.returncode != 0:
+        result["exit"] = f"aborted at interpreter exit ({done.returncode}) after writing its results"
     return result
+
+
+def _aborted_after_results(returncode: int, log: str, out: str) -> bool:
+    """Whether the engine's Python aborted in its teardown, after :func:`main` wrote every result: vLLM 0.32's CPU
+    engine now and then ends in ``std::terminate`` ("terminate called without an active exception", SIGABRT) once
+    the engine has shut down, with CPU_ATTN as with hal. Any other failure, or results not all written, is one."""
+    if returncode != -6 or "terminate called without an active exception" not in log[-2000:]:
+        return False
+    try:
+        with open(out) as f:
+            return "results" in json.load(f)
+    except (OSError, ValueError):
+        return False
 
 
 def main(argv=None) -> None:
