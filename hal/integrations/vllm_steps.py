@@ -474,7 +474,10 @@ def vllm_layer(
             "(encoder-only layers keep no paged cache in vLLM; cross attention reads the encoder's)"
         )
     if alibi_slopes is not None:
-        raise UnsupportedError(f"layer {layer_id}: ALiBi slopes: hal's attention has no positional biases")
+        raise UnsupportedError(
+            f"layer {layer_id}: ALiBi slopes: hal's attention has no positional biases; vLLM's own backend serves "
+            "this model (unset HAL_VLLM, or leave out --attention-backend CUSTOM)"
+        )
     window = -1 if sliding_window is None or sliding_window <= 0 else int(sliding_window) - 1
     return hal.AttentionLayer(
         layer_id=layer_id,
