@@ -121,13 +121,15 @@ def _assert_equals_transformers(model: str, workload, outputs: list[list[int]]) 
         assert got == out[0, ids.shape[1] :].tolist(), f"request {i} ({ids.shape[1]} prompt tokens)"
 
 
-def _assert_hal_served(run: dict, device: str = "cpu", backend: str = "torch") -> None:
+def _assert_hal_served(run: dict, device: str = "cpu", backend: str = "torch") -> str:
+    """Asserts the engine's start-up line says hal served (with the compiled kernels on the CPU); returns it."""
     line = next((x for x in run["log"].splitlines() if "serves vLLM's attention" in x), None)
     assert line is not None, run["log"][-3000:]
     assert f"hal device {device}, backend {backend}, forward paths " in line, line
     if device == "cpu":  # the compiled kernels serve (one fused call a layer), and the log names their path
         assert line.endswith("forward paths fused/checked"), line
         assert f"hal backend {backend}: compiled kernels, " in run["log"], run["log"][-3000:]
+    return line
 
 
 def _assert_prefix_cache_hits(run: dict, workload) -> None:
@@ -226,8 +228,7 @@ def test_bf16_is_as_accurate_as_cpu_attn(models, tmp_path_factory, arch):
     reference = _run(models[arch], "CPU_ATTN", work, tmp_path_factory)  # fp32
     hal_run = _run(models[arch], "hal", work, tmp_path_factory, bf16)
     ref_run = _run(models[arch], "CPU_ATTN", work, tmp_path_factory, bf16)
-    _assert_hal_served(hal_run)
-    assert "bf16" in next(x for x in hal_run["log"].splitlines() if "serves vLLM's attention" in x)
+    assert "bf16" in _assert_hal_served(hal_run)
     assert [len(r["prompt_logprobs"]) for r in hal_run["results"]] == [len(p) - 1 for p in prompts]
     hal_gap, ref_gap = _mean_gap(hal_run, reference), _mean_gap(ref_run, reference)
     assert ref_gap > 0.01, f"{arch}: CPU_ATTN's bf16 engine equals its fp32 one ({ref_gap}): bf16 did not run"
