@@ -38,14 +38,16 @@ def _next_minor(version: str) -> str:
     return f"{major}.{int(minor) + 1}.0"
 
 
-def moved_names(module: str, moved: Mapping[str, str]) -> Callable[[str], object]:
-    """A module ``__getattr__`` serving ``moved`` (old name -> ``"new.module:new_name"``) with a warning."""
+def moved_names(module: str, moved: Mapping[str, str], since: str = "0.2.0") -> Callable[[str], object]:
+    """A module ``__getattr__`` serving ``moved`` (old name -> ``"new.module:new_name"``) with a warning (deprecated
+    since hal ``since``). The new module is imported on first use: a moved name may point up its package (an old
+    name kept on a module the new home imports) without an import circle."""
 
     def __getattr__(name: str):
         if name not in moved:
             raise AttributeError(f"module {module!r} has no attribute {name!r}")
         target_module, _, target = moved[name].partition(":")
-        warn_renamed(f"{module}.{name}", f"{target_module}.{target}")
+        warn_renamed(f"{module}.{name}", f"{target_module}.{target}", since=since)
         return getattr(importlib.import_module(target_module), target)
 
     return __getattr__

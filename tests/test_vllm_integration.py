@@ -586,7 +586,7 @@ def test_registration_is_opt_in():
     """Without HAL_VLLM vLLM's CPU backend stays its own; with it, CPU_ATTN resolves to hal and MLA keeps vLLM's."""
     code = (
         "from vllm.v1.attention.backends.registry import AttentionBackendEnum as E\n"
-        "from hal.integrations.vllm import vllm_plugin\n"
+        "from hal.integrations.vllm_plugin import vllm_plugin\n"
         "vllm_plugin()\n"
         "print(E.CPU_ATTN.get_path()); print(E.CUSTOM.get_path()); print(E.CPU_MLA.get_path())\n"
     )

@@ -22,7 +22,7 @@ import torch
 
 from hal.capability import DeviceCapability
 from hal.config import AttentionConfig
-from hal.deprecation import warn_renamed
+from hal.deprecation import moved_names
 from hal.kernels import npu as npu_ops
 from hal.kv_layouts import FRACTAL_NZ, kv_layout
 from hal.layer import AttentionLayer
@@ -511,12 +511,6 @@ def _mla_graph_reasons(config: AttentionConfig, capability: DeviceCapability) ->
     return reasons
 
 
-def __getattr__(name: str):
-    """``AscendRouting``, once the routing mixin of ``AscendBackend``: deprecated since hal 0.4.0 (goes in 0.5.0);
-    it answers with ``AscendBackend``, whose classmethods answer with this module's functions."""
-    if name != "AscendRouting":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from .ascend_backend import AscendBackend
-
-    warn_renamed(f"{__name__}.AscendRouting", "hal.devices.npu.ascend_backend.AscendBackend", since="0.4.0")
-    return AscendBackend
+# ``AscendRouting``, once the routing mixin of ``AscendBackend``: deprecated since hal 0.4.0 (goes in 0.5.0); it
+# answers with ``AscendBackend``, whose classmethods answer with this module's functions.
+__getattr__ = moved_names(__name__, {"AscendRouting": "hal.devices.npu.ascend_backend:AscendBackend"}, since="0.4.0")

@@ -27,7 +27,7 @@ import os
 import torch
 
 from hal.batch import ForwardBatch, ForwardMode
-from hal.commands.bench import device_facts, time_ms
+from hal.commands.bench_timing import device_facts, time_ms
 from hal.config import AttentionConfig
 from hal.graph import HostReadCounter
 from hal.kv_cache import PagedKVPool, ReqToTokenPool

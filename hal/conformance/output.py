@@ -20,6 +20,7 @@ import torch
 from hal.batch import ForwardMode
 from hal.conformance.builder import build
 from hal.conformance.compare import check_cache, check_output, describe
+from hal.conformance.targets import _backend_for, _first_servable, _record
 from hal.errors import InvalidBatchError
 
 __all__ = ["OUT_LAYOUTS", "OUT_REFUSALS", "output_buffer"]
@@ -44,12 +45,6 @@ def output_buffer(
     return (whole if layout == "flat" else whole.view(rows, heads, v_dim)), whole
 
 
-def _servable(target, mode: ForwardMode):
-    from hal.conformance.suite import _first_servable
-
-    return _first_servable(target, mode)
-
-
 @pytest.mark.hal_family("out_buffer")
 @pytest.mark.parametrize("layout", OUT_LAYOUTS)
 @pytest.mark.parametrize("mode", _MODES, ids=lambda m: m.name)
@@ -57,9 +52,7 @@ def test_out_buffer_receives_the_rows_in_place(hal_target, mode, layout, request
     """``forward(out=)``: rows ``[:T]`` equal the reference, the return value is a view of the buffer, the KV lands
     as without ``out``, and every other byte of the allocation (rows past ``T``, the padding past each strided
     row) keeps its value."""
-    from hal.conformance.suite import _backend_for, _record
-
-    case = _servable(hal_target, mode)
+    case = _first_servable(hal_target, mode)
     case = replace(case, name=f"{case.name}_out_{layout}")
     _record(request, case, "out_buffer")
     backend = _backend_for(hal_target, case)
@@ -99,9 +92,7 @@ def _bad_buffer(problem: str, built) -> torch.Tensor:
 def test_an_output_buffer_the_kernel_cannot_write_is_refused(hal_target, problem, request):
     """A buffer of another dtype, too few rows, a strided last dimension, or sharing memory with ``q`` or the
     layer's KV cache: ``InvalidBatchError`` naming ``out``, with no KV written."""
-    from hal.conformance.suite import _backend_for, _record
-
-    case = _servable(hal_target, ForwardMode.EXTEND)
+    case = _first_servable(hal_target, ForwardMode.EXTEND)
     case = replace(case, name=f"{case.name}_bad_out_{problem}")
     _record(request, case, "out_buffer")
     backend = _backend_for(hal_target, case)

@@ -21,7 +21,6 @@ import torch
 
 from hal.batch import ForwardBatch, ForwardMode, SpecInfo
 from hal.conformance.cases import (
-    CASES,
     Built,
     Case,
     build,
@@ -43,22 +42,10 @@ from hal.conformance.padding import (  # noqa: F401 (collected as this suite's t
     test_padding_slots_write_nothing,
     test_padding_slots_write_nothing_mla,
 )
+from hal.conformance.targets import _backend_for, _first_servable, _record
 from hal.errors import InvalidBatchError, KVCacheError
 from hal.graph import GraphRunner
 from hal.kernels import reference
-
-
-def _backend_for(target, case: Case, graph: bool = False):
-    reasons = target.backend.unsupported_reasons(case.config(graph=graph), target.capability)
-    if reasons:
-        pytest.skip(f"{target.id} declares it cannot serve {case.id}: " + "; ".join(reasons))
-    return target.create(case.config(graph=graph))
-
-
-def _record(request, case: Case, family: str | None = None) -> None:
-    """Tell ``hal check`` which case a test chose at run time (page size, dtype, KV cache dtype)."""
-    detail = {"case": case.id, "page_size": case.page_size, "dtype": case.dtype_name, "kv_dtype": case.kv_dtype_name}
-    request.node.user_properties.append(("hal_case_detail", {**detail, "family": family}))
 
 
 def assert_result(built: Built, out: torch.Tensor | None, expected=None, rows=None, skip_padding_page=False) -> None:
@@ -118,18 +105,6 @@ def test_forward_matches_reference(hal_target, hal_case, request):
         out = backend.forward(built.q, built.k, built.v, built.layer, built.batch, **built.forward_kwargs)
         _record_routes(request, hal_target, backend, hal_case, built)
     assert_result(built, out)
-
-
-def _first_servable(target, mode: ForwardMode, prefix: bool = True) -> Case:
-    """The first plain case of ``mode`` (with a cached prefix) the target declares it can serve."""
-    for case in cases_for(target.backend, CASES, target.capability):
-        if case.mode != mode or case.family not in ("basic", "paged", "page_boundaries"):
-            continue
-        if prefix and not all(p > 0 for p, _ in case.requests[:1]):
-            continue
-        if not target.backend.unsupported_reasons(case.config(), target.capability):
-            return case
-    pytest.skip(f"{target.id} declares it can serve no plain {mode.name} case")
 
 
 _MODES = [ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY]

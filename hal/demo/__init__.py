@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import argparse
 
-from hal.kv_dtypes import COMPUTE_DTYPES
+from hal.demo.model import DTYPES
 
 __all__ = ["add_arguments", "run_demo", "DTYPES"]
-
-# The model dtypes the demo serves (--dtype): the compute dtypes but fp16, which it never runs on a CPU.
-DTYPES = {name: dtype for name, dtype in COMPUTE_DTYPES.items() if name != "fp16"}
 
 
 def _int_list(text: str) -> list[int]:

@@ -17,9 +17,22 @@ import torch
 import torch.nn.functional as F
 
 from hal.errors import ConfigError, expect
+from hal.kv_dtypes import COMPUTE_DTYPES
 from hal.layer import AttentionLayer
 
-__all__ = ["ModelShape", "llama_config", "random_weights", "LlamaModel", "WeightInit", "rms_norm", "rope_tables"]
+__all__ = [
+    "DTYPES",
+    "ModelShape",
+    "llama_config",
+    "random_weights",
+    "LlamaModel",
+    "WeightInit",
+    "rms_norm",
+    "rope_tables",
+]
+
+# The model dtypes the demo serves (--dtype): the compute dtypes but fp16, which it never runs on a CPU.
+DTYPES = {name: dtype for name, dtype in COMPUTE_DTYPES.items() if name != "fp16"}
 
 
 @dataclass(frozen=True)

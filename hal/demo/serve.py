@@ -16,13 +16,12 @@ from hal.config import AttentionConfig
 from hal.errors import ConfigError, expect
 from hal.kv_dtypes import kv_dtype as kv_dtype_row
 
-from . import DTYPES
 from . import tp as tp_mod
 from .core import make_graph, make_pools, select_backend
 from .engine import Engine, ModelGraphRunner, Request
 from .families import Family, family
 from .kv_quant import agreement, calibrated_scales, kv_cache_dtype
-from .model import ModelShape
+from .model import DTYPES, ModelShape
 
 __all__ = ["serve", "make_requests", "build"]
 

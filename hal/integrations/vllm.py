@@ -16,7 +16,7 @@ backend declares graphs, vLLM's full graphs of decode steps are served through h
 (:func:`graph_support`, :class:`~hal.integrations.vllm_steps.GraphDecodeSteps`).
 
 Opt-in (installing hal changes nothing in vLLM): hal's ``vllm.general_plugins`` entry point
-(:func:`vllm_plugin`, run by vLLM in every process) registers
+(:func:`hal.integrations.vllm_plugin.vllm_plugin`, run by vLLM in every process) registers
 
 * ``CUSTOM`` -> hal, unless something else already did: ``--attention-backend CUSTOM`` on platforms
   that honour it (CUDA, ROCm);
@@ -62,6 +62,7 @@ except ImportError as _exc:
 import torch  # noqa: E402
 
 import hal  # noqa: E402
+from hal.deprecation import moved_names  # noqa: E402
 from hal.errors import ConfigError, HalError, UnsupportedError, expect  # noqa: E402
 from hal.integrations.vllm_steps import (  # noqa: E402
     VLLM_KV_CACHE_DTYPES,
@@ -85,7 +86,6 @@ __all__ = [
     "HalAttentionImpl",
     "HalAttentionMetadata",
     "graph_support",
-    "vllm_plugin",
     "register",
     "enabled",
 ]
@@ -839,18 +839,5 @@ def register(cpu: bool = True) -> list[str]:
     return served
 
 
-def vllm_plugin() -> None:
-    """vLLM's general plugin (entry point group ``vllm.general_plugins``, loaded in every vLLM process):
-    ``CUSTOM`` -> hal always (used only when a user names it); ``CPU_ATTN`` -> hal only with ``HAL_VLLM=1``, except on
-    vllm-ascend's platform, whose own selection hal's route wraps instead (:mod:`hal.integrations.vllm_ascend`)."""
-    from hal.integrations import vllm_ascend
-
-    served = register(cpu=enabled() and not vllm_ascend.install())
-    if "CPU_ATTN" in served:
-        logger.info(
-            "hal: %s=1: vLLM's %s attention is served by hal (hal %s); MLA models keep vLLM's CPU_MLA / AMX_MLA and "
-            "encoder-only layers its CPU_ATTN",
-            ENV,
-            "/".join(served),
-            hal.__version__,
-        )
+# hal.integrations.vllm_plugin imports this module and vllm_ascend, which imports this module too.
+__getattr__ = moved_names(__name__, {"vllm_plugin": "hal.integrations.vllm_plugin:vllm_plugin"}, since="0.4.0")
