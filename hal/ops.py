@@ -5,7 +5,12 @@ the device's Triton target allow, else :mod:`hal.kernels.reference`; both have `
 ``build_kv_indices`` and ``compute_positions``. The old names below still work, with a warning.
 """
 
+from typing import TYPE_CHECKING
+
 from hal.deprecation import moved_names
+
+if TYPE_CHECKING:  # the new homes, for the import contracts (moved_names imports them on first use)
+    from hal import backend, kernels  # noqa: F401
 
 __getattr__ = moved_names(
     __name__,

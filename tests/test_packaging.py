@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.metadata
+import importlib.util
 import re
 import shutil
 import subprocess
@@ -233,6 +234,20 @@ def test_wheel_holds_every_package_and_the_entry_points(wheel):
         assert re.search(rf"^{name} = hal\.devices\.{name}:device$", entry_points, re.MULTILINE)
     assert re.search(r"^hal_conformance = hal\.conformance\.plugin$", entry_points, re.MULTILINE)
     assert re.search(r"^hal = hal\.commands\.cli:main$", entry_points, re.MULTILINE)
+
+
+def test_the_import_contracts_read_the_tree_as_the_wheel_lays_it_out(wheel, tmp_path):
+    """ci/import_contracts.py runs lint-imports on a copy of the tree staged as the wheel holds it (grimp scans
+    the package's directory, so it must hold hal/devices and hal/kernels): the same modules."""
+    pytest.importorskip("importlinter")
+    spec = importlib.util.spec_from_file_location("import_contracts", ROOT / "ci" / "import_contracts.py")
+    contracts = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("import_contracts", contracts)
+    spec.loader.exec_module(contracts)
+    staged = contracts.stage(tmp_path)
+    with zipfile.ZipFile(wheel) as zf:
+        in_wheel = {n for n in zf.namelist() if n.endswith(".py")}
+    assert {p.relative_to(staged).as_posix() for p in staged.rglob("*.py")} == in_wheel
 
 
 def test_demo_and_bench_import_without_pytest():
