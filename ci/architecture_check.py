@@ -129,6 +129,14 @@ def _spelling(node: ast.AST, parents: dict[int, ast.AST]) -> str:
     return literal
 
 
+def _loader(func: ast.expr, loaders: set[str]) -> bool:
+    """Whether ``func`` is ``import_module`` or ``__import__``: by any module (``importlib.``, ``builtins.``), or a
+    name bound to one (``from importlib import import_module as load``, ``load = importlib.import_module``)."""
+    if isinstance(func, ast.Attribute):
+        return func.attr in ("import_module", "__import__")
+    return isinstance(func, ast.Name) and func.id in loaders
+
+
 def module_name(path: str) -> str:
     """``hal/x/y.py`` -> ``hal.x.y``; ``kernels/cpu/__init__.py`` -> ``hal.kernels.cpu``."""
     parts = path.removesuffix(".py").removesuffix("/__init__").split("/")
@@ -154,14 +162,21 @@ def check_source(path: str, source: str, devices: tuple[str, ...], shared: dict[
             found.append((line, "device", what))
 
     # imports first: the aliases they bind are read below
-    for node in sorted(nodes, key=lambda n: not isinstance(n, (ast.Import, ast.ImportFrom))):
+    for node in sorted(
+        nodes, key=lambda n: (not isinstance(n, (ast.Import, ast.ImportFrom)), not isinstance(n, ast.Assign))
+    ):
         line = getattr(node, "lineno", 0)
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
             device(line, _spelling(node, parents), node.value)
         elif isinstance(node, ast.Attribute):
             called = isinstance(parents.get(id(node)), ast.Call) and parents[id(node)].func is node
             device(line, f".{node.attr}{'()' * called}", node.attr)
-            owner = aliases.get(node.value.id) if isinstance(node.value, ast.Name) else None
+            owner, chain = node.value, []  # hal.registry.X: the module the attribute is read from
+            while isinstance(owner, ast.Attribute):
+                owner, chain = owner.value, [owner.attr, *chain]
+            owner = (
+                ".".join([aliases[owner.id], *chain]) if isinstance(owner, ast.Name) and owner.id in aliases else None
+            )
             if (owner, node.attr) in shared and names_devices:
                 found.append((line, "device", f"{ast.unparse(node)} (names {shared[owner, node.attr]})"))
         elif isinstance(node, ast.Name):
@@ -187,26 +202,20 @@ def check_source(path: str, source: str, devices: tuple[str, ...], shared: dict[
                     aliases[alias.name.partition(".")[0]] = alias.name.partition(".")[0]
                 if (base, alias.name) in shared and names_devices:
                     found.append((line, "device", f"import {target} (names {shared[base, alias.name]})"))
-                if target == "importlib.import_module":
+                if target in ("importlib.import_module", "builtins.__import__"):
                     loaders.add(alias.asname or alias.name)
+        elif isinstance(node, ast.Assign) and _loader(node.value, loaders):  # load = importlib.import_module
+            loaders |= {t.id for t in node.targets if isinstance(t, ast.Name)}
         elif isinstance(node, ast.Call):
             func = node.func
-            owner = (
-                aliases.get(func.value.id)
-                if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
-                else None
-            )
-            loader = (isinstance(func, ast.Name) and func.id in loaders) or (
-                owner == "importlib" and func.attr == "import_module"
-            )
-            if loader and node.args:
-                arg = node.args[0]
-                if isinstance(arg, ast.Name) and len(constants.get(arg.id, [])) == 1:
-                    string_imports.append((line, constants[arg.id][0]))
-                elif isinstance(arg, ast.Constant) and isinstance(arg.value, str):
-                    string_imports.append((line, arg.value))
+            name = next(iter([*node.args[:1], *(k.value for k in node.keywords if k.arg == "name")]), None)
+            if _loader(func, loaders) and name is not None:
+                if isinstance(name, ast.Name) and len(constants.get(name.id, [])) == 1:
+                    string_imports.append((line, constants[name.id][0]))
+                elif isinstance(name, ast.Constant) and isinstance(name.value, str):
+                    string_imports.append((line, name.value))
                 else:
-                    found.append((line, "import_module", f"{ast.unparse(func)}({ast.unparse(arg)})"))
+                    found.append((line, "import_module", f"{ast.unparse(func)}({ast.unparse(name)})"))
             elif getattr(func, "id", getattr(func, "attr", "")) == "moved_names":
                 tables = [a for a in node.args if isinstance(a, ast.Dict)]
                 string_imports += [

@@ -201,6 +201,8 @@ def test_a_device_table_defined_in_an_exempt_module_is_found_where_it_is_read():
     assert _found("hal/selection.py", "from hal.capability import ACCELERATORS\nok = t in ACCELERATORS", shared)
     assert _found("hal/selection.py", "from hal import capability\nok = t in capability.ACCELERATORS", shared)
     assert _found("hal/selection.py", "import hal.capability as c\nok = t in c.ACCELERATORS", shared)
+    assert _found("hal/selection.py", "import hal.capability\nok = t in hal.capability.ACCELERATORS", shared)
+    assert _found("hal/selection.py", "from hal.registry import BUILTIN_DEVICES\nok = t in BUILTIN_DEVICES")
     assert _found("hal/selection.py", "from .capability import ACCELERATORS as A\nok = t in A", shared)
     assert _found("hal/capability.py", capability, shared) == []  # exempt where it is defined
     assert _found("hal/selection.py", "from hal.capability import ACCELERATORS") == []  # no device table today
@@ -227,6 +229,10 @@ def test_the_exceptions_are_narrow():
         "import importlib as il\nops = il.import_module(NAMES[name])",
         "ops = __import__(name)",
         "ops = __import__(f'hal.{name}')",
+        "import importlib\nload = importlib.import_module\nops = load(name)",
+        "import importlib\nops = importlib.import_module(name=name)",
+        "import builtins\nops = builtins.__import__(name)",
+        "from builtins import __import__ as imp\nops = imp(name)",
     ],
 )
 @pytest.mark.parametrize("path", ["kernels/triton/decode.py", "kernels/npu/loaders.py", "hal/selection.py"])
