@@ -28,6 +28,8 @@ def _load(name: str):
     return module
 
 
+if sys.version_info < (3, 11):
+    pytest.skip("the checks read pyproject.toml with tomllib; import-linter needs Python 3.11", allow_module_level=True)
 check = _load("architecture_check")
 DEVICES = check.device_names()
 TREE = check.source_tree()
@@ -41,8 +43,6 @@ def contracts():
     """``run(tmp_path, {path: source})`` stages the tree with those files planted (a source starting with ``+`` is
     appended to the file's own) and returns the ids of the contracts ``lint-imports`` finds broken."""
     pytest.importorskip("importlinter")
-    if sys.version_info < (3, 11):
-        pytest.skip("import-linter needs Python 3.11")
     import tomllib
 
     contract_module = _load("import_contracts")

@@ -839,5 +839,6 @@ def register(cpu: bool = True) -> list[str]:
     return served
 
 
-# hal.integrations.vllm_plugin imports this module and vllm_ascend, which imports this module too.
+# vllm_plugin lives in hal.integrations.vllm_plugin, which imports this module (and vllm_ascend, which imports it
+# too): its old name here is served on first use.
 __getattr__ = moved_names(__name__, {"vllm_plugin": "hal.integrations.vllm_plugin:vllm_plugin"}, since="0.4.0")
