@@ -150,7 +150,13 @@ def check_source(path: str, source: str, devices: tuple[str, ...], shared: dict[
     nodes = list(ast.walk(module))
     parents = {id(child): node for node in nodes for child in ast.iter_child_nodes(node)}
     docstrings = {id(n.value) for n in nodes if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
-    constants = _constants(module)
+    literals = {  # module-level names bound to one string
+        t.id: n.value.value
+        for n in module.body
+        if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)
+        for t in n.targets
+        if isinstance(t, ast.Name)
+    }
     name = module_name(path)
     package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
     names_devices = path.startswith("hal/") or not any(path.startswith(f"kernels/{d}/") for d in devices)
@@ -161,7 +167,7 @@ def check_source(path: str, source: str, devices: tuple[str, ...], shared: dict[
         if names_devices and _names_device(text, devices):
             found.append((line, "device", what))
 
-    # imports first: the aliases they bind are read below
+    # imports, then assignments first: the aliases and loaders they bind are read below
     for node in sorted(
         nodes, key=lambda n: (not isinstance(n, (ast.Import, ast.ImportFrom)), not isinstance(n, ast.Assign))
     ):
@@ -210,8 +216,8 @@ def check_source(path: str, source: str, devices: tuple[str, ...], shared: dict[
             func = node.func
             name = next(iter([*node.args[:1], *(k.value for k in node.keywords if k.arg == "name")]), None)
             if _loader(func, loaders) and name is not None:
-                if isinstance(name, ast.Name) and len(constants.get(name.id, [])) == 1:
-                    string_imports.append((line, constants[name.id][0]))
+                if isinstance(name, ast.Name) and name.id in literals:
+                    string_imports.append((line, literals[name.id]))
                 elif isinstance(name, ast.Constant) and isinstance(name.value, str):
                     string_imports.append((line, name.value))
                 else:
