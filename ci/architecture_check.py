@@ -53,26 +53,18 @@ def device_names(root: Path = ROOT) -> tuple[str, ...]:
     return tuple(sorted({*builtin, *entry_points}))
 
 
-# the host entries of ALLOWED allow no finding that also names another device
-OTHER_THAN_HOST = rf"(?i)(?!.*({'|'.join(d for d in device_names() if d != 'cpu')}))"
-HOST = r"\.to\('cpu'\)|device='cpu'|\.cpu\(\)|'\.cpu\(\)'|\.cpu_count\(\)"  # "cpu" as the host: memory, cores
+# "cpu" as the host (its memory, its cores), in a finding that names no other device
+HOST = rf"(?i)(?!.*({'|'.join(d for d in device_names() if d != 'cpu')}))"
+HOST_COPY = r"\.to\('cpu'\)|device='cpu'|\.cpu\(\)|'\.cpu\(\)'|\.cpu_count\(\)"
+HOST_MIRROR = r"(?!.*\bis_cpu).*_cpu(\b|_).*"  # seq_lens_cpu, seq_lens_cpu_upper_bound; not is_cpu
+SGLANG_MEMBERS = r"(def |argument |\.)?\w*(cuda_graph|needs_cpu)\w*(\(\)|=)?"  # init_cuda_graph_state...
 ALLOWED = (
     Allowed("device", "hal/capability.py", ".*", "the probes' shared helpers, resolve_device, host facts"),
     Allowed("device", "hal/registry.py", ".*", "the registry lists the built-in devices"),
     Allowed("device", "hal/integrations/", ".*", "an engine's adapter speaks its engine's device strings"),
-    Allowed("device", "", HOST, "'cpu' as the host: .to('cpu'), device='cpu', .cpu(), os.cpu_count()"),
-    Allowed(
-        "device",
-        "",
-        OTHER_THAN_HOST + r"(?!.*\bis_cpu).*_cpu\b.*",
-        "a *_cpu field is a host mirror (SGLang's seq_lens_cpu)",
-    ),
-    Allowed(
-        "device",
-        "hal/",
-        r"(def |argument |\.)?\w*(cuda_graph|needs_cpu)\w*(\(\)|=)?",
-        "SGLang's member names that the contract keeps",
-    ),
+    Allowed("device", "", HOST_COPY, "host memory and cores: .to('cpu'), device='cpu', .cpu(), os.cpu_count()"),
+    Allowed("device", "", HOST + HOST_MIRROR, "a *_cpu field is a host mirror (SGLang's, vLLM's batch fields)"),
+    Allowed("device", "hal/", SGLANG_MEMBERS, "SGLang's member names that the contract keeps"),
     Allowed("device", "hal/graph_guard.py", r"\.cpu", "refuses host copies in a graph (torch.Tensor.cpu)"),
     Allowed("device", "hal/commands/lint.py", r"(dict key|compares with) 'cpu'", "hal lint finds host copies"),
     Allowed("device", "hal/conformance/runner.py", r".*(host_cpu|'cpu|torch.npu').*", "the host and library versions"),

@@ -187,6 +187,7 @@ def test_the_device_rule_finds_each_spelling_in_the_core(source):
         "host = t.cpu()",
         "n = os.cpu_count()",
         "lens = fb.seq_lens_cpu",
+        "bound = meta.seq_lens_cpu_upper_bound",
         "help = 'cpu, cuda, npu... (default: the best available)'",
         "def f():\n    '''cuda'''",
         "from hal.kernels import reference",
