@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hal.kernels.npu import contracts, emulation, fia_causal_mask, mla_attention, nz_mask, nz_pages, paged_prefill
 from hal.errors import UnsupportedError
+from hal.kernels.npu import contracts, emulation, fia_causal_mask, mla_attention, nz_mask, nz_pages, paged_prefill
 from hal.kernels.npu.contracts import ALL_CHIPS, CONSTRAINTS, available
 
 NPU = emulation.torch_npu
@@ -453,8 +453,8 @@ def test_310p_batch_limit_counts_requests_and_hal_splits_larger_batches(monkeypa
     with emulation.chip("310P"):
         kc = nz_pages(NPU, nd)
         with pytest.raises(ValueError, match="a batch of 2049 requests.*0<batch<=2048"):
-            ops.paged_decode(NPU, torch.zeros(2049, heads, dim, dtype=torch.float16), kc, kc,
-                             torch.zeros(2049, 1, dtype=torch.int32), [1] * 2049, scale=0.1, num_kv_heads=heads)  # fmt: skip
+            q, table = torch.zeros(2049, heads, dim, dtype=torch.float16), torch.zeros(2049, 1, dtype=torch.int32)
+            ops.paged_decode(NPU, q, kc, kc, table, [1] * 2049, scale=0.1, num_kv_heads=heads)
     monkeypatch.setattr(emulation, "ATB_310P_MAX_BATCH", 2)  # a small stand-in limit: the emulation computes it
     g = torch.Generator().manual_seed(0)
     pages = torch.randn(5, block, heads, dim, generator=g).half()
