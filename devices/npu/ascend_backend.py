@@ -6,12 +6,14 @@ of the backend's (the ops' limits: ``hal.kernels.npu.limits``, their sources: ``
 table: docs/hardware-contracts.md); the backend owns its captured graph tasks (``graph_tasks.GraphTasks``).
 
 * DECODE: ``npu_fused_infer_attention_score`` (TND, paged) where it serves the layer (A2/A3/A5), a window as band
-  mode 4 with a padding row per request (the op ignores the band at one query token); otherwise
+  mode 4 with a padding row per request (the op ignores the band at one query token), and so a request over more
+  than 262144 keys (the op's Q_S = 1 limit; 310P's ATB calls go in pieces of <= 2048 requests); otherwise
   ``_npu_paged_attention`` (:func:`~hal.kernels.npu.paged_decode`), or with a window
   ``_npu_paged_attention_splitfuse`` (:func:`~hal.kernels.npu.paged_mixed`) with a windowed mask.
 * EXTEND / DRAFT_EXTEND: FIA (:func:`~hal.kernels.npu.paged_prefill`, ``sparse_mode`` 3 causal / 4 window /
-  0 non-causal) when it can serve the layer (page size a multiple of 128 in [128, 512], head dim 128 or 192:
-  ``hal.kernels.npu.limits.FIA_TND_HEAD_DIMS``); otherwise splitfuse, whose mask carries causal / window /
+  0 non-causal) when it can serve the layer (page size a multiple of 128 in [128, 512], head dim 128 or 192 on
+  A2/A3, ``hal.kernels.npu.limits.FIA_TND_HEAD_DIMS``, a multiple of 16 <= 512 on A5, as vllm-ascend sends there:
+  ``fia_head_dim_reason``); otherwise splitfuse, whose mask carries causal / window /
   non-causal. ``notes()`` and ``extend_route(config)`` declare it.
 * 310P: the ATB ops read FRACTAL_NZ caches and an NZ splitfuse mask. A ``fractal_nz`` pool (the layout this
   backend prefers there: ``kv_layouts``, allocated NZ once by ``format_kv_pages``) is read in place and written with
@@ -29,8 +31,9 @@ SGLang's NPU backend, which concatenates its two caches first); every other step
 path): TND, sparse mode 3, 4 (band) for windows, 9 (tree mask) for TARGET_VERIFY, over the batch's pages copied
 apart into latent and rope caches (``mla_split``: FIA takes them as two contiguous tensors). Attention sinks
 (``forward(..., sinks=)``): ``npu_fused_infer_attention_score_v2`` with ``learnable_sink`` for decode, extend and
-mixed steps on A2/A3, the generations its product table lists (vllm-ascend ``attention_v1.py``, SGLang
-``forward_extend``/``forward_decode``); verify with sinks, and sinks on A5 and 310P, are refused with the reason.
+mixed steps on A2/A3 (its product table) and A5 (vllm-ascend calls it there with no device gate:
+``attention_v1.py``; SGLang ``forward_extend``/``forward_decode``); verify with sinks, and sinks on 310P, are refused
+with the reason.
 fp8 KV caches are off with a reason per generation (``_fp8_reason``).
 
 KV writes use the NPU ops (``save_kv``, the op ``routing.kv_write_op`` names: ``npu_scatter_pa_kv_cache``;
@@ -154,7 +157,7 @@ class AscendBackend(AttentionBackend):
     supports_logit_cap = False  # neither ATB PagedAttention nor FIA takes a soft cap
     supports_mla = True  # latent MLA (A2/A3): _npu_paged_attention_mla, FIA v2 with query_rope/key_rope
     kv_cache_dtypes = frozenset({"fp16", "bf16", "fp32"})  # no fp8: see _fp8_reason
-    supports_sinks = True  # FIA v2's learnable_sink on A2/A3 (routing refuses A5, 310P), as SGLang and vllm-ascend
+    supports_sinks = True  # FIA v2's learnable_sink on A2/A3/A5 (routing refuses 310P), as SGLang and vllm-ascend
     needs_cpu_seq_lens = True  # the ops take per-request lengths on the host
     reads_new_kv = False  # every op reads the new tokens from the cache
     # The ops read token i at offset i % block_size of block i // block_size (block tables). An eager step

@@ -414,7 +414,7 @@ CONSTRAINTS: tuple[Constraint, ...] = (
         "learnable_sink (Q_N,) bfloat16: TND only, value D <= 128, unquantised; so without rope D 64 or 128 "
         "(vllm-ascend serves gpt-oss, D = 64, so)",
         _FIA2
-        + " 'learnable_sink约束' and TND 'query D ≠ 512' (MHA D 64/128/192); "
+        + " 'learnable_sink约束' and TND 'query D ≠ 512' (MHA: 64/64/64, 128/128/128, 192/192/128); "
         + _VA
         + "vllm_ascend/attention/attention_v1.py:689-705",
         "tests/test_npu_kernels.py::test_paged_attention_sinks_adds_the_sink_to_every_denominator",

@@ -95,10 +95,10 @@ __all__ = [
     "nz_pages",
     "nz_mask",
 ]
-_VLLM_ASCEND = "https://github.com/vllm-project/vllm-ascend/blob/main/vllm_ascend/attention/attention_v1.py"
+_VLLM_ASCEND = "https://github.com/vllm-project/vllm-ascend/blob/182b75e/vllm_ascend/attention/attention_v1.py"
 _SGLANG = "https://github.com/sgl-project/sglang/blob/main/python/sglang/srt/layers/attention/ascend_backend.py"
 _FIA_DOC = (
-    "https://github.com/Ascend/op-plugin/blob/master/docs/zh/custom_APIs/torch_npu/"
+    "https://github.com/Ascend/op-plugin/blob/517f2e7/docs/zh/custom_APIs/torch_npu/"
     "torch_npu-npu_fused_infer_attention_score.md"
 )
 _ATB_PA_DOC = (
@@ -111,10 +111,10 @@ _ATB_RC_DOC = (
     "https://www.hiascend.com/document/detail/zh/canncommercial/80RC22/apiref/ascendtbapi/ascendtb_01_0073.html"
 )
 _FIA_V2_DOC = (
-    "https://github.com/Ascend/op-plugin/blob/master/docs/zh/custom_APIs/torch_npu/"
+    "https://github.com/Ascend/op-plugin/blob/517f2e7/docs/zh/custom_APIs/torch_npu/"
     "torch_npu-npu_fused_infer_attention_score_v2.md"
 )
-_VLLM_ASCEND_MLA = "https://github.com/vllm-project/vllm-ascend/blob/main/vllm_ascend/attention/mla_v1.py"
+_VLLM_ASCEND_MLA = "https://github.com/vllm-project/vllm-ascend/blob/182b75e/vllm_ascend/attention/mla_v1.py"
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -328,9 +328,7 @@ def write_kv(
     ops._npu_reshape_and_cache(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_indices=slots)
 
 
-_SCATTER_DOC = (
-    "https://github.com/Ascend/op-plugin/blob/master/docs/zh/custom_APIs/torch_npu/torch_npu-npu_scatter_pa_kv_cache.md"
-)
+_SCATTER_DOC = "https://github.com/Ascend/op-plugin/blob/517f2e7/docs/zh/custom_APIs/torch_npu/torch_npu-npu_scatter_pa_kv_cache.md"
 _cite(write_kv, rc=_ATB_RC_DOC, vllm=_VLLM_ASCEND, scatter=_SCATTER_DOC)
 
 
@@ -496,7 +494,7 @@ def paged_decode(
     ``op_plugin/ops/atb/PagedAttentionAtb.cpp``; ATB doc: {io}; called as in {vllm} and
     {sglang}). ``context_lens`` are the total KV lengths (host); ``out`` is written in place
     (allocated when None). ``max_batch``: at most that many requests per call (310P: ATB's "0<batch<=2048",
-    :data:`ATB_310P_MAX_BATCH`), a larger batch going in several calls.
+    ``contracts.ATB_310P_MAX_BATCH``), a larger batch going in several calls.
     """
     query = query.contiguous()
     if out is None:
@@ -604,13 +602,13 @@ def paged_mixed(
 
     ``torch_npu._npu_paged_attention_splitfuse(query, key_cache, value_cache, block_table,
     context_lens, mask, seq_len, num_kv_heads, num_heads, scale_value, out)`` (schema:
-    op-plugin ``op_plugin/ops/atb/PagedAttentionSplitfuse.cpp``; called as in {vllm}
-    ``_forward_v1_style`` and {sglang} ``forward_mixed``). ``seq_len`` = query lengths and
-    ``context_lens`` = total KV lengths, both host int32 tensors. ``mask`` defaults to
+    op-plugin ``op_plugin/ops/atb/PagedAttentionSplitfuse.cpp``; called as in vllm-ascend 182b75e
+    ``vllm_ascend/_310p/attention/attention_v1.py`` ``forward_chunked_prefill_310`` and {sglang} ``forward_mixed``).
+    ``seq_len`` = query lengths and ``context_lens`` = total KV lengths, both host int32 tensors. ``mask`` defaults to
     :func:`splitfuse_mask` built from the lengths (and ``causal`` / ``sliding_window`` /
     ``custom_mask``); pass one prebuilt per batch to avoid a host-to-device copy per layer. ``nz``: the caches are
     310P's FRACTAL_NZ ones and the (ND ``[T, W]``) mask is cast to NZ per call (:func:`nz_mask`). ``max_batch``: at
-    most that many requests per call (310P: :data:`ATB_310P_MAX_BATCH`), the batch split between requests.
+    most that many requests per call (310P: ``contracts.ATB_310P_MAX_BATCH``), the batch split between requests.
     """
     query = query.contiguous()
     if out is None:
