@@ -118,18 +118,10 @@ def attention_route(facts: StepFacts, layer: AttentionLayer, step: str, capturin
         if window >= 0:  # _npu_paged_attention has no mask: splitfuse with a windowed one
             return _splitfuse(facts, layer, ("causal", window), capturing)
         if facts.generation == "A5":
-            why = npu_ops.unsupported_reasons(
-                *(layer.head_dim, layer.v_head_dim, facts.page_size, facts.op_dtype, layer.logit_cap, window),
-                *(False, layer.causal),
-                kv_heads=layer.tp_k_head_num,
-                q_heads=layer.tp_q_head_num,
-                paths=("fia_decode",),
-                chip="A5",
-                max_kv_len=npu_ops.contracts.FIA_DECODE_MAX_KV + 1 if facts.long_kv else None,
-            )
+            why = "; ".join(_fia_reasons(facts, layer, "fia_decode"))
             return Route(
-                refused=f"ascend: decode of layer {layer.layer_id} on A5: FIA cannot serve it ({'; '.join(why)}), "
-                "and A5 has no ATB op"
+                refused=f"ascend: decode of layer {layer.layer_id} on A5: FIA cannot serve it ({why}), and A5 has no "
+                "ATB op"
             )
         return Route(PAGED, captured=capturing)  # captured: vllm-ascend's full-decode graph op
     if step == "target_verify":
@@ -153,9 +145,13 @@ def _splitfuse(facts: StepFacts, layer: AttentionLayer, mask: MaskKey, capturing
 def _fia_serves(facts: StepFacts, layer: AttentionLayer, path: str) -> bool:
     """Whether FIA (TND, paged) can run the layer's ``path`` (``extend`` / ``fia_decode``); never on 310P, which
     runs the ATB ops."""
-    if facts.generation == "310P":
-        return False
-    return not npu_ops.unsupported_reasons(
+    return facts.generation != "310P" and not _fia_reasons(facts, layer, path)
+
+
+def _fia_reasons(facts: StepFacts, layer: AttentionLayer, path: str) -> list[str]:
+    """Why FIA cannot run the layer's ``path`` on the step's chip (a decode over more than FIA's Q_S = 1 keys runs
+    at Q_S = 2: ``facts.long_kv``)."""
+    return npu_ops.unsupported_reasons(
         layer.head_dim,
         layer.v_head_dim,
         facts.page_size,
