@@ -1288,8 +1288,12 @@ def test_the_07_fake_warns_on_the_deprecated_forms_and_refuses_misaligned_tensor
     qo, kv_indptr = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
     pages, lens = torch.tensor([0], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
     shape = (2, 512, 64, 4, False, 0.1, torch.bfloat16, torch.bfloat16)
-    with pytest.warns(DeprecationWarning, match="Positional MLA arguments"):
+    with pytest.warns(DeprecationWarning) as record:
         wrapper.plan(qo, kv_indptr, pages, lens, *shape)
+    said = [str(w.message) for w in record]
+    assert any("Positional MLA arguments" in m for m in said) and any(
+        "flat BatchMLAPagedAttentionWrapper" in m for m in said
+    )
     cache = torch.randn(1, 4, 576, dtype=torch.bfloat16)
     q = torch.randn(1, 2, 576, dtype=torch.bfloat16)
     with pytest.warns(DeprecationWarning, match="Legacy MLA tensor arguments"):
