@@ -16,6 +16,7 @@ import contextlib
 import stat
 import sys
 import types
+import warnings
 from pathlib import Path
 
 import torch
@@ -207,6 +208,8 @@ __all__ = [
     "NNAL_OSERROR",
     "flashinfer_write_out",
     "flashinfer_merge_state_in_place",
+    "flashinfer_mla_07",
+    "FlashInferMLAPlanMetadata",
 ]
 
 
@@ -223,12 +226,22 @@ __all__ = [
 # * 0.6.0-0.6.3: the decode wrapper's "auto" with use_tensor_cores resolves through determine_attention_backend to
 #   fa3 on sm90, which has no fp16/bf16 query over an fp8 cache; fixed in 0.6.4 (flashinfer #2530 "pick fa2 for
 #   BatchDecodeWithPagedKVCacheWrapper auto backend", #2536 "fallback to fa2 ... (bf16 Q, Fp8 KV)").
+# * 0.7.0: the MLA wrapper's canonical form, by keyword: plan(metadata=MLAPlanMetadata.csr(...), query_layout=,
+#   kv_cache_layout=, ...), run(query=(q_nope, q_pe), kv_cache=(ckv, kpe)); positional arguments, flat plan metadata
+#   and the q_nope/ckv_cache tensor arguments each warn DeprecationWarning (flashinfer/mla/_batch_mla/_wrapper.py in
+#   the 0.7.0 wheel; the git tags read end at 0.6.18).
+# * 0.7.4 (the registry's newest, pyproject's upper bound): the FA2 MLA run raises ValueError ("Current tensor layout
+#   is unsupported by the selected fa2 MLA backend.") unless every query, cache and output tensor is 3-D, dense in its
+#   last dimension, with a 16-byte aligned data pointer and 16-byte outer strides
+#   (flashinfer/mla/_batch_mla/_backends/_fa_common.py _prepare_planned_inputs; 0.7.0 has no such check).
 FLASHINFER_RANGES = {
     "0.2.1": "0.2.1",
     "0.2.2-0.2.8": "0.2.2",
     "0.2.9-0.5.x": "0.2.9",
     "0.6.0-0.6.3": "0.6.0",
     "0.6.4-0.6.18": "0.6.4",
+    "0.7.0-0.7.3": "0.7.0",
+    "0.7.4": "0.7.4",
 }
 
 
@@ -245,7 +258,85 @@ def flashinfer_features(version: str) -> dict[str, bool]:
         "run_out": v >= (0, 2, 2),
         "decode_backend_kw": v >= (0, 2, 9),
         "decode_auto_fa3": (0, 6, 0) <= v < (0, 6, 4),
+        "mla_structural": v >= (0, 7, 0),
+        "mla_align16": v >= (0, 7, 4),
     }
+
+
+class FlashInferMLAPlanMetadata:
+    """``flashinfer.mla.MLAPlanMetadata`` (0.7+): ``csr(qo_indptr, kv_indptr, kv_indices, kv_len_arr)``."""
+
+    def __init__(self, **fields):
+        self.fields = fields
+
+    @classmethod
+    def csr(cls, qo_indptr, kv_indptr, kv_indices, kv_len_arr):
+        return cls(qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_len_arr=kv_len_arr)
+
+
+_MLA_PLAN_FLAT = ("qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr")
+_MLA_PLAN_SHAPE = (
+    "num_heads", "head_dim_ckv", "head_dim_kpe", "page_size", "causal", "sm_scale", "q_data_type", "kv_data_type",
+)  # fmt: skip
+_MLA_RUN_LEGACY = ("q_nope", "q_pe", "ckv_cache", "kpe_cache")
+# 0.7's warnings, word for word (flashinfer/mla/_batch_mla/_wrapper.py)
+_MLA_POSITIONAL = "Positional MLA arguments are deprecated; pass plan() and run() arguments by keyword instead."
+_MLA_FLAT_PLAN = (
+    "Passing flat BatchMLAPagedAttentionWrapper.plan metadata tensors is deprecated; pass "
+    "metadata=flashinfer.mla.MLAPlanMetadata.csr(...) or metadata=flashinfer.mla.MLAPlanMetadata.dense(...)."
+)
+_MLA_LEGACY_TENSORS = (
+    "Legacy MLA tensor arguments q_nope/q_pe and ckv_cache/kpe_cache are deprecated; pass query= and kv_cache= "
+    "structural values instead."
+)
+
+
+def flashinfer_mla_07(legacy: type, *, align16: bool) -> type:
+    """The 0.7 contract of ``flashinfer.mla.BatchMLAPagedAttentionWrapper`` over ``legacy`` (a fake of the 0.2-0.6
+    wrapper, whose ``plan(qo_indptr, ..., kv_data_type)`` / ``run(q_nope, q_pe, ckv_cache, kpe_cache, out=, ...)``
+    compute): the canonical keyword form served silently, the deprecated forms served with their warnings, and
+    (``align16``, 0.7.4) the FA2 run's ``ValueError`` for a tensor without 16-byte aligned pointers and outer
+    strides."""
+
+    class MLA07(legacy):
+        def plan(self, *args, metadata=None, query_layout=None, kv_cache_layout=None, **kw):
+            if args:
+                warnings.warn(_MLA_POSITIONAL, DeprecationWarning, stacklevel=2)
+            names = _MLA_PLAN_FLAT + _MLA_PLAN_SHAPE
+            kw.update(zip(names, args))
+            if metadata is None:
+                warnings.warn(_MLA_FLAT_PLAN, DeprecationWarning, stacklevel=2)
+                query_layout, kv_cache_layout = query_layout or "split", kv_cache_layout or "split"
+            else:
+                assert not set(_MLA_PLAN_FLAT) & set(kw), "metadata= and flat metadata tensors together"
+                kw.update(metadata.fields)
+            # canonical metadata defaults to packed query and cache; hal passes split pairs
+            assert (query_layout or "packed") == "split" and (kv_cache_layout or "packed") == "split"
+            return super().plan(**{name: kw.pop(name) for name in names}, **kw)
+
+        def run(self, *args, query=None, kv_cache=None, out=None, lse=None, return_lse=False, **kw):
+            if args:
+                warnings.warn(_MLA_POSITIONAL, DeprecationWarning, stacklevel=2)
+            kw.update(out=out, lse=lse, return_lse=return_lse)
+            kw.update(zip(_MLA_RUN_LEGACY + ("out", "lse", "return_lse"), args))
+            legacy_form = [name for name in _MLA_RUN_LEGACY if kw.get(name) is not None]
+            if legacy_form:
+                warnings.warn(_MLA_LEGACY_TENSORS, DeprecationWarning, stacklevel=2)
+                query = (kw.pop("q_nope"), kw.pop("q_pe"))
+                kv_cache = (kw.pop("ckv_cache"), kw.pop("kpe_cache"))
+            for tensor in (*query, *kv_cache, kw.get("out")) if align16 else ():
+                if tensor is None or tensor.numel() == 0:
+                    continue
+                if (
+                    tensor.ndim != 3
+                    or tensor.stride(-1) != 1
+                    or tensor.data_ptr() % 16
+                    or any(tensor.shape[a] > 1 and tensor.stride(a) * tensor.element_size() % 16 for a in (0, 1))
+                ):
+                    raise ValueError("Current tensor layout is unsupported by the selected fa2 MLA backend.")
+            return super().run(*query, *kv_cache, **kw)
+
+    return MLA07
 
 
 def flashinfer_write_out(result, out, *, strided_rows: bool = False):

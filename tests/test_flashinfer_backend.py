@@ -18,13 +18,16 @@ import importlib.util
 import math
 import sys
 import types
+import warnings
 
 import pytest
 import torch
 from hardware_fakes import (
     FLASHINFER_RANGES,
+    FlashInferMLAPlanMetadata,
     flashinfer_features,
     flashinfer_merge_state_in_place,
+    flashinfer_mla_07,
     flashinfer_write_out,
 )
 
@@ -744,7 +747,11 @@ class _FakeFlashInfer:
         if not self.features["run_out"]:
             wrappers = tuple(_without_out(cls) for cls in wrappers)
         mla, decode, paged, ragged = wrappers
-        self.module.mla = types.SimpleNamespace(BatchMLAPagedAttentionWrapper=mla)
+        if self.features["mla_structural"]:
+            mla = flashinfer_mla_07(mla, align16=self.features["mla_align16"])
+        self.module.mla = types.SimpleNamespace(
+            BatchMLAPagedAttentionWrapper=mla, MLAPlanMetadata=FlashInferMLAPlanMetadata
+        )
         self.module.BatchDecodeWithPagedKVCacheWrapper = decode
         self.module.BatchPrefillWithPagedKVCacheWrapper = paged
         self.module.BatchPrefillWithRaggedKVCacheWrapper = ragged
@@ -756,7 +763,15 @@ class _FakeFlashInfer:
         return [k for k, _ in self.plans]
 
 
-_WITH_MERGE = (True, True, False, True, True)  # per range: the fake has merge_state(_in_place), else hal's torch merge
+_WITH_MERGE = (
+    True,
+    True,
+    False,
+    True,
+    True,
+    True,
+    True,
+)  # per range: the fake has merge_state(_in_place), else hal's torch merge
 
 
 @pytest.fixture(
@@ -1238,3 +1253,74 @@ def test_padding_slots_against_fake(fake_fi, mode):
     assert torch.equal(pool.get_key_buffer(built.layer.layer_id), built.expected_k)
     assert torch.equal(pool.get_value_buffer(built.layer.layer_id), built.expected_v)
     torch.testing.assert_close(out[real].float(), built.expected.float(), **tolerance(torch.bfloat16))
+
+
+# ----------------------------------------------------------------------------- flashinfer 0.7 (issue 52)
+
+
+@pytest.mark.parametrize("version", ["0.6.4", "0.7.0", "0.7.4"])
+def test_mla_calls_take_each_releases_own_form_without_deprecation_warnings(monkeypatch, flashinfer_found, version):
+    """0.7's MLA wrapper warns on positional arguments, flat plan metadata and q_nope/ckv_cache: hal calls it by
+    keyword with MLAPlanMetadata and query=/kv_cache= pairs there (read from the signature), positionally before."""
+    fake = _FakeFlashInfer(version=version)
+    monkeypatch.setitem(sys.modules, "flashinfer", fake.module)
+    case = next(c for c in MODEL_CASES if c.name == "mla_deepseek_extend_prefix_bf16")
+    built = build(case)
+    backend = _cpu_backend(config=case.config())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        backend.init_forward_metadata(built.batch)
+        out = backend.forward(built.q, built.k, built.v, built.layer, built.batch)
+    torch.testing.assert_close(out.float(), built.expected.float(), **tolerance(case.dtype))
+    assert fake.kinds() == ["mla"]
+    assert fib.mla_structural(next(iter(backend._wrappers.values()))) is (version >= "0.7")
+
+
+MLA_PLAN_SHAPE = ("num_heads", "head_dim_ckv", "head_dim_kpe", "page_size", "causal", "sm_scale", "q_data_type",
+                  "kv_data_type")  # fmt: skip
+
+
+def test_the_07_fake_warns_on_the_deprecated_forms_and_refuses_misaligned_tensors():
+    """The 0.7 contract the fake holds: the legacy positional / flat / q_nope forms still compute, each with its
+    DeprecationWarning; 0.7.4's FA2 run refuses a tensor whose data pointer or outer stride is not 16-byte aligned."""
+    fake = _FakeFlashInfer(version="0.7.4")
+    wrapper = fake.module.mla.BatchMLAPagedAttentionWrapper(torch.zeros(8, dtype=torch.uint8), backend="fa2")
+    qo, kv_indptr = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
+    pages, lens = torch.tensor([0], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+    shape = (2, 512, 64, 4, False, 0.1, torch.bfloat16, torch.bfloat16)
+    with pytest.warns(DeprecationWarning) as record:
+        wrapper.plan(qo, kv_indptr, pages, lens, *shape)
+    said = [str(w.message) for w in record]
+    assert any("Positional MLA arguments" in m for m in said) and any(
+        "flat BatchMLAPagedAttentionWrapper" in m for m in said
+    )
+    cache = torch.randn(1, 4, 576, dtype=torch.bfloat16)
+    q = torch.randn(1, 2, 576, dtype=torch.bfloat16)
+    with pytest.warns(DeprecationWarning, match="Legacy MLA tensor arguments"):
+        legacy = wrapper.run(
+            q_nope=q[..., :512], q_pe=q[..., 512:], ckv_cache=cache[..., :512], kpe_cache=cache[..., 512:]
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        wrapper.plan(metadata=fake.module.mla.MLAPlanMetadata.csr(qo, kv_indptr, pages, lens), query_layout="split",
+                     kv_cache_layout="split", **dict(zip(MLA_PLAN_SHAPE, shape)))  # fmt: skip
+        keyword = wrapper.run(query=(q[..., :512], q[..., 512:]), kv_cache=(cache[..., :512], cache[..., 512:]))
+    torch.testing.assert_close(keyword, legacy)
+    odd = torch.randn(1, 2, 577, dtype=torch.bfloat16)[..., 1:]  # a 2-byte data offset, 1154-byte rows
+    with pytest.raises(ValueError, match="Current tensor layout is unsupported by the selected fa2 MLA backend"):
+        wrapper.run(query=(odd[..., :512], odd[..., 512:]), kv_cache=(cache[..., :512], cache[..., 512:]))
+
+
+def test_flashinfer_pin_and_the_newest_release_read(monkeypatch):
+    """pyproject's cuda extra pins the releases hal's calls were read against (<0.7.5); a newer install is noted."""
+    from pathlib import Path
+
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]
+    (pin,) = [r for r in project["optional-dependencies"]["cuda"] if r.startswith("flashinfer-python")]
+    assert pin == f"flashinfer-python>={fib.MIN_FLASHINFER},<0.7.5" and fib.MAX_CHECKED_FLASHINFER == "0.7.4"
+    monkeypatch.setattr(fib, "library_version", lambda name: "0.7.5" if name == "flashinfer-python" else None)
+    assert any("0.7.5 is newer than 0.7.4" in n for n in FlashInferBackend.notes(cuda_cap()))
+    monkeypatch.setattr(fib, "library_version", lambda name: "0.7.4" if name == "flashinfer-python" else None)
+    assert not any("newer than" in n for n in FlashInferBackend.notes(cuda_cap()))

@@ -162,10 +162,20 @@ def test_a_flashinfer_import_failure_is_a_hal_error_with_the_reason(monkeypatch,
 # ----------------------------------------------------------------------------- FlashInfer workspace
 
 
-def test_flashinfer_workspace_defaults_like_sglang_and_is_an_option(monkeypatch):
+def test_flashinfer_workspace_is_sized_as_vllm_sizes_it_and_is_an_option(monkeypatch):
+    """vLLM 0.32: max(394 MiB, max_num_batched_tokens x q_heads x head_dim x 16); the token count from the engine
+    (the option, or init_cuda_graph_state before the buffer exists); an explicit size wins."""
+    from hal.config import AttentionConfig
+
     monkeypatch.delenv("HAL_FLASHINFER_WORKSPACE_MB", raising=False)
     cap = cuda_cap(torch_type="cpu")
-    assert FlashInferBackend(cap).workspace_bytes == 384 * 1024 * 1024  # SGLANG_FLASHINFER_WORKSPACE_SIZE
+    assert FlashInferBackend(cap).workspace_bytes == 394 * 1024 * 1024  # vLLM's VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE
+    wide = AttentionConfig(tp_q_head_num=64, head_dim=256)
+    assert FlashInferBackend(cap, wide, max_num_tokens=8192).workspace_bytes == 8192 * 64 * 256 * 16  # 2 GiB
+    assert FlashInferBackend(cap, wide, max_num_tokens=256).workspace_bytes == 394 << 20  # the floor
+    engine = FlashInferBackend(cap, wide)
+    engine.init_cuda_graph_state(8, 8192)
+    assert engine.workspace_bytes == 8192 * 64 * 256 * 16 and engine.workspace_mb == 2048
     assert FlashInferBackend(cap, workspace_mb=512).workspace_bytes == 512 << 20
     monkeypatch.setenv("HAL_FLASHINFER_WORKSPACE_MB", "768")
     assert FlashInferBackend(cap).workspace_mb == 768

@@ -632,7 +632,14 @@ def test_routes_are_functions_of_the_steps_facts_and_the_layer_and_graph_tasks_a
     assert "decode of layer 3 on A5: FIA cannot serve it" in route(a5, head_64, "decode", False).refused
     assert "which A5 does not have" in route(a5, head_64, "extend", False).refused
     assert not route(a5, layer, "decode", False).refused
-    assert "attention sinks on A5" in routing.sink_route(a5, layer, "decode", False).refused
+    # FIA v2 with learnable_sink on A5: vllm-ascend calls it there with no device gate (contracts: v2 "chips")
+    assert routing.sink_route(a5, layer, "decode", False) == routing.Route(routing.FIA_V2, decode=True)
+    # decodes over more than 262144 keys: FIA at Q_S = 2 (pages of 128..512), else ATB on A2/A3, refused on A5
+    long = dataclasses.replace(a2, page_size=16, long_kv=True)
+    assert route(dataclasses.replace(long, page_size=128), layer, "decode", False) == routing.Route(FIA, decode=True)
+    assert route(long, layer, "decode", False) == routing.Route(routing.PAGED)
+    refused = route(dataclasses.replace(long, generation="A5"), layer, "decode", False).refused
+    assert "on A5: FIA cannot serve it" in refused and "Q_S = 2" in refused
     assert routing.sink_route(a2, layer, "decode", False) == routing.Route(routing.FIA_V2, decode=True)
     mla = AttentionLayer(4, 16, 1, 576, v_head_dim=512, kv_lora_rank=512, qk_rope_head_dim=64)
     assert routing.mla_route(a2, mla, "decode", True, False, False).op == routing.MLA_DECODE
@@ -839,6 +846,34 @@ def test_mla_decode_reads_the_one_cache_in_place_and_writes_the_key_only(npu, v2
     assert backend.route_of(built.batch, built.layer) == ["kv_write:" + SISO, "decode:" + PA_MLA]
 
 
+def test_mla_eager_padding_tokens_write_nothing(npu, v2_calls):
+    """ReshapeAndCache skips a negative slot: an eager batch's tokens aimed at the padding slot go to the A2 MLA
+    write as -1 (not slot 0 repeated, which the op forbids), as a captured graph's do."""
+    built = build(_mla_case("mla_decode_pad", D, ((40, 1), (3, 1), (17, 1))))
+    fb = built.batch
+    pool = fb.token_to_kv_pool
+    fb.out_cache_loc[1] = pool.padding_slot
+    backend = AscendBackend(npu[1])
+    backend.init_forward_metadata(fb)
+    assert not backend.forward_metadata.graph_static
+    k = built.k.view(built.k.shape[0], 1, -1)
+    backend.save_kv(built.layer, fb, k, k)
+    (write,) = v2_calls[SISO]
+    assert write["slot_indices"][1] == -1 and write["slot_indices"].dtype == torch.int32
+
+
+def test_long_contexts_route_past_fias_one_token_limit(monkeypatch):
+    """A model served past 262144 keys: its FIA decode runs at Q_S = 2 (pages of 128..512), so smaller pages are
+    refused at selection on A5 with the reason, and take _npu_paged_attention on A2."""
+    config = AttentionConfig(head_dim=128, page_size=16, dtype=torch.bfloat16, max_context_len=300_000)
+    a5 = _emulated(monkeypatch, "A5")[1]
+    assert any("262144" in r or "Q_S = 2" in r for r in AscendBackend.unsupported_reasons(config, a5))
+    assert not AscendBackend.unsupported_reasons(dataclasses.replace(config, page_size=128), a5)
+    a2 = _emulated(monkeypatch, "A2")[1]
+    assert AscendBackend.step_routes(config, a2)["decode"] == "_npu_paged_attention"
+    assert AscendBackend.step_routes(dataclasses.replace(config, max_context_len=4096), a2)["decode"] == FIA
+
+
 @pytest.mark.parametrize(
     "mode, reqs, sparse_mode",
     [(E, ((12, 4), (0, 5)), 3), (M, ((12, 1), (0, 5), (7, 3)), 3), (V, ((20, 3), (7, 3)), 9)],
@@ -883,9 +918,9 @@ def test_sinks_where_no_op_takes_them_are_refused_with_the_reason(npu, monkeypat
     config = AttentionConfig(head_dim=64, page_size=16, attention_sinks=True, dtype=torch.bfloat16)
     assert not AscendBackend.unsupported_reasons(config, npu[1])  # gpt-oss's head 64: FIA v2 TND takes it
     odd = dataclasses.replace(config, head_dim=80)
-    assert any("TND without rope takes 64, 128 or 192" in r for r in AscendBackend.unsupported_reasons(odd, npu[1]))
+    assert any("paged TND without rope takes 64 or 128" in r for r in AscendBackend.unsupported_reasons(odd, npu[1]))
     a5 = _emulated(monkeypatch, "A5")[1]
-    assert any("attention sinks on A5" in r for r in AscendBackend.unsupported_reasons(config, a5))
+    assert not AscendBackend.unsupported_reasons(config, a5)  # FIA v2 sinks on A5, as vllm-ascend runs them
     p310 = _emulated(monkeypatch, "310P")[1]
     config = dataclasses.replace(config, head_dim=128, page_size=128, dtype=torch.float16)
     assert any("attention sinks on 310P" in r for r in AscendBackend.unsupported_reasons(config, p310))

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hal.errors import UnsupportedError
 from hal.kernels.npu import contracts, emulation, fia_causal_mask, mla_attention, nz_mask, nz_pages, paged_prefill
 from hal.kernels.npu.contracts import ALL_CHIPS, CONSTRAINTS, available
 
@@ -40,7 +41,8 @@ def test_op_availability_per_chip():
             with emulation.chip(chip), pytest.raises(ValueError, match=rf"{op}: called on {chip}: .*\[.*@"):
                 getattr(NPU, op)(q, q, q)
     assert not available("_npu_reshape_and_cache_siso", "A3") and available("_npu_reshape_and_cache_siso", "A2")
-    assert not available("npu_fused_infer_attention_score_v2", "A5")
+    assert available("npu_fused_infer_attention_score_v2", "A5")  # vllm-ascend's sinks path, no device gate
+    assert not available("npu_fused_infer_attention_score_v2", "310P")
     assert not available("_npu_paged_attention", "A5") and available("npu_scatter_pa_kv_cache", "A5")
     assert contracts.limits_for("A5") and all("_npu_" not in line for line in contracts.limits_for("A5"))
 
@@ -336,3 +338,137 @@ def test_split_modules_keep_their_import_paths():
         assert getattr(ops, name) is getattr(limits, name)
     for name in ("load_torch_npu", "load_atb", "resolve_ops", "OP_NAMES", "GENERATIONS", "generation_of_soc"):
         assert getattr(ops, name) is getattr(loaders, name)
+
+
+# ----------------------------------------------------------------------------- issue 52: limits, round 3
+
+
+def _fia(q, k, v, table, q_lens, kv_lens, block=128, **kw):
+    """FIA v1, TND over the paged caches, as hal calls it (``kw``: the mask arguments)."""
+    args = dict(atten_mask=fia_causal_mask("cpu"), sparse_mode=3) | kw
+    return NPU.npu_fused_infer_attention_score(
+        q, k.view(k.shape[0], block, -1), v.view(v.shape[0], block, -1), block_table=table, input_layout="TND",
+        block_size=block, actual_seq_lengths=list(itertools.accumulate(q_lens)), actual_seq_lengths_kv=kv_lens,
+        num_key_value_heads=k.shape[2], num_heads=q.shape[1], scale=0.1, **args,
+    )[0]  # fmt: skip
+
+
+def _fia2(q, k, v, table, q_lens, kv_lens, block=128):
+    return NPU.npu_fused_infer_attention_score_v2(
+        q, k.view(k.shape[0], block, -1), v.view(v.shape[0], block, -1), block_table=table, input_layout="TND",
+        block_size=block, actual_seq_qlen=list(itertools.accumulate(q_lens)), actual_seq_kvlen=kv_lens,
+        num_query_heads=q.shape[1], num_key_value_heads=k.shape[2], softmax_scale=0.1,
+    )[0]  # fmt: skip
+
+
+def test_fia_kv_length_limit(monkeypatch):
+    """FIA / FIA v2 take KV_S <= 262144 at one query token (Q_S > 1: 20M): the emulation refuses a longer decode,
+    and hal pads such a request to two query rows, so the Q_S > 1 limit holds and the result is the decode's."""
+    from hal.kernels.npu import ops
+
+    q = torch.zeros(1, 1, 128)
+    cache = torch.zeros(2, 128, 1, 128)
+    long_table = torch.zeros(1, 2049, dtype=torch.int32)  # 2049 pages of 128 cover 262145 keys
+    for call in (_fia, _fia2):
+        with pytest.raises(ValueError, match=r"request 0: 1 query tokens over 262145 keys.*KV_S <= 262144"):
+            call(q, cache, cache, long_table, [1], [262145])
+    assert not ops.unsupported_reasons(128, 128, 128, torch.bfloat16, 0, -1, False, True, paths=("fia_decode",))
+    why = ops.unsupported_reasons(
+        128, 128, 16, torch.bfloat16, 0, -1, False, True, paths=("fia_decode",), max_kv_len=262145
+    )
+    assert why and "runs at Q_S = 2" in why[0]
+    # The same plan at a small stand-in limit, so the emulation computes it: hal's call is the decode's result.
+    monkeypatch.setattr(emulation, "FIA_DECODE_MAX_KV", 64)
+    monkeypatch.setattr(ops, "FIA_DECODE_MAX_KV", 64)
+    q_lens, kv_lens = [1, 1], [100, 30]
+    q, k, v, table = _tnd_case(q_lens, kv_lens)
+    with pytest.raises(ValueError, match="kv_len|KV_S <= 262144"):
+        _fia(q, k, v, table, q_lens, kv_lens, sparse_mode=0, atten_mask=None)
+    got = paged_prefill(NPU, q, k, v, table, q_lens, kv_lens, scale=0.1, causal=False)
+    torch.testing.assert_close(got, _dense(q, k, v, table, q_lens, kv_lens))
+    with pytest.raises(UnsupportedError, match="20971520"):
+        paged_prefill(NPU, q, k, v, table, [1], [20971521], scale=0.1, causal=False)
+
+
+def test_fia_decode_block_size_limit():
+    """FIA at Q_S = 1 takes pages that are multiples of 16 up to 512 (the contract row): 1024 and 2048 are refused."""
+    for block in (1024, 2048):
+        q, k, v, table = _tnd_case([1], [20], block=block)
+        with pytest.raises(ValueError, match=rf"block_size {block} at Q_S = 1.*<= 512"):
+            _fia(q, k, v, table, [1], [20], block=block, sparse_mode=0, atten_mask=None)
+    q, k, v, table = _tnd_case([1], [20], block=512)
+    torch.testing.assert_close(_fia(q, k, v, table, [1], [20], block=512), _dense(q, k, v, table, [1], [20]))
+
+
+def test_fia_mixed_windowed_rows_are_banded_per_row():
+    """Upstream does not say whether a one-token row of a longer TND call is banded: the emulation lets it see every
+    key (the reading hal must not rely on), and hal pads such rows, so its result is the band's either way."""
+    q_lens, kv_lens = [1, 3], [40, 10]
+    q, k, v, table = _tnd_case(q_lens, kv_lens)
+    raw = _fia(q, k, v, table, q_lens, kv_lens, sparse_mode=4, pre_tokens=4, next_tokens=0)
+    torch.testing.assert_close(raw[:1], _dense(q, k, v, table, q_lens, kv_lens)[:1])  # row 0 unbanded
+    torch.testing.assert_close(raw[1:], _dense(q, k, v, table, q_lens, kv_lens, window=4)[1:])
+    got = paged_prefill(NPU, q, k, v, table, q_lens, kv_lens, scale=0.1, causal=True, sliding_window=4)
+    torch.testing.assert_close(got, _dense(q, k, v, table, q_lens, kv_lens, window=4))
+
+
+def test_fia_v2_refuses_v_d_192_paged():
+    """FIA v2 in page attention takes no V_D = 192 ('GQA和PA场景不支持V_D等于192'): the emulation refuses it, hal's sink
+    route names it, and a paged 192/192 layer goes to FIA v1, whose TND rule takes it."""
+    from hal.kernels.npu import ops
+
+    q, k, v, table = _tnd_case([2], [20], dim=192)
+    with pytest.raises(ValueError, match="tnd_head_dim|V_D = 192"):
+        _fia2(q, k, v, table, [2], [20])
+    torch.testing.assert_close(_fia(q, k, v, table, [2], [20]), _dense(q, k, v, table, [2], [20]))
+    why = ops.sink_unsupported_reasons(192, 192, 128, torch.bfloat16, 0, True, kv_heads=1, q_heads=2)
+    assert any("V_D等于192" in r for r in why)
+
+
+def test_a5_fia_takes_the_head_dims_vllm_ascend_sends():
+    """On A5 vllm-ascend sends every head size to FIA TND (no gate, no large-head fallback): the emulation and the
+    routing take a multiple of 16 up to 512 there; A2/A3 keep the doc's 128 / 192."""
+    from hal.kernels.npu import ops
+
+    q, k, v, table = _tnd_case([3, 1], [20, 9], dim=256)
+    with emulation.chip("A5"):
+        torch.testing.assert_close(_fia(q, k, v, table, [3, 1], [20, 9]), _dense(q, k, v, table, [3, 1], [20, 9]))
+    with pytest.raises(ValueError, match="tnd_head_dim|query D = 256"):
+        _fia(q, k, v, table, [3, 1], [20, 9])  # A2
+    q, k, v, table = _tnd_case([2], [20], dim=520)
+    with emulation.chip("A5"), pytest.raises(ValueError, match="query D = 520.*<= 512"):
+        _fia(q, k, v, table, [2], [20])
+    args = (256, 256, 128, torch.bfloat16, 0, -1, False, True)
+    assert not ops.unsupported_reasons(*args, paths=("extend", "fia_decode"), chip="A5")
+    assert any("head_dim 256" in r for r in ops.unsupported_reasons(*args, paths=("extend",)))
+
+
+def test_310p_batch_limit_counts_requests_and_hal_splits_larger_batches(monkeypatch):
+    """ATB PagedAttention on 310P takes 0 < batch <= 2048, batch being requests: one request of more query tokens is
+    served, a decode of 2049 requests is refused by the op and split by hal."""
+    from hal.kernels.npu import ops
+
+    heads, dim, block = 1, 16, 16
+    nd = torch.zeros(1, block, heads, dim, dtype=torch.float16)
+    with emulation.chip("310P"):
+        kc = nz_pages(NPU, nd)
+        with pytest.raises(ValueError, match="a batch of 2049 requests.*0<batch<=2048"):
+            q, table = torch.zeros(2049, heads, dim, dtype=torch.float16), torch.zeros(2049, 1, dtype=torch.int32)
+            ops.paged_decode(NPU, q, kc, kc, table, [1] * 2049, scale=0.1, num_kv_heads=heads)
+    monkeypatch.setattr(emulation, "ATB_310P_MAX_BATCH", 2)  # a small stand-in limit: the emulation computes it
+    g = torch.Generator().manual_seed(0)
+    pages = torch.randn(5, block, heads, dim, generator=g).half()
+    table = torch.arange(5, dtype=torch.int32).view(5, 1)
+    q = torch.randn(5, heads, dim, generator=g).half()
+    with emulation.chip("310P"):
+        kc = nz_pages(NPU, pages)
+        with pytest.raises(ValueError, match="a batch of 5 requests"):
+            ops.paged_decode(NPU, q, kc, kc, table, [4, 9, 16, 1, 7], scale=0.1, num_kv_heads=heads)
+        got = ops.paged_decode(NPU, q, kc, kc, table, [4, 9, 16, 1, 7], scale=0.1, num_kv_heads=heads, max_batch=2)
+        # one request of 3 query tokens: batch 1 (tokens are not the batch)
+        mixed = ops.paged_mixed(NPU, q[:3], kc, kc, table[:1], [3], [9], scale=0.1, nz=True, num_kv_heads=heads)
+    lens = [4, 9, 16, 1, 7]
+    want = _dense(q.float(), pages.float(), pages.float(), table, [1] * 5, lens, scale=0.1)
+    torch.testing.assert_close(got.float(), want, atol=2e-3, rtol=2e-3)
+    want = _dense(q[:3].float(), pages.float(), pages.float(), table, [3], [9], scale=0.1)
+    torch.testing.assert_close(mixed.float(), want, atol=2e-3, rtol=2e-3)

@@ -54,8 +54,13 @@ Model features (MLA, attention sinks, fp8 KV caches):
   head_dim_kpe, page_size, causal, sm_scale, q_data_type, kv_data_type)`` over the page
   table of prefix + new keys (causal is bottom-right aligned, as hal's positions),
   ``run(q_nope, q_pe, ckv_cache, kpe_cache)`` with the caches as strided views of the pool's
-  one latent buffer (SGLang's flashinfer MLA backend passes the same views). Decode graphs
-  use ``use_cuda_graph=True`` wrappers on fixed buffers. The wrapper has no custom mask, no
+  one latent buffer (SGLang's flashinfer MLA backend passes the same views). Where the wrapper
+  takes 0.7's form (:func:`mla_structural`) the same values go by keyword:
+  ``plan(metadata=MLAPlanMetadata.csr(...), query_layout="split", kv_cache_layout="split", ...)``,
+  ``run(query=(q_nope, q_pe), kv_cache=(ckv, kpe))``. 0.7.4's FA2 MLA path raises ``ValueError`` unless every
+  query, cache and output tensor is 3-D with 16-byte aligned data pointers and outer strides
+  (``_backends/_fa_common.py``): hal's views of a 576-wide bf16/fp16 row are (1152-byte rows, 1024-byte
+  offset). Decode graphs use ``use_cuda_graph=True`` wrappers on fixed buffers. The wrapper has no custom mask, no
   sliding window and no soft cap, and fp8 MLA only on SM90 for e4m3 at flashinfer>=0.6
   (``ckv_scale`` / ``kpe_scale``): those MLA configs are declared off with that reason, as
   is any other latent shape (its kernels are built and checked for 512 + 64).
@@ -123,10 +128,14 @@ __all__ = [
 
 MIN_SM_BF16 = 80  # bf16 tensor cores
 HEAD_DIMS = frozenset({64, 128, 256})  # FlashInfer's DISPATCH_HEAD_DIM set (utils.cuh); vLLM declares the same
-# The float workspace of every wrapper: SGLang's default, 384 MB (python/sglang/srt/environ.py,
-# SGLANG_FLASHINFER_WORKSPACE_SIZE = EnvInt(384 * 1024 * 1024); it raises it to 512 MB for some
-# architectures). FlashInfer's docs suggest 128 MB, which large split-KV prefills overflow at plan().
-WORKSPACE_MB = 384
+# The float workspace of every wrapper, sized as vLLM 0.32 sizes FlashInfer's: max(394 MiB, max_num_batched_tokens x
+# q_heads x head_dim x 16 bytes) (vllm/envs.py VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE = 394 MiB; vllm/v1/attention/
+# backends/flashinfer.py, vllm-project/vllm#48428 "size FlashInfer prefill workspace to batch head footprint": the
+# fixed size overflows for wide-head models at an 8192-token chunk on sm_120, where FlashInfer hard-errors on
+# batch_prefill_tmp_v instead of growing). hal takes the token count from the engine (the max_num_tokens option, or
+# init_cuda_graph_state's) and the heads from the model; SGLang's fixed 384 MB is below that floor.
+WORKSPACE_MB = 394
+_WORKSPACE_BYTES_PER_TOKEN_HEAD_DIM = 16
 WORKSPACE_ENV = "HAL_FLASHINFER_WORKSPACE_MB"
 _MERGE_STATE_MAX_THREADS = 1024  # the merge kernels' CUDA block is (head_dim / vec_size) x num_heads threads
 MLA_SHAPE = (512, 64)  # (kv_lora_rank, qk_rope_head_dim): the latent shape FlashInfer's MLA kernels serve
@@ -143,6 +152,9 @@ MLA_BACKEND = "fa2"  # the MLA wrapper's kernel (see _wrapper)
 # flashinfer-python releases hal's calls are written for: mask_indptr_buf (qk_indptr_buf in 0.2.0) and flashinfer.mla
 # arrived in 0.2.1 (flashinfer/prefill.py, flashinfer/mla.py at tag v0.2.1); pyproject's cuda extra pins the same.
 MIN_FLASHINFER = "0.2.1"
+# The newest release whose source hal's calls were read against (the 0.7.4 wheel from the registry); the pin's upper
+# bound (pyproject's cuda extra: <0.7.5). A newer install is noted, not refused: the calls are read from signatures.
+MAX_CHECKED_FLASHINFER = "0.7.4"
 
 
 def _older_than(version: str | None, minimum: str) -> str | None:
@@ -154,12 +166,28 @@ def _older_than(version: str | None, minimum: str) -> str | None:
 
 
 @functools.cache  # asked on every run() call: the signature is read once per class
+def _newer_than(version: str | None, newest: str) -> str | None:
+    """``version`` when it is a release above ``newest`` (numeric parts compared), else None."""
+    if not version:
+        return None
+    parts = [int(p) for p in re.findall(r"\d+", version.split("+")[0])[:3]]
+    return version if parts > [int(p) for p in newest.split(".")] else None
+
+
 def _takes(cls, name: str, method: str = "__init__") -> bool:
     """Whether ``cls.<method>`` has a parameter ``name`` (the installed FlashInfer's signature, not its version)."""
     try:
         return name in inspect.signature(getattr(cls, method)).parameters
     except (TypeError, ValueError):  # a C extension type without a signature
         return False
+
+
+def mla_structural(wrapper) -> bool:
+    """Whether the MLA ``wrapper`` takes flashinfer 0.7's call form: ``plan(metadata=MLAPlanMetadata.csr(...), ...)``
+    and ``run(query=(q_nope, q_pe), kv_cache=(ckv, kpe))`` by keyword (flashinfer/mla/_batch_mla/_wrapper.py in the
+    0.7.0 and 0.7.4 wheels, where positional arguments, flat plan metadata and the q_nope/ckv_cache tensors each warn
+    DeprecationWarning). Read from the signature, so a release that keeps the form is served without a version list."""
+    return _takes(type(wrapper), "metadata", "plan") and _takes(type(wrapper), "query", "run")
 
 
 def output_kwargs(wrapper, out: torch.Tensor | None, q_in: torch.Tensor, strided_rows: bool = False) -> dict:
@@ -365,13 +393,14 @@ class _GraphState:
     pages_per_row: int = 0
 
 
-def workspace_mb_option(workspace_mb: int | None) -> int:
-    """The float workspace in MB: ``workspace_mb``, else ``HAL_FLASHINFER_WORKSPACE_MB``, else 384 (SGLang's)."""
+def workspace_mb_option(workspace_mb: int | None) -> int | None:
+    """The float workspace in MB asked for: ``workspace_mb``, else ``HAL_FLASHINFER_WORKSPACE_MB``, else None (sized
+    as vLLM sizes it: :func:`workspace_bytes_for`)."""
     source, value = "workspace_mb", workspace_mb
     if value is None:
         raw = os.environ.get(WORKSPACE_ENV)
         if raw is None or raw == "":
-            return WORKSPACE_MB
+            return None
         source = WORKSPACE_ENV
         try:
             value = int(raw)
@@ -382,9 +411,16 @@ def workspace_mb_option(workspace_mb: int | None) -> int:
         ConfigError,
         source,
         value,
-        f"a whole number of MB in [1, {1 << 20}] (FlashInfer's float workspace; default {WORKSPACE_MB}, as SGLang)",
+        f"a whole number of MB in [1, {1 << 20}] (FlashInfer's float workspace; default as vLLM sizes it, at least "
+        f"{WORKSPACE_MB})",
     )
     return value
+
+
+def workspace_bytes_for(max_num_tokens: int | None, q_heads_x_head_dim: int) -> int:
+    """FlashInfer's float workspace as vLLM 0.32 sizes it: ``max(394 MiB, max_num_tokens * q_heads * head_dim * 16)``
+    (``max_num_tokens`` None: the floor)."""
+    return max(WORKSPACE_MB << 20, (max_num_tokens or 0) * q_heads_x_head_dim * _WORKSPACE_BYTES_PER_TOKEN_HEAD_DIM)
 
 
 class FlashInferBackend(AttentionBackend):
@@ -393,8 +429,10 @@ class FlashInferBackend(AttentionBackend):
     Keyword arguments: ``layers`` (the model's ``AttentionLayer``s, planned from the first
     step; otherwise learnt from forwards), ``max_context_len`` (sizes the graph page
     buffer; default: the ``req_to_token`` width of the first captured batch),
-    ``workspace_mb`` (FlashInfer's float workspace in MB; default ``HAL_FLASHINFER_WORKSPACE_MB``,
-    else 384 as SGLang), ``extend_strategy`' (``"auto"``:
+    ``workspace_mb`` (FlashInfer's float workspace in MB; default ``HAL_FLASHINFER_WORKSPACE_MB``, else sized as
+    vLLM sizes it: ``max(394 MiB, max_num_tokens * q_heads * head_dim * 16)``), ``max_num_tokens`` (the engine's
+    tokens per step, ``max_num_batched_tokens``; ``init_cuda_graph_state`` also gives it),
+    ``extend_strategy`' (``"auto"``:
     ragged + paged prefix + merge, one paged call for windowed layers; ``"paged"``: one
     paged call over prefix + new for every layer), ``prefill_backend`` (FlashInfer's
     prefill implementation, ``"fa2"`` as SGLang pins it, or ``"auto"``).
@@ -420,19 +458,22 @@ class FlashInferBackend(AttentionBackend):
     option_defaults = {
         "layers": None,  # the model's AttentionLayers, to plan every variant up front (default: config.layers)
         "max_context_len": None,  # sizes the graph page buffer (default: config.max_context_len)
-        "workspace_mb": None,  # FlashInfer's float workspace (default: HAL_FLASHINFER_WORKSPACE_MB, else 384)
+        "workspace_mb": None,  # FlashInfer's float workspace (default: HAL_FLASHINFER_WORKSPACE_MB, else as vLLM)
+        "max_num_tokens": None,  # the engine's tokens per step: sizes the workspace as vLLM does
         "extend_strategy": "auto",
         "prefill_backend": "fa2",
     }
 
     def __init__(self, capability: DeviceCapability, config=None, **options):
         super().__init__(capability, config, **options)
-        layers, max_context_len, workspace_mb, extend_strategy, prefill_backend = (
+        layers, max_context_len, workspace_mb, max_num_tokens, extend_strategy, prefill_backend = (
             self.options[k] for k in self.declaration().option_defaults
         )
+        self._heads_x_dim = 0  # the widest layer's q_heads * head_dim, which the workspace scales with
         if config is not None:
             layers = layers if layers is not None else (config.layers or None)
             max_context_len = max_context_len or config.max_context_len
+            self._heads_x_dim = config.tp_q_head_num * config.head_dim
         expect(
             extend_strategy in ("auto", "paged"),
             ConfigError,
@@ -441,8 +482,14 @@ class FlashInferBackend(AttentionBackend):
             "'auto' or 'paged'",
         )
         self.max_context_len = max_context_len
-        self.workspace_mb = workspace_mb_option(workspace_mb)
-        self.workspace_bytes = self.workspace_mb * 1024 * 1024
+        self._workspace_asked = workspace_mb_option(workspace_mb)
+        self.max_num_tokens = max_num_tokens
+        self._heads_x_dim = max([self._heads_x_dim] + [x.tp_q_head_num * x.head_dim for x in layers or ()])
+        self.workspace_bytes = (
+            self._workspace_asked << 20
+            if self._workspace_asked is not None
+            else workspace_bytes_for(max_num_tokens, self._heads_x_dim)
+        )
         self.extend_strategy = extend_strategy
         self.prefill_backend = prefill_backend
         self.variants: dict[LayerVariant, None] = {}  # an ordered set
@@ -491,6 +538,12 @@ class FlashInferBackend(AttentionBackend):
             )
         elif kernels:
             notes.append(f"kernels {kernels}")
+        newer = _newer_than(library_version("flashinfer-python"), MAX_CHECKED_FLASHINFER)
+        if newer:
+            notes.append(
+                f"flashinfer-python {newer} is newer than {MAX_CHECKED_FLASHINFER}, the newest release hal's calls "
+                "were read against (pyproject's cuda extra pins <0.7.5)"
+            )
         return notes
 
     @classmethod
@@ -538,6 +591,11 @@ class FlashInferBackend(AttentionBackend):
         if self._fi_module is None:
             self._fi_module = import_flashinfer()
         return self._fi_module
+
+    @property
+    def workspace_mb(self) -> int:
+        """The float workspace in MiB (rounded up)."""
+        return -(-self.workspace_bytes // (1 << 20))
 
     def _workspace_buffer(self) -> torch.Tensor:
         if self._workspace is None:  # zeroed: the decode wrapper wants it so on first use
@@ -628,21 +686,23 @@ class FlashInferBackend(AttentionBackend):
         )
         if kind == "mla":  # prefix + new keys, causal bottom-right aligned (decode: one query sees all)
             kv = meta.kv()
-            wrapper.plan(
-                meta.qo_indptr,
-                kv.indptr,
-                kv.indices,
-                # hal: allow-host-data plan() runs outside capture only (_wrapper refuses it in one)
-                torch.tensor(meta.kv_lens, dtype=torch.int32),
-                hq,
-                variant.kv_lora_rank,
-                variant.rope_dim,
-                ps,
-                variant.causal and not meta.mode.is_decode(),
-                variant.scale,
-                common["q_data_type"],
-                meta.dtype,
+            # hal: allow-host-data plan() runs outside capture only (_wrapper refuses it in one)
+            csr = (meta.qo_indptr, kv.indptr, kv.indices, torch.tensor(meta.kv_lens, dtype=torch.int32))
+            shape = dict(
+                num_heads=hq,
+                head_dim_ckv=variant.kv_lora_rank,
+                head_dim_kpe=variant.rope_dim,
+                page_size=ps,
+                causal=variant.causal and not meta.mode.is_decode(),
+                sm_scale=variant.scale,
+                q_data_type=common["q_data_type"],
+                kv_data_type=meta.dtype,
             )
+            if mla_structural(wrapper):  # 0.7+: canonical metadata by keyword; split query and caches, as hal runs
+                metadata = self._fi().mla.MLAPlanMetadata.csr(*csr)
+                wrapper.plan(metadata=metadata, query_layout="split", kv_cache_layout="split", **shape)
+            else:  # 0.2.1-0.6: the flat positional form (0.7 keeps it, deprecated)
+                wrapper.plan(*csr, *shape.values())
         elif kind == "decode":
             kv = meta.kv()
             wrapper.plan(
@@ -743,6 +803,9 @@ class FlashInferBackend(AttentionBackend):
 
     # -- metadata ----------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        if self._workspace is None and self._workspace_asked is None:  # the engine's token count, as vLLM sizes it
+            self.max_num_tokens = max(self.max_num_tokens or 0, max_num_tokens)
+            self.workspace_bytes = workspace_bytes_for(self.max_num_tokens, self._heads_x_dim)
         # Wrappers of an earlier capture hold the old buffers' addresses: drop them.
         self._wrappers = {key: w for key, w in self._wrappers.items() if key[2] is None}
         self._graph = _GraphState(
@@ -889,6 +952,8 @@ class FlashInferBackend(AttentionBackend):
         ckv, kpe = k_cache[:, :, 0, :rank], k_cache[:, :, 0, rank:]
         wrapper = self._planned(meta, "mla", variant)
         kwargs = output_kwargs(wrapper, out, q_in, strided_rows=True)
+        if mla_structural(wrapper):  # 0.7+: query= / kv_cache= pairs (q_nope/ckv_cache are deprecated there)
+            return wrapper.run(query=(q_in[..., :rank], q_in[..., rank:]), kv_cache=(ckv, kpe), **kwargs)
         return wrapper.run(q_in[..., :rank], q_in[..., rank:], ckv, kpe, **kwargs)
 
     def run_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, out=None, **kwargs):

@@ -6,12 +6,14 @@ of the backend's (the ops' limits: ``hal.kernels.npu.limits``, their sources: ``
 table: docs/hardware-contracts.md); the backend owns its captured graph tasks (``graph_tasks.GraphTasks``).
 
 * DECODE: ``npu_fused_infer_attention_score`` (TND, paged) where it serves the layer (A2/A3/A5), a window as band
-  mode 4 with a padding row per request (the op ignores the band at one query token); otherwise
+  mode 4 with a padding row per request (the op ignores the band at one query token), and so a request over more
+  than 262144 keys (the op's Q_S = 1 limit; 310P's ATB calls go in pieces of <= 2048 requests); otherwise
   ``_npu_paged_attention`` (:func:`~hal.kernels.npu.paged_decode`), or with a window
   ``_npu_paged_attention_splitfuse`` (:func:`~hal.kernels.npu.paged_mixed`) with a windowed mask.
 * EXTEND / DRAFT_EXTEND: FIA (:func:`~hal.kernels.npu.paged_prefill`, ``sparse_mode`` 3 causal / 4 window /
-  0 non-causal) when it can serve the layer (page size a multiple of 128 in [128, 512], head dim 128 or 192:
-  ``hal.kernels.npu.limits.FIA_TND_HEAD_DIMS``); otherwise splitfuse, whose mask carries causal / window /
+  0 non-causal) when it can serve the layer (page size a multiple of 128 in [128, 512], head dim 128 or 192 on
+  A2/A3, ``hal.kernels.npu.limits.FIA_TND_HEAD_DIMS``, a multiple of 16 <= 512 on A5, as vllm-ascend sends there:
+  ``fia_head_dim_reason``); otherwise splitfuse, whose mask carries causal / window /
   non-causal. ``notes()`` and ``extend_route(config)`` declare it.
 * 310P: the ATB ops read FRACTAL_NZ caches and an NZ splitfuse mask. A ``fractal_nz`` pool (the layout this
   backend prefers there: ``kv_layouts``, allocated NZ once by ``format_kv_pages``) is read in place and written with
@@ -29,8 +31,9 @@ SGLang's NPU backend, which concatenates its two caches first); every other step
 path): TND, sparse mode 3, 4 (band) for windows, 9 (tree mask) for TARGET_VERIFY, over the batch's pages copied
 apart into latent and rope caches (``mla_split``: FIA takes them as two contiguous tensors). Attention sinks
 (``forward(..., sinks=)``): ``npu_fused_infer_attention_score_v2`` with ``learnable_sink`` for decode, extend and
-mixed steps on A2/A3, the generations its product table lists (vllm-ascend ``attention_v1.py``, SGLang
-``forward_extend``/``forward_decode``); verify with sinks, and sinks on A5 and 310P, are refused with the reason.
+mixed steps on A2/A3 (its product table) and A5 (vllm-ascend calls it there with no device gate:
+``attention_v1.py``; SGLang ``forward_extend``/``forward_decode``); verify with sinks, and sinks on 310P, are refused
+with the reason.
 fp8 KV caches are off with a reason per generation (``_fp8_reason``).
 
 KV writes use the NPU ops (``save_kv``, the op ``routing.kv_write_op`` names: ``npu_scatter_pa_kv_cache``;
@@ -57,10 +60,11 @@ checks this backend's code, not the emulation's CPU internals.
 Graphs: a captured decode step bakes the host lengths in. On a real NPU the attention task is
 captured in a task group and its lengths are re-issued before every replay (``GraphTasks``) with torch_npu's
 graph task update API (``graph_task_group_begin/end``, ``graph_task_update_begin/end``,
-``ExternalEvent``), as vllm-ascend's ``update_attn_params`` does for ``_npu_paged_attention``
-(vllm_ascend/compilation/acl_graph.py, ``_update_attn_pa_params``; capture side in
-vllm_ascend/attention/attention_v1.py ``_forward_decode_only``; API doc:
-https://github.com/Ascend/op-plugin/blob/master/docs/context/torch_npu-npu-graph_task_group_begin.md).
+``ExternalEvent``), as vllm-ascend does for ``_npu_paged_attention`` (at 182b75e:
+vllm_ascend/attention/attention_v1.py ``AscendAttentionBackendImpl.update_graph_params``, L545-608, called through
+vllm_ascend/compilation/acl_graph.py ``update_full_graph_params``; capture side ``full_graph_pa``, L1215-1279; API
+doc: op-plugin 517f2e7
+``docs/zh/custom_APIs/torch_npu-npu/torch_npu-npu-graph_task_group_begin.md``).
 That path is unverified without hardware. Under the emulation the graph is hal's checked eager
 graph, whose replay re-runs the step and so reads the refreshed lists.
 """
@@ -153,7 +157,7 @@ class AscendBackend(AttentionBackend):
     supports_logit_cap = False  # neither ATB PagedAttention nor FIA takes a soft cap
     supports_mla = True  # latent MLA (A2/A3): _npu_paged_attention_mla, FIA v2 with query_rope/key_rope
     kv_cache_dtypes = frozenset({"fp16", "bf16", "fp32"})  # no fp8: see _fp8_reason
-    supports_sinks = True  # FIA v2's learnable_sink on A2/A3 (routing refuses A5, 310P), as SGLang and vllm-ascend
+    supports_sinks = True  # FIA v2's learnable_sink on A2/A3/A5 (routing refuses 310P), as SGLang and vllm-ascend
     needs_cpu_seq_lens = True  # the ops take per-request lengths on the host
     reads_new_kv = False  # every op reads the new tokens from the cache
     # The ops read token i at offset i % block_size of block i // block_size (block tables). An eager step
@@ -295,6 +299,7 @@ class AscendBackend(AttentionBackend):
                 page_size=pool.page_size,
                 dtype=pool.dtype,
                 op_dtype=_op_dtype(pool.dtype, self.capability),
+                long_kv=max(kv_lens, default=0) > npu_ops.contracts.FIA_DECODE_MAX_KV,
             ),
             step=routing.step_of(mode),
         )
@@ -430,8 +435,9 @@ class AscendBackend(AttentionBackend):
           documented for A2 only), ``npu_scatter_nd_update_`` on A3; SGLang's split MLA pool: two
           ``npu_scatter_nd_update_`` (latent, rope part), as SGLang writes it.
 
-        ReshapeAndCache skips a negative slot and forbids a repeated one, so its padding (negative, and a captured
-        graph's padding requests, which all target the padding slot) is passed as -1. ``npu_scatter_pa_kv_cache``
+        ReshapeAndCache skips a negative slot and forbids a repeated one, so its padding (negative, and every token
+        aimed at the padding slot: a captured graph's padding requests, an eager batch's padded tokens) is passed as
+        -1. ``npu_scatter_pa_kv_cache``
         and ``npu_scatter_nd_update_`` take no negative or out-of-range slot, so padding is redirected to the pool's
         padding slot; a -1 row (a padding token: hal's contract writes no KV for it) carries that slot's own content,
         so the slot keeps it whichever of the repeated writes lands ("重复时不保证正确性"); a captured graph's
@@ -443,8 +449,7 @@ class AscendBackend(AttentionBackend):
         op = routing.kv_write_op(self.generation, pool_kv_layout(pool), mla=layer.is_mla, split_mla=split)
         slots, padding = fb.out_cache_loc, getattr(pool, "padding_slot", 0)  # SGLang pools: slot 0 too
         if op in ("_npu_reshape_and_cache_siso", "_npu_reshape_and_cache"):  # ATB's ReshapeAndCache
-            if meta.graph_static:
-                slots = torch.where(slots == padding, -1, slots)
+            slots = torch.where(slots == padding, -1, slots)  # eager or captured: nothing is written at the pad slot
             if op == "_npu_reshape_and_cache_siso":  # the key only, into hal's joined latent ++ rope cache
                 cache = pool.get_key_buffer(layer.layer_id)
                 npu_ops.write_latent(self.ops, k, cache.view(-1, pool.page_size, *cache.shape[1:]), slots)
@@ -563,7 +568,13 @@ class AscendBackend(AttentionBackend):
             scale=layer.scaling,
             out=out,
             num_kv_heads=layer.tp_k_head_num,
+            max_batch=self._atb_max_batch,
         )
+
+    @property
+    def _atb_max_batch(self) -> int | None:
+        """Requests per ATB attention call: 310P takes "0<batch<=2048" (contracts: ``dtype_310p``), A2/A3 no limit."""
+        return npu_ops.contracts.ATB_310P_MAX_BATCH if self.generation == "310P" else None
 
     def _fia(self, meta, query, k_cache, v_cache, layer: AttentionLayer, decode: bool = False) -> torch.Tensor:
         """FIA (TND, paged) over the batch: extend, a MIXED batch's decodes and chunks in one call, or a decode
@@ -592,8 +603,10 @@ class AscendBackend(AttentionBackend):
             *(meta.block_table, meta.query_lens, meta.kv_lens),
             scale=layer.scaling,
             out=torch.empty_like(query) if out is None else out,
-            mask=npu_ops.nz_mask(self.ops, mask) if self.generation == "310P" else mask,
+            mask=mask,
+            nz=self.generation == "310P",
             num_kv_heads=layer.tp_k_head_num,
+            max_batch=self._atb_max_batch,
         )
         if key[0] == "custom":
             # The additive mask is finite, so the op averages V over a row that sees no key;

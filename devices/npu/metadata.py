@@ -23,6 +23,7 @@ class StepFacts:
     page_size: int
     dtype: torch.dtype  # the KV cache dtype, which the ops compute in
     op_dtype: torch.dtype  # the dtype whose op limits apply (the emulation computes fp32 where the ops take bf16)
+    long_kv: bool = False  # some request reads more keys than FIA takes at one query token (contracts: "kv_len")
 
 
 @dataclass

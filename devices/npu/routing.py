@@ -118,7 +118,11 @@ def attention_route(facts: StepFacts, layer: AttentionLayer, step: str, capturin
         if window >= 0:  # _npu_paged_attention has no mask: splitfuse with a windowed one
             return _splitfuse(facts, layer, ("causal", window), capturing)
         if facts.generation == "A5":
-            return Route(refused=f"ascend: decode of layer {layer.layer_id} on A5: FIA cannot serve it, no ATB")
+            why = "; ".join(_fia_reasons(facts, layer, "fia_decode"))
+            return Route(
+                refused=f"ascend: decode of layer {layer.layer_id} on A5: FIA cannot serve it ({why}), and A5 has no "
+                "ATB op"
+            )
         return Route(PAGED, captured=capturing)  # captured: vllm-ascend's full-decode graph op
     if step == "target_verify":
         return _splitfuse(facts, layer, ("custom", window), capturing)
@@ -141,9 +145,13 @@ def _splitfuse(facts: StepFacts, layer: AttentionLayer, mask: MaskKey, capturing
 def _fia_serves(facts: StepFacts, layer: AttentionLayer, path: str) -> bool:
     """Whether FIA (TND, paged) can run the layer's ``path`` (``extend`` / ``fia_decode``); never on 310P, which
     runs the ATB ops."""
-    if facts.generation == "310P":
-        return False
-    return not npu_ops.unsupported_reasons(
+    return facts.generation != "310P" and not _fia_reasons(facts, layer, path)
+
+
+def _fia_reasons(facts: StepFacts, layer: AttentionLayer, path: str) -> list[str]:
+    """Why FIA cannot run the layer's ``path`` on the step's chip (a decode over more than FIA's Q_S = 1 keys runs
+    at Q_S = 2: ``facts.long_kv``)."""
+    return npu_ops.unsupported_reasons(
         layer.head_dim,
         layer.v_head_dim,
         facts.page_size,
@@ -155,6 +163,8 @@ def _fia_serves(facts: StepFacts, layer: AttentionLayer, path: str) -> bool:
         kv_heads=layer.tp_k_head_num,
         q_heads=layer.tp_q_head_num,
         paths=(path,),
+        chip=facts.generation,
+        max_kv_len=npu_ops.contracts.FIA_DECODE_MAX_KV + 1 if facts.long_kv else None,
     )
 
 
@@ -232,6 +242,7 @@ def mha_reasons(
         q_heads=config.tp_q_head_num,
         paths=(path,),
         chip=generation,
+        max_kv_len=config.max_context_len,
     )
 
 
@@ -256,12 +267,6 @@ def sink_reasons(config: AttentionConfig, generation: str | None, op_dtype: torc
     """Why FIA v2 with ``learnable_sink`` cannot serve ``step`` of ``config``."""
     if generation == "310P":
         return ["attention sinks on 310P: no FIA (vllm-ascend runs only the ATB ops there), no op takes a sink"]
-    if generation == "A5":
-        return [
-            "attention sinks on A5: npu_fused_infer_attention_score_v2 (the one op with learnable_sink) lists "
-            "A2/A3 only in its product table (op-plugin docs/zh/custom_APIs/torch_npu/"
-            "torch_npu-npu_fused_infer_attention_score_v2.md, '产品支持情况')"
-        ]
     if step == "target_verify":
         return [
             "npu_fused_infer_attention_score_v2 (target_verify): learnable_sink with hal's verify mask: TND takes "
@@ -332,9 +337,9 @@ def notes(capability: DeviceCapability) -> list[str]:
         route += "them), and an NZ mask"
     else:
         route = (
-            f"{generation}: {FIA} (TND, paged) for decode, extend and mixed batches "
-            f"it serves (head_dim {' or '.join(map(str, npu_ops.FIA_TND_HEAD_DIMS))}, no window or custom "
-            "mask; op-plugin's FIA doc), npu_scatter_pa_kv_cache for the KV write"
+            f"{generation}: {FIA} (TND, paged) for decode, extend and mixed batches it serves (head_dim "
+            + ("a multiple of 16 <= 512, as vllm-ascend sends there" if generation == "A5" else "128 or 192")
+            + "; no custom mask; op-plugin's FIA doc), npu_scatter_pa_kv_cache for the KV write"
         )
         route += (
             "; nothing else (A5 has no ATB ops)"
@@ -349,7 +354,7 @@ def notes(capability: DeviceCapability) -> list[str]:
         )
     else:
         route += f"; no MLA ({MLA_OFF.get(generation, 'unknown generation')})"
-    if generation in ("A2", "A3"):  # FIA v2's product table lists A2/A3 only
+    if generation in ("A2", "A3", "A5"):  # FIA v2: A2/A3 by its doc, A5 by vllm-ascend's code (contracts)
         route += f"; attention sinks: {FIA_V2} with learnable_sink"
     limits = [f"limit {line}" for line in npu_ops.contracts.limits_for(generation)] if generation else []
     return [route + " (routes() and extend_route() say why)", *limits]

@@ -292,6 +292,17 @@ CASES += (
         slots="scattered",
         dtype=torch.bfloat16,
     ),
+    # the same at decode: pages of 128 are the smallest FIA takes at Q_S > 1, so on A5 (no ATB op) these two are
+    # the scattered cases it serves, and each route wants two cases
+    Case(
+        "decode_scattered_head_dim_128_page128_bf16",
+        D,
+        ((130, 1), (0, 1), (260, 1)),
+        head_dim=128,
+        page_size=128,
+        slots="scattered",
+        dtype=torch.bfloat16,
+    ),
     # head dims of every tile table (64 and 80 above), at page 1 and at the paged-only kernels' sizes
     Case("decode_head_dim_96", D, _SMALL_DECODE, head_dim=96),
     Case("decode_head_dim_128", D, _SMALL_DECODE, head_dim=128),

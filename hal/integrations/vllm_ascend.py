@@ -10,7 +10,7 @@ its dense backend for a decoder layer hal serves, answers hal's class of the sam
 * :data:`UPSTREAM_DENSE` (A2, A3, A5) -> :class:`HalAscendAttentionBackend`: ``get_name()`` ``CUSTOM``, caches of
   ``get_kv_cache_shape`` ``(2, num_blocks, block_size, kv_heads, head_size)``, which vllm-ascend's runner allocates
   as a per-layer ``(k_cache, v_cache)`` pair of ``shape[1:]`` (``vllm_ascend/worker/model_runner_v1.py``
-  L4326-4395), read in place as token-major pages;
+  L4305-4410), read in place as token-major pages;
 * :data:`UPSTREAM_310P` (Atlas 300I) -> :class:`HalAscend310PAttentionBackend`: ``(2, num_blocks, kv_heads *
   head_size // 16, block_size, 16)``, the pair allocated FRACTAL_NZ (``vllm_ascend/_310p/model_runner_310p.py``
   L764-801), read in place as hal's ``fractal_nz`` pages.
@@ -69,7 +69,7 @@ def _path(cls: type) -> str:
 
 def _preferred_first(sizes: list, preferred: tuple[int, ...]) -> list:
     """``sizes`` with those of ``preferred`` first, in its order: vllm-ascend's runners take the first kernel block
-    size a backend lists (``model_runner_v1.py`` L4297, ``model_runner_310p.py`` L771-777)."""
+    size a backend lists (``model_runner_v1.py`` L4323, ``model_runner_310p.py`` L771-777)."""
     first = [size for size in preferred if size in sizes]
     return first + [size for size in sizes if size not in first]
 
@@ -100,7 +100,7 @@ class HalAscendAttentionImpl(HalAttentionImpl):
 
 
 class HalAscendAttentionBackend(HalAttentionBackend):
-    """hal in place of vllm-ascend's ``AscendAttentionBackend`` (``vllm_ascend/attention/attention_v1.py`` L74-150):
+    """hal in place of vllm-ascend's ``AscendAttentionBackend`` (``vllm_ascend/attention/attention_v1.py`` L74-149):
     the same name (``CUSTOM``), cache shape ``(2, num_blocks, block_size, kv_heads, head_size)`` and output buffer;
     vllm-ascend's runner splits it into a token-major ``(k_cache, v_cache)`` pair, which hal reads in place."""
 
@@ -128,14 +128,14 @@ class HalAscendAttentionBackend(HalAttentionBackend):
 
     @classmethod
     def allocated_kv_layout(cls, vllm_config) -> str:
-        """vllm-ascend's runner allocates from :meth:`get_kv_cache_shape` alone (``model_runner_v1.py`` L4326-4395),
+        """vllm-ascend's runner allocates from :meth:`get_kv_cache_shape` alone (``model_runner_v1.py`` L4305-4410),
         not from vLLM's layout table."""
         return cls.hal_kv_layouts()[0]
 
 
 class HalAscend310PAttentionBackend(HalAscendAttentionBackend):
     """hal in place of vllm-ascend's ``AscendAttentionBackend310`` (``vllm_ascend/_310p/attention/attention_v1.py``
-    L46-96): FRACTAL_NZ caches ``(2, num_blocks, kv_heads * head_size // 16, block_size, 16)``, which the 310P runner
+    L48-99): FRACTAL_NZ caches ``(2, num_blocks, kv_heads * head_size // 16, block_size, 16)``, which the 310P runner
     allocates as an NZ ``(k_cache, v_cache)`` pair of ``shape[1:]`` and hal reads in place (``fractal_nz`` pages: hal's
     selection then needs a backend that reads them, the npu device's on a 310P)."""
 
@@ -217,7 +217,7 @@ def refuse_unserved_ascend_features(vllm_config) -> None:
     """Refuse, when the engine starts, what vllm-ascend may enable that hal's route does not serve:
 
     * ModelSlim KV-cache quantization (``fa_quant_type``, ``kv_cache_type: C8``, ``indexer_quant_type``): the runner
-      then allocates int8 caches (``model_runner_v1.py`` L4370-4373) and the layers carry quantization methods hal's
+      then allocates int8 caches (``model_runner_v1.py`` L4391-4394) and the layers carry quantization methods hal's
       attention does not apply (``vllm_ascend/quantization/modelslim_config.py`` L741-751, L1035-1043);
     * the Xlite worker (``additional_config.xlite_graph_config.enabled``): it runs the model in openEuler's Xlite
       runtime from vllm-ascend's own attention metadata (``vllm_ascend/xlite/xlite.py`` L73), not hal's."""

@@ -17,6 +17,11 @@ __all__ = [
     "CONSTRAINTS",
     "ACL_FORMAT_ND",
     "ACL_FORMAT_FRACTAL_NZ",
+    "ATB_310P_MAX_BATCH",
+    "FIA_DECODE_MAX_KV",
+    "FIA_MAX_SEQ",
+    "FIA_A5_MAX_HEAD_DIM",
+    "INT32_MAX",
     "rule",
     "chips_of",
     "available",
@@ -28,6 +33,13 @@ __all__ = [
 ALL_CHIPS = ("A2", "A3", "A5", "310P")
 ACL_FORMAT_ND = 2  # torch_npu's ACL format ids (vllm_ascend/utils.py ACL_FORMAT_FRACTAL_NZ = 29)
 ACL_FORMAT_FRACTAL_NZ = 29
+
+# The numbers of the rows below, read by the emulation and by hal's routing (one place for each).
+INT32_MAX = 2**31 - 1  # an int32 argument (ATB's host lengths, block tables, the slots the KV writes take)
+FIA_DECODE_MAX_KV = 262144  # FIA / FIA v2 at Q_S = 1: KV_S <= 262144 (the "kv_len" rows)
+FIA_MAX_SEQ = 20971520  # FIA at Q_S > 1: Q_S and KV_S <= 20M (the "kv_len" rows)
+FIA_A5_MAX_HEAD_DIM = 512  # FIA TND on A5: any D vllm-ascend sends, <= 512 (the "tnd_head_dim_a5" row)
+ATB_310P_MAX_BATCH = 2048  # ATB PagedAttention on 310P: 0 < batch (requests) <= 2048 (the "dtype_310p" row)
 
 _OPP = "Ascend/op-plugin@517f2e7 "
 _VA = "vllm-project/vllm-ascend@182b75e "
@@ -52,6 +64,12 @@ _VA_310P = (
     + ("_allocate_kv_cache_tensors (torch_npu.empty_with_format(..., acl_format=ACL_FORMAT_FRACTAL_NZ))")
 )
 _VA_A5 = _VA + "vllm_ascend/device/device_op.py A5DeviceAdaptor (inherits BaseDeviceAdaptor.reshape_and_cache)"
+_VA_A5_FIA = (
+    _VA
+    + "vllm_ascend/device/device_op.py:967-995 (A5DeviceAdaptor.npu_fused_infer_attention_score: every head size to "
+    + "FIA, no gate) and :74-90 (BaseDeviceAdaptor: D = 512 falls back on A2/A3 only, 'until A2/A3 FIA TND supports "
+    + "Gemma4's 512-dim ... heads'); vllm_ascend/attention/utils.py:170-172 (using_paged_attention: never on A5)"
+)
 
 
 @dataclass(frozen=True)
@@ -76,6 +94,7 @@ _FIA2_OP = "npu_fused_infer_attention_score_v2"
 _SPA = "npu_scatter_pa_kv_cache"
 _NDU = "npu_scatter_nd_update_"
 _ATB_CHIPS = ("A2", "A3", "310P")
+_V2_CHIPS = ("A2", "A3", "A5")
 _T = "tests/test_npu_contracts.py::"
 
 CONSTRAINTS: tuple[Constraint, ...] = (
@@ -125,9 +144,13 @@ CONSTRAINTS: tuple[Constraint, ...] = (
     Constraint(
         _FIA2_OP,
         "chips",
-        ("A2", "A3"),
-        "A2/A3 only (the doc's product table lists no A5 and no Atlas inference series)",
-        _FIA2 + " '产品支持情况'",
+        ("A2", "A3", "A5"),
+        "A2/A3 (the doc's product table); A5: vllm-ascend calls it for sinks with no device gate; not 310P",
+        _FIA2
+        + " '产品支持情况'; "
+        + _VA
+        + "vllm_ascend/attention/attention_v1.py:1375-1400 (forward_fused_infer_attention, the path every A5 step "
+        + "takes: npu_fused_infer_attention_score_v2 with learnable_sink, no device check)",
         _T + "test_op_availability_per_chip",
     ),
     Constraint(
@@ -216,7 +239,8 @@ CONSTRAINTS: tuple[Constraint, ...] = (
         _PA,
         "dtype_310p",
         ("310P",),
-        "query, caches and mask float16 only, 0 < batch <= 2048 on the Atlas inference series",
+        "query, caches and mask float16 only, 0 < batch <= 2048 on the Atlas inference series (batch: requests, "
+        "context_lens' length, not tokens; hal splits a larger batch into calls of <= 2048 requests)",
         _PA_DOC
         + " ('在Atlas 推理系列产品上 ：query、key_cache、value_cache、mask 四个入参只支持float16。0<batch<=2048')",
         _T + "test_310p_takes_nz_caches_only",
@@ -287,10 +311,40 @@ CONSTRAINTS: tuple[Constraint, ...] = (
     Constraint(
         _FIA_OP,
         "tnd_head_dim",
-        ("A2", "A3", "A5"),
+        ("A2", "A3"),
         "TND without rope: Q_D = K_D = V_D = 128, or Q_D = K_D = 192 with V_D 128 or 192",
         _FIA + " 'TND布局约束' (query D ≠ 512)",
         "tests/test_npu_kernels.py::test_unsupported_reasons",
+    ),
+    Constraint(
+        _FIA_OP,
+        "tnd_head_dim_a5",
+        ("A5",),
+        "A5, TND without rope: any D vllm-ascend sends (the doc lists no A5; its A5 adaptor gates no head size and "
+        "runs D = 512 where A2/A3 fall back): D a multiple of 16 (16-byte aligned) and <= 512, K_D = V_D",
+        _VA_A5_FIA + "; " + _FIA + " '各轴取值范围速查' (D ≤ 512, float16/bfloat16 16字节对齐)",
+        _T + "test_a5_fia_takes_the_head_dims_vllm_ascend_sends",
+    ),
+    Constraint(
+        _FIA_OP,
+        "kv_len",
+        ("A2", "A3", "A5"),
+        "Q_S = 1 (every request one query token): KV_S <= 262144; Q_S > 1: Q_S and KV_S <= 20971520. hal sends a "
+        "one-token request over more keys with a padding row (Q_S = 2), the way it sends a windowed decode",
+        _FIA + " '各轴取值范围速查' (S (KV_S): Q_S > 1 ≤ 20971520, Q_S = 1 ≤ 262144) and 'Q_S = 1（Decode）专属约束' "
+        "('S轴（KV）：≤ 262144')",
+        _T + "test_fia_kv_length_limit",
+    ),
+    Constraint(
+        _FIA_OP,
+        "sparse_rows",
+        ("A2", "A3", "A5"),
+        "a TND call mixing one-token and longer requests under sparse_mode 4: the doc says only that Q_S = 1 ignores "
+        "the band, not whether a one-token row of such a call is banded; the emulation takes the unsafe reading "
+        "(such a row sees every key) and hal pads those rows to Q_S = 2, so either reading gives the band",
+        _FIA
+        + " ('Q_S = 1且不带rope输入时，sparse_mode参数无效'; pre_tokens/next_tokens 'Q_S=1时无效'; nothing per row)",
+        _T + "test_fia_mixed_windowed_rows_are_banded_per_row",
     ),
     Constraint(
         _FIA_OP,
@@ -317,11 +371,11 @@ CONSTRAINTS: tuple[Constraint, ...] = (
         _FIA + " sparse_mode table; " + _VA + "vllm_ascend/attention/attention_v1.py:939-943 (TND, sparse_mode=4)",
         "tests/test_npu_kernels.py::test_prefill_block_size_and_window_limits",
     ),
-    # --- FIA v2 ------------------------------------------------------------------------------------------------------
+    # --- FIA v2 (rows A2/A3 by the doc; A5 runs it by vllm-ascend's code, the "chips" row) ---------------------------
     Constraint(
         _FIA2_OP,
         "tnd_batch",
-        ("A2", "A3"),
+        _V2_CHIPS,
         "TND: actual_seq_qlen / actual_seq_kvlen required, their length is the batch, <= 4096",
         _FIA2 + " 'MLA场景约束' (TND 综合限制)",
         _T + "test_fia_tnd_batch_limit",
@@ -329,7 +383,7 @@ CONSTRAINTS: tuple[Constraint, ...] = (
     Constraint(
         _FIA2_OP,
         "mla",
-        ("A2", "A3"),
+        _V2_CHIPS,
         "query_rope/key_rope: latent D 512 (Q_N 1..128 a power of two, KV_N 1, sparse 0/3/4/9) or 128, rope D 64, "
         "page block_size a multiple of 16, <= 1024",
         _FIA2 + " 'MLA场景约束'",
@@ -338,7 +392,7 @@ CONSTRAINTS: tuple[Constraint, ...] = (
     Constraint(
         _FIA2_OP,
         "mla_q16",
-        ("A2", "A3"),
+        _V2_CHIPS,
         "absorbed MLA in TND: at most 16 query tokens per request (vllm-ascend sends only decode / speculative "
         "steps and pads actual_seq_lengths_q to <= 16 per request)",
         _VA + "vllm_ascend/attention/mla_v1.py:255-257 and 348-365 ('npu_fused_infer_attention_score TND layout's "
@@ -348,7 +402,7 @@ CONSTRAINTS: tuple[Constraint, ...] = (
     Constraint(
         _FIA2_OP,
         "sparse_q1",
-        ("A2", "A3"),
+        _V2_CHIPS,
         "Q_S = 1 without rope inputs: sparse_mode (and so a band) is ignored",
         _FIA2 + " sparse_mode ('Q_S为1且不带rope输入时该参数无效')",
         _T + "test_fia_ignores_the_band_at_one_query_token",
@@ -356,11 +410,11 @@ CONSTRAINTS: tuple[Constraint, ...] = (
     Constraint(
         _FIA2_OP,
         "sink",
-        ("A2", "A3"),
-        "learnable_sink (Q_N,) bfloat16: TND only, value D <= 128, unquantised; without rope D 64, 128 or 192 "
+        _V2_CHIPS,
+        "learnable_sink (Q_N,) bfloat16: TND only, value D <= 128, unquantised; so without rope D 64 or 128 "
         "(vllm-ascend serves gpt-oss, D = 64, so)",
         _FIA2
-        + " 'learnable_sink约束' and TND 'query D ≠ 512' (MHA D 64/128/192); "
+        + " 'learnable_sink约束' and TND 'query D ≠ 512' (MHA: 64/64/64, 128/128/128, 192/192/128); "
         + _VA
         + "vllm_ascend/attention/attention_v1.py:689-705",
         "tests/test_npu_kernels.py::test_paged_attention_sinks_adds_the_sink_to_every_denominator",
@@ -368,10 +422,28 @@ CONSTRAINTS: tuple[Constraint, ...] = (
     Constraint(
         _FIA2_OP,
         "block_size",
-        ("A2", "A3"),
+        _V2_CHIPS,
         "TND without rope, page attention: block_size a multiple of 16, <= 1024",
         _FIA2 + " TND 'query D ≠ 512' ('page attention场景下仅支持blocksize为16对齐且小于等于1024')",
         "tests/test_npu_kernels.py::test_fia_v2_refuses_what_its_doc_forbids",
+    ),
+    Constraint(
+        _FIA2_OP,
+        "tnd_head_dim",
+        _V2_CHIPS,
+        "TND without rope: GQA and page attention take no V_D = 192 ('GQA和PA场景不支持V_D等于192'); MHA takes "
+        "64/64/64, 128/128/128 or 192/192/128. hal calls it paged with K_D = V_D: D 64 or 128 (sinks); a paged "
+        "192/192 layer goes to FIA v1, whose TND rule takes V_D 192",
+        _FIA2 + " 'MLA场景约束', TND 'query D ≠ 512' (query_rope/key_rope为空时)",
+        _T + "test_fia_v2_refuses_v_d_192_paged",
+    ),
+    Constraint(
+        _FIA2_OP,
+        "kv_len",
+        _V2_CHIPS,
+        "Q_S = 1: KV_S <= 262144 (S轴小于等于262144); hal pads a one-token request over more keys to Q_S = 2",
+        _FIA2 + " 'Q_S=1（增量推理）约束' ('支持S轴小于等于262144')",
+        _T + "test_fia_kv_length_limit",
     ),
 )
 

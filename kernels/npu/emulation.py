@@ -19,7 +19,7 @@ reports the real restriction.
 Sources (fetched 2025-2026; the ``_npu_*`` ops are ATB operations bound by op-plugin):
 
 * ``_npu_reshape_and_cache``, ``_npu_paged_attention``, ``_npu_paged_attention_splitfuse``:
-  schemas in https://github.com/Ascend/op-plugin/blob/master/op_plugin/ops/atb/ReshapeAndCachAtb.cpp,
+  schemas in op-plugin 517f2e7 ``op_plugin/ops/atb/ReshapeAndCachAtb.cpp``,
   .../PagedAttentionAtb.cpp, .../PagedAttentionSplitfuse.cpp; CPU tensors become ATB
   ``hostData`` (.../op_plugin/utils/custom_functions/atb/AtbCommon.cpp); ATB operation
   docs: https://www.hiascend.com/document/detail/zh/canncommercial/80RC22/apiref/ascendtbapi/ascendtb_01_0073.html
@@ -29,12 +29,12 @@ Sources (fetched 2025-2026; the ``_npu_*`` ops are ATB operations bound by op-pl
   head_size in (0, 256], head_size * block_size <= 128 * 128),
   .../canncommercial/80RC3/apiref/ascendtbapi/ascendtb_01_0085.html (MASK_TYPE_SPEC mask
   ``[num_tokens, max_seq_len]``).
-* ``npu_fused_infer_attention_score``:
-  https://github.com/Ascend/op-plugin/blob/master/docs/context/torch_npu-npu_fused_infer_attention_score.md
-  (also https://hiascend.com/document/detail/zh/Pytorch/60RC3/apiref/apilist/ptaoplist_000768.html),
-  sparse modes: https://gitcode.com/cann/ops-transformer docs/zh/context/sparse_mode参数说明.md.
-* ``npu_scatter_pa_kv_cache``: https://github.com/Ascend/op-plugin/blob/master/docs/zh/custom_APIs/torch_npu/
-  torch_npu-npu_scatter_pa_kv_cache.md (op-plugin 517f2e7, 2026-08-21), called with ``cache_mode="Norm"`` (ND
+* ``npu_fused_infer_attention_score`` / ``_v2``: op-plugin ``docs/zh/custom_APIs/torch_npu/
+  torch_npu-npu_fused_infer_attention_score.md`` and ``..._v2.md`` at 517f2e7 (the ``docs/context/`` copies the
+  emulation was first written from are gone upstream); each rule it enforces is a row of
+  :mod:`hal.kernels.npu.contracts` with its section.
+* ``npu_scatter_pa_kv_cache``: op-plugin 517f2e7 ``docs/zh/custom_APIs/torch_npu/
+  torch_npu-npu_scatter_pa_kv_cache.md`` (2026-08-21), called with ``cache_mode="Norm"`` (ND
   ``[num_blocks, block_size, kv_heads, head_size]`` caches) as vllm-ascend's ``BaseDeviceAdaptor.reshape_and_cache``
   (vllm_ascend/device/device_op.py at 182b75e, 2026-08-22) does on A2/A3.
 * Callers whose conventions are mirrored: vllm-ascend ``vllm_ascend/attention/attention_v1.py``
@@ -55,7 +55,16 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from . import contracts
-from .contracts import ACL_FORMAT_FRACTAL_NZ, ACL_FORMAT_ND, violation
+from .contracts import (
+    ACL_FORMAT_FRACTAL_NZ,
+    ACL_FORMAT_ND,
+    ATB_310P_MAX_BATCH,
+    FIA_A5_MAX_HEAD_DIM,
+    FIA_DECODE_MAX_KV,
+    FIA_MAX_SEQ,
+    INT32_MAX,
+    violation,
+)
 
 __all__ = [
     "torch_npu",
@@ -77,19 +86,17 @@ __all__ = [
     "TND_MAX_BATCH",
 ]
 
-INT_MAX = 2147483647
+INT_MAX = INT32_MAX
 FIA_MASK_SIZE = 2048  # sparse_mode 2/3/4 take an "optimised" 2048 x 2048 lower-triangle mask
 
 _HALF = (torch.float16, torch.bfloat16)
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)  # float32: emulation only
 _CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.int8, torch.float32)
 _MASK_FLAG_DTYPES = (torch.bool, torch.int8, torch.uint8)
-_TND_MAX_TOKENS = 1 << 20  # "T小于等于1M"
 _FIA_MAX_GROUP = 64  # num_heads / num_key_value_heads <= 64
 _ATB_MAX_HEAD_SIZE = 256
 _ATB_MAX_BLOCK_ELEMS = 128 * 128  # "embedding * blockSize <= 128 * 128"
 _ATB_MAX_BLOCK_SIZE = 128  # ATB PagedAttention "因硬件限制，block_size <= 128" (contracts: _npu_paged_attention)
-_310P_MAX_BATCH = 2048
 TND_MAX_BATCH = 4096  # FIA / FIA v2 TND: "元素个数即batch值（≤ 4096）"
 
 
@@ -519,10 +526,12 @@ def _paged_checks(
     num_heads: object,
     scale_value: object,
     out: object,
+    batch: int,
 ) -> tuple[int, int, float, torch.Tensor, torch.Tensor]:
     """ATB PagedAttention's shared contract (contracts: ``_npu_paged_attention`` / ``_npu_paged_attention_splitfuse``
     rows): returns ``(heads, kv_heads, scale, key ND, value ND)``, the caches as ``[blocks, block_size, kv_heads,
-    head_size]`` (on 310P decoded from the FRACTAL_NZ layout the op takes there)."""
+    head_size]`` (on 310P decoded from the FRACTAL_NZ layout the op takes there). ``batch``: the requests of the call
+    (``context_lens``' length), which 310P's "0<batch<=2048" counts, not the query tokens."""
     query = _tensor(op, "query", query)
     key_cache = _tensor(op, "key_cache", key_cache)
     value_cache = _tensor(op, "value_cache", value_cache)
@@ -538,8 +547,8 @@ def _paged_checks(
     heads, kv_heads = _head_counts(op, num_heads, num_kv_heads, query.shape[1])
     head_size = query.shape[2]
     if on_310p:
-        if not 0 < query.shape[0] <= _310P_MAX_BATCH:
-            raise violation("_npu_paged_attention", "dtype_310p", f"batch {query.shape[0]}")
+        if not 0 < batch <= ATB_310P_MAX_BATCH:
+            raise violation("_npu_paged_attention", "dtype_310p", f"a batch of {batch} requests")
         key_cache = _nz_cache_as_nd(_PA, "key_cache", key_cache, kv_heads, head_size)
         value_cache = _nz_cache_as_nd(_PA, "value_cache", value_cache, kv_heads, head_size)
     else:
@@ -602,10 +611,10 @@ def _npu_paged_attention(
     torch_npu, for graph capture) is accepted and ignored.
     """
     op = "_npu_paged_attention"
+    batch = _tensor(op, "query", query).shape[0]
     _, _, scale, key_cache, value_cache = _paged_checks(
-        op, query, key_cache, value_cache, num_kv_heads, num_heads, scale_value, out
+        op, query, key_cache, value_cache, num_kv_heads, num_heads, scale_value, out, batch
     )
-    batch = query.shape[0]
     lens = _host_int32(op, "context_lens", context_lens, batch)
     table = _block_table(op, block_table, batch, lens, key_cache.shape[1], key_cache.shape[0])
     result = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
@@ -663,11 +672,11 @@ def _npu_paged_attention_splitfuse(
     context_lens, mask, seq_len); callers pass keywords.
     """
     op = "_npu_paged_attention_splitfuse"
-    _, _, scale, key_cache, value_cache = _paged_checks(
-        op, query, key_cache, value_cache, num_kv_heads, num_heads, scale_value, out
-    )
     q_lens = _host_int32(op, "seq_len", seq_len)
     batch = len(q_lens)
+    _, _, scale, key_cache, value_cache = _paged_checks(
+        op, query, key_cache, value_cache, num_kv_heads, num_heads, scale_value, out, batch
+    )
     kv_lens = _host_int32(op, "context_lens", context_lens, batch)
     if sum(q_lens) != query.shape[0]:
         raise _bad(op, "seq_len", q_lens, f"query lengths summing to num_tokens = {query.shape[0]}")
@@ -796,9 +805,28 @@ def _visibility(op, sparse_mode: int, pre_tokens: int, next_tokens: int, q_lens,
         raise _bad(
             op, "pre_tokens/next_tokens", (pre_tokens, next_tokens), "pre_tokens >= 0, next_tokens + KV_S - Q_S >= 0"
         )
-    if max(q_lens, default=0) <= 1 and not rope:
+    band = _band(INT_MAX, 0) if sparse_mode == 3 else _band(pre_tokens, next_tokens)
+    if rope:
+        return band
+    if max(q_lens, default=0) <= 1:
         return None
-    return _band(INT_MAX, 0) if sparse_mode == 3 else _band(pre_tokens, next_tokens)
+
+    # A call mixing one-token and longer requests (contracts: ``sparse_rows``): the doc says only that Q_S = 1 ignores
+    # the band, not what a one-token row of a Q_S > 1 call sees. The emulation takes the reading hal must not rely
+    # on, per row: a one-token row sees every key (hal pads such rows, so both readings give it the band).
+    def per_row(r: int, s: int, length: int) -> torch.Tensor:
+        return band(r, s, length) if s > 1 else torch.ones(s, length, dtype=torch.bool)
+
+    return per_row
+
+
+def _check_lengths(op: str, q_lens: Sequence[int], kv_lens: Sequence[int]) -> None:
+    """FIA's sequence limits per request (contracts: ``kv_len``): a one-token request over at most 262144 keys (the
+    Q_S = 1 limit, held per row: the doc does not say which limit a one-token row of a longer call meets), else
+    query and KV lengths <= 20971520."""
+    for r, (s, n) in enumerate(zip(q_lens, kv_lens, strict=True)):
+        if (s <= 1 and n > FIA_DECODE_MAX_KV) or max(s, n) > FIA_MAX_SEQ:
+            raise violation(op, "kv_len", f"request {r}: {s} query tokens over {n} keys")
 
 
 def _fia_run(
@@ -924,7 +952,7 @@ def npu_fused_infer_attention_score(
     the op ignores the mode and the band (``sparse_q1``): every key is seen.
 
     The TND head-dim rule is enforced (``tnd_head_dim``: D = 128, or 192, without rope and one head size for K
-    and V; the doc at op-plugin master 56bbfdf, see ``hal.kernels.npu.limits.FIA_TND_HEAD_DIMS``); hal's routing
+    and V, the doc at op-plugin 517f2e7; on A5 ``tnd_head_dim_a5``, what vllm-ascend sends there); hal's routing
     (``hal.kernels.npu.limits.unsupported_reasons``) sends other head dims to splitfuse. Returns ``(attention_out
     [T, num_heads, D_v] in query dtype, softmax_lse)``; the LSE is natural-log over the scaled
     scores, ``[T, num_heads, 1]`` float32 with ``softmax_lse_flag``, else a float32 ``[1]`` zero.
@@ -998,8 +1026,6 @@ def npu_fused_infer_attention_score(
         raise _bad(op, "inner_precise", inner_precise, "0, 1, 2 or 3")
     if not isinstance(softmax_lse_flag, bool):
         raise _bad(op, "softmax_lse_flag", softmax_lse_flag, "a bool", TypeError)
-    if t > _TND_MAX_TOKENS:
-        raise _bad(op, "query", query, f"T <= {_TND_MAX_TOKENS} in TND layout")
 
     if actual_seq_lengths is None:
         raise _bad(op, "actual_seq_lengths", None, "a host list of cumulative query lengths (required for TND)")
@@ -1028,7 +1054,10 @@ def npu_fused_infer_attention_score(
             )
     else:
         raise violation(op, "sparse_tnd", f"sparse_mode = {sparse_mode}")
-    if d not in _TND_HEAD_DIMS or value.shape[-1] != key.shape[-1]:
+    if current_chip() == "A5":
+        if d % 16 or not 0 < d <= FIA_A5_MAX_HEAD_DIM or value.shape[-1] != key.shape[-1]:
+            raise violation(op, "tnd_head_dim_a5", f"query D = {d}")
+    elif d not in _TND_HEAD_DIMS or value.shape[-1] != key.shape[-1]:
         raise violation(op, "tnd_head_dim", f"query D = {d}")
 
     paged = block_table is not None
@@ -1042,11 +1071,12 @@ def npu_fused_infer_attention_score(
                 raise _bad(
                     op, "block_size", block_size, "a multiple of 128 in [128, 512] (page attention with Q_S > 1)"
                 )
-        elif block_size % 16:
-            raise _bad(op, "block_size", block_size, "a multiple of 16 (page attention with Q_S = 1, float16/bfloat16)")
+        elif block_size % 16 or block_size > 512:
+            raise violation(op, "block_size", f"block_size {block_size} at Q_S = 1")
         kv_lens = kv_values
         if any(v < 0 for v in kv_lens):
             raise _bad(op, "actual_seq_lengths_kv", kv_lens, "non-negative per-request KV lengths (paged)")
+        _check_lengths(op, q_lens, kv_lens)
         table = _block_table(op, block_table, batch, kv_lens, block_size, key.shape[0])
     else:
         heads_major, table = False, None
@@ -1054,6 +1084,7 @@ def npu_fused_infer_attention_score(
         if key.shape[1] != kv_heads or key.shape[2] != d:
             raise _bad(op, "key", key, f"[T_kv, {kv_heads}, {d}]")
         kv_lens = _cumulative(op, "actual_seq_lengths_kv", kv_values, key.shape[0], "key.shape[0]")
+        _check_lengths(op, q_lens, kv_lens)
     if max(q_lens) > 1 and (d % 16 or d > 512):
         raise _bad(op, "query", query, "D a multiple of 16 and <= 512 (float16/bfloat16, Q_S > 1)")
     visible = _visibility(op, sparse_mode, pre_tokens, next_tokens, q_lens, kv_lens, rope=False)
@@ -1066,7 +1097,8 @@ _MLA_LATENT_DIMS = (512, 128)  # query D with query_rope / key_rope (FIA v2 doc,
 _MLA_ROPE_DIM = 64
 _MLA_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)  # query N for D = 512
 _SINK_MAX_VALUE_DIM = 128  # "仅支持value的D小于等于128"
-_V2_HEAD_DIMS = (64, 128, 192)  # FIA v2 TND without rope: 128 or 192, MHA also 64 (contracts: v2 "sink")
+# FIA v2 TND without rope, paged, K_D = V_D: 64 or 128; no V_D = 192 in page attention (contracts: v2 "tnd_head_dim")
+_V2_HEAD_DIMS = (64, 128)
 _MLA_TND_MAX_QUERY = 16  # absorbed MLA in TND (contracts: v2 "mla_q16")
 
 
@@ -1214,8 +1246,6 @@ def npu_fused_infer_attention_score_v2(
         raise _bad(op, "inner_precise", inner_precise, "0, 1, 2 or 3")
     if not isinstance(return_softmax_lse, bool):
         raise _bad(op, "return_softmax_lse", return_softmax_lse, "a bool", TypeError)
-    if t > _TND_MAX_TOKENS:
-        raise _bad(op, "query", query, f"T <= {_TND_MAX_TOKENS} in TND layout")
     if actual_seq_qlen is None or actual_seq_kvlen is None:
         raise _bad(op, "actual_seq_qlen/actual_seq_kvlen", None, "host lists (both required for TND)")
     q_lens = _cumulative(op, "actual_seq_qlen", _int_list(op, "actual_seq_qlen", actual_seq_qlen), t, "T")
@@ -1247,12 +1277,13 @@ def npu_fused_infer_attention_score_v2(
         if block_size % 16 or block_size > 1024:
             raise violation(op, "block_size", f"block_size {block_size}")
         if d not in _V2_HEAD_DIMS:
-            raise violation(op, "sink", f"query D = {d} without rope")
+            raise violation(op, "tnd_head_dim", f"query D = value D = {d}, paged")
     if len(q_lens) > TND_MAX_BATCH:
         raise violation(op, "tnd_batch", f"{len(q_lens)} requests")
     for name, x in (("key", key), ("value", value), ("key_rope", key_rope)):
         if x is not None:
             _nd_only(op, name, x)
+    _check_lengths(op, q_lens, kv_lens)
     table = _block_table(op, block_table, len(q_lens), kv_lens, block_size, key.shape[0])
 
     sparse_mode = _int(op, "sparse_mode", sparse_mode)

@@ -8,8 +8,12 @@ from collections.abc import Sequence
 
 import torch
 
+from .contracts import FIA_A5_MAX_HEAD_DIM, FIA_DECODE_MAX_KV
+
 __all__ = [
     "FIA_TND_HEAD_DIMS",
+    "FIA_DECODE_MAX_KV",
+    "fia_head_dim_reason",
     "PA_MAX_BLOCK_SIZE",
     "PA_MLA_DIMS",
     "MLA_LATENT_DIMS",
@@ -22,11 +26,11 @@ __all__ = [
     "mla_unsupported_reasons",
 ]
 
-# FIA with input_layout TND, per that doc at op-plugin master 56bbfdf (2026-08-10), section "TND布局约束":
-# query D = 512 only with query_rope/key_rope (MLA, KV_N = 1); D != 512 without rope needs
-# Q_D = K_D = V_D = 128, or Q_D = K_D = 192 with V_D = 128 or 192. hal passes no rope and one head size
-# for K and V, so 128 or 192. (Earlier versions of the doc, docs/context/..., said D = 192 only, without
-# page attention, while vllm-ascend ran TND paged at D = 128; the current text allows 128.)
+# FIA with input_layout TND, per its doc at op-plugin 517f2e7 (docs/zh/custom_APIs/torch_npu/
+# torch_npu-npu_fused_infer_attention_score.md, "TND布局约束"): query D = 512 only with query_rope/key_rope (MLA,
+# KV_N = 1); D != 512 without rope needs Q_D = K_D = V_D = 128, or Q_D = K_D = 192 with V_D = 128 or 192. hal passes
+# no rope and one head size for K and V, so 128 or 192 on A2/A3. A5 (which the doc does not list) takes what
+# vllm-ascend sends there: a multiple of 16, <= 512 (contracts: "tnd_head_dim_a5").
 FIA_TND_HEAD_DIMS = (128, 192)
 # FIA v2 with query_rope / key_rope (doc at op-plugin 517f2e7, "MLA场景约束"): the latent D is 512 (KV_N = 1, Q_N a
 # power of two <= 128, sparse 0/3/4/9) or 128, the rope part 64, page block_size a multiple of 16 <= 1024.
@@ -39,6 +43,23 @@ PA_MLA_DIMS = (512, 64)
 PA_MAX_BLOCK_SIZE = 128  # ATB PagedAttention: "因硬件限制，block_size <= 128" (contracts: _npu_paged_attention)
 MLA_TND_MAX_QUERY = 16  # absorbed MLA in TND (contracts: npu_fused_infer_attention_score_v2 "mla_q16")
 SINK_MAX_VALUE_DIM = 128  # FIA v2 "learnable_sink约束": value D <= 128
+
+
+def fia_head_dim_reason(head_dim: int, chip: str | None) -> str:
+    """Why FIA (v1, TND, no rope) cannot take ``head_dim`` on ``chip`` (None: A2/A3), ``""`` when it can."""
+    if chip == "A5":
+        if head_dim % 16 or not 0 < head_dim <= FIA_A5_MAX_HEAD_DIM:
+            return (
+                f"head_dim {head_dim}: on A5 FIA TND takes what vllm-ascend sends there, a multiple of 16 "
+                f"<= {FIA_A5_MAX_HEAD_DIM} (contracts: tnd_head_dim_a5)"
+            )
+        return ""
+    if head_dim not in FIA_TND_HEAD_DIMS:
+        return (
+            f"head_dim {head_dim}: input_layout TND takes head dim 128 or 192 without rope (512 only with MLA's "
+            "query_rope/key_rope; op-plugin doc, TND constraints)"
+        )
+    return ""
 
 
 def unsupported_reasons(
@@ -55,8 +76,11 @@ def unsupported_reasons(
     q_heads: int | None = None,
     paths: Sequence[str] = ("decode", "extend", "mixed"),
     chip: str | None = None,
+    max_kv_len: int | None = None,
 ) -> list[str]:
     """Why the real Ascend ops cannot serve a config on ``chip`` (None: A2/A3): ``[]`` when all of ``paths`` can.
+    ``max_kv_len``: the longest context the layer reads (None: unknown); past FIA's Q_S = 1 limit (262144 keys) a
+    ``fia_decode`` goes with a padding row per request (Q_S = 2), so the page-size rule of Q_S > 1 applies to it.
 
     Paths: ``decode`` = ``_npu_paged_attention``, ``extend`` = ``npu_fused_infer_attention_score``
     (TND, paged, query lengths > 1 allowed), ``fia_decode`` = the same op with one query token per request
@@ -117,16 +141,21 @@ def unsupported_reasons(
                 f"{name} ({path}): v_head_dim {v_head_dim} != head_dim {head_dim} "
                 "(paged key and value shapes must match)"
             )
-        if head_dim not in FIA_TND_HEAD_DIMS:  # see FIA_TND_HEAD_DIMS for the doc and its version
-            reasons.append(
-                f"{name} ({path}): head_dim {head_dim}: input_layout TND takes head dim 128 or 192 without rope "
-                "(512 only with MLA's query_rope/key_rope; op-plugin doc, TND constraints)"
+        why = fia_head_dim_reason(head_dim, chip)
+        if why:
+            reasons.append(f"{name} ({path}): {why}")
+        # A windowed decode, or one over more than 262144 keys, goes with a padding row per request (Q_S = 2: the
+        # band is ignored at Q_S = 1, and Q_S = 1 takes KV_S <= 262144), so the Q_S > 1 page rule applies.
+        padded = path == "fia_decode" and (sliding_window >= 0 or (max_kv_len or 0) > FIA_DECODE_MAX_KV)
+        if (path == "extend" or padded) and (block_size % 128 or not 128 <= block_size <= 512):
+            long = (
+                f" (a decode over up to {max_kv_len} keys runs at Q_S = 2)"
+                if (max_kv_len or 0) > FIA_DECODE_MAX_KV
+                else ""
             )
-        # A windowed decode goes with a padding row per request (Q_S = 2: the band is ignored at Q_S = 1).
-        if (path == "extend" or sliding_window >= 0) and (block_size % 128 or not 128 <= block_size <= 512):
             reasons.append(
                 f"{name} ({path}): page size {block_size} must be a multiple of 128 in [128, 512] "
-                "(page attention, Q_S > 1)"
+                f"(page attention, Q_S > 1){long}"
             )
         if path == "fia_decode" and (block_size % 16 or not 0 < block_size <= 512):
             reasons.append(
@@ -165,8 +194,9 @@ def sink_unsupported_reasons(
     decode: bool = False,
 ) -> list[str]:
     """Why FIA v2 with ``learnable_sink`` (TND, paged, no rope) cannot serve a layer: the doc's TND rules without rope
-    (head dim 64, 128 or 192, one for K and V; page size a multiple of 16, <= 1024; KV_N * D <= 65535) and the
-    sink's own (value D <= 128). gpt-oss (head 64) is served so by vllm-ascend (``attention_v1.py``)."""
+    (head dim 64 or 128, one for K and V: no V_D = 192 in page attention; page size a multiple of 16, <= 1024;
+    KV_N * D <= 65535) and the sink's own (value D <= 128). gpt-oss (head 64) is served so by vllm-ascend
+    (``attention_v1.py``)."""
     del causal
     where = f"npu_fused_infer_attention_score_v2 ({'fia_decode' if decode else 'extend'})"
     reasons = []
@@ -176,8 +206,11 @@ def sink_unsupported_reasons(
         reasons.append(
             f"{where}: v_head_dim {v_head_dim} != head_dim {head_dim} (paged key and value shapes must match)"
         )
-    if head_dim not in (64, 128, 192):
-        reasons.append(f"{where}: head_dim {head_dim}: TND without rope takes 64, 128 or 192 (op-plugin FIA v2 doc)")
+    if head_dim not in (64, 128):
+        reasons.append(
+            f"{where}: head_dim {head_dim}: paged TND without rope takes 64 or 128 with V_D = K_D ('GQA和PA场景不支持"
+            "V_D等于192'; op-plugin FIA v2 doc)"
+        )
     if v_head_dim > SINK_MAX_VALUE_DIM:
         reasons.append(f"{where}: learnable_sink needs value D <= {SINK_MAX_VALUE_DIM}, not {v_head_dim}")
     if block_size % 16 or block_size > 1024:

@@ -7,8 +7,11 @@ the way vllm-ascend and SGLang call them.
 Host/device rules the wrappers enforce (they never move a device tensor to the host,
 which would be a sync and break graph capture):
 
-* KV caches are ``[num_blocks, block_size, kv_heads, head_dim]`` (ND): hal's
-  ``[num_slots, kv_heads, head_dim]`` pool buffer viewed with :func:`buffer_pages`.
+* KV caches are ND ``[num_blocks, block_size, kv_heads, head_dim]`` (hal's ``[num_slots, kv_heads, head_dim]`` pool
+  buffer viewed with :func:`buffer_pages`) on A2/A3/A5; on 310P the ATB ops take FRACTAL_NZ caches
+  ``[num_blocks, kv_heads * head_dim / 16, block_size, 16]`` (a ``fractal_nz`` pool's pages, or :func:`nz_pages`).
+* Every int32 the ops take is range-checked on the host (:func:`_int32_limit`): ATB's host lengths, and the pool's
+  slot count before a slot tensor is cast to int32 (no device read).
 * ``block_table``: int32 ``[batch, max_blocks]`` on the device, passed through unchanged
   (hal's ``req_to_token`` is int32, so :func:`block_tables` keeps int32).
 * Per-request lengths: *host* values. The ATB ops (decode, mixed) take CPU int32 tensors;
@@ -22,6 +25,7 @@ which would be a sync and break graph capture):
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +36,7 @@ from hal.errors import UnsupportedError
 from hal.kernels import opaque_kernel
 
 from . import emulation
-from .contracts import ACL_FORMAT_FRACTAL_NZ
+from .contracts import ACL_FORMAT_FRACTAL_NZ, FIA_DECODE_MAX_KV, FIA_MAX_SEQ, INT32_MAX
 from .limits import (  # noqa: F401 - re-exported: hal.kernels.npu.ops.<name> is importable
     FIA_TND_HEAD_DIMS,
     MLA_LATENT_DIMS,
@@ -91,10 +95,10 @@ __all__ = [
     "nz_pages",
     "nz_mask",
 ]
-_VLLM_ASCEND = "https://github.com/vllm-project/vllm-ascend/blob/main/vllm_ascend/attention/attention_v1.py"
+_VLLM_ASCEND = "https://github.com/vllm-project/vllm-ascend/blob/182b75e/vllm_ascend/attention/attention_v1.py"
 _SGLANG = "https://github.com/sgl-project/sglang/blob/main/python/sglang/srt/layers/attention/ascend_backend.py"
 _FIA_DOC = (
-    "https://github.com/Ascend/op-plugin/blob/master/docs/zh/custom_APIs/torch_npu/"
+    "https://github.com/Ascend/op-plugin/blob/517f2e7/docs/zh/custom_APIs/torch_npu/"
     "torch_npu-npu_fused_infer_attention_score.md"
 )
 _ATB_PA_DOC = (
@@ -107,10 +111,10 @@ _ATB_RC_DOC = (
     "https://www.hiascend.com/document/detail/zh/canncommercial/80RC22/apiref/ascendtbapi/ascendtb_01_0073.html"
 )
 _FIA_V2_DOC = (
-    "https://github.com/Ascend/op-plugin/blob/master/docs/zh/custom_APIs/torch_npu/"
+    "https://github.com/Ascend/op-plugin/blob/517f2e7/docs/zh/custom_APIs/torch_npu/"
     "torch_npu-npu_fused_infer_attention_score_v2.md"
 )
-_VLLM_ASCEND_MLA = "https://github.com/vllm-project/vllm-ascend/blob/main/vllm_ascend/attention/mla_v1.py"
+_VLLM_ASCEND_MLA = "https://github.com/vllm-project/vllm-ascend/blob/182b75e/vllm_ascend/attention/mla_v1.py"
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -164,9 +168,25 @@ def _host_lengths(name: str, lengths: object) -> list[int]:
     raise TypeError(f"{name} = {lengths!r}: expected a list of ints or a 1-D CPU integer tensor")
 
 
+def _int32_limit(what: str, value: int) -> None:
+    """Refuse ``value`` (an int32 argument, or the largest one a tensor cast to int32 can hold) past int32."""
+    if not 0 <= value <= INT32_MAX:
+        raise UnsupportedError(f"{what} = {value}: the op takes it as int32, in [0, {INT32_MAX}]")
+
+
 def _host_int32(name: str, lengths: object) -> torch.Tensor:
+    values = _host_lengths(name, lengths)
+    for v in values:
+        _int32_limit(f"{name} (an ATB int32 host length)", v)
     with opaque_kernel():  # a host argument of the op launch, re-issued per replay on NPU graphs
-        return torch.tensor(_host_lengths(name, lengths), dtype=torch.int32)
+        return torch.tensor(values, dtype=torch.int32)
+
+
+def _slots_int32(slots: torch.Tensor, cache: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    """``slots`` as the int32 the KV writes take: refused when ``cache`` (ND or FRACTAL_NZ pages) holds more slots of
+    ``row``'s shape than int32 numbers (a valid slot would wrap in the cast); read from the shapes, not the data."""
+    _int32_limit("the last slot of the paged cache", cache.numel() // max(math.prod(row.shape[1:]), 1) - 1)
+    return slots if slots.dtype == torch.int32 else slots.to(torch.int32)
 
 
 def splitfuse_mask_value(dtype: torch.dtype) -> float:
@@ -293,8 +313,7 @@ def write_kv(
     Slot ``s`` goes to block ``s // block_size``, offset ``s % block_size``. Both ops take one dtype for the four
     tensors: key/value are cast to the cache dtype and slots to int32 here (device-side, no sync).
     """
-    if slots.dtype != torch.int32:
-        slots = slots.to(torch.int32)
+    slots = _slots_int32(slots, key_cache, key)
     key, value = key.to(key_cache.dtype).contiguous(), value.to(value_cache.dtype).contiguous()
     if scatter:
         ops.npu_scatter_pa_kv_cache(
@@ -309,9 +328,7 @@ def write_kv(
     ops._npu_reshape_and_cache(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_indices=slots)
 
 
-_SCATTER_DOC = (
-    "https://github.com/Ascend/op-plugin/blob/master/docs/zh/custom_APIs/torch_npu/torch_npu-npu_scatter_pa_kv_cache.md"
-)
+_SCATTER_DOC = "https://github.com/Ascend/op-plugin/blob/517f2e7/docs/zh/custom_APIs/torch_npu/torch_npu-npu_scatter_pa_kv_cache.md"
 _cite(write_kv, rc=_ATB_RC_DOC, vllm=_VLLM_ASCEND, scatter=_SCATTER_DOC)
 
 
@@ -366,21 +383,33 @@ class _Piece:
 def _tnd_pieces(q_lens: list[int], kv_lens: list[int], *, window: bool, max_query: int | None) -> list[_Piece]:
     """The requests of a TND call as the op can take them.
 
-    * ``window`` with one query token everywhere: the op ignores the band at Q_S = 1 (op-plugin FIA docs,
-      "Q_S = 1且不带rope输入时，sparse_mode参数无效"), so every request gets a padding row before its token (the
-      same shapes whatever the lengths, as a graph needs): Q_S = 2 and the band applies; the call then passes
-      ``next_tokens >= 1`` (the op's rule ``next_tokens + KV_S - Q_S >= 0`` at KV_S = 1; the real token is the last
-      row, so it sees no key past its own either way) and the padding row's output is dropped.
+    * A one-token request gets a padding row before its token (Q_S = 2; the padding row's output is dropped) where
+      Q_S = 1 would not serve it: over more than 262144 keys (the Q_S = 1 limit, contracts ``kv_len``), and under a
+      ``window``, whose band the op ignores at Q_S = 1 (op-plugin FIA docs, "Q_S = 1且不带rope输入时，sparse_mode参数
+      无效"). In a call of one-token requests only, every request is padded (the same shapes whatever the lengths, as a
+      graph needs) and the call passes ``next_tokens >= 1`` (the op's rule ``next_tokens + KV_S - Q_S >= 0`` at
+      KV_S = 1; the real token is the last row, so it sees no key past its own either way). In a call with longer
+      requests the doc does not say whether a one-token row is banded (contracts ``sparse_rows``): hal takes the safe
+      side and pads each windowed one-token request over two keys or more (``next_tokens`` stays 0 there).
     * ``max_query``: requests longer than that are cut into consecutive pieces of at most ``max_query`` tokens, each
       over the keys up to its last token (right-down causal alignment is unchanged), as the absorbed MLA path's
-      "TND layout's limit of 16" asks (vllm-ascend ``attention/mla_v1.py``)."""
-    pad = window and max(q_lens, default=0) == 1
+      "TND layout's limit of 16" asks (vllm-ascend ``attention/mla_v1.py``).
+    Lengths past FIA's Q_S > 1 limit (20971520 query or KV tokens) are refused with the reason."""
+    for q, kv in zip(q_lens, kv_lens, strict=True):
+        if max(q, kv) > FIA_MAX_SEQ:
+            raise UnsupportedError(
+                f"FIA (TND): a request of {q} query tokens over {kv} keys: the op takes at most {FIA_MAX_SEQ} of each "
+                "(op-plugin FIA doc, '各轴取值范围速查')"
+            )
+    decode = max(q_lens, default=0) <= 1
     pieces, row = [], 0
     for r, (q, kv) in enumerate(zip(q_lens, kv_lens, strict=True)):
         step = max_query or max(q, 1)
         for start in range(0, max(q, 1), step) if q else [0]:
             n = min(step, q - start) if q else 0
-            pieces.append(_Piece(r, row + start, n, kv - (q - start - n), pad and n == 1))
+            keys = kv - (q - start - n)
+            pad = n == 1 and (keys > FIA_DECODE_MAX_KV or (window and (decode or keys >= 2)))
+            pieces.append(_Piece(r, row + start, n, keys, pad))
         row += q
     return pieces
 
@@ -397,11 +426,11 @@ def _run_tnd(
 ) -> torch.Tensor:
     """``call(queries, block_table, q_lens, kv_lens, padded)`` -> ``[T, N, Dv]`` over the TND plan of
     :func:`_tnd_pieces`, in calls of at most :data:`TND_MAX_BATCH` requests; the output rows are the original query
-    rows, in order. ``padded``: the call's requests carry a padding row (see :func:`_tnd_pieces`)."""
+    rows, in order. ``padded``: every request of the call carries a padding row (see :func:`_tnd_pieces`)."""
     q_lens, kv_lens = list(q_lens), list(kv_lens)
     pieces = _tnd_pieces(q_lens, kv_lens, window=window, max_query=max_query)
-    padded = any(p.pad for p in pieces)
-    if len(pieces) == len(q_lens) and len(q_lens) <= TND_MAX_BATCH:
+    padded = bool(pieces) and all(p.pad for p in pieces)  # a decode call, every request padded
+    if len(pieces) == len(q_lens) and len(q_lens) <= TND_MAX_BATCH and (padded or not any(p.pad for p in pieces)):
         if not padded:
             return call(queries, block_table, q_lens, kv_lens, False)
         # a padded decode (one token per request): row b twice; device-side indices, so a graph can capture it
@@ -456,6 +485,7 @@ def paged_decode(
     scale: float,
     out: torch.Tensor | None = None,
     num_kv_heads: int | None = None,
+    max_batch: int | None = None,
 ) -> torch.Tensor:
     """Decode: ``query`` ``[B, Hq, D]``, one token per request, over the paged caches -> ``out``.
 
@@ -463,17 +493,34 @@ def paged_decode(
     scale_value, block_table, context_lens, out)`` (schema: op-plugin
     ``op_plugin/ops/atb/PagedAttentionAtb.cpp``; ATB doc: {io}; called as in {vllm} and
     {sglang}). ``context_lens`` are the total KV lengths (host); ``out`` is written in place
-    (allocated when None).
+    (allocated when None). ``max_batch``: at most that many requests per call (310P: ATB's "0<batch<=2048",
+    ``contracts.ATB_310P_MAX_BATCH``), a larger batch going in several calls.
     """
     query = query.contiguous()
     if out is None:
         out = torch.empty_like(query)
-    ops._npu_paged_attention(
-        **_paged_args(query, key_cache, block_table, context_lens, scale, num_kv_heads),
-        value_cache=value_cache,
-        out=out,
-    )
+    lens = _host_lengths("context_lens", context_lens)
+    for r0, r1, _, _ in _request_chunks([1] * len(lens), max_batch):
+        ops._npu_paged_attention(
+            **_paged_args(query[r0:r1], key_cache, block_table[r0:r1], lens[r0:r1], scale, num_kv_heads),
+            value_cache=value_cache,
+            out=out[r0:r1],
+        )
     return out
+
+
+def _nz_or_nd(ops: Any, mask: torch.Tensor, nz: bool) -> torch.Tensor:
+    return nz_mask(ops, mask) if nz else mask
+
+
+def _request_chunks(q_lens: list[int], limit: int | None) -> list[tuple[int, int, int, int]]:
+    """``(first request, end request, first token, end token)`` of consecutive calls of at most ``limit`` requests
+    (one call when ``limit`` is None)."""
+    ends = list(itertools.accumulate(q_lens, initial=0))
+    step = limit or max(len(q_lens), 1)
+    return [
+        (r, min(r + step, len(q_lens)), ends[r], ends[min(r + step, len(q_lens))]) for r in range(0, len(q_lens), step)
+    ] or [(0, 0, 0, 0)]
 
 
 _cite(paged_decode, io=_ATB_PA_IO_DOC, vllm=_VLLM_ASCEND, sglang=_SGLANG)
@@ -548,16 +595,20 @@ def paged_mixed(
     sliding_window: int = -1,
     custom_mask: torch.Tensor | None = None,
     num_kv_heads: int | None = None,
+    max_batch: int | None = None,
+    nz: bool = False,
 ) -> torch.Tensor:
     """Mixed batch (decodes and chunked prefills, query tokens concatenated) -> ``out`` ``[T, Hq, D]``.
 
     ``torch_npu._npu_paged_attention_splitfuse(query, key_cache, value_cache, block_table,
     context_lens, mask, seq_len, num_kv_heads, num_heads, scale_value, out)`` (schema:
-    op-plugin ``op_plugin/ops/atb/PagedAttentionSplitfuse.cpp``; called as in {vllm}
-    ``_forward_v1_style`` and {sglang} ``forward_mixed``). ``seq_len`` = query lengths and
-    ``context_lens`` = total KV lengths, both host int32 tensors. ``mask`` defaults to
+    op-plugin ``op_plugin/ops/atb/PagedAttentionSplitfuse.cpp``; called as in vllm-ascend 182b75e
+    ``vllm_ascend/_310p/attention/attention_v1.py`` ``forward_chunked_prefill_310`` and {sglang} ``forward_mixed``).
+    ``seq_len`` = query lengths and ``context_lens`` = total KV lengths, both host int32 tensors. ``mask`` defaults to
     :func:`splitfuse_mask` built from the lengths (and ``causal`` / ``sliding_window`` /
-    ``custom_mask``); pass one prebuilt per batch to avoid a host-to-device copy per layer.
+    ``custom_mask``); pass one prebuilt per batch to avoid a host-to-device copy per layer. ``nz``: the caches are
+    310P's FRACTAL_NZ ones and the (ND ``[T, W]``) mask is cast to NZ per call (:func:`nz_mask`). ``max_batch``: at
+    most that many requests per call (310P: ``contracts.ATB_310P_MAX_BATCH``), the batch split between requests.
     """
     query = query.contiguous()
     if out is None:
@@ -572,19 +623,22 @@ def paged_mixed(
             sliding_window=sliding_window,
             custom_mask=custom_mask,
         )
-    ops._npu_paged_attention_splitfuse(
-        query=query,
-        key_cache=key_cache,
-        value_cache=value_cache,
-        block_table=block_table,
-        context_lens=_host_int32("kv_lens", kv_lens),
-        mask=mask,
-        seq_len=_host_int32("query_lens", query_lens),
-        num_kv_heads=key_cache.shape[2] if num_kv_heads is None else num_kv_heads,
-        num_heads=query.shape[1],
-        scale_value=float(scale),
-        out=out,
-    )
+    q_lens, k_lens = _host_lengths("query_lens", query_lens), _host_lengths("kv_lens", kv_lens)
+    heads = key_cache.shape[2] if num_kv_heads is None else num_kv_heads
+    for r0, r1, t0, t1 in _request_chunks(q_lens, max_batch):
+        ops._npu_paged_attention_splitfuse(
+            query=query[t0:t1],
+            key_cache=key_cache,
+            value_cache=value_cache,
+            block_table=block_table[r0:r1],
+            context_lens=_host_int32("kv_lens", k_lens[r0:r1]),
+            mask=_nz_or_nd(ops, mask if r1 - r0 == len(q_lens) else mask[t0:t1], nz),
+            seq_len=_host_int32("query_lens", q_lens[r0:r1]),
+            num_kv_heads=heads,
+            num_heads=query.shape[1],
+            scale_value=float(scale),
+            out=out[t0:t1],
+        )
     return out
 
 
@@ -600,7 +654,7 @@ def write_latent(ops: Any, key: torch.Tensor, cache: torch.Tensor, slots: torch.
     negative slot is skipped). ``slots`` are cast to int32 on the device, ``key`` to the cache dtype.
     """
     ops._npu_reshape_and_cache_siso(
-        key=key.to(cache.dtype).contiguous(), key_cache=cache, slot_indices=slots.to(torch.int32)
+        key=key.to(cache.dtype).contiguous(), key_cache=cache, slot_indices=_slots_int32(slots, cache, key)
     )
 
 
