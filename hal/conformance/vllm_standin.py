@@ -1,0 +1,207 @@
+"""vLLM's side of attention steps without vLLM: its caches as it allocates them and its per-step metadata.
+
+Read from vLLM 0.32 (``vllm/v1/attention/backend.py`` ``CommonAttentionMetadata``, ``vllm/v1/kv_cache_interface.py``,
+``vllm/v1/attention/backends/cpu_attn.py``) and vllm-ascend 182b75e (``vllm_ascend/worker/model_runner_v1.py``
+``_reshape_kv_cache_tensors`` L4254-4395, ``vllm_ascend/_310p/model_runner_310p.py`` L764-801): what
+``hal.integrations.vllm``'s builder and impls are handed, so that its translation (:mod:`hal.integrations.vllm_steps`)
+is driven as vLLM drives it where vLLM is not installed. Used by ``hal report --matrix``
+(:mod:`hal.conformance.matrix`) and the project's tests.
+
+* :func:`vllm_cache` / :func:`vllm_cpu_cache` / :func:`ascend_pair`: one layer's cache as vLLM (LBNHC, LBHNC) or
+  vllm-ascend (a ``(k_cache, v_cache)`` pair, token-major or FRACTAL_NZ) allocates it;
+* :class:`StandInMetadata`: the ``CommonAttentionMetadata`` fields hal reads;
+* :class:`SimulatedEngine`: a block allocator, the steps of a schedule and every token's q/k/v;
+  :data:`STEPS`, a schedule as vLLM's makes it.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+import hal
+from hal.kernels.reference import dequantize_kv, quantize_kv
+from hal.kv_layouts import FRACTAL_NZ, HEAD_MAJOR, TOKEN_MAJOR
+
+__all__ = [
+    "vllm_cache",
+    "vllm_cpu_cache",
+    "lbhnc_views",
+    "ascend_pair",
+    "StandInMetadata",
+    "SimulatedEngine",
+    "STEPS",
+]
+
+
+def vllm_cache(blocks: int, heads: int, block_size: int, head_size: int, dtype=torch.float32) -> torch.Tensor:
+    """A layer's cache as vLLM 0.32 allocates it for a backend declaring LBNHC: memory [blocks, block_size,
+    heads, 2 * head_size], handed over as the logical [blocks, heads, block_size, 2 * head_size] view."""
+    return torch.zeros(blocks, block_size, heads, 2 * head_size, dtype=dtype).permute(0, 2, 1, 3)
+
+
+def vllm_cpu_cache(blocks: int, heads: int, block_size: int, head_size: int, dtype=torch.float32) -> torch.Tensor:
+    """A layer's cache as vLLM 0.32 allocates it for CPU_ATTN's layout (LBHNC): [blocks, heads, block_size,
+    2 * head_size], dense in that order."""
+    return torch.zeros(blocks, heads, block_size, 2 * head_size, dtype=dtype)
+
+
+def lbhnc_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """How vLLM's CPU_ATTN reads K and V out of that cache (vllm/v1/attention/backends/cpu_attn.py)."""
+    blocks, heads, block_size, _ = cache.shape
+    return cache.view(blocks, heads, block_size * 2, -1).chunk(2, dim=2)
+
+
+def ascend_pair(
+    blocks: int, heads: int, block_size: int, head_size: int, kv_layout: str = TOKEN_MAJOR, dtype=torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """vllm-ascend's per-layer pair: two ``get_kv_cache_shape(...)[1:]`` tensors, token-major ``[blocks, block_size,
+    heads, head_size]`` (``AscendAttentionBackend``) or FRACTAL_NZ ``[blocks, heads * head_size // 16, block_size,
+    16]`` (``AscendAttentionBackend310``)."""
+    if kv_layout == FRACTAL_NZ:
+        shape = (blocks, heads * head_size // 16, block_size, 16)
+    else:
+        shape = (blocks, block_size, heads, head_size)
+    return torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+
+
+@dataclass
+class StandInMetadata:
+    """vLLM 0.32's ``CommonAttentionMetadata`` fields the translation reads (same dtypes: int32 query_start_loc
+    and seq_lens and block table, int64 slot mapping; padding requests have no query tokens)."""
+
+    query_start_loc: torch.Tensor
+    query_start_loc_cpu: torch.Tensor
+    seq_lens: torch.Tensor
+    num_reqs: int
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    block_table_tensor: torch.Tensor
+    slot_mapping: torch.Tensor
+    causal: bool = True
+    positions: torch.Tensor | None = None
+    seq_lens_cpu_upper_bound: torch.Tensor | None = None
+
+
+class SimulatedEngine:
+    """vLLM's side of a few steps: a block allocator (block 0 is the null block), per-request block tables, the
+    step's metadata, and every token's q/k/v (so dense attention can be computed independently)."""
+
+    def __init__(
+        self,
+        *,
+        block_size=16,
+        num_blocks=40,
+        heads=4,
+        kv_heads=2,
+        head_dim=32,
+        max_reqs=8,
+        seed=0,
+        fp8=False,
+        kv_layout=TOKEN_MAJOR,
+        pair=False,
+        cache_block_size=None,
+        dtype=torch.float32,
+    ):
+        self.block_size, self.heads, self.kv_heads, self.head_dim = block_size, heads, kv_heads, head_dim
+        self.dtype, self.fp8 = dtype, fp8
+        storage = torch.uint8 if fp8 else dtype
+        if pair:  # vllm-ascend's runner: a (k_cache, v_cache) pair, its blocks possibly of another size
+            size = cache_block_size or block_size
+            self.cache = ascend_pair(num_blocks * block_size // size, kv_heads, size, head_dim, kv_layout, storage)
+        else:
+            allocate = vllm_cpu_cache if kv_layout == HEAD_MAJOR else vllm_cache
+            self.cache = allocate(num_blocks, kv_heads, block_size, head_dim, storage)
+        self.free = list(range(1, num_blocks))
+        random.Random(seed).shuffle(self.free)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.blocks: dict[int, list[int]] = {}
+        self.qkv: dict[int, list[torch.Tensor]] = {}  # per request: q, k, v of every token so far
+        self.max_reqs, self.max_blocks = max_reqs, 8
+
+    def new_tokens(self, req: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q = torch.randn(n, self.heads, self.head_dim, generator=self.gen).to(self.dtype)
+        k = torch.randn(n, self.kv_heads, self.head_dim, generator=self.gen).to(self.dtype)
+        v = torch.randn(n, self.kv_heads, self.head_dim, generator=self.gen).to(self.dtype)
+        old = self.qkv.get(req)
+        self.qkv[req] = [q, k, v] if old is None else [torch.cat([a, b]) for a, b in zip(old, (q, k, v))]
+        return q, k, v
+
+    def step(self, schedule: list[tuple[int, int]], pad_reqs: int = 0, pad_tokens: int = 0):
+        """``schedule``: (request, new tokens), decodes first as vLLM orders them. Returns the metadata and the
+        step's q/k/v, padded as vLLM pads (requests with no tokens, tokens with slot -1)."""
+        starts, seqs, slots, qs, ks, vs, positions = [0], [], [], [], [], [], []
+        for req, n in schedule:
+            done = 0 if req not in self.qkv else self.qkv[req][0].shape[0]
+            q, k, v = self.new_tokens(req, n)
+            blocks = self.blocks.setdefault(req, [])
+            while len(blocks) * self.block_size < done + n:
+                blocks.append(self.free.pop())
+            for p in range(done, done + n):
+                slots.append(blocks[p // self.block_size] * self.block_size + p % self.block_size)
+                positions.append(p)
+            starts.append(starts[-1] + n)
+            seqs.append(done + n)
+            qs.append(q), ks.append(k), vs.append(v)
+        b = len(schedule) + pad_reqs
+        starts += [starts[-1]] * pad_reqs
+        seqs += [0] * pad_reqs
+        table = torch.zeros(self.max_reqs, self.max_blocks, dtype=torch.int32)
+        for i, (req, _) in enumerate(schedule):
+            table[i, : len(self.blocks[req])] = torch.tensor(self.blocks[req], dtype=torch.int32)
+        q, k, v = (torch.cat(t + [t[0].new_zeros(pad_tokens, *t[0].shape[1:])]) for t in (qs, ks, vs))
+        qsl = torch.tensor(starts, dtype=torch.int32)
+        cm = StandInMetadata(
+            query_start_loc=qsl.clone(),
+            query_start_loc_cpu=qsl,
+            seq_lens=torch.tensor(seqs, dtype=torch.int32),
+            num_reqs=b,
+            num_actual_tokens=starts[-1] + pad_tokens,
+            max_query_len=max(n for _, n in schedule),
+            max_seq_len=max(seqs),
+            block_table_tensor=table[:b],
+            slot_mapping=torch.tensor(slots + [-1] * pad_tokens, dtype=torch.int64),
+            positions=torch.tensor(positions + [0] * pad_tokens, dtype=torch.int64),
+            seq_lens_cpu_upper_bound=torch.tensor(seqs, dtype=torch.int32),
+        )
+        return cm, q, k, v
+
+    def dense(self, schedule, layer: hal.AttentionLayer) -> torch.Tensor:
+        """Each scheduled token's attention over its request's keys so far, computed densely (fp64)."""
+        rows = []
+        group = self.heads // self.kv_heads
+        for req, n in schedule:
+            q, k, v = (t.double() for t in self.qkv[req])
+            if self.fp8:  # what an fp8 cache holds: the keys and values quantised
+                k, v = (
+                    dequantize_kv(quantize_kv(t, torch.float8_e4m3fn, s), s).double() for t, s in ((k, 0.5), (v, 2.0))
+                )
+            total = q.shape[0]
+            for p in range(total - n, total):
+                lo = 0 if layer.sliding_window_size < 0 else max(0, p - layer.sliding_window_size)
+                keys = k[lo : p + 1].repeat_interleave(group, 1)
+                scores = torch.einsum("hd,thd->ht", q[p], keys) * layer.scaling
+                if layer.logit_cap > 0:
+                    scores = layer.logit_cap * torch.tanh(scores / layer.logit_cap)
+                probs = torch.softmax(scores, -1)
+                rows.append(torch.einsum("ht,thd->hd", probs, v[lo : p + 1].repeat_interleave(group, 1)))
+        return torch.stack(rows).reshape(len(rows), -1).float()
+
+    def slots(self, req: int) -> list[int]:
+        """The KV slots of request ``req``'s tokens so far, in order."""
+        blocks, n = self.blocks[req], self.qkv[req][1].shape[0]
+        return [blocks[p // self.block_size] * self.block_size + p % self.block_size for p in range(n)]
+
+
+# Steps as vLLM schedules them: a prefill in chunks, decodes first once requests run, a request joining
+# mid-way (continuous batching), a one-token prompt, then padded steps.
+STEPS = [
+    [(0, 40), (1, 1)],  # EXTEND: a 1-token prompt is "decode"-shaped: MIXED
+    [(0, 1), (1, 1), (2, 37)],
+    [(0, 1), (1, 1), (2, 1)],
+    [(1, 1), (0, 1), (3, 70)],  # decodes first, then a long prefill chunk
+    [(3, 30), (4, 18)],
+]
