@@ -49,8 +49,7 @@ from hal.integrations.vllm_steps import (
     vllm_layer,
 )
 from hal.kernels import reference
-from hal.kv_cache import kv_storage
-from hal.kv_layouts import FRACTAL_NZ, HEAD_MAJOR, KV_LAYOUTS, TOKEN_MAJOR
+from hal.kv_layouts import FRACTAL_NZ, HEAD_MAJOR, TOKEN_MAJOR
 from hal.registry import device_backends, get_registry, probe_device, register_device, unregister_device
 
 __all__ = [
@@ -270,14 +269,11 @@ def _check_step(run: Run, group: _VllmGroup, schedule, out: torch.Tensor) -> Non
 
 
 def _kv_problem(group: _VllmGroup) -> str | None:
-    """Every token of every request read back from vLLM's cache where its slot mapping said, in the pool's layout."""
-    engine, pool = group.engine, group.pool
-    k_store, v_store, (heads, _, _) = kv_storage(pool, group.layer.layer_id)
-    read = KV_LAYOUTS[pool.kv_layout].read
+    """Every token of every request where its slot mapping said, read from vLLM's cache as the engine reads it
+    (:meth:`~hal.conformance.vllm_standin.SimulatedEngine.stored_kv`), not through hal's pool."""
+    engine = group.engine
     for req, (_, k, v) in engine.qkv.items():
-        slots = torch.tensor(engine.slots(req))
-        for name, store, want in (("K", k_store, k), ("V", v_store, v)):
-            got = read(store, slots, heads)
+        for name, got, want in zip("KV", engine.stored_kv(torch.tensor(engine.slots(req))), (k, v)):
             if not torch.equal(got.float(), want.to(got.dtype).float()):
                 return f"request {req}: its {name} rows are not in vLLM's cache at their slots"
     return None

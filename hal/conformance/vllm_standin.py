@@ -23,7 +23,7 @@ import torch
 
 import hal
 from hal.kernels.reference import dequantize_kv, quantize_kv
-from hal.kv_layouts import FRACTAL_NZ, HEAD_MAJOR, TOKEN_MAJOR
+from hal.kv_layouts import FRACTAL_NZ, HEAD_MAJOR, KV_LAYOUTS, TOKEN_MAJOR
 
 __all__ = [
     "vllm_cache",
@@ -107,10 +107,11 @@ class SimulatedEngine:
         dtype=torch.float32,
     ):
         self.block_size, self.heads, self.kv_heads, self.head_dim = block_size, heads, kv_heads, head_dim
-        self.dtype, self.fp8 = dtype, fp8
+        self.dtype, self.fp8, self.pair, self.kv_layout = dtype, fp8, pair, kv_layout
+        self.cache_block_size = cache_block_size or block_size
         storage = torch.uint8 if fp8 else dtype
         if pair:  # vllm-ascend's runner: a (k_cache, v_cache) pair, its blocks possibly of another size
-            size = cache_block_size or block_size
+            size = self.cache_block_size
             self.cache = ascend_pair(num_blocks * block_size // size, kv_heads, size, head_dim, kv_layout, storage)
         else:
             allocate = vllm_cpu_cache if kv_layout == HEAD_MAJOR else vllm_cache
@@ -194,6 +195,22 @@ class SimulatedEngine:
         """The KV slots of request ``req``'s tokens so far, in order."""
         blocks, n = self.blocks[req], self.qkv[req][1].shape[0]
         return [blocks[p // self.block_size] * self.block_size + p % self.block_size for p in range(n)]
+
+    def stored_kv(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V rows ``[n, kv_heads, head_dim]`` at ``slots`` of the engine's own cache, read as vLLM
+        (LBNHC: K then V on the content axis; LBHNC: CPU_ATTN's views) or vllm-ascend (the pair's K and V tensors;
+        FRACTAL_NZ by its documented element order) reads them, not through hal's pool."""
+        blocks, offsets = slots // self.cache_block_size, slots % self.cache_block_size
+        if self.pair and self.kv_layout == FRACTAL_NZ:
+            read = KV_LAYOUTS[FRACTAL_NZ].read
+            return read(self.cache[0], slots, self.kv_heads), read(self.cache[1], slots, self.kv_heads)
+        if self.pair:
+            return self.cache[0][blocks, offsets], self.cache[1][blocks, offsets]
+        if self.kv_layout == HEAD_MAJOR:
+            k, v = lbhnc_views(self.cache)
+            return k[blocks, :, offsets], v[blocks, :, offsets]
+        rows = self.cache[blocks, :, offsets]  # [n, kv_heads, head_dim + head_dim]
+        return rows[..., : self.head_dim], rows[..., self.head_dim :]
 
 
 # Steps as vLLM schedules them: a prefill in chunks, decodes first once requests run, a request joining
