@@ -167,3 +167,53 @@ def test_hal_report_matrix_refuses_bad_files(tmp_path):
         report.load_matrix(str(bad))
     with pytest.raises(ConfigError, match="--no-run"):
         report.main_matrix([], None, None, run=False, engines=None)
+
+
+def test_known_failures_are_shown_and_only_new_ones_fail_the_run(tmp_path, capsys):
+    from hal.commands.cli import main
+
+    cells = tmp_path / "cells.json"
+    cells.write_text(json.dumps(_doc(_cell_dict("failed", path="graph", reason="boom"), _cell_dict("passed"))))
+    known = tmp_path / "known.txt"
+    known.write_text("# cells known to fail\nsglang 0.5.23 | graph | cpu/torch | issue 51: fixed on branch plan\n")
+    assert main(["report", "--matrix", "--no-run", str(cells), "--known-failures", str(known)]) == 0
+    out = capsys.readouterr().out
+    assert "**FAIL** (known)" in out and "[known: issue 51: fixed on branch plan]" in out
+    known.write_text(known.read_text() + "sglang 0.5.23 | dense | cpu/torch | was broken\n")
+    assert main(["report", "--matrix", "--no-run", str(cells), "--known-failures", str(known)]) == 1  # passes now
+    assert "passes now: remove it from the known failures (was broken)" in capsys.readouterr().out
+    known.write_text("sglang 0.5.23 | graph | cpu/torch\n")
+    with pytest.raises(ConfigError, match="line 1"):
+        report.load_known_failures(str(known))
+
+
+def test_sglang_kit_results_become_cells():
+    """ci/sglang_kit.py --matrix-json (run in the sglang envs): one cell per kit family on the run's column."""
+    kit = {
+        "dtype": "fp32",
+        "results": [
+            {"name": "dense/a", "status": "passed", "message": ""},
+            {"name": "dense/b", "status": "passed", "message": ""},
+            {"name": "graph_decode/a", "status": "failed", "message": "AssertionError: replay differs"},
+            {"name": "graph_decode/b", "status": "passed", "message": ""},
+            {"name": "mla/a", "status": "refused", "message": "NoBackendError: no MLA"},
+            {"name": "sinks/a", "status": "skipped", "message": "needs Triton"},
+        ],
+    }
+    doc = matrix.cells_from_sglang_kit(kit, "0.5.21", "cpu/triton[interpreted]")
+    cells = {c["path"]: c for c in doc["cells"]}
+    assert {c["engine"] for c in doc["cells"]} == {"sglang 0.5.21"} and doc["columns"] == ["cpu/triton[interpreted]"]
+    assert (cells[matrix.SGLANG_KIT_PATHS["dense"]]["status"], cells[matrix.SGLANG_KIT_PATHS["dense"]]["cases"]) == (
+        "passed",
+        2,
+    )
+    graph = cells[matrix.SGLANG_KIT_PATHS["graph_decode"]]
+    assert graph["status"] == "failed" and "replay differs" in graph["reason"]
+    assert cells[matrix.SGLANG_KIT_PATHS["mla"]]["status"] == "refused"
+    assert cells[matrix.SGLANG_KIT_PATHS["sinks"]]["status"] == "cannot_run"
+    here = matrix.run_matrix(engines=("sglang",), column_filter=lambda c: c.name == "cpu/triton[interpreted]")
+    merged = matrix.merge_cells([here, doc])  # the env's cells replace this machine's cannot_run ones
+    ran = {c["path"]: c["status"] for c in merged["cells"] if c["engine"] == "sglang 0.5.21"}
+    assert (
+        ran[matrix.SGLANG_KIT_PATHS["dense"]] == "passed" and ran[matrix.SGLANG_KIT_PATHS["swa_decode"]] == "cannot_run"
+    )

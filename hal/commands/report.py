@@ -322,25 +322,56 @@ def render_html(matrix: Matrix) -> str:
     return "\n".join(out) + "\n"
 
 
-def main_matrix(paths: list[str], output: str | None, json_out: str | None, run: bool, engines: str | None) -> int:
+def main_matrix(
+    paths: list[str],
+    output: str | None,
+    json_out: str | None,
+    run: bool,
+    engines: str | None,
+    known_failures: str | None = None,
+    devices: str | None = None,
+) -> int:
     """``hal report --matrix``: run the cells this machine can (unless ``run`` is False), merge the cells of the
     ``paths`` (JSON an engine env or another machine wrote with ``--json``), write Markdown to ``output`` (or
-    stdout) and JSON to ``json_out``. 1 when a cell failed."""
+    stdout) and JSON to ``json_out``. 1 when a cell failed that ``known_failures`` (a file of
+    :func:`load_known_failures`) does not list, or one it lists passed (the list is then out of date)."""
     from hal.conformance import matrix
 
     documents = [load_matrix(path) for path in paths]
     if run:
-        documents.insert(0, matrix.run_matrix(tuple(engines.split(",")) if engines else None))
+        wanted = set(devices.split(",")) if devices else None
+        columns = None if wanted is None else (lambda column: column.device in wanted)
+        documents.insert(0, matrix.run_matrix(tuple(engines.split(",")) if engines else None, columns))
     if not documents:
         raise ConfigError("hal report --matrix --no-run: give the matrix JSON files to read")
     doc = matrix.merge_cells(documents)
+    known = load_known_failures(known_failures) if known_failures else {}
+    unexpected = matrix.mark_known_failures(doc, known)
     _write(json_out, json.dumps(doc, indent=1) + "\n", "--json")
     text = matrix.render_markdown(doc)
     if output:
         _write(output, text, "-o")
     else:
         print(text, end="")
-    return int(any(cell["status"] == "failed" for cell in doc["cells"]))
+    return int(bool(unexpected))
+
+
+def load_known_failures(path: str) -> dict[tuple[str, str, str], str]:
+    """``--known-failures``: lines ``engine | path | column | why``; ``#`` comments and blank lines skipped."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise _fail(path, f"cannot read: {exc.strerror or exc}") from exc
+    known = {}
+    for n, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = [part.strip() for part in line.split("|")]
+        if len(parts) != 4 or not all(parts):
+            raise _fail(path, f"line {n}: expected `engine | path | column | why`, got {line!r}")
+        known[tuple(parts[:3])] = parts[3]
+    return known
 
 
 def load_matrix(path: str) -> dict:
@@ -403,11 +434,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     matrix.add_argument("--json", metavar="FILE", help="with --matrix: also write the cells as JSON (for CI)")
     matrix.add_argument("--no-run", action="store_true", help="with --matrix: only merge the RESULT.json files")
     matrix.add_argument("--engines", metavar="LIST", help="with --matrix: only these engines (hal,vllm,vllm-ascend)")
+    matrix.add_argument("--devices", metavar="LIST", help="with --matrix: only the columns of these hal devices")
+    matrix.add_argument(
+        "--known-failures",
+        metavar="FILE",
+        help="with --matrix: cells known to fail (lines `engine | path | column | why`): shown with the reason, and "
+        "the exit status is 1 only for a failed cell not listed or a listed one that passed",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     if args.matrix:
-        return main_matrix(args.results, args.output, args.json, not args.no_run, args.engines)
+        return main_matrix(args.results, args.output, args.json, not args.no_run, args.engines, args.known_failures)
     if not args.results:
         raise ConfigError("hal report: give the `hal check --json` files to merge (or --matrix)")
     return main(args.results, args.format, args.output)

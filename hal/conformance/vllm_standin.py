@@ -54,6 +54,15 @@ def lbhnc_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return cache.view(blocks, heads, block_size * 2, -1).chunk(2, dim=2)
 
 
+def _to(cache, device: torch.device):
+    """A cache (a tensor or a pair) on ``device``, its strides kept (vLLM's LBNHC view is a permuted one)."""
+    if isinstance(cache, tuple):
+        return tuple(_to(t, device) for t in cache)
+    if cache.device == device:
+        return cache
+    return torch.empty_strided(cache.shape, cache.stride(), dtype=cache.dtype, device=device).copy_(cache)
+
+
 def ascend_pair(
     blocks: int, heads: int, block_size: int, head_size: int, kv_layout: str = TOKEN_MAJOR, dtype=torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,17 +114,20 @@ class SimulatedEngine:
         pair=False,
         cache_block_size=None,
         dtype=torch.float32,
+        device="cpu",
     ):
         self.block_size, self.heads, self.kv_heads, self.head_dim = block_size, heads, kv_heads, head_dim
         self.dtype, self.fp8, self.pair, self.kv_layout = dtype, fp8, pair, kv_layout
         self.cache_block_size = cache_block_size or block_size
         storage = torch.uint8 if fp8 else dtype
+        self.device = torch.device(device)  # where the caches, the step's device tensors and q/k/v live
         if pair:  # vllm-ascend's runner: a (k_cache, v_cache) pair, its blocks possibly of another size
             size = self.cache_block_size
             self.cache = ascend_pair(num_blocks * block_size // size, kv_heads, size, head_dim, kv_layout, storage)
         else:
             allocate = vllm_cpu_cache if kv_layout == HEAD_MAJOR else vllm_cache
             self.cache = allocate(num_blocks, kv_heads, block_size, head_dim, storage)
+        self.cache = _to(self.cache, self.device)
         self.free = list(range(1, num_blocks))
         random.Random(seed).shuffle(self.free)
         self.gen = torch.Generator().manual_seed(seed)
@@ -168,6 +180,9 @@ class SimulatedEngine:
             positions=torch.tensor(positions + [0] * pad_tokens, dtype=torch.int64),
             seq_lens_cpu_upper_bound=torch.tensor(seqs, dtype=torch.int32),
         )
+        for name in ("query_start_loc", "seq_lens", "block_table_tensor", "slot_mapping", "positions"):
+            setattr(cm, name, getattr(cm, name).to(self.device))  # vLLM's device tensors; *_cpu stay on the host
+        q, k, v = (t.to(self.device) for t in (q, k, v))
         return cm, q, k, v
 
     def dense(self, schedule, layer: hal.AttentionLayer) -> torch.Tensor:
@@ -200,6 +215,7 @@ class SimulatedEngine:
         """The K and V rows ``[n, kv_heads, head_dim]`` at ``slots`` of the engine's own cache, read as vLLM
         (LBNHC: K then V on the content axis; LBHNC: CPU_ATTN's views) or vllm-ascend (the pair's K and V tensors;
         FRACTAL_NZ by its documented element order) reads them, not through hal's pool."""
+        slots = slots.to(self.device)
         blocks, offsets = slots // self.cache_block_size, slots % self.cache_block_size
         if self.pair and self.kv_layout == FRACTAL_NZ:
             read = KV_LAYOUTS[FRACTAL_NZ].read

@@ -91,10 +91,11 @@ class HalAscendMetadataBuilder(HalMetadataBuilder):
     @classmethod
     def table_block_size(cls, kv_cache_spec, backend_cls: type) -> int:
         """vllm-ascend makes its builders for the KV manager's block size (``model_runner_v1.py``
-        ``create_attn_groups``, L4613-4625) while its block table counts the kernel block size ``select_common_block_size`` picks (L4466-4489):
-        that one (:func:`~hal.integrations.vllm_steps.common_block_size`). The caches it allocates may use another
-        (the backend's first, under hybrid blocks: L4322-4330), which hal's pool reads in place where token-major.
-        The 310P runner counts its table in the manager's size."""
+        ``create_attn_groups``, L4613-4625) while its block table counts the kernel block size
+        ``select_common_block_size`` picks (L4466-4489): that one
+        (:func:`~hal.integrations.vllm_steps.common_block_size`). The caches it allocates may use another (the
+        backend's first, under hybrid blocks: L4322-4330), which hal's pool reads in place where token-major. The
+        310P runner counts its table in the manager's size."""
         if backend_cls.hal_kv_layouts() != (TOKEN_MAJOR,):
             return kv_cache_spec.block_size
         return common_block_size(kv_cache_spec.block_size, backend_cls.get_supported_kernel_block_sizes())
