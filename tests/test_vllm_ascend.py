@@ -170,6 +170,28 @@ def test_route_is_opt_in_and_keyed_on_upstreams_answer(standin, monkeypatch):
 
 
 @needs_vllm
+def test_the_runner_treats_hals_classes_as_upstreams(standin, monkeypatch):
+    """install() makes hal's classes virtual subclasses of upstream's: vllm-ascend's runner then corrects its host
+    lengths for them under asynchronous speculative decoding (model_runner_v1.py L453-459, L1199-1211), so hal's
+    builder reads those instead of the device's seq_lens; its block table counts select_common_block_size's blocks."""
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    from hal.integrations import vllm_ascend as route
+
+    monkeypatch.setenv("HAL_VLLM", "1")
+    spec_config = types.SimpleNamespace(num_speculative_tokens=3)
+    monkeypatch.setitem(route._STATE, "registered", False)
+    assert route.HalAscendMetadataBuilder.reads_device_seq_lens(spec_config)  # not registered: a sync per step
+    assert route.install(_fresh_platform())
+    for upstream_path, hal_cls in route.HAL_FOR_UPSTREAM.items():
+        assert issubclass(hal_cls, resolve_obj_by_qualname(upstream_path))
+    assert not route.HalAscendMetadataBuilder.reads_device_seq_lens(spec_config)
+    manager = types.SimpleNamespace(block_size=256)
+    assert route.HalAscendMetadataBuilder.table_block_size(manager, route.HalAscendAttentionBackend) == 256
+    assert route.HalAscendMetadataBuilder.table_block_size(manager, route.HalAscend310PAttentionBackend) == 256
+
+
+@needs_vllm
 def test_hal_answers_upstreams_backend_contract(standin, monkeypatch):
     from vllm.utils.import_utils import resolve_obj_by_qualname
     from vllm.v1.attention.backends.registry import AttentionBackendEnum

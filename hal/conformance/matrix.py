@@ -37,7 +37,7 @@ from hal.conformance.cases import Case, build, check_cache, check_output
 from hal.conformance.paths import Path, paths_for
 from hal.conformance.token_table_device import NAME as TOKEN_TABLE
 from hal.conformance.token_table_device import TokenTableDevice
-from hal.conformance.vllm_standin import SimulatedEngine
+from hal.conformance.vllm_standin import FP8_SCALES, SimulatedEngine
 from hal.errors import HalError
 from hal.graph import GraphRunner
 from hal.integrations.vllm_steps import (
@@ -219,10 +219,13 @@ def _vllm_group(
 ) -> _VllmGroup:
     device = _column_device(run.column)
     engine = SimulatedEngine(kv_layout=kv_layout, pair=pair, device=device, **engine_kw)
-    layer = vllm_layer(0, engine.heads, engine.kv_heads, engine.head_dim, engine.head_dim**-0.5)
+    scales = dict(zip(("k_scale", "v_scale"), FP8_SCALES)) if engine.fp8 else {}
+    layer = vllm_layer(0, engine.heads, engine.kv_heads, engine.head_dim, engine.head_dim**-0.5, **scales)
+    kv_dtype = torch.float8_e4m3fn if engine.fp8 else engine.dtype  # vLLM's "fp8" cache: e4m3 bytes
     config = hal.AttentionConfig.from_layers(
         [layer],
         dtype=engine.dtype,
+        kv_cache_dtype=kv_dtype,
         page_size=engine.block_size,
         kv_layout=kv_layout,
         graph=bool(graphs),
@@ -234,8 +237,7 @@ def _vllm_group(
     selection, backend = run.select(config)
     if pair:  # the runner allocates each cache in the format the chip's ops read (torch_npu.empty_with_format)
         engine.cache = tuple(backend.format_kv_pages(selection.capability, kv_layout, t) for t in engine.cache)
-    cache = engine.cache[0] if pair else engine.cache
-    pool = VllmKVPool(engine.block_size, cache.dtype, backend.device, engine.head_dim, kv_layout=kv_layout)
+    pool = VllmKVPool(engine.block_size, kv_dtype, backend.device, engine.head_dim, kv_layout=kv_layout)
 
     translator = StepTranslator(
         pool, engine.block_size, engine.max_reqs, engine.max_blocks, engine.device, exact_seq_lens=exact
@@ -271,7 +273,7 @@ def _serve(group: _VllmGroup, schedule, pad_reqs: int = 0, pad_tokens: int = 0, 
 def _check_step(run: Run, group: _VllmGroup, schedule, out: torch.Tensor) -> None:
     """A step's outputs against the reference over the cache as it is, then every KV slot the engine wrote."""
     engine = group.engine
-    tol = reference.tolerance(engine.dtype)
+    tol = reference.tolerance(engine.dtype, torch.float8_e4m3fn if engine.fp8 else None)
     want = engine.dense(schedule, group.layer).to(out.dtype)
     got = out.reshape(want.shape).cpu()
     bad = not torch.allclose(got.float(), want.float(), **tol)
@@ -283,8 +285,12 @@ def _kv_problem(group: _VllmGroup) -> str | None:
     """Every token of every request where its slot mapping said, read from vLLM's cache as the engine reads it
     (:meth:`~hal.conformance.vllm_standin.SimulatedEngine.stored_kv`), not through hal's pool."""
     engine = group.engine
+    scales = reference.kv_scales(group.layer)
     for req, (_, k, v) in engine.qkv.items():
-        for name, got, want in zip("KV", engine.stored_kv(torch.tensor(engine.slots(req))), (k, v)):
+        stored = engine.stored_kv(torch.tensor(engine.slots(req)))
+        for name, got, want, scale in zip("KV", stored, (k, v), scales):
+            if engine.fp8:  # vLLM's fp8 cache holds the e4m3 bytes of value / scale
+                want = reference.quantize_kv(want, torch.float8_e4m3fn, scale).view(torch.uint8)
             if not torch.equal(got.cpu().float(), want.cpu().to(got.dtype).float()):
                 return f"request {req}: its {name} rows are not in vLLM's cache at their slots"
     return None
@@ -385,6 +391,7 @@ def _vllm_paths() -> list[EnginePath]:
         EnginePath("vllm", "full decode graphs", vllm_full_decode_graphs),
         EnginePath("vllm", "speculative verify", vllm_speculative_verify),
         EnginePath("vllm", "eager, head_major (LBHNC) cache", _vllm_steps(_PREFILL + _MIXED, HEAD_MAJOR)),
+        EnginePath("vllm", "eager, fp8 cache (--kv-cache-dtype fp8)", _vllm_steps(_PREFILL + _MIXED, fp8=True)),
         EnginePath(
             "vllm", "full decode graphs, head_major cache", lambda run: vllm_full_decode_graphs(run, HEAD_MAJOR)
         ),
@@ -503,7 +510,8 @@ def _run_cell(engine_path: EnginePath, column: Column) -> Cell:
         cell.reason = (
             f"{engine_path.needs} is installed but this run reads its cells from `{engine_path.env}`"
             if found
-            else f"needs {engine_path.needs} (not installed here): `{engine_path.env}` writes this cell"
+            else f"needs {engine_path.needs} (not installed here): `{engine_path.env}` writes its cells (the columns "
+            "its kit runs on)"
         )
         return cell
     if column.path.unreached:

@@ -33,7 +33,10 @@ __all__ = [
     "StandInMetadata",
     "SimulatedEngine",
     "STEPS",
+    "FP8_SCALES",
 ]
+
+FP8_SCALES = (0.5, 2.0)  # the layers' k_scale, v_scale over an fp8 cache (SimulatedEngine.dense reads them)
 
 
 def vllm_cache(blocks: int, heads: int, block_size: int, head_size: int, dtype=torch.float32) -> torch.Tensor:
@@ -193,7 +196,8 @@ class SimulatedEngine:
             q, k, v = (t.double() for t in self.qkv[req])
             if self.fp8:  # what an fp8 cache holds: the keys and values quantised
                 k, v = (
-                    dequantize_kv(quantize_kv(t, torch.float8_e4m3fn, s), s).double() for t, s in ((k, 0.5), (v, 2.0))
+                    dequantize_kv(quantize_kv(t, torch.float8_e4m3fn, s), s).double()
+                    for t, s in zip((k, v), FP8_SCALES)
                 )
             total = q.shape[0]
             for p in range(total - n, total):

@@ -17,9 +17,10 @@ Block sizes as upstream: the block table counts the kernel block size ``select_c
 are allocated in blocks of the KV manager's size (L4354-4359), or, with hybrid blocks (more than one attention group,
 L3639), of the backend's first kernel block size (L4322-4330), which may differ from the table's.
 
-Host lengths as upstream: ``_needs_seq_lens_cpu_sync`` (L453-459) says whether the runner corrects
-``optimistic_seq_lens_cpu`` under asynchronous speculative decoding (L1199-1211); vLLM's CPU runner schedules
-synchronously, so the host lengths here are exact either way.
+Host lengths: upstream corrects ``optimistic_seq_lens_cpu`` under asynchronous speculative decoding for the backends
+``issubclass(attn_backend, (AscendAttentionBackend, AscendMLABackend))`` names (L453-459, L1199-1211; hal's classes
+are registered as upstream's by ``hal.integrations.vllm_ascend.install``); vLLM's CPU runner schedules synchronously,
+so the host lengths here are exact either way.
 """
 
 from dataclasses import fields
@@ -49,9 +50,6 @@ class NPUModelRunner(CPUModelRunner):
             use_mm_prefix=self.model_config is not None and self.model_config.is_mm_prefix_lm,
         )
         self.use_hybrid_blocks = False  # L366-367; set when the caches are made (L3639)
-        from vllm_ascend.attention.attention_v1 import AscendAttentionBackend
-
-        self._needs_seq_lens_cpu_sync = issubclass(self.attn_backend, AscendAttentionBackend)  # L453-459
 
     # -- KV caches -------------------------------------------------------------------------
     def initialize_kv_cache_tensors(self, kv_cache_config, kernel_block_sizes, kv_cache_allocation_context=None):
