@@ -27,7 +27,7 @@ import os
 import platform
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -100,10 +100,6 @@ class Column:
         return f"{self.device}/{self.backend}" + ("" if self.path.is_default else f"[{self.path.name}]")
 
 
-class _Serving(Exception):
-    """An error raised once serving started (a refusal then is a failure)."""
-
-
 @dataclass
 class Run:
     """What a cell's driver gets: its column, and ``select(config)``, which refuses at start (a hal error before
@@ -143,7 +139,8 @@ class EnginePath:
 # ----------------------------------------------------------------------------- hal's own engine
 
 
-def _cases(*modes: ForwardMode, **fields) -> list[Case]:
+def _cases(*modes: ForwardMode) -> list[Case]:
+    """Small batches of each mode (page 16, head dim 32, GQA 4/2), prefixes crossing pages."""
     shapes = {
         ForwardMode.EXTEND: ((0, 20), (14, 5), (40, 9)),
         ForwardMode.DECODE: ((5, 1), (17, 1), (33, 1)),
@@ -151,21 +148,20 @@ def _cases(*modes: ForwardMode, **fields) -> list[Case]:
         ForwardMode.TARGET_VERIFY: ((12, 3), (20, 3)),
         ForwardMode.DRAFT_EXTEND: ((12, 2), (20, 2)),
     }
-    return [Case(f"matrix-{m.name.lower()}", m, shapes[m], head_dim=32, page_size=16, **fields) for m in modes]
+    return [Case(f"matrix-{m.name.lower()}", m, shapes[m], head_dim=32, page_size=16) for m in modes]
 
 
 def hal_eager(run: Run) -> None:
-    """hal's engine eager (``hal.demo``'s step: ``init_forward_metadata`` then ``forward``) on each mode; output and
-    the whole pool against the reference."""
-    modes = ("EXTEND", "DECODE", "MIXED", "TARGET_VERIFY", "DRAFT_EXTEND")
-    for case in _cases(*(ForwardMode[m] for m in modes)):
-        _, backend = run.select(case.config())
+    """hal's engine eager (``hal.demo``'s step: ``init_forward_metadata`` then ``forward``), one backend serving a
+    batch of each mode in turn; each output and the whole pool against the reference."""
+    cases = _cases(*(ForwardMode[m] for m in ("EXTEND", "DECODE", "MIXED", "TARGET_VERIFY", "DRAFT_EXTEND")))
+    _, backend = run.select(cases[0].config())
+    run.serving()
+    for case in cases:
         built = build(case, backend.device)
-        run.serving()
         backend.init_forward_metadata(built.batch)
         out = backend.forward(built.q, built.k, built.v, built.layer, built.batch, **built.forward_kwargs)
         run.check(check_cache(built) or check_output(built, out))
-        run.started = False
 
 
 def hal_graph_runner(run: Run) -> None:
@@ -185,8 +181,8 @@ def hal_graph_runner(run: Run) -> None:
         capture_bs=(len(case.requests),),
         dtype=case.dtype,
     )
+    run.serving()  # a capture the guard fails is a failure, not a refusal
     runner.capture()
-    run.serving()
     out = runner.run(fb, built.q, built.k, built.v)
     run.check(check_cache(built, skip_padding_page=True) or check_output(built, out[0]))  # page 0: padding writes
 
@@ -211,7 +207,6 @@ class _VllmGroup:
     translator: StepTranslator
     planner: StepPlanner
     selection: hal.Selection
-    steps: list = field(default_factory=list)  # (schedule, out) served
 
 
 def _vllm_group(
@@ -308,9 +303,10 @@ def _vllm_steps(schedules, kv_layout: str = TOKEN_MAJOR, pad_tokens: int = 0, **
 
 def vllm_full_decode_graphs(run: Run, kv_layout: str = TOKEN_MAJOR) -> None:
     """vLLM's full decode graphs (``AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE``) as hal's builder serves them:
-    ``build_for_cudagraph_capture`` over a batch padded to the captured size, every layer's forward captured under
-    hal's ``EagerGraph`` (no host sync, captured shapes and addresses), then builds of other decode batches refilled
-    in place and replayed (``vllm/v1/worker/gpu_model_runner.py`` ``_capture_cudagraphs`` / ``execute_model``)."""
+    ``build_for_cudagraph_capture`` over a batch padded to the captured size, every layer's forward captured on the
+    device's graph (on the CPU and the emulation hal's ``EagerGraph``: no host sync, the captured shapes and
+    addresses), then builds of other decode batches refilled in place and replayed
+    (``vllm/v1/worker/gpu_model_runner.py`` ``_capture_cudagraphs`` / ``execute_model``)."""
     size = 4
     group = _vllm_group(run, kv_layout, graphs=size)
     engine = group.engine
@@ -360,13 +356,14 @@ def vllm_speculative_verify(run: Run, exact: bool = True) -> None:
     _check_step(run, group, schedule, _serve(group, schedule, bound=lambda cm: cm.seq_lens + 3))
 
 
-def vllm_ascend(chip_layout: str, hybrid: bool = False) -> Callable[[Run], None]:
+def vllm_ascend(chip_layout: str, hybrid: bool = False, speculative: bool = False) -> Callable[[Run], None]:
     """vllm-ascend's runner (stand-in of ``vllm_ascend/worker/model_runner_v1.py`` at 182b75e): per-layer
     ``(k_cache, v_cache)`` pairs of ``get_kv_cache_shape(...)[1:]`` (L4354-4410), token-major (A2/A3) or FRACTAL_NZ
     (310P, ``_310p/model_runner_310p.py`` L764-801), 128-token blocks; ``hybrid``: hybrid blocks (L4322-4330), the
     caches in blocks of the backend's first kernel block size (128) while the block table counts
-    ``select_common_block_size``'s (256, which hal's classes list: L4466-4489); the host lengths exact (the runner
-    corrects them for hal's classes, L1199-1211)."""
+    ``select_common_block_size``'s (256, which hal's classes list: L4466-4489); ``speculative``: verify rows behind a
+    decode with the host lengths read as they are (no device read of ``seq_lens``): the runner corrects them for
+    hal's classes under asynchronous speculative decoding (L453-459, L1199-1211), so the bound is exact."""
 
     def drive(run: Run) -> None:
         table = 256 if hybrid else 128
@@ -374,7 +371,8 @@ def vllm_ascend(chip_layout: str, hybrid: bool = False) -> Callable[[Run], None]
             run, chip_layout, pair=True, block_size=table, cache_block_size=128, num_blocks=6, head_dim=128
         )
         run.serving()
-        for schedule in (*_PREFILL, *_DECODE, _MIXED[0]):
+        schedules = ([(0, 20), (1, 9)], [(1, 1), (0, 4)]) if speculative else (*_PREFILL, *_DECODE, _MIXED[0])
+        for schedule in schedules:
             _check_step(run, group, schedule, _serve(group, schedule))
 
     return drive
@@ -399,6 +397,9 @@ def _vllm_paths() -> list[EnginePath]:
     paths += [
         EnginePath("vllm-ascend", "A2/A3 runner (token-major pairs)", vllm_ascend(TOKEN_MAJOR)),
         EnginePath("vllm-ascend", "A2/A3 runner, hybrid blocks", vllm_ascend(TOKEN_MAJOR, hybrid=True)),
+        EnginePath(
+            "vllm-ascend", "A2/A3 runner, speculative verify (host lengths)", vllm_ascend(TOKEN_MAJOR, speculative=True)
+        ),
         EnginePath("vllm-ascend", "310P runner (FRACTAL_NZ pairs)", vllm_ascend(FRACTAL_NZ)),
     ]
     return paths
