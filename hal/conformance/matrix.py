@@ -37,7 +37,7 @@ from hal.conformance.cases import Case, build, check_cache, check_output
 from hal.conformance.paths import Path, paths_for
 from hal.conformance.token_table_device import NAME as TOKEN_TABLE
 from hal.conformance.token_table_device import TokenTableDevice
-from hal.conformance.vllm_standin import FP8_SCALES, SimulatedEngine
+from hal.conformance.vllm_standin import FP8_CACHE_DTYPE, FP8_SCALES, SimulatedEngine
 from hal.errors import HalError
 from hal.graph import GraphRunner
 from hal.integrations.vllm_steps import (
@@ -216,7 +216,7 @@ def _vllm_group(
     engine = SimulatedEngine(kv_layout=kv_layout, pair=pair, device=device, **engine_kw)
     scales = dict(zip(("k_scale", "v_scale"), FP8_SCALES)) if engine.fp8 else {}
     layer = vllm_layer(0, engine.heads, engine.kv_heads, engine.head_dim, engine.head_dim**-0.5, **scales)
-    kv_dtype = torch.float8_e4m3fn if engine.fp8 else engine.dtype  # vLLM's "fp8" cache: e4m3 bytes
+    kv_dtype = FP8_CACHE_DTYPE if engine.fp8 else engine.dtype
     config = hal.AttentionConfig.from_layers(
         [layer],
         dtype=engine.dtype,
@@ -268,7 +268,7 @@ def _serve(group: _VllmGroup, schedule, pad_reqs: int = 0, pad_tokens: int = 0, 
 def _check_step(run: Run, group: _VllmGroup, schedule, out: torch.Tensor) -> None:
     """A step's outputs against the reference over the cache as it is, then every KV slot the engine wrote."""
     engine = group.engine
-    tol = reference.tolerance(engine.dtype, torch.float8_e4m3fn if engine.fp8 else None)
+    tol = reference.tolerance(engine.dtype, FP8_CACHE_DTYPE if engine.fp8 else None)
     want = engine.dense(schedule, group.layer).to(out.dtype)
     got = out.reshape(want.shape).cpu()
     bad = not torch.allclose(got.float(), want.float(), **tol)
@@ -285,7 +285,7 @@ def _kv_problem(group: _VllmGroup) -> str | None:
         stored = engine.stored_kv(torch.tensor(engine.slots(req)))
         for name, got, want, scale in zip("KV", stored, (k, v), scales):
             if engine.fp8:  # vLLM's fp8 cache holds the e4m3 bytes of value / scale
-                want = reference.quantize_kv(want, torch.float8_e4m3fn, scale).view(torch.uint8)
+                want = reference.quantize_kv(want, FP8_CACHE_DTYPE, scale).view(torch.uint8)
             if not torch.equal(got.cpu().float(), want.cpu().to(got.dtype).float()):
                 return f"request {req}: its {name} rows are not in vLLM's cache at their slots"
     return None

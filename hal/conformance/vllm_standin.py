@@ -22,7 +22,9 @@ from dataclasses import dataclass
 import torch
 
 import hal
+from hal.integrations.vllm_steps import hal_kv_cache_dtype
 from hal.kernels.reference import dequantize_kv, quantize_kv
+from hal.kv_dtypes import KV_STORAGE_DTYPES
 from hal.kv_layouts import FRACTAL_NZ, HEAD_MAJOR, KV_LAYOUTS, TOKEN_MAJOR
 
 __all__ = [
@@ -34,9 +36,11 @@ __all__ = [
     "SimulatedEngine",
     "STEPS",
     "FP8_SCALES",
+    "FP8_CACHE_DTYPE",
 ]
 
 FP8_SCALES = (0.5, 2.0)  # the layers' k_scale, v_scale over an fp8 cache (SimulatedEngine.dense reads them)
+FP8_CACHE_DTYPE = KV_STORAGE_DTYPES[hal_kv_cache_dtype("fp8")]  # what vLLM's --kv-cache-dtype fp8 bytes hold
 
 
 def vllm_cache(blocks: int, heads: int, block_size: int, head_size: int, dtype=torch.float32) -> torch.Tensor:
@@ -196,8 +200,7 @@ class SimulatedEngine:
             q, k, v = (t.double() for t in self.qkv[req])
             if self.fp8:  # what an fp8 cache holds: the keys and values quantised
                 k, v = (
-                    dequantize_kv(quantize_kv(t, torch.float8_e4m3fn, s), s).double()
-                    for t, s in zip((k, v), FP8_SCALES)
+                    dequantize_kv(quantize_kv(t, FP8_CACHE_DTYPE, s), s).double() for t, s in zip((k, v), FP8_SCALES)
                 )
             total = q.shape[0]
             for p in range(total - n, total):
