@@ -217,3 +217,13 @@ def test_sglang_kit_results_become_cells():
     assert (
         ran[matrix.SGLANG_KIT_PATHS["dense"]] == "passed" and ran[matrix.SGLANG_KIT_PATHS["swa_decode"]] == "cannot_run"
     )
+
+
+def test_hal_report_matrix_runs_only_the_columns_and_engines_asked(tmp_path):
+    from hal.commands.cli import main
+
+    js = tmp_path / "m.json"
+    assert main(["report", "--matrix", "--devices", "tokentable", "--engines", "hal", "--json", str(js)]) == 0
+    doc = json.loads(js.read_text())
+    assert doc["columns"] == ["tokentable/reference"]
+    assert {(c["engine"], c["column"]) for c in doc["cells"]} == {("hal", "tokentable/reference")}

@@ -445,7 +445,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.matrix:
-        return main_matrix(args.results, args.output, args.json, not args.no_run, args.engines, args.known_failures)
+        options = (args.engines, args.known_failures, args.devices)
+        return main_matrix(args.results, args.output, args.json, not args.no_run, *options)
     if not args.results:
         raise ConfigError("hal report: give the `hal check --json` files to merge (or --matrix)")
     return main(args.results, args.format, args.output)
