@@ -390,6 +390,7 @@ def _vllm_paths() -> list[EnginePath]:
         EnginePath("vllm", "speculative verify", vllm_speculative_verify),
         EnginePath("vllm", "eager, head_major (LBHNC) cache", _vllm_steps(_PREFILL + _MIXED, HEAD_MAJOR)),
         EnginePath("vllm", "eager, fp8 cache (--kv-cache-dtype fp8)", _vllm_steps(_PREFILL + _MIXED, fp8=True)),
+        EnginePath("vllm", "eager chunked mixed, bf16", _vllm_steps(_PREFILL + _MIXED, dtype=torch.bfloat16)),
         EnginePath(
             "vllm", "full decode graphs, head_major cache", lambda run: vllm_full_decode_graphs(run, HEAD_MAJOR)
         ),
