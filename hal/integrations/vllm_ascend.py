@@ -248,8 +248,10 @@ def _register_as_upstreams() -> None:
             upstream = resolve_obj_by_qualname(upstream_path)
         except (ImportError, AttributeError):  # a vllm-ascend without that class: nothing to stand for
             continue
-        upstream.register(hal_cls)
-        _STATE["registered"] = True
+        register = getattr(upstream, "register", None)  # ABCMeta's (vLLM's AttentionBackend is an ABC)
+        if register is not None:
+            register(hal_cls)
+            _STATE["registered"] = True
 
 
 def refuse_unserved_ascend_features(vllm_config) -> None:
