@@ -2,8 +2,9 @@
 # hal on the first CUDA GPU in one offline run that fits a 15-minute GPU slot: the Triton paths first (`hal check
 # --device cuda --backend triton`, then its CUDA graph family on its own), the project's tests, FlashInfer's checks
 # where FlashInfer can be installed, vLLM's CUDA engine on hal (tests/test_vllm_engine_cuda.py: --attention-backend
-# CUSTOM, vLLM's defaults otherwise, tokens against vLLM's own backend) where vLLM's CUDA build imports, and
-# `hal bench --device cuda` last; each step has its own limit, and the run as a whole HAL_GPU_BUDGET_S (default 840 s,
+# CUSTOM, vLLM's defaults otherwise, tokens against vLLM's own backend) where vLLM's CUDA build imports, the
+# compatibility matrix's CUDA columns (`hal report --matrix --devices cuda`: every engine path needing no engine
+# package on the Triton and FlashInfer backends, CUDA graphs for the graph paths), and `hal bench --device cuda` last; each step has its own limit, and the run as a whole HAL_GPU_BUDGET_S (default 840 s,
 # installs included). Everything goes to OUTDIR; OUTDIR/gpu-run.json sums it up
 # (copy it to bench/results/ and run `python bench/run_table.py` to update docs/what-has-run-where.md).
 #
@@ -39,15 +40,16 @@ export PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET  # the kernels compile for the GPU
 say() { echo "[gpu.sh] $*"; }
 
-# name | limit (s) | command, in the order they run: Triton first, the bench last. The limits add up to 780 s, which
+# name | limit (s) | command, in the order they run: Triton first, the bench last. The limits add up to 800 s, which
 # with the setup fits the budget; a step gets what is left of the budget at most.
 STEPS=(
     "check-triton|120|$PY -m hal check --device cuda --backend triton --json"
     "graph|60|$PY -m hal check --device cuda --backend triton --family graph --json"
-    "tests|240|$PY -m pytest -q -p no:cacheprovider tests --ignore=tests/test_triton_compile.py \
+    "tests|200|$PY -m pytest -q -p no:cacheprovider tests --ignore=tests/test_triton_compile.py \
 --ignore=tests/test_vllm_engine_cuda.py --junitxml=\$OUT/tests.xml"
     "check-flashinfer|120|$PY -m hal check --device cuda --backend flashinfer --json"
     "vllm-cuda|120|$PY -m pytest -q -p no:cacheprovider -rs tests/test_vllm_engine_cuda.py --junitxml=\$OUT/vllm-cuda.xml"
+    "matrix|60|$PY -m hal report --matrix --devices cuda --known-failures ci/matrix_known_failures.txt --json \$OUT/matrix.json -o \$OUT/matrix.md"
     "bench|120|$PY -m hal bench --device cuda --json"
 )
 

@@ -135,6 +135,10 @@ def parse_args(argv=None):
     p.add_argument("--refuse", action="append", default=[], help="'page_size=N:REGEX' or 'family=F:REGEX' (repeatable)")
     p.add_argument("--list", action="store_true")
     p.add_argument("--json", help="write the results here")
+    p.add_argument(
+        "--matrix-json",
+        help="write the results as cells of hal's compatibility matrix here (hal report --matrix reads them)",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="tracebacks of failures")
     return p.parse_args(argv)
 
@@ -706,7 +710,27 @@ def main(argv=None) -> int:
                 f,
                 indent=1,
             )
+    if args.matrix_json:
+        write_matrix_cells(args, results)
     return 1 if bad else 0
+
+
+def write_matrix_cells(args, results: list[Result]) -> None:
+    """The run as cells of hal's compatibility matrix (``hal.conformance.matrix.cells_from_sglang_kit``): engine
+    ``sglang <release>``, one path per kit family, the column this run's hal backend is (``device/backend[path]``)."""
+    import importlib.metadata
+
+    from hal.conformance.matrix import cells_from_sglang_kit
+
+    column = f"{args.hal_device or 'cpu'}/{args.hal_backend or 'torch'}"
+    if args.triton_interpret:
+        column += "[interpreted]"
+    elif args.npu_emulation:
+        column += "[emulated=A2]"  # HAL_NPU_EMULATION=1
+    kit = {"dtype": args.dtype, "results": [r.__dict__ for r in results]}
+    doc = cells_from_sglang_kit(kit, importlib.metadata.version("sglang"), column)
+    with open(args.matrix_json, "w") as f:
+        json.dump(doc, f, indent=1)
 
 
 if __name__ == "__main__":

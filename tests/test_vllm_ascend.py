@@ -25,8 +25,9 @@ import types
 import pytest
 import torch
 
-from hal.errors import KVCacheError, UnsupportedError
-from hal.integrations.vllm_steps import VllmKVPool, fractal_nz_views
+from hal.conformance.vllm_standin import ascend_pair
+from hal.errors import ConfigError, KVCacheError, UnsupportedError
+from hal.integrations.vllm_steps import VllmKVPool, common_block_size, fractal_nz_views
 from hal.kv_layouts import FRACTAL_NZ, KV_LAYOUTS, TOKEN_MAJOR
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -37,8 +38,7 @@ needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (tox
 
 def _nz_pair(blocks: int, heads: int, block_size: int, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """vllm-ascend's 310P pair: two ``AscendAttentionBackend310.get_kv_cache_shape(...)[1:]`` tensors."""
-    shape = (blocks, heads * head_size // 16, block_size, 16)
-    return torch.zeros(shape), torch.zeros(shape)
+    return ascend_pair(blocks, heads, block_size, head_size, FRACTAL_NZ)
 
 
 # ----------------------------------------------------------------------------- no vLLM: the NZ pair in place
@@ -73,6 +73,38 @@ def test_nz_pool_refuses_other_forms():
         fractal_nz_views((k_cache, v_cache[:, :2]), 32)  # V of another geometry
     with pytest.raises(KVCacheError, match="block size"):
         VllmKVPool(32, torch.float32, "cpu", 32, kv_layout=FRACTAL_NZ).bind(0, (k_cache, v_cache))
+
+
+def test_hybrid_blocks_are_read_in_place_as_the_tables_blocks():
+    """vllm-ascend's hybrid blocks (``model_runner_v1.py`` L4322-4330 at 182b75e): caches of the backend's first
+    kernel block size (128) under a block table of select_common_block_size's (256): token-major slots are the same
+    memory, so hal's pool of the table's block size reads them in place; an NZ cache cannot be regrouped."""
+    k_cache, v_cache = ascend_pair(4, 2, 128, 32)  # 2 table blocks of 256
+    pool = VllmKVPool(256, torch.float32, "cpu", 32)
+    pool.bind(0, (k_cache, v_cache))
+    k_pages, _ = pool.get_kv_pages(0)
+    assert k_pages.shape == (2, 256, 2, 32) and k_pages.data_ptr() == k_cache.data_ptr()
+    pool.set_kv_buffer(0, torch.tensor([256 + 130]), torch.ones(1, 2, 32), torch.full((1, 2, 32), 2.0))
+    assert torch.equal(k_cache[3, 2], torch.ones(2, 32)) and float(v_cache.sum()) == 2.0 * 64  # block 1's token 130
+    pool = VllmKVPool(64, torch.float32, "cpu", 32)  # a table of smaller blocks: vLLM's non-hybrid split
+    pool.bind(0, (k_cache, v_cache))
+    assert pool.get_kv_pages(0)[0].shape == (8, 64, 2, 32)
+    with pytest.raises(KVCacheError, match="block size"):
+        VllmKVPool(96, torch.float32, "cpu", 32).bind(0, (k_cache, v_cache))  # neither a divisor nor a multiple
+    with pytest.raises(KVCacheError, match="block size"):
+        VllmKVPool(256, torch.float32, "cpu", 32, kv_layout=FRACTAL_NZ).bind(0, _nz_pair(4, 2, 128, 32))
+
+
+def test_the_table_block_size_follows_vllms_rule():
+    """vLLM's select_common_block_size for one backend: the manager's size where listed, else the largest listed
+    size dividing it; none: refused, naming the sizes."""
+    hal_sizes = [128, 16, 32, 64, 256, 512]  # HalAscendAttentionBackend's: upstream's first
+    assert common_block_size(256, hal_sizes) == 256 and common_block_size(128, [128]) == 128
+    assert common_block_size(256, [128]) == 128  # upstream's own backend: its table counts 128-token blocks
+    assert common_block_size(1024, hal_sizes) == 512
+    assert common_block_size(96, [types.SimpleNamespace(base=32)]) == 96  # vLLM's MultipleOf(32)
+    with pytest.raises(ConfigError, match=r"\[128\]"):
+        common_block_size(64, [128])
 
 
 # ----------------------------------------------------------------------------- with vLLM: the route
@@ -135,6 +167,28 @@ def test_route_is_opt_in_and_keyed_on_upstreams_answer(standin, monkeypatch):
 
     assert not route.install(CpuPlatform)  # another platform: nothing wrapped (hal serves CPU_ATTN there)
     assert not hasattr(CpuPlatform.get_attn_backend_cls, "hal_upstream")
+
+
+@needs_vllm
+def test_the_runner_treats_hals_classes_as_upstreams(standin, monkeypatch):
+    """install() makes hal's classes virtual subclasses of upstream's: vllm-ascend's runner then corrects its host
+    lengths for them under asynchronous speculative decoding (model_runner_v1.py L453-459, L1199-1211), so hal's
+    builder reads those instead of the device's seq_lens; its block table counts select_common_block_size's blocks."""
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    from hal.integrations import vllm_ascend as route
+
+    monkeypatch.setenv("HAL_VLLM", "1")
+    spec_config = types.SimpleNamespace(num_speculative_tokens=3)
+    monkeypatch.setitem(route._STATE, "registered", False)
+    assert route.HalAscendMetadataBuilder.reads_device_seq_lens(spec_config)  # not registered: a sync per step
+    assert route.install(_fresh_platform())
+    for upstream_path, hal_cls in route.HAL_FOR_UPSTREAM.items():
+        assert issubclass(hal_cls, resolve_obj_by_qualname(upstream_path))
+    assert not route.HalAscendMetadataBuilder.reads_device_seq_lens(spec_config)
+    manager = types.SimpleNamespace(block_size=256)
+    assert route.HalAscendMetadataBuilder.table_block_size(manager, route.HalAscendAttentionBackend) == 256
+    assert route.HalAscendMetadataBuilder.table_block_size(manager, route.HalAscend310PAttentionBackend) == 256
 
 
 @needs_vllm

@@ -16,7 +16,6 @@ import importlib.util
 import math
 import os
 import pathlib
-import random
 import subprocess
 import sys
 
@@ -25,6 +24,7 @@ import torch
 
 import hal
 from hal.batch import tables_for
+from hal.conformance.vllm_standin import STEPS, SimulatedEngine, lbhnc_views, vllm_cache, vllm_cpu_cache
 from hal.devices.cpu import PlainTorchBackend
 from hal.errors import InvalidBatchError, KVCacheError, UnsupportedError
 from hal.integrations.vllm_steps import (
@@ -38,7 +38,7 @@ from hal.integrations.vllm_steps import (
     step_mode,
     vllm_layer,
 )
-from hal.kernels.reference import dequantize_kv, quantize_kv
+from hal.kernels.reference import quantize_kv
 from hal.kv_layouts import HEAD_MAJOR, TOKEN_MAJOR
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -53,28 +53,10 @@ def _python(code: str, **env) -> subprocess.CompletedProcess:
 # ----------------------------------------------------------------------------- the KV cache, in place
 
 
-def _vllm_cache(blocks: int, heads: int, block_size: int, head_size: int, dtype=torch.float32) -> torch.Tensor:
-    """A layer's cache as vLLM 0.32 allocates it for a backend declaring LBNHC: memory [blocks, block_size,
-    heads, 2 * head_size], handed over as the logical [blocks, heads, block_size, 2 * head_size] view."""
-    return torch.zeros(blocks, block_size, heads, 2 * head_size, dtype=dtype).permute(0, 2, 1, 3)
-
-
-def _vllm_cpu_cache(blocks: int, heads: int, block_size: int, head_size: int, dtype=torch.float32) -> torch.Tensor:
-    """A layer's cache as vLLM 0.32 allocates it for CPU_ATTN's layout (LBHNC): [blocks, heads, block_size,
-    2 * head_size], dense in that order."""
-    return torch.zeros(blocks, heads, block_size, 2 * head_size, dtype=dtype)
-
-
-def _cpu_attn_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """How vLLM's CPU_ATTN reads K and V out of that cache (vllm/v1/attention/backends/cpu_attn.py)."""
-    blocks, heads, block_size, _ = cache.shape
-    return cache.view(blocks, heads, block_size * 2, -1).chunk(2, dim=2)
-
-
 def test_head_major_views_are_cpu_attns_own_pages_in_place():
-    cache = _vllm_cpu_cache(4, 2, 16, 8)
+    cache = vllm_cpu_cache(4, 2, 16, 8)
     k, v = head_major_views(cache, 8)
-    want_k, want_v = _cpu_attn_views(cache)
+    want_k, want_v = lbhnc_views(cache)
     for got, want in ((k, want_k), (v, want_v)):
         assert got.shape == want.shape == (4, 2, 16, 8) and got.stride() == want.stride()
         assert got.data_ptr() == want.data_ptr()  # the very memory CPU_ATTN reads, no copy
@@ -88,7 +70,7 @@ def test_head_major_views_are_cpu_attns_own_pages_in_place():
     with pytest.raises(KVCacheError, match="head_major pool"):
         pool.get_key_buffer(3)  # no token-major buffer: only a backend reading head-major pages reads it
     with pytest.raises(KVCacheError, match="LBHNC"):
-        head_major_views(_vllm_cache(4, 2, 16, 8), 8)  # token-major memory is not read as head-major
+        head_major_views(vllm_cache(4, 2, 16, 8), 8)  # token-major memory is not read as head-major
     stacked = torch.zeros(2, 4, 2, 16, 8)  # vLLM before 0.30: its CPU backend's get_kv_cache_shape
     k, v = head_major_views(stacked, 8)
     assert k.data_ptr() == stacked[0].data_ptr() and v.data_ptr() == stacked[1].data_ptr()
@@ -108,7 +90,7 @@ def test_layouts_offered_to_vllm_follow_hals_cpu_backend(monkeypatch):
 
 
 def test_kv_views_are_the_cache_itself():
-    cache = _vllm_cache(4, 2, 16, 8)
+    cache = vllm_cache(4, 2, 16, 8)
     k, v = kv_views(cache, 8)
     assert k.shape == v.shape == (64, 2, 8)
     k[37] = 1.0  # slot 37: block 2, token 5
@@ -125,11 +107,11 @@ def test_kv_views_refuse_a_layout_that_needs_a_copy():
     with pytest.raises(KVCacheError, match="LBNHC"):
         kv_views(head_major, 8)
     with pytest.raises(KVCacheError, match="24"):
-        kv_views(_vllm_cache(4, 2, 16, 8), 12)
+        kv_views(vllm_cache(4, 2, 16, 8), 12)
 
 
 def test_fp8_cache_stored_as_bytes_is_read_as_fp8():
-    cache = _vllm_cache(2, 1, 16, 4, dtype=torch.uint8)
+    cache = vllm_cache(2, 1, 16, 4, dtype=torch.uint8)
     k, _ = kv_views(cache, 4, dtype=torch.float8_e4m3fn)
     assert k.dtype == torch.float8_e4m3fn
     k[20] = torch.tensor(2.0).to(torch.float8_e4m3fn)
@@ -137,7 +119,7 @@ def test_fp8_cache_stored_as_bytes_is_read_as_fp8():
 
 
 def test_pool_write_goes_to_vllms_tensor_and_checks_block_size():
-    cache = _vllm_cache(3, 2, 16, 8)
+    cache = vllm_cache(3, 2, 16, 8)
     pool = VllmKVPool(16, torch.float32, "cpu", 8)
     pool.bind(5, cache)
     layer = hal.AttentionLayer(layer_id=5, tp_q_head_num=4, tp_k_head_num=2, head_dim=8)
@@ -173,132 +155,6 @@ def test_step_mode():
 
 
 # ----------------------------------------------------------------------------- steps, against dense attention
-
-
-@dataclasses.dataclass
-class StandInMetadata:
-    """vLLM 0.32's ``CommonAttentionMetadata`` fields the translation reads (same dtypes: int32 query_start_loc
-    and seq_lens and block table, int64 slot mapping; padding requests have no query tokens)."""
-
-    query_start_loc: torch.Tensor
-    query_start_loc_cpu: torch.Tensor
-    seq_lens: torch.Tensor
-    num_reqs: int
-    num_actual_tokens: int
-    max_query_len: int
-    max_seq_len: int
-    block_table_tensor: torch.Tensor
-    slot_mapping: torch.Tensor
-    causal: bool = True
-    positions: torch.Tensor | None = None
-    seq_lens_cpu_upper_bound: torch.Tensor | None = None
-
-
-class SimulatedEngine:
-    """vLLM's side of a few steps: a block allocator (block 0 is the null block), per-request block tables, the
-    step's metadata, and every token's q/k/v (so dense attention can be computed independently)."""
-
-    def __init__(
-        self,
-        *,
-        block_size=16,
-        num_blocks=40,
-        heads=4,
-        kv_heads=2,
-        head_dim=32,
-        max_reqs=8,
-        seed=0,
-        fp8=False,
-        kv_layout=TOKEN_MAJOR,
-    ):
-        self.block_size, self.heads, self.kv_heads, self.head_dim = block_size, heads, kv_heads, head_dim
-        allocate = _vllm_cpu_cache if kv_layout == HEAD_MAJOR else _vllm_cache
-        self.cache = allocate(num_blocks, kv_heads, block_size, head_dim, torch.uint8 if fp8 else torch.float32)
-        self.free = list(range(1, num_blocks))
-        random.Random(seed).shuffle(self.free)
-        self.gen = torch.Generator().manual_seed(seed)
-        self.blocks: dict[int, list[int]] = {}
-        self.qkv: dict[int, list[torch.Tensor]] = {}  # per request: q, k, v of every token so far
-        self.max_reqs, self.max_blocks = max_reqs, 8
-
-    def new_tokens(self, req: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q = torch.randn(n, self.heads, self.head_dim, generator=self.gen)
-        k = torch.randn(n, self.kv_heads, self.head_dim, generator=self.gen)
-        v = torch.randn(n, self.kv_heads, self.head_dim, generator=self.gen)
-        old = self.qkv.get(req)
-        self.qkv[req] = [q, k, v] if old is None else [torch.cat([a, b]) for a, b in zip(old, (q, k, v))]
-        return q, k, v
-
-    def step(self, schedule: list[tuple[int, int]], pad_reqs: int = 0, pad_tokens: int = 0):
-        """``schedule``: (request, new tokens), decodes first as vLLM orders them. Returns the metadata and the
-        step's q/k/v, padded as vLLM pads (requests with no tokens, tokens with slot -1)."""
-        starts, seqs, slots, qs, ks, vs, positions = [0], [], [], [], [], [], []
-        for req, n in schedule:
-            done = 0 if req not in self.qkv else self.qkv[req][0].shape[0]
-            q, k, v = self.new_tokens(req, n)
-            blocks = self.blocks.setdefault(req, [])
-            while len(blocks) * self.block_size < done + n:
-                blocks.append(self.free.pop())
-            for p in range(done, done + n):
-                slots.append(blocks[p // self.block_size] * self.block_size + p % self.block_size)
-                positions.append(p)
-            starts.append(starts[-1] + n)
-            seqs.append(done + n)
-            qs.append(q), ks.append(k), vs.append(v)
-        b = len(schedule) + pad_reqs
-        starts += [starts[-1]] * pad_reqs
-        seqs += [0] * pad_reqs
-        table = torch.zeros(self.max_reqs, self.max_blocks, dtype=torch.int32)
-        for i, (req, _) in enumerate(schedule):
-            table[i, : len(self.blocks[req])] = torch.tensor(self.blocks[req], dtype=torch.int32)
-        q, k, v = (torch.cat(t + [t[0].new_zeros(pad_tokens, *t[0].shape[1:])]) for t in (qs, ks, vs))
-        qsl = torch.tensor(starts, dtype=torch.int32)
-        cm = StandInMetadata(
-            query_start_loc=qsl.clone(),
-            query_start_loc_cpu=qsl,
-            seq_lens=torch.tensor(seqs, dtype=torch.int32),
-            num_reqs=b,
-            num_actual_tokens=starts[-1] + pad_tokens,
-            max_query_len=max(n for _, n in schedule),
-            max_seq_len=max(seqs),
-            block_table_tensor=table[:b],
-            slot_mapping=torch.tensor(slots + [-1] * pad_tokens, dtype=torch.int64),
-            positions=torch.tensor(positions + [0] * pad_tokens, dtype=torch.int64),
-            seq_lens_cpu_upper_bound=torch.tensor(seqs, dtype=torch.int32),
-        )
-        return cm, q, k, v
-
-    def dense(self, schedule, layer: hal.AttentionLayer) -> torch.Tensor:
-        """Each scheduled token's attention over its request's keys so far, computed densely (fp64)."""
-        rows = []
-        group = self.heads // self.kv_heads
-        for req, n in schedule:
-            q, k, v = (t.double() for t in self.qkv[req])
-            if self.cache.dtype == torch.uint8:  # what an fp8 cache holds: the keys and values quantised
-                k, v = (
-                    dequantize_kv(quantize_kv(t, torch.float8_e4m3fn, s), s).double() for t, s in ((k, 0.5), (v, 2.0))
-                )
-            total = q.shape[0]
-            for p in range(total - n, total):
-                lo = 0 if layer.sliding_window_size < 0 else max(0, p - layer.sliding_window_size)
-                keys = k[lo : p + 1].repeat_interleave(group, 1)
-                scores = torch.einsum("hd,thd->ht", q[p], keys) * layer.scaling
-                if layer.logit_cap > 0:
-                    scores = layer.logit_cap * torch.tanh(scores / layer.logit_cap)
-                probs = torch.softmax(scores, -1)
-                rows.append(torch.einsum("ht,thd->hd", probs, v[lo : p + 1].repeat_interleave(group, 1)))
-        return torch.stack(rows).reshape(len(rows), -1).float()
-
-
-# Steps as vLLM schedules them: a prefill in chunks, decodes first once requests run, a request joining
-# mid-way (continuous batching), a one-token prompt, then padded steps.
-STEPS = [
-    [(0, 40), (1, 1)],  # EXTEND: a 1-token prompt is "decode"-shaped: MIXED
-    [(0, 1), (1, 1), (2, 37)],
-    [(0, 1), (1, 1), (2, 1)],
-    [(1, 1), (0, 1), (3, 70)],  # decodes first, then a long prefill chunk
-    [(3, 30), (4, 18)],
-]
 
 
 @pytest.mark.parametrize("kv_layout", [TOKEN_MAJOR, HEAD_MAJOR])
@@ -337,7 +193,7 @@ def test_translated_steps_equal_dense_attention(window, cap, fp8, kv_layout):
     # the keys went into vLLM's tensor where vLLM's slot mapping said
     k0 = engine.qkv[0][1][3]
     if kv_layout == HEAD_MAJOR:
-        stored = _cpu_attn_views(engine.cache)[0][engine.blocks[0][0], :, 3]
+        stored = lbhnc_views(engine.cache)[0][engine.blocks[0][0], :, 3]
     else:
         stored = engine.cache[engine.blocks[0][0], :, 3, : engine.head_dim]
     if fp8:

@@ -67,5 +67,15 @@ class CpuDevice(Device):
                 paths.append({"name": f"isa={name}", "unreached": f"this CPU lacks {lacks}: never built or run here"})
         return paths
 
+    def matrix_paths(self, backend_cls, capability) -> list[dict]:
+        """The columns ``hal report --matrix`` (``hal.conformance.matrix``) runs besides the default path and the ISA
+        paths: the compiled backend's plain torch path (what serves where no kernels are built), and the Triton
+        backend interpreted (standing for the CUDA / ROCm Triton route)."""
+        if issubclass(backend_cls, CompiledBackend):
+            return [{"name": "kernels=off", "env": {"HAL_CPU_KERNELS": "0"}}]
+        if issubclass(backend_cls, TritonBackend):
+            return [{"name": "interpreted", "env": {"TRITON_INTERPRET": "1"}}]
+        return []
+
 
 device = CpuDevice()

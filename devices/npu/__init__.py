@@ -271,6 +271,15 @@ class NpuDevice(Device):
                 paths.append({"name": name, "unreached": f"a real NPU ({capability.name}) runs its own ops only"})
         return paths
 
+    def matrix_paths(self, backend_cls, capability: DeviceCapability) -> list[dict]:
+        """The columns ``hal report --matrix`` (``hal.conformance.matrix``) runs besides this device's own: off a real
+        NPU, each generation under the emulation (``HAL_NPU_EMULATION=<gen>``), every engine path on it."""
+        from hal.kernels.npu import GENERATIONS
+
+        if not issubclass(backend_cls, AscendBackend) or (capability.available and not capability.emulated):
+            return []
+        return [{"name": f"emulated={gen}", "env": {EMULATION_ENV: gen}} for gen in GENERATIONS]
+
     def make_graph(self, capability: DeviceCapability) -> Graph:
         if capability.emulated:
             return EagerGraph()

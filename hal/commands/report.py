@@ -2,6 +2,10 @@
 
     hal report results/*.json --format md >> "$GITHUB_STEP_SUMMARY"
     hal report results/*.json --format html -o matrix.html
+    hal report --matrix --json matrix.json -o matrix.md [engine-cells.json ...]
+
+``--matrix``: the compatibility matrix of engine paths x backends (``hal.conformance.matrix``), run here and merged
+with the cells other machines or the engines' envs wrote (``--json``).
 
 One row per (device, backend, machine), one column per case family, and in each cell
 how many cases passed, failed and were skipped; a last column names the features the
@@ -55,7 +59,7 @@ from pathlib import Path
 
 from hal.errors import ConfigError
 
-__all__ = ["Row", "Matrix", "load", "merge", "render_markdown", "render_html", "main"]
+__all__ = ["Row", "Matrix", "load", "merge", "render_markdown", "render_html", "main", "main_matrix", "load_matrix"]
 
 OUTCOMES = ("passed", "failed", "skipped")
 _RANK = {"failed": 2, "passed": 1, "skipped": 0}
@@ -318,6 +322,87 @@ def render_html(matrix: Matrix) -> str:
     return "\n".join(out) + "\n"
 
 
+def main_matrix(
+    paths: list[str],
+    output: str | None,
+    json_out: str | None,
+    run: bool,
+    engines: str | None,
+    known_failures: str | None = None,
+    devices: str | None = None,
+) -> int:
+    """``hal report --matrix``: run the cells this machine can (unless ``run`` is False), merge the cells of the
+    ``paths`` (JSON an engine env or another machine wrote with ``--json``), write Markdown to ``output`` (or
+    stdout) and JSON to ``json_out``. 1 when a cell failed that ``known_failures`` (a file of
+    :func:`load_known_failures`) does not list, or one it lists passed (the list is then out of date)."""
+    from hal.conformance import matrix
+
+    documents = [load_matrix(path) for path in paths]
+    if run:
+        wanted = set(devices.split(",")) if devices else None
+        columns = None if wanted is None else (lambda column: column.device in wanted)
+        documents.insert(0, matrix.run_matrix(tuple(engines.split(",")) if engines else None, columns))
+    if not documents:
+        raise ConfigError("hal report --matrix --no-run: give the matrix JSON files to read")
+    doc = matrix.merge_cells(documents)
+    known = load_known_failures(known_failures) if known_failures else {}
+    unexpected = matrix.mark_known_failures(doc, known)
+    _write(json_out, json.dumps(doc, indent=1) + "\n", "--json")
+    text = matrix.render_markdown(doc)
+    if output:
+        _write(output, text, "-o")
+    else:
+        print(text, end="")
+    return int(bool(unexpected))
+
+
+def load_known_failures(path: str) -> dict[tuple[str, str, str], str]:
+    """``--known-failures``: lines ``engine | path | column | why``; ``#`` comments and blank lines skipped."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise _fail(path, f"cannot read: {exc.strerror or exc}") from exc
+    known = {}
+    for n, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = [part.strip() for part in line.split("|")]
+        if len(parts) != 4 or not all(parts):
+            raise _fail(path, f"line {n}: expected `engine | path | column | why`, got {line!r}")
+        known[tuple(parts[:3])] = parts[3]
+    return known
+
+
+def load_matrix(path: str) -> dict:
+    """One ``hal report --matrix --json`` file; a hal ``ConfigError`` names the file and what is wrong."""
+    from hal.conformance.matrix import STATUSES
+
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise _fail(path, f"cannot read as JSON: {exc}") from exc
+    cells = data.get("cells") if isinstance(data, dict) else None
+    if not isinstance(cells, list) or not all(
+        isinstance(c, dict) and c.get("status") in STATUSES and all(isinstance(c.get(k), str) for k in _CELL_KEYS)
+        for c in cells
+    ):
+        raise _fail(path, f"expected `hal report --matrix --json` output: `cells` with {list(_CELL_KEYS)} and a status")
+    return data
+
+
+_CELL_KEYS = ("engine", "path", "column")
+
+
+def _write(path: str | None, text: str, option: str) -> None:
+    if not path:
+        return
+    try:
+        Path(path).write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"hal report: {option} {path}: cannot write: {exc.strerror or exc}") from exc
+
+
 def main(paths: list[str], fmt: str = "md", output: str | None = None) -> int:
     """Render the matrix of ``paths`` to ``output`` (or stdout); 0, or a ``ConfigError`` for a bad file."""
     matrix = merge((path, load(path)) for path in paths)
@@ -336,10 +421,32 @@ HELP = "merge `hal check --json` files into one device x backend x family matrix
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("results", nargs="+", metavar="RESULT.json")
+    parser.add_argument("results", nargs="*", metavar="RESULT.json")
     parser.add_argument("--format", default="md", choices=["md", "html"])
     parser.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
+    matrix = parser.add_argument_group("the compatibility matrix (engine path x backend)")
+    matrix.add_argument(
+        "--matrix",
+        action="store_true",
+        help="run every engine path on every backend this machine can (hal.conformance.matrix), merge the cells of "
+        "the RESULT.json files (written by --json elsewhere), and write the matrix as Markdown",
+    )
+    matrix.add_argument("--json", metavar="FILE", help="with --matrix: also write the cells as JSON (for CI)")
+    matrix.add_argument("--no-run", action="store_true", help="with --matrix: only merge the RESULT.json files")
+    matrix.add_argument("--engines", metavar="LIST", help="with --matrix: only these engines (hal,vllm,vllm-ascend)")
+    matrix.add_argument("--devices", metavar="LIST", help="with --matrix: only the columns of these hal devices")
+    matrix.add_argument(
+        "--known-failures",
+        metavar="FILE",
+        help="with --matrix: cells known to fail (lines `engine | path | column | why`): shown with the reason, and "
+        "the exit status is 1 only for a failed cell not listed or a listed one that passed",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.matrix:
+        options = (args.engines, args.known_failures, args.devices)
+        return main_matrix(args.results, args.output, args.json, not args.no_run, *options)
+    if not args.results:
+        raise ConfigError("hal report: give the `hal check --json` files to merge (or --matrix)")
     return main(args.results, args.format, args.output)

@@ -67,9 +67,11 @@ from hal.errors import ConfigError, HalError, UnsupportedError, expect  # noqa: 
 from hal.integrations.vllm_steps import (  # noqa: E402
     VLLM_KV_CACHE_DTYPES,
     GraphDecodeSteps,
+    StepPlanner,
     StepTranslator,
     VllmKVPool,
     VllmStep,
+    forward_layer,
     hal_kv_cache_dtype,
     hal_kv_layout,
     served_kv_layouts,
@@ -172,9 +174,10 @@ class HalMetadataBuilder(AttentionMetadataBuilder[HalAttentionMetadata]):
         foreign = sorted(name for name, impl in impls.items() if not isinstance(impl, HalAttentionImpl))
         if foreign or not impls:
             raise ConfigError(f"KV cache group {layer_names}: layers {foreign or layer_names} are not hal's")
-        refuse_unserved_features(vllm_config, next(iter(attn_layers.values())).attn_backend.get_name())
+        backend_cls = next(iter(attn_layers.values())).attn_backend
+        refuse_unserved_features(vllm_config, backend_cls.get_name())
         model = vllm_config.model_config
-        self.block_size = kv_cache_spec.block_size
+        self.block_size = self.table_block_size(kv_cache_spec, backend_cls)
         self.attn_layers = attn_layers
         self.layers, config = _group_config(vllm_config, attn_layers, self.block_size)
         kv_layout = config.kv_layout
@@ -198,7 +201,7 @@ class HalMetadataBuilder(AttentionMetadataBuilder[HalAttentionMetadata]):
             vllm_config.scheduler_config.max_num_seqs,
             max_blocks,
             device,
-            exact_seq_lens=getattr(vllm_config, "num_speculative_tokens", 0) > 0,
+            exact_seq_lens=self.reads_device_seq_lens(vllm_config),
             wait_for_host_copies=bool(getattr(vllm_config.cache_config, "kv_sharing_fast_prefill", False)),
         )
         self._adopt_workspace(_shared_workspace(self.hal_backend, device))
@@ -231,6 +234,18 @@ class HalMetadataBuilder(AttentionMetadataBuilder[HalAttentionMetadata]):
         for cls in dict.fromkeys((self.selection.prefill_backend, self.selection.decode_backend)):
             for note in cls.notes(cap):
                 logger.info("hal backend %s: %s", cls.name, note)
+
+    @classmethod
+    def table_block_size(cls, kv_cache_spec, backend_cls: type) -> int:
+        """The block size the steps' block tables count: the spec's (vLLM makes each builder for its kernel block
+        size: ``vllm/v1/worker/utils.py`` ``AttentionGroup.create_metadata_builders``)."""
+        return kv_cache_spec.block_size
+
+    @classmethod
+    def reads_device_seq_lens(cls, vllm_config) -> bool:
+        """Whether each step's lengths are read from the device's ``seq_lens`` (a sync per step): under speculative
+        decoding, where vLLM's host bound counts every draft as accepted (:class:`StepTranslator`)."""
+        return getattr(vllm_config, "num_speculative_tokens", 0) > 0
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -294,12 +309,10 @@ class HalMetadataBuilder(AttentionMetadataBuilder[HalAttentionMetadata]):
         layers = self.layers
         if not _is_causal(step.causal):
             layers = self._non_causal()
-        if self.graph_steps is not None and self.graph_steps.serves(cm, step):
-            step = self.graph_steps.fill(cm, step)
-            self.hal_backend.init_forward_metadata_out_graph(step, in_capture=in_capture)
-            return HalAttentionMetadata(step, self.hal_backend, layers, step.num_tokens, self.in_graph_layer)
-        self.hal_backend.init_forward_metadata(step)
-        return HalAttentionMetadata(step, self.hal_backend, layers, step.num_tokens)
+        step, in_graph = StepPlanner(self.hal_backend, self.graph_steps).plan(cm, step, in_capture)
+        return HalAttentionMetadata(
+            step, self.hal_backend, layers, step.num_tokens, self.in_graph_layer if in_graph else None
+        )
 
     def _bind_caches(self) -> None:
         """Serve each layer from its cache tensor (vLLM binds them after making the builders); layers forward
@@ -632,24 +645,20 @@ class HalAttentionImpl(AttentionImpl[HalAttentionMetadata]):
             raise UnsupportedError("fused output quantization: hal's attention returns the model dtype")
         if attn_metadata is None:  # vLLM's profiling and warm-up runs
             return output
-        step = attn_metadata.step
-        hal_layer = attn_metadata.layers[layer.layer_name]
-        step.token_to_kv_pool.bind(hal_layer.layer_id, kv_cache)
-        if attn_metadata.in_graph_layer == layer.layer_name:  # a full graph's step: recorded with the first layer
-            attn_metadata.backend.init_forward_metadata_in_graph(step)
-        n = attn_metadata.num_actual_tokens
-        write = self.kv_sharing_target_layer_name is None and key is not None and value is not None
-        attn_metadata.backend.forward(
-            query[:n],
-            key[:n] if write else None,
-            value[:n] if write else None,
-            hal_layer,
-            step,
-            save_kv_cache=write,
-            out=output,  # rows [:n] written in place; rows past them untouched
+        write = self.kv_sharing_target_layer_name is None
+        return forward_layer(
+            attn_metadata.backend,
+            attn_metadata.step,
+            attn_metadata.layers[layer.layer_name],
+            kv_cache,
+            query,
+            key if write else None,
+            value if write else None,
+            output,  # rows [:n] written in place; rows past them untouched
+            attn_metadata.num_actual_tokens,
+            in_graph=attn_metadata.in_graph_layer == layer.layer_name,  # a full graph's step: the first layer
             **({} if self.sinks is None else {"sinks": self.sinks}),
         )
-        return output
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         """vLLM's separate KV write (its engine calls it only for backends whose forward does not write): the

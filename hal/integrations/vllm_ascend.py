@@ -41,6 +41,7 @@ from hal.integrations.vllm import (
     enabled,
     logger,
 )
+from hal.integrations.vllm_steps import common_block_size
 from hal.kv_layouts import FRACTAL_NZ, TOKEN_MAJOR
 
 __all__ = [
@@ -61,6 +62,7 @@ UPSTREAM_COMMIT = "182b75ea84ff13ece27b57391331ef8935410aea"  # the vllm-ascend 
 ASCEND_PLATFORM = "vllm_ascend.platform.NPUPlatform"
 UPSTREAM_DENSE = "vllm_ascend.attention.attention_v1.AscendAttentionBackend"
 UPSTREAM_310P = "vllm_ascend._310p.attention.attention_v1.AscendAttentionBackend310"
+_STATE = {"registered": False}  # install() made hal's classes virtual subclasses of upstream's
 
 
 def _path(cls: type) -> str:
@@ -85,6 +87,25 @@ class HalAscendMetadataBuilder(HalMetadataBuilder):
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
         return AttentionCGSupport.NEVER
+
+    @classmethod
+    def table_block_size(cls, kv_cache_spec, backend_cls: type) -> int:
+        """vllm-ascend makes its builders for the KV manager's block size (``model_runner_v1.py``
+        ``create_attn_groups``, L4613-4625) while its block table counts the kernel block size
+        ``select_common_block_size`` picks (L4466-4489): that one
+        (:func:`~hal.integrations.vllm_steps.common_block_size`). The caches it allocates may use another (the
+        backend's first, under hybrid blocks: L4322-4330), which hal's pool reads in place where token-major. The
+        310P runner counts its table in the manager's size."""
+        if backend_cls.hal_kv_layouts() != (TOKEN_MAJOR,):
+            return kv_cache_spec.block_size
+        return common_block_size(kv_cache_spec.block_size, backend_cls.get_supported_kernel_block_sizes())
+
+    @classmethod
+    def reads_device_seq_lens(cls, vllm_config) -> bool:
+        """Not where vllm-ascend's runner corrects its host lengths for hal's classes (:func:`install` registers them
+        as upstream's): it then does so under asynchronous speculative decoding (``model_runner_v1.py`` L453-459,
+        L1199-1211), and the bound hal reads is exact (L2937-2942)."""
+        return super().reads_device_seq_lens(vllm_config) and not _STATE["registered"]
 
 
 class HalAscendAttentionImpl(HalAttentionImpl):
@@ -203,6 +224,7 @@ def install(platform_cls: type | None = None) -> bool:
 
     get_attn_backend_cls.hal_upstream = upstream
     platform_cls.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+    _register_as_upstreams()
     logger.info(
         "hal: %s=1 on vllm-ascend's platform (%s): its dense attention (%s) is served by hal; MLA, sparse, compressed "
         "and FA3 attention keep vllm-ascend's backends",
@@ -211,6 +233,25 @@ def install(platform_cls: type | None = None) -> bool:
         ", ".join(path.rsplit(".", 1)[-1] for path in HAL_FOR_UPSTREAM),
     )
     return True
+
+
+def _register_as_upstreams() -> None:
+    """Make each hal class a virtual subclass of the upstream class it stands for (``ABCMeta.register``): vllm-ascend's
+    runner asks ``issubclass(attn_backend, (AscendAttentionBackend, AscendMLABackend))`` to decide whether to correct
+    its host sequence lengths under asynchronous speculative decoding (``model_runner_v1.py`` L453-459, L1199-1211)
+    and its V2 speculator whether the model is GQA (``worker/v2/spec_decode/autoregressive/speculator.py``
+    L195-204); hal's classes serve that contract, so they answer as upstream's."""
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    for upstream_path, hal_cls in HAL_FOR_UPSTREAM.items():
+        try:
+            upstream = resolve_obj_by_qualname(upstream_path)
+        except (ImportError, AttributeError):  # a vllm-ascend without that class: nothing to stand for
+            continue
+        register = getattr(upstream, "register", None)  # ABCMeta's (vLLM's AttentionBackend is an ABC)
+        if register is not None:
+            register(hal_cls)
+            _STATE["registered"] = True
 
 
 def refuse_unserved_ascend_features(vllm_config) -> None:

@@ -36,7 +36,16 @@ import os
 import torch
 
 import hal
-from hal.errors import HalError, InvalidBatchError, KVCacheError, UnsupportedError, describe, expect, refuse
+from hal.errors import (
+    ConfigError,
+    HalError,
+    InvalidBatchError,
+    KVCacheError,
+    UnsupportedError,
+    describe,
+    expect,
+    refuse,
+)
 from hal.kernels.reference import kv_scales, quantize_kv, write_kv
 from hal.kv_cache import ReqToPagePool, check_kv_inputs, paged_view
 from hal.kv_layouts import FRACTAL_NZ, HEAD_MAJOR, KV_LAYOUTS, TOKEN_MAJOR
@@ -58,6 +67,9 @@ __all__ = [
     "VllmStep",
     "StepTranslator",
     "GraphDecodeSteps",
+    "StepPlanner",
+    "forward_layer",
+    "common_block_size",
     "step_mode",
 ]
 
@@ -360,12 +372,19 @@ class VllmKVPool:
             return
         k, v = _POOL_VIEWS[self.kv_layout](kv_cache, self.head_size, self.head_size_v, self.dtype)
         block_size = vllm_block_size(kv_cache, self.kv_layout)
+        # vllm-ascend's hybrid blocks: its runner allocates blocks of the backend's first kernel block size
+        # (model_runner_v1.py L4322-4330 at 182b75e) while its block table counts select_common_block_size's
+        # (L4466-4489), which may be a multiple of it. Token-major slots are block-size free (slot b * B + n is one
+        # stride apart for any B), so such a cache is read as blocks of the table's size, in place.
+        regrouped = self.kv_layout == TOKEN_MAJOR and k.shape[0] % max(self.page_size, block_size) == 0
+        regrouped = regrouped and (self.page_size % block_size == 0 or block_size % self.page_size == 0)
         expect(
-            block_size == self.page_size,
+            block_size == self.page_size or regrouped,
             KVCacheError,
             "kv_cache block size",
             block_size,
-            f"{self.page_size} (the kernel block size the metadata builder was made for)",
+            f"{self.page_size} (the block size of the step's block table, the one the metadata builder was made for), "
+            "or for a token-major cache a divisor or multiple of it",
         )
         self._tensors[layer_id], self._views[layer_id] = kv_cache, (k, v)
 
@@ -709,3 +728,80 @@ class GraphDecodeSteps:
         static.extend_seq_lens_cpu = [1] * size
         static.extend_prefix_lens_cpu = [s - 1 for s in seq]
         return static
+
+
+class StepPlanner:
+    """The per-step plan of one KV cache group, as hal's vLLM metadata builder runs it (importable without vLLM):
+    ``plan(cm, step)`` prepares ``backend``'s metadata for the translated ``step`` of ``cm``. A full graph's decode
+    step (``graph_steps`` serves it) becomes its padded size's static step, refilled in place, with ``out_graph`` run
+    here and ``in_graph`` left to the group's first layer's forward (:func:`forward_layer`, so that a capture records
+    it); any other step gets its metadata whole (``init_forward_metadata``)."""
+
+    def __init__(self, backend, graph_steps: GraphDecodeSteps | None = None) -> None:
+        self.backend = backend
+        self.graph_steps = graph_steps
+
+    def plan(self, cm, step: VllmStep, in_capture: bool = False) -> tuple[VllmStep, bool]:
+        """``(the step the layers run, whether its in_graph part is left to the first layer's forward)``."""
+        if self.graph_steps is not None and self.graph_steps.serves(cm, step):
+            step = self.graph_steps.fill(cm, step)
+            self.backend.init_forward_metadata_out_graph(step, in_capture=in_capture)
+            return step, True
+        self.backend.init_forward_metadata(step)
+        return step, False
+
+
+def forward_layer(
+    backend,
+    step: VllmStep,
+    layer,
+    kv_cache,
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+    output: torch.Tensor,
+    num_tokens: int,
+    *,
+    in_graph: bool = False,
+    **kwargs,
+) -> torch.Tensor:
+    """One layer's share of a planned step, as hal's vLLM impl runs it: ``kv_cache`` (vLLM's tensor for ``layer``, a
+    hal ``AttentionLayer``) bound to the step's pool, ``in_graph`` metadata where :meth:`StepPlanner.plan` left it
+    to this layer, then hal's forward of the first ``num_tokens`` rows into ``output`` (``[T, heads, head_size_v]``;
+    rows past them untouched). ``key`` / ``value`` None: nothing written (a layer sharing another's cache)."""
+    step.token_to_kv_pool.bind(layer.layer_id, kv_cache)
+    if in_graph:
+        backend.init_forward_metadata_in_graph(step)
+    write = key is not None and value is not None
+    n = num_tokens
+    backend.forward(
+        query[:n],
+        key[:n] if write else None,
+        value[:n] if write else None,
+        layer,
+        step,
+        save_kv_cache=write,
+        out=output,
+        **kwargs,
+    )
+    return output
+
+
+def common_block_size(manager_block_size: int, supported: list) -> int:
+    """The kernel block size vLLM's ``select_common_block_size`` (``vllm/v1/worker/utils.py``) picks for one backend
+    declaring ``supported`` (ints, or objects with a ``base``: vLLM's ``MultipleOf``) under a KV manager of
+    ``manager_block_size``: that size where supported, else the largest int size dividing it. vllm-ascend's runner
+    counts its block table in it (``model_runner_v1.py`` L4466-4489 at 182b75e). ``ConfigError`` where none fits."""
+
+    def takes(size: int) -> bool:
+        return any(size == s if isinstance(s, int) else size % s.base == 0 for s in supported)
+
+    if takes(manager_block_size):
+        return manager_block_size
+    for size in sorted((s for s in supported if isinstance(s, int)), reverse=True):
+        if manager_block_size % size == 0:
+            return size
+    raise ConfigError(
+        f"block size {manager_block_size}: no kernel block size of {list(supported)} divides it; set --block-size to "
+        "one of them"
+    )

@@ -12,8 +12,15 @@ over vLLM 0.32's CPU model runner: what upstream's runner hands an attention bac
   decoding, the host upper bound as ``_seq_lens_cpu``), handed to the builder with upstream's keywords
   (``build(common_prefix_len=..., common_attn_metadata=...)``, L3013-3022, or ``build_for_cudagraph_capture``).
 
-Upstream's non-hybrid path allocates blocks of the KV manager's size (L4354-4359); a kernel block size below it
-(which vLLM 0.32 maps in its own block tables) is refused here.
+Block sizes as upstream: the block table counts the kernel block size ``select_common_block_size`` picks
+(``may_reinitialize_input_batch``, L4466-4489; vLLM 0.32's runner picks it by the same function), while the caches
+are allocated in blocks of the KV manager's size (L4354-4359), or, with hybrid blocks (more than one attention group,
+L3639), of the backend's first kernel block size (L4322-4330), which may differ from the table's.
+
+Host lengths: upstream corrects ``optimistic_seq_lens_cpu`` under asynchronous speculative decoding for the backends
+``issubclass(attn_backend, (AscendAttentionBackend, AscendMLABackend))`` names (L453-459, L1199-1211; hal's classes
+are registered as upstream's by ``hal.integrations.vllm_ascend.install``); vLLM's CPU runner schedules synchronously,
+so the host lengths here are exact either way.
 """
 
 from dataclasses import fields
@@ -42,16 +49,11 @@ class NPUModelRunner(CPUModelRunner):
             use_sparse=False,
             use_mm_prefix=self.model_config is not None and self.model_config.is_mm_prefix_lm,
         )
+        self.use_hybrid_blocks = False  # L366-367; set when the caches are made (L3639)
 
     # -- KV caches -------------------------------------------------------------------------
     def initialize_kv_cache_tensors(self, kv_cache_config, kernel_block_sizes, kv_cache_allocation_context=None):
-        for group, kernel_block_size in zip(kv_cache_config.kv_cache_groups, kernel_block_sizes):
-            if kernel_block_size != group.kv_cache_spec.block_size:
-                raise ValueError(
-                    f"vllm-ascend STAND-IN: kernel block size {kernel_block_size} below the KV manager's "
-                    f"{group.kv_cache_spec.block_size}: upstream's runner allocates manager-sized blocks here; set "
-                    "--block-size to a kernel block size of the backend"
-                )
+        self.use_hybrid_blocks = len(self.attn_groups) > 1  # L3639
         kv_caches = self._layer_kv_caches(kv_cache_config)
         for layer_name, target_layer_name in self.shared_kv_cache_layers.items():  # L3707-3710
             kv_caches[layer_name] = kv_caches[target_layer_name]
@@ -93,8 +95,11 @@ class NPUModelRunner(CPUModelRunner):
             raw_k_tensor, raw_v_tensor = raw[layer_name]
             num_blocks = (raw_k_tensor.numel() + raw_v_tensor.numel()) // spec.page_size_bytes
             assert num_blocks >= kv_cache_config.num_blocks
+            block_size = spec.block_size
+            if getattr(self, "use_hybrid_blocks", False):  # L4322-4330: the backend's first kernel block size
+                block_size = attn_backend.get_supported_kernel_block_sizes()[0]
             kv_cache_shape = attn_backend.get_kv_cache_shape(
-                num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size
+                num_blocks * (spec.block_size // block_size), block_size, spec.num_kv_heads, spec.head_size
             )
             k_shape = kv_cache_shape[1:]
             v_shape = (*kv_cache_shape[1:-1], spec.head_size_v)
