@@ -488,8 +488,8 @@ def shape_cases(backend_cls, capability=None) -> list[Case]:
                     name += ("" if table == "token" else "_block_table") + (
                         "" if layout == TOKEN_MAJOR else f"_{layout}"
                     )
-                    case = Case(name, mode, requests, head_dim=head, v_head_dim=v, dtype=dtype, page_size=page)
-                    case = replace(case, table=table, kv_layout=layout)
+                    shape = {"head_dim": head, "v_head_dim": v, "table": table, "kv_layout": layout}
+                    case = Case(name, mode, requests, dtype=dtype, page_size=page, **shape)
                     if not any(KV_LAYOUTS[layout].unsupported(case.tp_k_head_num, d) for d in (head, v or head)):
                         out.append(_fit_dtype(backend_cls, case, capability))
     return out
