@@ -22,6 +22,7 @@ from hal.errors import InvalidBatchError
 from hal.kernels import cpu as cpu_kernels
 from hal.kernels.reference import kv_scales, quantize_kv, shares_storage
 from hal.kv_dtypes import kv_scaled
+from hal.kv_layouts import HEAD_MAJOR, pool_kv_layout
 from hal.registry import Device
 
 
@@ -941,6 +942,18 @@ class DraftExtendValuesFromKeys(Tiled32):
         return keys, values
 
 
+class DraftExtendValueTilesStopAtHeadDim(Tiled32):
+    """The tiled port's DRAFT_EXTEND value tiles run to ``head_dim``: where ``v_head_dim > head_dim`` the value dims
+    past it are never accumulated (zeros in the output); the other modes' tiles run to ``v_head_dim``."""
+
+    def keys_values(self, meta, layer, fb, k, v, kb, vb):
+        keys, values = super().keys_values(meta, layer, fb, k, v, kb, vb)
+        if fb.forward_mode.is_draft_extend() and layer.v_head_dim > layer.head_dim:
+            values = values.clone()
+            values[..., layer.head_dim :] = 0
+        return keys, values
+
+
 for _cls in (
     NonCausalBandHidesLaterKeys,
     MlaHeadPaddingStride,
@@ -951,6 +964,7 @@ for _cls in (
     PaddingSlotWrapsToLastSlot,
     PaddingSlotDropsNeighbour,
     PaddingSlotRedirectedToPage0,
+    DraftExtendValueTilesStopAtHeadDim,  # issue 51
 ):  # issue 27
     _cls.name = _cls.__name__.lower()
     MUTANTS[_cls.__name__] = _cls
@@ -1022,8 +1036,99 @@ class Avx2DecodeTailDropped(CompiledBackend):
     run_extend = run_mixed = run_decode
 
 
+class _KernelBug(CompiledBackend):
+    """The CPU backend with a kernel bug planted around its kernels (in a file of its own; the kernels untouched):
+    :meth:`planted` changes what a kernel is handed (the query, the new K/V to write, the step's plan), on the fused
+    call and on the checked path alike, as a bug in the kernel's C++ would."""
+
+    @contextlib.contextmanager
+    def planted(self, layer, fb, q=None, k=None, v=None):
+        """``(q, k, v)`` as the buggy kernel would treat them (None stays None), the plan changed while it runs."""
+        yield q, k, v
+
+    def run_fused(self, q, k, v, layer, fb, save_kv_cache=True, **kwargs):
+        with self.planted(layer, fb, q, k, v) as (q, k, v):
+            return super().run_fused(q, k, v, layer, fb, save_kv_cache, **kwargs)
+
+    def run_decode(self, q, k, v, layer, fb, save_kv_cache=True, **kwargs):
+        with self.planted(layer, fb, q) as (q, _, _):
+            return super().run_decode(q, k, v, layer, fb, save_kv_cache, **kwargs)
+
+    run_extend = run_mixed = run_decode
+
+    def save_kv(self, layer, fb, k, v):
+        with self.planted(layer, fb, None, k, v) as (_, k, v):
+            super().save_kv(layer, fb, k, v)
+
+
+def _first_other_isa() -> str | None:
+    """The first ISA path this CPU runs that it does not take by default (an AMX Xeon: avx512_bf16; an AVX2 machine:
+    amx_emulated), None where it runs one only."""
+    runnable = cpu_kernels.runnable_isas()
+    default = cpu_kernels.default_isa(runnable, cpu_kernels.cpu_features()["vendor"])
+    return next((name for name in runnable if name != default), None)
+
+
+class IsaBf16TailDropped(_KernelBug):
+    """On the first ISA path the CPU does not take by default, the bf16 dot product drops its float32 tail: the
+    query-key dims past the last multiple of 32 (head dim 80: MLA's rope part of 16). The default path, and fp32
+    queries, are right, so only a run of that path with bf16 at such a head dim shows it."""
+
+    tail_isa = _first_other_isa()
+
+    @contextlib.contextmanager
+    def planted(self, layer, fb, q=None, k=None, v=None):
+        cut = layer.head_dim // 32 * 32
+        if q is not None and q.dtype == torch.bfloat16 and cut < layer.head_dim and cpu_kernels.isa() == self.tail_isa:
+            q = q.clone()
+            q.reshape(-1, layer.head_dim)[:, cut:] = 0
+        yield q, k, v
+
+
+class BlockTableSecondPageTwice(_KernelBug):
+    """The kernel's block-table walk reads a request's second page where its third belongs: a context of three pages
+    or more, given as a block table (``req_to_page``), reads its second page twice. Token tables are right."""
+
+    @contextlib.contextmanager
+    def planted(self, layer, fb, q=None, k=None, v=None):
+        meta = self.forward_metadata
+        table = getattr(meta, "req_to_page", None)
+        if table is None or table.shape[1] < 3:
+            yield q, k, v
+            return
+        walked = table.clone()
+        walked[:, 2] = table[:, 1]
+        meta.req_to_page = walked
+        try:
+            yield q, k, v
+        finally:
+            meta.req_to_page = table
+
+
+class HeadMajorWriteHeadsRolled(_KernelBug):
+    """The KV write into head-major pages puts KV head ``h``'s row at head ``h + 1`` (mod the heads): the page
+    offset is right, the head stride off by one head. Token-major pools are written right."""
+
+    @contextlib.contextmanager
+    def planted(self, layer, fb, q=None, k=None, v=None):
+        if k is None or pool_kv_layout(fb.token_to_kv_pool) != HEAD_MAJOR:
+            yield q, k, v
+            return
+        heads = layer.tp_k_head_num
+        k, v = (t.reshape(t.shape[0], heads, -1).roll(1, dims=1).reshape(t.shape) for t in (k, v))
+        yield q, k, v
+
+
 CPU_MUTANTS: dict[str, type] = {
-    cls.__name__: cls for cls in (CheckedPathCapScaled, CheckedPathStartLayerTwice, Avx2DecodeTailDropped)
+    cls.__name__: cls
+    for cls in (
+        CheckedPathCapScaled,
+        CheckedPathStartLayerTwice,
+        Avx2DecodeTailDropped,
+        IsaBf16TailDropped,
+        BlockTableSecondPageTwice,
+        HeadMajorWriteHeadsRolled,
+    )
 }
 for _name, _cls in CPU_MUTANTS.items():
     _cls.name = _name.lower()

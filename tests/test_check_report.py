@@ -304,7 +304,8 @@ def test_cases_follow_the_ports_head_dims_and_dtypes():
 
 def test_every_isa_path_the_cpu_can_run_is_judged(cpu_only):
     """On the CPU, hal check runs the checked path and each compiled ISA path this CPU can run (an AVX-512 host:
-    AVX2 and generic too), and reports the others unreached with the instructions missing."""
+    AVX2 and generic too), one case per shape the default path meets, and reports the others unreached with the
+    instructions missing."""
     from hal.kernels import cpu as cpu_kernels
 
     ok, why = cpu_kernels.status()
@@ -315,12 +316,18 @@ def test_every_isa_path_the_cpu_can_run_is_judged(cpu_only):
     assert result["failed"] == 0, result["failures"]
     paths = result["paths"]
     runnable = cpu_kernels.runnable_isas()
+
+    def shapes(path):  # every family, and every page size and dtype in every mode
+        ran = [c for c in result["cases"] if c["path"] == path and c["outcome"] == "passed"]
+        return [{(c["mode"], c[k]) for c in ran} for k in ("page_size", "dtype")] + [{c["family"] for c in ran}]
+
     assert paths["default"]["passed"] and paths["checked"]["passed"]
     for name in cpu_kernels.ISAS:
         if name == cpu_kernels.isa():
             assert f"isa={name}" not in paths  # the default path is this one
         elif name in runnable:
-            assert paths[f"isa={name}"]["passed"] == paths["default"]["passed"], (name, paths)
+            assert paths[f"isa={name}"]["passed"] >= 2 and paths[f"isa={name}"]["cases"] == "one per shape", paths
+            assert shapes(f"isa={name}") == shapes("default"), name  # the default path's shapes, one case each
             assert paths[f"isa={name}"]["env"] == {"HAL_CPU_ISA": name}
         else:
             assert "lacks" in paths[f"isa={name}"]["unreached"], paths[f"isa={name}"]

@@ -8,6 +8,8 @@ that every (mode, family) meets a mutant early. A new feature brings its mutants
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -18,6 +20,8 @@ from hal.conformance.runner import run_check
 from hal.registry import register_device
 
 sys.path.insert(0, str(Path(__file__).parent))
+from integration_mutants import ENV  # noqa: E402
+from integration_mutants import MUTANTS as INTEGRATION_MUTANTS
 from mutant_backends import (  # noqa: E402
     CPU_MUTANTS,
     MUTANTS,
@@ -103,7 +107,7 @@ def test_the_tiled_control_port_passes_with_every_feature(mutant_results):
 
 
 def test_there_are_enough_mutants():
-    assert len(MUTANTS) >= 45 and len(CPU_MUTANTS) >= 3
+    assert len(MUTANTS) >= 46 and len(CPU_MUTANTS) >= 6 and len(INTEGRATION_MUTANTS) >= 6
 
 
 @one_worker
@@ -156,3 +160,37 @@ def test_a_tile_choice_bug_is_failed_on_its_path_only(name, summary_lines):
     assert on_path["failed"] > 0, f"{name} ({cls.__doc__}) passed hal check on {cls.path}: the path has a gap"
     assert {c["path"] for c in on_path["cases"] if c["outcome"] == "failed"} == {cls.path}
     summary_lines.append(f"triton tile mutant {name}: passes the default path, fails {cls.path}")
+
+
+# ----------------------------------------------------------------------------- the integrations' graph and bind paths
+
+
+def _run_under(mutant: str, tests) -> subprocess.CompletedProcess:
+    """pytest over ``tests`` (node ids) in a fresh process with ``mutant`` planted (``""``: none)."""
+    root = Path(__file__).resolve().parents[1]
+    env = os.environ | {
+        ENV: mutant,
+        "PYTHONPATH": os.pathsep.join([str(root / "tests"), os.environ.get("PYTHONPATH", "")]),
+    }
+    command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "integration_mutants"]
+    return subprocess.run([*command, *tests], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_the_integration_paths_pass_without_a_mutant():
+    tests = sorted({t for mutant in INTEGRATION_MUTANTS.values() for t in mutant.tests})
+    done = _run_under("", tests)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("name", sorted(INTEGRATION_MUTANTS))
+def test_an_integration_mutant_fails_the_tests_that_drive_its_path(name, summary_lines):
+    """A bug planted in hal's vLLM / vllm-ascend graph or bind code (``tests/integration_mutants.py``) fails the tests
+    that drive that path without vLLM: the static decode steps under the graph guard, the binding of the caches."""
+    mutant = INTEGRATION_MUTANTS[name]
+    done = _run_under(name, mutant.tests)
+    assert done.returncode == 1, (
+        f"{name} ({mutant.doc}) passed {mutant.tests}: rc {done.returncode}\n{done.stdout[-3000:]}"
+    )
+    failed = [line for line in done.stdout.splitlines() if line.startswith("FAILED ")]
+    assert failed, done.stdout[-3000:]
+    summary_lines.append(f"integration mutant {name}: {failed[0].split(' - ')[0]}")

@@ -18,13 +18,6 @@ __all__ = ["CpuDevice", "device", "CompiledBackend", "PlainTorchBackend", "cpu_c
 __getattr__ = moved_names(__name__, {"TorchBackend": "hal.devices.cpu.compiled_backend:CompiledBackend"})
 
 
-# The case families an ISA path reruns: those whose forwards reach the kernels' vector code in the shapes it
-# branches on (fp32 and bf16 dots, head dims and their tails up to 256, task shapes: rows of one or every KV head
-# and query tiles, caps, windows, v_head_dim != head_dim, sinks); about 90 cases a path. fp8 caches run the
-# plain torch path; refusals, metadata and graphs run the same kernels as these.
-KERNEL_FAMILIES = ("basic", "head_dim", "task_shape", "logit_cap", "window", "v_head_dim", "sinks")
-
-
 class CpuDevice(Device):
     name = "cpu"
     priority = 0
@@ -45,8 +38,10 @@ class CpuDevice(Device):
 
     def conformance_paths(self, backend_cls, capability) -> list[dict]:
         """The compiled kernels' ISA paths besides the one this process runs, for ``hal check``
-        (``hal.conformance.paths``): each one this CPU can run, under ``HAL_CPU_ISA``, on the case families that
-        reach the kernels; each one it cannot, unreached with the instructions it lacks."""
+        (``hal.conformance.paths``): each one this CPU can run, under ``HAL_CPU_ISA``, on every family, one case per
+        shape (``"sample"``: every mode at every head-dim combination, request table and KV layout, every family,
+        page size, dtype and task shape the default path meets); each one it cannot, unreached with the
+        instructions it lacks."""
         from hal.kernels import cpu as cpu_kernels
 
         if not issubclass(backend_cls, CompiledBackend):
@@ -61,7 +56,7 @@ class CpuDevice(Device):
             if name == current:
                 continue
             if name in runnable:
-                paths.append({"name": f"isa={name}", "env": {"HAL_CPU_ISA": name}, "families": KERNEL_FAMILIES})
+                paths.append({"name": f"isa={name}", "env": {"HAL_CPU_ISA": name}, "sample": True})
             else:
                 lacks = " ".join(sorted(set(needs) - flags))
                 paths.append({"name": f"isa={name}", "unreached": f"this CPU lacks {lacks}: never built or run here"})

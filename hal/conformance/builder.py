@@ -16,7 +16,8 @@ from hal.batch import ForwardBatch, ForwardMode, SpecInfo
 from hal.capability import resolve_device
 from hal.conformance.case import Case
 from hal.kernels import reference
-from hal.kv_cache import MLAKVPool, PagedKVPool, ReqToTokenPool
+from hal.kv_cache import MLAKVPool, PagedKVPool, ReqToPagePool, ReqToTokenPool
+from hal.kv_layouts import KV_LAYOUTS, TOKEN_MAJOR
 from hal.layer import AttentionLayer
 
 __all__ = ["Built", "build", "to_device", "sub_batch"]
@@ -162,6 +163,10 @@ def build(case: Case, device: torch.device | str | None = None, layer_num: int =
     expected = reference.batch_attention(
         q, expected_pool_k[lid], expected_pool_v[lid], layer, fb, sinks=sinks, acc_dtype=torch.float64
     )
+    if case.kv_layout != TOKEN_MAJOR:  # the same contents, slot for slot, laid out otherwise
+        fb = replace(fb, token_to_kv_pool=_in_layout(kv_pool, case.kv_layout))
+    if case.table == "page":  # the same pages, as a block table only
+        fb = replace(fb, req_to_token_pool=None, req_to_page_pool=_block_table(req_pool, rows, totals, ps))
     built = Built(
         case,
         layer,
@@ -184,17 +189,49 @@ def build(case: Case, device: torch.device | str | None = None, layer_num: int =
     return to_device(built, torch.device(device))
 
 
+def _in_layout(pool: PagedKVPool, layout: str) -> PagedKVPool:
+    """A pool in ``layout`` holding, slot for slot and layer for layer, what the token-major ``pool`` holds."""
+    out = PagedKVPool(
+        pool.num_pages,
+        pool.page_size,
+        pool.layer_num,
+        pool.head_num,
+        pool.head_dim,
+        pool.v_head_dim,
+        pool.dtype,
+        start_layer=pool.start_layer,
+        kv_layout=layout,
+    )
+    slots = torch.arange(pool.num_slots)
+    for bufs, rows in ((out.k_buffer, pool.k_buffer), (out.v_buffer, pool.v_buffer)):
+        for buf, row in zip(bufs, rows):
+            KV_LAYOUTS[layout].write(buf, slots, row)
+    return out
+
+
+def _block_table(tokens: ReqToTokenPool, rows: torch.Tensor, totals: list[int], page_size: int) -> ReqToPagePool:
+    """The block table of ``tokens``' request ``rows`` (``totals[i]`` tokens each, page-aligned slots)."""
+    table = tokens.req_to_token
+    pages = ReqToPagePool(table.shape[0] - 1, -(-table.shape[1] // page_size), page_size)
+    for row, total in zip(rows.tolist(), totals):
+        pages.write(row, 0, (table[row, : -(-total // page_size) * page_size : page_size] // page_size).to(torch.int32))
+    return pages
+
+
 def to_device(built: Built, device: torch.device) -> Built:
     """Move a CPU-built case to ``device`` (pools, batch tensors, inputs)."""
     fb = built.batch
-    kv, rt = fb.token_to_kv_pool, fb.req_to_token_pool
-    kv.device = rt.device = resolve_device(device)
+    kv, rt, rp = fb.token_to_kv_pool, fb.req_to_token_pool, fb.req_to_page_pool
+    kv.device = resolve_device(device)
     kv.k_buffer = [b.to(device) for b in kv.k_buffer]
     if isinstance(kv, MLAKVPool):  # the value stays a view of the key's latent
         kv.kv_buffer, kv.v_buffer = kv.k_buffer, [b[..., : kv.kv_lora_rank] for b in kv.k_buffer]
     else:
         kv.v_buffer = [b.to(device) for b in kv.v_buffer]
-    rt.req_to_token = rt.req_to_token.to(device)
+    if rt is not None:
+        rt.device, rt.req_to_token = kv.device, rt.req_to_token.to(device)
+    if rp is not None:
+        rp.device, rp.req_to_page = kv.device, rp.req_to_page.to(device)
     moved = {
         name: getattr(fb, name).to(device)
         for name in (
@@ -212,6 +249,7 @@ def to_device(built: Built, device: torch.device) -> Built:
         forward_mode=fb.forward_mode,
         batch_size=fb.batch_size,
         req_to_token_pool=rt,
+        req_to_page_pool=rp,
         token_to_kv_pool=kv,
         spec_info=spec,
         seq_lens_cpu=fb.seq_lens_cpu,
@@ -274,6 +312,7 @@ def sub_batch(built: Built, requests: list[int], mode: ForwardMode | None = None
         seq_lens=fb.seq_lens[idx],
         out_cache_loc=fb.out_cache_loc[rows],
         req_to_token_pool=fb.req_to_token_pool,
+        req_to_page_pool=fb.req_to_page_pool,
         token_to_kv_pool=fb.token_to_kv_pool,
         seq_lens_cpu=fb.seq_lens_cpu[idx.cpu()],
         validate="full",

@@ -10,8 +10,11 @@ import torch
 
 from hal.batch import ForwardMode
 from hal.config import AttentionConfig
-from hal.errors import ConfigError
+from hal.declaration import REQUEST_TABLES
+from hal.errors import ConfigError, expect
 from hal.kv_dtypes import COMPUTE_DTYPE_NAMES, kv_dtype
+from hal.kv_layouts import TOKEN_MAJOR
+from hal.kv_layouts import kv_layout as layout_row
 from hal.layer import AttentionLayer
 
 __all__ = ["Case", "LARGE_LOGITS_Q_SCALE"]
@@ -31,7 +34,10 @@ class Case:
     (shuffled) pages; ``"scattered"`` puts every token at a random slot past page 0, as a
     page-size-1 allocator would (a backend that ``requires_page_aligned_slots`` must refuse
     it). ``threads``: host threads the forward runs with (pins the thread-count-dependent
-    choices of CPU kernels, so every task shape runs on any machine).
+    choices of CPU kernels, so every task shape runs on any machine). ``table``: the request table the batch
+    carries, ``"token"`` (``req_to_token``, SGLang's form) or ``"page"`` (a block table ``req_to_page`` only,
+    vLLM's; aligned slots). ``kv_layout``: the KV pool's layout (:mod:`hal.kv_layouts`), the same contents slot for
+    slot in any of them.
     """
 
     name: str
@@ -63,6 +69,8 @@ class Case:
     kv_cache_dtype: torch.dtype | None = None  # the pool's dtype when not the model dtype (fp8)
     k_scale: float | None = None
     v_scale: float | None = None
+    table: str = "token"
+    kv_layout: str = TOKEN_MAJOR
 
     def __post_init__(self):
         if not (isinstance(self.page_size, int) and self.page_size >= 1):
@@ -72,6 +80,12 @@ class Case:
                 f"case {self.name}: layer_id {self.layer_id} is not a layer of its pool "
                 f"({self.start_layer}..{self.start_layer + self.layer_num - 1})"
             )
+        expect(self.table in REQUEST_TABLES, ConfigError, f"case {self.name}: table", self.table, "token or page")
+        layout_row(self.kv_layout, ConfigError, f"case {self.name}: kv_layout")
+        if self.kv_layout != TOKEN_MAJOR and self.kv_lora_rank:
+            raise ConfigError(f"case {self.name}: an MLA pool is token-major (kv_layout {self.kv_layout!r})")
+        if self.table == "page" and self.slots != "aligned":
+            raise ConfigError(f"case {self.name}: a block table (table='page') holds page-aligned slots only")
 
     @property
     def id(self) -> str:
@@ -82,6 +96,10 @@ class Case:
         """The feature this case is about, for coverage reports (the first that applies)."""
         if self.kv_lora_rank:
             return "mla"
+        if self.kv_layout != TOKEN_MAJOR:
+            return "kv_layout"
+        if self.table != "token":
+            return "page_table"
         if self.sinks:
             return "sinks"
         if self.kv_cache_dtype is not None:
@@ -172,6 +190,7 @@ class Case:
             qk_rope_head_dim=self.qk_rope_head_dim,
             attention_sinks=self.sinks,
             kv_cache_dtype=self.kv_cache_dtype,
+            kv_layout=None if self.kv_layout == TOKEN_MAJOR else self.kv_layout,
         )
 
     def source(self) -> str:

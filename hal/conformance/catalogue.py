@@ -1,5 +1,7 @@
-"""The catalogue: the conformance cases (:data:`CASES`, :data:`GRAPH_CASES`), and :func:`cases_for`, which
-moves them within what a backend declares."""
+"""The catalogue: the conformance cases (:data:`CASES`, :data:`GRAPH_CASES`); :func:`cases_for`, which moves them
+within what a backend declares; :func:`shape_cases`, built from what it declares (every mode at every head-dim
+combination, request table form and KV layout it takes); :func:`one_per_shape`, the bounded share a further path of a
+backend (a CPU ISA path) runs."""
 
 from __future__ import annotations
 
@@ -10,8 +12,18 @@ import torch
 
 from hal.batch import ForwardMode
 from hal.conformance.case import LARGE_LOGITS_Q_SCALE, Case
+from hal.kv_layouts import KV_LAYOUTS, TOKEN_MAJOR
 
-__all__ = ["CASES", "GRAPH_CASES", "cases_for", "graph_capture_sizes", "graph_replays"]
+__all__ = [
+    "CASES",
+    "GRAPH_CASES",
+    "cases_for",
+    "graph_capture_sizes",
+    "graph_replays",
+    "head_dim_combinations",
+    "one_per_shape",
+    "shape_cases",
+]
 
 
 def _nearest(page_size: int, declared) -> int:
@@ -70,6 +82,8 @@ def _fit_head_dims(backend_cls, case: Case, capability) -> Case:
         candidates = [(h, v) for h in heads for v in ([d for d in values if d != h] if split else [None])]
     base = replace(case, name="")
     for head, v in candidates:
+        if refused and (head, v if split else None) == (case.head_dim, case.v_head_dim if split else None):
+            continue  # the case's own dims, which it refuses
         moved = replace(base, head_dim=head, v_head_dim=v)
         reasons = capability is not None and backend_cls.unsupported_reasons(moved.config(), capability)
         if not reasons:
@@ -442,6 +456,78 @@ GRAPH_CASES: tuple[Case, ...] = (
     ),
     Case("graph_verify_start_layer", V, ((3, 4), (20, 4), (9, 4)), layer_num=2, start_layer=2, layer_id=2),
 )
+
+
+# The declared-shape cases' requests per mode: contexts of up to four 16-token pages (a block-table walk past its
+# second page, a page's last offset), new tokens across page boundaries; fp32 and bf16 alternate over the modes.
+_SHAPE_REQUESTS = {
+    D: (((37, 1), (5, 1), (50, 1)), torch.float32),
+    E: (((33, 7), (0, 20)), torch.bfloat16),
+    M: (((40, 1), (0, 9), (20, 18)), torch.float32),
+    V: (((35, 3), (10, 3)), torch.bfloat16),
+    X: (((34, 3), (12, 3)), torch.float32),
+}
+# head dims standing for "any" (head_dims = None): a multiple of 32 and one with a 16-wide tail (MLA's 64 + 16)
+_ANY_HEAD_DIMS = (64, 80)
+
+
+def head_dim_combinations(backend_cls) -> list[tuple[int, int | None]]:
+    """``(head_dim, v_head_dim)`` pairs ``backend_cls`` declares (``v_head_dim`` None: equal): each declared head dim
+    (64 and 80 for one that takes any), and with ``supports_mla`` every ordered pair of two of them."""
+    declared = backend_cls.declaration()
+    dims = sorted(declared.head_dims) if declared.head_dims is not None else list(_ANY_HEAD_DIMS)
+    pairs: list[tuple[int, int | None]] = [(d, None) for d in dims]
+    if declared.supports_mla:
+        pairs += [(d, v) for d in dims for v in dims if v != d]
+    return pairs
+
+
+def shape_cases(backend_cls, capability=None) -> list[Case]:
+    """Cases built from what ``backend_cls`` declares: every forward mode at every :func:`head_dim_combinations`
+    pair, request table form (``reads_tables``: a token table, a block table) and KV layout (``kv_layouts``) it
+    takes, at the declared page size nearest to 16 (contexts of three and four pages), in a dtype it declares.
+    Families ``kv_layout`` / ``page_table`` where the layout or table is not the default, else by their dims."""
+    declared = backend_cls.declaration()
+    page = 16 if declared.page_sizes is None else _nearest(16, declared.page_sizes)
+    tables = sorted(declared.reads_tables, key=lambda t: t != "token")  # the token table first
+    out = []
+    for mode, (requests, dtype) in _SHAPE_REQUESTS.items():
+        for head, v in head_dim_combinations(backend_cls):
+            for table in tables:
+                for layout in declared.kv_layouts:
+                    name = f"shape_{mode.name.lower()}_d{head}" + (f"v{v}" if v is not None else "")
+                    name += ("" if table == "token" else "_block_table") + (
+                        "" if layout == TOKEN_MAJOR else f"_{layout}"
+                    )
+                    shape = {"head_dim": head, "v_head_dim": v, "table": table, "kv_layout": layout}
+                    case = Case(name, mode, requests, dtype=dtype, page_size=page, **shape)
+                    if not any(KV_LAYOUTS[layout].unsupported(case.tp_k_head_num, d) for d in (head, v or head)):
+                        out.append(_fit_dtype(backend_cls, case, capability))
+    return out
+
+
+def one_per_shape(cases) -> list[Case]:
+    """The share of ``cases`` a further path of a backend runs (a CPU ISA path besides the default): in order, each
+    case that brings a shape none before it had, so the share meets every shape the whole list does, once: every
+    (mode, head-dim combination, request table, KV layout), every family, every page size, KV cache dtype and task
+    shape (host threads) in every mode, every dtype in every mode and at every head-dim combination."""
+    seen: set = set()
+    out = []
+    for case in cases:
+        dims = (case.head_dim, case.v_head_dim, case.kv_lora_rank, case.qk_rope_head_dim)
+        facets = {
+            ("shape", case.mode, *dims, case.table, case.kv_layout),
+            ("family", case.family),
+            ("page", case.page_size, case.mode),
+            ("dtype", case.dtype_name, *dims),
+            ("dtype", case.dtype_name, case.mode),
+            ("kv_dtype", case.kv_dtype_name, case.mode),
+            ("threads", case.threads, case.mode),
+        }
+        if not facets <= seen:
+            seen |= facets
+            out.append(case)
+    return out
 
 
 def graph_capture_sizes(num_requests: int) -> tuple[int, ...]:

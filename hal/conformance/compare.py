@@ -13,6 +13,8 @@ from hal.conformance.builder import Built
 from hal.conformance.case import Case
 from hal.errors import ranges
 from hal.kernels.reference import tolerance
+from hal.kv_cache import kv_rows
+from hal.kv_layouts import TOKEN_MAJOR, pool_kv_layout
 
 __all__ = ["check_cache", "check_output", "describe", "tolerance"]
 
@@ -28,6 +30,16 @@ def _differs(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     return diff.flatten(1).any(1)
 
 
+def _slot_rows(pool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Every layer's K and V as token-major rows ``[num_slots, heads, dim]``: a token-major pool's own buffers, any
+    other layout's pages read slot by slot (:func:`hal.kv_cache.kv_rows`)."""
+    if pool_kv_layout(pool) == TOKEN_MAJOR:
+        return pool.k_buffer, pool.v_buffer
+    slots = torch.arange(pool.num_slots, device=pool.k_buffer[0].device)
+    rows = [kv_rows(pool, pool.start_layer + i, slots) for i in range(pool.layer_num)]
+    return [k for k, _ in rows], [v for _, v in rows]
+
+
 def check_cache(
     built: Built, pool=None, layers: list[int] | None = None, skip_padding_page: bool = False
 ) -> str | None:
@@ -41,9 +53,10 @@ def check_cache(
     slot_token = {s: i for i, s in enumerate(loc)}
     first = pool.page_size if skip_padding_page else 0
     problems = []
+    got_k, got_v = _slot_rows(pool)
     for name, got_list, want_list, init_list in (
-        ("K", pool.k_buffer, built.expected_pool_k, built.initial_pool_k),
-        ("V", pool.v_buffer, built.expected_pool_v, built.initial_pool_v),
+        ("K", got_k, built.expected_pool_k, built.initial_pool_k),
+        ("V", got_v, built.expected_pool_v, built.initial_pool_v),
     ):
         for index, (got, want, init) in enumerate(zip(got_list, want_list, init_list)):
             lid = index + built.case.start_layer  # the model's layer id

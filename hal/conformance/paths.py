@@ -10,9 +10,12 @@ generation an NPU backend routes for. A bug in a path the suite never takes pass
   where it applies), the suite runs the ``checked`` path with the fused forward turned
   off (``hal.backend.fused_forward_disabled()`` / ``HAL_FUSED_FORWARD=0``);
 * the paths the device supplies (``device.conformance_paths(backend_cls, capability)``:
-  plain dicts ``{"name", "env", "families", "modes", "unreached"}``), e.g. ``isa=avx2`` run under
+  plain dicts ``{"name", "env", "families", "modes", "sample", "unreached"}``), e.g. ``isa=avx2`` run under
   ``HAL_CPU_ISA=avx2``; a path this machine cannot run is reported as unreached with
-  the reason instead of being run;
+  the reason instead of being run; ``"sample": True`` runs a bounded share of its families' cases that meets
+  every shape the whole set does (``hal.conformance.catalogue.one_per_shape``: every mode at every head-dim
+  combination, request table and KV layout, every family, page size, dtype...), so a path the machine does not
+  take by default meets the same shapes as the default one;
 * the paths the backend supplies itself, in the same dicts (``backend_cls.conformance_paths(capability)``,
   where the class has it): a backend shared by several devices names its own kernel variants there, e.g. the
   Triton backend's forced tile choices (``tiles=16x32`` under ``HAL_TRITON_TILES``).
@@ -36,8 +39,9 @@ __all__ = ["DEFAULT", "Path", "forward_paths", "paths_for"]
 @dataclass(frozen=True)
 class Path:
     """One path: ``name`` (``default``, ``checked``, ``isa=avx2``...), the environment it runs under, whether the
-    fused forward is turned off, the case families and forward modes it runs (None: every one), and
-    ``unreached``: why this machine cannot take it ("" where it can)."""
+    fused forward is turned off, the case families and forward modes it runs (None: every one), ``unreached``: why
+    this machine cannot take it ("" where it can), and ``sample``: whether it runs one case per shape of those
+    (:func:`hal.conformance.catalogue.one_per_shape`) rather than each."""
 
     name: str = "default"
     env: tuple[tuple[str, str], ...] = ()
@@ -45,6 +49,7 @@ class Path:
     families: frozenset[str] | None = None
     unreached: str = ""
     modes: frozenset[str] | None = None
+    sample: bool = False
 
     @property
     def is_default(self) -> bool:
@@ -114,4 +119,5 @@ def _path(entry: dict) -> Path:
         None if families is None else frozenset(families),
         str(entry.get("unreached") or ""),
         None if modes is None else frozenset(modes),
+        bool(entry.get("sample", False)),
     )

@@ -7,7 +7,8 @@ page sizes each backend declares (``cases_for``); every item carries, in its
 Every target runs on each path its backend can take (``hal.conformance.paths``): the
 default one, the checked prologue path where the backend also has a fused forward, and
 the paths its device supplies (CPU ISA paths...); a test of a path runs under that
-path's environment, and a path runs only the case families it declares.
+path's environment, and a path runs only the case families it declares (one case per shape of them where it
+samples).
 """
 
 from __future__ import annotations
@@ -83,6 +84,22 @@ def _case_lists():
     return {"forward": CASES + MODEL_CASES, "graph": GRAPH_CASES + MODEL_GRAPH_CASES}
 
 
+def target_cases(target: Target, kind: str, families=()) -> list:
+    """The cases of ``kind`` (forward or graph) ``target`` runs: the catalogue's within what its backend declares
+    (``cases_for``), the forward ones followed by the cases built from its declared shapes (``shape_cases``);
+    on a path that samples, one case per shape of them (``one_per_shape``; those of ``families`` first, so the
+    share that ``--hal-family`` keeps meets every shape of those families)."""
+    from hal.conformance.catalogue import cases_for, one_per_shape, shape_cases
+
+    cases = cases_for(target.backend, _case_lists()[kind], target.capability)
+    if kind == "forward":
+        cases += shape_cases(target.backend, target.capability)
+    if not target.path.sample:
+        return cases
+    wanted = [not families or (c.family if kind == "forward" else "graph") in families for c in cases]
+    return one_per_shape([c for c, w in zip(cases, wanted) if w] + [c for c, w in zip(cases, wanted) if not w])
+
+
 def pytest_addoption(parser):
     group = parser.getgroup("hal", "hal conformance suite")
     group.addoption("--hal-device", action="append", default=[], help="only this device (repeatable)")
@@ -116,10 +133,8 @@ def pytest_generate_tests(metafunc):
     if marker is None or "hal_case" not in metafunc.fixturenames:
         metafunc.parametrize("hal_target", targets, ids=[t.id for t in targets])
         return
-    from hal.conformance.cases import cases_for
-
-    cases = _case_lists()[marker.args[0]]
-    pairs = [(t, c) for t in targets for c in cases_for(t.backend, cases, t.capability)]
+    kind, families = marker.args[0], metafunc.config.getoption("hal_family")
+    pairs = [(t, c) for t in targets for c in target_cases(t, kind, families)]
     metafunc.parametrize(("hal_target", "hal_case"), pairs, ids=[f"{t.id}-{c.id}" for t, c in pairs])
 
 

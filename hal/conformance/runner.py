@@ -198,6 +198,7 @@ def path_summary(target, cases: list[dict]) -> dict:
         out[path.name] = {
             "families": sorted(path.families) if path.families is not None else "all" + (" but graph" * path.checked),
             **({"modes": sorted(path.modes)} if path.modes is not None else {}),
+            **({"cases": "one per shape"} if path.sample else {}),
             "env": dict(path.env) | ({"HAL_FUSED_FORWARD": "0"} if path.checked else {}),
             **{o: sum(c["outcome"] == o for c in mine) for o in ("passed", "failed", "skipped")},
         }
@@ -445,6 +446,7 @@ def format_report(report: dict, verbose: bool = False) -> str:
             else:
                 families = p["families"] if isinstance(p["families"], str) else ", ".join(p["families"])
                 families += f"; modes: {', '.join(p['modes'])}" if p.get("modes") else ""
+                families += f"; {p['cases']}" if p.get("cases") else ""
                 counts = f"{p['passed']} passed, {p['failed']} failed, {p['skipped']} skipped"
                 out.append(f"  path {name}: {counts} (families: {families})")
         kv_dtypes = r.get("kv_dtypes") or {}
