@@ -179,8 +179,7 @@ class TritonBackend(AttentionBackend):
             )
         return buf[:size]
 
-    def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
-        self.check_batch(fb)
+    def plan_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
         if fb.forward_mode.is_idle():  # forward() returns without attention: nothing to prepare
             self.set_forward_metadata(None, fb)
             return
@@ -216,7 +215,7 @@ class TritonBackend(AttentionBackend):
         """Decode's share count: the forced one (``tiles``), else sized for the device's compute units."""
         return self.tiles.splits or decode_splits(batch, kv_heads, max_kv_len, self.sm_count)
 
-    def init_forward_metadata_in_graph(self, fb: ForwardBatch) -> None:
+    def plan_in_graph(self, fb: ForwardBatch) -> None:
         mode = fb.forward_mode
         if mode.is_idle():
             return

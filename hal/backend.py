@@ -1,21 +1,20 @@
 """``AttentionBackend``: SGLang's attention-backend contract, member for member.
 
-Metadata is prepared in two halves so that one code path serves eager runs and graph
-capture/replay (see ``hal.graph``):
+A step is *plan, then run* (FlashInfer's ``plan()`` / ``run()``, vLLM's metadata builder / impl). The names an
+engine calls are *edges*, plain code in this class; what a backend implements are the *steps* behind them:
 
-* ``init_forward_metadata_out_graph(fb, in_capture=False)``: host-side work (lists,
-  ``.item()``, dynamic shapes, planning), outside any graph; runs before every replay.
-* ``init_forward_metadata_in_graph(fb)``: static-shape device work only, recorded into
-  the graph at capture and replayed by it. No ``.item()`` / ``.cpu()`` / ``.tolist()``
-  and no allocation whose shape depends on batch contents.
+* plan, in two halves so that one code path serves eager runs and graph capture/replay (see ``hal.graph``):
+  ``init_forward_metadata_out_graph(fb, in_capture=False)`` (host-side work, outside any graph, before every step
+  and replay) checks the batch, gives it the request tables the backend reads (:class:`hal.batch.RequestTables`)
+  and runs the backend's ``plan_out_graph``; ``init_forward_metadata_in_graph(fb)`` (static-shape device work,
+  recorded into a graph and replayed by it) runs the backend's ``plan_in_graph``. ``init_forward_metadata(fb)``
+  (eager) is the two in order. Every entry path (eager, hal's ``GraphRunner``, SGLang's graph runner, vLLM's eager
+  and full-graph steps, vllm-ascend's) reaches the backend's plan through these edges only.
+* run: ``forward`` and the seed's ``forward_decode`` / ``_extend`` / ``_mixed``: the checks every path shares
+  (``hal.prologue``), then the fused call or the checked path ending in the backend's ``run_decode`` /
+  ``run_extend`` / ``run_mixed``.
 
-``init_forward_metadata(fb)`` (eager) is the two in order.
-
-A forward is *plan, then run*: ``init_forward_metadata*`` plan the step (and choose whether its layers may take
-the backend's fused call); ``forward`` and the seed's ``forward_decode`` / ``_extend`` / ``_mixed`` are the
-engine-facing edges, plain code in this class: the checks every path shares (``hal.prologue``), then the fused
-call or the checked path ending in the backend's ``run_decode`` / ``run_extend`` / ``run_mixed``. A backend
-implements the plan and the run steps; it never wraps or re-implements the edges.
+A backend implements the plan and the run steps; it never wraps or re-implements the edges.
 
 What a backend supports (``name``, ``dtypes``, ``page_sizes``, ``supports_*``...: class attributes) is read
 through :meth:`AttentionBackend.declaration` only. What later SGLang releases added to their base class lives
@@ -36,19 +35,20 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from hal.batch import tables_for, validate_batch, validation_level
+from hal.batch import RequestTables, validate_batch, validation_level
 from hal.capability import DeviceCapability
 from hal.declaration import BackendDeclaration
-from hal.deprecation import warn_renamed
-from hal.errors import ConfigError, InvalidBatchError, PluginError, expect
+from hal.errors import ConfigError, InvalidBatchError, expect
 from hal.kv_cache import kv_storage
+from hal.modes import step_kind
+from hal.plugin_compat import adapt_backend
 from hal.prologue import (
-    _RUNNING,
     ForwardSteps,
     check_output_buffer,
     fused_forward_disabled,
     fused_forward_enabled,
     fused_forward_env,
+    step_facts,
     write_output,
 )
 from hal.validation import check_batch_fields, check_forward_fields, check_input_dtypes
@@ -67,11 +67,6 @@ __all__ = [
 ]
 
 
-def _overrides_old_name(cls: type, name: str) -> bool:
-    """Whether ``cls`` (a plugin written for API 1) overrides the deprecated classmethod ``name``."""
-    return getattr(cls, name).__func__ is not getattr(AttentionBackend, name).__func__
-
-
 def helper_ops_for(backend: AttentionBackend) -> ModuleType:
     """The kernel package whose ``write_kv`` / ``build_kv_indices`` / ``compute_positions`` serve ``backend``:
     :mod:`hal.kernels.triton` when ``backend.support_triton()`` and its device has a Triton target,
@@ -88,7 +83,7 @@ class AttentionBackend(ForwardSteps):
     support (:meth:`declaration`), the engine-facing forward edges and, from :class:`hal.prologue.ForwardSteps`,
     the steps they run."""
 
-    _hal_contract = True  # its forward_* are the edges and its run_* the stubs: nothing to adopt
+    _hal_contract = True  # the engine-facing names here are the edges (hal.plugin_compat finds this class by it)
 
     # -- SGLang's class attributes -------------------------------------------------------
     prefill_attention_backend_str: str | None = None
@@ -118,10 +113,15 @@ class AttentionBackend(ForwardSteps):
     # The KV pool layouts (hal.kv_layouts) the kernels read in place, preferred first.
     kv_layouts: ClassVar[tuple[str, ...]] = ("token_major",)
     # The request tables the kernels read: "token" (req_to_token), "page" (a block table, req_to_page) or both;
-    # hal.batch.tables_for derives the other, once per step, for a backend that reads only one.
+    # the plan step derives the other (hal.batch.RequestTables), once per step, for a backend that reads only one.
     reads_tables: ClassVar[frozenset[str]] = frozenset({"token"})
     # Backend-specific constructor options and their defaults (``Selection.create(**options)``).
     option_defaults: ClassVar[Mapping[str, Any]] = {}
+
+    def __new__(cls, *args, **kwargs):
+        """An instance of the class hal runs for ``cls``: ``cls`` itself, or, for a class written against an older
+        plugin API that came through no registry, its adapter (:func:`hal.plugin_compat.adapt_backend`, made once)."""
+        return super().__new__(adapt_backend(cls))
 
     def __init__(self, capability: DeviceCapability, config: AttentionConfig | None = None, **options):
         """``config``: the model this backend serves (layers, max context, max batch), for planning;
@@ -164,23 +164,8 @@ class AttentionBackend(ForwardSteps):
 
     @classmethod
     def unavailable_reasons(cls, capability: DeviceCapability) -> list[str]:
-        """Reasons this backend cannot run on this device at all (missing library...); empty: it can.
-
-        (Plugin API 1 called this ``available``; a backend overriding only that old name is still
-        honoured, with a ``DeprecationWarning``.)
-        """
-        if _overrides_old_name(cls, "available"):
-            warn_renamed(f"{cls.__qualname__}.available (overridden)", "unavailable_reasons")
-            return list(cls.available(capability))
+        """Reasons this backend cannot run on this device at all (missing library...); empty: it can."""
         return []
-
-    @classmethod
-    def available(cls, capability: DeviceCapability) -> list[str]:
-        """Deprecated (0.2.0) name of :meth:`unavailable_reasons`: it returns reasons, not a bool."""
-        warn_renamed(f"{cls.__qualname__}.available", "unavailable_reasons")
-        if _overrides_old_name(cls, "available"):  # reached through super() from an old override
-            return []
-        return cls.unavailable_reasons(capability)
 
     @classmethod
     def notes(cls, capability: DeviceCapability) -> list[str]:
@@ -191,22 +176,9 @@ class AttentionBackend(ForwardSteps):
     def unsupported_reasons(cls, config: AttentionConfig, capability: DeviceCapability) -> list[str]:
         """Every reason this backend cannot serve ``config`` on ``capability``; empty means it can.
 
-        Starts with :meth:`unavailable_reasons`, then checks the declared features. (Plugin API 1
-        called this ``validate``; a backend overriding only that old name is still honoured, with a
-        ``DeprecationWarning``.)
+        Starts with :meth:`unavailable_reasons`, then checks the declared features.
         """
-        if _overrides_old_name(cls, "validate"):
-            warn_renamed(f"{cls.__qualname__}.validate (overridden)", "unsupported_reasons")
-            return list(cls.validate(config, capability))
         return cls._declared_unsupported_reasons(config, capability)
-
-    @classmethod
-    def validate(cls, config: AttentionConfig, capability: DeviceCapability) -> list[str]:
-        """Deprecated (0.2.0) name of :meth:`unsupported_reasons`."""
-        warn_renamed(f"{cls.__qualname__}.validate", "unsupported_reasons")
-        if _overrides_old_name(cls, "validate"):  # reached through super() from an old override
-            return cls._declared_unsupported_reasons(config, capability)
-        return cls.unsupported_reasons(config, capability)
 
     @classmethod
     def _declared_unsupported_reasons(cls, config: AttentionConfig, capability: DeviceCapability) -> list[str]:
@@ -239,28 +211,49 @@ class AttentionBackend(ForwardSteps):
         on ``capability`` (``Selection.create_kv_pool`` calls it once per buffer; default: as allocated)."""
         return pages
 
-    # -- SGLang's metadata contract ----------------------------------------------------
+    # -- SGLang's metadata contract: the engine-facing edges of the plan step ---------------------------
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        """Eager entry point: ``out_graph`` then ``in_graph``."""
-        tables_for(self.declared, forward_batch)  # the request table form this backend reads
+        """Eager entry point: :meth:`init_forward_metadata_out_graph` then :meth:`init_forward_metadata_in_graph`."""
         self.init_forward_metadata_out_graph(forward_batch)
         self.init_forward_metadata_in_graph(forward_batch)
 
     def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False) -> None:
-        """Host-side per-step metadata, outside any graph (``in_capture=True`` before a capture).
+        """Host-side per-step planning, outside any graph (``in_capture=True`` before a capture); runs before every
+        eager step and every graph replay. Returns None.
 
-        Runs before every eager step and every graph replay. May read host mirrors and fix
-        every shape; must end with ``self.set_forward_metadata(meta, forward_batch)`` (the
-        ``forward_*`` methods read it back with ``self.metadata_for(forward_batch)``). Returns None.
+        The edge every entry path goes through (eager, hal's ``GraphRunner``, SGLang's and vLLM's graph steps):
+        :meth:`check_batch`, then the request tables this backend declares it reads (``reads_tables``) given to the
+        batch where it carries only the other form (:class:`hal.batch.RequestTables`: sized to the step, or a
+        captured graph's persistent buffer refilled in place), then the backend's :meth:`plan_out_graph`.
         """
+        self.check_batch(forward_batch)
+        graph = not forward_batch.forward_mode.is_idle() and self.is_graph_batch(forward_batch, in_capture)
+        self._request_tables.prepare(forward_batch, graph)
+        self.plan_out_graph(forward_batch, in_capture)
 
     def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:
-        """Graph-recordable, static-shape device work; replayed by the graph. Returns None.
+        """Graph-recordable, static-shape device planning, replayed by the graph: the edge over the backend's
+        :meth:`plan_in_graph`. Returns None."""
+        self.plan_in_graph(forward_batch)
 
-        Fills the device tensors of the metadata ``out_graph`` set, from the batch's device
-        tensors only: no ``.item()`` / ``.tolist()`` / ``.cpu()``, no ``int()`` of a tensor,
-        no data-dependent shape, no allocation sized from tensor data (``hal lint`` checks).
-        """
+    # -- the plan steps a backend implements ----------------------------------------------------------
+    def plan_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False) -> None:
+        """The backend's host-side plan of a step (plugin API 3's ``init_forward_metadata_out_graph``): the batch is
+        checked and carries the request tables the backend reads. May read host mirrors and fix every shape; must
+        end with ``self.set_forward_metadata(meta, forward_batch)`` (the run steps read ``self.forward_metadata``).
+        A captured graph's static batch (:meth:`is_graph_batch`) must use buffers made by
+        :meth:`init_cuda_graph_state` or at capture, never fresh tensors the graph reads. Returns None."""
+
+    def plan_in_graph(self, forward_batch: ForwardBatch) -> None:
+        """The backend's device-side plan of a step (plugin API 3's ``init_forward_metadata_in_graph``): fills the
+        device tensors of the metadata :meth:`plan_out_graph` set, from the batch's device tensors only: no
+        ``.item()`` / ``.tolist()`` / ``.cpu()``, no ``int()`` of a tensor, no data-dependent shape, no allocation
+        sized from tensor data (``hal lint`` checks). Recorded into a captured graph. Returns None."""
+
+    @functools.cached_property
+    def _request_tables(self) -> RequestTables:
+        """The request tables this backend reads, derived per step where a batch lacks them (its graph buffers)."""
+        return RequestTables(self.declared.reads_tables)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         """Allocate every buffer a captured graph reads, for up to ``max_bs`` requests and
@@ -353,12 +346,7 @@ class AttentionBackend(ForwardSteps):
             expect(empty, InvalidBatchError, "q.shape", getattr(q, "shape", q), "no tokens in an IDLE batch")
             rows = None if out is None else check_output_buffer(out, q, layer, 0)
             return write_output(q.new_empty(0, layer.tp_q_head_num, layer.v_head_dim), q, layer, rows)
-        if mode.is_decode():
-            kind = "decode"
-        elif mode.is_mixed() and self.capability.fused_mixed:
-            kind = "mixed"
-        else:
-            kind = "extend"
+        kind = step_kind(mode, self.capability.fused_mixed)
         return self._forward(kind, q, k, v, layer, forward_batch, save_kv_cache, out, kwargs)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, *, out=None, **kwargs):
@@ -378,15 +366,6 @@ class AttentionBackend(ForwardSteps):
     def _forward(self, kind: str, q, k, v, layer, forward_batch, save_kv_cache, out, kwargs) -> torch.Tensor:
         """One forward step, in order: the checks every path shares, then the fused call where the plan chose it
         and this call allows it, else the checked path and ``run_<kind>``; the result through :func:`write_output`."""
-        running = _RUNNING.get()
-        if (id(self), kind) in running:
-            raise PluginError(
-                f"{type(self).__qualname__}: forward_{kind} was called from inside its own run_{kind} (a plugin "
-                f"API 2 forward_{kind} that calls super().forward_{kind}): since hal 0.4 forward_{kind} is the "
-                f"engine-facing edge; call super().run_{kind} instead"
-            )
-        if any(owner == id(self) for owner, _ in running):  # an API 2 hook calling its sibling forward_*: no prologue
-            return self._run(kind, q, k, v, layer, forward_batch, save_kv_cache, None, kwargs)
         check_forward_fields(forward_batch)
         self.check_model_features(layer, forward_batch, kwargs.get("sinks"))
         self.check_layer(layer)
@@ -395,22 +374,16 @@ class AttentionBackend(ForwardSteps):
         if out is not None:
             k_store, v_store, _ = kv_storage(forward_batch.token_to_kv_pool, layer.layer_id)  # in any layout
             out = check_output_buffer(out, q, layer, q.shape[0], k, v, k_store, v_store)
+        facts = step_facts(type(self))
         if self._fused_for(self._metadata_stamp[3], k, v, save_kv_cache):
-            extra = {"out": out} if self._fused_takes_out else {}
+            extra = {"out": out} if facts.fused_takes_out else {}
             result = self.run_fused(q, k, v, layer, forward_batch, save_kv_cache, **extra, **kwargs)
             if result is not None:
                 return write_output(result, q, layer, out)
         q, k, v = self.prepare_forward(q, k, v, layer, forward_batch, save_kv_cache)
-        return write_output(self._run(kind, q, k, v, layer, forward_batch, save_kv_cache, out, kwargs), q, layer, out)
-
-    def _run(self, kind: str, q, k, v, layer, forward_batch, save_kv_cache, out, kwargs):
-        """``run_<kind>`` with this backend marked as running it (a plugin API 2 hook's sibling calls)."""
-        extra = {"out": out} if self._run_takes_out[kind] else {}
-        token = _RUNNING.set((*_RUNNING.get(), (id(self), kind)))
-        try:
-            return getattr(self, f"run_{kind}")(q, k, v, layer, forward_batch, save_kv_cache, **extra, **kwargs)
-        finally:
-            _RUNNING.reset(token)
+        extra = {"out": out} if facts.run_takes_out[kind] else {}
+        result = getattr(self, f"run_{kind}")(q, k, v, layer, forward_batch, save_kv_cache, **extra, **kwargs)
+        return write_output(result, q, layer, out)
 
     def check_input_dtypes(self, q, k, v, layer: AttentionLayer, forward_batch: ForwardBatch) -> None:
         """``InvalidBatchError`` / ``UnsupportedError`` for a ``q``/``k``/``v`` dtype the layer, the backend's

@@ -26,15 +26,15 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import inspect
 import os
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import torch
 
-from hal.deprecation import warn_renamed
-from hal.errors import ConfigError, InvalidBatchError, PluginError, UnsupportedError, expect
+from hal.errors import ConfigError, InvalidBatchError, UnsupportedError, expect
 from hal.kernels.reference import dequantize_kv, kv_scales, overlaps, quantize_kv, shares_storage, write_kv
 from hal.kv_cache import kv_cache_dtype_name, kv_rows, kv_storage
 from hal.kv_dtypes import COMPUTE_DTYPE_NAMES, kv_scaled
@@ -70,9 +70,6 @@ PROLOGUE_HOOKS = FUSED_STANDS_IN_FOR  # its name under plugin API 2
 PATH_FUSED, PATH_CHECKED = "fused", "checked"
 
 _FUSED_OFF: contextvars.ContextVar[bool] = contextvars.ContextVar("hal_fused_forward_off", default=False)
-# (id(backend), kind) of the run hooks running in this thread or task: a plugin API 2 hook that calls another
-# forward_* of its own backend reaches that backend's run hook directly, as under plugin API 2 (no second prologue)
-_RUNNING: contextvars.ContextVar[tuple] = contextvars.ContextVar("hal_running_hooks", default=())
 
 
 def fused_forward_env() -> bool:
@@ -181,25 +178,6 @@ def _takes_out(method) -> bool:
         return False
 
 
-def _adopt_plugin_api2_hooks(cls: type) -> None:
-    """A class written for plugin API 2 implements ``forward_decode`` / ``_extend`` / ``_mixed`` /
-    ``forward_fused`` as the steps after the prologue; plugin API 3 names those steps ``run_*`` and keeps
-    ``forward_*`` as the engine-facing edges. Such a class's methods become its ``run_*`` methods, unchanged, with a
-    ``DeprecationWarning``; the edges stay the base class's plain code."""
-    for old, new in (*zip(FORWARD_METHODS, RUN_METHODS), ("forward_fused", "run_fused")):
-        method = cls.__dict__.get(old)
-        if method is None:
-            continue
-        if new in cls.__dict__:
-            raise PluginError(
-                f"{cls.__qualname__} defines both {old} and {new}: since hal 0.4 {old} is the engine-facing edge "
-                f"the base class runs (checks, KV write, then {new}); implement {new} only"
-            )
-        warn_renamed(f"{cls.__qualname__}.{old} (a backend's kernel step)", f"{cls.__qualname__}.{new}", since="0.4.0")
-        setattr(cls, new, method)
-        delattr(cls, old)
-
-
 def _fused_available(cls: type) -> bool:
     """Whether ``cls`` may take a fused call at all: some class of its MRO below ``ForwardSteps`` offers
     ``run_fused``, and ``cls`` overrides below that class none of :data:`FUSED_STANDS_IN_FOR`."""
@@ -221,25 +199,28 @@ class _ClassOrInstanceMethod:
         return lambda *args, **kwargs: func(bound, *args, **kwargs)
 
 
+class StepFacts(NamedTuple):
+    """What the forward path reads of a backend class's run steps, read once per class (:func:`step_facts`)."""
+
+    fused: bool  # it may take a fused call at all (:func:`_fused_available`)
+    run_takes_out: dict[str, bool]  # per kind: its run_<kind> takes out=
+    fused_takes_out: bool  # its run_fused takes out=
+
+
+@functools.cache
+def step_facts(cls: type) -> StepFacts:
+    """:class:`StepFacts` of backend class ``cls`` (cached per class)."""
+    return StepFacts(
+        _fused_available(cls),
+        {kind: _takes_out(getattr(cls, f"run_{kind}")) for kind in FORWARD_KINDS},
+        _takes_out(cls.run_fused),
+    )
+
+
 class ForwardSteps:
     """The steps of a forward call, for :class:`hal.backend.AttentionBackend` (see the module docstring)."""
 
-    runs_prologue: ClassVar[bool] = True  # False: a delegating backend whose forward_* edges call other backends'
     reads_new_kv: ClassVar[bool] = True  # False: run_* read the new tokens from the cache, never from k/v
-    _hal_contract: ClassVar[bool] = False  # True on the base classes only: their hooks are the contract's stubs
-    _fused_path: ClassVar[bool] = False  # set per class: see _fused_available
-    _run_takes_out: ClassVar[dict[str, bool]] = dict.fromkeys(FORWARD_KINDS, False)
-    _fused_takes_out: ClassVar[bool] = False
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        if cls.__dict__.get("_hal_contract", False):
-            return
-        if cls.runs_prologue:
-            _adopt_plugin_api2_hooks(cls)
-        cls._fused_path = _fused_available(cls)
-        cls._run_takes_out = {kind: _takes_out(getattr(cls, f"run_{kind}")) for kind in FORWARD_KINDS}
-        cls._fused_takes_out = _takes_out(cls.run_fused)
 
     # -- the run hooks a backend implements -------------------------------------------------
     def run_fused(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs) -> torch.Tensor | None:
@@ -267,7 +248,7 @@ class ForwardSteps:
         instance) :meth:`fused_forward_ready`; else ``["checked"]``. Which one a step takes is decided by its plan,
         and a call may still fall back to the checked path (module docstring)."""
         cls = self if isinstance(self, type) else type(self)
-        fused = cls._fused_path and (isinstance(self, type) or self.fused_forward_ready())
+        fused = step_facts(cls).fused and (isinstance(self, type) or self.fused_forward_ready())
         return [PATH_FUSED, PATH_CHECKED] if fused else [PATH_CHECKED]
 
     def _fused_for(self, planned: bool, k, v, save_kv_cache: bool) -> bool:
@@ -341,9 +322,10 @@ class ForwardSteps:
         step. ``fused``: whether this step's layers may take :meth:`run_fused` (the fast path, chosen here); None
         (a plugin API 2 backend's call): wherever its class offers one and :meth:`fused_forward_ready`. Either way
         only where ``HAL_FUSED_FORWARD`` is not 0 and no :func:`fused_forward_disabled` is in force."""
+        possible = step_facts(type(self)).fused
         if fused is None:
-            fused = self._fused_path and self.fused_forward_ready()
-        fused = bool(fused) and self._fused_path and self.__dict__.get("_fused_env", True) and not _FUSED_OFF.get()
+            fused = possible and self.fused_forward_ready()
+        fused = bool(fused) and possible and self.__dict__.get("_fused_env", True) and not _FUSED_OFF.get()
         self._step += 1
         self.forward_metadata = metadata
         self._metadata_stamp = (forward_batch.forward_mode.name, forward_batch.batch_size, self._step, fused)

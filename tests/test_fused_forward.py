@@ -36,8 +36,7 @@ class Toy(AttentionBackend):
         self.calls: list[str] = []
         self.ready = True
 
-    def init_forward_metadata_out_graph(self, fb, in_capture=False):
-        self.check_batch(fb)
+    def plan_out_graph(self, fb, in_capture=False):
         self.set_forward_metadata(None, fb)
 
     def run_fused(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):

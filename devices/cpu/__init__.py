@@ -28,7 +28,7 @@ KERNEL_FAMILIES = ("basic", "head_dim", "task_shape", "logit_cap", "window", "v_
 class CpuDevice(Device):
     name = "cpu"
     priority = 0
-    plugin_api = 3
+    plugin_api = 4
 
     def probe(self, index: int | None = None) -> DeviceCapability:
         return cpu_capability()

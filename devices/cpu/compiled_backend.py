@@ -244,12 +244,11 @@ class CompiledBackend(PlainTorchBackend):
         """Whether ``fb``'s step runs the plain torch path: no kernels, or an fp8 pool."""
         return self.kernels is None or kv_scaled(fb.token_to_kv_pool.dtype)
 
-    def init_forward_metadata_out_graph(self, fb, in_capture: bool = False) -> None:
+    def plan_out_graph(self, fb, in_capture: bool = False) -> None:
         """The plan: the plain torch path's (:meth:`PlainTorchBackend.plan`) for a step the kernels do not read,
         else a :class:`CompiledMetadata`, whose layers take the fused call where this instance can."""
-        self.check_batch(fb)
         if self.plain_path(fb):
-            return self.plan(fb, in_capture)
+            return super().plan_out_graph(fb, in_capture)
         meta = None if fb.forward_mode.is_idle() else CompiledMetadata()
         self.set_forward_metadata(meta, fb, fused=self._fusable)
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from hal.backend import AttentionBackend
 from hal.batch import ForwardBatch, device_lens, host_lens
-from hal.deprecation import moved_names
+from hal.deprecation import moved_names, warn_renamed
 from hal.kernels.reference import kv_csr, kv_scales, step_token_table
 from hal.kv_cache import kv_storage
 from hal.kv_dtypes import kv_scaled
@@ -147,12 +147,8 @@ class PlainTorchBackend(AttentionBackend):
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
 
-    def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
-        self.check_batch(fb)
-        self.plan(fb, in_capture)
-
-    def plan(self, fb: ForwardBatch, in_capture: bool = False) -> None:
-        """The host half of ``out_graph`` once the batch is checked: the padded widths (no sync for a graph batch)."""
+    def plan_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
+        """The padded widths (no sync for a graph batch)."""
         if fb.forward_mode.is_idle():  # forward() returns without attention: nothing to prepare
             self.set_forward_metadata(None, fb, fused=False)
             return
@@ -165,7 +161,12 @@ class PlainTorchBackend(AttentionBackend):
             width, max_q = max(lens.kv, default=0), max(lens.query, default=0)
         self.set_forward_metadata(TorchMetadata(width=width, max_q=max_q, num_tokens=tokens), fb, fused=False)
 
-    def init_forward_metadata_in_graph(self, fb: ForwardBatch) -> None:
+    def plan(self, fb: ForwardBatch, in_capture: bool = False) -> None:
+        """Deprecated (0.4.0): :meth:`plan_out_graph`, every backend's plan hook."""
+        warn_renamed("PlainTorchBackend.plan", "PlainTorchBackend.plan_out_graph", since="0.4.0")
+        self.plan_out_graph(fb, in_capture)
+
+    def plan_in_graph(self, fb: ForwardBatch) -> None:
         if not fb.forward_mode.is_idle():
             self.metadata_for(fb).fill(fb)
 

@@ -773,8 +773,7 @@ class FlashInferBackend(AttentionBackend):
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
 
-    def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
-        self.check_batch(fb)
+    def plan_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
         mode = fb.forward_mode
         if mode.is_idle():
             self.set_forward_metadata(None, fb)
@@ -828,7 +827,7 @@ class FlashInferBackend(AttentionBackend):
             for kind in self._kinds(meta, variant):
                 self._plan(meta, kind, variant)
 
-    def init_forward_metadata_in_graph(self, fb: ForwardBatch) -> None:
+    def plan_in_graph(self, fb: ForwardBatch) -> None:
         """Nothing: FlashInfer's kernels read the buffers ``plan`` filled in ``out_graph``."""
 
     # -- forward -----------------------------------------------------------------------

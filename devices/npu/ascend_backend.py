@@ -268,8 +268,7 @@ class AscendBackend(AttentionBackend):
             self._graph_masks = {}
 
     # -- the plan ----------------------------------------------------------------------
-    def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
-        self.check_batch(fb)
+    def plan_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
         pool = fb.token_to_kv_pool
         lens = host_lens(fb)
         q_lens, kv_lens = list(lens.query), lens.kv
@@ -316,7 +315,7 @@ class AscendBackend(AttentionBackend):
             meta.masks[("custom", -1)] = self._build_mask(meta, ("custom", -1))
         self.set_forward_metadata(meta, fb)
 
-    def init_forward_metadata_in_graph(self, fb: ForwardBatch) -> None:
+    def plan_in_graph(self, fb: ForwardBatch) -> None:
         meta = self.metadata_for(fb)
         if fb.forward_mode.is_idle() or fb.batch_size == 0:
             meta.block_table = None

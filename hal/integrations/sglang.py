@@ -358,6 +358,8 @@ class SGLangBatch:
         "batch",
         "forward_mode",
         "req_to_token_pool",
+        "req_to_page_pool",  # set only where a backend's plan step derives a block table (reads_tables)
+        "req_pool_indices",  # likewise: an eager step's derived tables are rebased on it
         "token_to_kv_pool",
         "graph_static",
         "out_cache_loc",

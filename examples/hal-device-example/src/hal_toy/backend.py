@@ -68,8 +68,7 @@ class ToyBackend(AttentionBackend):
         return 1  # padding requests of a replayed batch have one key (their slot is the padding slot)
 
     # -- metadata ----------------------------------------------------------------------
-    def init_forward_metadata_out_graph(self, fb, in_capture: bool = False) -> None:
-        self.check_batch(fb)  # validates an engine's batch at this backend's level (hal's own: already done)
+    def plan_out_graph(self, fb, in_capture: bool = False) -> None:
         if fb.forward_mode.is_idle():
             self.set_forward_metadata(None, fb)
             return
@@ -82,7 +81,7 @@ class ToyBackend(AttentionBackend):
             width, max_q = max(lens.kv), max(lens.query)
         self.set_forward_metadata(ToyMetadata(width, max_q, tokens), fb)
 
-    def init_forward_metadata_in_graph(self, fb) -> None:
+    def plan_in_graph(self, fb) -> None:
         if fb.forward_mode.is_idle():
             return
         meta = self.metadata_for(fb)
