@@ -287,15 +287,15 @@ def adapt_api1_backend(cls: type, base: type, ns: dict) -> dict:
 
     @functools.wraps(plan)
     def plan_out_graph(self, forward_batch, in_capture=False):
-        step = self._step
+        step = self.plan.step
         plan(self, forward_batch, in_capture)
-        if self._step == step:  # nothing stamped: the API 1 way, self.forward_metadata = meta
+        if self.plan.step == step:  # nothing stamped: the API 1 way, self.forward_metadata = meta
             warn_renamed(
                 f"{cls.__name__}: assigning self.forward_metadata in init_forward_metadata_out_graph",
                 "self.set_forward_metadata(meta, forward_batch)",
                 since="0.3.0",
             )
-            self.set_forward_metadata(self.forward_metadata, forward_batch)
+            self.plan.set_metadata(self.forward_metadata, forward_batch)
 
     added["plan_out_graph"] = plan_out_graph
     init = cls.__init__

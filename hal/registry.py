@@ -335,10 +335,8 @@ def _backend_problem(cls: object) -> str | None:
 
     if not (isinstance(cls, type) and issubclass(cls, AttentionBackend)):
         return f"backend {cls!r} is not a subclass of hal.backend.AttentionBackend"
-    if not isinstance(cls.name, str) or not cls.name:
-        return f"backend {cls.__qualname__} has no name (a non-empty str class attribute)"
     try:
-        cls.declaration()  # what selection reads: each declared attribute of the type it must have
+        cls.declaration()  # what selection reads: each declared attribute (its name first) of the type it must have
     except PluginError as exc:
         return f"backend declaration: {exc}"
     return None

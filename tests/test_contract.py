@@ -54,7 +54,7 @@ class Recorder(AttentionBackend):
         self.calls: list[tuple[str, bool, dict]] = []
 
     def plan_out_graph(self, fb, in_capture=False):
-        self.set_forward_metadata(None, fb)  # the forward prologue looks this step's metadata up
+        self.plan.set_metadata(None, fb)  # the forward prologue looks this step's metadata up
 
     def _record(self, method, q, layer, save_kv_cache, kwargs):
         self.calls.append((method, save_kv_cache, kwargs))

@@ -50,10 +50,10 @@ class TokenTableOnly(AttentionBackend):
 
     def plan_out_graph(self, fb, in_capture=False):
         width = fb.req_to_token_pool.req_to_token.shape[1]  # fixed: a graph replays every step at this width
-        self.set_forward_metadata(SimpleNamespace(width=width), fb)
+        self.plan.set_metadata(SimpleNamespace(width=width), fb)
 
     def plan_in_graph(self, fb):
-        meta = self.metadata_for(fb)
+        meta = self.plan.metadata_for(fb)
         _, kv_lens = device_lens(fb)
         keys = torch.arange(meta.width, device=kv_lens.device)
         meta.valid = keys[None, :] < kv_lens[:, None]

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from hal.backend import AttentionBackend
 from hal.batch import ForwardBatch, device_lens, host_lens
-from hal.deprecation import moved_names, warn_renamed
+from hal.deprecation import moved_names
 from hal.kernels.reference import kv_csr, kv_scales, step_token_table
 from hal.kv_cache import kv_storage
 from hal.kv_dtypes import kv_scaled
@@ -150,25 +150,20 @@ class PlainTorchBackend(AttentionBackend):
     def plan_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
         """The padded widths (no sync for a graph batch)."""
         if fb.forward_mode.is_idle():  # forward() returns without attention: nothing to prepare
-            self.set_forward_metadata(None, fb, fused=False)
+            self.plan.set_metadata(None, fb, fused=False)
             return
         tokens = fb.out_cache_loc.shape[0]
-        if self.is_graph_batch(fb, in_capture):
+        if self.plan.is_graph_batch(fb, in_capture):
             width = table_width(fb)
             max_q = tokens // fb.batch_size if fb.forward_mode.is_target_verify() else self.graph_max_q
         else:
             lens = host_lens(fb)
             width, max_q = max(lens.kv, default=0), max(lens.query, default=0)
-        self.set_forward_metadata(TorchMetadata(width=width, max_q=max_q, num_tokens=tokens), fb, fused=False)
-
-    def plan(self, fb: ForwardBatch, in_capture: bool = False) -> None:
-        """Deprecated (0.4.0): :meth:`plan_out_graph`, every backend's plan hook."""
-        warn_renamed("PlainTorchBackend.plan", "PlainTorchBackend.plan_out_graph", since="0.4.0")
-        self.plan_out_graph(fb, in_capture)
+        self.plan.set_metadata(TorchMetadata(width=width, max_q=max_q, num_tokens=tokens), fb, fused=False)
 
     def plan_in_graph(self, fb: ForwardBatch) -> None:
         if not fb.forward_mode.is_idle():
-            self.metadata_for(fb).fill(fb)
+            self.plan.metadata_for(fb).fill(fb)
 
     # -- run: the plan's own path (the compiled backend's plans read the pool with its kernels) ------------------
     def run_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, *, out=None, sinks=None):

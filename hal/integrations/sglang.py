@@ -805,5 +805,6 @@ def sglang_plugin() -> None:
     for device in get_registry().devices.values():
         classes, _ = device_backends(device)
         for cls in classes:
-            if f"hal_{cls.name}" not in _REGISTERED:
-                register(f"hal_{cls.name}", backend=cls.name)
+            name = cls.declaration().name
+            if f"hal_{name}" not in _REGISTERED:
+                register(f"hal_{name}", backend=name)

@@ -156,7 +156,7 @@ def served_kv_layouts(device: str = "cpu") -> tuple[str, ...]:
         return (TOKEN_MAJOR,)
     names = ("HAL_ATTENTION_BACKEND", "HAL_PREFILL_BACKEND", "HAL_DECODE_BACKEND")
     forced = {os.environ.get(name, "").strip() for name in names} - {""}
-    chosen = [cls for cls in classes if cls.name in forced] if forced else classes[:1]
+    chosen = [cls for cls in classes if cls.declaration().name in forced] if forced else classes[:1]
     reads = [set(cls.declaration().kv_layouts) for cls in chosen]
     served = tuple(name for name in (HEAD_MAJOR, TOKEN_MAJOR) if reads and all(name in r for r in reads))
     return served or (TOKEN_MAJOR,)
