@@ -20,7 +20,6 @@ from hal.prologue import PATH_CHECKED, PATH_FUSED, fused_forward_off, step_facts
 from hal.validation import check_batch_fields
 
 if TYPE_CHECKING:
-    from hal.backend import AttentionBackend
     from hal.batch import ForwardBatch
 
 __all__ = ["Plan"]
@@ -29,7 +28,8 @@ __all__ = ["Plan"]
 class Plan:
     """The plan state of ``backend``: the current step's metadata, its stamp and the graph batches it has seen."""
 
-    def __init__(self, backend: AttentionBackend):
+    def __init__(self, backend):
+        """``backend``: the :class:`hal.backend.AttentionBackend` whose plan this is (it holds this object)."""
         self.backend = backend
         self.tables = RequestTables(backend.declaration().reads_tables)
         self.stamp: tuple | None = None  # (mode name, batch size, step, fused) of the current metadata

@@ -211,3 +211,84 @@ def test_a_plugin_api_2_hook_that_calls_super_edge_is_refused_with_what_changed(
     out = backend.forward(extend.q, extend.k, extend.v, extend.layer, extend.batch)
     assert Sibling.writes == 1
     torch.testing.assert_close(out, extend.expected, atol=2e-5, rtol=1e-4)
+
+
+def test_a_delegating_backend_that_opts_out_of_the_prologue_keeps_its_own_edges():
+    """hal 0.2-0.3's ``runs_prologue = False`` (a backend whose ``forward_*`` and plan delegate to another backend):
+    ``forward`` routes by mode to the class's own ``forward_*`` with no checks of its own, and the backend it
+    delegates to runs its checks and writes the KV once; the answer is the reference's."""
+    import torch
+
+    from hal.backend import AttentionBackend
+    from hal.batch import ForwardMode
+    from hal.conformance.cases import Case, build
+    from hal.devices.cpu import PlainTorchBackend, cpu_capability
+
+    class Delegating(AttentionBackend):
+        name = "delegating"
+        runs_prologue = False
+
+        def __init__(self, capability, config=None, **options):
+            super().__init__(capability, config, **options)
+            self.inner, self.calls = PlainTorchBackend(capability, config), []
+
+        def init_forward_metadata_out_graph(self, fb, in_capture=False):
+            self.inner.init_forward_metadata_out_graph(fb, in_capture)
+
+        def init_forward_metadata_in_graph(self, fb):
+            self.inner.init_forward_metadata_in_graph(fb)
+
+        def forward_decode(self, q, k, v, layer, fb, save_kv_cache=True, **kwargs):
+            self.calls.append("decode")
+            return self.inner.forward_decode(q, k, v, layer, fb, save_kv_cache, **kwargs)
+
+        def forward_extend(self, q, k, v, layer, fb, save_kv_cache=True, **kwargs):
+            self.calls.append("extend")
+            return self.inner.forward_extend(q, k, v, layer, fb, save_kv_cache, **kwargs)
+
+    for mode, kind in ((ForwardMode.DECODE, "decode"), (ForwardMode.EXTEND, "extend")):
+        built = build(Case(f"delegating_{kind}", mode, ((3, 1), (0, 5)) if kind == "extend" else ((3, 1), (7, 1))))
+        backend = Delegating(cpu_capability())
+        backend.init_forward_metadata(built.batch)
+        out = backend.forward(built.q, built.k, built.v, built.layer, built.batch)
+        assert backend.calls == [kind]
+        torch.testing.assert_close(out, built.expected, atol=2e-4, rtol=1e-3)
+        assert torch.equal(built.batch.token_to_kv_pool.get_key_buffer(0), built.expected_k)  # written once, right
+
+
+def test_an_api_3_plan_is_adapted_at_the_door_and_its_super_call_reaches_the_plan_below():
+    """A class written for plugin API 3 (its plan as ``init_forward_metadata_out_graph`` / ``_in_graph``, calling
+    ``super()``'s) runs as API 4's ``plan_*`` through its adapter, made once; a device declaring API 4 whose backend
+    still defines them is refused with the change named."""
+    import torch
+
+    from hal.backend import AttentionBackend
+    from hal.batch import ForwardMode
+    from hal.conformance.cases import Case, build
+    from hal.devices.cpu import PlainTorchBackend, cpu_capability
+    from hal.plugin_compat import adapt_backend
+    from hal.registry import device_backends
+
+    class Api3(PlainTorchBackend):
+        planned = 0
+
+        def init_forward_metadata_out_graph(self, fb, in_capture=False):
+            type(self).planned += 1
+            super().init_forward_metadata_out_graph(fb, in_capture)  # API 3: the torch backend's plan
+
+    with pytest.warns(DeprecationWarning, match=r"Api3\.plan_out_graph"):
+        adapted = adapt_backend(Api3, 3)
+    assert adapted is adapt_backend(Api3, 3) and issubclass(adapted, Api3) and adapted.__name__ == "Api3"
+    assert adapted.init_forward_metadata_out_graph is AttentionBackend.init_forward_metadata_out_graph
+    built = build(Case("api3_plan", ForwardMode.DECODE, ((3, 1), (9, 1))))
+    backend = adapted(cpu_capability())
+    backend.init_forward_metadata(built.batch)
+    out = backend.forward(built.q, built.k, built.v, built.layer, built.batch)
+    torch.testing.assert_close(out, built.expected, atol=2e-4, rtol=1e-3)
+    assert adapted.planned == 1
+
+    device = _Declares()
+    device.plugin_api = 4
+    device.backends = lambda: [Api3]
+    classes, error = device_backends(device)
+    assert classes == [] and "defines init_forward_metadata_out_graph" in error and "plan_out_graph" in error
