@@ -110,3 +110,17 @@ def test_a_declared_attribute_read_off_an_instance_answers_from_the_declaration(
         assert backend.supports_graph is True
     assert NoGraphs(CPU).supports_graph is False  # a class attribute of its own: the port's input, as it wrote it
     assert not hasattr(AttentionBackend, "supports_graph")
+
+
+def test_the_base_class_carries_no_compatibility_code():
+    """Older plugin APIs are adapted at the door (hal.plugin_compat): no class-creation hook on the base classes, no
+    per-call context variable in the forward path, none of 0.1's deprecated members."""
+    import inspect
+
+    import hal.backend
+    import hal.prologue
+
+    assert not [k.__name__ for k in AttentionBackend.__mro__[:-1] if "__init_subclass__" in k.__dict__]
+    assert not hasattr(AttentionBackend, "available") and not hasattr(AttentionBackend, "validate")
+    assert "ContextVar" not in inspect.getsource(hal.backend)
+    assert "contextvars" not in inspect.getsource(AttentionBackend._forward)

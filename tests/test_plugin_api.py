@@ -292,3 +292,16 @@ def test_an_api_3_plan_is_adapted_at_the_door_and_its_super_call_reaches_the_pla
     device.backends = lambda: [Api3]
     classes, error = device_backends(device)
     assert classes == [] and "defines init_forward_metadata_out_graph" in error and "plan_out_graph" in error
+
+
+def test_a_plugin_api_3_port_runs_unchanged_its_plan_becomes_its_plan_steps(tmp_path):
+    """The porting kit's device as hal 0.4's first form shipped it (plugin API 3: the plan written as
+    ``init_forward_metadata_out_graph`` / ``_in_graph``): adapted once at the door, it passes the whole suite, graphs
+    included, and the warnings name the plan steps."""
+    path = _install(tmp_path, "hal_api3_toy", "api3toy")
+    run = _hal(path, "check", "--device", "api3toy", "-v")
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-4000:]
+    assert "graph" in run.stdout and " 0 failed" in run.stdout, run.stdout[-3000:]
+    for replacement in ("ToyBackend.plan_out_graph", "ToyBackend.plan_in_graph", "backend.plan.set_metadata"):
+        assert replacement in out, f"no DeprecationWarning naming {replacement}:\n{out[-4000:]}"
