@@ -139,14 +139,23 @@ class AttentionBackend(ForwardSteps):
         """This backend's :meth:`declaration`, read once (the forward path reads it)."""
         return self.declaration()
 
-    @functools.cached_property
+    @property
     def plan(self) -> Plan:
         """The plan state and the helpers of the plan steps (:class:`hal.plan.Plan`)."""
+        return self._hal_plan
+
+    @property
+    def steps(self) -> Steps:
+        """The helpers of the forward steps (:class:`hal.prologue.Steps`)."""
+        return self._hal_steps
+
+    # hal's own reads go through these, so that a port's own member named ``plan`` or ``steps`` changes nothing of hal
+    @functools.cached_property
+    def _hal_plan(self) -> Plan:
         return Plan(self)
 
     @functools.cached_property
-    def steps(self) -> Steps:
-        """The helpers of the forward steps (:class:`hal.prologue.Steps`)."""
+    def _hal_steps(self) -> Steps:
         return Steps(self)
 
     def __getattr__(self, name: str):
@@ -161,7 +170,7 @@ class AttentionBackend(ForwardSteps):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         owner, new = moved
         warn_renamed(f"{type(self).__qualname__}.{name}", f"backend.{owner}.{new}" if owner else new, since="0.4.0")
-        return getattr(getattr(self, owner), new) if owner else self._declared
+        return getattr(getattr(self, f"_hal_{owner}"), new) if owner else self._declared
 
     # -- selection ---------------------------------------------------------------------
     @classmethod
@@ -230,7 +239,7 @@ class AttentionBackend(ForwardSteps):
         batch where it carries only the other form (:class:`hal.batch.RequestTables`: sized to the step, or a
         captured graph's persistent buffer refilled in place), then the backend's :meth:`plan_out_graph`.
         """
-        plan = self.plan
+        plan = self._hal_plan
         plan.check_batch(forward_batch)
         graph = not forward_batch.forward_mode.is_idle() and plan.is_graph_batch(forward_batch, in_capture)
         plan.tables.prepare(forward_batch, graph)
@@ -366,7 +375,7 @@ class AttentionBackend(ForwardSteps):
     def _forward(self, kind: str, q, k, v, layer, forward_batch, save_kv_cache, out, kwargs) -> torch.Tensor:
         """One forward step, in order: the checks every path shares, then the fused call where the plan chose it
         and this call allows it, else the checked path and ``run_<kind>``; the result through :func:`write_output`."""
-        steps, plan = self.steps, self.plan
+        steps, plan = self._hal_steps, self._hal_plan
         check_forward_fields(forward_batch)
         steps.check_model_features(layer, forward_batch, kwargs.get("sinks"))
         self.check_layer(layer)

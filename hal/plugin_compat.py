@@ -287,15 +287,15 @@ def adapt_api1_backend(cls: type, base: type, ns: dict) -> dict:
 
     @functools.wraps(plan)
     def plan_out_graph(self, forward_batch, in_capture=False):
-        step = self.plan.step
+        step = self._hal_plan.step
         plan(self, forward_batch, in_capture)
-        if self.plan.step == step:  # nothing stamped: the API 1 way, self.forward_metadata = meta
+        if self._hal_plan.step == step:  # nothing stamped: the API 1 way, self.forward_metadata = meta
             warn_renamed(
                 f"{cls.__name__}: assigning self.forward_metadata in init_forward_metadata_out_graph",
                 "self.set_forward_metadata(meta, forward_batch)",
                 since="0.3.0",
             )
-            self.plan.set_metadata(self.forward_metadata, forward_batch)
+            self._hal_plan.set_metadata(self.forward_metadata, forward_batch)
 
     added["plan_out_graph"] = plan_out_graph
     init = cls.__init__

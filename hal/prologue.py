@@ -269,7 +269,7 @@ class ForwardSteps:
         if kv_scaled(k_buffer.dtype) or shares_storage(k_buffer, v_buffer):
             write_kv(k_buffer, v_buffer, forward_batch.out_cache_loc, k, v, *kv_scales(layer))
             return
-        self.steps.helper_ops.write_kv(k_buffer, v_buffer, forward_batch.out_cache_loc, k, v)
+        self._hal_steps.helper_ops.write_kv(k_buffer, v_buffer, forward_batch.out_cache_loc, k, v)
 
     # -- the input checks -----------------------------------------------------------------
     def check_inputs(self, q, k, v, layer: AttentionLayer, forward_batch: ForwardBatch, save_kv_cache: bool = True):

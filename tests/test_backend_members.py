@@ -124,3 +124,31 @@ def test_the_base_class_carries_no_compatibility_code():
     assert not hasattr(AttentionBackend, "available") and not hasattr(AttentionBackend, "validate")
     assert "ContextVar" not in inspect.getsource(hal.backend)
     assert "contextvars" not in inspect.getsource(AttentionBackend._forward)
+
+
+def test_a_port_of_its_own_plan_or_steps_member_changes_nothing_of_hal():
+    """A 0.3 port may have named a member ``plan`` or ``steps`` (FlashInfer's wrappers have a ``plan()``): hal's edges
+    and the old helper names read hal's own objects, so such a port runs as before."""
+    import torch
+
+    from hal.conformance.cases import CASES, build
+
+    class OwnNames(AttentionBackend):
+        name = "own_names"
+        steps = ("its", "own")
+
+        def plan(self):
+            return "its own plan"
+
+        def init_forward_metadata_out_graph(self, fb, in_capture=False):
+            self.set_forward_metadata(None, fb)  # plugin API 3's spelling
+
+        def run_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+            return torch.zeros(q.shape[0], layer.tp_q_head_num * layer.v_head_dim)
+
+    built = build(next(c for c in CASES if c.mode is ForwardMode.DECODE))
+    backend = OwnNames(CPU)
+    with pytest.warns(DeprecationWarning):
+        backend.init_forward_metadata(built.batch)
+    out = backend.forward(built.q, built.k, built.v, built.layer, built.batch)
+    assert out.shape == built.expected.shape and backend.plan() == "its own plan" and backend.steps == ("its", "own")
