@@ -151,7 +151,8 @@ class TritonBackend(AttentionBackend):
         if mode.is_idle():
             return []
         if mode.is_decode():
-            return ["decode: split-KV" if self.metadata_for(forward_batch).num_kv_splits > 1 else "decode: one split"]
+            splits = self.plan.metadata_for(forward_batch).num_kv_splits
+            return ["decode: split-KV" if splits > 1 else "decode: one split"]
         dtype = DTYPE_FAMILIES.get(forward_batch.token_to_kv_pool.dtype, "fp32")
         return [_extend_tiles(self.capability.arch, layer.head_dim, layer.v_head_dim, dtype, self.tiles)]
 
@@ -179,12 +180,11 @@ class TritonBackend(AttentionBackend):
             )
         return buf[:size]
 
-    def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
-        self.check_batch(fb)
+    def plan_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
         if fb.forward_mode.is_idle():  # forward() returns without attention: nothing to prepare
-            self.set_forward_metadata(None, fb)
+            self.plan.set_metadata(None, fb)
             return
-        bs, graph = fb.batch_size, self.is_graph_batch(fb, in_capture)
+        bs, graph = fb.batch_size, self.plan.is_graph_batch(fb, in_capture)
         width = fb.req_to_token_pool.req_to_token.shape[1]
         if graph and not self.graph_buffers and self.graph_max_bs is not None:
             self.graph_buffers = {
@@ -210,24 +210,24 @@ class TritonBackend(AttentionBackend):
             kv_indptr=self._buffer(graph, "kv_indptr", bs + 1, torch.int32, zeros=True),  # [0] stays 0
             kv_indices=self._buffer(graph, "kv_indices", keys, torch.int32),
         )
-        self.set_forward_metadata(meta, fb)
+        self.plan.set_metadata(meta, fb)
 
     def _splits(self, batch: int, kv_heads: int, max_kv_len: int) -> int:
         """Decode's share count: the forced one (``tiles``), else sized for the device's compute units."""
         return self.tiles.splits or decode_splits(batch, kv_heads, max_kv_len, self.sm_count)
 
-    def init_forward_metadata_in_graph(self, fb: ForwardBatch) -> None:
+    def plan_in_graph(self, fb: ForwardBatch) -> None:
         mode = fb.forward_mode
         if mode.is_idle():
             return
-        meta = self.metadata_for(fb)
+        meta = self.plan.metadata_for(fb)
         q_lens, kv_lens = device_lens(fb)
         # decode reads every key from the cache; the extend kernel reads the new tokens from k/v
         meta.kv_end = kv_lens if mode.is_decode() else kv_lens - q_lens
         # kv_indptr[0] is 0 from its allocation: writing it here (kv_indptr[0] = 0) would be a host-to-device
         # copy with a stream sync on CUDA, which graph capture refuses
         torch.cumsum(meta.kv_end, 0, out=meta.kv_indptr[1:])
-        self.helper_ops.build_kv_indices(
+        self.steps.helper_ops.build_kv_indices(
             fb.req_to_token_pool.req_to_token,
             fb.req_pool_indices,
             None,
@@ -242,13 +242,13 @@ class TritonBackend(AttentionBackend):
 
     def _window_indices(self, fb: ForwardBatch, window: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode ``(kv_indptr, kv_indices)`` keeping each request's last ``window + 1`` keys."""
-        meta = self.metadata_for(fb)
+        meta = self.plan.metadata_for(fb)
         if window not in meta.windows:
             start = (meta.kv_end - 1 - window).clamp(min=0)
             indptr = torch.zeros_like(meta.kv_indptr)
             torch.cumsum(meta.kv_end - start, 0, out=indptr[1:])
             indices = torch.empty_like(meta.kv_indices)
-            self.helper_ops.build_kv_indices(
+            self.steps.helper_ops.build_kv_indices(
                 fb.req_to_token_pool.req_to_token, fb.req_pool_indices, start, meta.kv_end, indptr, indices
             )
             meta.windows[window] = (indptr, indices)

@@ -1,21 +1,20 @@
 """``AttentionBackend``: SGLang's attention-backend contract, member for member.
 
-Metadata is prepared in two halves so that one code path serves eager runs and graph
-capture/replay (see ``hal.graph``):
+A step is *plan, then run* (FlashInfer's ``plan()`` / ``run()``, vLLM's metadata builder / impl). The names an
+engine calls are *edges*, plain code in this class; what a backend implements are the *steps* behind them:
 
-* ``init_forward_metadata_out_graph(fb, in_capture=False)``: host-side work (lists,
-  ``.item()``, dynamic shapes, planning), outside any graph; runs before every replay.
-* ``init_forward_metadata_in_graph(fb)``: static-shape device work only, recorded into
-  the graph at capture and replayed by it. No ``.item()`` / ``.cpu()`` / ``.tolist()``
-  and no allocation whose shape depends on batch contents.
+* plan, in two halves so that one code path serves eager runs and graph capture/replay (see ``hal.graph``):
+  ``init_forward_metadata_out_graph(fb, in_capture=False)`` (host-side work, outside any graph, before every step
+  and replay) checks the batch, gives it the request tables the backend reads (:class:`hal.batch.RequestTables`)
+  and runs the backend's ``plan_out_graph``; ``init_forward_metadata_in_graph(fb)`` (static-shape device work,
+  recorded into a graph and replayed by it) runs the backend's ``plan_in_graph``. ``init_forward_metadata(fb)``
+  (eager) is the two in order. Every entry path (eager, hal's ``GraphRunner``, SGLang's graph runner, vLLM's eager
+  and full-graph steps, vllm-ascend's) reaches the backend's plan through these edges only.
+* run: ``forward`` and the seed's ``forward_decode`` / ``_extend`` / ``_mixed``: the checks every path shares
+  (``hal.prologue``), then the fused call or the checked path ending in the backend's ``run_decode`` /
+  ``run_extend`` / ``run_mixed``.
 
-``init_forward_metadata(fb)`` (eager) is the two in order.
-
-A forward is *plan, then run*: ``init_forward_metadata*`` plan the step (and choose whether its layers may take
-the backend's fused call); ``forward`` and the seed's ``forward_decode`` / ``_extend`` / ``_mixed`` are the
-engine-facing edges, plain code in this class: the checks every path shares (``hal.prologue``), then the fused
-call or the checked path ending in the backend's ``run_decode`` / ``run_extend`` / ``run_mixed``. A backend
-implements the plan and the run steps; it never wraps or re-implements the edges.
+A backend implements the plan and the run steps; it never wraps or re-implements the edges.
 
 What a backend supports (``name``, ``dtypes``, ``page_sizes``, ``supports_*``...: class attributes) is read
 through :meth:`AttentionBackend.declaration` only. What later SGLang releases added to their base class lives
@@ -30,28 +29,32 @@ batch size, a step counter) catches metadata left from another step.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
-from types import ModuleType
-from typing import TYPE_CHECKING, Any, ClassVar
+from dataclasses import fields
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hal.batch import tables_for, validate_batch, validation_level
+from hal.batch import validation_level
 from hal.capability import DeviceCapability
 from hal.declaration import BackendDeclaration
 from hal.deprecation import warn_renamed
-from hal.errors import ConfigError, InvalidBatchError, PluginError, expect
+from hal.errors import ConfigError, InvalidBatchError, expect
 from hal.kv_cache import kv_storage
+from hal.modes import step_kind
+from hal.plan import Plan
+from hal.plugin_compat import adapt_backend
 from hal.prologue import (
-    _RUNNING,
     ForwardSteps,
+    Steps,
     check_output_buffer,
     fused_forward_disabled,
     fused_forward_enabled,
     fused_forward_env,
+    helper_ops_for,
+    step_facts,
     write_output,
 )
-from hal.validation import check_batch_fields, check_forward_fields, check_input_dtypes
+from hal.validation import check_forward_fields
 
 if TYPE_CHECKING:
     from hal.batch import ForwardBatch
@@ -67,28 +70,36 @@ __all__ = [
 ]
 
 
-def _overrides_old_name(cls: type, name: str) -> bool:
-    """Whether ``cls`` (a plugin written for API 1) overrides the deprecated classmethod ``name``."""
-    return getattr(cls, name).__func__ is not getattr(AttentionBackend, name).__func__
-
-
-def helper_ops_for(backend: AttentionBackend) -> ModuleType:
-    """The kernel package whose ``write_kv`` / ``build_kv_indices`` / ``compute_positions`` serve ``backend``:
-    :mod:`hal.kernels.triton` when ``backend.support_triton()`` and its device has a Triton target,
-    else :mod:`hal.kernels.reference`. The one place ``support_triton()`` is read."""
-    if backend.support_triton() and backend.capability.triton_target:
-        from hal.kernels import triton as ops
-    else:
-        from hal.kernels import reference as ops
-    return ops
-
-
 class AttentionBackend(ForwardSteps):
-    """Base class of attention backends (SGLang's ``AttentionBackend``): the seed's contract, the declared
-    support (:meth:`declaration`), the engine-facing forward edges and, from :class:`hal.prologue.ForwardSteps`,
-    the steps they run."""
+    """Base class of attention backends (SGLang's ``AttentionBackend``). Its public names, in four groups:
 
-    _hal_contract = True  # its forward_* are the edges and its run_* the stubs: nothing to adopt
+    * **what an engine calls** (SGLang's contract, member for member): ``init_forward_metadata``,
+      ``init_forward_metadata_out_graph`` / ``init_forward_metadata_in_graph`` (the plan's edges), ``forward`` and
+      ``forward_decode`` / ``forward_extend`` / ``forward_mixed`` (the run's edges), ``init_cuda_graph_state``,
+      ``get_cuda_graph_seq_len_fill_value``, ``on_after_cuda_graph_warmup``,
+      ``init_forward_metadata_for_breakable_cuda_graph_capture`` /
+      ``prepare_forward_metadata_for_breakable_cuda_graph_replay``, ``get_verify_buffers_to_fill_after_draft`` /
+      ``update_verify_buffers_to_fill_after_draft``, ``support_triton``, ``get_indexer_metadata`` and SGLang's class
+      attributes ``prefill_attention_backend_str``, ``decode_attention_backend_str``,
+      ``supports_ragged_verify_graph``, ``needs_cpu_seq_lens``,
+      ``use_captured_forward_metadata_for_breakable_cuda_graph``; ``forward_metadata`` is the current step's
+      metadata (an instance attribute);
+    * **what a port implements**: the plan steps ``plan_out_graph`` / ``plan_in_graph``, the run steps
+      ``run_decode`` / ``run_extend`` / ``run_mixed`` (``run_fused`` optionally), the step hooks it may override
+      (``check_layer``, ``check_inputs``, ``save_kv``, ``fused_forward_ready``) and what selection and reports ask
+      (``unavailable_reasons``, ``unsupported_reasons``, ``notes``, ``routes``, ``route_of``, ``format_kv_pages``);
+    * **the declaration**: :meth:`declaration`, one frozen :class:`hal.declaration.BackendDeclaration` (a port gives
+      it as class attributes of the same names, ``name``, ``dtypes``, ``supports_*``..., read once into it);
+    * **the helpers of the steps**: ``plan`` (:class:`hal.plan.Plan`: ``set_metadata``, which every plan ends with,
+      ``metadata_for``, ``is_graph_batch``, ``check_batch``, ``path``) and ``steps`` (:class:`hal.prologue.Steps`:
+      ``helper_ops``, ``forward_paths``, the checks and the checked path's steps).
+
+    The names these helpers had on the class before hal 0.4 (``set_forward_metadata``, ``metadata_for``,
+    ``helper_ops``, the declared attributes...) still answer on an instance, with a ``DeprecationWarning`` naming
+    the new place.
+    """
+
+    _hal_contract = True  # the engine-facing names here are the edges (hal.plugin_compat finds this class by it)
 
     # -- SGLang's class attributes -------------------------------------------------------
     prefill_attention_backend_str: str | None = None
@@ -97,37 +108,16 @@ class AttentionBackend(ForwardSteps):
     needs_cpu_seq_lens: bool = True
     use_captured_forward_metadata_for_breakable_cuda_graph: bool = False
 
-    # -- what the backend supports: read into declaration(), which selection reads ----------
-    name: ClassVar[str] = ""
-    dtypes: ClassVar[frozenset[str]] = frozenset({"fp32", "bf16", "fp16"})
-    page_sizes: ClassVar[frozenset[int] | None] = None  # None: any power of two
-    head_dims: ClassVar[frozenset[int] | None] = None  # None: any
-    supports_sliding_window: ClassVar[bool] = True
-    supports_logit_cap: ClassVar[bool] = True
-    supports_non_causal: ClassVar[bool] = True
-    supports_custom_mask: ClassVar[bool] = True
-    supports_graph: ClassVar[bool] = True
-    supports_mla: ClassVar[bool] = False  # v_head_dim != head_dim (MLA's latent layout is that case)
-    supports_sinks: ClassVar[bool] = False  # forward(..., sinks=) (gpt-oss attention sinks)
-    kv_cache_dtypes: ClassVar[frozenset[str] | None] = None  # KV cache dtype names; None: the same as ``dtypes``
-    # Token i of a request must sit at offset i % page_size of its page (kernels that read whole pages).
-    requires_page_aligned_slots: ClassVar[bool] = False
-    # out_cache_loc may hold -1 (a padding token: no KV written, output row unspecified). False for a backend that
-    # does not declare it (a plugin that predates padding slots): full validation refuses such a batch for it.
-    supports_padding_slots: ClassVar[bool] = False
-    # The KV pool layouts (hal.kv_layouts) the kernels read in place, preferred first.
-    kv_layouts: ClassVar[tuple[str, ...]] = ("token_major",)
-    # The request tables the kernels read: "token" (req_to_token), "page" (a block table, req_to_page) or both;
-    # hal.batch.tables_for derives the other, once per step, for a backend that reads only one.
-    reads_tables: ClassVar[frozenset[str]] = frozenset({"token"})
-    # Backend-specific constructor options and their defaults (``Selection.create(**options)``).
-    option_defaults: ClassVar[Mapping[str, Any]] = {}
+    def __new__(cls, *args, **kwargs):
+        """An instance of the class hal runs for ``cls``: ``cls`` itself, or, for a class written against an older
+        plugin API that came through no registry, its adapter (:func:`hal.plugin_compat.adapt_backend`, made once)."""
+        return super().__new__(adapt_backend(cls))
 
     def __init__(self, capability: DeviceCapability, config: AttentionConfig | None = None, **options):
         """``config``: the model this backend serves (layers, max context, max batch), for planning;
         ``options``: ``validate`` (``off``/``cheap``/``full``, default ``HAL_VALIDATE``) and the
         backend's own ``option_defaults``. Unknown options are a ``ConfigError``."""
-        declared = self.declaration()
+        declared = self.__dict__["_declared"] = self.declaration()
         unknown = sorted(set(options) - set(declared.option_defaults) - {"validate"})
         expect(
             not unknown,
@@ -136,51 +126,64 @@ class AttentionBackend(ForwardSteps):
             unknown,
             f"options of this backend: {sorted({'validate', *declared.option_defaults})}",
         )
-        self.declared = declared  # what this backend's class declares, read once: the forward path reads it
         self.capability = capability
         self.config = config
         self.device = capability.torch_device
         self.validation = validation_level(options.pop("validate", None))
         self.options = {**declared.option_defaults, **options}
-        self.forward_metadata: Any = None
-        self._metadata_stamp: tuple | None = None
-        self._step = 0
-        self._graph_batches: set[tuple[str, int]] = set()
+        self.forward_metadata: Any = None  # the current step's (SGLang reads it off any backend)
         self._fused_env = fused_forward_env()  # HAL_FUSED_FORWARD, read (and checked) when the backend is created
 
-    forward_metadata: Any = None  # set per step by set_forward_metadata (SGLang reads it off any backend)
+    @functools.cached_property
+    def _declared(self) -> BackendDeclaration:
+        """This backend's :meth:`declaration`, read once (the forward path reads it)."""
+        return self.declaration()
+
+    @property
+    def plan(self) -> Plan:
+        """The plan state and the helpers of the plan steps (:class:`hal.plan.Plan`)."""
+        return self._hal_plan
+
+    @property
+    def steps(self) -> Steps:
+        """The helpers of the forward steps (:class:`hal.prologue.Steps`)."""
+        return self._hal_steps
+
+    # hal's own reads go through these, so that a port's own member named ``plan`` or ``steps`` changes nothing of hal
+    @functools.cached_property
+    def _hal_plan(self) -> Plan:
+        return Plan(self)
 
     @functools.cached_property
-    def declared(self) -> BackendDeclaration:
-        """This backend's :meth:`declaration`, read once (set in ``__init__``; computed here for a plugin class
-        whose ``__init__`` does not call the base class's)."""
-        return self.declaration()
+    def _hal_steps(self) -> Steps:
+        return Steps(self)
+
+    def __getattr__(self, name: str):
+        """The names the helpers had on the class before hal 0.4, answered from their new place with a warning."""
+        moved = _MOVED.get(name)
+        if moved is None:
+            if name == "forward_metadata":  # a plugin whose __init__ does not call the base class's
+                return None
+            if name in _DECLARED:
+                warn_renamed(f"{type(self).__qualname__}.{name}", f"backend.declaration().{name}", since="0.4.0")
+                return getattr(self.declaration(), name)
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        owner, new = moved
+        warn_renamed(f"{type(self).__qualname__}.{name}", f"backend.{owner}.{new}" if owner else new, since="0.4.0")
+        return getattr(getattr(self, f"_hal_{owner}"), new) if owner else self._declared
 
     # -- selection ---------------------------------------------------------------------
     @classmethod
     def declaration(cls) -> BackendDeclaration:
-        """What this backend class declares it supports (its class attributes), as selection reads it."""
+        """What this backend class declares it supports: one frozen :class:`BackendDeclaration`, read from the class
+        attributes of its field names (a port's input; absent ones take the field's default), as selection, the
+        forward path and ``hal info`` read it."""
         return BackendDeclaration.of(cls)
 
     @classmethod
     def unavailable_reasons(cls, capability: DeviceCapability) -> list[str]:
-        """Reasons this backend cannot run on this device at all (missing library...); empty: it can.
-
-        (Plugin API 1 called this ``available``; a backend overriding only that old name is still
-        honoured, with a ``DeprecationWarning``.)
-        """
-        if _overrides_old_name(cls, "available"):
-            warn_renamed(f"{cls.__qualname__}.available (overridden)", "unavailable_reasons")
-            return list(cls.available(capability))
+        """Reasons this backend cannot run on this device at all (missing library...); empty: it can."""
         return []
-
-    @classmethod
-    def available(cls, capability: DeviceCapability) -> list[str]:
-        """Deprecated (0.2.0) name of :meth:`unavailable_reasons`: it returns reasons, not a bool."""
-        warn_renamed(f"{cls.__qualname__}.available", "unavailable_reasons")
-        if _overrides_old_name(cls, "available"):  # reached through super() from an old override
-            return []
-        return cls.unavailable_reasons(capability)
 
     @classmethod
     def notes(cls, capability: DeviceCapability) -> list[str]:
@@ -191,22 +194,9 @@ class AttentionBackend(ForwardSteps):
     def unsupported_reasons(cls, config: AttentionConfig, capability: DeviceCapability) -> list[str]:
         """Every reason this backend cannot serve ``config`` on ``capability``; empty means it can.
 
-        Starts with :meth:`unavailable_reasons`, then checks the declared features. (Plugin API 1
-        called this ``validate``; a backend overriding only that old name is still honoured, with a
-        ``DeprecationWarning``.)
+        Starts with :meth:`unavailable_reasons`, then checks the declared features.
         """
-        if _overrides_old_name(cls, "validate"):
-            warn_renamed(f"{cls.__qualname__}.validate (overridden)", "unsupported_reasons")
-            return list(cls.validate(config, capability))
         return cls._declared_unsupported_reasons(config, capability)
-
-    @classmethod
-    def validate(cls, config: AttentionConfig, capability: DeviceCapability) -> list[str]:
-        """Deprecated (0.2.0) name of :meth:`unsupported_reasons`."""
-        warn_renamed(f"{cls.__qualname__}.validate", "unsupported_reasons")
-        if _overrides_old_name(cls, "validate"):  # reached through super() from an old override
-            return cls._declared_unsupported_reasons(config, capability)
-        return cls.unsupported_reasons(config, capability)
 
     @classmethod
     def _declared_unsupported_reasons(cls, config: AttentionConfig, capability: DeviceCapability) -> list[str]:
@@ -214,7 +204,7 @@ class AttentionBackend(ForwardSteps):
         declared = cls.declaration()
         reasons = list(cls.unavailable_reasons(capability))
         reasons += declared.unsupported_reasons(config, capability)
-        reasons += cls.model_feature_reasons(config)
+        reasons += declared.model_feature_reasons(config)
         return reasons + declared.graph_reasons(config, capability)
 
     @classmethod
@@ -229,38 +219,50 @@ class AttentionBackend(ForwardSteps):
         return []
 
     @classmethod
-    def model_feature_reasons(cls, config: AttentionConfig) -> list[str]:
-        """Why this backend cannot serve ``config``'s attention sinks or KV cache dtype (empty: it can)."""
-        return cls.declaration().model_feature_reasons(config)
-
-    @classmethod
     def format_kv_pages(cls, capability: DeviceCapability, kv_layout: str, pages: torch.Tensor) -> torch.Tensor:
         """A freshly allocated KV buffer of a ``kv_layout`` pool in the storage format this backend's kernels read
         on ``capability`` (``Selection.create_kv_pool`` calls it once per buffer; default: as allocated)."""
         return pages
 
-    # -- SGLang's metadata contract ----------------------------------------------------
+    # -- SGLang's metadata contract: the engine-facing edges of the plan step ---------------------------
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        """Eager entry point: ``out_graph`` then ``in_graph``."""
-        tables_for(self.declared, forward_batch)  # the request table form this backend reads
+        """Eager entry point: :meth:`init_forward_metadata_out_graph` then :meth:`init_forward_metadata_in_graph`."""
         self.init_forward_metadata_out_graph(forward_batch)
         self.init_forward_metadata_in_graph(forward_batch)
 
     def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False) -> None:
-        """Host-side per-step metadata, outside any graph (``in_capture=True`` before a capture).
+        """Host-side per-step planning, outside any graph (``in_capture=True`` before a capture); runs before every
+        eager step and every graph replay. Returns None.
 
-        Runs before every eager step and every graph replay. May read host mirrors and fix
-        every shape; must end with ``self.set_forward_metadata(meta, forward_batch)`` (the
-        ``forward_*`` methods read it back with ``self.metadata_for(forward_batch)``). Returns None.
+        The edge every entry path goes through (eager, hal's ``GraphRunner``, SGLang's and vLLM's graph steps):
+        ``plan.check_batch``, then the request tables this backend declares it reads (``reads_tables``) given to the
+        batch where it carries only the other form (:class:`hal.batch.RequestTables`: sized to the step, or a
+        captured graph's persistent buffer refilled in place), then the backend's :meth:`plan_out_graph`.
         """
+        plan = self._hal_plan
+        plan.check_batch(forward_batch)
+        graph = not forward_batch.forward_mode.is_idle() and plan.is_graph_batch(forward_batch, in_capture)
+        plan.tables.prepare(forward_batch, graph)
+        self.plan_out_graph(forward_batch, in_capture)
 
     def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:
-        """Graph-recordable, static-shape device work; replayed by the graph. Returns None.
+        """Graph-recordable, static-shape device planning, replayed by the graph: the edge over the backend's
+        :meth:`plan_in_graph`. Returns None."""
+        self.plan_in_graph(forward_batch)
 
-        Fills the device tensors of the metadata ``out_graph`` set, from the batch's device
-        tensors only: no ``.item()`` / ``.tolist()`` / ``.cpu()``, no ``int()`` of a tensor,
-        no data-dependent shape, no allocation sized from tensor data (``hal lint`` checks).
-        """
+    # -- the plan steps a backend implements ----------------------------------------------------------
+    def plan_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False) -> None:
+        """The backend's host-side plan of a step (plugin API 3's ``init_forward_metadata_out_graph``): the batch is
+        checked and carries the request tables the backend reads. May read host mirrors and fix every shape; must
+        end with ``self.plan.set_metadata(meta, forward_batch)`` (the run steps read ``self.forward_metadata``).
+        A captured graph's static batch (``self.plan.is_graph_batch``) must use buffers made by
+        :meth:`init_cuda_graph_state` or at capture, never fresh tensors the graph reads. Returns None."""
+
+    def plan_in_graph(self, forward_batch: ForwardBatch) -> None:
+        """The backend's device-side plan of a step (plugin API 3's ``init_forward_metadata_in_graph``): fills the
+        device tensors of the metadata :meth:`plan_out_graph` set, from the batch's device tensors only: no
+        ``.item()`` / ``.tolist()`` / ``.cpu()``, no ``int()`` of a tensor, no data-dependent shape, no allocation
+        sized from tensor data (``hal lint`` checks). Recorded into a captured graph. Returns None."""
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         """Allocate every buffer a captured graph reads, for up to ``max_bs`` requests and
@@ -353,12 +355,7 @@ class AttentionBackend(ForwardSteps):
             expect(empty, InvalidBatchError, "q.shape", getattr(q, "shape", q), "no tokens in an IDLE batch")
             rows = None if out is None else check_output_buffer(out, q, layer, 0)
             return write_output(q.new_empty(0, layer.tp_q_head_num, layer.v_head_dim), q, layer, rows)
-        if mode.is_decode():
-            kind = "decode"
-        elif mode.is_mixed() and self.capability.fused_mixed:
-            kind = "mixed"
-        else:
-            kind = "extend"
+        kind = step_kind(mode, self.capability.fused_mixed)
         return self._forward(kind, q, k, v, layer, forward_batch, save_kv_cache, out, kwargs)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, *, out=None, **kwargs):
@@ -378,52 +375,25 @@ class AttentionBackend(ForwardSteps):
     def _forward(self, kind: str, q, k, v, layer, forward_batch, save_kv_cache, out, kwargs) -> torch.Tensor:
         """One forward step, in order: the checks every path shares, then the fused call where the plan chose it
         and this call allows it, else the checked path and ``run_<kind>``; the result through :func:`write_output`."""
-        running = _RUNNING.get()
-        if (id(self), kind) in running:
-            raise PluginError(
-                f"{type(self).__qualname__}: forward_{kind} was called from inside its own run_{kind} (a plugin "
-                f"API 2 forward_{kind} that calls super().forward_{kind}): since hal 0.4 forward_{kind} is the "
-                f"engine-facing edge; call super().run_{kind} instead"
-            )
-        if any(owner == id(self) for owner, _ in running):  # an API 2 hook calling its sibling forward_*: no prologue
-            return self._run(kind, q, k, v, layer, forward_batch, save_kv_cache, None, kwargs)
+        steps, plan = self._hal_steps, self._hal_plan
         check_forward_fields(forward_batch)
-        self.check_model_features(layer, forward_batch, kwargs.get("sinks"))
+        steps.check_model_features(layer, forward_batch, kwargs.get("sinks"))
         self.check_layer(layer)
-        self.metadata_for(forward_batch)
-        self.check_input_dtypes(q, k, v, layer, forward_batch)
+        plan.metadata_for(forward_batch)
+        steps.check_input_dtypes(q, k, v, layer, forward_batch)
         if out is not None:
             k_store, v_store, _ = kv_storage(forward_batch.token_to_kv_pool, layer.layer_id)  # in any layout
             out = check_output_buffer(out, q, layer, q.shape[0], k, v, k_store, v_store)
-        if self._fused_for(self._metadata_stamp[3], k, v, save_kv_cache):
-            extra = {"out": out} if self._fused_takes_out else {}
+        facts = step_facts(type(self))
+        if steps.fused_for(plan.stamp[3], k, v, save_kv_cache):
+            extra = {"out": out} if facts.fused_takes_out else {}
             result = self.run_fused(q, k, v, layer, forward_batch, save_kv_cache, **extra, **kwargs)
             if result is not None:
                 return write_output(result, q, layer, out)
-        q, k, v = self.prepare_forward(q, k, v, layer, forward_batch, save_kv_cache)
-        return write_output(self._run(kind, q, k, v, layer, forward_batch, save_kv_cache, out, kwargs), q, layer, out)
-
-    def _run(self, kind: str, q, k, v, layer, forward_batch, save_kv_cache, out, kwargs):
-        """``run_<kind>`` with this backend marked as running it (a plugin API 2 hook's sibling calls)."""
-        extra = {"out": out} if self._run_takes_out[kind] else {}
-        token = _RUNNING.set((*_RUNNING.get(), (id(self), kind)))
-        try:
-            return getattr(self, f"run_{kind}")(q, k, v, layer, forward_batch, save_kv_cache, **extra, **kwargs)
-        finally:
-            _RUNNING.reset(token)
-
-    def check_input_dtypes(self, q, k, v, layer: AttentionLayer, forward_batch: ForwardBatch) -> None:
-        """``InvalidBatchError`` / ``UnsupportedError`` for a ``q``/``k``/``v`` dtype the layer, the backend's
-        config and its declaration do not allow (runs before either path)."""
-        check_input_dtypes(
-            q,
-            k,
-            v,
-            layer=layer,
-            config=self.config,
-            declaration=self.declared,
-            kv_dtype=forward_batch.token_to_kv_pool.dtype,
-        )
+        q, k, v = steps.prepare_forward(q, k, v, layer, forward_batch, save_kv_cache)
+        extra = {"out": out} if facts.run_takes_out[kind] else {}
+        result = getattr(self, f"run_{kind}")(q, k, v, layer, forward_batch, save_kv_cache, **extra, **kwargs)
+        return write_output(result, q, layer, out)
 
     # -- the run steps a backend implements ---------------------------------------------------
     def run_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs) -> torch.Tensor:
@@ -469,38 +439,21 @@ class AttentionBackend(ForwardSteps):
         """
         return None
 
-    # -- shared by the backends --------------------------------------------------------
-    def check_batch(self, forward_batch: ForwardBatch) -> None:
-        """Validate ``forward_batch`` at this backend's level, with what this backend needs (page-aligned
-        slots). Call it first in ``init_forward_metadata_out_graph``; hal's own batches already passed
-        their construction level, so only an engine's batch or a stricter level costs anything."""
-        level = self.validation
-        declared = self.declared
-        stricter = declared.requires_page_aligned_slots or not declared.supports_padding_slots
-        if getattr(forward_batch, "validate", None) == level and not (level == "full" and stricter):
-            check_batch_fields(forward_batch)  # presence and types only: a field changed since construction
-            return
-        validate_batch(
-            forward_batch,
-            level,
-            page_aligned=declared.requires_page_aligned_slots,
-            padding_slots=None if declared.supports_padding_slots else declared.name,
-        )
 
-    def is_graph_batch(self, forward_batch: ForwardBatch, in_capture: bool = False) -> bool:
-        """Whether ``forward_batch`` is a captured graph's static batch (use the fixed graph buffers).
-
-        hal's ``GraphRunner`` marks its batches (``graph_static``); an engine's runner is recognised
-        by ``in_capture=True`` at capture, and at replay by the (mode, batch size) it captured.
-        """
-        key = (forward_batch.forward_mode.name, forward_batch.batch_size)
-        if in_capture:
-            self._graph_batches.add(key)
-            return True
-        marked = getattr(forward_batch, "graph_static", None)
-        return marked if marked is not None else key in self._graph_batches
-
-    @property
-    def helper_ops(self) -> ModuleType:
-        """The positions / kv-indices / KV-write ops for this backend: a kernel package (:func:`helper_ops_for`)."""
-        return helper_ops_for(self)
+# Old public names of the class and their new places: (attribute of the backend holding it, its name there); an
+# empty owner: the backend's declaration itself.
+_MOVED = {
+    "set_forward_metadata": ("plan", "set_metadata"),
+    "metadata_for": ("plan", "metadata_for"),
+    "planned_path": ("plan", "path"),
+    "is_graph_batch": ("plan", "is_graph_batch"),
+    "check_batch": ("plan", "check_batch"),
+    "helper_ops": ("steps", "helper_ops"),
+    "forward_paths": ("steps", "forward_paths"),
+    "check_model_features": ("steps", "check_model_features"),
+    "check_input_dtypes": ("steps", "check_input_dtypes"),
+    "prepare_forward": ("steps", "prepare_forward"),
+    "new_kv_from_cache": ("steps", "new_kv_from_cache"),
+    "declared": ("", "backend.declaration()"),
+}
+_DECLARED = frozenset(f.name for f in fields(BackendDeclaration)) | {"model_feature_reasons"}

@@ -67,6 +67,7 @@ __all__ = [
     "static_decode_batch",
     "tables_for",
     "StepTable",
+    "RequestTables",
     "VALIDATION_LEVELS",
     "SharedReadEnds",
     "REFUSED_MODES",
@@ -211,17 +212,79 @@ def static_decode_batch(
 
 @dataclass
 class StepTable:
-    """A request table :func:`tables_for` derived for one step (its rows in batch order): ``req_to_token`` (int32
-    ``[B, tokens]``) or ``req_to_page`` (int32 ``[B, pages]``) with ``page_size``, so it serves either protocol."""
+    """A request table hal derived (:func:`tables_for`, :class:`RequestTables`): ``req_to_token`` (int32
+    ``[rows, tokens]``) or ``req_to_page`` (int32 ``[rows, pages]``) with ``page_size``, so it serves either protocol.
+    ``graph``: a captured graph's table (a persistent buffer refilled in place each step, indexed by the batch's own
+    ``req_pool_indices``); else one step's rows in batch order."""
 
     req_to_token: torch.Tensor | None = None
     req_to_page: torch.Tensor | None = None
     page_size: int = 1
+    graph: bool = False
 
 
-def tables_for(declaration: BackendDeclaration, forward_batch) -> None:
-    """Give ``forward_batch`` the request table form ``declaration.reads_tables`` names where it carries only the
-    other: called once per step where a batch is prepared for a backend (``init_forward_metadata``).
+class RequestTables:
+    """The request tables one backend reads (``reads``: its declaration's ``reads_tables``), given to every step it
+    plans: :meth:`hal.backend.AttentionBackend.init_forward_metadata_out_graph`, the edge every entry path goes
+    through (eager, hal's and the engines' graph runners), calls :meth:`prepare` before the backend's own plan.
+
+    An eager step gets :func:`tables_for` (tables sized to the step, the batch rebased on it). A captured graph's
+    step gets the missing form in a persistent buffer, one per form and given table shape, made the first time
+    (its capture) and refilled in place, outside the graph, before each replay: the graph reads it at the captured
+    address. It covers every row of the given table (the batch's ``req_pool_indices`` index it, as they index the
+    given one), so its cost is the given table's size (``[rows, max_context]`` tokens for a block table of
+    ``rows`` requests, what a token-reading backend's graph buffers hold anyway).
+    """
+
+    def __init__(self, reads: frozenset[str]):
+        self.reads = reads
+        self._graph: dict[tuple, StepTable] = {}  # (form, rows, width) -> its persistent table
+
+    def prepare(self, forward_batch, graph: bool) -> None:
+        """Give ``forward_batch`` the form this backend reads where it carries only the other (``graph``: the batch
+        is a captured graph's static one). Nothing happens where the batch has a form the backend reads."""
+        if not graph:
+            tables_for(self.reads, forward_batch)
+            return
+        tokens, pages = _given(forward_batch, "req_to_token_pool"), _given(forward_batch, "req_to_page_pool")
+        if (tokens is not None and "token" in self.reads) or (pages is not None and "page" in self.reads):
+            return
+        if tokens is None and pages is None:
+            return
+        check_request_tables(forward_batch)
+        page_size = forward_batch.token_to_kv_pool.page_size
+        if pages is not None:  # tokens from a block table
+            given, form = pages.req_to_page, "req_to_token"
+            width = given.shape[1] * page_size
+        else:
+            given, form = tokens.req_to_token, "req_to_page"
+            width = -(-given.shape[1] // page_size)
+        key = (form, given.shape[0], width)
+        table = self._graph.get(key)
+        if table is None:
+            buffer = torch.zeros(given.shape[0], width, dtype=torch.int32, device=given.device)
+            table = StepTable(**{form: buffer}, page_size=page_size, graph=True)
+            self._graph[key] = table
+        rows = torch.arange(given.shape[0], device=given.device)
+        source = {"req_to_page": given} if pages is not None else {"req_to_token": given}
+        if form == "req_to_token":
+            getattr(table, form).copy_(step_token_table(rows, width, page_size=page_size, **source))
+            forward_batch.req_to_token_pool = table
+        else:
+            getattr(table, form).copy_(step_page_table(rows, width, page_size, **source))
+            forward_batch.req_to_page_pool = table
+
+
+def _given(forward_batch, field: str):
+    """The batch's ``field`` table unless hal derived it for a graph (then it is refilled from the other form)."""
+    table = getattr(forward_batch, field, None)
+    return None if isinstance(table, StepTable) and table.graph else table
+
+
+def tables_for(reads: BackendDeclaration | frozenset[str], forward_batch) -> None:
+    """Give ``forward_batch`` the request table form ``reads`` (a declaration's ``reads_tables``, or the
+    declaration) names where it carries only the other: an eager step's part of :meth:`RequestTables.prepare`, which
+    every backend's plan step runs.
 
     Nothing happens where the batch has a form the backend reads (an SGLang batch for a backend reading tokens, a
     vLLM block table for one reading pages). Otherwise the missing form is derived on the batch's device for the
@@ -232,7 +295,7 @@ def tables_for(declaration: BackendDeclaration, forward_batch) -> None:
     ``req_pool_indices`` becomes ``0 .. B - 1``. A malformed table is an ``InvalidBatchError``
     (:func:`hal.validation.check_request_tables`) before anything is derived.
     """
-    reads = declaration.reads_tables
+    reads = getattr(reads, "reads_tables", reads)
     tokens = getattr(forward_batch, "req_to_token_pool", None)
     pages = getattr(forward_batch, "req_to_page_pool", None)
     if (tokens is not None and "token" in reads) or (pages is not None and "page" in reads) or tokens is pages:

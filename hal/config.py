@@ -11,7 +11,7 @@ from hal.deprecation import accept_renamed_kwargs
 from hal.errors import ConfigError, expect
 from hal.kv_dtypes import COMPUTE_DTYPE_NAMES, COMPUTE_DTYPES, kv_cache_dtype_setting, kv_dtype
 from hal.kv_layouts import kv_layout as layout_row
-from hal.layer import AttentionLayer, check_mla_shape
+from hal.layer import AttentionLayer, check_head_shape
 
 __all__ = ["AttentionConfig"]
 
@@ -100,15 +100,13 @@ class AttentionConfig:
                 f"one of {list(COMPUTE_DTYPES)}",
             )
             object.__setattr__(self, "dtype", COMPUTE_DTYPES[self.dtype])
-        for name in ("tp_q_head_num", "tp_k_head_num", "head_dim", "page_size"):
-            value = getattr(self, name)
-            expect(isinstance(value, int) and value > 0, ConfigError, name, value, "a positive int")
+        check_head_shape(self)
         expect(
-            self.tp_q_head_num % self.tp_k_head_num == 0,
+            isinstance(self.page_size, int) and self.page_size > 0,
             ConfigError,
-            "tp_q_head_num",
-            self.tp_q_head_num,
-            f"a multiple of tp_k_head_num ({self.tp_k_head_num})",
+            "page_size",
+            self.page_size,
+            "a positive int",
         )
         expect(
             self.page_size & (self.page_size - 1) == 0,
@@ -118,16 +116,6 @@ class AttentionConfig:
             "a power of two",
         )
         expect(self.dtype in COMPUTE_DTYPE_NAMES, ConfigError, "dtype", self.dtype, f"one of {list(COMPUTE_DTYPES)}")
-        if self.v_head_dim is None:  # MLA's value is the latent
-            mla = isinstance(self.kv_lora_rank, int) and self.kv_lora_rank > 0
-            object.__setattr__(self, "v_head_dim", self.kv_lora_rank if mla else self.head_dim)
-        expect(
-            isinstance(self.v_head_dim, int) and self.v_head_dim > 0,
-            ConfigError,
-            "v_head_dim",
-            self.v_head_dim,
-            "a positive int (or None: head_dim)",
-        )
 
         for name in ("layer_num", "max_context_len", "max_batch_size"):
             value = getattr(self, name)
@@ -138,7 +126,6 @@ class AttentionConfig:
                 value,
                 "a positive int" + ("" if name == "layer_num" else " or None"),
             )
-        check_mla_shape(self)
         expect(
             isinstance(self.attention_sinks, bool),
             ConfigError,

@@ -10,7 +10,7 @@ class's other members. The reasons a declaration gives against a config
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +29,10 @@ REQUEST_TABLES = frozenset({"token", "page"})
 
 @dataclass(frozen=True)
 class BackendDeclaration:
-    """One backend class's declared support (its class attributes of the same names).
+    """One backend class's declared support: the frozen value selection, the forward path and ``hal info`` read
+    (:meth:`hal.AttentionBackend.declaration`), from its class attributes of the same names (a field's default where
+    the class sets none). ``reads_new_kv``: False where the run steps read the new tokens from the cache, never from
+    k/v (so k/v may stay None with ``save_kv_cache=False``).
 
     ``dtypes``: compute dtype names (``fp32``, ``bf16``, ``fp16``); ``kv_cache_dtypes``: KV cache dtype names
     (the class's ``None`` resolved to ``dtypes``); ``page_sizes`` / ``head_dims``: None means any;
@@ -44,34 +47,32 @@ class BackendDeclaration:
     """
 
     name: str
-    dtypes: frozenset[str]
-    kv_cache_dtypes: frozenset[str]
-    page_sizes: frozenset[int] | None
-    head_dims: frozenset[int] | None
-    supports_sliding_window: bool
-    supports_logit_cap: bool
-    supports_non_causal: bool
-    supports_custom_mask: bool
-    supports_graph: bool
-    supports_mla: bool
-    supports_sinks: bool
-    requires_page_aligned_slots: bool
-    supports_padding_slots: bool
-    reads_tables: frozenset[str]
-    kv_layouts: tuple[str, ...]
-    option_defaults: Mapping[str, Any]
+    dtypes: frozenset[str] = frozenset({"fp32", "bf16", "fp16"})
+    kv_cache_dtypes: frozenset[str] | None = None  # None (as a class attribute): the same as ``dtypes``
+    page_sizes: frozenset[int] | None = None  # None: any power of two
+    head_dims: frozenset[int] | None = None  # None: any
+    supports_sliding_window: bool = True
+    supports_logit_cap: bool = True
+    supports_non_causal: bool = True
+    supports_custom_mask: bool = True
+    supports_graph: bool = True
+    supports_mla: bool = False
+    supports_sinks: bool = False
+    requires_page_aligned_slots: bool = False
+    supports_padding_slots: bool = False
+    reads_tables: frozenset[str] = frozenset({"token"})
+    kv_layouts: tuple[str, ...] = (TOKEN_MAJOR,)
+    option_defaults: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    reads_new_kv: bool = True
 
     @classmethod
     def of(cls, backend_cls: type) -> BackendDeclaration:
         """The declaration of ``backend_cls``, read from its class attributes; ``PluginError`` naming the
         attribute where one is not what it must be (a plugin's typo surfaces as a reason, not mid-selection)."""
-        values = {f.name: getattr(backend_cls, f.name, None) for f in fields(cls)}
-        if values["supports_padding_slots"] is None:  # a class written before 0.3 that is no AttentionBackend
-            values["supports_padding_slots"] = False
-        if values["reads_tables"] is None:  # a class written before 0.4: it reads req_to_token
-            values["reads_tables"] = frozenset({"token"})
-        if values["kv_layouts"] is None:  # a class written before 0.4: it reads token-major pools
-            values["kv_layouts"] = (TOKEN_MAJOR,)
+        values = {f.name: getattr(backend_cls, f.name, _default(f)) for f in fields(cls)}
+        for f in fields(cls):  # None where a default exists: what a class written before the field says
+            if values[f.name] is None and f.name not in ("kv_cache_dtypes", "page_sizes", "head_dims"):
+                values[f.name] = _default(f)
         owner = backend_cls.__qualname__
 
         def names(attr: str, value, item_type: type, optional: bool):
@@ -108,7 +109,7 @@ class BackendDeclaration:
         if unknown:
             raise PluginError(f"{owner}.kv_layouts holds {unknown!r}: expected names of {sorted(KV_LAYOUTS)}")
         for f in fields(cls):
-            if f.name.startswith(("supports_", "requires_")) and not isinstance(values[f.name], bool):
+            if f.name.startswith(("supports_", "requires_", "reads_new")) and not isinstance(values[f.name], bool):
                 raise PluginError(f"{owner}.{f.name} = {values[f.name]!r}: expected True or False")
         defaults = values["option_defaults"]
         if not isinstance(defaults, Mapping):
@@ -160,3 +161,10 @@ class BackendDeclaration:
         if config.graph and not capability.graph:
             return [f"device has no graph capture: {capability.reasons.get('graph', 'not listed')}"]
         return []
+
+
+def _default(f) -> object:
+    """The default of declaration field ``f`` (what a class that does not set the attribute declares)."""
+    if f.default is not MISSING:
+        return f.default
+    return None if f.default_factory is MISSING else f.default_factory()  # name: none, a class must give it

@@ -37,9 +37,7 @@ class AttentionLayer:
     v_scale: float | None = None
 
     def __post_init__(self) -> None:
-        for field in ("tp_q_head_num", "tp_k_head_num", "head_dim"):
-            value = getattr(self, field)
-            expect(isinstance(value, int) and value > 0, ConfigError, field, value, "a positive int")
+        check_head_shape(self)
         expect(
             isinstance(self.layer_id, int) and self.layer_id >= 0,
             ConfigError,
@@ -47,18 +45,8 @@ class AttentionLayer:
             self.layer_id,
             "an int >= 0",
         )
-        expect(
-            self.tp_q_head_num % self.tp_k_head_num == 0,
-            ConfigError,
-            "tp_q_head_num",
-            self.tp_q_head_num,
-            f"a multiple of tp_k_head_num ({self.tp_k_head_num})",
-        )
         if self.tp_v_head_num is None:
             object.__setattr__(self, "tp_v_head_num", self.tp_k_head_num)
-        if self.v_head_dim is None:  # MLA's value is the latent
-            mla = isinstance(self.kv_lora_rank, int) and self.kv_lora_rank > 0
-            object.__setattr__(self, "v_head_dim", self.kv_lora_rank if mla else self.head_dim)
         if self.scaling is None:
             object.__setattr__(self, "scaling", self.head_dim**-0.5)
         expect(
@@ -83,7 +71,6 @@ class AttentionLayer:
             "an int >= -1 (-1 disables it)",
         )
         expect(self.attn_type in ATTN_TYPES, ConfigError, "attn_type", self.attn_type, f"one of {ATTN_TYPES}")
-        check_mla_shape(self)
         if self.is_mla and self.v_scale is None:  # the value is the key's latent: one scale
             object.__setattr__(self, "v_scale", self.k_scale)
         expect(
@@ -116,6 +103,34 @@ class AttentionLayer:
     def group_size(self) -> int:
         """Query heads per KV head (1: MHA, ``tp_q_head_num``: MQA)."""
         return self.tp_q_head_num // self.tp_k_head_num
+
+
+def check_head_shape(obj) -> None:
+    """The head and dim rules a layer and a config share, the one place they are written: ``tp_q_head_num``,
+    ``tp_k_head_num`` and ``head_dim`` positive ints, the q heads a multiple of the KV heads, ``v_head_dim`` (None:
+    the latent ``kv_lora_rank`` for MLA, else ``head_dim``, set on the frozen ``obj``) a positive int, and the MLA
+    shape (:func:`check_mla_shape`). ``ConfigError`` naming the field otherwise."""
+    for field in ("tp_q_head_num", "tp_k_head_num", "head_dim"):
+        value = getattr(obj, field)
+        expect(isinstance(value, int) and value > 0, ConfigError, field, value, "a positive int")
+    expect(
+        obj.tp_q_head_num % obj.tp_k_head_num == 0,
+        ConfigError,
+        "tp_q_head_num",
+        obj.tp_q_head_num,
+        f"a multiple of tp_k_head_num ({obj.tp_k_head_num})",
+    )
+    if obj.v_head_dim is None:  # MLA's value is the latent
+        mla = isinstance(obj.kv_lora_rank, int) and obj.kv_lora_rank > 0
+        object.__setattr__(obj, "v_head_dim", obj.kv_lora_rank if mla else obj.head_dim)
+    expect(
+        isinstance(obj.v_head_dim, int) and obj.v_head_dim > 0,
+        ConfigError,
+        "v_head_dim",
+        obj.v_head_dim,
+        "a positive int (or None: head_dim)",
+    )
+    check_mla_shape(obj)
 
 
 def check_mla_shape(obj) -> None:

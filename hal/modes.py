@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ForwardMode", "BatchLens", "host_lens", "device_lens", "REFUSED_MODES", "SharedReadEnds"]
+__all__ = ["ForwardMode", "BatchLens", "host_lens", "device_lens", "REFUSED_MODES", "SharedReadEnds", "step_kind"]
 
 
 class ForwardMode(enum.IntEnum):
@@ -152,3 +152,11 @@ def device_lens(fb) -> tuple[torch.Tensor, torch.Tensor]:
         draft = fb.spec_info.draft_token_num
         return torch.full_like(seq_lens, draft), seq_lens + draft
     return fb.extend_seq_lens.long(), seq_lens
+
+
+def step_kind(mode, fused_mixed: bool) -> str:
+    """The step ``forward`` runs for a batch of ``mode`` (not IDLE): ``"decode"`` for DECODE, ``"mixed"`` for MIXED
+    where the device has a fused mixed kernel (``fused_mixed``, the capability's), else ``"extend"``."""
+    if mode.is_decode():
+        return "decode"
+    return "mixed" if mode.is_mixed() and fused_mixed else "extend"

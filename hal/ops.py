@@ -17,6 +17,6 @@ __getattr__ = moved_names(
     {
         "TORCH_OPS": "hal.kernels:reference",
         "TRITON_OPS": "hal.kernels:triton",
-        "helper_ops_for": "hal.backend:helper_ops_for",
+        "helper_ops_for": "hal.prologue:helper_ops_for",
     },
 )

@@ -2,17 +2,21 @@
 
 A forward is *plan, then run* (FlashInfer's ``plan()`` / ``run()``, vLLM's metadata builder / impl):
 
-* **plan**: ``init_forward_metadata_out_graph`` / ``_in_graph`` build the step's metadata and hand it to
-  :meth:`ForwardSteps.set_forward_metadata`, saying there whether this step may take the backend's fused call
-  (``fused=``): the fast path is chosen when the step is planned, not per layer;
+* **plan**: the backend's ``plan_out_graph`` / ``plan_in_graph`` build the step's metadata and hand it to
+  ``backend.plan.set_metadata`` (:class:`hal.plan.Plan`), saying there whether this step may take the backend's
+  fused call (``fused=``): the fast path is chosen when the step is planned, not per layer;
 * **run**: the engine-facing ``forward`` / ``forward_decode`` / ``forward_extend`` / ``forward_mixed`` (hal/backend.py)
   run, in order and in plain code: the batch fields (:func:`hal.validation.check_forward_fields`),
-  :meth:`ForwardSteps.check_model_features`, :meth:`ForwardSteps.check_layer`, the metadata stamp
-  (:meth:`ForwardSteps.metadata_for`), the input dtypes, the output buffer; then either the backend's fused call
-  (:meth:`ForwardSteps.run_fused`: inputs checked, KV written and attention in one call) or the checked path
-  (:meth:`ForwardSteps.check_inputs`, :meth:`ForwardSteps.save_kv` or :meth:`ForwardSteps.new_kv_from_cache`,
-  then the backend's ``run_decode`` / ``run_extend`` / ``run_mixed``); the result lands in the caller's ``out=``
-  or a new ``[T, q_heads * v_head_dim]`` tensor in ``q.dtype`` (:func:`write_output`, the one place).
+  :meth:`Steps.check_model_features`, the backend's ``check_layer``, the metadata stamp (``plan.metadata_for``),
+  the input dtypes, the output buffer; then either the backend's fused call (``run_fused``: inputs checked, KV
+  written and attention in one call) or the checked path (:meth:`Steps.prepare_forward`: the backend's
+  ``check_inputs``, its ``save_kv`` or :meth:`Steps.new_kv_from_cache`, then its ``run_decode`` / ``run_extend``
+  / ``run_mixed``); the result lands in the caller's ``out=`` or a new ``[T, q_heads * v_head_dim]`` tensor in
+  ``q.dtype`` (:func:`write_output`, the one place).
+
+:class:`ForwardSteps` holds the default hooks a backend may override (``run_fused``, ``fused_forward_ready``,
+``check_layer``, ``check_inputs``, ``save_kv``); :class:`Steps` (``backend.steps``) the helpers the edges run
+around them.
 
 The fused call runs where the plan allowed it, the KV is to be written (``save_kv_cache``, ``k``/``v`` given), no
 torch dispatch or function mode watches (the eager graph guard of :mod:`hal.graph`, a profiler, FakeTensor),
@@ -26,19 +30,21 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import inspect
 import os
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, ClassVar
+from types import ModuleType
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from hal.deprecation import warn_renamed
-from hal.errors import ConfigError, InvalidBatchError, PluginError, UnsupportedError, expect
+from hal.errors import ConfigError, InvalidBatchError, UnsupportedError, expect
 from hal.kernels.reference import dequantize_kv, kv_scales, overlaps, quantize_kv, shares_storage, write_kv
 from hal.kv_cache import kv_cache_dtype_name, kv_rows, kv_storage
 from hal.kv_dtypes import COMPUTE_DTYPE_NAMES, kv_scaled
 from hal.kv_layouts import TOKEN_MAJOR, kv_layout, pool_kv_layout
+from hal.validation import check_input_dtypes, refuse_mixed_dtypes
 
 if TYPE_CHECKING:
     from hal.batch import ForwardBatch
@@ -46,6 +52,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ForwardSteps",
+    "Steps",
+    "forward_paths",
+    "helper_ops_for",
+    "fused_forward_off",
     "ForwardPrologue",
     "fused_forward_disabled",
     "fused_forward_enabled",
@@ -63,16 +73,13 @@ __all__ = [
 FORWARD_KINDS = ("decode", "extend", "mixed")
 FORWARD_METHODS = tuple(f"forward_{kind}" for kind in FORWARD_KINDS)  # the engine-facing edges (the seed's names)
 RUN_METHODS = tuple(f"run_{kind}" for kind in FORWARD_KINDS)  # what a backend implements
-# The steps the fused call stands in for: a class that overrides one below the class offering run_fused takes
-# the checked path (check_model_features, check_layer and metadata_for run on both paths).
-FUSED_STANDS_IN_FOR = ("prepare_forward", "check_inputs", "save_kv", "new_kv_from_cache", *RUN_METHODS)
+# The hooks the fused call stands in for: a class that overrides one below the class offering run_fused takes
+# the checked path (check_layer and the checks of the edge run on both paths).
+FUSED_STANDS_IN_FOR = ("check_inputs", "save_kv", *RUN_METHODS)
 PROLOGUE_HOOKS = FUSED_STANDS_IN_FOR  # its name under plugin API 2
 PATH_FUSED, PATH_CHECKED = "fused", "checked"
 
 _FUSED_OFF: contextvars.ContextVar[bool] = contextvars.ContextVar("hal_fused_forward_off", default=False)
-# (id(backend), kind) of the run hooks running in this thread or task: a plugin API 2 hook that calls another
-# forward_* of its own backend reaches that backend's run hook directly, as under plugin API 2 (no second prologue)
-_RUNNING: contextvars.ContextVar[tuple] = contextvars.ContextVar("hal_running_hooks", default=())
 
 
 def fused_forward_env() -> bool:
@@ -80,6 +87,11 @@ def fused_forward_env() -> bool:
     raw = os.environ.get("HAL_FUSED_FORWARD", "").strip()
     expect(raw in ("", "0", "1"), ConfigError, "HAL_FUSED_FORWARD", raw, "0 (checked path only) or 1 (default)")
     return raw != "0"
+
+
+def fused_forward_off() -> bool:
+    """Whether a :func:`fused_forward_disabled` block is in force in this thread or task."""
+    return _FUSED_OFF.get()
 
 
 def fused_forward_enabled() -> bool:
@@ -181,25 +193,6 @@ def _takes_out(method) -> bool:
         return False
 
 
-def _adopt_plugin_api2_hooks(cls: type) -> None:
-    """A class written for plugin API 2 implements ``forward_decode`` / ``_extend`` / ``_mixed`` /
-    ``forward_fused`` as the steps after the prologue; plugin API 3 names those steps ``run_*`` and keeps
-    ``forward_*`` as the engine-facing edges. Such a class's methods become its ``run_*`` methods, unchanged, with a
-    ``DeprecationWarning``; the edges stay the base class's plain code."""
-    for old, new in (*zip(FORWARD_METHODS, RUN_METHODS), ("forward_fused", "run_fused")):
-        method = cls.__dict__.get(old)
-        if method is None:
-            continue
-        if new in cls.__dict__:
-            raise PluginError(
-                f"{cls.__qualname__} defines both {old} and {new}: since hal 0.4 {old} is the engine-facing edge "
-                f"the base class runs (checks, KV write, then {new}); implement {new} only"
-            )
-        warn_renamed(f"{cls.__qualname__}.{old} (a backend's kernel step)", f"{cls.__qualname__}.{new}", since="0.4.0")
-        setattr(cls, new, method)
-        delattr(cls, old)
-
-
 def _fused_available(cls: type) -> bool:
     """Whether ``cls`` may take a fused call at all: some class of its MRO below ``ForwardSteps`` offers
     ``run_fused``, and ``cls`` overrides below that class none of :data:`FUSED_STANDS_IN_FOR`."""
@@ -209,37 +202,26 @@ def _fused_available(cls: type) -> bool:
     return all(getattr(cls, name, None) is getattr(owner, name, None) for name in FUSED_STANDS_IN_FOR)
 
 
-class _ClassOrInstanceMethod:
-    """A method callable on the class (``cls`` bound) and on an instance (the instance bound)."""
+class StepFacts(NamedTuple):
+    """What the forward path reads of a backend class's run steps, read once per class (:func:`step_facts`)."""
 
-    def __init__(self, func):
-        self.func = func
-        self.__doc__ = func.__doc__
+    fused: bool  # it may take a fused call at all (:func:`_fused_available`)
+    run_takes_out: dict[str, bool]  # per kind: its run_<kind> takes out=
+    fused_takes_out: bool  # its run_fused takes out=
 
-    def __get__(self, instance, owner=None):
-        func, bound = self.func, owner if instance is None else instance
-        return lambda *args, **kwargs: func(bound, *args, **kwargs)
+
+@functools.cache
+def step_facts(cls: type) -> StepFacts:
+    """:class:`StepFacts` of backend class ``cls`` (cached per class)."""
+    return StepFacts(
+        _fused_available(cls),
+        {kind: _takes_out(getattr(cls, f"run_{kind}")) for kind in FORWARD_KINDS},
+        _takes_out(cls.run_fused),
+    )
 
 
 class ForwardSteps:
     """The steps of a forward call, for :class:`hal.backend.AttentionBackend` (see the module docstring)."""
-
-    runs_prologue: ClassVar[bool] = True  # False: a delegating backend whose forward_* edges call other backends'
-    reads_new_kv: ClassVar[bool] = True  # False: run_* read the new tokens from the cache, never from k/v
-    _hal_contract: ClassVar[bool] = False  # True on the base classes only: their hooks are the contract's stubs
-    _fused_path: ClassVar[bool] = False  # set per class: see _fused_available
-    _run_takes_out: ClassVar[dict[str, bool]] = dict.fromkeys(FORWARD_KINDS, False)
-    _fused_takes_out: ClassVar[bool] = False
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        if cls.__dict__.get("_hal_contract", False):
-            return
-        if cls.runs_prologue:
-            _adopt_plugin_api2_hooks(cls)
-        cls._fused_path = _fused_available(cls)
-        cls._run_takes_out = {kind: _takes_out(getattr(cls, f"run_{kind}")) for kind in FORWARD_KINDS}
-        cls._fused_takes_out = _takes_out(cls.run_fused)
 
     # -- the run hooks a backend implements -------------------------------------------------
     def run_fused(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs) -> torch.Tensor | None:
@@ -260,122 +242,10 @@ class ForwardSteps:
         when a step is planned and by :meth:`forward_paths`. Default True."""
         return True
 
-    @_ClassOrInstanceMethod
-    def forward_paths(self) -> list[str]:
-        """The forward paths this backend (class or instance) can take: ``["fused", "checked"]`` where its class
-        offers :meth:`run_fused`, overrides none of what that stands in for below the class offering it and (on an
-        instance) :meth:`fused_forward_ready`; else ``["checked"]``. Which one a step takes is decided by its plan,
-        and a call may still fall back to the checked path (module docstring)."""
-        cls = self if isinstance(self, type) else type(self)
-        fused = cls._fused_path and (isinstance(self, type) or self.fused_forward_ready())
-        return [PATH_FUSED, PATH_CHECKED] if fused else [PATH_CHECKED]
-
-    def _fused_for(self, planned: bool, k, v, save_kv_cache: bool) -> bool:
-        """Whether this call takes :meth:`run_fused`: the plan said so and nothing of this call forbids it."""
-        return (
-            planned
-            and save_kv_cache
-            and k is not None
-            and v is not None
-            and not _FUSED_OFF.get()
-            and not _torch_mode_watching()
-        )
-
     # -- the checked path -----------------------------------------------------------------
-    def prepare_forward(
-        self, q, k, v, layer: AttentionLayer, forward_batch: ForwardBatch, save_kv_cache: bool = True
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """The checked path's steps before the run hook: :meth:`check_inputs` (nothing is written before it
-        passes), then :meth:`save_kv` (or, with ``save_kv_cache=False``, the new tokens read back from the cache in
-        place of k/v when the backend ``reads_new_kv``: the caller wrote the cache, and k/v may be None or stale).
-        Returns ``q, k, v`` as ``[T, heads, dim]``, k/v in ``q.dtype``.
-        """
-        q, k, v = self.check_inputs(q, k, v, layer, forward_batch, save_kv_cache)
-        if save_kv_cache:
-            self.save_kv(layer, forward_batch, k, v)
-        elif self.reads_new_kv:
-            k, v = (t.to(q.dtype) for t in self.new_kv_from_cache(layer, forward_batch))
-        return q, k, v
-
     def check_layer(self, layer: AttentionLayer) -> None:
         """Raise ``UnsupportedError`` (or ``ConfigError``) for a layer feature this backend cannot run; the first
         step after the batch fields. Default: nothing (selection already checked the config)."""
-
-    def check_model_features(self, layer: AttentionLayer, forward_batch: ForwardBatch, sinks) -> None:
-        """``UnsupportedError`` for ``sinks`` or a scaled (fp8) KV pool this backend does not declare;
-        ``InvalidBatchError`` for sinks that are not a float ``[q_heads]`` tensor on the pool's device."""
-        declared = self.declared
-        if sinks is not None:
-            expect(
-                declared.supports_sinks,
-                UnsupportedError,
-                "sinks",
-                "a tensor",
-                f"None: {declared.name} has no attention sinks",
-            )
-            heads, device = layer.tp_q_head_num, forward_batch.out_cache_loc.device
-            expect(
-                isinstance(sinks, torch.Tensor)
-                and sinks.is_floating_point()
-                and tuple(sinks.shape) == (heads,)
-                and sinks.device == device,
-                InvalidBatchError,
-                "sinks",
-                f"{sinks.dtype}{list(sinks.shape)} on {sinks.device}" if isinstance(sinks, torch.Tensor) else sinks,
-                f"a float tensor [{heads}] (one logit per q head) on {device}",
-            )
-        dtype = forward_batch.token_to_kv_pool.dtype
-        if kv_scaled(dtype):
-            name = kv_cache_dtype_name(dtype)
-            expect(
-                name in declared.kv_cache_dtypes,
-                UnsupportedError,
-                "KV cache dtype",
-                name,
-                f"one of {declared.name}'s {sorted(declared.kv_cache_dtypes)}",
-            )
-
-    # -- the plan: the metadata and its stamp -----------------------------------------------
-    def set_forward_metadata(self, metadata: Any, forward_batch: ForwardBatch, fused: bool | None = None) -> None:
-        """Make ``metadata`` (the plan ``out_graph`` built for ``forward_batch``) the current one, stamped with this
-        step. ``fused``: whether this step's layers may take :meth:`run_fused` (the fast path, chosen here); None
-        (a plugin API 2 backend's call): wherever its class offers one and :meth:`fused_forward_ready`. Either way
-        only where ``HAL_FUSED_FORWARD`` is not 0 and no :func:`fused_forward_disabled` is in force."""
-        if fused is None:
-            fused = self._fused_path and self.fused_forward_ready()
-        fused = bool(fused) and self._fused_path and self.__dict__.get("_fused_env", True) and not _FUSED_OFF.get()
-        self._step += 1
-        self.forward_metadata = metadata
-        self._metadata_stamp = (forward_batch.forward_mode.name, forward_batch.batch_size, self._step, fused)
-        try:
-            forward_batch._hal_metadata_step = (id(self), self._step)
-        except AttributeError:  # a batch with __slots__: the mode/size stamp still guards it
-            pass
-
-    def metadata_for(self, forward_batch: ForwardBatch) -> Any:
-        """The current metadata, checked (cheaply) to belong to ``forward_batch``'s step.
-
-        Any view of the step's batch passes (SGLang prepares metadata on one and runs forward
-        with another); metadata never prepared, prepared for another mode or batch size, or for
-        an earlier step of this very batch object is an ``InvalidBatchError``.
-        """
-        stamp = self._metadata_stamp
-        mode, bs = forward_batch.forward_mode.name, forward_batch.batch_size
-        owner, step = getattr(forward_batch, "_hal_metadata_step", (None, None))
-        ok = stamp is not None and stamp[:2] == (mode, bs) and (owner != id(self) or step == stamp[2])
-        expect(
-            ok,
-            InvalidBatchError,
-            "forward_metadata",
-            "missing" if stamp is None else f"prepared for {stamp[0]} x {stamp[1]} (step {stamp[2]})",
-            f"this batch's ({mode} x {bs}): call init_forward_metadata(forward_batch) before forward",
-        )
-        return self.forward_metadata
-
-    def planned_path(self) -> str:
-        """The path the current step's plan chose: ``"fused"`` or ``"checked"`` (a call may still fall back)."""
-        stamp = self._metadata_stamp
-        return PATH_FUSED if stamp is not None and stamp[3] else PATH_CHECKED
 
     # -- the KV write and read-back -------------------------------------------------------
     def save_kv(self, layer: AttentionLayer, forward_batch: ForwardBatch, k: torch.Tensor, v) -> None:
@@ -399,20 +269,7 @@ class ForwardSteps:
         if kv_scaled(k_buffer.dtype) or shares_storage(k_buffer, v_buffer):
             write_kv(k_buffer, v_buffer, forward_batch.out_cache_loc, k, v, *kv_scales(layer))
             return
-        self.helper_ops.write_kv(k_buffer, v_buffer, forward_batch.out_cache_loc, k, v)
-
-    def new_kv_from_cache(
-        self, layer: AttentionLayer, forward_batch: ForwardBatch
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The query tokens' keys and values read back from the cache (``save_kv_cache=False``), in the cache
-        dtype (an fp8 cache: dequantised to float32), from the pool's pages in any layout. A padding token (slot -1)
-        reads slot 0 (its row is unspecified)."""
-        pool, loc = forward_batch.token_to_kv_pool, forward_batch.out_cache_loc.long().clamp(min=0)
-        k, v = kv_rows(pool, layer.layer_id, loc)
-        if not kv_scaled(k.dtype):
-            return k, v
-        k_scale, v_scale = kv_scales(layer)
-        return dequantize_kv(k, k_scale), dequantize_kv(v, v_scale)
+        self._hal_steps.helper_ops.write_kv(k_buffer, v_buffer, forward_batch.out_cache_loc, k, v)
 
     # -- the input checks -----------------------------------------------------------------
     def check_inputs(self, q, k, v, layer: AttentionLayer, forward_batch: ForwardBatch, save_kv_cache: bool = True):
@@ -429,7 +286,7 @@ class ForwardSteps:
         tokens = forward_batch.out_cache_loc.shape[0]
         pool = forward_batch.token_to_kv_pool
         layout = pool_kv_layout(pool)
-        if layout not in self.declared.kv_layouts:
+        if layout not in self._declared.kv_layouts:
             self._refuse_layout(layout)
         k_buffer, v_buffer, pool_dims = kv_storage(pool, layer.layer_id)  # the pool checks layer_id
         kv_heads, head_dim, v_dim = layer.tp_k_head_num, layer.head_dim, layer.v_head_dim
@@ -459,7 +316,7 @@ class ForwardSteps:
 
     def _refuse_layout(self, layout: str) -> None:
         """``UnsupportedError``: the step's KV pool is laid out in ``layout``, which this backend does not read."""
-        declared = self.declared
+        declared = self._declared
         expect(
             False,
             UnsupportedError,
@@ -502,14 +359,8 @@ class ForwardSteps:
                 tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__,
                 f"[{tokens}, {heads * dim}] or [{tokens}, {heads}, {dim}] ({tokens} tokens in this batch)",
             )
-            expect(
-                t.dtype in COMPUTE_DTYPE_NAMES,
-                InvalidBatchError,
-                f"{name}.dtype",
-                t.dtype,
-                "float32, bfloat16 or float16",
-            )
             expect(t.device == k_buffer.device, InvalidBatchError, f"{name}.device", t.device, str(k_buffer.device))
+        refuse_mixed_dtypes(q, k, v, layer)  # what is left: the dtypes, worded where the forward's check words them
         expect(
             False,
             InvalidBatchError,
@@ -517,6 +368,134 @@ class ForwardSteps:
             (q.dtype, getattr(k, "dtype", None), getattr(v, "dtype", None)),
             "one dtype",
         )
+
+
+def forward_paths(backend) -> list[str]:
+    """The forward paths ``backend`` (a backend class or instance) can take: ``["fused", "checked"]`` where its class
+    offers ``run_fused``, overrides none of what that stands in for (:data:`FUSED_STANDS_IN_FOR`) below the class
+    offering it and (an instance) its ``fused_forward_ready()``; else ``["checked"]``. Which one a step takes is
+    decided by its plan, and a call may still fall back to the checked path (module docstring)."""
+    cls = backend if isinstance(backend, type) else type(backend)
+    fused = step_facts(cls).fused and (isinstance(backend, type) or backend.fused_forward_ready())
+    return [PATH_FUSED, PATH_CHECKED] if fused else [PATH_CHECKED]
+
+
+def helper_ops_for(backend) -> ModuleType:
+    """The kernel package whose ``write_kv`` / ``build_kv_indices`` / ``compute_positions`` serve ``backend``:
+    :mod:`hal.kernels.triton` when ``backend.support_triton()`` and its device has a Triton target,
+    else :mod:`hal.kernels.reference`. The one place ``support_triton()`` is read."""
+    if backend.support_triton() and backend.capability.triton_target:
+        from hal.kernels import triton as ops
+    else:
+        from hal.kernels import reference as ops
+    return ops
+
+
+class Steps:
+    """``backend.steps``: the helpers of one backend's forward steps, which the engine-facing edges of
+    :class:`hal.backend.AttentionBackend` run around the backend's own hooks (``check_layer``, ``check_inputs``,
+    ``save_kv``, ``run_*``, ``run_fused``): the model features and input dtypes checked, the checked path's
+    steps before the run step (:meth:`prepare_forward`), the new tokens read back from the cache, the helper ops."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    @property
+    def helper_ops(self) -> ModuleType:
+        """The positions / kv-indices / KV-write ops for the backend: a kernel package (:func:`helper_ops_for`)."""
+        return helper_ops_for(self.backend)
+
+    def forward_paths(self) -> list[str]:
+        """:func:`forward_paths` of the backend."""
+        return forward_paths(self.backend)
+
+    def fused_for(self, planned: bool, k, v, save_kv_cache: bool) -> bool:
+        """Whether this call takes ``run_fused``: the plan said so and nothing of this call forbids it."""
+        return (
+            planned
+            and save_kv_cache
+            and k is not None
+            and v is not None
+            and not _FUSED_OFF.get()
+            and not _torch_mode_watching()
+        )
+
+    def check_input_dtypes(self, q, k, v, layer: AttentionLayer, forward_batch: ForwardBatch) -> None:
+        """``InvalidBatchError`` / ``UnsupportedError`` for a ``q``/``k``/``v`` dtype the layer, the backend's
+        config and its declaration do not allow (runs before either path)."""
+        backend = self.backend
+        check_input_dtypes(
+            q,
+            k,
+            v,
+            layer=layer,
+            config=backend.config,
+            declaration=backend._declared,
+            kv_dtype=forward_batch.token_to_kv_pool.dtype,
+        )
+
+    def prepare_forward(
+        self, q, k, v, layer: AttentionLayer, forward_batch: ForwardBatch, save_kv_cache: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The checked path's steps before the run hook: the backend's ``check_inputs`` (nothing is written before it
+        passes), then its ``save_kv`` (or, with ``save_kv_cache=False``, the new tokens read back from the cache in
+        place of k/v when the backend ``reads_new_kv``: the caller wrote the cache, and k/v may be None or stale).
+        Returns ``q, k, v`` as ``[T, heads, dim]``, k/v in ``q.dtype``.
+        """
+        backend = self.backend
+        q, k, v = backend.check_inputs(q, k, v, layer, forward_batch, save_kv_cache)
+        if save_kv_cache:
+            backend.save_kv(layer, forward_batch, k, v)
+        elif backend._declared.reads_new_kv:
+            k, v = (t.to(q.dtype) for t in self.new_kv_from_cache(layer, forward_batch))
+        return q, k, v
+
+    def check_model_features(self, layer: AttentionLayer, forward_batch: ForwardBatch, sinks) -> None:
+        """``UnsupportedError`` for ``sinks`` or a scaled (fp8) KV pool this backend does not declare;
+        ``InvalidBatchError`` for sinks that are not a float ``[q_heads]`` tensor on the pool's device."""
+        declared = self.backend._declared
+        if sinks is not None:
+            expect(
+                declared.supports_sinks,
+                UnsupportedError,
+                "sinks",
+                "a tensor",
+                f"None: {declared.name} has no attention sinks",
+            )
+            heads, device = layer.tp_q_head_num, forward_batch.out_cache_loc.device
+            expect(
+                isinstance(sinks, torch.Tensor)
+                and sinks.is_floating_point()
+                and tuple(sinks.shape) == (heads,)
+                and sinks.device == device,
+                InvalidBatchError,
+                "sinks",
+                f"{sinks.dtype}{list(sinks.shape)} on {sinks.device}" if isinstance(sinks, torch.Tensor) else sinks,
+                f"a float tensor [{heads}] (one logit per q head) on {device}",
+            )
+        dtype = forward_batch.token_to_kv_pool.dtype
+        if kv_scaled(dtype):
+            name = kv_cache_dtype_name(dtype)
+            expect(
+                name in declared.kv_cache_dtypes,
+                UnsupportedError,
+                "KV cache dtype",
+                name,
+                f"one of {declared.name}'s {sorted(declared.kv_cache_dtypes)}",
+            )
+
+    def new_kv_from_cache(
+        self, layer: AttentionLayer, forward_batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The query tokens' keys and values read back from the cache (``save_kv_cache=False``), in the cache
+        dtype (an fp8 cache: dequantised to float32), from the pool's pages in any layout. A padding token (slot -1)
+        reads slot 0 (its row is unspecified)."""
+        pool, loc = forward_batch.token_to_kv_pool, forward_batch.out_cache_loc.long().clamp(min=0)
+        k, v = kv_rows(pool, layer.layer_id, loc)
+        if not kv_scaled(k.dtype):
+            return k, v
+        k_scale, v_scale = kv_scales(layer)
+        return dequantize_kv(k, k_scale), dequantize_kv(v, v_scale)
 
 
 ForwardPrologue = ForwardSteps  # its name under plugin API 2 (a base of AttentionBackend; plugins never named it)

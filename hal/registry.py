@@ -20,11 +20,12 @@ device name (``cpu``, ``cuda``, ``npu``) is reported and the built-in is kept.
 
 Plugin API: a plugin declares the hal plugin API it was written for, as ``Device.plugin_api``
 or as ``HAL_PLUGIN_API`` in its entry point's module. This hal implements API
-:data:`PLUGIN_API` (3) and still runs API 2 plugins (hal 0.2-0.3: their backends' ``forward_*`` become their
-``run_*``, with a warning) and API 1 plugins (hal 0.1, which had no declaration; an undeclared plugin is taken
-as API 1) through deprecated names, with warnings. Any other API, or
-a backend missing a required member, is a :class:`PluginError` reason (``hal info`` shows it,
-with a pointer to ``CHANGELOG.md``); the plugin is not loaded.
+:data:`PLUGIN_API` (4) and still runs API 3 plugins (their backends' ``init_forward_metadata_*`` become their
+``plan_*`` steps), API 2 plugins (hal 0.2-0.3: their backends' ``forward_*`` become their ``run_*``) and API 1
+plugins (hal 0.1, which had no declaration; an undeclared plugin is taken as API 1) through deprecated names, with
+warnings: each backend class is adapted once, when the device's backends are read (:func:`device_backends`). Any
+other API, or a backend missing a required member, is a :class:`PluginError` reason (``hal info`` shows it, with a
+pointer to ``CHANGELOG.md``); the plugin is not loaded.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ import torch
 
 from hal.capability import DeviceCapability
 from hal.errors import ConfigError, PluginError, expect
-from hal.plugin_compat import adapt_api1_backend
+from hal.plugin_compat import adapt_backend
 
 if TYPE_CHECKING:
     from hal.backend import AttentionBackend
@@ -66,10 +67,12 @@ __all__ = [
     "SUPPORTED_PLUGIN_APIS",
 ]
 
-PLUGIN_API = 3
-"""The hal plugin API this release implements (hal 0.4: backends implement ``run_*``, may take ``out=``). API 2 is
-hal 0.2-0.3's (``forward_*`` as the backend's steps: adopted as its ``run_*``, with a warning), API 1 hal 0.1's."""
-SUPPORTED_PLUGIN_APIS = (1, 2, 3)
+PLUGIN_API = 4
+"""The hal plugin API this release implements (hal 0.4: backends implement the plan steps ``plan_out_graph`` /
+``plan_in_graph`` and the run steps ``run_*``, which may take ``out=``). API 3 (hal 0.4's first form) implemented the
+plan as ``init_forward_metadata_out_graph`` / ``_in_graph``; API 2 is hal 0.2-0.3's (``forward_*`` as the backend's
+steps); API 1 hal 0.1's. Each older API is adapted once, at the door (:func:`hal.plugin_compat.adapt_backend`)."""
+SUPPORTED_PLUGIN_APIS = (1, 2, 3, 4)
 _CHANGELOG = "see CHANGELOG.md (hal's 'For porters' notes) for what changed between plugin APIs"
 
 ENTRY_POINT_GROUP = "hal.devices"
@@ -258,13 +261,20 @@ def device_backends(device: Device | str) -> tuple[list[type[AttentionBackend]],
         raise
     except BaseException as exc:  # a plugin's SystemExit must not end the caller
         return [], f"plugin {device.name!r} backends() raised {_describe_exception(exc)}"
+    api = runs_as_api(device)
+    adapted = []
     for cls in classes:
         problem = _backend_problem(cls)
+        if problem is None:
+            try:
+                cls = adapt_backend(cls, api)  # the door: the class hal runs for one written against `api`
+            except PluginError as exc:
+                problem = str(exc)
+        problem = problem or _steps_problem(cls)
         if problem:
             return [], f"PluginError: plugin {device.name!r}: {problem} ({_CHANGELOG})"
-    if runs_as_api(device) == 1:
-        classes = [adapt_api1_backend(cls) for cls in classes]
-    return classes, None
+        adapted.append(cls)
+    return adapted, None
 
 
 def runs_as_api(device: Device) -> int:
@@ -313,7 +323,7 @@ def _plugin_api_problem(device: Device, module: str | None) -> str | None:
     if isinstance(declared, bool) or declared not in SUPPORTED_PLUGIN_APIS:
         return (
             f"targets hal plugin API {declared!r}, which this hal does not implement (it implements API "
-            f"{PLUGIN_API} and still runs API 1 and 2 plugins); install a hal release for that API, or port the "
+            f"{PLUGIN_API} and still runs API 1, 2 and 3 plugins); install a hal release for that API, or port the "
             f"plugin: {_CHANGELOG}"
         )
     return None
@@ -325,12 +335,17 @@ def _backend_problem(cls: object) -> str | None:
 
     if not (isinstance(cls, type) and issubclass(cls, AttentionBackend)):
         return f"backend {cls!r} is not a subclass of hal.backend.AttentionBackend"
-    if not isinstance(cls.name, str) or not cls.name:
-        return f"backend {cls.__qualname__} has no name (a non-empty str class attribute)"
     try:
-        cls.declaration()  # what selection reads: each declared attribute of the type it must have
+        cls.declaration()  # what selection reads: each declared attribute (its name first) of the type it must have
     except PluginError as exc:
         return f"backend declaration: {exc}"
+    return None
+
+
+def _steps_problem(cls: type) -> str | None:
+    """What run step an (adapted) backend class lacks, or None."""
+    from hal.backend import AttentionBackend
+
     missing = [m for m in ("run_decode", "run_extend") if getattr(cls, m) is getattr(AttentionBackend, m)]
     if missing:
         old = ", ".join(m.replace("run_", "forward_") for m in missing)

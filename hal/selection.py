@@ -59,7 +59,7 @@ class Selection:
 
     @property
     def backend(self) -> str:
-        p, d = self.prefill_backend.name, self.decode_backend.name
+        p, d = self.prefill_backend.declaration().name, self.decode_backend.declaration().name
         return p if p == d else f"{p} (prefill) + {d} (decode)"
 
     def create(self, **options) -> AttentionBackend:
@@ -74,8 +74,8 @@ class Selection:
                 self.prefill_backend(self.capability, self.config, **known[0]),
                 self.decode_backend(self.capability, self.config, **known[1]),
             )
-        backend.prefill_attention_backend_str = self.prefill_backend.name
-        backend.decode_attention_backend_str = self.decode_backend.name
+        backend.prefill_attention_backend_str = self.prefill_backend.declaration().name
+        backend.decode_attention_backend_str = self.decode_backend.declaration().name
         return backend
 
     @property
@@ -182,7 +182,7 @@ def _device_order(
             continue
         if wanted_backend is not None:
             classes, _ = device_backends(device)
-            offered = [c for c in classes if c.name == wanted_backend]
+            offered = [c for c in classes if c.declaration().name == wanted_backend]
             if not offered or offered[0].unavailable_reasons(cap):
                 why = "has no such backend" if not offered else "; ".join(offered[0].unavailable_reasons(cap))
                 trace.append(f"device {device.name}: skipped: backend {wanted_backend!r} {why}")
@@ -205,7 +205,7 @@ def _pick(
     if error:
         trace.append(f"{device.name}: {error}")
         return None, {"(backends)": [error]}
-    names = [b.name for b in classes]
+    names = [b.declaration().name for b in classes]
     rejected: dict[str, list[str]] = {}
     if forced is not None and forced not in names:
         raise ConfigError(
@@ -213,15 +213,16 @@ def _pick(
             + ("" if os.environ.get("HAL_DEVICE") else " (name another device to force it there)")
         )
     for cls in classes:
-        if forced is not None and cls.name != forced:
+        name = cls.declaration().name
+        if forced is not None and name != forced:
             continue
         reasons = cls.unsupported_reasons(config, cap)
         if not reasons:
             how = f"forced by {forced_by}" if forced else "first in priority order with no reasons against it"
-            trace.append(f"{device.name}/{cls.name}: selected for {phase} ({how})")
+            trace.append(f"{device.name}/{name}: selected for {phase} ({how})")
             return cls, rejected
-        rejected[cls.name] = reasons
-        trace.append(f"{device.name}/{cls.name}: rejected for {phase}: " + "; ".join(reasons))
+        rejected[name] = reasons
+        trace.append(f"{device.name}/{name}: rejected for {phase}: " + "; ".join(reasons))
     return None, rejected
 
 
@@ -230,7 +231,7 @@ def _check_backend_name(name: str, source: str) -> None:
     offered = {}
     for dev in get_registry().ordered():
         classes, _ = device_backends(dev)
-        offered[dev.name] = [c.name for c in classes]
+        offered[dev.name] = [c.declaration().name for c in classes]
     if not any(name in names for names in offered.values()):
         listing = ", ".join(f"{d} backends {names}" for d, names in offered.items())
         raise ConfigError(f"{source} = {name!r}: expected a backend of a registered device: {listing}")

@@ -23,6 +23,7 @@ from hal.kv_dtypes import COMPUTE_DTYPE_NAMES, COMPUTE_DTYPES, find_kv_dtype
 from hal.modes import REFUSED_MODES, BatchLens, ForwardMode, _host
 
 __all__ = [
+    "refuse_mixed_dtypes",
     "VALIDATION_LEVELS",
     "validation_level",
     "validate_batch",
@@ -629,8 +630,10 @@ def _kv_dtype_name(dtype: torch.dtype) -> str | None:
     return None if row is None else row.name
 
 
-def _refuse_input_dtypes(q, k, v, layer, config, declaration: BackendDeclaration, kv_dtype) -> None:
-    """Raise the error that names what :func:`check_input_dtypes` found wrong."""
+def refuse_mixed_dtypes(q, k, v, layer: AttentionLayer | None) -> None:
+    """``InvalidBatchError`` naming a q, k or v that is not a compute dtype (``hal.kv_dtypes.COMPUTE_DTYPES``) or a
+    k or v of another dtype than q; returns where they are fine. The one place these input dtype rules are
+    worded (the forward's dtype check and the checked path's input check both raise through it)."""
     at = f"layer {layer.layer_id}: " if layer is not None else ""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t is None and name != "q":
@@ -652,6 +655,12 @@ def _refuse_input_dtypes(q, k, v, layer, config, declaration: BackendDeclaration
             getattr(t, "dtype", None),
             f"q's {q.dtype}: q, k and v come in one dtype",
         )
+
+
+def _refuse_input_dtypes(q, k, v, layer, config, declaration: BackendDeclaration, kv_dtype) -> None:
+    """Raise the error that names what :func:`check_input_dtypes` found wrong."""
+    at = f"layer {layer.layer_id}: " if layer is not None else ""
+    refuse_mixed_dtypes(q, k, v, layer)
     expect(
         config is None or config.dtype is q.dtype,
         InvalidBatchError,

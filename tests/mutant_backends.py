@@ -18,7 +18,6 @@ from hal.batch import host_lens
 from hal.capability import DeviceCapability
 from hal.devices.cpu import device as cpu_device
 from hal.devices.cpu.compiled_backend import CompiledBackend
-from hal.errors import InvalidBatchError
 from hal.kernels import cpu as cpu_kernels
 from hal.kernels.reference import kv_scales, quantize_kv, shares_storage
 from hal.kv_dtypes import kv_scaled
@@ -355,8 +354,13 @@ class MissedVWrite(Ported):
 
 
 class WritesWhenSaveFalse(Ported):
-    def prepare_forward(self, q, k, v, layer, fb, save_kv_cache=True):
-        return super().prepare_forward(q, k, v, layer, fb, True)
+    """Writes the caller's k/v into the cache even with ``save_kv_cache=False`` (the engine wrote it already)."""
+
+    def check_inputs(self, q, k, v, layer, fb, save_kv_cache=True):
+        q, k, v = super().check_inputs(q, k, v, layer, fb, save_kv_cache)
+        if not save_kv_cache and k is not None and v is not None:
+            self.save_kv(layer, fb, k, v)
+        return q, k, v
 
 
 class ReadsKvNotCache(Ported):
@@ -841,22 +845,8 @@ class MlaHeadPaddingStride(Ported):
         return wide.reshape(-1)[: out.numel()].view(out.shape[0], -1)
 
 
-class FirstTokenSlotCheck(Ported):
-    """Its own batch check compares ``out_cache_loc`` with ``req_to_token`` on each request's first new token
-    only (not hal's full validation), so a later token's mismatch, or a write over another request's prefix,
-    goes through."""
-
-    def check_batch(self, fb):
-        if self.validation != "full" or fb.forward_mode.is_idle():
-            return
-        lens = host_lens(fb)
-        rows, loc = fb.req_pool_indices.tolist(), fb.out_cache_loc.tolist()
-        start = 0
-        for row, prefix, n in zip(rows, lens.prefix, lens.query):
-            slot = int(fb.req_to_token_pool.req_to_token[row, prefix])
-            if n and loc[start] not in (slot, 0):
-                raise InvalidBatchError(f"out_cache_loc[{start}] = {loc[start]}: expected {slot}")
-            start += n
+# (FirstTokenSlotCheck, a port whose own batch check replaced hal's by a weaker one, is gone: since plugin API 4 the
+# plan edge runs hal's check_batch before any port's plan, so a port can no longer weaken it.)
 
 
 class VerifyMaskSizedByPrefix(Ported):
@@ -957,7 +947,6 @@ class DraftExtendValueTilesStopAtHeadDim(Tiled32):
 for _cls in (
     NonCausalBandHidesLaterKeys,
     MlaHeadPaddingStride,
-    FirstTokenSlotCheck,
     VerifyMaskSizedByPrefix,
     GraphPaddingWriteRedirected,
     DraftExtendValuesFromKeys,

@@ -69,3 +69,86 @@ def test_the_old_access_through_a_backend_is_gone(name):
 def test_other_missing_attributes_are_still_attribute_errors():
     with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
         Plain(CPU).nothing_here  # noqa: B018
+
+
+def test_the_class_shows_at_most_40_public_names_each_in_a_group_of_its_docstring():
+    """What an engine calls, what a port implements, the declaration and the two helper objects: nothing else."""
+    names = sorted(n for n in dir(AttentionBackend) if not n.startswith("_"))
+    assert len(names) <= 40, names
+    doc = AttentionBackend.__doc__
+    assert not [n for n in names if f"``{n}``" not in doc and f":meth:`{n}`" not in doc], "name its group"
+
+
+@pytest.mark.parametrize(
+    ("old", "owner", "new"),
+    [
+        ("set_forward_metadata", "plan", "set_metadata"),
+        ("metadata_for", "plan", "metadata_for"),
+        ("is_graph_batch", "plan", "is_graph_batch"),
+        ("check_batch", "plan", "check_batch"),
+        ("planned_path", "plan", "path"),
+        ("helper_ops", "steps", "helper_ops"),
+        ("forward_paths", "steps", "forward_paths"),
+        ("prepare_forward", "steps", "prepare_forward"),
+        ("new_kv_from_cache", "steps", "new_kv_from_cache"),
+        ("check_model_features", "steps", "check_model_features"),
+        ("check_input_dtypes", "steps", "check_input_dtypes"),
+    ],
+)
+def test_a_helper_that_moved_still_answers_on_an_instance_naming_its_new_place(old, owner, new):
+    backend = Plain(CPU)
+    assert not hasattr(AttentionBackend, old)
+    with pytest.warns(DeprecationWarning, match=rf"backend\.{owner}\.{new}"):
+        moved = getattr(backend, old)
+    assert moved == getattr(getattr(backend, owner), new)
+
+
+def test_a_declared_attribute_read_off_an_instance_answers_from_the_declaration():
+    """A class that sets none reads the field's default, as the base class's attribute of hal 0.3 answered."""
+    backend = Plain(CPU)
+    with pytest.warns(DeprecationWarning, match=r"declaration\(\)\.supports_graph"):
+        assert backend.supports_graph is True
+    assert NoGraphs(CPU).supports_graph is False  # a class attribute of its own: the port's input, as it wrote it
+    assert not hasattr(AttentionBackend, "supports_graph")
+
+
+def test_the_base_class_carries_no_compatibility_code():
+    """Older plugin APIs are adapted at the door (hal.plugin_compat): no class-creation hook on the base classes, no
+    per-call context variable in the forward path, none of 0.1's deprecated members."""
+    import inspect
+
+    import hal.backend
+    import hal.prologue
+
+    assert not [k.__name__ for k in AttentionBackend.__mro__[:-1] if "__init_subclass__" in k.__dict__]
+    assert not hasattr(AttentionBackend, "available") and not hasattr(AttentionBackend, "validate")
+    assert "ContextVar" not in inspect.getsource(hal.backend)
+    assert "contextvars" not in inspect.getsource(AttentionBackend._forward)
+
+
+def test_a_port_of_its_own_plan_or_steps_member_changes_nothing_of_hal():
+    """A 0.3 port may have named a member ``plan`` or ``steps`` (FlashInfer's wrappers have a ``plan()``): hal's edges
+    and the old helper names read hal's own objects, so such a port runs as before."""
+    import torch
+
+    from hal.conformance.cases import CASES, build
+
+    class OwnNames(AttentionBackend):
+        name = "own_names"
+        steps = ("its", "own")
+
+        def plan(self):
+            return "its own plan"
+
+        def init_forward_metadata_out_graph(self, fb, in_capture=False):
+            self.set_forward_metadata(None, fb)  # plugin API 3's spelling
+
+        def run_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+            return torch.zeros(q.shape[0], layer.tp_q_head_num * layer.v_head_dim)
+
+    built = build(next(c for c in CASES if c.mode is ForwardMode.DECODE))
+    backend = OwnNames(CPU)
+    with pytest.warns(DeprecationWarning):
+        backend.init_forward_metadata(built.batch)
+    out = backend.forward(built.q, built.k, built.v, built.layer, built.batch)
+    assert out.shape == built.expected.shape and backend.plan() == "its own plan" and backend.steps == ("its", "own")

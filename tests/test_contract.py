@@ -53,8 +53,8 @@ class Recorder(AttentionBackend):
         super().__init__(capability)
         self.calls: list[tuple[str, bool, dict]] = []
 
-    def init_forward_metadata_out_graph(self, fb, in_capture=False):
-        self.set_forward_metadata(None, fb)  # the forward prologue looks this step's metadata up
+    def plan_out_graph(self, fb, in_capture=False):
+        self.plan.set_metadata(None, fb)  # the forward prologue looks this step's metadata up
 
     def _record(self, method, q, layer, save_kv_cache, kwargs):
         self.calls.append((method, save_kv_cache, kwargs))
@@ -114,13 +114,13 @@ def test_init_forward_metadata_is_out_graph_then_in_graph():
     order = []
 
     class Ordered(Recorder):
-        def init_forward_metadata_out_graph(self, fb, in_capture=False):
+        def plan_out_graph(self, fb, in_capture=False):
             order.append(("out_graph", in_capture))
 
-        def init_forward_metadata_in_graph(self, fb):
+        def plan_in_graph(self, fb):
             order.append(("in_graph",))
 
-    Ordered(CPU).init_forward_metadata(object())
+    Ordered(CPU).init_forward_metadata(build(_case(ForwardMode.DECODE)).batch)
     assert order == [("out_graph", False), ("in_graph",)]
 
 

@@ -536,11 +536,11 @@ class _MetadataRebuiltOutOfGraph(CompiledBackend):
     """Builds its metadata in out_graph (fresh tensors every step) and reads them in the captured forward:
     a real graph would replay the captured addresses and read stale lengths."""
 
-    def init_forward_metadata_out_graph(self, fb, in_capture=False):
-        super().init_forward_metadata_out_graph(fb, in_capture)
-        CompiledBackend.init_forward_metadata_in_graph(self, fb)
+    def plan_out_graph(self, fb, in_capture=False):
+        super().plan_out_graph(fb, in_capture)
+        CompiledBackend.plan_in_graph(self, fb)
 
-    def init_forward_metadata_in_graph(self, fb):
+    def plan_in_graph(self, fb):
         pass
 
 

@@ -20,6 +20,7 @@ from hal.batch import ForwardMode
 from hal.capability import DeviceCapability
 from hal.conformance.cases import Case, build
 from hal.errors import ConfigError, InvalidBatchError, UnsupportedError
+from hal.prologue import forward_paths
 
 CPU = DeviceCapability(type="cpu", available=True, dtypes=("fp32", "bf16"))
 FUSED, CHECKED = 2.0, 1.0
@@ -36,8 +37,7 @@ class Toy(AttentionBackend):
         self.calls: list[str] = []
         self.ready = True
 
-    def init_forward_metadata_out_graph(self, fb, in_capture=False):
-        self.check_batch(fb)
+    def plan_out_graph(self, fb, in_capture=False):
         self.set_forward_metadata(None, fb)
 
     def run_fused(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
@@ -80,13 +80,15 @@ def _run(backend, built, **kwargs):
 
 
 def test_forward_paths_answer_for_classes_and_instances():
-    assert Toy.forward_paths() == ["fused", "checked"] and Toy().forward_paths() == ["fused", "checked"]
-    assert AttentionBackend.forward_paths() == ["checked"]
-    assert OverridesSaveKV.forward_paths() == ["checked"], "a hook the fused call stands in for is overridden"
-    assert OverridesCheckLayer.forward_paths() == ["fused", "checked"], "check_layer runs on both paths"
+    assert forward_paths(Toy) == ["fused", "checked"] and Toy().steps.forward_paths() == ["fused", "checked"]
+    assert forward_paths(AttentionBackend) == ["checked"]
+    assert forward_paths(OverridesSaveKV) == ["checked"], "a hook the fused call stands in for is overridden"
+    assert forward_paths(OverridesCheckLayer) == ["fused", "checked"], "check_layer runs on both paths"
     not_ready = Toy()
     not_ready.ready = False
-    assert not_ready.forward_paths() == ["checked"]
+    assert not_ready.steps.forward_paths() == ["checked"]
+    with pytest.warns(DeprecationWarning, match=r"backend\.steps\.forward_paths"):
+        assert not_ready.forward_paths() == ["checked"]  # the name it had on the class, on an instance
 
 
 def test_the_fused_call_runs_and_its_output_is_shaped_by_the_base_class(built):
@@ -191,7 +193,7 @@ def test_a_layer_output_of_the_wrong_size_is_not_reshaped_silently(built):
 
 def test_the_declaration_is_plain_frozen_data_read_from_the_class_attributes():
     declared = Toy.declaration()
-    assert declared.name == "toy" and declared.dtypes == AttentionBackend.dtypes
+    assert declared.name == "toy" and declared.dtypes == frozenset({"fp32", "bf16", "fp16"})  # the field default
     assert declared.kv_cache_dtypes == declared.dtypes, "kv_cache_dtypes None: the same as dtypes"
     with pytest.raises(dataclasses.FrozenInstanceError):
         declared.name = "other"

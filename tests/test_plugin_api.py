@@ -75,12 +75,16 @@ def test_a_plugin_ported_from_the_0_1_readme_passes_hal_check_unchanged(tmp_path
 
 
 def test_an_api_1_backend_answers_through_its_old_overrides(monkeypatch):
+    """Through the door (the device's backends as hal reads them): the class adapted once, the plugin's untouched."""
     monkeypatch.syspath_prepend(str(PLUGINS))
     import torch
-    from hal_legacy_toy import LegacyBackend, device
+    from hal_legacy_toy import device
 
     from hal.config import AttentionConfig
+    from hal.registry import device_backends
 
+    (LegacyBackend,), error = device_backends(device)
+    assert error is None and LegacyBackend.__name__ == "LegacyBackend"
     cap = device.probe()
     with pytest.warns(DeprecationWarning, match="unsupported_reasons"):
         assert LegacyBackend.unsupported_reasons(AttentionConfig(dtype=torch.float32), cap) == []
@@ -116,7 +120,7 @@ class _Declares(Device):
         return []
 
 
-@pytest.mark.parametrize("api", [0, 4, "2", True])
+@pytest.mark.parametrize("api", [0, 5, "2", True])
 def test_register_device_refuses_an_api_it_does_not_implement(api):
     device = _Declares()
     device.plugin_api = api
@@ -207,3 +211,97 @@ def test_a_plugin_api_2_hook_that_calls_super_edge_is_refused_with_what_changed(
     out = backend.forward(extend.q, extend.k, extend.v, extend.layer, extend.batch)
     assert Sibling.writes == 1
     torch.testing.assert_close(out, extend.expected, atol=2e-5, rtol=1e-4)
+
+
+def test_a_delegating_backend_that_opts_out_of_the_prologue_keeps_its_own_edges():
+    """hal 0.2-0.3's ``runs_prologue = False`` (a backend whose ``forward_*`` and plan delegate to another backend):
+    ``forward`` routes by mode to the class's own ``forward_*`` with no checks of its own, and the backend it
+    delegates to runs its checks and writes the KV once; the answer is the reference's."""
+    import torch
+
+    from hal.backend import AttentionBackend
+    from hal.batch import ForwardMode
+    from hal.conformance.cases import Case, build
+    from hal.devices.cpu import PlainTorchBackend, cpu_capability
+
+    class Delegating(AttentionBackend):
+        name = "delegating"
+        runs_prologue = False
+
+        def __init__(self, capability, config=None, **options):
+            super().__init__(capability, config, **options)
+            self.inner, self.calls = PlainTorchBackend(capability, config), []
+
+        def init_forward_metadata_out_graph(self, fb, in_capture=False):
+            self.inner.init_forward_metadata_out_graph(fb, in_capture)
+
+        def init_forward_metadata_in_graph(self, fb):
+            self.inner.init_forward_metadata_in_graph(fb)
+
+        def forward_decode(self, q, k, v, layer, fb, save_kv_cache=True, **kwargs):
+            self.calls.append("decode")
+            return self.inner.forward_decode(q, k, v, layer, fb, save_kv_cache, **kwargs)
+
+        def forward_extend(self, q, k, v, layer, fb, save_kv_cache=True, **kwargs):
+            self.calls.append("extend")
+            return self.inner.forward_extend(q, k, v, layer, fb, save_kv_cache, **kwargs)
+
+    for mode, kind in ((ForwardMode.DECODE, "decode"), (ForwardMode.EXTEND, "extend")):
+        built = build(Case(f"delegating_{kind}", mode, ((3, 1), (0, 5)) if kind == "extend" else ((3, 1), (7, 1))))
+        backend = Delegating(cpu_capability())
+        backend.init_forward_metadata(built.batch)
+        out = backend.forward(built.q, built.k, built.v, built.layer, built.batch)
+        assert backend.calls == [kind]
+        torch.testing.assert_close(out, built.expected, atol=2e-4, rtol=1e-3)
+        assert torch.equal(built.batch.token_to_kv_pool.get_key_buffer(0), built.expected_k)  # written once, right
+
+
+def test_an_api_3_plan_is_adapted_at_the_door_and_its_super_call_reaches_the_plan_below():
+    """A class written for plugin API 3 (its plan as ``init_forward_metadata_out_graph`` / ``_in_graph``, calling
+    ``super()``'s) runs as API 4's ``plan_*`` through its adapter, made once; a device declaring API 4 whose backend
+    still defines them is refused with the change named."""
+    import torch
+
+    from hal.backend import AttentionBackend
+    from hal.batch import ForwardMode
+    from hal.conformance.cases import Case, build
+    from hal.devices.cpu import PlainTorchBackend, cpu_capability
+    from hal.plugin_compat import adapt_backend
+    from hal.registry import device_backends
+
+    class Api3(PlainTorchBackend):
+        planned = 0
+
+        def init_forward_metadata_out_graph(self, fb, in_capture=False):
+            type(self).planned += 1
+            super().init_forward_metadata_out_graph(fb, in_capture)  # API 3: the torch backend's plan
+
+    with pytest.warns(DeprecationWarning, match=r"Api3\.plan_out_graph"):
+        adapted = adapt_backend(Api3, 3)
+    assert adapted is adapt_backend(Api3, 3) and issubclass(adapted, Api3) and adapted.__name__ == "Api3"
+    assert adapted.init_forward_metadata_out_graph is AttentionBackend.init_forward_metadata_out_graph
+    built = build(Case("api3_plan", ForwardMode.DECODE, ((3, 1), (9, 1))))
+    backend = adapted(cpu_capability())
+    backend.init_forward_metadata(built.batch)
+    out = backend.forward(built.q, built.k, built.v, built.layer, built.batch)
+    torch.testing.assert_close(out, built.expected, atol=2e-4, rtol=1e-3)
+    assert adapted.planned == 1
+
+    device = _Declares()
+    device.plugin_api = 4
+    device.backends = lambda: [Api3]
+    classes, error = device_backends(device)
+    assert classes == [] and "defines init_forward_metadata_out_graph" in error and "plan_out_graph" in error
+
+
+def test_a_plugin_api_3_port_runs_unchanged_its_plan_becomes_its_plan_steps(tmp_path):
+    """The porting kit's device as hal 0.4's first form shipped it (plugin API 3: the plan written as
+    ``init_forward_metadata_out_graph`` / ``_in_graph``): adapted once at the door, it passes the whole suite, graphs
+    included, and the warnings name the plan steps."""
+    path = _install(tmp_path, "hal_api3_toy", "api3toy")
+    run = _hal(path, "check", "--device", "api3toy", "-v")
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-4000:]
+    assert "graph" in run.stdout and " 0 failed" in run.stdout, run.stdout[-3000:]
+    for replacement in ("ToyBackend.plan_out_graph", "ToyBackend.plan_in_graph", "backend.plan.set_metadata"):
+        assert replacement in out, f"no DeprecationWarning naming {replacement}:\n{out[-4000:]}"

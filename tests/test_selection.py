@@ -36,7 +36,7 @@ def case(name: str):
 class FakeDevice(Device):
     """A device whose capability and backends are given."""
 
-    plugin_api = 2
+    plugin_api = 4
 
     def __init__(self, name, backends=(), available=True, priority=50, reasons=None, dtypes=("fp32", "bf16")):
         self.name, self.priority, self._backends = name, priority, list(backends)
@@ -68,11 +68,11 @@ def recording_backends():
         def _note(self, what, fb):
             calls.append((self.name, what, fb.forward_mode.name))
 
-        def init_forward_metadata_out_graph(self, fb, in_capture=False):
+        def plan_out_graph(self, fb, in_capture=False):
             self._note("out_graph", fb)
             self.set_forward_metadata(None, fb)  # the forward prologue looks this step's metadata up
 
-        def init_forward_metadata_in_graph(self, fb):
+        def plan_in_graph(self, fb):
             self._note("in_graph", fb)
 
         def _out(self, q, layer):

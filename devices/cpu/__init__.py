@@ -21,7 +21,7 @@ __getattr__ = moved_names(__name__, {"TorchBackend": "hal.devices.cpu.compiled_b
 class CpuDevice(Device):
     name = "cpu"
     priority = 0
-    plugin_api = 3
+    plugin_api = 4
 
     def probe(self, index: int | None = None) -> DeviceCapability:
         return cpu_capability()

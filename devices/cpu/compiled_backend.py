@@ -193,7 +193,7 @@ class CompiledBackend(PlainTorchBackend):
                 warnings.warn(f"hal: {exc}", RuntimeWarning, stacklevel=2)
         # the fused call writes the KV itself: only where the torch helper ops would (support_triton() gates
         # the Triton ones, which must then run)
-        self._fusable = self.kernels is not None and self.helper_ops is reference_kernels
+        self._fusable = self.kernels is not None and self.steps.helper_ops is reference_kernels
 
     def fused_forward_ready(self) -> bool:
         """Whether this instance's kernels were built and the torch helper ops would write its KV."""
@@ -203,7 +203,7 @@ class CompiledBackend(PlainTorchBackend):
     def fused_forward(self) -> bool:
         """Deprecated (0.3.0): ``"fused" in backend.forward_paths()``."""
         warn_renamed("CompiledBackend.fused_forward", '"fused" in backend.forward_paths()', since="0.3.0")
-        return "fused" in self.forward_paths()
+        return "fused" in self.steps.forward_paths()
 
     @fused_forward.setter
     def fused_forward(self, value: bool) -> None:
@@ -244,14 +244,13 @@ class CompiledBackend(PlainTorchBackend):
         """Whether ``fb``'s step runs the plain torch path: no kernels, or an fp8 pool."""
         return self.kernels is None or kv_scaled(fb.token_to_kv_pool.dtype)
 
-    def init_forward_metadata_out_graph(self, fb, in_capture: bool = False) -> None:
+    def plan_out_graph(self, fb, in_capture: bool = False) -> None:
         """The plan: the plain torch path's (:meth:`PlainTorchBackend.plan`) for a step the kernels do not read,
         else a :class:`CompiledMetadata`, whose layers take the fused call where this instance can."""
-        self.check_batch(fb)
         if self.plain_path(fb):
-            return self.plan(fb, in_capture)
+            return super().plan_out_graph(fb, in_capture)
         meta = None if fb.forward_mode.is_idle() else CompiledMetadata()
-        self.set_forward_metadata(meta, fb, fused=self._fusable)
+        self.plan.set_metadata(meta, fb, fused=self._fusable)
 
     # -- run: the checked path's attention is the plan's own (PlainTorchBackend.run_*); the fused call ----------
     def run_fused(self, q, k, v, layer, fb, save_kv_cache=True, sinks=None, out=None, **kwargs) -> torch.Tensor | None:

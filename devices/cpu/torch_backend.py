@@ -147,27 +147,23 @@ class PlainTorchBackend(AttentionBackend):
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
 
-    def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
-        self.check_batch(fb)
-        self.plan(fb, in_capture)
-
-    def plan(self, fb: ForwardBatch, in_capture: bool = False) -> None:
-        """The host half of ``out_graph`` once the batch is checked: the padded widths (no sync for a graph batch)."""
+    def plan_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
+        """The padded widths (no sync for a graph batch)."""
         if fb.forward_mode.is_idle():  # forward() returns without attention: nothing to prepare
-            self.set_forward_metadata(None, fb, fused=False)
+            self.plan.set_metadata(None, fb, fused=False)
             return
         tokens = fb.out_cache_loc.shape[0]
-        if self.is_graph_batch(fb, in_capture):
+        if self.plan.is_graph_batch(fb, in_capture):
             width = table_width(fb)
             max_q = tokens // fb.batch_size if fb.forward_mode.is_target_verify() else self.graph_max_q
         else:
             lens = host_lens(fb)
             width, max_q = max(lens.kv, default=0), max(lens.query, default=0)
-        self.set_forward_metadata(TorchMetadata(width=width, max_q=max_q, num_tokens=tokens), fb, fused=False)
+        self.plan.set_metadata(TorchMetadata(width=width, max_q=max_q, num_tokens=tokens), fb, fused=False)
 
-    def init_forward_metadata_in_graph(self, fb: ForwardBatch) -> None:
+    def plan_in_graph(self, fb: ForwardBatch) -> None:
         if not fb.forward_mode.is_idle():
-            self.metadata_for(fb).fill(fb)
+            self.plan.metadata_for(fb).fill(fb)
 
     # -- run: the plan's own path (the compiled backend's plans read the pool with its kernels) ------------------
     def run_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, *, out=None, sinks=None):

@@ -101,7 +101,7 @@ def cuda_capability(index: int | None = None) -> DeviceCapability:
 class CudaDevice(Device):
     name = "cuda"
     priority = 100
-    plugin_api = 3
+    plugin_api = 4
 
     def probe(self, index: int | None = None) -> DeviceCapability:
         return cuda_capability(index)

@@ -836,13 +836,12 @@ class FlashInferBackend(AttentionBackend):
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
 
-    def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
-        self.check_batch(fb)
+    def plan_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
         mode = fb.forward_mode
         if mode.is_idle():
-            self.set_forward_metadata(None, fb)
+            self.plan.set_metadata(None, fb)
             return
-        graph_static = self.is_graph_batch(fb, in_capture)
+        graph_static = self.plan.is_graph_batch(fb, in_capture)
         if graph_static:
             expect(
                 mode.is_decode() or mode.is_target_verify(),
@@ -886,12 +885,12 @@ class FlashInferBackend(AttentionBackend):
                 else None
             ),
         )
-        self.set_forward_metadata(meta, fb)
+        self.plan.set_metadata(meta, fb)
         for variant in self.variants:
             for kind in self._kinds(meta, variant):
                 self._plan(meta, kind, variant)
 
-    def init_forward_metadata_in_graph(self, fb: ForwardBatch) -> None:
+    def plan_in_graph(self, fb: ForwardBatch) -> None:
         """Nothing: FlashInfer's kernels read the buffers ``plan`` filled in ``out_graph``."""
 
     # -- forward -----------------------------------------------------------------------

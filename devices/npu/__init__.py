@@ -243,7 +243,7 @@ GENERATION_FAMILIES = (
 class NpuDevice(Device):
     name = "npu"
     priority = 90
-    plugin_api = 3
+    plugin_api = 4
 
     def probe(self, index: int | None = None) -> DeviceCapability:
         return npu_capability(index)

@@ -221,7 +221,7 @@ class AscendBackend(AttentionBackend):
     def route_of(self, forward_batch: ForwardBatch, layer: AttentionLayer) -> list[str]:
         if forward_batch.forward_mode.is_idle():
             return []
-        meta = self.metadata_for(forward_batch)
+        meta = self.plan.metadata_for(forward_batch)
         return list(dict.fromkeys(meta.taken)) + (["relayout"] if meta.relayout is not None else [])
 
     @staticmethod
@@ -272,12 +272,11 @@ class AscendBackend(AttentionBackend):
             self._graph_masks = {}
 
     # -- the plan ----------------------------------------------------------------------
-    def init_forward_metadata_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
-        self.check_batch(fb)
+    def plan_out_graph(self, fb: ForwardBatch, in_capture: bool = False) -> None:
         pool = fb.token_to_kv_pool
         lens = host_lens(fb)
         q_lens, kv_lens = list(lens.query), lens.kv
-        static = self.is_graph_batch(fb, in_capture)
+        static = self.plan.is_graph_batch(fb, in_capture)
         if static:
             self._ensure_graph_buffers(fb)
             max_blocks = self._graph_max_blocks
@@ -319,10 +318,10 @@ class AscendBackend(AttentionBackend):
             meta.masks[("causal", -1)] = self._build_mask(meta, ("causal", -1))
         elif mode.is_target_verify():
             meta.masks[("custom", -1)] = self._build_mask(meta, ("custom", -1))
-        self.set_forward_metadata(meta, fb)
+        self.plan.set_metadata(meta, fb)
 
-    def init_forward_metadata_in_graph(self, fb: ForwardBatch) -> None:
-        meta = self.metadata_for(fb)
+    def plan_in_graph(self, fb: ForwardBatch) -> None:
+        meta = self.plan.metadata_for(fb)
         if fb.forward_mode.is_idle() or fb.batch_size == 0:
             meta.block_table = None
             return

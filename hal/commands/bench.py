@@ -223,7 +223,7 @@ def _head_major_step(built, cls, cap) -> Callable[[], torch.Tensor]:
     (:func:`_head_major_batch`), the KV write included: what an engine that hands hal such a cache (vLLM's CPU
     layout) runs."""
     config = replace(built.case.config(), kv_layout=HEAD_MAJOR)
-    fb = _head_major_batch(built, select(config, device=cap.torch_device, backend=cls.name))
+    fb = _head_major_batch(built, select(config, device=cap.torch_device, backend=cls.declaration().name))
     return _backend_step(cls(cap), built, fb, built.q, built.k, built.v)
 
 
@@ -519,7 +519,7 @@ def run_bench(
     }
     _progress(f"{dev_name}: what the device records (kernels load here, compiled at first use)")
     meta.update(facts["meta"])
-    classes = [c for c in device_backends(dev)[0] if not backends or c.name in backends]
+    classes = [c for c in device_backends(dev)[0] if not backends or c.declaration().name in backends]
     cases = workloads(quick, workload_names, dtypes, page_sizes)
     runs = []
     try:
@@ -611,24 +611,30 @@ def _row(
     parts_checked: dict[str, dict] = {}  # backend -> its first run of the mixed batch's parts (_parts_call)
     for cls in classes:
         reasons = cls.unsupported_reasons(case.config(), cap) + (
-            ["Triton runs interpreted here"] if cap.triton_interpreted and cls.name == "triton" else []
+            ["Triton runs interpreted here"] if cap.triton_interpreted and cls.declaration().name == "triton" else []
         )
         if reasons:
-            row["skipped"][cls.name] = reasons
+            row["skipped"][cls.declaration().name] = reasons
             continue
-        _progress(f"{where}: {cls.name}")
-        calls["results", cls.name], checked["results", cls.name] = _first_call(
+        _progress(f"{where}: {cls.declaration().name}")
+        calls["results", cls.declaration().name], checked["results", cls.declaration().name] = _first_call(
             _backend_step(cls(cap), built), built, torch_device
         )
         if parts:
-            calls["parts", cls.name], parts_checked[cls.name] = _parts_call(cls, cap, built, parts)
+            calls["parts", cls.declaration().name], parts_checked[cls.declaration().name] = _parts_call(
+                cls, cap, built, parts
+            )
     if kv_layout == HEAD_MAJOR and case.mode in (ForwardMode.DECODE, ForwardMode.EXTEND):
-        readers = [c for c in classes if c.name not in row["skipped"] and HEAD_MAJOR in c.declaration().kv_layouts]
+        readers = [
+            c
+            for c in classes
+            if c.declaration().name not in row["skipped"] and HEAD_MAJOR in c.declaration().kv_layouts
+        ]
         if not readers:
             row["skipped"][HEAD_MAJOR] = ["no backend here reads head-major pages"]
         for cls in readers:
-            _progress(f"{where}: {cls.name} over head-major pages")
-            name = f"{cls.name}_{HEAD_MAJOR}"
+            _progress(f"{where}: {cls.declaration().name} over head-major pages")
+            name = f"{cls.declaration().name}_{HEAD_MAJOR}"
             calls["results", name], checked["results", name] = _first_call(
                 _head_major_step(built, cls, cap), built, torch_device
             )

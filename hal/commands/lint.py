@@ -6,7 +6,8 @@ device data on the host, must not produce shapes that depend on tensor data, and
 not size allocations from tensor data. ``hal lint`` reads a backend's Python source
 (``ast``, nothing is imported or run) and reports, in the in-graph methods
 
-    init_forward_metadata_in_graph, forward, forward_decode / _extend / _mixed, run_decode / _extend / _mixed / _fused
+    plan_in_graph (plugin API 3: init_forward_metadata_in_graph), forward, forward_decode / _extend / _mixed,
+    run_decode / _extend / _mixed / _fused
 
 and every function they call, in the same module (``self.f()``, ``f()``, ``self.attr.f()``
 for a method ``f`` of a class of the module) or in another module of the same package
@@ -56,6 +57,7 @@ __all__ = ["IN_GRAPH_METHODS", "Finding", "lint_source", "lint_paths", "main"]
 
 IN_GRAPH_METHODS = frozenset(
     {
+        "plan_in_graph",
         "init_forward_metadata_in_graph",
         "forward",
         "forward_decode",

@@ -5,7 +5,7 @@ forward and its checked prologue path, each compiled ISA path the CPU can run, e
 generation an NPU backend routes for. A bug in a path the suite never takes passes
 ``hal check``, so the suite runs its case families on every path:
 
-* the forward paths the backend declares (``backend.forward_paths()``: ``"fused"`` and
+* the forward paths the backend declares (``backend.steps.forward_paths()``: ``"fused"`` and
   ``"checked"``); besides the default run (the backend's own choice, the fused path
   where it applies), the suite runs the ``checked`` path with the fused forward turned
   off (``hal.backend.fused_forward_disabled()`` / ``HAL_FUSED_FORWARD=0``);
@@ -32,6 +32,7 @@ import os
 from dataclasses import dataclass
 
 from hal.backend import fused_forward_disabled
+from hal.prologue import forward_paths as prologue_forward_paths
 
 __all__ = ["DEFAULT", "Path", "forward_paths", "paths_for"]
 
@@ -90,9 +91,9 @@ DEFAULT = Path()
 
 
 def forward_paths(backend_cls, make=None) -> list[str]:
-    """The forward paths ``backend_cls`` can take: its ``forward_paths()`` (:meth:`hal.AttentionBackend.forward_paths`,
-    a class or instance query; an instance from ``make`` also knows whether its kernels were built)."""
-    return list(make().forward_paths() if make is not None else backend_cls.forward_paths())
+    """The forward paths ``backend_cls`` can take: :func:`hal.prologue.forward_paths` of it, or of the instance
+    ``make`` returns (which also knows whether its kernels were built)."""
+    return list(prologue_forward_paths(make() if make is not None else backend_cls))
 
 
 def paths_for(device, backend_cls, capability, make=None) -> list[Path]:

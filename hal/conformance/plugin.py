@@ -72,7 +72,7 @@ def available_targets(devices: list[str] | None = None, backends: list[str] | No
         if not cap.available:
             continue
         for cls in device_backends(device)[0]:
-            if (not backends or cls.name in backends) and not cls.unavailable_reasons(cap):
+            if (not backends or cls.declaration().name in backends) and not cls.unavailable_reasons(cap):
                 targets.append(Target(device, cap, cls))
     return targets
 

@@ -358,6 +358,8 @@ class SGLangBatch:
         "batch",
         "forward_mode",
         "req_to_token_pool",
+        "req_to_page_pool",  # set only where a backend's plan step derives a block table (reads_tables)
+        "req_pool_indices",  # likewise: an eager step's derived tables are rebased on it
         "token_to_kv_pool",
         "graph_static",
         "out_cache_loc",
@@ -803,5 +805,6 @@ def sglang_plugin() -> None:
     for device in get_registry().devices.values():
         classes, _ = device_backends(device)
         for cls in classes:
-            if f"hal_{cls.name}" not in _REGISTERED:
-                register(f"hal_{cls.name}", backend=cls.name)
+            name = cls.declaration().name
+            if f"hal_{name}" not in _REGISTERED:
+                register(f"hal_{name}", backend=name)

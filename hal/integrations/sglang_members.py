@@ -109,7 +109,7 @@ class _Answers(SGLangMembers):
 
     def __init__(self, backend: AttentionBackend):
         self.backend = backend
-        self.name, self.declaration = backend.name, backend.declaration
+        self.name, self.declaration = backend.declaration().name, backend.declaration
 
 
 def sglang_members(backend: AttentionBackend) -> SGLangMembers:

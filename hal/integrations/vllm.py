@@ -124,7 +124,7 @@ def _kernel_block_sizes() -> list[int]:
         return list(_POWERS_OF_TWO)
     classes, _ = device_backends(device)
     forced = os.environ.get("HAL_ATTENTION_BACKEND", "").strip()
-    classes = [c for c in classes if not forced or c.name == forced] or classes
+    classes = [c for c in classes if not forced or c.declaration().name == forced] or classes
     sizes: set[int] = set()
     for cls in classes:
         declared = cls.declaration().page_sizes
@@ -215,7 +215,7 @@ class HalMetadataBuilder(AttentionMetadataBuilder[HalAttentionMetadata]):
                 "hal: vLLM's full graphs of decode steps (1 to %d requests) replay hal backend %s through hal's graph "
                 "contract",
                 max_bs,
-                self.selection.decode_backend.name,
+                self.selection.decode_backend.declaration().name,
             )
         logger.info(
             "hal %s serves vLLM's attention for %d layers (block size %d, %s, KV %s %s): hal device %s, backend %s, "
@@ -228,12 +228,12 @@ class HalMetadataBuilder(AttentionMetadataBuilder[HalAttentionMetadata]):
             config.kv_layout or self.selection.kv_layout,
             self.selection.device_name,
             self.selection.backend,
-            "/".join(self.hal_backend.forward_paths()),
+            "/".join(self.hal_backend.steps.forward_paths()),
         )
         # what serves underneath (the CPU backend: its compiled kernels' path, or the plain torch one, and why)
         for cls in dict.fromkeys((self.selection.prefill_backend, self.selection.decode_backend)):
             for note in cls.notes(cap):
-                logger.info("hal backend %s: %s", cls.name, note)
+                logger.info("hal backend %s: %s", cls.declaration().name, note)
 
     @classmethod
     def table_block_size(cls, kv_cache_spec, backend_cls: type) -> int:

@@ -168,7 +168,7 @@ def served_kv_layouts(device: str = "cpu") -> tuple[str, ...]:
         return (TOKEN_MAJOR,)
     names = ("HAL_ATTENTION_BACKEND", "HAL_PREFILL_BACKEND", "HAL_DECODE_BACKEND")
     forced = {os.environ.get(name, "").strip() for name in names} - {""}
-    chosen = [cls for cls in classes if cls.name in forced] if forced else classes[:1]
+    chosen = [cls for cls in classes if cls.declaration().name in forced] if forced else classes[:1]
     reads = [set(cls.declaration().kv_layouts) for cls in chosen]
     served = tuple(name for name in (HEAD_MAJOR, TOKEN_MAJOR) if reads and all(name in r for r in reads))
     return served or (TOKEN_MAJOR,)
@@ -650,8 +650,9 @@ class GraphDecodeSteps:
     The tensors are allocated once, for ``max_bs`` requests, when the group's builder is made: every size's step holds
     views of their first ``N`` rows (vLLM runs one step at a time, and each build refills its rows before the replay
     reads them, as vLLM's own block table and hal's graph runner are shared by every captured size). A static step of
-    ``N`` requests holds: ``req_to_page_pool`` int32 ``[N, max_blocks]`` (the step's block table rows, zero rows,
-    vLLM's null block, for padding), ``req_pool_indices`` int64 ``0 .. N - 1``, ``seq_lens`` int32 ``[N]`` and
+    ``N`` requests holds: ``req_to_page_pool`` int32 ``[max_bs, max_blocks]`` (one table for every size: the step's
+    block table rows first, zero rows, vLLM's null block, for padding and past ``N``), ``req_pool_indices`` int64
+    ``0 .. N - 1``, ``seq_lens`` int32 ``[N]`` and
     ``out_cache_loc`` / ``positions`` int64 ``[N]``. Padding requests (vLLM's trailing requests with no query token,
     and the requests past them up to ``N``) have ``seq_len_fill_value`` tokens and write to the pool's padding slot
     (slot 0: vLLM's null block, never a request's data), as hal's graph runner pads.
@@ -699,7 +700,9 @@ class GraphDecodeSteps:
         step.graph_static = True
         step.spec_info = None
         step.req_to_token_pool = None
-        step.req_to_page_pool = ReqToPagePool.from_tensor(self.table[:size], self.block_size)
+        # every size reads the one table (its first N rows): what a backend derives from it (hal.batch.RequestTables,
+        # a token table for a backend that reads tokens) is one persistent buffer for every captured size too
+        step.req_to_page_pool = ReqToPagePool.from_tensor(self.table, self.block_size)
         step.token_to_kv_pool = self.pool
         step.req_pool_indices = self.req_pool_indices[:size]
         step.seq_lens = self.seq_lens[:size]

@@ -66,7 +66,7 @@ def toy_capability(index: int | None = None) -> DeviceCapability:
 class ToyDevice(Device):
     name = "toy"
     priority = -10  # below cpu (0): a pretend device never wins automatic selection
-    plugin_api = 3  # the hal plugin API this package is written for (CHANGELOG.md)
+    plugin_api = 4  # the hal plugin API this package is written for (CHANGELOG.md)
 
     def probe(self, index: int | None = None) -> DeviceCapability:
         return toy_capability(index)

@@ -2,10 +2,10 @@
 
 The metadata protocol (``docs/porting.md``, "The metadata protocol"):
 
-* ``init_forward_metadata_out_graph(fb)`` runs on the host before every step (and before
-  every graph replay): it reads host lengths and fixes every shape, then calls
-  ``set_forward_metadata(meta, fb)``;
-* ``init_forward_metadata_in_graph(fb)`` fills the device tensors of that metadata from the
+* ``plan_out_graph(fb)`` runs on the host before every step (and before every graph replay), reached through
+  the base class's ``init_forward_metadata_out_graph`` once the batch is checked and carries the token table
+  this backend reads: it reads host lengths and fixes every shape, then calls ``set_forward_metadata(meta, fb)``;
+* ``plan_in_graph(fb)`` fills the device tensors of that metadata from the
   batch's device tensors only (recorded into a graph and replayed: no ``.item()``, no
   ``.tolist()``, no shape that depends on tensor values);
 * ``forward_*`` attend over the cache: the base class's prologue already checked the inputs,
@@ -68,24 +68,23 @@ class ToyBackend(AttentionBackend):
         return 1  # padding requests of a replayed batch have one key (their slot is the padding slot)
 
     # -- metadata ----------------------------------------------------------------------
-    def init_forward_metadata_out_graph(self, fb, in_capture: bool = False) -> None:
-        self.check_batch(fb)  # validates an engine's batch at this backend's level (hal's own: already done)
+    def plan_out_graph(self, fb, in_capture: bool = False) -> None:
         if fb.forward_mode.is_idle():
-            self.set_forward_metadata(None, fb)
+            self.plan.set_metadata(None, fb)
             return
         tokens = fb.out_cache_loc.shape[0]
-        if self.is_graph_batch(fb, in_capture):  # a captured graph's static batch: shapes fixed for every replay
+        if self.plan.is_graph_batch(fb, in_capture):  # a captured graph's static batch: shapes fixed for every replay
             width = fb.req_to_token_pool.req_to_token.shape[1]
             max_q = tokens // fb.batch_size if fb.forward_mode.is_target_verify() else self.graph_max_q
         else:
             lens = host_lens(fb)  # (prefix, query) per request from the host mirrors, per mode
             width, max_q = max(lens.kv), max(lens.query)
-        self.set_forward_metadata(ToyMetadata(width, max_q, tokens), fb)
+        self.plan.set_metadata(ToyMetadata(width, max_q, tokens), fb)
 
-    def init_forward_metadata_in_graph(self, fb) -> None:
+    def plan_in_graph(self, fb) -> None:
         if fb.forward_mode.is_idle():
             return
-        meta = self.metadata_for(fb)
+        meta = self.plan.metadata_for(fb)
         q_lens, kv_lens = device_lens(fb)  # query tokens and keys per request, from device tensors only
         k_pos = torch.arange(meta.width, device=self.device)
         q_off = torch.arange(meta.max_q, device=self.device)
