@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from hal.deprecation import moved_names
 
 if TYPE_CHECKING:  # the new homes, for the import contracts (moved_names imports them on first use)
-    from hal import backend, kernels  # noqa: F401
+    from hal import kernels, prologue  # noqa: F401
 
 __getattr__ = moved_names(
     __name__,

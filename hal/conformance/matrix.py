@@ -38,7 +38,7 @@ from hal.conformance.paths import Path, paths_for
 from hal.conformance.token_table_device import NAME as TOKEN_TABLE
 from hal.conformance.token_table_device import TokenTableDevice
 from hal.conformance.vllm_standin import FP8_CACHE_DTYPE, FP8_SCALES, SimulatedEngine
-from hal.errors import HalError
+from hal.errors import HalError, NoBackendError, UnsupportedError
 from hal.graph import GraphRunner
 from hal.integrations.vllm_steps import (
     GraphDecodeSteps,
@@ -46,6 +46,7 @@ from hal.integrations.vllm_steps import (
     StepTranslator,
     VllmKVPool,
     forward_layer,
+    unserved_packing_reason,
     vllm_layer,
 )
 from hal.kernels import reference
@@ -230,6 +231,9 @@ def _vllm_group(
     # vLLM allocates a layout hal's backend class declares for the selected backend: one it does not read is
     # refused by the selection, before serving
     selection, backend = run.select(config)
+    unserved = unserved_packing_reason(selection.capability, "split" if pair else "content")
+    if unserved:  # what hal's builder refuses at engine start
+        raise UnsupportedError(unserved)
     if pair:  # the runner allocates each cache in the format the chip's ops read (torch_npu.empty_with_format)
         engine.cache = tuple(backend.format_kv_pages(selection.capability, kv_layout, t) for t in engine.cache)
     pool = VllmKVPool(engine.block_size, kv_dtype, backend.device, engine.head_dim, kv_layout=kv_layout)
@@ -531,7 +535,10 @@ def _run_cell(engine_path: EnginePath, column: Column) -> Cell:
             cell.status = "passed"
         except HalError as exc:
             cell.status = "failed" if run.started else "refused"
-            cell.reason = f"{type(exc).__name__}: {exc}"
+            lines = str(exc).splitlines()
+            if isinstance(exc, NoBackendError):  # its first line is the config; the reasons follow, a backend a line
+                lines = [" ".join(line.strip() for line in lines[1:]) or lines[0]]
+            cell.reason = f"{type(exc).__name__}: {lines[0] if lines else ''}"
         except Exception as exc:  # a wrong result, or an engine's crash: the cell fails with it
             cell.status = "failed"
             cell.reason = f"{type(exc).__name__}: {exc}"

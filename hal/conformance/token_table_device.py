@@ -38,9 +38,8 @@ class TokenTableBackend(AttentionBackend):
     def support_triton(self) -> bool:
         return False
 
-    def init_forward_metadata_out_graph(self, fb, in_capture: bool = False) -> None:
-        self.check_batch(fb)
-        self.set_forward_metadata(fb.forward_mode, fb)
+    def plan_out_graph(self, fb, in_capture: bool = False) -> None:
+        self.plan.set_metadata(fb.forward_mode, fb)
 
     def _attend(self, q, k, v, layer, fb, save_kv_cache=True, **kwargs) -> torch.Tensor:
         """q ``[T, Hq, D]`` -> ``[T, Hq * Dv]`` over the cache (the prologue wrote the new K/V)."""

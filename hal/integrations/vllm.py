@@ -75,6 +75,7 @@ from hal.integrations.vllm_steps import (  # noqa: E402
     hal_kv_cache_dtype,
     hal_kv_layout,
     served_kv_layouts,
+    unserved_packing_reason,
     vllm_block_size,
     vllm_layer,
 )
@@ -159,6 +160,7 @@ class HalMetadataBuilder(AttentionMetadataBuilder[HalAttentionMetadata]):
     reorder_batch_threshold = 1  # decodes first, then prefill chunks
     graph_steps: GraphDecodeSteps | None = None
     workspace: torch.Tensor | None = None  # the scratch buffer hal's backend uses: the device's shared one
+    cache_packing = "content"  # vLLM's own caches: K then V on each token's content axis (hal.kv_layouts.KV_PACKINGS)
 
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config, device: torch.device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -190,6 +192,9 @@ class HalMetadataBuilder(AttentionMetadataBuilder[HalAttentionMetadata]):
                 f"hal chose device {self.selection.device_name!r} (tensors on {cap.torch_device}), but vLLM's KV cache "
                 f"is on {device}: set HAL_DEVICE to a device of vLLM's"
             )
+        unserved = unserved_packing_reason(cap, self.cache_packing)
+        if unserved:
+            raise UnsupportedError(unserved)
         self.hal_backend = self.selection.create()
         self.bound = False
         kv_dtype = KV_STORAGE_DTYPES[config.kv_cache_dtype_name]

@@ -80,6 +80,8 @@ class HalAscendMetadataBuilder(HalMetadataBuilder):
     """hal's builder under vllm-ascend: refuses what the route does not serve before selecting, and declares no full
     graphs (vllm-ascend drives FULL mode through its own backends' ``update_graph_params``)."""
 
+    cache_packing = "split"  # vllm-ascend's runner hands each layer a (k_cache, v_cache) pair
+
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config, device):
         refuse_unserved_ascend_features(vllm_config)
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)

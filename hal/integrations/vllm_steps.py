@@ -70,6 +70,7 @@ __all__ = [
     "StepPlanner",
     "forward_layer",
     "common_block_size",
+    "unserved_packing_reason",
     "step_mode",
 ]
 
@@ -510,6 +511,23 @@ def vllm_layer(
         attn_type="decoder" if causal else "encoder_only",
         k_scale=k_scale,
         v_scale=v_scale,
+    )
+
+
+def unserved_packing_reason(capability, packing: str) -> str | None:
+    """Why hal's backend on ``capability`` cannot serve a vLLM KV cache of ``packing``
+    (:data:`hal.kv_layouts.KV_PACKINGS`: ``"content"``, vLLM's own caches; ``"split"``, vllm-ascend's ``(k_cache,
+    v_cache)`` pairs), asked before serving starts; None: it can. An Ascend NPU writes its caches with
+    ``npu_scatter_pa_kv_cache``, which takes contiguous caches only (docs/hardware-contracts.md), and vLLM reaches an
+    NPU only through vllm-ascend's platform, whose pairs are contiguous: vLLM's content-packed cache (K and V on one
+    content axis) would fail at the first KV write."""
+    if packing != "content" or capability.type != "npu":
+        return None
+    return (
+        "hal's vLLM route on an Ascend NPU: vLLM's own KV cache packs K and V on one content axis, which the Ascend "
+        "KV write (npu_scatter_pa_kv_cache) cannot take (contiguous caches only); vLLM serves an Ascend NPU through "
+        "vllm-ascend's platform, whose (k_cache, v_cache) pairs hal reads (HAL_VLLM=1 there: "
+        "hal.integrations.vllm_ascend)"
     )
 
 
