@@ -182,6 +182,24 @@ def test_flashinfer_workspace_is_sized_as_vllm_sizes_it_and_is_an_option(monkeyp
     assert FlashInferBackend(cap, workspace_mb=256).workspace_mb == 256  # the option wins over the variable
 
 
+def test_vllm_hands_its_batched_tokens_to_a_backend_that_sizes_by_them(monkeypatch):
+    """hal's vLLM builder creates the backend with the scheduler's max_num_batched_tokens where a chosen backend
+    declares max_num_tokens (FlashInfer), so its workspace is the one vLLM would size; nothing for others."""
+    from hal.integrations.vllm_steps import engine_options
+    from hal.selection import Selection
+
+    monkeypatch.delenv("HAL_FLASHINFER_WORKSPACE_MB", raising=False)
+    vllm_config = types.SimpleNamespace(scheduler_config=types.SimpleNamespace(max_num_batched_tokens=8192))
+    wide = AttentionConfig(tp_q_head_num=64, head_dim=256)
+    cap = cuda_cap(torch_type="cpu")
+    chosen = Selection("cuda", cap, FlashInferBackend, FlashInferBackend, config=wide)
+    assert engine_options(chosen, vllm_config) == {"max_num_tokens": 8192}
+    assert chosen.create(**engine_options(chosen, vllm_config)).workspace_bytes == 8192 * 64 * 256 * 16
+    plain = Selection("cpu", cap, CompiledBackend, CompiledBackend, config=wide)
+    assert engine_options(plain, vllm_config) == {}
+    assert engine_options(chosen, types.SimpleNamespace()) == {}  # no scheduler config: the backend's default
+
+
 @pytest.mark.parametrize(
     "env, option", [("lots", None), ("0", None), ("-5", None), (None, 0), (None, True), (None, 1.5)]
 )

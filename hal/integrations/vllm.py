@@ -71,6 +71,7 @@ from hal.integrations.vllm_steps import (  # noqa: E402
     StepTranslator,
     VllmKVPool,
     VllmStep,
+    engine_options,
     forward_layer,
     hal_kv_cache_dtype,
     hal_kv_layout,
@@ -195,7 +196,7 @@ class HalMetadataBuilder(AttentionMetadataBuilder[HalAttentionMetadata]):
         unserved = unserved_packing_reason(cap, self.cache_packing)
         if unserved:
             raise UnsupportedError(unserved)
-        self.hal_backend = self.selection.create()
+        self.hal_backend = self.selection.create(**engine_options(self.selection, vllm_config))
         self.bound = False
         kv_dtype = KV_STORAGE_DTYPES[config.kv_cache_dtype_name]
         self.pool = VllmKVPool(self.block_size, kv_dtype, device, first.head_size, first.head_size_v, kv_layout)
@@ -506,7 +507,8 @@ def _reserve_workspace(impl: HalAttentionImpl) -> None:
         return
     _WORKSPACE_CONFIGS.add((device, config))
     try:
-        need = _workspace_need(hal.select(config, device=str(device)).create())
+        selection = hal.select(config, device=str(device))
+        need = _workspace_need(selection.create(**engine_options(selection, vllm_config)))
     except HalError:
         return  # the group's builder refuses at engine start, with every backend's reasons
     if need:

@@ -70,6 +70,7 @@ __all__ = [
     "StepPlanner",
     "forward_layer",
     "common_block_size",
+    "engine_options",
     "unserved_packing_reason",
     "step_mode",
 ]
@@ -512,6 +513,16 @@ def vllm_layer(
         k_scale=k_scale,
         v_scale=v_scale,
     )
+
+
+def engine_options(selection: hal.Selection, vllm_config) -> dict:
+    """The options the selected backend(s) take from vLLM's config rather than from their defaults:
+    ``max_num_tokens`` (the scheduler's ``max_num_batched_tokens``, which FlashInfer's workspace is sized by, as
+    vLLM 0.32 sizes its own: ``vllm/v1/attention/backends/flashinfer.py``) where a chosen backend declares it."""
+    tokens = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", None)
+    classes = {selection.prefill_backend, selection.decode_backend}
+    takes = any("max_num_tokens" in cls.declaration().option_defaults for cls in classes)
+    return {"max_num_tokens": int(tokens)} if takes and tokens else {}
 
 
 def unserved_packing_reason(capability, packing: str) -> str | None:
