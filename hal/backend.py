@@ -54,7 +54,7 @@ from hal.prologue import (
     step_facts,
     write_output,
 )
-from hal.validation import check_batch_fields, check_forward_fields
+from hal.validation import check_forward_fields
 
 if TYPE_CHECKING:
     from hal.batch import ForwardBatch
@@ -235,17 +235,16 @@ class AttentionBackend(ForwardSteps):
         eager step and every graph replay. Returns None.
 
         The edge every entry path goes through (eager, hal's ``GraphRunner``, SGLang's and vLLM's graph steps):
-        the request tables this backend declares it reads (``reads_tables``) given to the batch where it carries only
-        the other form (:class:`hal.batch.RequestTables`: sized to the step, or a captured graph's persistent buffer
-        refilled in place), then ``plan.check_batch`` (which compares both forms at ``full``), then the backend's
-        :meth:`plan_out_graph`.
+        ``plan.check_batch`` (on the tables the engine gave: a captured graph's table hal derived at an earlier step is
+        withdrawn first), then the request tables this backend declares it reads (``reads_tables``) given to the
+        batch where it carries only the other form (:class:`hal.batch.RequestTables`: sized to the step, or a
+        captured graph's persistent buffer refilled in place), then the backend's :meth:`plan_out_graph`.
         """
         plan = self._hal_plan
-        check_batch_fields(forward_batch)  # what the table step reads is there and typed (names what is not)
+        plan.tables.withdraw(forward_batch)  # a graph's table derived at an earlier step: checked on what was given
+        plan.check_batch(forward_batch)
         graph = not forward_batch.forward_mode.is_idle() and plan.is_graph_batch(forward_batch, in_capture)
         plan.tables.prepare(forward_batch, graph)
-        # after the tables: a graph's derived table is refilled for this step before a full check compares it
-        plan.check_batch(forward_batch)
         self.plan_out_graph(forward_batch, in_capture)
 
     def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:

@@ -240,6 +240,15 @@ class RequestTables:
         self.reads = reads
         self._graph: dict[tuple, StepTable] = {}  # (form, rows, width) -> its persistent table
 
+    def withdraw(self, forward_batch) -> None:
+        """Take back from ``forward_batch`` a form :meth:`prepare` derived for a captured graph at an earlier step (a
+        static batch keeps it, but its buffer holds that step's rows until :meth:`prepare` refills it), so that the
+        step is checked on the tables its engine gave."""
+        for field in ("req_to_token_pool", "req_to_page_pool"):
+            table = getattr(forward_batch, field, None)
+            if isinstance(table, StepTable) and table.graph:
+                setattr(forward_batch, field, None)
+
     def prepare(self, forward_batch, graph: bool) -> None:
         """Give ``forward_batch`` the form this backend reads where it carries only the other (``graph``: the batch
         is a captured graph's static one). Nothing happens where the batch has a form the backend reads."""

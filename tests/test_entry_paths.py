@@ -302,10 +302,12 @@ def test_vllm_ascend_route(monkeypatch, restore_registry):
     _check(_vllm_graph(type(backend)(backend.capability), graph, graph_built), graph_built)
 
 
-def test_a_derived_graph_table_is_one_buffer_refilled_in_place():
+@pytest.mark.parametrize("validate", ["cheap", "full"])
+def test_a_derived_graph_table_is_one_buffer_refilled_in_place(validate):
     """The token table a token-reading backend gets from a full graph's block table: made at capture, the same tensor
-    (address) at every later step of any captured size, its rows the step's."""
-    backend = TokenTableOnly(cpu_capability())
+    (address) at every later step of any captured size, its rows the step's. ``full`` validation checks each step on
+    the block table the engine gave, not on the buffer still holding the previous step's rows."""
+    backend = TokenTableOnly(cpu_capability(), validate=validate)
     built = build(Case("entry_paths_buffer", ForwardMode.DECODE, DECODE, page_size=PAGE))
     fb = built.batch
     max_blocks = _max_blocks(fb)
