@@ -244,10 +244,10 @@ class RequestTables:
         """Take back from ``forward_batch`` a form :meth:`prepare` derived for a captured graph at an earlier step (a
         static batch keeps it, but its buffer holds that step's rows until :meth:`prepare` refills it), so that the
         step is checked on the tables its engine gave."""
-        for field in ("req_to_token_pool", "req_to_page_pool"):
-            table = getattr(forward_batch, field, None)
+        for name in ("req_to_token_pool", "req_to_page_pool"):
+            table = getattr(forward_batch, name, None)
             if isinstance(table, StepTable) and table.graph:
-                setattr(forward_batch, field, None)
+                setattr(forward_batch, name, None)
 
     def prepare(self, forward_batch, graph: bool) -> None:
         """Give ``forward_batch`` the form this backend reads where it carries only the other (``graph``: the batch
