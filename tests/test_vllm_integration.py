@@ -886,7 +886,7 @@ def test_graph_support_follows_the_selected_backend(monkeypatch):
         graph_support(dataclasses.replace(selection, capability=dataclasses.replace(selection.capability, graph=None)))
         is AttentionCGSupport.NEVER
     )
-    monkeypatch.setattr(selection.decode_backend, "supports_graph", False)
+    monkeypatch.setattr(selection.decode_backend, "supports_graph", False, raising=False)  # a class attribute: input
     assert HalMetadataBuilder.get_cudagraph_support(config, spec) is AttentionCGSupport.NEVER
     assert HalMetadataBuilder(spec, list(layers), config, "cpu").graph_steps is None
     assert HalMetadataBuilder.get_cudagraph_support(_vllm_config({}), spec) is AttentionCGSupport.NEVER  # no hal layer

@@ -477,7 +477,7 @@ def columns() -> list[Column]:
             extra = getattr(device, "matrix_paths", None)
             for entry in extra(cls, capability) if extra is not None else ():
                 paths.append(Path(entry["name"], tuple(sorted(entry.get("env", {}).items()))))
-            out += [Column(device.name, cls.name, path) for path in paths]
+            out += [Column(device.name, cls.declaration().name, path) for path in paths]
     return out
 
 
@@ -488,7 +488,9 @@ def _unavailable_here(column: Column) -> str:
     if not capability.available:
         return _unavailable(capability)
     classes, _ = device_backends(device)
-    reasons = [r for cls in classes if cls.name == column.backend for r in cls.unavailable_reasons(capability)]
+    reasons = [
+        r for cls in classes if cls.declaration().name == column.backend for r in cls.unavailable_reasons(capability)
+    ]
     return "; ".join(reasons)
 
 

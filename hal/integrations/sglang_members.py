@@ -80,7 +80,7 @@ class SGLangMembers:
     def prepare_full_cuda_graph_chunked_prefix(self, forward_batch: ForwardBatch, *, in_capture: bool) -> None:
         """Chunked-prefix full-graph metadata; only for backends with ``supports_full_cuda_graph_chunked_prefix``."""
         raise UnsupportedError(
-            f"{self.name or type(self).__name__}: chunked-prefix full CUDA graphs "
+            f"{self.declaration().name}: chunked-prefix full CUDA graphs "
             "(supports_full_cuda_graph_chunked_prefix is False): run those prefills eagerly"
         )
 
@@ -91,7 +91,7 @@ class SGLangMembers:
         raises ``UnsupportedError``.
         """
         if not self.declaration().supports_graph:
-            raise UnsupportedError(f"{self.name or type(self).__name__} does not capture graphs, so cannot recapture")
+            raise UnsupportedError(f"{self.declaration().name} does not capture graphs, so cannot recapture")
 
     @property
     def verify_mask(self):
