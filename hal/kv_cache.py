@@ -339,7 +339,7 @@ class PagedKVPool:
         layout = layout_row(kv_layout, KVCacheError)
         v_dim = v_head_dim or head_dim
         for dim in (head_dim, v_dim):
-            why = layout.unsupported(head_num, dim)
+            why = layout.unsupported(head_num, dim, page_size)
             expect(why is None, KVCacheError, "kv_layout", layout.name, f"a layout for head dim {dim} ({why})")
         device = resolve_device(device)
         make = format_pages or (lambda t: t)
@@ -525,9 +525,9 @@ class PagedKVPool:
         """
         index, ks, vs = self._write_target(layer, k_scale, v_scale, layer_id_override)
         self.check_kv(loc, cache_k, cache_v)
-        write = layout_row(self.kv_layout).write
-        write(self.k_buffer[index], loc, quantize_kv(cache_k, self.dtype, ks))
-        write(self.v_buffer[index], loc, quantize_kv(cache_v, self.dtype, vs))
+        layout = layout_row(self.kv_layout)
+        layout.writer()(self.k_buffer[index], loc, quantize_kv(cache_k, self.dtype, ks))
+        layout.writer(value=True)(self.v_buffer[index], loc, quantize_kv(cache_v, self.dtype, vs))
 
     def _write_target(self, layer, k_scale, v_scale, layer_id_override) -> tuple[int, float, float]:
         """The buffer index and the ``(k_scale, v_scale)`` floats of a write."""
@@ -685,7 +685,7 @@ def kv_rows(pool: KVPool, layer_id: int, slots: torch.Tensor) -> tuple[torch.Ten
     if layout.name == TOKEN_MAJOR:
         return pool.get_key_buffer(layer_id)[slots.long()], pool.get_value_buffer(layer_id)[slots.long()]
     k, v = pool.get_kv_pages(layer_id)
-    return layout.read(k, slots, pool.head_num), layout.read(v, slots, pool.head_num)
+    return layout.reader()(k, slots, pool.head_num), layout.reader(value=True)(v, slots, pool.head_num)
 
 
 def check_kv_inputs(loc, cache_k, cache_v, dims: tuple[int, int, int], device: torch.device) -> None:

@@ -9,6 +9,12 @@ layout says where token ``(p, o)``, head ``h``, element ``d`` of a layer's K (or
   ``HND``, vLLM ``LBHNC``.
 * ``fractal_nz``: ``[num_pages, heads * dim / 16, page_size, 16]``, element ``p * H * D * P + (f // 16) * P * 16
   + o * 16 + f % 16`` with ``f = h * D + d`` (``dim`` a multiple of 16); Ascend ``FRACTAL_NZ`` (310P's ATB ops).
+* ``amx_packed``: head-major's ``[num_pages, heads, page_size, dim]``, each (page, head)'s ``P * D`` values
+  permuted into the 1 KB tiles AMX multiplies, K and V each its own way (:mod:`hal.kernels.reference.kv_layouts`
+  gives the offsets): K ``(p * H + h) * P * D + (o // 16) * 16 * D + (d // 2) * 32 + (o % 16) * 2 + d % 2``, V
+  ``(p * H + h) * P * D + (d // 16) * P * 16 + (o // 2) * 32 + (d % 16) * 2 + o % 2`` (``P`` a multiple of 32,
+  ``dim`` of 32). What vLLM's CPU attention writes on AMX CPUs (``csrc/cpu/cpu_attn_amx.hpp``) into the cache it
+  allocates head-major (``LBHNC``): the same memory, hal's name for what is in it.
 
 (``P`` page size, ``H`` heads, ``D`` dim.) vLLM before 0.30 named layouts by its backends' ``get_kv_cache_shape``:
 FlashAttention's ``[2, num_blocks, block_size, heads, dim]`` is token-major, the CPU backend's ``[2, num_blocks,
@@ -42,11 +48,12 @@ __all__ = [
     "TOKEN_MAJOR",
     "HEAD_MAJOR",
     "FRACTAL_NZ",
+    "AMX_PACKED",
     "kv_layout",
     "pool_kv_layout",
 ]
 
-TOKEN_MAJOR, HEAD_MAJOR, FRACTAL_NZ = "token_major", "head_major", "fractal_nz"
+TOKEN_MAJOR, HEAD_MAJOR, FRACTAL_NZ, AMX_PACKED = "token_major", "head_major", "fractal_nz", "amx_packed"
 
 
 @dataclass(frozen=True)
@@ -57,7 +64,9 @@ class KVLayout:
     gives it (FlashInfer's ``kv_layout``, vLLM's ``KVCacheLayout`` member, Ascend's ACL format), None where it has
     none; ``dim_multiple``: ``dim`` must be a multiple of it; ``write(tensor, loc, rows)`` stores token rows
     ``[n, heads, dim]`` (already in the tensor's dtype) at slots ``loc``, a slot of -1 skipped; ``read(tensor,
-    slots, heads)`` returns the rows ``[n, heads, dim]`` at ``slots``.
+    slots, heads)`` returns the rows ``[n, heads, dim]`` at ``slots``; ``value_write`` / ``value_read``: the same
+    for V where a layout lays V out otherwise than K (None: as K; :meth:`writer` / :meth:`reader` choose);
+    ``page_multiple``: the page size must be a multiple of it.
     """
 
     name: str
@@ -68,6 +77,17 @@ class KVLayout:
     dim_multiple: int
     write: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
     read: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+    value_write: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
+    value_read: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None
+    page_multiple: int = 1
+
+    def writer(self, value: bool = False) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]:
+        """``write`` for K (``value`` False), ``value_write`` (else ``write``) for V."""
+        return (self.value_write or self.write) if value else self.write
+
+    def reader(self, value: bool = False) -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]:
+        """``read`` for K (``value`` False), ``value_read`` (else ``read``) for V."""
+        return (self.value_read or self.read) if value else self.read
 
     def shape(self, num_pages: int, page_size: int, heads: int, dim: int) -> tuple[int, ...]:
         """The per-layer tensor's shape for ``num_pages`` pages (padding page included)."""
@@ -82,9 +102,14 @@ class KVLayout:
         }
         return tuple(sizes[axis] for axis in self.axes)
 
-    def element_offset(self, page: int, offset: int, head: int, d: int, page_size: int, heads: int, dim: int) -> int:
+    def element_offset(
+        self, page: int, offset: int, head: int, d: int, page_size: int, heads: int, dim: int, value: bool = False
+    ) -> int:
         """Where element ``d`` of head ``head`` of slot ``page * page_size + offset`` lives, counted in elements
-        from the start of the (contiguous) per-layer tensor."""
+        from the start of the (contiguous) per-layer tensor (``value``: V's, where the layout lays V otherwise)."""
+        if self.name == AMX_PACKED:
+            within = ops.amx_packed_offsets(torch.tensor([offset]), page_size, dim, value)[0, d]
+            return (page * heads + head) * page_size * dim + int(within)
         if self.name == FRACTAL_NZ:
             flat = head * dim + d
             return (
@@ -97,10 +122,12 @@ class KVLayout:
             return ((page * heads + head) * page_size + offset) * dim + d
         return ((page * page_size + offset) * heads + head) * dim + d
 
-    def unsupported(self, heads: int, dim: int) -> str | None:
-        """Why ``heads`` x ``dim`` cannot be laid out so (None: it can)."""
+    def unsupported(self, heads: int, dim: int, page_size: int | None = None) -> str | None:
+        """Why ``heads`` x ``dim`` (in pages of ``page_size``, where given) cannot be laid out so (None: it can)."""
         if dim % self.dim_multiple:
             return f"{self.name} needs dim a multiple of {self.dim_multiple}, not {dim}"
+        if page_size is not None and page_size % self.page_multiple:
+            return f"{self.name} needs a page size that is a multiple of {self.page_multiple}, not {page_size}"
         return None
 
 
@@ -114,6 +141,10 @@ KV_LAYOUT_TABLE: tuple[KVLayout, ...] = (
              lambda pages, slots, heads: ops.read_head_major(pages, slots)),
     KVLayout(FRACTAL_NZ, ("page", "lane_group", "offset", "lane"), None, None, "FRACTAL_NZ", ops.NZ_LANE,
              ops.write_fractal_nz, ops.read_fractal_nz),
+    KVLayout(AMX_PACKED, ("page", "head", "offset", "dim"), None, None, None, ops.AMX_DIM_MULTIPLE,
+             ops.write_amx_packed_k, lambda pages, slots, heads: ops.read_amx_packed_k(pages, slots),
+             ops.write_amx_packed_v, lambda pages, slots, heads: ops.read_amx_packed_v(pages, slots),
+             ops.AMX_PAGE_MULTIPLE),
 )  # fmt: skip
 KV_LAYOUTS = {row.name: row for row in KV_LAYOUT_TABLE}
 

@@ -20,7 +20,7 @@ from hal.integrations.vllm_steps import VllmKVPool, kv_views, vllm_block_size
 from hal.kernels.npu import emulation, load_torch_npu
 from hal.kernels.reference.kv_layouts import read_head_major
 from hal.kv_cache import PagedKVPool, kv_pages, kv_rows, pool_geometry
-from hal.kv_layouts import FRACTAL_NZ, HEAD_MAJOR, KV_LAYOUTS, TOKEN_MAJOR, pool_kv_layout
+from hal.kv_layouts import AMX_PACKED, FRACTAL_NZ, HEAD_MAJOR, KV_LAYOUTS, TOKEN_MAJOR, pool_kv_layout
 from hal.modes import ForwardMode
 from hal.registry import get_registry, probe_device, register_device
 from hal.selection import select
@@ -48,6 +48,7 @@ def test_table_names_each_layout_as_the_engines_do():
         (TOKEN_MAJOR, "NHD", "LBNHC", "ND"),
         (HEAD_MAJOR, "HND", "LBHNC", None),
         (FRACTAL_NZ, None, None, "FRACTAL_NZ"),
+        (AMX_PACKED, None, None, None),
     ]
     assert KV_LAYOUTS[HEAD_MAJOR].shape(5, 4, 2, 16) == (5, 2, 4, 16)
     assert KV_LAYOUTS[FRACTAL_NZ].shape(5, 4, 2, 16) == (5, 2, 4, 16)
@@ -63,6 +64,51 @@ def test_each_rows_element_offset_is_where_the_pool_put_the_value(layout):
         at = row.element_offset(slot // 4, slot % 4, head, d, page_size=4, heads=2, dim=16)
         assert memory[at] == k[slot - 4, head, d]
     assert tuple(pool.k_buffer[1].shape) == row.shape(4, 4, 2, 16)
+
+
+def _amx_filled(dtype=torch.float32, seed=0) -> tuple[PagedKVPool, torch.Tensor, torch.Tensor]:
+    """``_filled``'s pool for AMX-packed pages, which hold 32 slots of dims of 32: 3 pages of 32 slots + the
+    padding page, 2 heads of dim 64 (V of 32), layer 1 written at every slot but the padding page's, and a -1."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = PagedKVPool(3, 32, 2, 2, 64, 32, dtype=dtype, kv_layout=AMX_PACKED)
+    k, v = torch.randn(96, 2, 64, generator=gen), torch.randn(96, 2, 32, generator=gen)
+    loc = torch.cat([torch.arange(32, 128).flip(0), torch.tensor([-1])])
+    pool.set_kv_buffer(1, loc, torch.cat([k.flip(0), k[:1] + 7]), torch.cat([v.flip(0), v[:1] + 7]))
+    return pool, k, v
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float8_e4m3fn))
+def test_amx_packed_pages_hold_each_value_where_the_tiles_read_it(dtype):
+    pool, k, v = _amx_filled(dtype)
+    want_k, want_v = k.to(dtype), v.to(dtype)
+    got_k, got_v = kv_rows(pool, 1, torch.arange(32, 128))
+    assert torch.equal(got_k.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(got_v.view(torch.uint8), want_v.view(torch.uint8))
+    assert not kv_rows(pool, 1, torch.arange(32))[0].float().any()  # the -1 wrote nothing
+    row = KV_LAYOUTS[AMX_PACKED]
+    k_mem, v_mem = (
+        t[1].contiguous().view(-1).view(torch.uint8).view(-1, dtype.itemsize) for t in (pool.k_buffer, pool.v_buffer)
+    )
+    for slot, head, d in ((32, 0, 0), (49, 1, 37), (127, 0, 63), (70, 1, 30)):
+        at = row.element_offset(slot // 32, slot % 32, head, d, page_size=32, heads=2, dim=64)
+        assert torch.equal(k_mem[at], want_k[slot - 32, head, d : d + 1].view(torch.uint8))
+        at = row.element_offset(slot // 32, slot % 32, head, d % 32, page_size=32, heads=2, dim=32, value=True)
+        assert torch.equal(v_mem[at], want_v[slot - 32, head, d % 32 : d % 32 + 1].view(torch.uint8))
+    # a K tile (keys 16..31 of page 2 x dims 32..63 of head 1) is B = K^T in pairs, as AMX loads it
+    slab = pool.k_buffer[1][2, 1].reshape(-1)
+    tile = slab[(1 * 64 // 32 + 1) * 512 :][:512].view(16, 16, 2)
+    assert torch.equal(tile.permute(1, 0, 2).reshape(16, 32), want_k[64 + 16 - 32 : 64 + 32 - 32, 1, 32:64])
+    # a V tile (keys 0..31 x dims 16..31 of head 0 of page 1) is B = V in key pairs
+    slab = pool.v_buffer[1][1, 0].reshape(-1)
+    tile = slab[1 * 32 * 16 :][:512].view(16, 16, 2)
+    assert torch.equal(tile.permute(0, 2, 1).reshape(32, 16), want_v[0:32, 0, 16:32])
+
+
+def test_amx_packed_pages_refuse_pages_and_dims_their_tiles_cannot_hold():
+    with pytest.raises(KVCacheError, match="multiple of 32, not 16"):
+        PagedKVPool(3, 16, 1, 2, 64, dtype=torch.bfloat16, kv_layout=AMX_PACKED)
+    with pytest.raises(KVCacheError, match="dim a multiple of 32, not 48"):
+        PagedKVPool(3, 32, 1, 2, 64, 48, dtype=torch.bfloat16, kv_layout=AMX_PACKED)
 
 
 # ----------------------------------------------------------------------------- pools

@@ -203,9 +203,9 @@ def _in_layout(pool: PagedKVPool, layout: str) -> PagedKVPool:
         kv_layout=layout,
     )
     slots = torch.arange(pool.num_slots)
-    for bufs, rows in ((out.k_buffer, pool.k_buffer), (out.v_buffer, pool.v_buffer)):
+    for value, bufs, rows in ((False, out.k_buffer, pool.k_buffer), (True, out.v_buffer, pool.v_buffer)):
         for buf, row in zip(bufs, rows):
-            KV_LAYOUTS[layout].write(buf, slots, row)
+            KV_LAYOUTS[layout].writer(value)(buf, slots, row)
     return out
 
 

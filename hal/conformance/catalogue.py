@@ -482,10 +482,20 @@ def head_dim_combinations(backend_cls) -> list[tuple[int, int | None]]:
     return pairs
 
 
+def _layout_page(page: int, multiple: int, declared) -> int:
+    """``page``, or where a layout needs pages of a multiple of ``multiple`` (AMX-packed: 32) the smallest
+    such page the backend declares (``declared`` None: any power of two)."""
+    if not page % multiple:
+        return page
+    fitting = [p for p in (declared or (multiple,)) if not p % multiple]
+    return min(fitting, default=page)
+
+
 def shape_cases(backend_cls, capability=None) -> list[Case]:
     """Cases built from what ``backend_cls`` declares: every forward mode at every :func:`head_dim_combinations`
     pair, request table form (``reads_tables``: a token table, a block table) and KV layout (``kv_layouts``) it
-    takes, at the declared page size nearest to 16 (contexts of three and four pages), in a dtype it declares.
+    takes, at the declared page size nearest to 16 (or the smallest a layout takes: AMX-packed pages hold 32;
+    contexts of three and four pages), in a dtype it declares.
     Families ``kv_layout`` / ``page_table`` where the layout or table is not the default, else by their dims."""
     declared = backend_cls.declaration()
     page = 16 if declared.page_sizes is None else _nearest(16, declared.page_sizes)
@@ -500,8 +510,10 @@ def shape_cases(backend_cls, capability=None) -> list[Case]:
                         "" if layout == TOKEN_MAJOR else f"_{layout}"
                     )
                     shape = {"head_dim": head, "v_head_dim": v, "table": table, "kv_layout": layout}
-                    case = Case(name, mode, requests, dtype=dtype, page_size=page, **shape)
-                    if not any(KV_LAYOUTS[layout].unsupported(case.tp_k_head_num, d) for d in (head, v or head)):
+                    row = KV_LAYOUTS[layout]
+                    at = _layout_page(page, row.page_multiple, declared.page_sizes)
+                    case = Case(name, mode, requests, dtype=dtype, page_size=at, **shape)
+                    if not any(row.unsupported(case.tp_k_head_num, d, at) for d in (head, v or head)):
                         out.append(_fit_dtype(backend_cls, case, capability))
     return out
 

@@ -453,9 +453,9 @@ class VllmKVPool:
         scales = kv_scales(layer) if not isinstance(layer, int) else (1.0, 1.0)
         if self.kv_layout != TOKEN_MAJOR:
             check_kv_inputs(loc, cache_k, cache_v, (self.head_num, self.head_size, self.head_size_v), self.device)
-            write = layout_row(self.kv_layout).write
-            write(k, loc, quantize_kv(cache_k, k.dtype, scales[0]))
-            write(v, loc, quantize_kv(cache_v, v.dtype, scales[1]))
+            layout = layout_row(self.kv_layout)
+            layout.writer()(k, loc, quantize_kv(cache_k, k.dtype, scales[0]))
+            layout.writer(value=True)(v, loc, quantize_kv(cache_v, v.dtype, scales[1]))
             return
         check_kv_inputs(loc, cache_k, cache_v, (k.shape[1], k.shape[2], v.shape[2]), self.device)
         write_kv(k, v, loc, cache_k, cache_v, *scales)
