@@ -142,6 +142,11 @@ class BackendDeclaration:
         layout = getattr(config, "kv_layout", None)
         if layout is not None and layout not in self.kv_layouts:
             reasons.append(f"kv_layout {layout} not read in place (reads {list(self.kv_layouts)})")
+        elif layout is not None:
+            dims = dict.fromkeys((config.head_dim, config.v_head_dim))
+            row = KV_LAYOUTS[layout]
+            whys = (row.unsupported(config.tp_k_head_num, d, config.page_size) for d in dims)
+            reasons += [f"kv_layout {why}" for why in whys if why]
         return reasons
 
     def model_feature_reasons(self, config: AttentionConfig) -> list[str]:

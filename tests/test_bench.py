@@ -308,7 +308,7 @@ def test_the_head_major_contender_is_the_backend_over_a_head_major_pool_and_a_bl
     import torch
 
     import hal
-    from hal.commands.bench import _head_major_batch, _head_major_step
+    from hal.commands.bench import _layout_batch, _layout_step
     from hal.conformance import Case, build
     from hal.devices.cpu import CompiledBackend, cpu_capability
     from hal.kernels.reference import tolerance
@@ -321,10 +321,10 @@ def test_the_head_major_contender_is_the_backend_over_a_head_major_pool_and_a_bl
         case = Case("bench_pages", forward_mode, requests, dtype=dtype, page_size=16, tp_q_head_num=8, tp_k_head_num=2)
         built = build(case)
         torch.testing.assert_close(
-            _head_major_step(built, CompiledBackend, cap)().float(), built.expected.float(), **tolerance(dtype)
+            _layout_step(built, CompiledBackend, cap)().float(), built.expected.float(), **tolerance(dtype)
         )
     selection = hal.select(dataclasses.replace(case.config(), kv_layout=HEAD_MAJOR), device="cpu", backend="torch")
-    fb = _head_major_batch(built, selection)
+    fb = _layout_batch(built, selection)
     assert fb.token_to_kv_pool.kv_layout == HEAD_MAJOR and fb.req_to_token_pool is None
     backend = CompiledBackend(cap)
     backend.init_forward_metadata(fb)
@@ -337,13 +337,14 @@ def test_the_head_major_contender_is_the_backend_over_a_head_major_pool_and_a_bl
     row = int(built.batch.req_pool_indices[0])
     table[row, :2] = table[row, :2].flip(0)
     with pytest.raises(hal.errors.InvalidBatchError, match="req_to_page"):
-        _head_major_batch(built, selection)
+        _layout_batch(built, selection)
 
 
 def test_an_unknown_kv_layout_is_refused():
     from hal.commands.bench import run_bench
 
-    with pytest.raises(ConfigError, match="--kv-layout page_major: expected one of token_major, head_major"):
+    expected = r"--kv-layout \[.page_major.\]: expected some of token_major, head_major, amx_packed"
+    with pytest.raises(ConfigError, match=expected):
         run_bench("cpu", [], quick=True, kv_layout="page_major")
 
 

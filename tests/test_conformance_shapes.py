@@ -18,7 +18,7 @@ from hal.conformance.compare import check_cache
 from hal.devices.cpu import CompiledBackend, cpu_capability
 from hal.errors import ConfigError
 from hal.kv_cache import kv_rows
-from hal.kv_layouts import HEAD_MAJOR, TOKEN_MAJOR
+from hal.kv_layouts import AMX_PACKED, HEAD_MAJOR, TOKEN_MAJOR
 
 sys.path.insert(0, str(Path(__file__).parent))
 from mutant_backends import Ported, Tiled32  # noqa: E402
@@ -38,10 +38,16 @@ def test_every_mode_meets_every_declared_head_dim_pair_table_and_layout():
     forms = {(c.mode, c.head_dim, c.v_head_dim, c.table, c.kv_layout) for c in cpu}
     combos = head_dim_combinations(CompiledBackend)
     tables, layouts = ("token", "page"), (TOKEN_MAJOR, HEAD_MAJOR)
-    assert forms == {(m, h, v, t, lay) for m in MODES for h, v in combos for t in tables for lay in layouts}
+    # AMX-packed pages hold dims of 32 only, in pages of 32
+    tiled_dims = [(h, v) for h, v in combos if not h % 32 and not (v or h) % 32]
+    assert forms == {(m, h, v, t, lay) for m in MODES for h, v in combos for t in tables for lay in layouts} | {
+        (m, h, v, t, AMX_PACKED) for m in MODES for h, v in tiled_dims for t in tables
+    }
     assert {c.family for c in cpu if c.kv_layout != TOKEN_MAJOR} == {"kv_layout"}
     assert {(c.table, c.kv_layout) for c in shape_cases(Ported)} == {("token", TOKEN_MAJOR)}
-    assert all(c.page_size == 16 and max(p + n for p, n in c.requests) > 32 for c in cpu)  # three pages and more
+    for c in cpu:  # three pages and more
+        page = 32 if c.kv_layout == AMX_PACKED else 16
+        assert c.page_size == page and max(p + n for p, n in c.requests) > 2 * page
 
 
 @pytest.mark.parametrize("table", ["token", "page"])

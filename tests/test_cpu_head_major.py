@@ -17,7 +17,7 @@ from hal.devices.cpu import CompiledBackend, PlainTorchBackend, cpu_capability
 from hal.errors import UnsupportedError
 from hal.kernels import cpu as cpu_kernels
 from hal.kv_cache import PagedKVPool, kv_rows
-from hal.kv_layouts import HEAD_MAJOR, TOKEN_MAJOR
+from hal.kv_layouts import AMX_PACKED, HEAD_MAJOR, TOKEN_MAJOR
 from hal.modes import ForwardMode
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.status()[0], reason="no compiled CPU kernels here")
@@ -127,15 +127,39 @@ def test_plain_plans_gather_from_head_major_pages(table):
         _check(built, fb, out)
 
 
-def test_compiled_backend_declares_both_layouts_and_tables_and_the_plain_one_token_major_only():
+def test_compiled_backend_declares_every_layout_and_both_tables_and_the_plain_one_token_major_only():
     declared = CompiledBackend.declaration()
-    assert declared.kv_layouts == (TOKEN_MAJOR, HEAD_MAJOR) and declared.reads_tables == {"token", "page"}
+    assert declared.kv_layouts == (AMX_PACKED, TOKEN_MAJOR, HEAD_MAJOR) and declared.reads_tables == {"token", "page"}
     plain = PlainTorchBackend.declaration()
     assert plain.kv_layouts == (TOKEN_MAJOR,) and plain.reads_tables == {"token"}
     config = hal.AttentionConfig(dtype=torch.float32, head_dim=32, tp_q_head_num=4, tp_k_head_num=2, page_size=16)
     selection = hal.select(dataclasses.replace(config, kv_layout=HEAD_MAJOR), device="cpu", backend="torch")
     assert selection.create_kv_pool(4).kv_layout == HEAD_MAJOR
     assert hal.select(config, device="cpu", backend="torch").create_kv_pool(4).kv_layout == TOKEN_MAJOR
+
+
+@needs_kernels
+def test_hals_pool_is_amx_packed_where_the_amx_path_reads_bf16_pages_of_32_and_token_major_elsewhere(monkeypatch):
+    """Selection allocates AMX-packed pages where the amx path's tiles read them (the emulated path stands for
+    it here), for bf16 pools of pages of a multiple of 32, and names why not where a config asks for them."""
+    config = hal.AttentionConfig(dtype=torch.bfloat16, head_dim=64, tp_q_head_num=8, tp_k_head_num=2, page_size=32)
+    if AMX_PACKED not in cpu_kernels.KV_LAYOUTS:
+        pytest.skip("these kernels read no amx_packed pages yet")
+    path = cpu_kernels.isa()
+    if path not in ("amx", "amx_emulated"):
+        with pytest.raises(hal.errors.NoBackendError, match=f"through AMX tiles, which the {path} path"):
+            hal.select(dataclasses.replace(config, kv_layout=AMX_PACKED), device="cpu", backend="torch")
+        assert hal.select(config, device="cpu", backend="torch").kv_layout == TOKEN_MAJOR
+    monkeypatch.setenv("HAL_CPU_ISA", "amx_emulated")
+    assert hal.select(config, device="cpu", backend="torch").create_kv_pool(2).kv_layout == AMX_PACKED
+    for other, why in (
+        (dataclasses.replace(config, page_size=16), "a multiple of 32, not 16"),
+        (dataclasses.replace(config, dtype=torch.float32), "holds bf16 for AMX tiles, not fp32"),
+        (dataclasses.replace(config, head_dim=80), "dim a multiple of 32, not 80"),
+    ):
+        assert hal.select(other, device="cpu", backend="torch").kv_layout == TOKEN_MAJOR
+        with pytest.raises(hal.errors.NoBackendError, match=why):
+            hal.select(dataclasses.replace(other, kv_layout=AMX_PACKED), device="cpu", backend="torch")
 
 
 def test_a_backend_reading_token_major_only_refuses_a_head_major_pool_before_writing():

@@ -33,7 +33,7 @@ from hal.kernels import cpu as cpu_kernels
 from hal.kernels import reference as reference_kernels
 from hal.kv_cache import kv_storage
 from hal.kv_dtypes import kv_dtype, kv_scaled
-from hal.kv_layouts import HEAD_MAJOR, TOKEN_MAJOR, pool_kv_layout
+from hal.kv_layouts import AMX_PACKED, HEAD_MAJOR, TOKEN_MAJOR, pool_kv_layout
 
 from .torch_backend import PlainTorchBackend, _indptr
 
@@ -57,7 +57,7 @@ class CompiledMetadata:
     req_to_token: torch.Tensor | None = None
     req_to_page: torch.Tensor | None = None
     page_size: int = 1
-    kv_layout: str = TOKEN_MAJOR  # the pool's (hal.kv_layouts): token_major or head_major
+    kv_layout: str = TOKEN_MAJOR  # the pool's (hal.kv_layouts): token_major, head_major or amx_packed
 
     # SGLang's names for the same data (its attention kit and tools inspect them), built when read.
     @property
@@ -174,14 +174,43 @@ class CompiledMetadata:
         return taken
 
 
+def amx_packed_reasons(kv_cache_dtype: str) -> list[str]:
+    """Why this process would not read AMX-packed pages of ``kv_cache_dtype`` (a name: ``bf16``...) through AMX
+    tiles (empty: it would). Other paths read them correctly, a page at a time unpacked, and slower than the
+    layouts they read in place: selection prefers those there."""
+    ok, why = cpu_kernels.status()
+    if not ok:
+        return [f"kv_layout amx_packed is read by the compiled kernels' amx path, and there are none here: {why}"]
+    if AMX_PACKED not in cpu_kernels.KV_LAYOUTS:
+        return [f"kv_layout amx_packed is not read by these kernels (they read {', '.join(cpu_kernels.KV_LAYOUTS)})"]
+    reasons = []
+    path = cpu_kernels.isa()
+    if path not in ("amx", "amx_emulated"):
+        reasons.append(f"kv_layout amx_packed is read through AMX tiles, which the {path} path this CPU runs has not")
+    if kv_cache_dtype != "bf16":
+        reasons.append(f"kv_layout amx_packed holds bf16 for AMX tiles, not {kv_cache_dtype}")
+    return reasons
+
+
 class CompiledBackend(PlainTorchBackend):
     """The ``torch`` backend with its attention compiled; the plain path where no kernels could be built."""
 
     name = "torch"
-    # Pools of either layout and either request table are read in place by the kernels; the plain torch plans
-    # (fp8 pools, no kernels) gather from a head-major pool and derive slots from a block table.
-    kv_layouts = (TOKEN_MAJOR, HEAD_MAJOR)
+    # Pools of every layout and either request table are read in place by the kernels; the plain torch plans
+    # (fp8 pools, no kernels) gather from any layout and derive slots from a block table. AMX-packed pages first:
+    # where the amx path runs a bf16 pool of pages of 32 (unsupported_reasons), its tiles read them straight from
+    # the pool; elsewhere token-major.
+    kv_layouts = (AMX_PACKED, TOKEN_MAJOR, HEAD_MAJOR)
     reads_tables = frozenset({"token", "page"})
+
+    @classmethod
+    def unsupported_reasons(cls, config, capability) -> list[str]:
+        """The declared reasons, and for AMX-packed pools what the tiles that read them need: the amx path
+        (``amx_emulated`` too, which tests it) and bfloat16 pages."""
+        reasons = super().unsupported_reasons(config, capability)
+        if getattr(config, "kv_layout", None) == AMX_PACKED:
+            reasons += amx_packed_reasons(config.kv_cache_dtype_name)
+        return reasons
 
     def __init__(self, capability, config=None, **options):
         super().__init__(capability, config, **options)

@@ -22,7 +22,7 @@ from hal.deprecation import moved_names
 from hal.kernels.reference import kv_csr, kv_scales, step_token_table
 from hal.kv_cache import kv_storage
 from hal.kv_dtypes import kv_scaled
-from hal.kv_layouts import HEAD_MAJOR, TOKEN_MAJOR, pool_kv_layout
+from hal.kv_layouts import HEAD_MAJOR, KV_LAYOUTS, TOKEN_MAJOR, pool_kv_layout
 
 __all__ = ["PlainTorchBackend"]
 
@@ -284,12 +284,15 @@ class Scratch:
     ) -> torch.Tensor:
         """``pool[slots]`` KV-head-major, as ``dtype``: ``[kv_heads, len(slots), dim]``; an fp8 ``pool`` is
         dequantised (times ``scale``, as ``hal.kernels.reference.dequantize_kv``). ``pool``: token-major
-        ``[num_slots, kv_heads, dim]``, or (``kv_layout`` head_major) pages ``[num_pages, kv_heads, page_size,
-        dim]``, slot ``s`` at page ``s // page_size``, offset ``s % page_size``."""
+        ``[num_slots, kv_heads, dim]``, or pages ``[num_pages, kv_heads, page_size, dim]`` (``kv_layout``
+        head_major or amx_packed: the ``"v"`` gather reads V's order), slot ``s`` at page ``s // page_size``,
+        offset ``s % page_size``."""
         kv_heads, dim = pool.shape[1], pool.shape[-1]
         n = slots.numel()
         out = self._buffer(name, pool.dtype, kv_heads * n * dim, pool.device).view(kv_heads, n, dim)
-        if kv_layout == HEAD_MAJOR:
+        if kv_layout not in (TOKEN_MAJOR, HEAD_MAJOR):
+            out.copy_(KV_LAYOUTS[kv_layout].reader(name == "v")(pool, slots, kv_heads).transpose(0, 1))
+        elif kv_layout == HEAD_MAJOR:
             page_size = pool.shape[2]
             page, offset = slots // page_size, slots % page_size
             for h in range(kv_heads):

@@ -39,7 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -54,7 +54,7 @@ from hal.errors import ConfigError
 from hal.kernels.reference import batch_attention, step_page_table, tolerance
 from hal.kv_cache import ReqToPagePool, host_huge_pages, kv_rows
 from hal.kv_dtypes import COMPUTE_DTYPES
-from hal.kv_layouts import HEAD_MAJOR, TOKEN_MAJOR
+from hal.kv_layouts import AMX_PACKED, HEAD_MAJOR, TOKEN_MAJOR
 from hal.registry import device_backends, get_registry
 from hal.selection import select
 
@@ -191,17 +191,17 @@ def _backend_step(backend, built, fb=None, q=None, k=None, v=None) -> Callable[[
     return step
 
 
-# --kv-layout: the pools hal's backends may read; head_major adds a contender per backend that reads head-major
-# pages (``<backend>_head_major``) to each decode and extend row.
-KV_LAYOUTS = (TOKEN_MAJOR, HEAD_MAJOR)
+# --kv-layout (repeatable): the pools hal's backends may read; head_major and amx_packed each add a contender per
+# backend that reads such pages (``<backend>_head_major``, ``<backend>_amx_packed``) to each decode and extend row.
+KV_LAYOUTS = (TOKEN_MAJOR, HEAD_MAJOR, AMX_PACKED)
 
 
-def _head_major_batch(built, selection) -> ForwardBatch:
-    """``built``'s batch as vLLM hands it to a backend that reads head-major pages: its KV pool the one
-    ``selection`` (a head-major config) allocates (:meth:`~hal.selection.Selection.create_kv_pool`: ``[pages,
-    kv_heads, page, dim]``), holding ``built``'s keys slot for slot, and its requests read through a block table
-    (``req_to_page_pool``) only. The block table is checked against the batch's ``req_to_token`` by full batch
-    validation (:class:`~hal.errors.InvalidBatchError` where the slots do not lie in whole pages)."""
+def _layout_batch(built, selection) -> ForwardBatch:
+    """``built``'s batch as vLLM hands it to a backend that reads paged caches: its KV pool the one ``selection``
+    (a config naming the layout: head-major, AMX-packed) allocates (:meth:`~hal.selection.Selection.create_kv_pool`:
+    ``[pages, kv_heads, page, dim]``), holding ``built``'s keys slot for slot, and its requests read through a
+    block table (``req_to_page_pool``) only. The block table is checked against the batch's ``req_to_token`` by
+    full batch validation (:class:`~hal.errors.InvalidBatchError` where the slots do not lie in whole pages)."""
     fb = built.batch
     token = fb.token_to_kv_pool
     pool = selection.create_kv_pool(token.num_pages, token.layer_num, token.start_layer)
@@ -218,12 +218,12 @@ def _head_major_batch(built, selection) -> ForwardBatch:
     return replace(checked, req_to_token_pool=None, validate=fb.validate)
 
 
-def _head_major_step(built, cls, cap) -> Callable[[], torch.Tensor]:
-    """One serving step of backend ``cls`` on ``cap`` over head-major pages read through a block table
-    (:func:`_head_major_batch`), the KV write included: what an engine that hands hal such a cache (vLLM's CPU
-    layout) runs."""
-    config = replace(built.case.config(), kv_layout=HEAD_MAJOR)
-    fb = _head_major_batch(built, select(config, device=cap.torch_device, backend=cls.declaration().name))
+def _layout_step(built, cls, cap, layout: str = HEAD_MAJOR) -> Callable[[], torch.Tensor]:
+    """One serving step of backend ``cls`` on ``cap`` over pages of ``layout`` read through a block table
+    (:func:`_layout_batch`), the KV write included: what an engine that hands hal such a cache (vLLM's CPU
+    layout; its AMX-packed content) runs."""
+    config = replace(built.case.config(), kv_layout=layout)
+    fb = _layout_batch(built, select(config, device=cap.torch_device, backend=cls.declaration().name))
     return _backend_step(cls(cap), built, fb, built.q, built.k, built.v)
 
 
@@ -460,7 +460,7 @@ def run_bench(
     page_sizes: list[int] | None = None,
     threads: list[int] | None = None,
     peers: list[str] | None = None,
-    kv_layout: str = TOKEN_MAJOR,
+    kv_layout: str | Sequence[str] = TOKEN_MAJOR,
 ) -> int:
     """Time every workload per backend (and, on the CPU, per in-process peer) at each thread count.
 
@@ -470,8 +470,9 @@ def run_bench(
     more than one count the report's ``scaling`` gives each workload's speed-up over the
     first count. ``peers``: names of :data:`hal.commands.bench_peers.PEERS` (default
     :data:`~hal.commands.bench_peers.DEFAULT_PEERS`, where the device says they mean something). ``kv_layout``
-    ``head_major``: each backend that reads head-major pages (vLLM's CPU layout) also timed over such a pool read
-    through a block table, as ``<backend>_head_major`` beside the backends (:func:`_head_major_step`).
+    (one name or several of :data:`KV_LAYOUTS`): for ``head_major`` / ``amx_packed``, each backend that serves the
+    workload over such pages (vLLM's CPU layout; its AMX-packed content) also timed over such a pool read through
+    a block table, as ``<backend>_head_major`` / ``<backend>_amx_packed`` beside the backends (:func:`_layout_step`).
     """
     selection = select(device=device)
     dev_name, cap = selection.device_name, selection.capability
@@ -494,8 +495,9 @@ def run_bench(
                 f"--peer-python {python!r}: no such interpreter; expected the python of a venv with "
                 "SGLang or vLLM (e.g. venv/bin/python)"
             )
-    if kv_layout not in KV_LAYOUTS:
-        raise ConfigError(f"--kv-layout {kv_layout}: expected one of {', '.join(KV_LAYOUTS)}")
+    kv_layout = (kv_layout,) if isinstance(kv_layout, str) else tuple(kv_layout)
+    if not kv_layout or set(kv_layout) - set(KV_LAYOUTS):
+        raise ConfigError(f"--kv-layout {list(kv_layout)}: expected some of {', '.join(KV_LAYOUTS)}")
     unknown = sorted(set(peers or []) - set(PEERS))
     if unknown:
         raise ConfigError(f"--peer {unknown}: expected some of {', '.join(PEERS)}")
@@ -510,7 +512,7 @@ def run_bench(
         "quick": quick,
         "repeats": repeats,
         "peers": peers,
-        "kv_layout": kv_layout,
+        "kv_layout": kv_layout[0] if len(kv_layout) == 1 else list(kv_layout),
         "loadavg_at_start": os.getloadavg(),
         # idle OpenMP workers of one process spin while another (an engine peer) runs: PASSIVE stops that
         **omp_wait_policy(),
@@ -582,7 +584,7 @@ def _run_at(threads: int, cap, facts, classes, cases, peers, quick, repeats, pee
 
 
 def _row(
-    where: str, case: Case, cap, facts, classes, peers, servers, repeats, limits, parts=None, kv_layout=TOKEN_MAJOR
+    where: str, case: Case, cap, facts, classes, peers, servers, repeats, limits, parts=None, kv_layout=(TOKEN_MAJOR,)
 ) -> dict:
     """One workload (``where``: its progress label): its backends and peers run once and checked, then timed in
     turns; the reference timed apart.
@@ -624,19 +626,21 @@ def _row(
             calls["parts", cls.declaration().name], parts_checked[cls.declaration().name] = _parts_call(
                 cls, cap, built, parts
             )
-    if kv_layout == HEAD_MAJOR and case.mode in (ForwardMode.DECODE, ForwardMode.EXTEND):
-        readers = [
-            c
-            for c in classes
-            if c.declaration().name not in row["skipped"] and HEAD_MAJOR in c.declaration().kv_layouts
-        ]
+    paged = [name for name in kv_layout if name != TOKEN_MAJOR]
+    for layout in paged if case.mode in (ForwardMode.DECODE, ForwardMode.EXTEND) else ():
+        config = replace(case.config(), kv_layout=layout)
+        readers, why = [], []
+        for c in classes:
+            if c.declaration().name not in row["skipped"]:
+                reasons = c.unsupported_reasons(config, cap)
+                (why.extend(f"{c.declaration().name}: {r}" for r in reasons) if reasons else readers.append(c))
         if not readers:
-            row["skipped"][HEAD_MAJOR] = ["no backend here reads head-major pages"]
+            row["skipped"][layout] = why or [f"no backend here reads {layout} pages"]
         for cls in readers:
-            _progress(f"{where}: {cls.declaration().name} over head-major pages")
-            name = f"{cls.declaration().name}_{HEAD_MAJOR}"
+            _progress(f"{where}: {cls.declaration().name} over {layout} pages")
+            name = f"{cls.declaration().name}_{layout}"
             calls["results", name], checked["results", name] = _first_call(
-                _head_major_step(built, cls, cap), built, torch_device
+                _layout_step(built, cls, cap, layout), built, torch_device
             )
     for name in peers:
         _progress(f"{where}: peer {name}")
@@ -817,10 +821,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--kv-layout",
-        default=TOKEN_MAJOR,
+        action="append",
         choices=KV_LAYOUTS,
-        help="head_major: each backend that reads head-major pages also timed over such a pool read through a "
-        "block table, as vLLM hands its CPU cache (<backend>_head_major)",
+        help="head_major / amx_packed (repeatable): each backend that serves the workload over such pages also "
+        "timed over such a pool read through a block table, as vLLM hands its CPU cache (<backend>_head_major, "
+        "<backend>_amx_packed: on the amx path, bf16, pages of 32 and up)",
     )
     parser.add_argument("--json", action="store_true")
 
@@ -864,5 +869,5 @@ def run(args: argparse.Namespace) -> int:
         args.page_size or None,
         args.threads,
         None if args.peer is None else [p for p in args.peer if p != "none"],
-        args.kv_layout,
+        args.kv_layout or TOKEN_MAJOR,
     )

@@ -512,10 +512,25 @@ def shape_cases(backend_cls, capability=None) -> list[Case]:
                     shape = {"head_dim": head, "v_head_dim": v, "table": table, "kv_layout": layout}
                     row = KV_LAYOUTS[layout]
                     at = _layout_page(page, row.page_multiple, declared.page_sizes)
-                    case = Case(name, mode, requests, dtype=dtype, page_size=at, **shape)
+                    scaled = tuple((prefix * at // page, n) for prefix, n in requests)  # as many pages
+                    case = Case(name, mode, scaled, dtype=dtype, page_size=at, **shape)
                     if not any(row.unsupported(case.tp_k_head_num, d, at) for d in (head, v or head)):
-                        out.append(_fit_dtype(backend_cls, case, capability))
+                        out.append(_served_dtype(backend_cls, _fit_dtype(backend_cls, case, capability), capability))
     return out
+
+
+def _served_dtype(backend_cls, case: Case, capability) -> Case:
+    """``case``, or where ``capability`` is given and the backend refuses it in its dtype but serves it in another
+    it declares (AMX-packed pages hold bf16 only), the case in that dtype."""
+    if capability is None or not backend_cls.unsupported_reasons(case.config(), capability):
+        return case
+    for dtype in (torch.bfloat16, torch.float32):
+        moved = replace(case, dtype=dtype)
+        if moved.dtype_name != case.dtype_name and not backend_cls.unsupported_reasons(moved.config(), capability):
+            return replace(
+                moved, name=_renamed(case, case.dtype_name if case.dtype_name != "fp32" else "", moved.dtype_name)
+            )
+    return case
 
 
 def one_per_shape(cases) -> list[Case]:

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hal.errors import MissingDependencyError
 
@@ -81,7 +81,7 @@ from hal.integrations.vllm_steps import (  # noqa: E402
     vllm_layer,
 )
 from hal.kv_dtypes import KV_STORAGE_DTYPES, kv_dtype  # noqa: E402
-from hal.kv_layouts import HEAD_MAJOR, KV_LAYOUTS, TOKEN_MAJOR  # noqa: E402
+from hal.kv_layouts import AMX_PACKED, HEAD_MAJOR, KV_LAYOUTS, TOKEN_MAJOR  # noqa: E402
 
 __all__ = [
     "HalAttentionBackend",
@@ -331,8 +331,6 @@ class HalMetadataBuilder(AttentionMetadataBuilder[HalAttentionMetadata]):
 
     def _non_causal(self) -> dict[str, hal.AttentionLayer]:
         if self.non_causal_layers is None:
-            from dataclasses import replace
-
             self.non_causal_layers = {name: replace(x, attn_type="encoder_only") for name, x in self.layers.items()}
         return self.non_causal_layers
 
@@ -354,20 +352,37 @@ def _group_config(vllm_config, attn_layers: dict, block_size: int) -> tuple[dict
     kv_layout = next(iter(attn_layers.values())).attn_backend.allocated_kv_layout(vllm_config)
     for name, impl in impls.items():
         impl.head_size_v = getattr(attn_layers[name], "head_size_v", impl.head_size)
-        impl.kv_layout = kv_layout
     layers = {name: impl.hal_layer(layer_id_of(name), attn_layers[name], causal=True) for name, impl in impls.items()}
     model = vllm_config.model_config
-    config = hal.AttentionConfig.from_layers(
-        list(layers.values()),
-        dtype=model.dtype,
-        page_size=block_size,
-        max_context_len=model.max_model_len,
-        max_batch_size=vllm_config.scheduler_config.max_num_seqs,
-        attention_sinks=any(impl.sinks is not None for impl in impls.values()),
-        kv_cache_dtype=_group_cache_dtype(impls),
-        kv_layout=kv_layout,  # selection refuses, with its reasons, a backend that does not read it in place
+    config = _content_layout(
+        hal.AttentionConfig.from_layers(
+            list(layers.values()),
+            dtype=model.dtype,
+            page_size=block_size,
+            max_context_len=model.max_model_len,
+            max_batch_size=vllm_config.scheduler_config.max_num_seqs,
+            attention_sinks=any(impl.sinks is not None for impl in impls.values()),
+            kv_cache_dtype=_group_cache_dtype(impls),
+            kv_layout=kv_layout,  # selection refuses, with its reasons, a backend that does not read it in place
+        )
     )
+    for impl in impls.values():
+        impl.kv_layout = config.kv_layout
     return layers, config
+
+
+def _content_layout(config: hal.AttentionConfig) -> hal.AttentionConfig:
+    """``config`` in the layout of what hal keeps in the cache vLLM allocated as ``config.kv_layout``: in a
+    head-major allocation (``LBHNC``), AMX-packed pages where the backend hal selects for the model prefers them
+    and serves them here (its amx path, bf16, blocks of a multiple of 32: the bytes vLLM's own AMX kernel keeps
+    there), else the allocation's own layout."""
+    if config.kv_layout != HEAD_MAJOR:
+        return config
+    try:
+        chosen = hal.select(replace(config, kv_layout=None), device=_hal_device_name()).kv_layout
+    except HalError:
+        return config
+    return replace(config, kv_layout=AMX_PACKED) if chosen == AMX_PACKED else config
 
 
 def graph_support(selection: hal.Selection) -> AttentionCGSupport:

@@ -48,7 +48,7 @@ from hal.errors import (
 )
 from hal.kernels.reference import kv_scales, quantize_kv, write_kv
 from hal.kv_cache import ReqToPagePool, check_kv_inputs, paged_view
-from hal.kv_layouts import FRACTAL_NZ, HEAD_MAJOR, KV_LAYOUTS, TOKEN_MAJOR
+from hal.kv_layouts import AMX_PACKED, FRACTAL_NZ, HEAD_MAJOR, KV_LAYOUTS, TOKEN_MAJOR
 from hal.kv_layouts import kv_layout as layout_row
 from hal.modes import ForwardMode
 from hal.registry import device_backends, get_registry
@@ -274,7 +274,7 @@ def fractal_nz_views(
 def vllm_block_size(kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv_layout: str = TOKEN_MAJOR) -> int:
     """The block size of a layer's vLLM cache in any of the forms :func:`kv_views` (``kv_layout`` token_major),
     :func:`head_major_views` (head_major) or :func:`fractal_nz_views` (fractal_nz) reads."""
-    if kv_layout == HEAD_MAJOR:
+    if kv_layout in (HEAD_MAJOR, AMX_PACKED):
         return kv_cache.shape[-2]
     if kv_layout == FRACTAL_NZ:
         return fractal_nz_views(kv_cache, None)[0].shape[2]
@@ -357,7 +357,8 @@ class VllmKVPool:
             KVCacheError,
             "kv_layout",
             kv_layout,
-            f"{TOKEN_MAJOR} (vLLM's LBNHC), {HEAD_MAJOR} (LBHNC, vLLM's CPU layout) or {FRACTAL_NZ} (vllm-ascend's "
+            f"{TOKEN_MAJOR} (vLLM's LBNHC), {HEAD_MAJOR} (LBHNC, vLLM's CPU layout), {AMX_PACKED} (LBHNC holding "
+            f"what vLLM's AMX kernel writes there) or {FRACTAL_NZ} (vllm-ascend's "
             "310P caches)",
         )
         self.page_size = page_size
@@ -461,7 +462,12 @@ class VllmKVPool:
         write_kv(k, v, loc, cache_k, cache_v, *scales)
 
 
-_POOL_VIEWS = {TOKEN_MAJOR: kv_views, HEAD_MAJOR: head_major_views, FRACTAL_NZ: fractal_nz_views}
+_POOL_VIEWS = {
+    TOKEN_MAJOR: kv_views,
+    HEAD_MAJOR: head_major_views,
+    AMX_PACKED: head_major_views,  # the same memory as head-major pages, packed within each (block, head)
+    FRACTAL_NZ: fractal_nz_views,
+}
 
 
 def vllm_layer(
