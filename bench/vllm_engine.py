@@ -4,7 +4,7 @@
         [--gen-requests 16] [--gen-tokens 64] [--dtype float32] [--repeats 3] [--rounds 2] [--translate-only]
         [--layers 4 --hidden 256 --heads 8 --kv-heads 2 --intermediate 512] [--gen-prompt-len 16]
         [--gen-prefilled] [--max-model-len N] [--max-num-seqs 16] [--max-num-batched-tokens 512]
-        [--kv-cache-gib 1] [--hal-kv-layout LBNHC|LBHNC] [--translate-probe] [--no-step-times]
+        [--kv-cache-gib 1] [--hal-kv-layout LBNHC|LBHNC|head_major|amx_packed] [--translate-probe] [--no-step-times]
 
 Needs vLLM (docs/vllm.md: the ``vllm-engine`` env or ``/work/venvs/vllm``). For each backend a fresh engine
 (``ci/vllm_engine.py``, its own process) serves two phases on a random Llama (``ci/vllm_model.py``: 4 layers,
@@ -101,7 +101,9 @@ def engine_throughput(model: str, attention: str, args, workdir: str) -> dict:
         workload += [_phases(args, repeat)[0], gen]
     env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)} if args.kv_cache_gib else {}
     if attention == "hal" and args.hal_kv_layout:
-        env["VLLM_KV_CACHE_LAYOUT"] = args.hal_kv_layout
+        env["VLLM_KV_CACHE_LAYOUT"] = VLLM_ALLOCATION.get(args.hal_kv_layout, args.hal_kv_layout)
+        if args.hal_kv_layout in VLLM_ALLOCATION:  # what hal keeps in vLLM's head-major cache
+            env["HAL_KV_LAYOUT"] = args.hal_kv_layout
     step_log = None
     if args.step_times:
         step_log = os.path.join(workdir, f"{attention}-{time.perf_counter_ns()}-steps.jsonl")
@@ -266,6 +268,8 @@ def _step_metadata(table, block: int, context: int, decodes: int, chunk: int = 0
 
 
 HAL_LAYOUTS = {"LBNHC": "token_major", "LBHNC": "head_major"}  # vLLM's names -> hal's (hal.kv_layouts)
+# hal's names of what it may keep in vLLM's head-major (LBHNC) allocation -> that allocation
+VLLM_ALLOCATION = {"head_major": "LBHNC", "amx_packed": "LBHNC"}
 
 
 def served_kv_layout() -> str:
@@ -429,7 +433,7 @@ def layer_overhead(args, repeats: int = 200) -> dict:
     blocks_per_req = -(-max(context, chunk) // block)
     num_blocks = (batch + 1) * blocks_per_req + 1
     max_model_len = args.max_model_len or blocks_per_req * block
-    layout = HAL_LAYOUTS.get(args.hal_kv_layout) or served_kv_layout()
+    layout = HAL_LAYOUTS.get(args.hal_kv_layout, args.hal_kv_layout) or served_kv_layout()
     backend, translator, layer, cache = _hal_group(
         heads, kv_heads, head_dim, dtype, num_blocks, args.max_num_seqs, max_model_len, layout=layout
     )
@@ -598,9 +602,11 @@ def main(argv=None) -> None:
     parser.add_argument("--kv-cache-gib", type=int, default=None, help="VLLM_CPU_KVCACHE_SPACE (default 1)")
     parser.add_argument(
         "--hal-kv-layout",
-        choices=["LBNHC", "LBHNC"],
+        choices=["LBNHC", "LBHNC", *VLLM_ALLOCATION],
         default=None,
-        help="VLLM_KV_CACHE_LAYOUT for hal's engines only (default: vLLM's choice, hal's preferred layout)",
+        help="VLLM_KV_CACHE_LAYOUT for hal's engines only (default: vLLM's choice, hal's preferred layout); "
+        "head_major / amx_packed: LBHNC holding that layout (HAL_KV_LAYOUT; default there: amx_packed on the amx "
+        "path for bf16, else head_major)",
     )
     args = parser.parse_args(argv)
     result = {"machine": machine(), "args": vars(args)}

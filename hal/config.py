@@ -37,8 +37,8 @@ class AttentionConfig:
     torch dtype; stored as its name.
 
     ``kv_layout``: the KV pool's layout (:mod:`hal.kv_layouts`: ``"token_major"``, ``"head_major"``,
-    ``"fractal_nz"``) when the engine's pools have one; None lets the chosen backend pick the layout it reads
-    best (``Selection.kv_layout``, which ``Selection.create_kv_pool`` allocates).
+    ``"fractal_nz"``, ``"amx_packed"``) when the engine's pools have one; None lets ``HAL_KV_LAYOUT``, else the
+    chosen backend, pick the layout (``Selection.kv_layout``, which ``Selection.create_kv_pool`` allocates).
     """
 
     tp_q_head_num: int = 32

@@ -31,6 +31,7 @@ from hal.errors import ConfigError, DeviceUnavailableError, NoBackendError, expe
 from hal.hybrid import HybridBackend
 from hal.kv_cache import MLAKVPool, PagedKVPool
 from hal.kv_layouts import TOKEN_MAJOR
+from hal.kv_layouts import kv_layout as layout_row
 from hal.registry import Device, device_backends, get_registry, probe_device
 
 __all__ = ["Selection", "select", "detect", "create_backend", "HybridBackend", "backend_report"]
@@ -248,12 +249,15 @@ def select(
 
     ``device``: ``"cuda"`` (the current CUDA device), ``"cuda:1"``, ``"npu"``, ``"cpu"``, a
     plugin's name; None: the best available. ``backend`` / ``prefill_backend`` /
-    ``decode_backend``: force backends by name. ``HAL_*`` variables override all four.
+    ``decode_backend``: force backends by name. ``HAL_*`` variables override all four;
+    ``HAL_KV_LAYOUT`` names the KV pool layout (:mod:`hal.kv_layouts`) of a config that names none.
     Raises ``ConfigError`` for a bad name or value, ``DeviceUnavailableError`` for a named
     device that is not here, ``NoBackendError`` listing every backend with its reasons
     when nothing can serve the config.
     """
     config = config or AttentionConfig()
+    if config.kv_layout is None and _env("HAL_KV_LAYOUT"):  # the pools' layout where the caller names none
+        config = replace(config, kv_layout=layout_row(_env("HAL_KV_LAYOUT"), ConfigError, "HAL_KV_LAYOUT").name)
     trace: list[str] = []
     forced = {}
     for phase, argument in (("prefill", prefill_backend), ("decode", decode_backend)):

@@ -162,6 +162,17 @@ def test_hals_pool_is_amx_packed_where_the_amx_path_reads_bf16_pages_of_32_and_t
             hal.select(dataclasses.replace(other, kv_layout=AMX_PACKED), device="cpu", backend="torch")
 
 
+def test_hal_kv_layout_names_the_pools_layout_where_the_config_names_none(monkeypatch):
+    config = hal.AttentionConfig(dtype=torch.float32, head_dim=32, tp_q_head_num=4, tp_k_head_num=2, page_size=16)
+    monkeypatch.setenv("HAL_KV_LAYOUT", HEAD_MAJOR)
+    assert hal.select(config, device="cpu", backend="torch").create_kv_pool(2).kv_layout == HEAD_MAJOR
+    named = dataclasses.replace(config, kv_layout=TOKEN_MAJOR)
+    assert hal.select(named, device="cpu", backend="torch").kv_layout == TOKEN_MAJOR  # the engine's pools win
+    monkeypatch.setenv("HAL_KV_LAYOUT", "page_major")
+    with pytest.raises(hal.errors.ConfigError, match="HAL_KV_LAYOUT.*page_major.*token_major"):
+        hal.select(config, device="cpu")
+
+
 def test_a_backend_reading_token_major_only_refuses_a_head_major_pool_before_writing():
     built = build(_cases(16, torch.float32)[1])
     fb = _head_major(built.batch)
