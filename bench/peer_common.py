@@ -69,12 +69,15 @@ def first_call(step, q, k_all, v_all, prefix: int, new: int, heads) -> dict:
     return {"first_ms": first_ms, **check(out, q, k_all, v_all, prefix, new, heads)}
 
 
-def shapes(args) -> dict:
-    """mode -> (requests, prefix, new tokens) from the shape options."""
+def shapes(args, mode: str, shape: dict | None = None) -> tuple[int, int, int]:
+    """(requests, prefix, new tokens) of ``mode``: ``shape`` (``{"batch", "prefix", "new"}``) where given, else
+    from the shape options."""
+    if shape is not None:
+        return int(shape["batch"]), int(shape["prefix"]), int(shape["new"])
     return {
         "decode": (args.decode_batch, args.decode_ctx - 1, 1),
         "extend": (args.extend_batch, args.extend_prefix, args.extend_new),
-    }
+    }[mode]
 
 
 def run(args, meta: dict, prepare: Callable[[str, str], dict], tag: str) -> int:
@@ -102,8 +105,10 @@ def serve(meta: dict, prepare: Callable[[str, str], dict]) -> int:
 
     The first answer is ``{"meta": meta}``. Requests:
 
-    * ``{"prepare": [mode, dtype]}`` -> ``{"variants": {name: facts}}``: that workload built (the last one
-      dropped: one workload's pools at a time) and each variant run once and checked (:func:`first_call`);
+    * ``{"prepare": [mode, dtype]}`` or ``{"prepare": [mode, dtype, {"batch", "prefix", "new"}]}`` ->
+      ``{"variants": {name: facts}}``: that workload built at the harness's shape for the mode (:func:`shapes`) or
+      the one given (the last one dropped: one workload's pools at a time) and each variant run once and checked
+      (:func:`first_call`);
     * ``{"call": name}`` -> ``{"ms": t}``: one call of that variant of the prepared workload, timed here;
     * a request that fails -> ``{"error": message}``. End of input ends the process.
 

@@ -172,9 +172,9 @@ def main() -> int:
         "backend": "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend",
     }
 
-    def prepare(mode: str, name: str) -> dict:
+    def prepare(mode: str, name: str, shape: dict | None = None) -> dict:
         """One variant, ``sglang``: its pool has page size 1, so it is compared with hal's page-1 rows only."""
-        batch, prefix, new = shapes(args)[mode]
+        batch, prefix, new = shapes(args, mode, shape)
         backend, layer, fb, (q, k, v), (k_all, v_all) = _batch(
             sg, mode, DTYPES[name], batch, prefix, new, heads, args.seed
         )

@@ -170,9 +170,9 @@ def main() -> int:
         "cpu_attention_with_kv_cache (CPU_ATTN's per-step calls)",
     }
 
-    def prepare(mode: str, name: str) -> dict:
+    def prepare(mode: str, name: str, shape: dict | None = None) -> dict:
         """One variant per block size, ``vllm_cpu_attn_b<block>``: vLLM's own layout, compared with every hal page."""
-        batch, prefix, new = shapes(args)[mode]
+        batch, prefix, new = shapes(args, mode, shape)
         variants = {}
         for block in (int(b) for b in args.blocks.split(",") if b):
             step, q, k_all, v_all, isa = _case(

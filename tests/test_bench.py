@@ -104,7 +104,7 @@ import os, sys, time
 sys.path.insert(0, {bench!r})
 import peer_common
 
-def prepare(mode, dtype):
+def prepare(mode, dtype, shape=None):
     if dtype == "bad":
         raise ValueError("no bad dtype here")
     if dtype == "die":
@@ -113,7 +113,7 @@ def prepare(mode, dtype):
         print("an engine's log line")  # Python's stdout and the C library's: neither may reach hal's pipe
         os.write(1, b"a kernel's log line\\n")
         time.sleep(0.002)
-    facts = {{"first_ms": 2.0, "correct": True, "max_abs_err": 0.0}}
+    facts = {{"first_ms": 2.0, "correct": True, "max_abs_err": 0.0, "mode": mode, "shape": shape}}
     return {{"fake_b16": (step, facts), "fake_page1": (step, {{**facts, "page_size": 1}})}}
 
 sys.exit(peer_common.serve({{"engine": "fake", "mode_seen": sys.argv[1:]}}, prepare))
@@ -138,6 +138,9 @@ def test_an_engine_peer_serves_call_by_call(tmp_path):
         assert set(calls) == {"fake_b16"} and facts["fake_b16"]["correct"]  # fake_page1 lands on page-1 rows only
         assert set(bench._peer_calls([server], "decode", "fp32", 1)[0]) == {"fake_b16", "fake_page1"}
         assert all(calls["fake_b16"]() >= 2.0 for _ in range(3))
+        _, facts = bench._peer_calls([server], "extend", "fp32", 16, {"batch": 1, "prefix": 1024, "new": 512})
+        assert facts["fake_b16"]["shape"] == {"batch": 1, "prefix": 1024, "new": 512}  # a prefill row's own
+        assert bench._peer_calls([server], "decode", "fp32", 16)[1]["fake_b16"]["shape"] is None  # built anew
         calls, facts = bench._peer_calls([server], "decode", "bad", 1)
         assert calls == {} and "no bad dtype here" in facts["fake"]["error"]
         with pytest.raises(bench.PeerFailed, match="unknown request"):
@@ -338,6 +341,15 @@ def test_the_head_major_contender_is_the_backend_over_a_head_major_pool_and_a_bl
     table[row, :2] = table[row, :2].flip(0)
     with pytest.raises(hal.errors.InvalidBatchError, match="req_to_page"):
         _layout_batch(built, selection)
+
+
+def test_the_prefill_workload_is_one_chunk_over_long_prefixes_and_asked_for_by_name():
+    from hal.commands.bench import PREFILL_PREFIXES, workloads
+
+    assert not [c for c in workloads(False) if c.name.startswith("prefill")]
+    cases = workloads(False, ["prefill"], ["fp32"], [128])
+    assert [c.requests for c in cases] == [((p, 512),) for p in PREFILL_PREFIXES] and PREFILL_PREFIXES[-1] >= 3584
+    assert {c.page_size for c in cases} == {128} and cases[-1].name == "prefill_x3584_fp32_p128"
 
 
 def test_an_unknown_kv_layout_is_refused():

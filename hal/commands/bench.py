@@ -143,12 +143,28 @@ def _mixed(quick: bool, dtype: torch.dtype, page_size: int) -> list[Case]:
     ]
 
 
+# The prefixes the prefill workload's chunk attends over: a long prompt's chunks, first to fourth of 512 and the
+# last of a 4k prompt.
+PREFILL_PREFIXES = (0, 1024, 2048, 3584)
+
+
+def _prefill(quick: bool, dtype: torch.dtype, page_size: int) -> list[Case]:
+    """A serving engine's chunked prefill: one request's chunk of 512 new tokens (128 quick) over each of
+    :data:`PREFILL_PREFIXES` (0 and 256 quick) already in the cache."""
+    prefixes, new = ((0, 256), 128) if quick else (PREFILL_PREFIXES, 512)
+    common = {"dtype": dtype, "page_size": page_size, **HEADS}
+    return [Case(f"prefill_x{prefix}", ForwardMode.EXTEND, ((prefix, new),), **common) for prefix in prefixes]
+
+
 # Timed forward workloads. ``step`` (per-step host costs, hal.commands.step_bench) is a report of another kind.
 WORKLOADS: dict[str, Callable[[bool, torch.dtype, int], list[Case]]] = {
     "decode": _decode,
     "extend": _extend,
     "mixed": _mixed,
+    "prefill": _prefill,
 }
+# What runs unless --workload names others (prefill: 4 more rows per dtype and page, asked for by name)
+DEFAULT_WORKLOADS = ("decode", "extend", "mixed")
 
 
 def workloads(
@@ -159,12 +175,12 @@ def workloads(
     page_sizes = page_sizes or list(DEFAULT_PAGE_SIZES)
     cases = []
     for name, make in WORKLOADS.items():
-        if names and name not in names:
+        if name not in (names or DEFAULT_WORKLOADS):
             continue
         for tag, dtype in DTYPES.items():
             if dtypes and tag not in dtypes:
                 continue
-            for ps in page_sizes if name in ("decode", "extend") else page_sizes[:1]:
+            for ps in page_sizes if name != "mixed" else page_sizes[:1]:
                 suffix = f"_{tag}" + ("" if ps == 1 else f"_p{ps}")
                 cases += [replace(c, name=c.name + suffix) for c in make(quick, dtype, ps)]
     return cases
@@ -358,7 +374,7 @@ class PeerServer:
         self._proc = subprocess.Popen(
             args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1, env=peer_env()
         )
-        self._workload: tuple[str, str] | None = None
+        self._workload: tuple[str, str, str] | None = None
         self._variants: dict = {}
         self.meta = self._ask(None, self.START_S)["meta"]
 
@@ -386,11 +402,14 @@ class PeerServer:
         self._log.seek(0)
         return self._log.read()[-1500:].strip() or "(nothing on stderr)"
 
-    def variants(self, mode: str, dtype: str) -> dict:
-        """``{variant: facts}`` of workload (mode, dtype), built on first ask (the previous one dropped)."""
-        if self._workload != (mode, dtype):
-            self._workload, self._variants = (mode, dtype), {}
-            self._variants = self._ask({"prepare": [mode, dtype]}, self.START_S)["variants"]
+    def variants(self, mode: str, dtype: str, shape: dict | None = None) -> dict:
+        """``{variant: facts}`` of workload (mode, dtype), at the harness's own shape for the mode or at ``shape``
+        (``{"batch", "prefix", "new"}``), built on first ask (the previous one dropped)."""
+        key = (mode, dtype, json.dumps(shape, sort_keys=True))
+        if self._workload != key:
+            self._workload, self._variants = key, {}
+            request = [mode, dtype] + ([shape] if shape else [])
+            self._variants = self._ask({"prepare": request}, self.START_S)["variants"]
         return self._variants
 
     def call(self, variant: str) -> float:
@@ -431,13 +450,16 @@ def _start_peers(pythons: list[str], quick: bool, threads: int) -> tuple[list[Pe
     return servers, errors
 
 
-def _peer_calls(servers: list[PeerServer], mode: str, dtype: str, page_size: int) -> tuple[dict, dict]:
-    """The engines' variants that compare with one workload row: ``({name: one-call timer}, {name: facts or
-    {"error"}})``. A variant that states a ``page_size`` (SGLang's pool: 1) lands on rows of that page only."""
+def _peer_calls(
+    servers: list[PeerServer], mode: str, dtype: str, page_size: int, shape: dict | None = None
+) -> tuple[dict, dict]:
+    """The engines' variants that compare with one workload row (at ``shape`` where given, see
+    :meth:`PeerServer.variants`): ``({name: one-call timer}, {name: facts or {"error"}})``. A variant that states a
+    ``page_size`` (SGLang's pool: 1) lands on rows of that page only."""
     calls, facts = {}, {}
     for server in servers:
         try:
-            variants = server.variants(mode, dtype)
+            variants = server.variants(mode, dtype, shape)
         except PeerFailed as exc:
             facts[server.engine] = {"error": str(exc)}
             continue
@@ -556,7 +578,7 @@ def _run_at(threads: int, cap, facts, classes, cases, peers, quick, repeats, pee
     Per workload, every backend and peer is run once and checked, then all are timed in turns
     (:func:`_interleaved`): the engines' harnesses in their own venvs (:class:`PeerServer`) call by call too."""
     torch_device = cap.torch_device
-    modes = sorted({c.name.split("_")[0] for c in cases} & {"decode", "extend"})
+    modes = sorted({c.name.split("_")[0] for c in cases} & {"decode", "extend", "prefill"})
     servers, errors = _start_peers(peer_python, quick, threads) if peer_python and modes else ([], {})
     try:
         _progress("machine limits")
@@ -651,9 +673,14 @@ def _row(
         except Exception as exc:  # a peer that cannot run here is reported, not fatal
             row["peers"][name] = {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"}
     mode = case.name.split("_")[0]
-    if servers and mode in ("decode", "extend"):
+    if servers and mode in ("decode", "extend", "prefill"):
         _progress(f"{where}: engine peers")
-        external, external_facts = _peer_calls(servers, mode, row["dtype"], case.page_size)
+        # a prefill row's shape goes with the request (the harnesses' own shapes are decode's and extend's)
+        (prefix, new), batch = case.requests[0], len(case.requests)
+        shape = {"batch": batch, "prefix": prefix, "new": new} if mode == "prefill" else None
+        external, external_facts = _peer_calls(
+            servers, "extend" if shape else mode, row["dtype"], case.page_size, shape
+        )
         calls.update({("peers", name): call for name, call in external.items()})
         for name, known in external_facts.items():
             if "error" in known:
@@ -805,8 +832,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--workload",
         action="append",
         default=[],
-        choices=["decode", "extend", "mixed", "step"],
-        help="repeatable (default: decode, extend, mixed); step, alone: per-step host costs (batch construction, "
+        choices=[*WORKLOADS, "step"],
+        help="repeatable (default: decode, extend, mixed); prefill: one request's 512-token chunk over prefixes of "
+        "0-3.5k (the engines' chunked prefill); step, alone: per-step host costs (batch construction, "
         "metadata, host reads, per-layer forward time)",
     )
     parser.add_argument("--dtype", action="append", default=[], choices=list(DTYPES), help="repeatable")
