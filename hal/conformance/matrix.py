@@ -50,7 +50,7 @@ from hal.integrations.vllm_steps import (
     vllm_layer,
 )
 from hal.kernels import reference
-from hal.kv_layouts import FRACTAL_NZ, HEAD_MAJOR, TOKEN_MAJOR
+from hal.kv_layouts import AMX_PACKED, FRACTAL_NZ, HEAD_MAJOR, TOKEN_MAJOR
 from hal.registry import device_backends, get_registry, probe_device, register_device, unregister_device
 
 __all__ = [
@@ -397,6 +397,11 @@ def _vllm_paths() -> list[EnginePath]:
         EnginePath("vllm", "eager chunked mixed, bf16", _vllm_steps(_PREFILL + _MIXED, dtype=torch.bfloat16)),
         EnginePath(
             "vllm", "full decode graphs, head_major cache", lambda run: vllm_full_decode_graphs(run, HEAD_MAJOR)
+        ),
+        EnginePath(  # what hal keeps in vLLM's CPU cache where its amx path serves a bf16 model (blocks of 32 up)
+            "vllm",
+            "eager, amx_packed pages in the LBHNC cache, bf16",
+            _vllm_steps(_PREFILL + _MIXED, AMX_PACKED, dtype=torch.bfloat16, block_size=32),
         ),
     ]
     paths += [

@@ -25,7 +25,7 @@ import hal
 from hal.integrations.vllm_steps import hal_kv_cache_dtype
 from hal.kernels.reference import dequantize_kv, quantize_kv
 from hal.kv_dtypes import KV_STORAGE_DTYPES
-from hal.kv_layouts import FRACTAL_NZ, HEAD_MAJOR, KV_LAYOUTS, TOKEN_MAJOR
+from hal.kv_layouts import AMX_PACKED, FRACTAL_NZ, HEAD_MAJOR, KV_LAYOUTS, TOKEN_MAJOR
 
 __all__ = [
     "vllm_cache",
@@ -132,7 +132,7 @@ class SimulatedEngine:
             size = self.cache_block_size
             self.cache = ascend_pair(num_blocks * block_size // size, kv_heads, size, head_dim, kv_layout, storage)
         else:
-            allocate = vllm_cpu_cache if kv_layout == HEAD_MAJOR else vllm_cache
+            allocate = vllm_cpu_cache if kv_layout in (HEAD_MAJOR, AMX_PACKED) else vllm_cache
             self.cache = allocate(num_blocks, kv_heads, block_size, head_dim, storage)
         self.cache = _to(self.cache, self.device)
         self.free = list(range(1, num_blocks))
@@ -220,8 +220,9 @@ class SimulatedEngine:
 
     def stored_kv(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The K and V rows ``[n, kv_heads, head_dim]`` at ``slots`` of the engine's own cache, read as vLLM
-        (LBNHC: K then V on the content axis; LBHNC: CPU_ATTN's views) or vllm-ascend (the pair's K and V tensors;
-        FRACTAL_NZ by its documented element order) reads them, not through hal's pool."""
+        (LBNHC: K then V on the content axis; LBHNC: CPU_ATTN's views, AMX-packed within each (block, head) as its
+        AMX kernel keeps them) or vllm-ascend (the pair's K and V tensors; FRACTAL_NZ by its documented element
+        order) reads them, not through hal's pool."""
         slots = slots.to(self.device)
         blocks, offsets = slots // self.cache_block_size, slots % self.cache_block_size
         if self.pair and self.kv_layout == FRACTAL_NZ:
@@ -232,6 +233,10 @@ class SimulatedEngine:
         if self.kv_layout == HEAD_MAJOR:
             k, v = lbhnc_views(self.cache)
             return k[blocks, :, offsets], v[blocks, :, offsets]
+        if self.kv_layout == AMX_PACKED:
+            k, v = lbhnc_views(self.cache)
+            layout = KV_LAYOUTS[AMX_PACKED]
+            return layout.reader()(k, slots, self.kv_heads), layout.reader(value=True)(v, slots, self.kv_heads)
         rows = self.cache[blocks, :, offsets]  # [n, kv_heads, head_dim + head_dim]
         return rows[..., : self.head_dim], rows[..., self.head_dim :]
 
