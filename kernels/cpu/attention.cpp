@@ -781,6 +781,10 @@ struct Problem {
   const void* k;
   const void* v;
   int64_t k_ps, k_ts, k_hs, v_ps, v_ts, v_hs;
+  // AMX-packed pages (amx_packed below): head-major pages whose (page, head) slabs hold their values permuted into
+  // AMX B tiles; a key's "row" is then where its value of dim 0 lies (packed_k_row / packed_v_row), its dim d
+  // packed_k_dim(d) / packed_v_dim(d, page) further on, and k_ts / v_ts are not used.
+  bool packed = false;
   int64_t num_pages, page = 1;
   int page_shift = -1;  // log2(page) where page is a power of two
   bool by_page = false;  // the table is req_to_page [R, max pages] (pages), not req_to_token [R, context] (slots)
@@ -804,6 +808,27 @@ struct Problem {
   std::atomic<bool>* bad;
   int64_t widened_keys = 0;  // a tile task's WidenedRows at most (keys); 0: as many as kWidenedBytes hold
 };
+
+// ---- AMX-packed pages (hal.kv_layouts' amx_packed): the one place of their element offsets ---------------------
+// A (page, head) slab's page * D values in the tiles of AMX's B operand (16 rows of 16 pairs of 2-byte values, the
+// "VNNI" form B[k / 2][n][k % 2]), as vLLM's csrc/cpu/cpu_attn_amx.hpp writes its cache: value (o, d) at
+// row(o) + dim(d). K (B = K^T in panels of 16 keys): (o / 16) * 16 * D + (d / 2) * 32 + (o % 16) * 2 + d % 2, so
+// keys [16 g, 16 g + 16) x dims [32 c, 32 c + 32) are the 512 values at (g * D / 32 + c) * 512. V (B = V in
+// panels of 16 dims): (d / 16) * page * 16 + (o / 2) * 32 + (d % 16) * 2 + o % 2, so keys [32 q, 32 q + 32) x dims
+// [16 e, 16 e + 16) are the 512 values at e * page * 16 + q * 512. (hal.kernels.reference.kv_layouts.
+// amx_packed_offsets is the same in torch.) Pages of a multiple of 32 slots, D and Dv multiples of 32.
+constexpr int64_t kPackedPage = 32;  // page and dims a multiple of this (whole tiles)
+constexpr int64_t kTileValues = 512;  // 16 x 32 two-byte values: 1 KB
+inline int64_t packed_k_row(int64_t o, int64_t D) { return (o / 16) * 16 * D + (o % 16) * 2; }
+inline int64_t packed_k_dim(int64_t d) { return (d / 2) * 32 + d % 2; }
+inline int64_t packed_v_row(int64_t o) { return (o / 2) * 32 + o % 2; }
+inline int64_t packed_v_dim(int64_t d, int64_t page) { return (d / 16) * page * 16 + (d % 16) * 2; }
+
+// Where head 0's row of offset o of page pg lies (elements from k and v): its first value in any layout.
+inline void row_at(const Problem& P, int64_t pg, int64_t o, int64_t& k, int64_t& v) {
+  k = pg * P.k_ps + (P.packed ? packed_k_row(o, P.D) : o * P.k_ts);
+  v = pg * P.v_ps + (P.packed ? packed_v_row(o) : o * P.v_ts);
+}
 
 struct Task {
   int64_t b, h, i0, i1;  // request, first KV head, query rows [i0, i1) of the request
@@ -858,8 +883,7 @@ inline bool key_offsets(const Problem& P, const int32_t* row, int64_t j0, int64_
         pg = row[++i];
         if (pg < 0 || pg >= P.num_pages) return bad(pg);
       }
-      ko[j] = pg * P.k_ps + o * P.k_ts;
-      vo[j] = pg * P.v_ps + o * P.v_ts;
+      row_at(P, pg, o, ko[j], vo[j]);
     }
     return true;
   }
@@ -872,14 +896,29 @@ inline bool key_offsets(const Problem& P, const int32_t* row, int64_t j0, int64_
       vo[j] = slot * P.v_ps;
     } else {
       const int64_t pg = P.page_shift >= 0 ? slot >> P.page_shift : slot / P.page, o = slot - pg * P.page;
-      ko[j] = pg * P.k_ps + o * P.k_ts;
-      vo[j] = pg * P.v_ps + o * P.v_ts;
+      row_at(P, pg, o, ko[j], vo[j]);
     }
   }
   return true;
 }
 
 thread_local std::vector<int64_t> t_offsets;
+thread_local std::vector<float> t_unpacked[2];  // a packed pool's K (0) and V (1) rows of a block, row-major
+
+// Rows of n keys of a packed pool (rows[j]: where key j's row lies, row_at) unpacked into this thread's scratch, K's
+// (value false, D dims) or V's (Dv); rows[j] then points at key j's row there. For the paths that read rows
+// (any ISA, float32 pools): correct, not fast. Until the next call for the same side.
+template <typename T>
+inline void unpack_rows(const Problem& P, bool value, const T** rows, int64_t n) {
+  const int64_t D = value ? P.Dv : P.D;
+  T* dst = reinterpret_cast<T*>(aligned(t_unpacked[value], up16(n * D)));
+  for (int64_t j = 0; j < n; ++j) {
+    const T* src = rows[j];
+    T* row = dst + j * D;
+    for (int64_t d = 0; d < D; ++d) row[d] = src[value ? packed_v_dim(d, P.page) : packed_k_dim(d)];
+    rows[j] = row;
+  }
+}
 
 // kp[j], vp[j]: the K and V rows of KV head h of keys [j0, j0 + nk) of a request (its table row `row`); false
 // where the table names a slot or page outside the pool (key_offsets).
@@ -895,6 +934,10 @@ inline bool slot_ptrs(const Problem& P, const int32_t* row, int64_t j0, int64_t 
   for (int64_t j = 0; j < nk; ++j) {
     kp[j] = K + ko[j];
     vp[j] = V + vo[j];
+  }
+  if (P.packed) {
+    unpack_rows(P, false, kp, nk);
+    unpack_rows(P, true, vp, nk);
   }
   return true;
 }
@@ -1133,6 +1176,7 @@ void run_rows(const Problem& P, const Task& task) {
       for (int64_t hh = g0; hh < g1; ++hh) {
         const int64_t h = task.h + hh;
         for (int64_t j = 0; j < nk; ++j) kp[j] = K + cur_k[j] + h * P.k_hs;
+        if (P.packed) unpack_rows(P, false, kp, nk);
         // The next block's rows of this head go to L2 while this one computes, spread over the dots (K) and
         // P . V (V) by the first group of rows (see Ahead). Two or three blocks ahead lost on the Zen 1 and the
         // Xeon; one head-step ahead was within noise.
@@ -1155,6 +1199,7 @@ void run_rows(const Problem& P, const Task& task) {
       for (int64_t hh = g0; hh < g1; ++hh) {
         const int64_t h = task.h + hh;
         for (int64_t j = 0; j < nk; ++j) vp[j] = V + cur_v[j] + h * P.v_hs;
+        if (P.packed) unpack_rows(P, true, vp, nk);
         for (int64_t j = 0; j < nn; ++j) next_v[j] = ahead_row(V, nxt_v, nn, P.v_hs, hh, j);
         const Ahead ahead_v{next_v, nn, int64_t(Dv * sizeof(T))};
         float* s = scores + (hh - g0) * per_scores;
@@ -1982,13 +2027,19 @@ void run_tile(const Problem& P, const Task& task) {
 
 // The pool's buffers: [S, Hkv, D] keys and [S, Hkv, Dv] values (pages of one slot), or [N, Hkv, page, D] and
 // [N, Hkv, page, Dv] pages of any strides (a token-major pool's view, or head-major pages); last dims contiguous.
-// false: buffers that do not pair so.
-bool bind_buffers(Problem& P, const at::Tensor& k_buffer, const at::Tensor& v_buffer) {
+// `packed`: AMX-packed pages, [N, Hkv, page, D | Dv] with each (page, head) slab dense, page and dims multiples of
+// 32. false: buffers that do not pair so.
+bool bind_buffers(Problem& P, const at::Tensor& k_buffer, const at::Tensor& v_buffer, bool packed = false) {
   const int64_t dims = k_buffer.dim();
   if ((dims != 3 && dims != 4) || v_buffer.dim() != dims || k_buffer.size(0) != v_buffer.size(0) ||
       k_buffer.size(1) != v_buffer.size(1) || (dims == 4 && k_buffer.size(2) != v_buffer.size(2)) ||
       k_buffer.stride(dims - 1) != 1 || v_buffer.stride(dims - 1) != 1)
     return false;
+  if (packed && (dims != 4 || k_buffer.size(2) % kPackedPage || k_buffer.size(3) % kPackedPage ||
+                 v_buffer.size(3) % kPackedPage || k_buffer.stride(2) != k_buffer.size(3) ||
+                 v_buffer.stride(2) != v_buffer.size(3)))
+    return false;
+  P.packed = packed;
   P.k = k_buffer.data_ptr();
   P.v = v_buffer.data_ptr();
   P.num_pages = k_buffer.size(0);
@@ -2160,6 +2211,18 @@ bool token_rows(const at::Tensor& t, at::ScalarType dt, int64_t T, int64_t H, in
   return false;
 }
 
+// One token's K and V rows (knew: D values, vnew: Dv, of E's size) stored at their places in a packed pool (krow,
+// vrow: where the token's rows lie, row_at).
+template <typename E>
+void scatter_packed(const Problem& P, char* krow, char* vrow, const char* knew, const char* vnew) {
+  E* k = reinterpret_cast<E*>(krow);
+  E* v = reinterpret_cast<E*>(vrow);
+  const E* kn = reinterpret_cast<const E*>(knew);
+  const E* vn = reinterpret_cast<const E*>(vnew);
+  for (int64_t d = 0; d < P.D; ++d) k[packed_k_dim(d)] = kn[d];
+  for (int64_t d = 0; d < P.Dv; ++d) v[packed_v_dim(d, P.page)] = vn[d];
+}
+
 bool index_vector(const at::Tensor& t) {
   return t.defined() && t.scalar_type() == at::kLong && t.dim() == 1 && t.is_contiguous() && t.device().is_cpu();
 }
@@ -2175,7 +2238,8 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::
                      const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& kv_lens,
                      const at::Tensor& q_lens, const at::Tensor& q_start, const at::Tensor& custom_mask,
                      const at::Tensor& mask_start, const at::Tensor& sinks, const at::Tensor& out, double scale,
-                     double logit_cap, int64_t window, bool causal, int64_t tile_rows, bool by_page) {
+                     double logit_cap, int64_t window, bool causal, int64_t tile_rows, bool by_page,
+                     bool amx_packed) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "q and out must be float32");
   TORCH_CHECK(k_buffer.scalar_type() == v_buffer.scalar_type(), "k and v buffers differ in dtype");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "last dims must be contiguous");
@@ -2184,10 +2248,13 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::
   const bool bf16 = k_buffer.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || k_buffer.scalar_type() == at::kFloat, "KV buffers must be float32 or bfloat16");
   Problem P;
-  TORCH_CHECK(bind_buffers(P, k_buffer, v_buffer) && k_buffer.size(k_buffer.dim() - 1) == q.size(2) &&
+  TORCH_CHECK(bind_buffers(P, k_buffer, v_buffer, amx_packed) && k_buffer.size(k_buffer.dim() - 1) == q.size(2) &&
                   out.size(2) == P.Dv,
-              "hal: k/v buffers ", k_buffer.sizes(), " / ", v_buffer.sizes(), ": expected [slots, kv heads, dim] or ",
-              "[pages, kv heads, page, dim] of the queries' dim, last dims contiguous");
+              "hal: k/v buffers ", k_buffer.sizes(), " / ", v_buffer.sizes(), ": expected ",
+              amx_packed ? "AMX-packed [pages, kv heads, page, dim] (page and dims multiples of 32, each (page, head) "
+                           "slab dense)"
+                         : "[slots, kv heads, dim] or [pages, kv heads, page, dim]",
+              " of the queries' dim, last dims contiguous");
   P.by_page = by_page;
   set_layer(P, q.size(1), q.size(2), scale, logit_cap, window, causal);
   TORCH_CHECK(bind_sinks(P, sinks), "hal: sinks must be float32, contiguous, one per q head (", P.Hq, ")");
@@ -2215,14 +2282,14 @@ at::Tensor write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::
                             const at::Tensor& q_start, const at::Tensor& custom_mask, const at::Tensor& mask_start,
                             const at::Tensor& sinks, int64_t q_heads, int64_t kv_heads, int64_t v_heads, int64_t head_dim, int64_t v_head_dim,
                             double scale, double logit_cap, int64_t window, bool causal, int64_t tile_rows,
-                            bool by_page, const std::optional<at::Tensor>& out) {
+                            bool by_page, bool amx_packed, const std::optional<at::Tensor>& out) {
   const at::ScalarType dt = k_buffer.scalar_type();
   const bool bf16 = dt == at::kBFloat16;
   if (!(bf16 || dt == at::kFloat) || v_buffer.scalar_type() != dt || !k_buffer.device().is_cpu() ||
       !v_buffer.device().is_cpu())
     return {};
   Problem P;
-  if (!bind_buffers(P, k_buffer, v_buffer)) return {};
+  if (!bind_buffers(P, k_buffer, v_buffer, amx_packed)) return {};
   const int64_t last = k_buffer.dim() - 1;
   if (P.Hkv != kv_heads || k_buffer.size(last) != head_dim || P.Dv != v_head_dim || v_heads != kv_heads ||
       kv_heads <= 0 || q_heads % kv_heads || k_buffer.data_ptr() == v_buffer.data_ptr())
@@ -2258,8 +2325,8 @@ at::Tensor write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::
     TORCH_CHECK(s >= -1 && s < slots, "hal: out_cache_loc[", t, "] = ", s, ": expected a slot in [0, ", slots,
                 ") or -1 (a padding token: nothing written)");
     const int64_t pg = s / P.page, o = s - pg * P.page;
-    k_at[t] = s < 0 ? -1 : pg * P.k_ps + o * P.k_ts;
-    v_at[t] = s < 0 ? -1 : pg * P.v_ps + o * P.v_ts;
+    row_at(P, pg, o, k_at[t], v_at[t]);
+    if (s < 0) k_at[t] = v_at[t] = -1;
   }
   const int64_t elt = bf16 ? 2 : 4;
   char* K = static_cast<char*>(k_buffer.data_ptr());
@@ -2270,8 +2337,18 @@ at::Tensor write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::
     for (int64_t t = t0; t < t1; ++t) {
       if (k_at[t] < 0) continue;
       for (int64_t h = 0; h < kv_heads; ++h) {
-        std::memcpy(K + (k_at[t] + h * P.k_hs) * elt, kin + (t * ks0 + h * ks1) * elt, head_dim * elt);
-        std::memcpy(V + (v_at[t] + h * P.v_hs) * elt, vin + (t * vs0 + h * vs1) * elt, v_head_dim * elt);
+        char* krow = K + (k_at[t] + h * P.k_hs) * elt;
+        char* vrow = V + (v_at[t] + h * P.v_hs) * elt;
+        const char* knew = kin + (t * ks0 + h * ks1) * elt;
+        const char* vnew = vin + (t * vs0 + h * vs1) * elt;
+        if (!P.packed) {
+          std::memcpy(krow, knew, head_dim * elt);
+          std::memcpy(vrow, vnew, v_head_dim * elt);
+        } else if (bf16) {
+          scatter_packed<uint16_t>(P, krow, vrow, knew, vnew);
+        } else {
+          scatter_packed<uint32_t>(P, krow, vrow, knew, vnew);
+        }
       }
     }
   });
@@ -2398,7 +2475,8 @@ TORCH_LIBRARY_FRAGMENT(hal, m) {
   m.def(HAL_OP(paged_attention)
         "(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, Tensor rows, Tensor kv_lens, "
         "Tensor q_lens, Tensor q_start, Tensor custom_mask, Tensor mask_start, Tensor sinks, Tensor(a!) out, "
-        "float scale, float logit_cap, int window, bool causal, int tile_rows, bool by_page=False) -> ()");
+        "float scale, float logit_cap, int window, bool causal, int tile_rows, bool by_page=False, "
+        "bool amx_packed=False) -> ()");
   m.def(HAL_OP(build_info) "() -> str", &build_info);
 }
 TORCH_LIBRARY_IMPL(hal, CPU, m) { m.impl(HAL_OP(paged_attention), &paged_attention); }
@@ -2411,12 +2489,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, py::arg("q"), py::arg("k_buffer"), py::arg("v_buffer"),
         py::arg("req_to_token"), py::arg("rows"), py::arg("kv_lens"), py::arg("q_lens"), py::arg("q_start"),
         py::arg("custom_mask"), py::arg("mask_start"), py::arg("sinks"), py::arg("out"), py::arg("scale"),
-        py::arg("logit_cap"), py::arg("window"), py::arg("causal"), py::arg("tile_rows"), py::arg("by_page") = false);
+        py::arg("logit_cap"), py::arg("window"), py::arg("causal"), py::arg("tile_rows"), py::arg("by_page") = false,
+        py::arg("amx_packed") = false);
   m.def("write_and_attend", &write_and_attend, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("loc"),
         py::arg("k_buffer"), py::arg("v_buffer"), py::arg("req_to_token"), py::arg("rows"), py::arg("kv_lens"),
         py::arg("q_lens"), py::arg("q_start"), py::arg("custom_mask"), py::arg("mask_start"), py::arg("sinks"),
         py::arg("q_heads"), py::arg("kv_heads"), py::arg("v_heads"), py::arg("head_dim"), py::arg("v_head_dim"),
         py::arg("scale"), py::arg("logit_cap"), py::arg("window"), py::arg("causal"), py::arg("tile_rows"),
-        py::arg("by_page"), py::arg("out") = py::none());
+        py::arg("by_page"), py::arg("amx_packed"), py::arg("out") = py::none());
   m.def("peak_gflops", &peak_gflops);
 }
