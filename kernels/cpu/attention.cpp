@@ -1,6 +1,9 @@
 // hal CPU attention: paged decode / extend / verify over a KV pool of token-major or head-major pages, addressed
 // through req_to_token (slots) or req_to_page (a block table), no gathered copy of the KV cache.
 //
+// Pools of AMX-packed pages (hal.kv_layouts' amx_packed) are read by tiles straight from the pool on the AMX paths
+// (bf16: run_rows_amx for decode and verify, run_tile_amx for extend), their rows unpacked per block elsewhere.
+//
 // One task per request (or per (request, KV head) when requests are few) for decode and verify
 // (every query row of the request and all query heads of the GQA group together; HAL_HEADS_PER_TASK
 // overrides the heads per task), or per (request, KV head, tile of queries) for extend (register-
@@ -1282,6 +1285,7 @@ inline void tile_dp(int c, int a, int b) {
 }
 #define HAL_TILE_ZERO(t) tile_zero(t)
 #define HAL_TILE_LOAD(t, p, s) tile_load(t, p, s)
+#define HAL_TILE_STREAM_LOAD(t, p, s) tile_load(t, p, s)
 #define HAL_TILE_STORE(t, p, s) tile_store(t, p, s)
 #define HAL_TILE_DP(c, a, b) tile_dp(c, a, b)
 #else
@@ -1315,17 +1319,52 @@ inline void amx_end() { _tile_release(); }
   asm volatile("{tileloadd\t(%1,%2,1), %%tmm" #t "|tileloadd\t%%tmm" #t ", [%1+%2*1]}" ::"m"( \
                    *(const char(*)[])(p)),                                                     \
                "r"((const void*)(p)), "r"((long)(s)))
+// tileloaddt1: the same, with the hint that the tile's lines will not be read again soon (K and V tiles read
+// straight from the pool, once each: vLLM's AMX kernel streams them so, _tile_stream_loadd).
+#define HAL_TILE_STREAM_LOAD(t, p, s)                                                                 \
+  asm volatile("{tileloaddt1\t(%1,%2,1), %%tmm" #t "|tileloaddt1\t%%tmm" #t ", [%1+%2*1]}" ::"m"( \
+                   *(const char(*)[])(p)),                                                           \
+               "r"((const void*)(p)), "r"((long)(s)))
 #define HAL_TILE_STORE(t, p, s) _tile_stored(t, p, s)
 #define HAL_TILE_DP(c, a, b) _tile_dpbf16ps(c, a, b)
 #endif
 
+// Lines of memory fetched into L2 a few at a time as tiles are multiplied (the next block's tiles of the pool, as
+// Ahead does for the row path's rows): `runs` runs of `bytes` bytes, `stride` bytes apart, from `p`; `per` lines
+// each step().
+struct TileAhead {
+  const char* p = nullptr;
+  int64_t bytes = 0, stride = 0, runs = 0, per = 0;
+  int64_t run = 0, at = 0;  // the next line: run `run`, byte `at`
+  // `per` set so that `steps` steps fetch every line
+  void spread(int64_t steps) {
+    const int64_t lines = runs * ((bytes + 63) / 64);
+    per = (lines + std::max<int64_t>(steps, 1) - 1) / std::max<int64_t>(steps, 1);
+  }
+  __attribute__((always_inline)) void step() {
+    for (int64_t i = 0; i < per && run < runs; ++i) {
+      __builtin_prefetch(p + run * stride + at, 0, 1);
+      at += 64;
+      if (at >= bytes) {
+        at = 0;
+        ++run;
+      }
+    }
+  }
+  void rest() {
+    per = std::numeric_limits<int64_t>::max();
+    step();
+  }
+};
+
 // C (NR x NC tiles of 16 x 16 float32 at c, row stride ldc bytes) = (accumulate ? C : 0) + A . B over `chunks`
 // chunks of 32 k. A: rows of bf16, row stride lda bytes, chunk k at a + 32 k, the second row tile 16 rows down;
 // a_lo, where given, a second A (the low bf16 halves of float32 rows) dotted with the same B. B: VNNI blocks
-// of 16 x 32 bf16, chunk k of column tile n at b + n * b_col + k * b_chunk.
-template <int NR, int NC>
+// of 16 x 32 bf16, chunk k of column tile n at b + n * b_col + k * b_chunk; STREAM: read once (tiles of the pool:
+// tileloaddt1). `ahead`, where given, steps once per chunk.
+template <int NR, int NC, bool STREAM = false>
 inline void amx_mm(const uint16_t* a, const uint16_t* a_lo, int64_t lda, const uint16_t* b, int64_t b_col,
-                   int64_t b_chunk, int64_t chunks, float* c, int64_t ldc, bool accumulate) {
+                   int64_t b_chunk, int64_t chunks, float* c, int64_t ldc, bool accumulate, TileAhead* ahead) {
   const int64_t a_row = 16 * lda / 2;  // elements to the second row tile
   char* c0 = reinterpret_cast<char*>(c);
   if (accumulate) {
@@ -1340,8 +1379,14 @@ inline void amx_mm(const uint16_t* a, const uint16_t* a_lo, int64_t lda, const u
     if constexpr (NR > 1 && NC > 1) HAL_TILE_ZERO(3);
   }
   for (int64_t k = 0; k < chunks; ++k) {
-    HAL_TILE_LOAD(6, b + b_chunk * k, 64);
-    if constexpr (NC > 1) HAL_TILE_LOAD(7, b + b_col + b_chunk * k, 64);
+    if constexpr (STREAM) {
+      HAL_TILE_STREAM_LOAD(6, b + b_chunk * k, 64);
+      if constexpr (NC > 1) HAL_TILE_STREAM_LOAD(7, b + b_col + b_chunk * k, 64);
+    } else {
+      HAL_TILE_LOAD(6, b + b_chunk * k, 64);
+      if constexpr (NC > 1) HAL_TILE_LOAD(7, b + b_col + b_chunk * k, 64);
+    }
+    if (ahead) ahead->step();
     for (const uint16_t* x : {a, a_lo}) {
       if (!x) continue;
       HAL_TILE_LOAD(4, x + 32 * k, lda);
@@ -1359,9 +1404,10 @@ inline void amx_mm(const uint16_t* a, const uint16_t* a_lo, int64_t lda, const u
 }
 
 // C [rows x cols] (rows, cols multiples of 16) by amx_mm over 2 x 2 tile blocks, single tiles at the edges.
+template <bool STREAM = false>
 inline void amx_gemm(const uint16_t* a, const uint16_t* a_lo, int64_t lda, int64_t rows, const uint16_t* b,
                      int64_t b_col, int64_t b_chunk, int64_t cols, int64_t chunks, float* c, int64_t ldc,
-                     bool accumulate) {
+                     bool accumulate, TileAhead* ahead = nullptr) {
   const int64_t a_row = 16 * lda / 2, c_row = 16 * ldc / 4;
   for (int64_t r = 0; r < rows; r += 32) {
     const uint16_t* ar = a + r / 16 * a_row;
@@ -1371,14 +1417,19 @@ inline void amx_gemm(const uint16_t* a, const uint16_t* a_lo, int64_t lda, int64
       const uint16_t* bn = b + n / 16 * b_col;
       float* cn = c + r / 16 * c_row + n;
       if (n + 32 <= cols) {
-        two_rows ? amx_mm<2, 2>(ar, lr, lda, bn, b_col, b_chunk, chunks, cn, ldc, accumulate)
-                 : amx_mm<1, 2>(ar, lr, lda, bn, b_col, b_chunk, chunks, cn, ldc, accumulate);
+        two_rows ? amx_mm<2, 2, STREAM>(ar, lr, lda, bn, b_col, b_chunk, chunks, cn, ldc, accumulate, ahead)
+                 : amx_mm<1, 2, STREAM>(ar, lr, lda, bn, b_col, b_chunk, chunks, cn, ldc, accumulate, ahead);
       } else {
-        two_rows ? amx_mm<2, 1>(ar, lr, lda, bn, b_col, b_chunk, chunks, cn, ldc, accumulate)
-                 : amx_mm<1, 1>(ar, lr, lda, bn, b_col, b_chunk, chunks, cn, ldc, accumulate);
+        two_rows ? amx_mm<2, 1, STREAM>(ar, lr, lda, bn, b_col, b_chunk, chunks, cn, ldc, accumulate, ahead)
+                 : amx_mm<1, 1, STREAM>(ar, lr, lda, bn, b_col, b_chunk, chunks, cn, ldc, accumulate, ahead);
       }
     }
   }
+}
+
+// The amx_mm steps (chunk iterations) of amx_gemm over rows x cols, `chunks` chunks: what a TileAhead spreads over.
+inline int64_t amx_steps(int64_t rows, int64_t cols, int64_t chunks) {
+  return (rows + 31) / 32 * ((cols + 31) / 32) * chunks;
 }
 
 // Keys [16 g, 16 g + 16) of a block (kp[j], j < nk; zeros past nk), D dims, into the VNNI blocks of B = K^T:
@@ -1546,6 +1597,160 @@ void run_tile_amx(const Problem& P, const Task& task) {
   }
   amx_end();
 }
+
+// ---- AMX tiles over AMX-packed pages (decode, verify) -----------------------------------------------------
+// Whether a request's keys [lo, hi) lie as whole pages do (key j at offset j % page, the keys of one page of the
+// request on one page of the pool), so that their tiles are read where they lie: always through req_to_page;
+// through req_to_token where its slots run so (a paged allocator's). A slot outside the pool: false (the row path
+// names it).
+inline bool pages_whole(const Problem& P, const int32_t* row, int64_t lo, int64_t hi) {
+  if (P.by_page) return true;
+  const int64_t slots = P.num_pages * P.page;
+  int64_t first = -1;  // the pool slot of offset 0 of the page at hand
+  for (int64_t j = lo; j < hi; ++j) {
+    const int64_t slot = row[j], o = j % P.page;
+    if (slot < 0 || slot >= slots || (slot - o) % P.page || (j > lo && o > 0 && slot - o != first)) return false;
+    first = slot - o;
+  }
+  return true;
+}
+
+// The pool page of key j of a request (through its table row), or -1 where the table names one outside the pool
+// (recorded as key_offsets does, where `record`).
+inline int64_t page_of(const Problem& P, const int32_t* row, int64_t j, bool record = true) {
+  const int64_t pg = P.by_page ? row[j / P.page] : row[j] / P.page;
+  if (pg >= 0 && pg < P.num_pages && (P.by_page || row[j] >= 0)) return pg;
+  if (record) {
+    P.bad_slot->store(P.by_page ? pg : row[j]);
+    P.bad->store(true);
+  }
+  return -1;
+}
+
+constexpr int64_t kPackedKeys = 128;  // keys per block of the packed tile path, at most (within one page)
+
+// Row tasks (decode, verify: all query rows of a request and the GQA group of each KV head in [h, h + nh)) over
+// AMX-packed bf16 pages, by tiles read straight from the pool, as vLLM's AMX kernel does: S = Q . K^T with Q's
+// rows in A tiles (bf16 hi, and lo where float32 queries have nonzero low halves; query rows past 16 in more row
+// tiles) and K's tiles as B; the online softmax (fold_block) in vector code; O += P . V with P in bf16 (hi + lo
+// for such float32 queries, as run_tile_amx) and V's tiles as B. Blocks of up to kPackedKeys keys from a
+// multiple of 32, within one page; each head's scores, fold and P . V per block, the heads of a page one after
+// another (their slabs lie side by side in the pool); the next block's K and V tiles of a head fetched into L2
+// while its current ones are multiplied (TileAhead). Keys past the visible ones in a block's first or last 32
+// read their V tiles through a copy with those keys zeroed: slots past a request's last key hold anything (NaN
+// times a zero probability is NaN).
+void run_rows_amx(const Problem& P, const Task& task) {
+  const int64_t b = task.b, i0 = task.i0, nq = task.i1 - task.i0, nh = task.nh;
+  const int64_t R = nq * P.G, Rp = (R + 15) / 16 * 16, D = P.D, Dv = P.Dv, page = P.page;
+  const int64_t dchunks = D / 32, vgroups = Dv / 16, BK = std::min(page, kPackedKeys);
+  // float32: the queries of the head at hand [R x D], scores [Rp x BK]; per head: accumulators [Rp x Dv], max, sum
+  const int64_t per_head = up16(Rp * Dv) + 2 * up16(R);
+  float* qs = scratch(up16(R * D) + up16(Rp * BK) + nh * per_head);
+  float* s = qs + up16(R * D);
+  float* state = s + up16(Rp * BK);
+  // bf16: per head the queries' hi and lo halves [Rp x D] each; P's hi and lo [Rp x BK]; a V chunk's tiles
+  thread_local std::vector<uint16_t> t_bf16;
+  uint16_t* qb = aligned(t_bf16, nh * 2 * Rp * D + 2 * Rp * BK + vgroups * kTileValues);
+  uint16_t* phi = qb + nh * 2 * Rp * D;
+  uint16_t* plo = phi + Rp * BK;
+  uint16_t* vedge = plo + Rp * BK;
+  std::vector<int64_t> lo(nq), hi(nq);
+  std::vector<char> two_pass(nh);
+  int64_t LO = 0, HI = 0;
+  for (int64_t hh = 0; hh < nh; ++hh) {
+    Task head = task;
+    head.h = task.h + hh;
+    float* acc = state + hh * per_head;
+    start_task(P, head, R, lo.data(), hi.data(), LO, HI, qs, acc, acc + up16(Rp * Dv), acc + up16(Rp * Dv) + up16(R),
+               false);
+    std::fill(acc + R * Dv, acc + Rp * Dv, 0.f);
+    uint16_t* qh = qb + hh * 2 * Rp * D;
+    bool rest = false;
+    for (int64_t r = 0; r < Rp; ++r) rest |= to_bf16_halves(qs + r * D, r < R ? D : 0, D, qh + r * D, qh + Rp * D + r * D);
+    two_pass[hh] = rest;
+  }
+  std::fill(phi, phi + Rp * BK, uint16_t(0));  // padding rows: no probabilities
+  const bool scale_in_exp = P.scale > 0.f;  // fold_block scales inside its exp (a positive scale only)
+  const int32_t* r2t_row = P.r2t + P.rows[b] * P.r2t_s0;
+  const uint16_t* K = static_cast<const uint16_t*>(P.k);
+  const uint16_t* V = static_cast<const uint16_t*>(P.v);
+  // block [j0, j1): from a multiple of 32, within one page, at most BK keys, to HI rounded up to 32
+  auto block_end = [&](int64_t j0) { return std::min({j0 / page * page + page, j0 + BK, (HI + 31) / 32 * 32}); };
+  amx_begin();
+  for (int64_t j0 = LO / 32 * 32; j0 < HI;) {
+    const int64_t j1 = block_end(j0), nk = std::min(j1, HI) - j0, nk32 = j1 - j0, o0 = j0 % page;
+    const int64_t pg = page_of(P, r2t_row, std::max(j0, LO));
+    if (pg < 0) break;
+    // the next block's page (none past HI, or where the table names none: that block records it when reached)
+    const int64_t n1 = j1 < HI ? block_end(j1) : j1, pn = j1 < HI ? page_of(P, r2t_row, j1, false) : -1;
+    for (int64_t hh = 0; hh < nh; ++hh) {
+      const int64_t h = task.h + hh;
+      const uint16_t* qh = qb + hh * 2 * Rp * D;
+      float* acc = state + hh * per_head;
+      float* m = acc + up16(Rp * Dv);
+      float* l = m + up16(R);
+      const uint16_t* kt = K + pg * P.k_ps + h * P.k_hs + o0 * D;  // the block's first K tile (16 keys x 32 dims)
+      const uint16_t* vt = V + pg * P.v_ps + h * P.v_hs + o0 * 16;  // its first V tile (32 keys x 16 dims)
+      TileAhead ahead_k, ahead_v;
+      if (pn >= 0) {  // the next block's tiles of this head: K one run, V one run per 16 dims
+        const int64_t on = j1 % page;
+        ahead_k = {reinterpret_cast<const char*>(K + pn * P.k_ps + h * P.k_hs + on * D), (n1 - j1) * D * 2, 0, 1};
+        ahead_v = {reinterpret_cast<const char*>(V + pn * P.v_ps + h * P.v_hs + on * 16), (n1 - j1) * 32,
+                   page * 32, vgroups};
+      }
+      ahead_k.spread(amx_steps(Rp, nk32, dchunks));
+      amx_gemm<true>(qh, two_pass[hh] ? qh + Rp * D : nullptr, D * 2, Rp, kt, dchunks * kTileValues, kTileValues,
+                     nk32, dchunks, s, BK * 4, false, &ahead_k);
+      ahead_k.rest();
+      if (!scale_in_exp)
+        for (int64_t r = 0; r < R; ++r) scale_row(s + r * BK, nk, P.scale);
+      if (!fold_block(P, b, i0, R, j0, nk, s, BK, m, l, acc, Dv, lo.data(), hi.data(), scale_in_exp ? P.scale : 1.f,
+                      two_pass[hh] ? nullptr : phi, BK)) {
+        ahead_v.rest();
+        continue;
+      }
+      if (two_pass[hh]) {
+        for (int64_t r = 0; r < Rp; ++r) to_bf16_halves(s + r * BK, r < R ? nk : 0, nk32, phi + r * BK, plo + r * BK);
+      } else if (nk < nk32) {
+        for (int64_t r = 0; r < R; ++r) std::fill(phi + r * BK + nk, phi + r * BK + nk32, uint16_t(0));
+      }
+      const uint16_t* p_lo = two_pass[hh] ? plo : nullptr;
+      ahead_v.spread(amx_steps(Rp, Dv, nk32 / 32));
+      // 32 keys at a time: runs of chunks whose keys are all visible from the pool, the others through vedge
+      auto edge = [&](int64_t c) { return j0 + 32 * c < LO || j0 + 32 * c + 32 > HI; };
+      for (int64_t c = 0; c < nk32 / 32;) {
+        if (edge(c)) {
+          const int64_t a = std::max<int64_t>(LO - j0 - 32 * c, 0), z = std::min<int64_t>(HI - j0 - 32 * c, 32);
+          for (int64_t e = 0; e < vgroups; ++e) {
+            uint16_t* tile = vedge + e * kTileValues;
+            std::memcpy(tile, vt + e * page * 16 + c * kTileValues, kTileValues * 2);
+            for (int64_t key = 0; key < 32; ++key)
+              if (key < a || key >= z)
+                for (int64_t n = 0; n < 16; ++n) tile[(key / 2) * 32 + 2 * n + key % 2] = 0;
+          }
+          amx_gemm(phi + 32 * c, p_lo ? p_lo + 32 * c : nullptr, BK * 2, Rp, vedge, kTileValues, kTileValues, Dv, 1,
+                   acc, Dv * 4, true, &ahead_v);
+          ++c;
+          continue;
+        }
+        int64_t c1 = c;
+        while (c1 < nk32 / 32 && !edge(c1)) ++c1;
+        amx_gemm<true>(phi + 32 * c, p_lo ? p_lo + 32 * c : nullptr, BK * 2, Rp, vt + c * kTileValues, page * 16,
+                       kTileValues, Dv, c1 - c, acc, Dv * 4, true, &ahead_v);
+        c = c1;
+      }
+      ahead_v.rest();
+    }
+    j0 = j1;
+  }
+  amx_end();
+  if (P.bad->load()) return;
+  for (int64_t hh = 0; hh < nh; ++hh) {
+    const float* acc = state + hh * per_head;
+    write_rows(P, b, task.h + hh, i0, R, acc, acc + up16(Rp * Dv), acc + up16(Rp * Dv) + up16(R));
+  }
+}
+
 #endif
 
 #ifdef HAL_VEC
@@ -1991,6 +2196,27 @@ void run_tile_mm(const Problem& P, const Task& task) {
 }
 
 
+// A row task: AMX tiles read straight from the pool where it holds AMX-packed bf16 pages and the task's keys lie as
+// whole pages do (pages_whole), else run_rows.
+template <typename T>
+void run_row(const Problem& P, const Task& task) {
+#ifdef HAL_AMX
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (P.packed && amx_tiles(P, true)) {
+      int64_t lo = std::numeric_limits<int64_t>::max(), hi = 0;
+      for (int64_t i = task.i0; i < task.i1; ++i) {
+        int64_t a, z;
+        key_range(P, task.b, i, a, z);
+        lo = std::min(lo, a);
+        hi = std::max(hi, z);
+      }
+      if (pages_whole(P, P.r2t + P.rows[task.b] * P.r2t_s0, lo, hi)) return run_rows_amx(P, task);
+    }
+  }
+#endif
+  run_rows<T>(P, task);
+}
+
 // A tile task: AMX where it serves, else its tiles (task.sub query rows each) one after another, which read the
 // same keys (the float vector path widens them once for all: WidenedRows).
 template <typename T>
@@ -2155,9 +2381,9 @@ void run_tasks(Problem& P, int64_t B, int64_t tile_rows, bool bf16) {
       if (bad.load()) return;
       const Task& task = tasks[t];
       if (bf16) {
-        task.tile ? run_tile<at::BFloat16>(P, task) : run_rows<at::BFloat16>(P, task);
+        task.tile ? run_tile<at::BFloat16>(P, task) : run_row<at::BFloat16>(P, task);
       } else {
-        task.tile ? run_tile<float>(P, task) : run_rows<float>(P, task);
+        task.tile ? run_tile<float>(P, task) : run_row<float>(P, task);
       }
     }
   };
@@ -2460,9 +2686,9 @@ std::string build_info() {
   s += ", bf16 widened to fp32";
 #endif
 #if defined(HAL_AMX_EMULATE)
-  s += ", bf16 extend tiles through emulated AMX tiles (a test build)";
+  s += ", bf16 extend tiles (and AMX-packed decode) through emulated AMX tiles (a test build)";
 #elif defined(HAL_AMX)
-  s += ", bf16 extend tiles through AMX";
+  s += ", bf16 extend tiles and AMX-packed decode through AMX";
 #endif
   return s;
 }
