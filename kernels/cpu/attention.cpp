@@ -1515,13 +1515,70 @@ inline void pack_values(const at::BFloat16* const* vp, int64_t nk, int64_t nk32,
   }
 }
 
+// ---- AMX-packed pages read as tiles ------------------------------------------------------------------------
+// Whether a request's keys [lo, hi) lie as whole pages do (key j at offset j % page, the keys of one page of the
+// request on one page of the pool), so that their tiles are read where they lie: always through req_to_page;
+// through req_to_token where its slots run so (a paged allocator's). A slot outside the pool: false (the row path
+// names it).
+inline bool pages_whole(const Problem& P, const int32_t* row, int64_t lo, int64_t hi) {
+  if (P.by_page) return true;
+  const int64_t slots = P.num_pages * P.page;
+  int64_t first = -1;  // the pool slot of offset 0 of the page at hand
+  for (int64_t j = lo; j < hi; ++j) {
+    const int64_t slot = row[j], o = j % P.page;
+    if (slot < 0 || slot >= slots || (slot - o) % P.page || (j > lo && o > 0 && slot - o != first)) return false;
+    first = slot - o;
+  }
+  return true;
+}
+
+// The pool page of key j of a request (through its table row), or -1 where the table names one outside the pool
+// (recorded as key_offsets does, where `record`).
+inline int64_t page_of(const Problem& P, const int32_t* row, int64_t j, bool record = true) {
+  const int64_t pg = P.by_page ? row[j / P.page] : row[j] / P.page;
+  if (pg >= 0 && pg < P.num_pages && (P.by_page || row[j] >= 0)) return pg;
+  if (record) {
+    P.bad_slot->store(P.by_page ? pg : row[j]);
+    P.bad->store(true);
+  }
+  return -1;
+}
+
+// Keys outside [a, z) of a packed V tile (32 keys x 16 dims) set to zero.
+inline void zero_tile_keys(uint16_t* tile, int64_t a, int64_t z) {
+  for (int64_t key = 0; key < 32; ++key)
+    if (key < a || key >= z)
+      for (int64_t n = 0; n < 16; ++n) tile[(key / 2) * 32 + 2 * n + key % 2] = 0;
+}
+
+// Keys [j, j + n32) of a request (j and n32 multiples of 32, keys from j + n on zeroed in V) copied from AMX-packed
+// pages into run_tile_amx's blocks: K's as they lie in the pool (its blocks are the pool's), V's from the pool's
+// order (16 dims a panel) into (key chunk, 16 dims) order. false: the table names a page outside the pool.
+inline bool copy_packed_tiles(const Problem& P, const int32_t* row, int64_t h, int64_t j, int64_t n, int64_t n32,
+                              uint16_t* kdst, uint16_t* vdst) {
+  const int64_t vgroups = P.Dv / 16;
+  const uint16_t* K = static_cast<const uint16_t*>(P.k);
+  const uint16_t* V = static_cast<const uint16_t*>(P.v);
+  for (int64_t c = 0; c < n32; c += 32) {
+    const int64_t pg = page_of(P, row, j + c), o = (j + c) % P.page;
+    if (pg < 0) return false;
+    std::memcpy(kdst + c * P.D, K + pg * P.k_ps + h * P.k_hs + o * P.D, 32 * P.D * 2);
+    for (int64_t e = 0; e < vgroups; ++e) {
+      uint16_t* tile = vdst + (c / 32 * vgroups + e) * kTileValues;
+      std::memcpy(tile, V + pg * P.v_ps + h * P.v_hs + e * P.page * 16 + o * 16, kTileValues * 2);
+      if (c + 32 > n) zero_tile_keys(tile, 0, n - c);
+    }
+  }
+  return true;
+}
+
 // The extend tiles of run_tile for bf16 pools with D % 32 == 0 and Dv % 16 == 0. The task's query rows
 // [i0, i1) are taken task.sub at a time (rows padded to 16), over K and V packed once per task into the VNNI
-// layout (keys in groups of 32 from a multiple of 32, zeros past the last): every tile of the task reads the
-// same packed keys. Q and P are bf16. Q is taken unscaled (the scale goes inside fold_block's exp), so a bf16
-// query is exact in one bf16 pass; a float32 one that is not also gets a second pass over its low halves, and
-// so does P: float32 accuracy for float32 queries, while a bf16 query (a bf16 model, whose output is rounded
-// to bf16) rounds P to bf16, as FlashAttention and vLLM do.
+// layout (keys in groups of 32 from a multiple of 32, zeros past the last; copied from an AMX-packed pool's
+// tiles, copy_packed_tiles): every tile of the task reads the same packed keys. Q and P are bf16. Q is taken
+// unscaled (the scale goes inside fold_block's exp), so a bf16 query is exact in one bf16 pass; a float32 one that
+// is not also gets a second pass over its low halves, and so does P: float32 accuracy for float32 queries, while
+// a bf16 query (a bf16 model, whose output is rounded to bf16) rounds P to bf16, as FlashAttention and vLLM do.
 void run_tile_amx(const Problem& P, const Task& task) {
   const int64_t b = task.b, h = task.h, D = P.D, Dv = P.Dv, BK = kGemmBlock;
   const int64_t sub = task.sub > 0 ? task.sub : task.i1 - task.i0;
@@ -1553,6 +1610,8 @@ void run_tile_amx(const Problem& P, const Task& task) {
   const at::BFloat16** vp = kp + BK;
   const int32_t* r2t_row = P.r2t + P.rows[b] * P.r2t_s0;
   int64_t packed = base;  // keys [base, packed) are packed
+  // AMX-packed pages whose keys lie as whole pages: the blocks are copied from the pool's tiles, not packed from rows
+  const bool from_pool = P.packed && pages_whole(P, r2t_row, base, top);
   const bool scale_in_exp = P.scale > 0.f;  // fold_block scales inside its exp (a positive scale only)
   std::vector<int64_t> lo(sub), hi(sub);
   amx_begin();
@@ -1571,6 +1630,14 @@ void run_tile_amx(const Problem& P, const Task& task) {
       const int64_t nk = std::min(BK, HI - j0), nk32 = (nk + 31) / 32 * 32;
       for (; packed < j0 + nk; packed += BK) {  // keys no tile of the task has reached yet
         const int64_t np = std::min(BK, top - packed), np32 = (np + 31) / 32 * 32;
+        if (from_pool) {
+          if (!copy_packed_tiles(P, r2t_row, h, packed, np, np32, kpack + (packed - base) * D,
+                                 vpack + (packed - base) * Dv)) {
+            amx_end();
+            return;
+          }
+          continue;
+        }
         if (!slot_ptrs<at::BFloat16>(P, r2t_row, packed, np, h, kp, vp)) {
           amx_end();
           return;
@@ -1598,35 +1665,7 @@ void run_tile_amx(const Problem& P, const Task& task) {
   amx_end();
 }
 
-// ---- AMX tiles over AMX-packed pages (decode, verify) -----------------------------------------------------
-// Whether a request's keys [lo, hi) lie as whole pages do (key j at offset j % page, the keys of one page of the
-// request on one page of the pool), so that their tiles are read where they lie: always through req_to_page;
-// through req_to_token where its slots run so (a paged allocator's). A slot outside the pool: false (the row path
-// names it).
-inline bool pages_whole(const Problem& P, const int32_t* row, int64_t lo, int64_t hi) {
-  if (P.by_page) return true;
-  const int64_t slots = P.num_pages * P.page;
-  int64_t first = -1;  // the pool slot of offset 0 of the page at hand
-  for (int64_t j = lo; j < hi; ++j) {
-    const int64_t slot = row[j], o = j % P.page;
-    if (slot < 0 || slot >= slots || (slot - o) % P.page || (j > lo && o > 0 && slot - o != first)) return false;
-    first = slot - o;
-  }
-  return true;
-}
-
-// The pool page of key j of a request (through its table row), or -1 where the table names one outside the pool
-// (recorded as key_offsets does, where `record`).
-inline int64_t page_of(const Problem& P, const int32_t* row, int64_t j, bool record = true) {
-  const int64_t pg = P.by_page ? row[j / P.page] : row[j] / P.page;
-  if (pg >= 0 && pg < P.num_pages && (P.by_page || row[j] >= 0)) return pg;
-  if (record) {
-    P.bad_slot->store(P.by_page ? pg : row[j]);
-    P.bad->store(true);
-  }
-  return -1;
-}
-
+// ---- AMX decode and verify over AMX-packed pages -----------------------------------------------------------
 constexpr int64_t kPackedKeys = 128;  // keys per block of the packed tile path, at most (within one page)
 
 // Row tasks (decode, verify: all query rows of a request and the GQA group of each KV head in [h, h + nh)) over
@@ -1724,9 +1763,7 @@ void run_rows_amx(const Problem& P, const Task& task) {
           for (int64_t e = 0; e < vgroups; ++e) {
             uint16_t* tile = vedge + e * kTileValues;
             std::memcpy(tile, vt + e * page * 16 + c * kTileValues, kTileValues * 2);
-            for (int64_t key = 0; key < 32; ++key)
-              if (key < a || key >= z)
-                for (int64_t n = 0; n < 16; ++n) tile[(key / 2) * 32 + 2 * n + key % 2] = 0;
+            zero_tile_keys(tile, a, z);
           }
           amx_gemm(phi + 32 * c, p_lo ? p_lo + 32 * c : nullptr, BK * 2, Rp, vedge, kTileValues, kTileValues, Dv, 1,
                    acc, Dv * 4, true, &ahead_v);
