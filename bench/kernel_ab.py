@@ -14,8 +14,11 @@ another kernel path, so two paths of one source can be compared on this CPU. ``-
 each call, so the call's K/V come from memory (without it a call follows one over the same rows).
 ``--hot-slots N`` lays every request's keys over the pool's first N slots (pages kept whole), so they stay in
 cache: the kernel's arithmetic alone, to set beside its time from memory. ``--kv-layout head_major`` reads the same
-keys from head-major pages (vLLM's CPU layout) through a block table, ``--after-kv-layout`` for ``after`` alone:
-``python bench/kernel_ab.py SRC SRC --after-kv-layout head_major --page-size 16`` times one source on both pools.
+keys from head-major pages (vLLM's CPU layout) through a block table, ``amx_packed`` from AMX-packed pages (vLLM's
+AMX layout, pages of a multiple of 32: the AMX paths read them by tiles), ``--after-kv-layout`` for ``after`` alone:
+``python bench/kernel_ab.py SRC SRC --after-kv-layout head_major --page-size 16`` times one source on both pools;
+``python bench/kernel_ab.py SRC SRC --kv-layout head_major --after-kv-layout amx_packed --page-size 128`` the
+packed pages against head-major ones.
 
 Shapes are ``hal bench``'s defaults: decode 32 requests x 2048 keys, extend 4 x (512 cached + 512 new), 32
 query heads over 8 KV heads of 128 dims; ``--page-size 1`` scatters each request's slots over the pool, a larger
@@ -39,11 +42,12 @@ import torch
 
 from hal.kernels import cpu as cpu_kernels
 from hal.kv_cache import pool_buffer
+from hal.kv_layouts import KV_LAYOUTS
 
 HEADS = (32, 8, 128)  # query heads, KV heads, head dim: hal bench's
 SHAPES = {"decode": (32, 2047, 1), "extend": (4, 512, 512)}  # requests, cached keys, new tokens
 QUICK_SHAPES = {"decode": (8, 511, 1), "extend": (2, 128, 128)}
-LAYOUTS = ("token_major", "head_major")  # the pools a side reads (hal.kernels.cpu.KV_LAYOUTS)
+LAYOUTS = ("token_major", "head_major", "amx_packed")  # the pools a side reads (hal.kernels.cpu.KV_LAYOUTS)
 
 
 def build(source: Path, isa: str):
@@ -83,13 +87,30 @@ def head_major(pool: torch.Tensor, page_size: int) -> torch.Tensor:
     return pages
 
 
+def amx_packed(pool: torch.Tensor, page_size: int, value: bool) -> torch.Tensor:
+    """The keys (``value`` False) or values of token-major ``pool`` as AMX-packed pages ``[pages, kv_heads,
+    page_size, dim]`` in a pool buffer, written by the layout's reference writer a few pages at a time."""
+    slots, kv_heads, dim = pool.shape
+    pages = pool_buffer((slots // page_size, kv_heads, page_size, dim), pool.dtype, torch.device("cpu"))
+    write = KV_LAYOUTS["amx_packed"].writer(value)
+    step = max(1, (1 << 20) // (page_size * kv_heads * dim))  # pages per write: index tensors of ~8 MB
+    for p0 in range(0, pages.shape[0], step):
+        part = pages[p0 : p0 + step]
+        n = part.shape[0] * page_size
+        write(part, torch.arange(n), pool[p0 * page_size : p0 * page_size + n])
+    return pages
+
+
 def as_layout(args: tuple, layout: str, page_size: int) -> tuple:
     """:func:`inputs`' arguments for a pool of ``layout``: as they are (token-major, read through req_to_token), or
-    head-major pages read through the block table req_to_page (the same keys, so the outputs compare)."""
+    head-major or AMX-packed pages read through the block table req_to_page (the same keys, so the outputs
+    compare)."""
     if layout == "token_major":
         return args
     q, k, v, table, *rest = args
     pages = (table[:, ::page_size].long() // page_size).to(torch.int32).contiguous()
+    if layout == "amx_packed":
+        return (q, amx_packed(k, page_size, False), amx_packed(v, page_size, True), pages, *rest)
     return (q, head_major(k, page_size), head_major(v, page_size), pages, *rest)
 
 
@@ -154,14 +175,20 @@ def run(
     for layout in (kv_layout, after_kv_layout):
         if layout not in LAYOUTS:
             raise SystemExit(f"kernel_ab: --kv-layout {layout}: expected one of {', '.join(LAYOUTS)}")
+        why = KV_LAYOUTS[layout].unsupported(HEADS[1], HEADS[2], page_size)
+        if why:
+            raise SystemExit(f"kernel_ab: --kv-layout {layout} --page-size {page_size}: {why}")
     modules = [build(before, isa), build(after, after_isa)]
     args = inputs(
         workload, {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype], page_size, quick, hot_slots=hot_slots
     )
     layouts = (kv_layout, after_kv_layout)
     sides = [as_layout(args[:-1], layout, page_size) for layout in layouts]
-    # the block table's flag only where a side reads one: a source from before the layouts takes no such argument
-    extra = [{"by_page": True} if layout == "head_major" else {} for layout in layouts]
+    # the flags only where a side reads pages (or packed ones): a source from before them takes no such argument
+    extra = [
+        {"by_page": True, **({"amx_packed": True} if layout == "amx_packed" else {})} if layout != "token_major" else {}
+        for layout in layouts
+    ]
     outs = [args[-1], args[-1].clone()]
     scale = HEADS[2] ** -0.5
 
@@ -220,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         "--kv-layout",
         choices=LAYOUTS,
         default="token_major",
-        help="the pool both read: token-major slots through req_to_token, or head-major pages through req_to_page",
+        help="the pool both read: token-major slots through req_to_token, or head-major or AMX-packed pages through "
+        "req_to_page",
     )
     parser.add_argument("--after-kv-layout", choices=LAYOUTS, default=None, help="the pool `after` reads")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")

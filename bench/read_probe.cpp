@@ -12,6 +12,11 @@
 //   heads+t2  the same, the next block's rows of the head fetched with prefetcht2 (as the kernels' Ahead does)
 //   tiles     AMX tile loads of a head's 16 rows (a slot's stride apart; pages of 16 or more only), nothing
 //             consuming them (AMX CPUs; WORK 0)
+//   packed    the same bytes as AMX-packed pages (hal.kv_layouts' amx_packed: each page's slots of one head one
+//             dense slab, heads of a page side by side, K and V apart), read as hal's AMX decode over them reads:
+//             page by page, head by head, K's slab then V's as streamed tile loads of contiguous 1 KB, the next
+//             page's slab of the head fetched with prefetcht2 a tile's worth per tile (pages a multiple of 32;
+//             AMX CPUs; WORK 0)
 // WORK (default 0): float32 multiply-adds per 64-byte line read, on the line (8 independent chains, no memory
 // traffic): arithmetic standing in for a kernel's, to see whether a pattern's reads run under it or after it.
 // hot: every request's keys over the first 512 slots, or the first page where pages are larger (in cache, no
@@ -111,22 +116,34 @@ void tile_rows(const char* first, int64_t stride) {
   _tile_loadd(2, first + 128, stride);
   _tile_loadd(3, first + 192, stride);
 }
+// A packed page's slab of one head (bytes of it) by tiles of 1 KB, four at a time; `ahead`'s as many bytes fetched.
+void tile_slab(const char* slab, const char* ahead, int64_t bytes) {
+  for (int64_t t = 0; t < bytes; t += 4096) {
+    for (int64_t o = t; o < t + 4096; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T2);
+    _tile_stream_loadd(0, slab + t, 64);
+    _tile_stream_loadd(1, slab + t + 1024, 64);
+    _tile_stream_loadd(2, slab + t + 2048, 64);
+    _tile_stream_loadd(3, slab + t + 3072, 64);
+  }
+}
 #endif
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc < 4 || argc > 6) {
-    std::fprintf(stderr, "usage: %s PAGE slots|heads|heads+t2|tiles THREADS [WORK [hot]]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s PAGE slots|heads|heads+t2|tiles|packed THREADS [WORK [hot]]\n", argv[0]);
     return 2;
   }
   const int64_t page = std::atoll(argv[1]);
   const std::string pattern = argv[2];
-  enum class Mode { slots, heads, heads_t2, tiles, unknown };
+  enum class Mode { slots, heads, heads_t2, tiles, packed, unknown };
   const Mode mode = pattern == "slots"      ? Mode::slots
                     : pattern == "heads"    ? Mode::heads
                     : pattern == "heads+t2" ? Mode::heads_t2
                     : pattern == "tiles"    ? Mode::tiles
+                    : pattern == "packed"   ? Mode::packed
                                             : Mode::unknown;  // (compared once: per row it cost 3 ms in cache)
+  const bool amx = mode == Mode::tiles || mode == Mode::packed;
   const int threads = std::atoi(argv[3]);
   const int work = argc > 4 ? std::atoi(argv[4]) : 0;
   const bool hot = argc > 5 && std::string(argv[5]) == "hot";
@@ -136,18 +153,22 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (page < 1 || kKeys % page || threads < 1 || mode == Mode::unknown) {
-    std::fprintf(stderr, "expected PAGE dividing %lld, a pattern of slots|heads|heads+t2|tiles, THREADS >= 1\n",
+    std::fprintf(stderr, "expected PAGE dividing %lld, a pattern of slots|heads|heads+t2|tiles|packed, THREADS >= 1\n",
                  static_cast<long long>(kKeys));
     return 2;
   }
 #if !defined(__AMX_TILE__)
-  if (mode == Mode::tiles) {
-    std::fprintf(stderr, "tiles: built without AMX (-march=native on a CPU without amx_tile)\n");
+  if (amx) {
+    std::fprintf(stderr, "%s: built without AMX (-march=native on a CPU without amx_tile)\n", pattern.c_str());
     return 2;
   }
 #endif
-  if (mode == Mode::tiles && work) {
-    std::fprintf(stderr, "tiles: WORK 0 only (nothing reads the tiles back)\n");
+  if (amx && work) {
+    std::fprintf(stderr, "%s: WORK 0 only (nothing reads the tiles back)\n", pattern.c_str());
+    return 2;
+  }
+  if (mode == Mode::packed && page % 32) {
+    std::fprintf(stderr, "packed: pages of a multiple of 32 slots (whole tiles)\n");
     return 2;
   }
   if (mode == Mode::tiles && page < kBlock) {
@@ -177,11 +198,21 @@ int main(int argc, char** argv) {
 #pragma omp parallel num_threads(threads) reduction(+ : sink)
     {
 #if defined(__AMX_TILE__)
-      if (mode == Mode::tiles) tiles_begin();
+      if (amx) tiles_begin();
+      if (mode == Mode::packed) {  // the i-th page of the requests' pages; page pg's slab of head h at (pg H + h)
+        const int64_t n = slots / page, slab = page * kRowBytes, in_cache = hot ? std::max<int64_t>(1, 512 / page) : n;
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t pg = pages[i] % in_cache, next = pages[(i + 1) % n] % in_cache;
+          for (int64_t h = 0; h < kHeads; ++h)
+            for (const char* pool : {k, v})
+              tile_slab(pool + (pg * kHeads + h) * slab, pool + (next * kHeads + h) * slab, slab);
+        }
+      }
 #endif
       Reader reader{work};
 #pragma omp for schedule(static)
-      for (int64_t b = 0; b < slots; b += kBlock) {
+      for (int64_t b = 0; b < (mode == Mode::packed ? 0 : slots); b += kBlock) {
         const int64_t* at = order.data() + b;
         if (mode == Mode::slots) {
           for (int64_t j = 0; j < kBlock; ++j)
@@ -204,7 +235,7 @@ int main(int argc, char** argv) {
           }
       }
 #if defined(__AMX_TILE__)
-      if (mode == Mode::tiles) _tile_release();
+      if (amx) _tile_release();
 #endif
       sink += reader.sum();
     }

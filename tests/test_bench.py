@@ -487,6 +487,16 @@ def test_kernel_ab_lays_out_pools_as_the_bench_does():
     assert out.shape == q.shape
     hot = ab.inputs("decode", torch.float32, 16, quick=True, hot_slots=64)[3]  # --hot-slots: keys in cache
     assert int(hot.max()) < 64 and all(hot[r, 16 * p + 15] - hot[r, 16 * p] == 15 for r in range(8) for p in range(4))
+    # --kv-layout amx_packed: the same keys and values in AMX-packed pages, read through the block table
+    from hal.kv_layouts import KV_LAYOUTS
+
+    args = ab.inputs("decode", torch.bfloat16, 32, quick=True)
+    packed = ab.as_layout(args[:-1], "amx_packed", 32)
+    slots = torch.arange(args[1].shape[0])
+    for value, pool, pages in ((False, args[1], packed[1]), (True, args[2], packed[2])):
+        assert pages.shape == (pool.shape[0] // 32, pool.shape[1], 32, pool.shape[2])
+        assert torch.equal(KV_LAYOUTS["amx_packed"].reader(value)(pages, slots, pool.shape[1]), pool)
+    assert torch.equal(packed[3].long() * 32, args[3][:, ::32].long())
 
 
 def test_kernel_ab_refuses_what_it_cannot_compare(tmp_path):
@@ -506,5 +516,7 @@ def test_kernel_ab_refuses_what_it_cannot_compare(tmp_path):
         ab.main([str(source), str(source), "--page-size", "16", "--hot-slots", "40"])
     with pytest.raises(SystemExit, match="one or the other"):
         ab.main([str(source), str(source), "--hot-slots", "256", "--flush-mb", "512"])
+    with pytest.raises(SystemExit, match="amx_packed needs a page size that is a multiple of 32, not 16"):
+        ab.main([str(source), str(source), "--after-kv-layout", "amx_packed", "--page-size", "16"])
     with pytest.raises(ConfigError, match="sse9"):  # --after-isa: a kernel path hal knows, which this CPU runs
         ab.main([str(source), str(source), "--after-isa", "sse9"])

@@ -641,17 +641,42 @@ def _paged_pools(gen, page, kv_lens, heads, dim, dtype, spare_pages=3):
     return k, v, head_major(k), head_major(v), req_to_token, req_to_page
 
 
-# (kv_layout, table): the kernels' four ways to a key, each against the reference over the token-major pool
-LAYOUT_FORMS = [(layout, table) for layout in ("token_major", "head_major") for table in cpu_kernels.TABLES]
+def _amx_packed(x, page, value):
+    """Token-major ``x`` ``[slots, heads, dim]`` as AMX-packed pages ``[pages, heads, page, dim]``, written by the
+    reference (K's order, or V's where ``value``); NaN wherever no slot's value lands (none: every slot is written)."""
+    slots, heads, dim = x.shape
+    pages = torch.full((slots // page, heads, page, dim), float("nan")).to(x.dtype)
+    KV_LAYOUTS["amx_packed"].writer(value)(pages, torch.arange(slots), x)
+    return pages
+
+
+def _layout_buffers(layout, k, v, k_pages, v_pages, page):
+    """The pool of ``_paged_pools`` in ``layout``: the token-major buffers, the head-major pages, or AMX-packed ones."""
+    if layout == "token_major":
+        return k, v
+    if layout == "head_major":
+        return k_pages, v_pages
+    return _amx_packed(k, page, False), _amx_packed(v, page, True)
+
+
+# (kv_layout, table): the kernels' ways to a key, each against the reference over the token-major pool (AMX-packed
+# pages where the page is a multiple of 32)
+LAYOUT_FORMS = [
+    (layout, table) for layout in ("token_major", "head_major", "amx_packed") for table in cpu_kernels.TABLES
+]
+
+
+def _forms(page):
+    return [(layout, table) for layout, table in LAYOUT_FORMS if layout != "amx_packed" or page % 32 == 0]
 
 
 @needs_kernels
 @pytest.mark.parametrize("isa", RUNNABLE)
 @pytest.mark.parametrize("page", [1, 16, 128])
 def test_every_layout_and_table_form_matches_the_reference(isa, page, monkeypatch):
-    """Token-major and head-major pages, read through req_to_token or req_to_page, at pages 1, 16 and 128: decodes
-    and an extend (row path and extend tiles), GQA 4, bf16 and float32, a sliding window whose first key falls
-    inside a page; every path this CPU runs."""
+    """Token-major and head-major pages (and AMX-packed ones at page 128), read through req_to_token or req_to_page,
+    at pages 1, 16 and 128: decodes and an extend (row path and extend tiles), GQA 4, bf16 and float32, a sliding
+    window whose first key falls inside a page; every path this CPU runs."""
     from hal.kernels import reference
 
     monkeypatch.setenv("HAL_CPU_ISA", isa)
@@ -664,8 +689,8 @@ def test_every_layout_and_table_form_matches_the_reference(isa, page, monkeypatc
             expected = reference.paged_attention(
                 q, k, v, req_to_token, rows, seq, ext, scale=0.125, sliding_window=window
             ).float()
-            for layout, table in LAYOUT_FORMS:
-                buffers = (k, v) if layout == "token_major" else (k_pages, v_pages)
+            for layout, table in _forms(page):
+                buffers = _layout_buffers(layout, k, v, k_pages, v_pages, page)
                 index = req_to_token if table == "req_to_token" else req_to_page
                 for tile_rows in (0, 16):
                     out = cpu_kernels.paged_attention(
@@ -683,6 +708,103 @@ def test_every_layout_and_table_form_matches_the_reference(isa, page, monkeypatc
                         page_size=page if (layout, table) == ("token_major", "req_to_page") else None,
                     )
                     torch.testing.assert_close(out.float(), expected, **tolerance(dtype))
+
+
+# (pool dtype, query dtype): a bf16 pool with float32 queries keeps float32's tolerance (hi + lo passes)
+PACKED_DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)]
+PACKED_VARIANTS = [{}, {"sliding_window": 33}, {"logit_cap": 5.0}, {"sinks": True}]
+
+
+def _mask(gen, ext, seq):
+    """A custom mask (TARGET_VERIFY): each request's [query tokens x keys] row-major, flat; some keys hidden."""
+    return torch.cat([(torch.rand(int(e) * int(n), generator=gen) > 0.3) for e, n in zip(ext, seq)])
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("page", [32, 64, 128])
+def test_amx_packed_pages_serve_every_mode(isa, page, monkeypatch):
+    """AMX-packed pages against the reference over the same keys in a token-major pool: decodes with an extend, and
+    a verify with a custom mask, through row tasks of one KV head or all and through the extend tiles; a sliding
+    window, a logit cap, sinks; float32 and bf16 pools, bf16 and float32 queries over bf16 (float32 queries keep
+    float32's tolerance); req_to_token and req_to_page. On the AMX paths bf16 pools go through tiles read from the
+    pool, elsewhere each page's rows are unpacked. Slots that hold no request's key hold NaN: a tile read past a
+    request's last key must not let them in."""
+    from hal.kernels import reference
+
+    monkeypatch.setenv("HAL_CPU_ISA", isa)
+    gen = torch.Generator().manual_seed(11)
+    rows, seq = torch.tensor([2, 0, 1]), torch.tensor([45, 150, 70])
+    for pool_dtype, q_dtype in PACKED_DTYPES:
+        k, v, _, _, req_to_token, req_to_page = _paged_pools(gen, page, [150, 70, 45], 2, 64, pool_dtype)
+        unused = torch.ones(k.shape[0], dtype=torch.bool)
+        for r, n in zip(rows, seq):
+            unused[req_to_token[r, :n].long()] = False
+        k[unused], v[unused] = float("nan"), float("nan")
+        k_packed, v_packed = _amx_packed(k, page, False), _amx_packed(v, page, True)
+        for ext, verify in ((torch.tensor([1, 1, 20]), False), (torch.tensor([3, 4, 2]), True)):
+            q = torch.randn(int(ext.sum()), 8, 64, generator=gen).to(q_dtype)
+            mask = _mask(gen, ext, seq) if verify else None
+            for variant in PACKED_VARIANTS:
+                kw = dict(variant, sinks=torch.randn(8, generator=gen) if "sinks" in variant else None)
+                expected = reference.paged_attention(
+                    q, k.float(), v.float(), req_to_token, rows, seq, ext, scale=0.125, custom_mask=mask, **kw
+                ).float()
+                for table, index in (("req_to_token", req_to_token), ("req_to_page", req_to_page)):
+                    for tile_rows, heads_per_task in ((0, "1"), (0, "64"), (4, "1")):
+                        monkeypatch.setenv("HAL_HEADS_PER_TASK", heads_per_task)
+                        out = cpu_kernels.paged_attention(
+                            q,
+                            k_packed,
+                            v_packed,
+                            index,
+                            rows,
+                            seq,
+                            ext,
+                            scale=0.125,
+                            custom_mask=mask,
+                            tile_rows=tile_rows,
+                            kv_layout="amx_packed",
+                            table=table,
+                            **kw,
+                        )
+                        where = (pool_dtype, q_dtype, verify, variant, table, tile_rows, heads_per_task)
+                        torch.testing.assert_close(
+                            out.float(), expected, **tolerance(q_dtype), msg=lambda m, where=where: f"{where}: {m}"
+                        )
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("page", [32, 128])
+def test_long_decodes_and_extends_over_amx_packed_pages(isa, page, monkeypatch):
+    """2k keys over many pages (GQA 4, head dim 128): decodes, and an extend of 200 tokens past 250 cached ones on
+    the tiles; bf16 and float32 queries over a bf16 pool, and a float32 pool."""
+    from hal.kernels import reference
+
+    monkeypatch.setenv("HAL_CPU_ISA", isa)
+    gen = torch.Generator().manual_seed(12)
+    rows, seq = torch.tensor([0, 1, 2]), torch.tensor([2048, 1500, 450])
+    for pool_dtype, q_dtype in PACKED_DTYPES:
+        k, v, _, _, req_to_token, req_to_page = _paged_pools(gen, page, [2048, 1500, 450], 2, 128, pool_dtype)
+        k_packed, v_packed = _amx_packed(k, page, False), _amx_packed(v, page, True)
+        for ext, tile_rows in ((torch.tensor([1, 1, 1]), 0), (torch.tensor([1, 1, 200]), 16)):
+            q = torch.randn(int(ext.sum()), 8, 128, generator=gen).to(q_dtype)
+            expected = reference.paged_attention(q, k.float(), v.float(), req_to_token, rows, seq, ext, scale=0.09)
+            out = cpu_kernels.paged_attention(
+                q,
+                k_packed,
+                v_packed,
+                req_to_page,
+                rows,
+                seq,
+                ext,
+                scale=0.09,
+                tile_rows=tile_rows,
+                kv_layout="amx_packed",
+                table="req_to_page",
+            )
+            torch.testing.assert_close(out.float(), expected.float(), **tolerance(q_dtype))
 
 
 @needs_kernels
@@ -729,10 +851,11 @@ def test_pages_of_any_strides_are_read_in_place(isa, monkeypatch):
 
 @needs_kernels
 @pytest.mark.parametrize("isa", RUNNABLE)
-@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("page", [1, 16, 32])
 def test_write_and_attend_writes_each_layout_where_the_reference_reads(isa, page, monkeypatch):
     """The fused forward writes the new tokens' K and V at out_cache_loc's slots (page * page_size + offset) in
-    either layout, then attends: the pools end equal to the reference's write, the outputs to its attention."""
+    each layout (AMX-packed at page 32), then attends: the pools end equal to the reference's write, the outputs to
+    its attention. A last token at slot -1 (padding, in no request) is written nowhere."""
     from hal.kernels import reference
 
     monkeypatch.setenv("HAL_CPU_ISA", isa)
@@ -742,13 +865,14 @@ def test_write_and_attend_writes_each_layout_where_the_reference_reads(isa, page
     for dtype in (torch.float32, torch.bfloat16):
         k, v, k_pages, v_pages, req_to_token, req_to_page = _paged_pools(gen, page, [33, 60], 2, 64, dtype)
         tokens = int(ext.sum())
-        q, k_new, v_new = (torch.randn(tokens, h, 64, generator=gen).to(dtype) for h in (8, 2, 2))
+        q, k_new, v_new = (torch.randn(tokens + 1, h, 64, generator=gen).to(dtype) for h in (8, 2, 2))
         loc = torch.cat([req_to_token[int(r), int(n - e) : int(n)] for r, n, e in zip(rows, seq, ext)]).long()
         k_want, v_want = k.clone(), v.clone()
-        k_want[loc], v_want[loc] = k_new, v_new
-        expected = reference.paged_attention(q, k_want, v_want, req_to_token, rows, seq, ext, scale=0.125).float()
-        for layout, table in LAYOUT_FORMS:
-            kb, vb = (k.clone(), v.clone()) if layout == "token_major" else (k_pages.clone(), v_pages.clone())
+        k_want[loc], v_want[loc] = k_new[:tokens], v_new[:tokens]
+        loc = torch.cat([loc, torch.tensor([-1])])
+        expected = reference.paged_attention(q[:tokens], k_want, v_want, req_to_token, rows, seq, ext, scale=0.125)
+        for layout, table in _forms(page):
+            kb, vb = (x.clone() for x in _layout_buffers(layout, k, v, k_pages, v_pages, page))
             out = cpu_kernels.write_and_attend(
                 q,
                 k_new,
@@ -768,9 +892,12 @@ def test_write_and_attend_writes_each_layout_where_the_reference_reads(isa, page
                 page_size=page,
             )
             assert out is not None, (layout, table)
-            torch.testing.assert_close(out.float().view(tokens, 8, 64), expected, **tolerance(dtype))
+            torch.testing.assert_close(out[:tokens].float().view(tokens, 8, 64), expected.float(), **tolerance(dtype))
             if layout == "head_major":
                 kb, vb = (x.transpose(1, 2).reshape(k.shape) for x in (kb, vb))
+            elif layout == "amx_packed":
+                slots = torch.arange(k.shape[0])
+                kb, vb = (KV_LAYOUTS[layout].reader(value)(x, slots, 2) for value, x in ((False, kb), (True, vb)))
             assert torch.equal(kb, k_want) and torch.equal(vb, v_want), (layout, table)
 
 
@@ -782,28 +909,39 @@ def test_write_and_attend_writes_each_layout_where_the_reference_reads(isa, page
         ("head_major", "req_to_page", None, -1, "req_to_page holds page -1"),
         ("token_major", "req_to_page", 4, 12, "req_to_page holds page 12"),
         ("head_major", "req_to_token", None, 48, "req_to_token holds slot 48: expected a slot in \\[0, 48\\)"),
+        ("amx_packed", "req_to_page", None, 12, "req_to_page holds page 12: expected a page in \\[0, 12\\)"),
+        ("amx_packed", "req_to_page", None, -1, "req_to_page holds page -1"),
+        ("amx_packed", "req_to_token", None, 384, "req_to_token holds slot 384: expected a slot in \\[0, 384\\)"),
     ],
 )
-def test_a_page_or_slot_outside_the_pool_is_refused_before_it_is_read(layout, table, page_size, entry, match):
-    k, v = torch.randn(12, 2, 4, 8), torch.randn(12, 2, 4, 8)  # head-major: 12 pages of 4
+@pytest.mark.parametrize("tile_rows", [0, 1], ids=["rows", "tiles"])
+def test_a_page_or_slot_outside_the_pool_is_refused_before_it_is_read(
+    layout, table, page_size, entry, match, tile_rows
+):
+    page, dim = (32, 32) if layout == "amx_packed" else (4, 8)
+    k, v = torch.randn(12, 2, page, dim), torch.randn(12, 2, page, dim)  # head-major: 12 pages
     if layout == "token_major":
         k, v = k.transpose(1, 2).reshape(48, 2, 8), v.transpose(1, 2).reshape(48, 2, 8)
     index = torch.zeros(2, 4 if table == "req_to_page" else 16, dtype=torch.int32)
     index[1, 2 if table == "req_to_page" else 9] = entry
-    with pytest.raises(KVCacheError, match=match):
-        cpu_kernels.paged_attention(
-            torch.randn(2, 4, 8),
-            k,
-            v,
-            index,
-            torch.tensor([0, 1]),
-            torch.tensor([3, 10]),
-            torch.tensor([1, 1]),
-            scale=1.0,
-            kv_layout=layout,
-            table=table,
-            page_size=page_size,
-        )
+    if layout == "amx_packed" and table == "req_to_page":  # request 1's third page holds its keys 64..95
+        index[1, :2] = torch.tensor([3, 4])
+    for dtype in (torch.float32, torch.bfloat16):
+        with pytest.raises(KVCacheError, match=match):
+            cpu_kernels.paged_attention(
+                torch.randn(2, 4, dim),
+                k.to(dtype),
+                v.to(dtype),
+                index,
+                torch.tensor([0, 1]),
+                torch.tensor([3, 70 if layout == "amx_packed" and table == "req_to_page" else 10]),
+                torch.tensor([1, 1]),
+                scale=1.0,
+                tile_rows=tile_rows,
+                kv_layout=layout,
+                table=table,
+                page_size=page_size,
+            )
 
 
 @needs_kernels
@@ -811,8 +949,8 @@ def test_layouts_tables_and_pages_that_do_not_fit_are_named():
     k, v, rows, one = torch.randn(12, 2, 4, 8), torch.randn(12, 2, 4, 8), torch.tensor([0]), torch.tensor([1])
     pages = torch.zeros(1, 3, dtype=torch.int32)
 
-    def call(k=k, v=v, keys=12, **kw):
-        q = torch.randn(1, 4, 8)
+    def call(k=k, v=v, keys=12, q_dim=8, **kw):
+        q = torch.randn(1, 4, q_dim)
         return cpu_kernels.paged_attention(q, k, v, pages, rows, torch.tensor([keys]), one, scale=1.0, **kw)
 
     call(kv_layout="head_major", table="req_to_page")  # 3 pages of 4: 12 keys fit
@@ -830,3 +968,15 @@ def test_layouts_tables_and_pages_that_do_not_fit_are_named():
         call(k=k.view(48, 2, 8), v=v.view(48, 2, 8), table="req_to_page")
     with pytest.raises(KVCacheError, match="the same but for the last dim"):
         call(v=v[:, :1], kv_layout="head_major", table="req_to_page")
+    packed = torch.randn(3, 2, 32, 64)
+    call(k=packed, v=packed.clone(), kv_layout="amx_packed", table="req_to_page", q_dim=64)  # 3 pages of 32
+    with pytest.raises(KVCacheError, match="a page of a multiple of 32 slots and dims of 32 \\(whole AMX tiles\\)"):
+        call(kv_layout="amx_packed", table="req_to_page")  # pages of 4, dims of 8
+    with pytest.raises(KVCacheError, match="a page of a multiple of 32 slots and dims of 32"):
+        call(k=packed[..., :16], v=packed[..., :16].contiguous(), kv_layout="amx_packed", q_dim=16)
+    with pytest.raises(
+        KVCacheError, match="k_buffer's strides \\[4096, 2048, 64, 1\\]: expected each \\(page, head\\) slab"
+    ):
+        call(k=packed[..., :32], v=packed[..., 32:].contiguous(), kv_layout="amx_packed", q_dim=32)
+    with pytest.raises(KVCacheError, match="page_size=16: expected .* whose page is the page size"):
+        call(k=packed, v=packed.clone(), kv_layout="amx_packed", page_size=16, q_dim=64)

@@ -1,7 +1,7 @@
 """Compiled CPU attention kernels (``hal.kernels.cpu``), built at first use.
 
 :func:`paged_attention` is the fused paged kernel: it reads K/V rows in place, with no gathered copy, from a
-pool of token-major or head-major pages (:data:`KV_LAYOUTS`) through ``req_to_token`` or a block table
+pool of token-major, head-major or AMX-packed pages (:data:`KV_LAYOUTS`) through ``req_to_token`` or a block table
 ``req_to_page`` (:data:`TABLES`), one task per (request, KV head) with the GQA
 group served together (decode, verify), or per (request, KV head, query tile) through
 register-blocked tiles over K/V rows read in place (extend; ``at::mm`` on the plain-loops
@@ -53,6 +53,7 @@ import torch
 
 from hal.errors import ConfigError, HalError, InvalidBatchError, KVCacheError, expect
 from hal.kernels.reference import overlaps
+from hal.kernels.reference.kv_layouts import AMX_DIM_MULTIPLE, AMX_PAGE_MULTIPLE
 
 __all__ = [
     "KernelBuildError",
@@ -518,6 +519,8 @@ def _index(t) -> torch.Tensor:
 KV_LAYOUTS = {
     "token_major": "[slots, kv_heads, dim] (SGLang's pool) or [pages, page, kv_heads, dim]",
     "head_major": "[pages, kv_heads, page, dim] (vLLM's CPU cache)",
+    "amx_packed": "[pages, kv_heads, page, dim], each (page, head) slab dense and permuted into AMX tiles "
+    "(vLLM's AMX CPU cache; hal.kernels.reference.kv_layouts), page and dims multiples of 32",
 }
 # How a request's keys are found: its slots (req_to_token [rows, context]) or its pages (req_to_page [rows,
 # max_pages], key i on page req_to_page[r, i // page] at offset i % page).
@@ -548,6 +551,9 @@ def _pool_views(
             f"k/v buffers {list(k_buffer.shape)} / {list(v_buffer.shape)}: expected {KV_LAYOUTS[kv_layout]}, "
             "the same but for the last dim"
         )
+    if kv_layout == "amx_packed":
+        _check_amx_packed(k_buffer, v_buffer, page_size)
+        return k_buffer, v_buffer
     if kv_layout == "head_major" or dims == 4:
         page_dim = 2 if kv_layout == "head_major" else 1
         if dims != 4 or (page_size is not None and page_size != k_buffer.shape[page_dim]):
@@ -571,6 +577,29 @@ def _pool_views(
         k_buffer.unflatten(0, (pages, page_size)).transpose(1, 2),
         v_buffer.unflatten(0, (pages, page_size)).transpose(1, 2),
     )
+
+
+def _check_amx_packed(k_buffer: torch.Tensor, v_buffer: torch.Tensor, page_size: int | None) -> None:
+    """Raises :class:`~hal.errors.KVCacheError` unless the buffers are AMX-packed pages as the kernels read them:
+    ``[pages, kv_heads, page, dim]`` (K and V alike but for dim), page and dims multiples of 32, each (page, head)
+    slab of ``page * dim`` values dense (its last two dims contiguous), the page ``page_size`` where given."""
+    shape = f"k/v buffers {list(k_buffer.shape)} / {list(v_buffer.shape)} with kv_layout='amx_packed'"
+    if k_buffer.dim() != 4 or (page_size is not None and page_size != k_buffer.shape[2]):
+        raise KVCacheError(
+            f"{shape}, page_size={page_size}: expected {KV_LAYOUTS['amx_packed']}, whose page is the page size"
+        )
+    page = k_buffer.shape[2]
+    if page % AMX_PAGE_MULTIPLE or k_buffer.shape[3] % AMX_DIM_MULTIPLE or v_buffer.shape[3] % AMX_DIM_MULTIPLE:
+        raise KVCacheError(
+            f"{shape}: expected a page of a multiple of {AMX_PAGE_MULTIPLE} slots and dims of {AMX_DIM_MULTIPLE} "
+            "(whole AMX tiles)"
+        )
+    for name, x in (("k", k_buffer), ("v", v_buffer)):
+        if x.stride(3) != 1 or x.stride(2) != x.shape[3]:
+            raise KVCacheError(
+                f"{shape}: {name}_buffer's strides {list(x.stride())}: expected each (page, head) slab of "
+                f"page x dim values dense (strides [.., .., {x.shape[3]}, 1]), as the tiles lie in it"
+            )
 
 
 def paged_attention(
@@ -605,7 +634,9 @@ def paged_attention(
     ``sinks``: ``[Hq]`` sink logits (gpt-oss's attention sinks, any float dtype), or None.
     ``kv_layout`` (:data:`KV_LAYOUTS`): ``token_major`` buffers ``[slots, kv_heads, dim]`` or
     ``[pages, page, kv_heads, dim]``, ``head_major`` ``[pages, kv_heads, page, dim]`` (float32 or bfloat16, any
-    strides but the last); ``table``: ``req_to_token`` (the 4th argument int32 ``[rows, context]``, each request's
+    strides but the last), ``amx_packed`` the same shape with each (page, head) slab dense and permuted into AMX
+    tiles (page and dims multiples of 32; read through tiles on the AMX paths, bf16); ``table``: ``req_to_token``
+    (the 4th argument int32 ``[rows, context]``, each request's
     slots, slot = page * page_size + offset) or ``req_to_page`` (int32 ``[rows, max_pages]``, each request's
     pages); ``page_size`` where the buffers' shape does not say it (:func:`_pool_views`). ``out``: a ``[T, Hq, Dv]``
     tensor in ``q.dtype``, last dim contiguous, any row and head strides (a view of an engine's buffer): the kernel
@@ -672,6 +703,7 @@ def paged_attention(
             bool(causal),
             int(tile_rows),
             table == "req_to_page",
+            kv_layout == "amx_packed",
         )
     except RuntimeError as exc:
         _raise_hal_error(exc)
@@ -819,6 +851,7 @@ def write_and_attend(
             causal,
             tile_rows,
             table == "req_to_page",
+            kv_layout == "amx_packed",
             out,
         )
     except TypeError:  # an argument that is no tensor (k or v None...): the checked path says which

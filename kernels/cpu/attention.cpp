@@ -1,6 +1,9 @@
 // hal CPU attention: paged decode / extend / verify over a KV pool of token-major or head-major pages, addressed
 // through req_to_token (slots) or req_to_page (a block table), no gathered copy of the KV cache.
 //
+// Pools of AMX-packed pages (hal.kv_layouts' amx_packed) are read by tiles straight from the pool on the AMX paths
+// (bf16: run_rows_amx for decode and verify, run_tile_amx for extend), their rows unpacked per block elsewhere.
+//
 // One task per request (or per (request, KV head) when requests are few) for decode and verify
 // (every query row of the request and all query heads of the GQA group together; HAL_HEADS_PER_TASK
 // overrides the heads per task), or per (request, KV head, tile of queries) for extend (register-
@@ -781,6 +784,10 @@ struct Problem {
   const void* k;
   const void* v;
   int64_t k_ps, k_ts, k_hs, v_ps, v_ts, v_hs;
+  // AMX-packed pages (amx_packed below): head-major pages whose (page, head) slabs hold their values permuted into
+  // AMX B tiles; a key's "row" is then where its value of dim 0 lies (packed_k_row / packed_v_row), its dim d
+  // packed_k_dim(d) / packed_v_dim(d, page) further on, and k_ts / v_ts are not used.
+  bool packed = false;
   int64_t num_pages, page = 1;
   int page_shift = -1;  // log2(page) where page is a power of two
   bool by_page = false;  // the table is req_to_page [R, max pages] (pages), not req_to_token [R, context] (slots)
@@ -804,6 +811,27 @@ struct Problem {
   std::atomic<bool>* bad;
   int64_t widened_keys = 0;  // a tile task's WidenedRows at most (keys); 0: as many as kWidenedBytes hold
 };
+
+// ---- AMX-packed pages (hal.kv_layouts' amx_packed): the one place of their element offsets ---------------------
+// A (page, head) slab's page * D values in the tiles of AMX's B operand (16 rows of 16 pairs of 2-byte values, the
+// "VNNI" form B[k / 2][n][k % 2]), as vLLM's csrc/cpu/cpu_attn_amx.hpp writes its cache: value (o, d) at
+// row(o) + dim(d). K (B = K^T in panels of 16 keys): (o / 16) * 16 * D + (d / 2) * 32 + (o % 16) * 2 + d % 2, so
+// keys [16 g, 16 g + 16) x dims [32 c, 32 c + 32) are the 512 values at (g * D / 32 + c) * 512. V (B = V in
+// panels of 16 dims): (d / 16) * page * 16 + (o / 2) * 32 + (d % 16) * 2 + o % 2, so keys [32 q, 32 q + 32) x dims
+// [16 e, 16 e + 16) are the 512 values at e * page * 16 + q * 512. (hal.kernels.reference.kv_layouts.
+// amx_packed_offsets is the same in torch.) Pages of a multiple of 32 slots, D and Dv multiples of 32.
+constexpr int64_t kPackedPage = 32;  // page and dims a multiple of this (whole tiles)
+constexpr int64_t kTileValues = 512;  // 16 x 32 two-byte values: 1 KB
+inline int64_t packed_k_row(int64_t o, int64_t D) { return (o / 16) * 16 * D + (o % 16) * 2; }
+inline int64_t packed_k_dim(int64_t d) { return (d / 2) * 32 + d % 2; }
+inline int64_t packed_v_row(int64_t o) { return (o / 2) * 32 + o % 2; }
+inline int64_t packed_v_dim(int64_t d, int64_t page) { return (d / 16) * page * 16 + (d % 16) * 2; }
+
+// Where head 0's row of offset o of page pg lies (elements from k and v): its first value in any layout.
+inline void row_at(const Problem& P, int64_t pg, int64_t o, int64_t& k, int64_t& v) {
+  k = pg * P.k_ps + (P.packed ? packed_k_row(o, P.D) : o * P.k_ts);
+  v = pg * P.v_ps + (P.packed ? packed_v_row(o) : o * P.v_ts);
+}
 
 struct Task {
   int64_t b, h, i0, i1;  // request, first KV head, query rows [i0, i1) of the request
@@ -858,8 +886,7 @@ inline bool key_offsets(const Problem& P, const int32_t* row, int64_t j0, int64_
         pg = row[++i];
         if (pg < 0 || pg >= P.num_pages) return bad(pg);
       }
-      ko[j] = pg * P.k_ps + o * P.k_ts;
-      vo[j] = pg * P.v_ps + o * P.v_ts;
+      row_at(P, pg, o, ko[j], vo[j]);
     }
     return true;
   }
@@ -872,14 +899,36 @@ inline bool key_offsets(const Problem& P, const int32_t* row, int64_t j0, int64_
       vo[j] = slot * P.v_ps;
     } else {
       const int64_t pg = P.page_shift >= 0 ? slot >> P.page_shift : slot / P.page, o = slot - pg * P.page;
-      ko[j] = pg * P.k_ps + o * P.k_ts;
-      vo[j] = pg * P.v_ps + o * P.v_ts;
+      row_at(P, pg, o, ko[j], vo[j]);
     }
   }
   return true;
 }
 
 thread_local std::vector<int64_t> t_offsets;
+thread_local std::vector<float> t_unpacked[2];  // a packed pool's K (0) and V (1) rows of a block, row-major
+
+// Rows of n keys of a packed pool (rows[j]: where key j's row lies, row_at) unpacked into this thread's scratch, K's
+// (value false, D dims) or V's (Dv); rows[j] then points at key j's row there. For the paths that read rows
+// (any ISA, float32 pools): correct, not fast. Until the next call for the same side.
+template <typename T>
+inline void unpack_rows(const Problem& P, bool value, const T** rows, int64_t n) {
+  const int64_t D = value ? P.Dv : P.D;
+  T* dst = reinterpret_cast<T*>(aligned(t_unpacked[value], up16(n * D)));
+  for (int64_t j = 0; j < n; ++j) {
+    const T* src = rows[j];
+    T* row = dst + j * D;
+    if (value) {  // 16 dims at a time, every other value of a tile row
+      for (int64_t d = 0; d < D; d += 16) {
+        const T* from = src + packed_v_dim(d, P.page);
+        for (int64_t i = 0; i < 16; ++i) row[d + i] = from[2 * i];
+      }
+    } else {  // pairs of dims, a tile row (64 bytes) apart
+      for (int64_t d = 0; d < D; d += 2) std::memcpy(row + d, src + packed_k_dim(d), 2 * sizeof(T));
+    }
+    rows[j] = row;
+  }
+}
 
 // kp[j], vp[j]: the K and V rows of KV head h of keys [j0, j0 + nk) of a request (its table row `row`); false
 // where the table names a slot or page outside the pool (key_offsets).
@@ -895,6 +944,10 @@ inline bool slot_ptrs(const Problem& P, const int32_t* row, int64_t j0, int64_t 
   for (int64_t j = 0; j < nk; ++j) {
     kp[j] = K + ko[j];
     vp[j] = V + vo[j];
+  }
+  if (P.packed) {
+    unpack_rows(P, false, kp, nk);
+    unpack_rows(P, true, vp, nk);
   }
   return true;
 }
@@ -1133,6 +1186,7 @@ void run_rows(const Problem& P, const Task& task) {
       for (int64_t hh = g0; hh < g1; ++hh) {
         const int64_t h = task.h + hh;
         for (int64_t j = 0; j < nk; ++j) kp[j] = K + cur_k[j] + h * P.k_hs;
+        if (P.packed) unpack_rows(P, false, kp, nk);
         // The next block's rows of this head go to L2 while this one computes, spread over the dots (K) and
         // P . V (V) by the first group of rows (see Ahead). Two or three blocks ahead lost on the Zen 1 and the
         // Xeon; one head-step ahead was within noise.
@@ -1155,6 +1209,7 @@ void run_rows(const Problem& P, const Task& task) {
       for (int64_t hh = g0; hh < g1; ++hh) {
         const int64_t h = task.h + hh;
         for (int64_t j = 0; j < nk; ++j) vp[j] = V + cur_v[j] + h * P.v_hs;
+        if (P.packed) unpack_rows(P, true, vp, nk);
         for (int64_t j = 0; j < nn; ++j) next_v[j] = ahead_row(V, nxt_v, nn, P.v_hs, hh, j);
         const Ahead ahead_v{next_v, nn, int64_t(Dv * sizeof(T))};
         float* s = scores + (hh - g0) * per_scores;
@@ -1237,6 +1292,7 @@ inline void tile_dp(int c, int a, int b) {
 }
 #define HAL_TILE_ZERO(t) tile_zero(t)
 #define HAL_TILE_LOAD(t, p, s) tile_load(t, p, s)
+#define HAL_TILE_STREAM_LOAD(t, p, s) tile_load(t, p, s)
 #define HAL_TILE_STORE(t, p, s) tile_store(t, p, s)
 #define HAL_TILE_DP(c, a, b) tile_dp(c, a, b)
 #else
@@ -1270,17 +1326,52 @@ inline void amx_end() { _tile_release(); }
   asm volatile("{tileloadd\t(%1,%2,1), %%tmm" #t "|tileloadd\t%%tmm" #t ", [%1+%2*1]}" ::"m"( \
                    *(const char(*)[])(p)),                                                     \
                "r"((const void*)(p)), "r"((long)(s)))
+// tileloaddt1: the same, with the hint that the tile's lines will not be read again soon (K and V tiles read
+// straight from the pool, once each: vLLM's AMX kernel streams them so, _tile_stream_loadd).
+#define HAL_TILE_STREAM_LOAD(t, p, s)                                                                 \
+  asm volatile("{tileloaddt1\t(%1,%2,1), %%tmm" #t "|tileloaddt1\t%%tmm" #t ", [%1+%2*1]}" ::"m"( \
+                   *(const char(*)[])(p)),                                                           \
+               "r"((const void*)(p)), "r"((long)(s)))
 #define HAL_TILE_STORE(t, p, s) _tile_stored(t, p, s)
 #define HAL_TILE_DP(c, a, b) _tile_dpbf16ps(c, a, b)
 #endif
 
+// Lines of memory fetched into L2 a few at a time as tiles are multiplied (the next block's tiles of the pool, as
+// Ahead does for the row path's rows): `runs` runs of `bytes` bytes, `stride` bytes apart, from `p`; `per` lines
+// each step().
+struct TileAhead {
+  const char* p = nullptr;
+  int64_t bytes = 0, stride = 0, runs = 0, per = 0;
+  int64_t run = 0, at = 0;  // the next line: run `run`, byte `at`
+  // `per` set so that `steps` steps fetch every line
+  void spread(int64_t steps) {
+    const int64_t lines = runs * ((bytes + 63) / 64);
+    per = (lines + std::max<int64_t>(steps, 1) - 1) / std::max<int64_t>(steps, 1);
+  }
+  __attribute__((always_inline)) void step() {
+    for (int64_t i = 0; i < per && run < runs; ++i) {
+      __builtin_prefetch(p + run * stride + at, 0, 1);
+      at += 64;
+      if (at >= bytes) {
+        at = 0;
+        ++run;
+      }
+    }
+  }
+  void rest() {
+    per = std::numeric_limits<int64_t>::max();
+    step();
+  }
+};
+
 // C (NR x NC tiles of 16 x 16 float32 at c, row stride ldc bytes) = (accumulate ? C : 0) + A . B over `chunks`
 // chunks of 32 k. A: rows of bf16, row stride lda bytes, chunk k at a + 32 k, the second row tile 16 rows down;
 // a_lo, where given, a second A (the low bf16 halves of float32 rows) dotted with the same B. B: VNNI blocks
-// of 16 x 32 bf16, chunk k of column tile n at b + n * b_col + k * b_chunk.
-template <int NR, int NC>
+// of 16 x 32 bf16, chunk k of column tile n at b + n * b_col + k * b_chunk; STREAM: read once (tiles of the pool:
+// tileloaddt1). `ahead`, where given, steps once per chunk.
+template <int NR, int NC, bool STREAM = false>
 inline void amx_mm(const uint16_t* a, const uint16_t* a_lo, int64_t lda, const uint16_t* b, int64_t b_col,
-                   int64_t b_chunk, int64_t chunks, float* c, int64_t ldc, bool accumulate) {
+                   int64_t b_chunk, int64_t chunks, float* c, int64_t ldc, bool accumulate, TileAhead* ahead) {
   const int64_t a_row = 16 * lda / 2;  // elements to the second row tile
   char* c0 = reinterpret_cast<char*>(c);
   if (accumulate) {
@@ -1295,8 +1386,14 @@ inline void amx_mm(const uint16_t* a, const uint16_t* a_lo, int64_t lda, const u
     if constexpr (NR > 1 && NC > 1) HAL_TILE_ZERO(3);
   }
   for (int64_t k = 0; k < chunks; ++k) {
-    HAL_TILE_LOAD(6, b + b_chunk * k, 64);
-    if constexpr (NC > 1) HAL_TILE_LOAD(7, b + b_col + b_chunk * k, 64);
+    if constexpr (STREAM) {
+      HAL_TILE_STREAM_LOAD(6, b + b_chunk * k, 64);
+      if constexpr (NC > 1) HAL_TILE_STREAM_LOAD(7, b + b_col + b_chunk * k, 64);
+    } else {
+      HAL_TILE_LOAD(6, b + b_chunk * k, 64);
+      if constexpr (NC > 1) HAL_TILE_LOAD(7, b + b_col + b_chunk * k, 64);
+    }
+    if (ahead) ahead->step();
     for (const uint16_t* x : {a, a_lo}) {
       if (!x) continue;
       HAL_TILE_LOAD(4, x + 32 * k, lda);
@@ -1314,9 +1411,10 @@ inline void amx_mm(const uint16_t* a, const uint16_t* a_lo, int64_t lda, const u
 }
 
 // C [rows x cols] (rows, cols multiples of 16) by amx_mm over 2 x 2 tile blocks, single tiles at the edges.
+template <bool STREAM = false>
 inline void amx_gemm(const uint16_t* a, const uint16_t* a_lo, int64_t lda, int64_t rows, const uint16_t* b,
                      int64_t b_col, int64_t b_chunk, int64_t cols, int64_t chunks, float* c, int64_t ldc,
-                     bool accumulate) {
+                     bool accumulate, TileAhead* ahead = nullptr) {
   const int64_t a_row = 16 * lda / 2, c_row = 16 * ldc / 4;
   for (int64_t r = 0; r < rows; r += 32) {
     const uint16_t* ar = a + r / 16 * a_row;
@@ -1326,14 +1424,19 @@ inline void amx_gemm(const uint16_t* a, const uint16_t* a_lo, int64_t lda, int64
       const uint16_t* bn = b + n / 16 * b_col;
       float* cn = c + r / 16 * c_row + n;
       if (n + 32 <= cols) {
-        two_rows ? amx_mm<2, 2>(ar, lr, lda, bn, b_col, b_chunk, chunks, cn, ldc, accumulate)
-                 : amx_mm<1, 2>(ar, lr, lda, bn, b_col, b_chunk, chunks, cn, ldc, accumulate);
+        two_rows ? amx_mm<2, 2, STREAM>(ar, lr, lda, bn, b_col, b_chunk, chunks, cn, ldc, accumulate, ahead)
+                 : amx_mm<1, 2, STREAM>(ar, lr, lda, bn, b_col, b_chunk, chunks, cn, ldc, accumulate, ahead);
       } else {
-        two_rows ? amx_mm<2, 1>(ar, lr, lda, bn, b_col, b_chunk, chunks, cn, ldc, accumulate)
-                 : amx_mm<1, 1>(ar, lr, lda, bn, b_col, b_chunk, chunks, cn, ldc, accumulate);
+        two_rows ? amx_mm<2, 1, STREAM>(ar, lr, lda, bn, b_col, b_chunk, chunks, cn, ldc, accumulate, ahead)
+                 : amx_mm<1, 1, STREAM>(ar, lr, lda, bn, b_col, b_chunk, chunks, cn, ldc, accumulate, ahead);
       }
     }
   }
+}
+
+// The amx_mm steps (chunk iterations) of amx_gemm over rows x cols, `chunks` chunks: what a TileAhead spreads over.
+inline int64_t amx_steps(int64_t rows, int64_t cols, int64_t chunks) {
+  return (rows + 31) / 32 * ((cols + 31) / 32) * chunks;
 }
 
 // Keys [16 g, 16 g + 16) of a block (kp[j], j < nk; zeros past nk), D dims, into the VNNI blocks of B = K^T:
@@ -1419,13 +1522,70 @@ inline void pack_values(const at::BFloat16* const* vp, int64_t nk, int64_t nk32,
   }
 }
 
+// ---- AMX-packed pages read as tiles ------------------------------------------------------------------------
+// Whether a request's keys [lo, hi) lie as whole pages do (key j at offset j % page, the keys of one page of the
+// request on one page of the pool), so that their tiles are read where they lie: always through req_to_page;
+// through req_to_token where its slots run so (a paged allocator's). A slot outside the pool: false (the row path
+// names it).
+inline bool pages_whole(const Problem& P, const int32_t* row, int64_t lo, int64_t hi) {
+  if (P.by_page) return true;
+  const int64_t slots = P.num_pages * P.page;
+  int64_t first = -1;  // the pool slot of offset 0 of the page at hand
+  for (int64_t j = lo; j < hi; ++j) {
+    const int64_t slot = row[j], o = j % P.page;
+    if (slot < 0 || slot >= slots || (slot - o) % P.page || (j > lo && o > 0 && slot - o != first)) return false;
+    first = slot - o;
+  }
+  return true;
+}
+
+// The pool page of key j of a request (through its table row), or -1 where the table names one outside the pool
+// (recorded as key_offsets does, where `record`).
+inline int64_t page_of(const Problem& P, const int32_t* row, int64_t j, bool record = true) {
+  const int64_t pg = P.by_page ? row[j / P.page] : row[j] / P.page;
+  if (pg >= 0 && pg < P.num_pages && (P.by_page || row[j] >= 0)) return pg;
+  if (record) {
+    P.bad_slot->store(P.by_page ? pg : row[j]);
+    P.bad->store(true);
+  }
+  return -1;
+}
+
+// Keys outside [a, z) of a packed V tile (32 keys x 16 dims) set to zero.
+inline void zero_tile_keys(uint16_t* tile, int64_t a, int64_t z) {
+  for (int64_t key = 0; key < 32; ++key)
+    if (key < a || key >= z)
+      for (int64_t n = 0; n < 16; ++n) tile[(key / 2) * 32 + 2 * n + key % 2] = 0;
+}
+
+// Keys [j, j + n32) of a request (j and n32 multiples of 32, keys from j + n on zeroed in V) copied from AMX-packed
+// pages into run_tile_amx's blocks: K's as they lie in the pool (its blocks are the pool's), V's from the pool's
+// order (16 dims a panel) into (key chunk, 16 dims) order. false: the table names a page outside the pool.
+inline bool copy_packed_tiles(const Problem& P, const int32_t* row, int64_t h, int64_t j, int64_t n, int64_t n32,
+                              uint16_t* kdst, uint16_t* vdst) {
+  const int64_t vgroups = P.Dv / 16;
+  const uint16_t* K = static_cast<const uint16_t*>(P.k);
+  const uint16_t* V = static_cast<const uint16_t*>(P.v);
+  for (int64_t c = 0; c < n32; c += 32) {
+    const int64_t pg = page_of(P, row, j + c), o = (j + c) % P.page;
+    if (pg < 0) return false;
+    std::memcpy(kdst + c * P.D, K + pg * P.k_ps + h * P.k_hs + o * P.D, 32 * P.D * 2);
+    for (int64_t e = 0; e < vgroups; ++e) {
+      uint16_t* tile = vdst + (c / 32 * vgroups + e) * kTileValues;
+      std::memcpy(tile, V + pg * P.v_ps + h * P.v_hs + e * P.page * 16 + o * 16, kTileValues * 2);
+      if (c + 32 > n) zero_tile_keys(tile, 0, n - c);
+    }
+  }
+  return true;
+}
+
 // The extend tiles of run_tile for bf16 pools with D % 32 == 0 and Dv % 16 == 0. The task's query rows
 // [i0, i1) are taken task.sub at a time (rows padded to 16), over K and V packed once per task into the VNNI
-// layout (keys in groups of 32 from a multiple of 32, zeros past the last): every tile of the task reads the
-// same packed keys. Q and P are bf16. Q is taken unscaled (the scale goes inside fold_block's exp), so a bf16
-// query is exact in one bf16 pass; a float32 one that is not also gets a second pass over its low halves, and
-// so does P: float32 accuracy for float32 queries, while a bf16 query (a bf16 model, whose output is rounded
-// to bf16) rounds P to bf16, as FlashAttention and vLLM do.
+// layout (keys in groups of 32 from a multiple of 32, zeros past the last; copied from an AMX-packed pool's
+// tiles, copy_packed_tiles): every tile of the task reads the same packed keys. Q and P are bf16. Q is taken
+// unscaled (the scale goes inside fold_block's exp), so a bf16 query is exact in one bf16 pass; a float32 one that
+// is not also gets a second pass over its low halves, and so does P: float32 accuracy for float32 queries, while
+// a bf16 query (a bf16 model, whose output is rounded to bf16) rounds P to bf16, as FlashAttention and vLLM do.
 void run_tile_amx(const Problem& P, const Task& task) {
   const int64_t b = task.b, h = task.h, D = P.D, Dv = P.Dv, BK = kGemmBlock;
   const int64_t sub = task.sub > 0 ? task.sub : task.i1 - task.i0;
@@ -1457,6 +1617,8 @@ void run_tile_amx(const Problem& P, const Task& task) {
   const at::BFloat16** vp = kp + BK;
   const int32_t* r2t_row = P.r2t + P.rows[b] * P.r2t_s0;
   int64_t packed = base;  // keys [base, packed) are packed
+  // AMX-packed pages whose keys lie as whole pages: the blocks are copied from the pool's tiles, not packed from rows
+  const bool from_pool = P.packed && pages_whole(P, r2t_row, base, top);
   const bool scale_in_exp = P.scale > 0.f;  // fold_block scales inside its exp (a positive scale only)
   std::vector<int64_t> lo(sub), hi(sub);
   amx_begin();
@@ -1475,6 +1637,14 @@ void run_tile_amx(const Problem& P, const Task& task) {
       const int64_t nk = std::min(BK, HI - j0), nk32 = (nk + 31) / 32 * 32;
       for (; packed < j0 + nk; packed += BK) {  // keys no tile of the task has reached yet
         const int64_t np = std::min(BK, top - packed), np32 = (np + 31) / 32 * 32;
+        if (from_pool) {
+          if (!copy_packed_tiles(P, r2t_row, h, packed, np, np32, kpack + (packed - base) * D,
+                                 vpack + (packed - base) * Dv)) {
+            amx_end();
+            return;
+          }
+          continue;
+        }
         if (!slot_ptrs<at::BFloat16>(P, r2t_row, packed, np, h, kp, vp)) {
           amx_end();
           return;
@@ -1501,6 +1671,130 @@ void run_tile_amx(const Problem& P, const Task& task) {
   }
   amx_end();
 }
+
+// ---- AMX decode and verify over AMX-packed pages -----------------------------------------------------------
+constexpr int64_t kPackedKeys = 128;  // keys per block of the packed tile path, at most (within one page)
+
+// Row tasks (decode, verify: all query rows of a request and the GQA group of each KV head in [h, h + nh)) over
+// AMX-packed bf16 pages, by tiles read straight from the pool, as vLLM's AMX kernel does: S = Q . K^T with Q's
+// rows in A tiles (bf16 hi, and lo where float32 queries have nonzero low halves; query rows past 16 in more row
+// tiles) and K's tiles as B; the online softmax (fold_block) in vector code; O += P . V with P in bf16 (hi + lo
+// for such float32 queries, as run_tile_amx) and V's tiles as B. Blocks of up to kPackedKeys keys from a
+// multiple of 32, within one page; each head's scores, fold and P . V per block, the heads of a page one after
+// another (their slabs lie side by side in the pool); the next block's K and V tiles of a head fetched into L2
+// while its current ones are multiplied (TileAhead). Keys past the visible ones in a block's first or last 32
+// read their V tiles through a copy with those keys zeroed: slots past a request's last key hold anything (NaN
+// times a zero probability is NaN).
+void run_rows_amx(const Problem& P, const Task& task) {
+  const int64_t b = task.b, i0 = task.i0, nq = task.i1 - task.i0, nh = task.nh;
+  const int64_t R = nq * P.G, Rp = (R + 15) / 16 * 16, D = P.D, Dv = P.Dv, page = P.page;
+  const int64_t dchunks = D / 32, vgroups = Dv / 16, BK = std::min(page, kPackedKeys);
+  // float32: the queries of the head at hand [R x D], scores [Rp x BK]; per head: accumulators [Rp x Dv], max, sum
+  const int64_t per_head = up16(Rp * Dv) + 2 * up16(R);
+  float* qs = scratch(up16(R * D) + up16(Rp * BK) + nh * per_head);
+  float* s = qs + up16(R * D);
+  float* state = s + up16(Rp * BK);
+  // bf16: per head the queries' hi and lo halves [Rp x D] each; P's hi and lo [Rp x BK]; a V chunk's tiles
+  thread_local std::vector<uint16_t> t_bf16;
+  uint16_t* qb = aligned(t_bf16, nh * 2 * Rp * D + 2 * Rp * BK + vgroups * kTileValues);
+  uint16_t* phi = qb + nh * 2 * Rp * D;
+  uint16_t* plo = phi + Rp * BK;
+  uint16_t* vedge = plo + Rp * BK;
+  std::vector<int64_t> lo(nq), hi(nq);
+  std::vector<char> two_pass(nh);
+  int64_t LO = 0, HI = 0;
+  for (int64_t hh = 0; hh < nh; ++hh) {
+    Task head = task;
+    head.h = task.h + hh;
+    float* acc = state + hh * per_head;
+    start_task(P, head, R, lo.data(), hi.data(), LO, HI, qs, acc, acc + up16(Rp * Dv), acc + up16(Rp * Dv) + up16(R),
+               false);
+    std::fill(acc + R * Dv, acc + Rp * Dv, 0.f);
+    uint16_t* qh = qb + hh * 2 * Rp * D;
+    bool rest = false;
+    for (int64_t r = 0; r < Rp; ++r) rest |= to_bf16_halves(qs + r * D, r < R ? D : 0, D, qh + r * D, qh + Rp * D + r * D);
+    two_pass[hh] = rest;
+  }
+  std::fill(phi, phi + Rp * BK, uint16_t(0));  // padding rows: no probabilities
+  const bool scale_in_exp = P.scale > 0.f;  // fold_block scales inside its exp (a positive scale only)
+  const int32_t* r2t_row = P.r2t + P.rows[b] * P.r2t_s0;
+  const uint16_t* K = static_cast<const uint16_t*>(P.k);
+  const uint16_t* V = static_cast<const uint16_t*>(P.v);
+  // block [j0, j1): from a multiple of 32, within one page, at most BK keys, to HI rounded up to 32
+  auto block_end = [&](int64_t j0) { return std::min({j0 / page * page + page, j0 + BK, (HI + 31) / 32 * 32}); };
+  amx_begin();
+  for (int64_t j0 = LO / 32 * 32; j0 < HI;) {
+    const int64_t j1 = block_end(j0), nk = std::min(j1, HI) - j0, nk32 = j1 - j0, o0 = j0 % page;
+    const int64_t pg = page_of(P, r2t_row, std::max(j0, LO));
+    if (pg < 0) break;
+    // the next block's page (none past HI, or where the table names none: that block records it when reached)
+    const int64_t n1 = j1 < HI ? block_end(j1) : j1, pn = j1 < HI ? page_of(P, r2t_row, j1, false) : -1;
+    for (int64_t hh = 0; hh < nh; ++hh) {
+      const int64_t h = task.h + hh;
+      const uint16_t* qh = qb + hh * 2 * Rp * D;
+      float* acc = state + hh * per_head;
+      float* m = acc + up16(Rp * Dv);
+      float* l = m + up16(R);
+      const uint16_t* kt = K + pg * P.k_ps + h * P.k_hs + o0 * D;  // the block's first K tile (16 keys x 32 dims)
+      const uint16_t* vt = V + pg * P.v_ps + h * P.v_hs + o0 * 16;  // its first V tile (32 keys x 16 dims)
+      TileAhead ahead_k, ahead_v;
+      if (pn >= 0) {  // the next block's tiles of this head: K one run, V one run per 16 dims
+        const int64_t on = j1 % page;
+        ahead_k = {reinterpret_cast<const char*>(K + pn * P.k_ps + h * P.k_hs + on * D), (n1 - j1) * D * 2, 0, 1};
+        ahead_v = {reinterpret_cast<const char*>(V + pn * P.v_ps + h * P.v_hs + on * 16), (n1 - j1) * 32,
+                   page * 32, vgroups};
+      }
+      ahead_k.spread(amx_steps(Rp, nk32, dchunks));
+      amx_gemm<true>(qh, two_pass[hh] ? qh + Rp * D : nullptr, D * 2, Rp, kt, dchunks * kTileValues, kTileValues,
+                     nk32, dchunks, s, BK * 4, false, &ahead_k);
+      ahead_k.rest();
+      if (!scale_in_exp)
+        for (int64_t r = 0; r < R; ++r) scale_row(s + r * BK, nk, P.scale);
+      if (!fold_block(P, b, i0, R, j0, nk, s, BK, m, l, acc, Dv, lo.data(), hi.data(), scale_in_exp ? P.scale : 1.f,
+                      two_pass[hh] ? nullptr : phi, BK)) {
+        ahead_v.rest();
+        continue;
+      }
+      if (two_pass[hh]) {
+        for (int64_t r = 0; r < Rp; ++r) to_bf16_halves(s + r * BK, r < R ? nk : 0, nk32, phi + r * BK, plo + r * BK);
+      } else if (nk < nk32) {
+        for (int64_t r = 0; r < R; ++r) std::fill(phi + r * BK + nk, phi + r * BK + nk32, uint16_t(0));
+      }
+      const uint16_t* p_lo = two_pass[hh] ? plo : nullptr;
+      ahead_v.spread(amx_steps(Rp, Dv, nk32 / 32));
+      // 32 keys at a time: runs of chunks whose keys are all visible from the pool, the others through vedge
+      auto edge = [&](int64_t c) { return j0 + 32 * c < LO || j0 + 32 * c + 32 > HI; };
+      for (int64_t c = 0; c < nk32 / 32;) {
+        if (edge(c)) {
+          const int64_t a = std::max<int64_t>(LO - j0 - 32 * c, 0), z = std::min<int64_t>(HI - j0 - 32 * c, 32);
+          for (int64_t e = 0; e < vgroups; ++e) {
+            uint16_t* tile = vedge + e * kTileValues;
+            std::memcpy(tile, vt + e * page * 16 + c * kTileValues, kTileValues * 2);
+            zero_tile_keys(tile, a, z);
+          }
+          amx_gemm(phi + 32 * c, p_lo ? p_lo + 32 * c : nullptr, BK * 2, Rp, vedge, kTileValues, kTileValues, Dv, 1,
+                   acc, Dv * 4, true, &ahead_v);
+          ++c;
+          continue;
+        }
+        int64_t c1 = c;
+        while (c1 < nk32 / 32 && !edge(c1)) ++c1;
+        amx_gemm<true>(phi + 32 * c, p_lo ? p_lo + 32 * c : nullptr, BK * 2, Rp, vt + c * kTileValues, page * 16,
+                       kTileValues, Dv, c1 - c, acc, Dv * 4, true, &ahead_v);
+        c = c1;
+      }
+      ahead_v.rest();
+    }
+    j0 = j1;
+  }
+  amx_end();
+  if (P.bad->load()) return;
+  for (int64_t hh = 0; hh < nh; ++hh) {
+    const float* acc = state + hh * per_head;
+    write_rows(P, b, task.h + hh, i0, R, acc, acc + up16(Rp * Dv), acc + up16(Rp * Dv) + up16(R));
+  }
+}
+
 #endif
 
 #ifdef HAL_VEC
@@ -1946,6 +2240,27 @@ void run_tile_mm(const Problem& P, const Task& task) {
 }
 
 
+// A row task: AMX tiles read straight from the pool where it holds AMX-packed bf16 pages and the task's keys lie as
+// whole pages do (pages_whole), else run_rows.
+template <typename T>
+void run_row(const Problem& P, const Task& task) {
+#ifdef HAL_AMX
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (P.packed && amx_tiles(P, true)) {
+      int64_t lo = std::numeric_limits<int64_t>::max(), hi = 0;
+      for (int64_t i = task.i0; i < task.i1; ++i) {
+        int64_t a, z;
+        key_range(P, task.b, i, a, z);
+        lo = std::min(lo, a);
+        hi = std::max(hi, z);
+      }
+      if (pages_whole(P, P.r2t + P.rows[task.b] * P.r2t_s0, lo, hi)) return run_rows_amx(P, task);
+    }
+  }
+#endif
+  run_rows<T>(P, task);
+}
+
 // A tile task: AMX where it serves, else its tiles (task.sub query rows each) one after another, which read the
 // same keys (the float vector path widens them once for all: WidenedRows).
 template <typename T>
@@ -1982,13 +2297,19 @@ void run_tile(const Problem& P, const Task& task) {
 
 // The pool's buffers: [S, Hkv, D] keys and [S, Hkv, Dv] values (pages of one slot), or [N, Hkv, page, D] and
 // [N, Hkv, page, Dv] pages of any strides (a token-major pool's view, or head-major pages); last dims contiguous.
-// false: buffers that do not pair so.
-bool bind_buffers(Problem& P, const at::Tensor& k_buffer, const at::Tensor& v_buffer) {
+// `packed`: AMX-packed pages, [N, Hkv, page, D | Dv] with each (page, head) slab dense, page and dims multiples of
+// 32. false: buffers that do not pair so.
+bool bind_buffers(Problem& P, const at::Tensor& k_buffer, const at::Tensor& v_buffer, bool packed = false) {
   const int64_t dims = k_buffer.dim();
   if ((dims != 3 && dims != 4) || v_buffer.dim() != dims || k_buffer.size(0) != v_buffer.size(0) ||
       k_buffer.size(1) != v_buffer.size(1) || (dims == 4 && k_buffer.size(2) != v_buffer.size(2)) ||
       k_buffer.stride(dims - 1) != 1 || v_buffer.stride(dims - 1) != 1)
     return false;
+  if (packed && (dims != 4 || k_buffer.size(2) % kPackedPage || k_buffer.size(3) % kPackedPage ||
+                 v_buffer.size(3) % kPackedPage || k_buffer.stride(2) != k_buffer.size(3) ||
+                 v_buffer.stride(2) != v_buffer.size(3)))
+    return false;
+  P.packed = packed;
   P.k = k_buffer.data_ptr();
   P.v = v_buffer.data_ptr();
   P.num_pages = k_buffer.size(0);
@@ -2104,9 +2425,9 @@ void run_tasks(Problem& P, int64_t B, int64_t tile_rows, bool bf16) {
       if (bad.load()) return;
       const Task& task = tasks[t];
       if (bf16) {
-        task.tile ? run_tile<at::BFloat16>(P, task) : run_rows<at::BFloat16>(P, task);
+        task.tile ? run_tile<at::BFloat16>(P, task) : run_row<at::BFloat16>(P, task);
       } else {
-        task.tile ? run_tile<float>(P, task) : run_rows<float>(P, task);
+        task.tile ? run_tile<float>(P, task) : run_row<float>(P, task);
       }
     }
   };
@@ -2160,6 +2481,18 @@ bool token_rows(const at::Tensor& t, at::ScalarType dt, int64_t T, int64_t H, in
   return false;
 }
 
+// One token's K and V rows (knew: D values, vnew: Dv, of E's size) stored at their places in a packed pool (krow,
+// vrow: where the token's rows lie, row_at).
+template <typename E>
+void scatter_packed(const Problem& P, char* krow, char* vrow, const char* knew, const char* vnew) {
+  E* k = reinterpret_cast<E*>(krow);
+  E* v = reinterpret_cast<E*>(vrow);
+  const E* kn = reinterpret_cast<const E*>(knew);
+  const E* vn = reinterpret_cast<const E*>(vnew);
+  for (int64_t d = 0; d < P.D; ++d) k[packed_k_dim(d)] = kn[d];
+  for (int64_t d = 0; d < P.Dv; ++d) v[packed_v_dim(d, P.page)] = vn[d];
+}
+
 bool index_vector(const at::Tensor& t) {
   return t.defined() && t.scalar_type() == at::kLong && t.dim() == 1 && t.is_contiguous() && t.device().is_cpu();
 }
@@ -2175,7 +2508,8 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::
                      const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& kv_lens,
                      const at::Tensor& q_lens, const at::Tensor& q_start, const at::Tensor& custom_mask,
                      const at::Tensor& mask_start, const at::Tensor& sinks, const at::Tensor& out, double scale,
-                     double logit_cap, int64_t window, bool causal, int64_t tile_rows, bool by_page) {
+                     double logit_cap, int64_t window, bool causal, int64_t tile_rows, bool by_page,
+                     bool amx_packed) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "q and out must be float32");
   TORCH_CHECK(k_buffer.scalar_type() == v_buffer.scalar_type(), "k and v buffers differ in dtype");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "last dims must be contiguous");
@@ -2184,10 +2518,13 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_buffer, const at::
   const bool bf16 = k_buffer.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || k_buffer.scalar_type() == at::kFloat, "KV buffers must be float32 or bfloat16");
   Problem P;
-  TORCH_CHECK(bind_buffers(P, k_buffer, v_buffer) && k_buffer.size(k_buffer.dim() - 1) == q.size(2) &&
+  TORCH_CHECK(bind_buffers(P, k_buffer, v_buffer, amx_packed) && k_buffer.size(k_buffer.dim() - 1) == q.size(2) &&
                   out.size(2) == P.Dv,
-              "hal: k/v buffers ", k_buffer.sizes(), " / ", v_buffer.sizes(), ": expected [slots, kv heads, dim] or ",
-              "[pages, kv heads, page, dim] of the queries' dim, last dims contiguous");
+              "hal: k/v buffers ", k_buffer.sizes(), " / ", v_buffer.sizes(), ": expected ",
+              amx_packed ? "AMX-packed [pages, kv heads, page, dim] (page and dims multiples of 32, each (page, head) "
+                           "slab dense)"
+                         : "[slots, kv heads, dim] or [pages, kv heads, page, dim]",
+              " of the queries' dim, last dims contiguous");
   P.by_page = by_page;
   set_layer(P, q.size(1), q.size(2), scale, logit_cap, window, causal);
   TORCH_CHECK(bind_sinks(P, sinks), "hal: sinks must be float32, contiguous, one per q head (", P.Hq, ")");
@@ -2215,14 +2552,14 @@ at::Tensor write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::
                             const at::Tensor& q_start, const at::Tensor& custom_mask, const at::Tensor& mask_start,
                             const at::Tensor& sinks, int64_t q_heads, int64_t kv_heads, int64_t v_heads, int64_t head_dim, int64_t v_head_dim,
                             double scale, double logit_cap, int64_t window, bool causal, int64_t tile_rows,
-                            bool by_page, const std::optional<at::Tensor>& out) {
+                            bool by_page, bool amx_packed, const std::optional<at::Tensor>& out) {
   const at::ScalarType dt = k_buffer.scalar_type();
   const bool bf16 = dt == at::kBFloat16;
   if (!(bf16 || dt == at::kFloat) || v_buffer.scalar_type() != dt || !k_buffer.device().is_cpu() ||
       !v_buffer.device().is_cpu())
     return {};
   Problem P;
-  if (!bind_buffers(P, k_buffer, v_buffer)) return {};
+  if (!bind_buffers(P, k_buffer, v_buffer, amx_packed)) return {};
   const int64_t last = k_buffer.dim() - 1;
   if (P.Hkv != kv_heads || k_buffer.size(last) != head_dim || P.Dv != v_head_dim || v_heads != kv_heads ||
       kv_heads <= 0 || q_heads % kv_heads || k_buffer.data_ptr() == v_buffer.data_ptr())
@@ -2258,8 +2595,8 @@ at::Tensor write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::
     TORCH_CHECK(s >= -1 && s < slots, "hal: out_cache_loc[", t, "] = ", s, ": expected a slot in [0, ", slots,
                 ") or -1 (a padding token: nothing written)");
     const int64_t pg = s / P.page, o = s - pg * P.page;
-    k_at[t] = s < 0 ? -1 : pg * P.k_ps + o * P.k_ts;
-    v_at[t] = s < 0 ? -1 : pg * P.v_ps + o * P.v_ts;
+    row_at(P, pg, o, k_at[t], v_at[t]);
+    if (s < 0) k_at[t] = v_at[t] = -1;
   }
   const int64_t elt = bf16 ? 2 : 4;
   char* K = static_cast<char*>(k_buffer.data_ptr());
@@ -2270,8 +2607,18 @@ at::Tensor write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::
     for (int64_t t = t0; t < t1; ++t) {
       if (k_at[t] < 0) continue;
       for (int64_t h = 0; h < kv_heads; ++h) {
-        std::memcpy(K + (k_at[t] + h * P.k_hs) * elt, kin + (t * ks0 + h * ks1) * elt, head_dim * elt);
-        std::memcpy(V + (v_at[t] + h * P.v_hs) * elt, vin + (t * vs0 + h * vs1) * elt, v_head_dim * elt);
+        char* krow = K + (k_at[t] + h * P.k_hs) * elt;
+        char* vrow = V + (v_at[t] + h * P.v_hs) * elt;
+        const char* knew = kin + (t * ks0 + h * ks1) * elt;
+        const char* vnew = vin + (t * vs0 + h * vs1) * elt;
+        if (!P.packed) {
+          std::memcpy(krow, knew, head_dim * elt);
+          std::memcpy(vrow, vnew, v_head_dim * elt);
+        } else if (bf16) {
+          scatter_packed<uint16_t>(P, krow, vrow, knew, vnew);
+        } else {
+          scatter_packed<uint32_t>(P, krow, vrow, knew, vnew);
+        }
       }
     }
   });
@@ -2383,9 +2730,9 @@ std::string build_info() {
   s += ", bf16 widened to fp32";
 #endif
 #if defined(HAL_AMX_EMULATE)
-  s += ", bf16 extend tiles through emulated AMX tiles (a test build)";
+  s += ", bf16 extend tiles (and AMX-packed decode) through emulated AMX tiles (a test build)";
 #elif defined(HAL_AMX)
-  s += ", bf16 extend tiles through AMX";
+  s += ", bf16 extend tiles and AMX-packed decode through AMX";
 #endif
   return s;
 }
@@ -2398,7 +2745,8 @@ TORCH_LIBRARY_FRAGMENT(hal, m) {
   m.def(HAL_OP(paged_attention)
         "(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, Tensor rows, Tensor kv_lens, "
         "Tensor q_lens, Tensor q_start, Tensor custom_mask, Tensor mask_start, Tensor sinks, Tensor(a!) out, "
-        "float scale, float logit_cap, int window, bool causal, int tile_rows, bool by_page=False) -> ()");
+        "float scale, float logit_cap, int window, bool causal, int tile_rows, bool by_page=False, "
+        "bool amx_packed=False) -> ()");
   m.def(HAL_OP(build_info) "() -> str", &build_info);
 }
 TORCH_LIBRARY_IMPL(hal, CPU, m) { m.impl(HAL_OP(paged_attention), &paged_attention); }
@@ -2411,12 +2759,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, py::arg("q"), py::arg("k_buffer"), py::arg("v_buffer"),
         py::arg("req_to_token"), py::arg("rows"), py::arg("kv_lens"), py::arg("q_lens"), py::arg("q_start"),
         py::arg("custom_mask"), py::arg("mask_start"), py::arg("sinks"), py::arg("out"), py::arg("scale"),
-        py::arg("logit_cap"), py::arg("window"), py::arg("causal"), py::arg("tile_rows"), py::arg("by_page") = false);
+        py::arg("logit_cap"), py::arg("window"), py::arg("causal"), py::arg("tile_rows"), py::arg("by_page") = false,
+        py::arg("amx_packed") = false);
   m.def("write_and_attend", &write_and_attend, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("loc"),
         py::arg("k_buffer"), py::arg("v_buffer"), py::arg("req_to_token"), py::arg("rows"), py::arg("kv_lens"),
         py::arg("q_lens"), py::arg("q_start"), py::arg("custom_mask"), py::arg("mask_start"), py::arg("sinks"),
         py::arg("q_heads"), py::arg("kv_heads"), py::arg("v_heads"), py::arg("head_dim"), py::arg("v_head_dim"),
         py::arg("scale"), py::arg("logit_cap"), py::arg("window"), py::arg("causal"), py::arg("tile_rows"),
-        py::arg("by_page"), py::arg("out") = py::none());
+        py::arg("by_page"), py::arg("amx_packed"), py::arg("out") = py::none());
   m.def("peak_gflops", &peak_gflops);
 }
