@@ -235,6 +235,30 @@ def test_bf16_is_as_accurate_as_cpu_attn(models, tmp_path_factory, arch):
     assert hal_gap <= 1.25 * ref_gap, f"{arch}: hal bf16 {hal_gap:.4f} nats a token from fp32, CPU_ATTN {ref_gap:.4f}"
 
 
+def test_bf16_on_the_amx_path_keeps_amx_packed_pages_in_vllms_cache(models, tmp_path_factory):
+    """Where hal's amx path serves a bf16 model (HAL_CPU_ISA=amx_emulated runs its tile code on any x86 CPU), vLLM's
+    head-major cache holds AMX-packed pages (the bytes vLLM's own AMX kernel keeps there), written and read by hal's
+    tiles; the engine is as accurate as CPU_ATTN's bf16 engine (the check of test_bf16_is_as_accurate_as_cpu_attn),
+    and HAL_KV_LAYOUT=head_major keeps plain pages."""
+    rng = random.Random(SEED + 2)
+    low = len(sglang_model.SPECIALS)
+    prompts = [[rng.randrange(low, vllm_model.VOCAB) for _ in range(n)] for n in (40, 150, 330)]
+    work = [[{"prompt_token_ids": p, "max_tokens": 1, "prompt_logprobs": True} for p in prompts]]
+    bf16 = {"dtype": "bfloat16"}
+    reference = _run(models["llama"], "CPU_ATTN", work, tmp_path_factory)  # fp32
+    packed = _run(models["llama"], "hal", work, tmp_path_factory, bf16, HAL_CPU_ISA="amx_emulated")
+    plain = _run(
+        models["llama"], "hal", work, tmp_path_factory, bf16, HAL_CPU_ISA="amx_emulated", HAL_KV_LAYOUT="head_major"
+    )
+    ref_run = _run(models["llama"], "CPU_ATTN", work, tmp_path_factory, bf16)
+    assert "KV bf16 amx_packed)" in _assert_hal_served(packed) and "amx_emulated path" in packed["log"]
+    assert "KV bf16 head_major)" in _assert_hal_served(plain)
+    ref_gap = _mean_gap(ref_run, reference)
+    assert ref_gap > 0.01, f"CPU_ATTN's bf16 engine equals its fp32 one ({ref_gap}): bf16 did not run"
+    for run in (packed, plain):
+        assert _mean_gap(run, reference) <= 1.25 * ref_gap
+
+
 def test_gpt_oss_sinks(models, workload, tmp_path_factory):
     """Attention sinks: gpt-oss hands every layer's per-head ``sinks`` to the backend (``AttentionImpl(sinks=)``);
     vLLM 0.32's CPU engine runs it (``CPU_ATTN`` passes them to its kernel as ``s_aux``, the MoE runs on its CPU
