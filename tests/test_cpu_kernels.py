@@ -727,9 +727,10 @@ def test_amx_packed_pages_serve_every_mode(isa, page, monkeypatch):
     """AMX-packed pages against the reference over the same keys in a token-major pool: decodes with an extend, and
     a verify with a custom mask, through row tasks of one KV head or all and through the extend tiles; a sliding
     window, a logit cap, sinks; float32 and bf16 pools, bf16 and float32 queries over bf16 (float32 queries keep
-    float32's tolerance); req_to_token and req_to_page. On the AMX paths bf16 pools go through tiles read from the
-    pool, elsewhere each page's rows are unpacked. Slots that hold no request's key hold NaN: a tile read past a
-    request's last key must not let them in."""
+    float32's tolerance); req_to_token and req_to_page, and a req_to_token whose slots do not lie as whole pages
+    (the AMX paths then read rows). Verify rows past 16 and 32 (more row tiles). On the AMX paths bf16 pools go
+    through tiles read from the pool, elsewhere each page's rows are unpacked. Slots that hold no request's key hold
+    NaN: a tile read past a request's last key must not let them in."""
     from hal.kernels import reference
 
     monkeypatch.setenv("HAL_CPU_ISA", isa)
@@ -740,17 +741,28 @@ def test_amx_packed_pages_serve_every_mode(isa, page, monkeypatch):
         unused = torch.ones(k.shape[0], dtype=torch.bool)
         for r, n in zip(rows, seq):
             unused[req_to_token[r, :n].long()] = False
+        scattered = req_to_token.clone()  # each request's slots in another order: keys that do not lie as pages do
+        for r, n in zip(rows, seq):
+            scattered[r, :n] = req_to_token[r, :n][torch.randperm(int(n), generator=gen)]
         k[unused], v[unused] = float("nan"), float("nan")
         k_packed, v_packed = _amx_packed(k, page, False), _amx_packed(v, page, True)
-        for ext, verify in ((torch.tensor([1, 1, 20]), False), (torch.tensor([3, 4, 2]), True)):
+        for ext, verify in ((torch.tensor([1, 1, 20]), False), (torch.tensor([3, 9, 5]), True)):
             q = torch.randn(int(ext.sum()), 8, 64, generator=gen).to(q_dtype)
             mask = _mask(gen, ext, seq) if verify else None
             for variant in PACKED_VARIANTS:
                 kw = dict(variant, sinks=torch.randn(8, generator=gen) if "sinks" in variant else None)
-                expected = reference.paged_attention(
-                    q, k.float(), v.float(), req_to_token, rows, seq, ext, scale=0.125, custom_mask=mask, **kw
-                ).float()
-                for table, index in (("req_to_token", req_to_token), ("req_to_page", req_to_page)):
+                expected = {
+                    id(slots): reference.paged_attention(
+                        q, k.float(), v.float(), slots, rows, seq, ext, scale=0.125, custom_mask=mask, **kw
+                    ).float()
+                    for slots in (req_to_token, scattered)
+                }
+                tables = (  # (table, its tensor, the same keys' slots)
+                    ("req_to_token", req_to_token, req_to_token),
+                    ("req_to_page", req_to_page, req_to_token),
+                    ("req_to_token", scattered, scattered),
+                )
+                for table, index, slots in tables:
                     for tile_rows, heads_per_task in ((0, "1"), (0, "64"), (4, "1")):
                         monkeypatch.setenv("HAL_HEADS_PER_TASK", heads_per_task)
                         out = cpu_kernels.paged_attention(
@@ -770,7 +782,10 @@ def test_amx_packed_pages_serve_every_mode(isa, page, monkeypatch):
                         )
                         where = (pool_dtype, q_dtype, verify, variant, table, tile_rows, heads_per_task)
                         torch.testing.assert_close(
-                            out.float(), expected, **tolerance(q_dtype), msg=lambda m, where=where: f"{where}: {m}"
+                            out.float(),
+                            expected[id(slots)],
+                            **tolerance(q_dtype),
+                            msg=lambda m, where=where: f"{where}: {m}",
                         )
 
 

@@ -826,6 +826,9 @@ inline int64_t packed_k_row(int64_t o, int64_t D) { return (o / 16) * 16 * D + (
 inline int64_t packed_k_dim(int64_t d) { return (d / 2) * 32 + d % 2; }
 inline int64_t packed_v_row(int64_t o) { return (o / 2) * 32 + o % 2; }
 inline int64_t packed_v_dim(int64_t d, int64_t page) { return (d / 16) * page * 16 + (d % 16) * 2; }
+// So the K tile of keys from o (a multiple of 16) and dims from 32 c lies at packed_k_row(o, D) + c * 512, the next
+// 16 keys' packed_k_row(16, D) further; the V tile of keys from o (a multiple of 32) and dims from 16 e at
+// packed_v_row(o) + packed_v_dim(16 e, page), the next 32 keys' 512 further.
 
 // Where head 0's row of offset o of page pg lies (elements from k and v): its first value in any layout.
 inline void row_at(const Problem& P, int64_t pg, int64_t o, int64_t& k, int64_t& v) {
@@ -1551,11 +1554,18 @@ inline int64_t page_of(const Problem& P, const int32_t* row, int64_t j, bool rec
   return -1;
 }
 
-// Keys outside [a, z) of a packed V tile (32 keys x 16 dims) set to zero.
+// Keys outside [a, z) of a packed V tile (32 keys x 16 dims; row kk: keys 2 kk and 2 kk + 1, interleaved) set to
+// zero: a row of two such keys at once, a row of one every other value.
 inline void zero_tile_keys(uint16_t* tile, int64_t a, int64_t z) {
-  for (int64_t key = 0; key < 32; ++key)
-    if (key < a || key >= z)
-      for (int64_t n = 0; n < 16; ++n) tile[(key / 2) * 32 + 2 * n + key % 2] = 0;
+  for (int64_t kk = 0; kk < 16; ++kk) {
+    const bool even = 2 * kk >= a && 2 * kk < z, odd = 2 * kk + 1 >= a && 2 * kk + 1 < z;
+    uint16_t* row = tile + kk * 32;
+    if (!even && !odd) {
+      std::memset(row, 0, 64);
+    } else if (even != odd) {
+      for (int64_t n = 0; n < 16; ++n) row[2 * n + (even ? 1 : 0)] = 0;
+    }
+  }
 }
 
 // Keys [j, j + n32) of a request (j and n32 multiples of 32, keys from j + n on zeroed in V) copied from AMX-packed
@@ -1569,10 +1579,11 @@ inline bool copy_packed_tiles(const Problem& P, const int32_t* row, int64_t h, i
   for (int64_t c = 0; c < n32; c += 32) {
     const int64_t pg = page_of(P, row, j + c), o = (j + c) % P.page;
     if (pg < 0) return false;
-    std::memcpy(kdst + c * P.D, K + pg * P.k_ps + h * P.k_hs + o * P.D, 32 * P.D * 2);
+    std::memcpy(kdst + c * P.D, K + pg * P.k_ps + h * P.k_hs + packed_k_row(o, P.D), 32 * P.D * 2);
     for (int64_t e = 0; e < vgroups; ++e) {
       uint16_t* tile = vdst + (c / 32 * vgroups + e) * kTileValues;
-      std::memcpy(tile, V + pg * P.v_ps + h * P.v_hs + e * P.page * 16 + o * 16, kTileValues * 2);
+      std::memcpy(tile, V + pg * P.v_ps + h * P.v_hs + packed_v_row(o) + packed_v_dim(16 * e, P.page),
+                  kTileValues * 2);
       if (c + 32 > n) zero_tile_keys(tile, 0, n - c);
     }
   }
@@ -1712,7 +1723,8 @@ void run_rows_amx(const Problem& P, const Task& task) {
     std::fill(acc + R * Dv, acc + Rp * Dv, 0.f);
     uint16_t* qh = qb + hh * 2 * Rp * D;
     bool rest = false;
-    for (int64_t r = 0; r < Rp; ++r) rest |= to_bf16_halves(qs + r * D, r < R ? D : 0, D, qh + r * D, qh + Rp * D + r * D);
+    for (int64_t r = 0; r < Rp; ++r)
+      rest |= to_bf16_halves(qs + r * D, r < R ? D : 0, D, qh + r * D, qh + Rp * D + r * D);
     two_pass[hh] = rest;
   }
   std::fill(phi, phi + Rp * BK, uint16_t(0));  // padding rows: no probabilities
@@ -1735,17 +1747,19 @@ void run_rows_amx(const Problem& P, const Task& task) {
       float* acc = state + hh * per_head;
       float* m = acc + up16(Rp * Dv);
       float* l = m + up16(R);
-      const uint16_t* kt = K + pg * P.k_ps + h * P.k_hs + o0 * D;  // the block's first K tile (16 keys x 32 dims)
-      const uint16_t* vt = V + pg * P.v_ps + h * P.v_hs + o0 * 16;  // its first V tile (32 keys x 16 dims)
+      // the block's first K tile (16 keys x 32 dims) and V tile (32 keys x 16 dims)
+      const uint16_t* kt = K + pg * P.k_ps + h * P.k_hs + packed_k_row(o0, D);
+      const uint16_t* vt = V + pg * P.v_ps + h * P.v_hs + packed_v_row(o0);
       TileAhead ahead_k, ahead_v;
       if (pn >= 0) {  // the next block's tiles of this head: K one run, V one run per 16 dims
         const int64_t on = j1 % page;
-        ahead_k = {reinterpret_cast<const char*>(K + pn * P.k_ps + h * P.k_hs + on * D), (n1 - j1) * D * 2, 0, 1};
-        ahead_v = {reinterpret_cast<const char*>(V + pn * P.v_ps + h * P.v_hs + on * 16), (n1 - j1) * 32,
-                   page * 32, vgroups};
+        ahead_k = {reinterpret_cast<const char*>(K + pn * P.k_ps + h * P.k_hs + packed_k_row(on, D)),
+                   (n1 - j1) * D * 2, 0, 1};
+        ahead_v = {reinterpret_cast<const char*>(V + pn * P.v_ps + h * P.v_hs + packed_v_row(on)), (n1 - j1) * 32,
+                   packed_v_dim(16, page) * 2, vgroups};
       }
       ahead_k.spread(amx_steps(Rp, nk32, dchunks));
-      amx_gemm<true>(qh, two_pass[hh] ? qh + Rp * D : nullptr, D * 2, Rp, kt, dchunks * kTileValues, kTileValues,
+      amx_gemm<true>(qh, two_pass[hh] ? qh + Rp * D : nullptr, D * 2, Rp, kt, packed_k_row(16, D), kTileValues,
                      nk32, dchunks, s, BK * 4, false, &ahead_k);
       ahead_k.rest();
       if (!scale_in_exp)
@@ -1769,7 +1783,7 @@ void run_rows_amx(const Problem& P, const Task& task) {
           const int64_t a = std::max<int64_t>(LO - j0 - 32 * c, 0), z = std::min<int64_t>(HI - j0 - 32 * c, 32);
           for (int64_t e = 0; e < vgroups; ++e) {
             uint16_t* tile = vedge + e * kTileValues;
-            std::memcpy(tile, vt + e * page * 16 + c * kTileValues, kTileValues * 2);
+            std::memcpy(tile, vt + packed_v_dim(16 * e, page) + c * kTileValues, kTileValues * 2);
             zero_tile_keys(tile, a, z);
           }
           amx_gemm(phi + 32 * c, p_lo ? p_lo + 32 * c : nullptr, BK * 2, Rp, vedge, kTileValues, kTileValues, Dv, 1,
@@ -1779,8 +1793,8 @@ void run_rows_amx(const Problem& P, const Task& task) {
         }
         int64_t c1 = c;
         while (c1 < nk32 / 32 && !edge(c1)) ++c1;
-        amx_gemm<true>(phi + 32 * c, p_lo ? p_lo + 32 * c : nullptr, BK * 2, Rp, vt + c * kTileValues, page * 16,
-                       kTileValues, Dv, c1 - c, acc, Dv * 4, true, &ahead_v);
+        amx_gemm<true>(phi + 32 * c, p_lo ? p_lo + 32 * c : nullptr, BK * 2, Rp, vt + c * kTileValues,
+                       packed_v_dim(16, page), kTileValues, Dv, c1 - c, acc, Dv * 4, true, &ahead_v);
         c = c1;
       }
       ahead_v.rest();
