@@ -83,9 +83,12 @@ class Selection:
     def kv_layout(self) -> str:
         """The KV pool layout for this selection (:mod:`hal.kv_layouts`): ``config.kv_layout`` when the config
         names one (selection checked that the backends read it), else the first of the prefill backend's
-        ``kv_layouts`` (its preferred order) that leaves neither chosen backend a reason against the config here."""
+        ``kv_layouts`` (its preferred order) that leaves neither chosen backend a reason against the config here;
+        token-major for an MLA config (hal's MLA pool, :class:`~hal.kv_cache.MLAKVPool`, has no other layout)."""
         if self.config.kv_layout is not None:
             return self.config.kv_layout
+        if self.config.is_mla:
+            return TOKEN_MAJOR
         preferred = self.prefill_backend.declaration().kv_layouts
         for layout in preferred:
             wanted = replace(self.config, kv_layout=layout)

@@ -152,6 +152,10 @@ def test_hals_pool_is_amx_packed_where_the_amx_path_reads_bf16_pages_of_32_and_t
         assert hal.select(config, device="cpu", backend="torch").kv_layout == TOKEN_MAJOR
     monkeypatch.setenv("HAL_CPU_ISA", "amx_emulated")
     assert hal.select(config, device="cpu", backend="torch").create_kv_pool(2).kv_layout == AMX_PACKED
+    mla = dataclasses.replace(
+        config, tp_k_head_num=1, head_dim=576, v_head_dim=512, kv_lora_rank=512, qk_rope_head_dim=64
+    )
+    assert isinstance(hal.select(mla, device="cpu", backend="torch").create_kv_pool(2), hal.MLAKVPool)
     for other, why in (
         (dataclasses.replace(config, page_size=16), "a multiple of 32, not 16"),
         (dataclasses.replace(config, dtype=torch.float32), "holds bf16 for AMX tiles, not fp32"),
