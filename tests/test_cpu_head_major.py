@@ -143,8 +143,6 @@ def test_hals_pool_is_amx_packed_where_the_amx_path_reads_bf16_pages_of_32_and_t
     """Selection allocates AMX-packed pages where the amx path's tiles read them (the emulated path stands for
     it here), for bf16 pools of pages of a multiple of 32, and names why not where a config asks for them."""
     config = hal.AttentionConfig(dtype=torch.bfloat16, head_dim=64, tp_q_head_num=8, tp_k_head_num=2, page_size=32)
-    if AMX_PACKED not in cpu_kernels.KV_LAYOUTS:
-        pytest.skip("these kernels read no amx_packed pages yet")
     path = cpu_kernels.isa()
     if path not in ("amx", "amx_emulated"):
         with pytest.raises(hal.errors.NoBackendError, match=f"through AMX tiles, which the {path} path"):
